@@ -1,0 +1,77 @@
+// Package shared locates the project's read-only reference assets (models,
+// data and reference outputs in ../shared beside the repository) for tests
+// and benchmarks. When they are absent a test is skipped with a clear
+// message, unless LLMQ_REQUIRE_SHARED=1 (set by CI), where it fails.
+package shared
+
+import (
+	"encoding/binary"
+	"math"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// Root returns the shared directory: $LLMQ_SHARED, or ../shared relative to
+// the module root.
+func Root() string {
+	if d := os.Getenv("LLMQ_SHARED"); d != "" {
+		return d
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "../shared"
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			return filepath.Join(dir, "..", "shared")
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "../shared"
+		}
+		dir = parent
+	}
+}
+
+// Path returns Root()/rel, skipping (or, in CI, failing) tb when it is absent.
+func Path(tb testing.TB, rel string) string {
+	tb.Helper()
+	p := filepath.Join(Root(), rel)
+	if _, err := os.Stat(p); err != nil {
+		msg := "shared asset " + p + " is absent (the project's ../shared folder): " + err.Error()
+		if os.Getenv("LLMQ_REQUIRE_SHARED") == "1" {
+			tb.Fatal(msg)
+		}
+		tb.Skip(msg)
+	}
+	return p
+}
+
+// Int32s reads a little-endian int32 file.
+func Int32s(tb testing.TB, rel string) []int {
+	tb.Helper()
+	b, err := os.ReadFile(Path(tb, rel))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	out := make([]int, len(b)/4)
+	for i := range out {
+		out[i] = int(int32(binary.LittleEndian.Uint32(b[4*i:])))
+	}
+	return out
+}
+
+// Float32s reads a little-endian float32 file.
+func Float32s(tb testing.TB, rel string) []float32 {
+	tb.Helper()
+	b, err := os.ReadFile(Path(tb, rel))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	out := make([]float32, len(b)/4)
+	for i := range out {
+		out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
+	}
+	return out
+}

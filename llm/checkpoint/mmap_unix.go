@@ -1,0 +1,41 @@
+//go:build unix
+
+package checkpoint
+
+import (
+	"fmt"
+	"os"
+	"syscall"
+)
+
+// mapping is a read-only memory map of a whole file.
+type mapping struct{ data []byte }
+
+func mapFile(path string) (*mapping, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("opening weights: %w", err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("opening weights: %w", err)
+	}
+	if fi.Size() == 0 {
+		return &mapping{}, nil
+	}
+	data, err := syscall.Mmap(int(f.Fd()), 0, int(fi.Size()), syscall.PROT_READ, syscall.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mapping %s: %w", path, err)
+	}
+	return &mapping{data: data}, nil
+}
+
+func (m *mapping) close() error {
+	if m == nil || m.data == nil {
+		return nil
+	}
+	err := syscall.Munmap(m.data)
+	m.data = nil
+	return err
+}

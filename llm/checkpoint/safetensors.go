@@ -1,0 +1,321 @@
+package checkpoint
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+
+	"github.com/nlpodyssey/safetensors"
+	"github.com/x448/float16"
+)
+
+// Tensor is a view of one tensor in a memory-mapped safetensors file.
+type Tensor struct {
+	Name  string
+	File  string // the file it lives in, for error messages
+	DType safetensors.DType
+	Shape []int
+	Data  []byte // little-endian, row-major; aliases the mapping
+}
+
+// Numel is the number of elements.
+func (t Tensor) Numel() int {
+	n := 1
+	for _, d := range t.Shape {
+		n *= d
+	}
+	return n
+}
+
+// File is one opened safetensors file.
+type File struct {
+	Path string
+	st   safetensors.SafeTensors
+	m    *mapping
+}
+
+// OpenFile maps a safetensors file and validates its header: header length
+// within the file, JSON well formed, tensor offsets contiguous and matching
+// dtype × shape, and the data ending exactly at the end of the file.
+func OpenFile(path string) (*File, error) {
+	m, err := mapFile(path)
+	if err != nil {
+		return nil, err
+	}
+	buf := m.data
+	if err := checkHeader(buf); err != nil {
+		m.close()
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	st, err := safetensors.Deserialize(buf)
+	if err != nil {
+		m.close()
+		return nil, fmt.Errorf("%s: invalid safetensors file: %w", path, err)
+	}
+	return &File{Path: path, st: st, m: m}, nil
+}
+
+// checkHeader gives precise messages for the common ways a file is broken
+// (truncated downloads above all) before the library's generic validation.
+func checkHeader(buf []byte) error {
+	if len(buf) < 8 {
+		return fmt.Errorf("file is %d bytes, too short for a safetensors header (8-byte length + JSON)", len(buf))
+	}
+	n := binary.LittleEndian.Uint64(buf[:8])
+	if n > uint64(len(buf)-8) {
+		return fmt.Errorf("header length %d runs past the end of the file (%d bytes): truncated or not a safetensors file", n, len(buf))
+	}
+	var hdr map[string]json.RawMessage
+	if err := json.Unmarshal(buf[8:8+n], &hdr); err != nil {
+		return fmt.Errorf("header is not valid JSON: %w", err)
+	}
+	var end uint64
+	for name, raw := range hdr {
+		if name == "__metadata__" {
+			continue
+		}
+		var info struct {
+			DType       string    `json:"dtype"`
+			DataOffsets [2]uint64 `json:"data_offsets"`
+		}
+		if err := json.Unmarshal(raw, &info); err != nil {
+			return fmt.Errorf("tensor %q: malformed header entry: %w", name, err)
+		}
+		if _, err := safetensors.ParseDType(info.DType); err != nil {
+			return fmt.Errorf("tensor %q: unsupported dtype %q", name, info.DType)
+		}
+		end = max(end, info.DataOffsets[1])
+	}
+	have := uint64(len(buf)) - 8 - n
+	if end > have {
+		return fmt.Errorf("truncated: tensors need %d bytes of data, the file has %d", end, have)
+	}
+	return nil
+}
+
+// Names lists the tensors in the file, sorted.
+func (f *File) Names() []string {
+	names := f.st.Names()
+	sort.Strings(names)
+	return names
+}
+
+// Tensor returns the named tensor; ok is false when it is absent.
+func (f *File) Tensor(name string) (Tensor, bool) {
+	v, ok := f.st.Tensor(name)
+	if !ok {
+		return Tensor{}, false
+	}
+	shape := make([]int, len(v.Shape()))
+	for i, d := range v.Shape() {
+		shape[i] = int(d)
+	}
+	return Tensor{Name: name, File: f.Path, DType: v.DType(), Shape: shape, Data: v.Data()}, true
+}
+
+// Close unmaps the file; tensors taken from it must not be used afterwards.
+func (f *File) Close() error { return f.m.close() }
+
+// ToFloat32 decodes a BF16, F16 or F32 tensor into dst (len = Numel).
+func (t Tensor) ToFloat32(dst []float32) error {
+	n := t.Numel()
+	if len(dst) != n {
+		return fmt.Errorf("tensor %q in %s: destination has %d elements, tensor %d", t.Name, t.File, len(dst), n)
+	}
+	switch t.DType {
+	case safetensors.BF16:
+		for i := range dst {
+			dst[i] = math.Float32frombits(uint32(binary.LittleEndian.Uint16(t.Data[2*i:])) << 16)
+		}
+	case safetensors.F16:
+		for i := range dst {
+			dst[i] = float16.Frombits(binary.LittleEndian.Uint16(t.Data[2*i:])).Float32()
+		}
+	case safetensors.F32:
+		for i := range dst {
+			dst[i] = math.Float32frombits(binary.LittleEndian.Uint32(t.Data[4*i:]))
+		}
+	default:
+		return fmt.Errorf("tensor %q in %s: dtype %s is not supported for weights (BF16, F16, F32)", t.Name, t.File, t.DType)
+	}
+	return nil
+}
+
+// Int32 decodes an I32 tensor.
+func (t Tensor) Int32() ([]int32, error) {
+	if t.DType != safetensors.I32 {
+		return nil, fmt.Errorf("tensor %q in %s: dtype %s, expected I32", t.Name, t.File, t.DType)
+	}
+	out := make([]int32, t.Numel())
+	for i := range out {
+		out[i] = int32(binary.LittleEndian.Uint32(t.Data[4*i:]))
+	}
+	return out, nil
+}
+
+// CheckShape returns an error naming the tensor and file unless the tensor
+// has exactly the wanted shape.
+func (t Tensor) CheckShape(want ...int) error {
+	if len(want) != len(t.Shape) {
+		return fmt.Errorf("tensor %q in %s: shape %v, expected %v", t.Name, t.File, t.Shape, want)
+	}
+	for i := range want {
+		if want[i] != t.Shape[i] {
+			return fmt.Errorf("tensor %q in %s: shape %v, expected %v", t.Name, t.File, t.Shape, want)
+		}
+	}
+	return nil
+}
+
+// Checkpoint is a model directory: its config and its weights, in one
+// model.safetensors or in shards listed by model.safetensors.index.json.
+type Checkpoint struct {
+	Dir    string
+	Config *Config
+	files  []*File
+	byName map[string]*File
+}
+
+// ErrNoTensor is wrapped by Checkpoint.Tensor when a tensor is absent.
+var ErrNoTensor = errors.New("tensor not found")
+
+// Open reads dir/config.json and maps the weights.
+func Open(dir string) (*Checkpoint, error) {
+	cfg, err := LoadConfig(dir)
+	if err != nil {
+		return nil, err
+	}
+	paths, err := WeightFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	c := &Checkpoint{Dir: dir, Config: cfg, byName: map[string]*File{}}
+	for _, p := range paths {
+		f, err := OpenFile(p)
+		if err != nil {
+			c.Close()
+			return nil, err
+		}
+		c.files = append(c.files, f)
+		for _, n := range f.st.Names() {
+			c.byName[n] = f
+		}
+	}
+	return c, nil
+}
+
+// WeightFiles lists the safetensors files of a model directory: the shards
+// named by model.safetensors.index.json, else model.safetensors.
+func WeightFiles(dir string) ([]string, error) {
+	index := filepath.Join(dir, "model.safetensors.index.json")
+	data, err := os.ReadFile(index)
+	if errors.Is(err, os.ErrNotExist) {
+		single := filepath.Join(dir, "model.safetensors")
+		if _, err := os.Stat(single); err != nil {
+			return nil, fmt.Errorf("no weights in %s: neither model.safetensors nor model.safetensors.index.json", dir)
+		}
+		return []string{single}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading shard index: %w", err)
+	}
+	var idx struct {
+		WeightMap map[string]string `json:"weight_map"`
+	}
+	if err := json.Unmarshal(data, &idx); err != nil {
+		return nil, fmt.Errorf("%s: invalid JSON: %w", index, err)
+	}
+	if len(idx.WeightMap) == 0 {
+		return nil, fmt.Errorf("%s: empty weight_map", index)
+	}
+	seen := map[string]bool{}
+	var paths []string
+	for tensor, shard := range idx.WeightMap {
+		if seen[shard] {
+			continue
+		}
+		seen[shard] = true
+		if filepath.Base(shard) != shard {
+			return nil, fmt.Errorf("%s: shard %q for tensor %q is not a plain file name", index, shard, tensor)
+		}
+		p := filepath.Join(dir, shard)
+		if _, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("%s names shard %s (for tensor %q), which is missing: %w", index, shard, tensor, err)
+		}
+		paths = append(paths, p)
+	}
+	sort.Strings(paths)
+	return paths, nil
+}
+
+// Has reports whether the checkpoint holds the named tensor.
+func (c *Checkpoint) Has(name string) bool { _, ok := c.byName[name]; return ok }
+
+// Names lists every tensor in the checkpoint, sorted.
+func (c *Checkpoint) Names() []string {
+	names := make([]string, 0, len(c.byName))
+	for n := range c.byName {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// Tensor finds a tensor in whichever shard holds it.
+func (c *Checkpoint) Tensor(name string) (Tensor, error) {
+	f, ok := c.byName[name]
+	if !ok {
+		return Tensor{}, fmt.Errorf("%s: %w: %q", c.Dir, ErrNoTensor, name)
+	}
+	t, _ := f.Tensor(name)
+	return t, nil
+}
+
+// Float32 decodes the named tensor to float32 after checking its shape.
+func (c *Checkpoint) Float32(name string, shape ...int) ([]float32, error) {
+	t, err := c.Tensor(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := t.CheckShape(shape...); err != nil {
+		return nil, err
+	}
+	out := make([]float32, t.Numel())
+	return out, t.ToFloat32(out)
+}
+
+// SizeOnDisk is the total size of the weight files in bytes.
+func (c *Checkpoint) SizeOnDisk() int64 {
+	var n int64
+	for _, f := range c.files {
+		n += int64(len(f.m.data))
+	}
+	return n
+}
+
+// DTypes counts tensors by dtype.
+func (c *Checkpoint) DTypes() map[string]int {
+	out := map[string]int{}
+	for n, f := range c.byName {
+		t, _ := f.Tensor(n)
+		out[t.DType.String()]++
+	}
+	return out
+}
+
+// Close unmaps every file.
+func (c *Checkpoint) Close() error {
+	var first error
+	for _, f := range c.files {
+		if err := f.Close(); err != nil && first == nil {
+			first = err
+		}
+	}
+	c.files = nil
+	return first
+}

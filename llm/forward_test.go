@@ -1,0 +1,152 @@
+package llm_test
+
+import (
+	"context"
+	"encoding/json"
+	"math"
+	"os"
+	"testing"
+
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/checkpoint"
+)
+
+func loadModel(tb testing.TB, rel string) *llm.Model {
+	tb.Helper()
+	ck, err := checkpoint.Open(shared.Path(tb, rel))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { ck.Close() })
+	m, err := llm.Load(ck, nil)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return m
+}
+
+// TestLogitsMatchTransformers compares full-sequence logits with the fp32
+// logits transformers computed for the same ids, on the trained models and
+// on the architecture zoo (Qwen2 biases, Mistral head_dim, Llama-3.1 RoPE).
+func TestLogitsMatchTransformers(t *testing.T) {
+	for _, name := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-rand", "archzoo/llama31-rand"} {
+		t.Run(name, func(t *testing.T) {
+			base := name
+			if i := len("archzoo/"); len(name) > i && name[:i] == "archzoo/" {
+				base = name[i:]
+			}
+			m := loadModel(t, "models/"+name)
+			ids := shared.Int32s(t, "reference/"+base+".logits.input.i32")
+			want := shared.Float32s(t, "reference/"+base+".logits.f32")
+			V := m.Cfg.Vocab
+			if len(want) != len(ids)*V {
+				t.Fatalf("reference has %d logits, want %d×%d", len(want), len(ids), V)
+			}
+			cache, _ := m.NewCache(len(ids))
+			got := make([]float32, len(ids)*V)
+			if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: got}}); err != nil {
+				t.Fatal(err)
+			}
+			worst, at := 0.0, 0
+			for i := range got {
+				if d := math.Abs(float64(got[i] - want[i])); d > worst {
+					worst, at = d, i
+				}
+			}
+			t.Logf("max |diff| = %.2e at position %d", worst, at/V)
+			if worst > 2e-3 {
+				t.Fatalf("max |logit diff| %.3e at position %d token %d exceeds 2e-3", worst, at/V, at%V)
+			}
+		})
+	}
+}
+
+// TestIncrementalDecodingMatchesPrefill checks the KV cache: feeding tokens
+// one at a time gives the logits of the full-prefix pass.
+func TestIncrementalDecodingMatchesPrefill(t *testing.T) {
+	m := loadModel(t, "models/llama-tiny")
+	ids := shared.Int32s(t, "reference/llama-tiny.logits.input.i32")[:24]
+	V := m.Cfg.Vocab
+	full := make([]float32, len(ids)*V)
+	c1, _ := m.NewCache(64)
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: c1, Tokens: ids, Logits: full}}); err != nil {
+		t.Fatal(err)
+	}
+	c2, _ := m.NewCache(64)
+	step := make([]float32, V)
+	// a prefix of 10 in one go, then one token at a time
+	pre := make([]float32, V)
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: c2, Tokens: ids[:10], Logits: pre, LastOnly: true}}); err != nil {
+		t.Fatal(err)
+	}
+	assertClose(t, pre, full[9*V:10*V], 1e-4, "prefix of 10")
+	for i := 10; i < len(ids); i++ {
+		if err := m.Forward(context.Background(), []llm.Step{{Cache: c2, Tokens: ids[i : i+1], Logits: step}}); err != nil {
+			t.Fatal(err)
+		}
+		assertClose(t, step, full[i*V:(i+1)*V], 1e-4, "position")
+	}
+}
+
+// TestBatchEqualsSingle: sequences of different lengths in one batch give
+// the logits they give alone.
+func TestBatchEqualsSingle(t *testing.T) {
+	m := loadModel(t, "models/llama-tiny")
+	ids := shared.Int32s(t, "reference/llama-tiny.logits.input.i32")
+	V := m.Cfg.Vocab
+	a, b := ids[:40], ids[10:17]
+	la, lb := make([]float32, len(a)*V), make([]float32, V)
+	ca, _ := m.NewCache(64)
+	cb, _ := m.NewCache(64)
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: ca, Tokens: a, Logits: la}, {Cache: cb, Tokens: b, Logits: lb, LastOnly: true}}); err != nil {
+		t.Fatal(err)
+	}
+	sa := make([]float32, len(a)*V)
+	c, _ := m.NewCache(64)
+	m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: a, Logits: sa}})
+	assertClose(t, la, sa, 1e-4, "batched sequence a")
+	sb := make([]float32, V)
+	c, _ = m.NewCache(64)
+	m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: b, Logits: sb, LastOnly: true}})
+	assertClose(t, lb, sb, 1e-4, "batched sequence b")
+}
+
+func TestForwardRejectsBadInput(t *testing.T) {
+	m := loadModel(t, "models/llama-tiny")
+	c, _ := m.NewCache(4)
+	out := make([]float32, 8*m.Cfg.Vocab)
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: []int{1, 2, 3, 4, 5}, Logits: out}}); err == nil {
+		t.Error("5 tokens into a cache of 4 was accepted")
+	}
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: []int{m.Cfg.Vocab}, Logits: out}}); err == nil {
+		t.Error("out-of-vocabulary token was accepted")
+	}
+}
+
+func assertClose(t *testing.T, got, want []float32, tol float64, what string) {
+	t.Helper()
+	for i := range want {
+		if d := math.Abs(float64(got[i] - want[i])); d > tol {
+			t.Fatalf("%s: element %d differs by %.3e (got %v want %v)", what, i, d, got[i], want[i])
+		}
+	}
+}
+
+type greedyRef map[string]struct {
+	PromptIDs []int  `json:"prompt_ids"`
+	GreedyIDs []int  `json:"greedy_ids"`
+	Text      string `json:"text"`
+}
+
+func readGreedy(t *testing.T, name string) greedyRef {
+	data, err := os.ReadFile(shared.Path(t, "reference/"+name+".greedy.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var g greedyRef
+	if err := json.Unmarshal(data, &g); err != nil {
+		t.Fatal(err)
+	}
+	return g
+}

@@ -1,0 +1,29 @@
+//go:build openblas
+
+package mat
+
+/*
+#cgo LDFLAGS: -lopenblas
+#include <cblas.h>
+*/
+import "C"
+
+import "unsafe"
+
+// Backend names the BLAS in use, for logs and benchmark records.
+const Backend = "openblas"
+
+func gemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	ta, tb := uint32(C.CblasNoTrans), uint32(C.CblasNoTrans)
+	if transA {
+		ta = C.CblasTrans
+	}
+	if transB {
+		tb = C.CblasTrans
+	}
+	C.cblas_sgemm(C.CblasRowMajor, C.enum_CBLAS_TRANSPOSE(ta), C.enum_CBLAS_TRANSPOSE(tb),
+		C.blasint(m), C.blasint(n), C.blasint(k), C.float(alpha),
+		(*C.float)(unsafe.Pointer(&a[0])), C.blasint(lda),
+		(*C.float)(unsafe.Pointer(&b[0])), C.blasint(ldb), C.float(beta),
+		(*C.float)(unsafe.Pointer(&c[0])), C.blasint(ldc))
+}
