@@ -168,26 +168,26 @@ func attention(out, q []float32, kc *KVCache, l, n, heads int) {
 	group := heads / kc.kvh
 	ld := heads * hd
 	scale := float32(1 / math.Sqrt(float64(hd)))
-	scores := make([]float32, min(n, attnBlock)*(pos0+n))
-	for h := 0; h < heads; h++ {
-		kv := h / group
-		K := kc.k[l][kv*kc.cap*hd:]
-		V := kc.v[l][kv*kc.cap*hd:]
-		for r0 := 0; r0 < n; r0 += attnBlock {
-			nb := min(attnBlock, n-r0)
-			S := pos0 + r0 + nb // keys visible to the block's last row
-			mat.Gemm(false, true, nb, S, hd, scale, q[r0*ld+h*hd:], ld, K, hd, 0, scores, S)
-			mat.ParallelFor(nb, 32, func(lo, hi int) {
-				for i := lo; i < hi; i++ {
+	mat.ParallelFor(heads, 1, func(h0, h1 int) {
+		scores := make([]float32, min(n, attnBlock)*(pos0+n))
+		for h := h0; h < h1; h++ {
+			kv := h / group
+			K := kc.k[l][kv*kc.cap*hd:]
+			V := kc.v[l][kv*kc.cap*hd:]
+			for r0 := 0; r0 < n; r0 += attnBlock {
+				nb := min(attnBlock, n-r0)
+				S := pos0 + r0 + nb // keys visible to the block's last row
+				mat.GemmSerial(false, true, nb, S, hd, scale, q[r0*ld+h*hd:], ld, K, hd, 0, scores, S)
+				for i := 0; i < nb; i++ {
 					row := scores[i*S : (i+1)*S]
 					visible := pos0 + r0 + i + 1
 					softmax(row[:visible])
 					clear(row[visible:])
 				}
-			})
-			mat.Gemm(false, false, nb, hd, S, 1, scores, S, V, hd, 0, out[r0*ld+h*hd:], ld)
+				mat.GemmSerial(false, false, nb, hd, S, 1, scores, S, V, hd, 0, out[r0*ld+h*hd:], ld)
+			}
 		}
-	}
+	})
 }
 
 // softmax normalises x in place.
@@ -198,7 +198,7 @@ func softmax(x []float32) {
 	}
 	var sum float32
 	for i, v := range x {
-		e := float32(math.Exp(float64(v - mx)))
+		e := mat.Exp32(v - mx)
 		x[i] = e
 		sum += e
 	}
@@ -231,7 +231,7 @@ func SwiGLU(g, u []float32) {
 	mat.ParallelFor(len(g), 4096, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			z := g[i]
-			g[i] = z / (1 + float32(math.Exp(float64(-z)))) * u[i]
+			g[i] = z / (1 + mat.Exp32(-z)) * u[i]
 		}
 	})
 }

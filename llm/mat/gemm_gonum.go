@@ -18,5 +18,6 @@ func gemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int,
 	if transB {
 		tb = blas.Trans
 	}
+	// gonum's Sgemm parallelises internally too; goroutines compose.
 	gonum.Implementation{}.Sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 }

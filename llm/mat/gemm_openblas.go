@@ -5,10 +5,14 @@ package mat
 /*
 #cgo LDFLAGS: -lopenblas
 #include <cblas.h>
+void openblas_set_num_threads(int);
 */
 import "C"
 
 import "unsafe"
+
+// OpenBLAS runs single-threaded: Gemm parallelises in Go.
+func init() { C.openblas_set_num_threads(1) }
 
 // Backend names the BLAS in use, for logs and benchmark records.
 const Backend = "openblas"

@@ -15,7 +15,42 @@ import (
 // Gemm computes C = alpha·op(A)·op(B) + beta·C for row-major matrices, where
 // op(X) is X or Xᵀ. A is m×k after op, B is k×n after op, C is m×n; lda, ldb
 // and ldc are the row strides of the stored (not transposed) matrices.
+//
+// The work is split across goroutines by rows of C (or by columns when C
+// has few rows, as in decoding), each piece running the single-threaded
+// kernel: all parallelism lives in Go, so no BLAS thread pool spins against
+// the goroutines doing the element-wise work between products.
 func Gemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
+	if m == 0 || n == 0 {
+		return
+	}
+	w := Workers()
+	if w == 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
+		gemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+		return
+	}
+	if m >= 4*w {
+		ParallelFor(m, 4, func(lo, hi int) {
+			ao := lo * lda
+			if transA {
+				ao = lo
+			}
+			gemm(transA, transB, hi-lo, n, k, alpha, a[ao:], lda, b, ldb, beta, c[lo*ldc:], ldc)
+		})
+		return
+	}
+	ParallelFor(n, 16, func(lo, hi int) {
+		bo := lo
+		if transB {
+			bo = lo * ldb
+		}
+		gemm(transA, transB, m, hi-lo, k, alpha, a, lda, b[bo:], ldb, beta, c[lo:], ldc)
+	})
+}
+
+// GemmSerial is Gemm on the calling goroutine alone, for callers that are
+// already parallel (attention runs one head per goroutine).
+func GemmSerial(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int, b []float32, ldb int, beta float32, c []float32, ldc int) {
 	if m == 0 || n == 0 {
 		return
 	}

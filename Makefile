@@ -1,0 +1,49 @@
+# llmq — build, test, demo and CUDA targets.
+#
+#   make demo    inspect, evaluate and generate with the shared llama-tiny
+#                (MODEL=/path/to/checkpoint to use your own)
+#   make test    go vet + the whole test suite (what CI runs)
+#   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
+
+MODEL ?= ../shared/models/llama-tiny
+DATA  ?= ../shared/data/wikitext2/wiki.test.raw
+CALIB ?= ../shared/data/calib.txt
+OUT   ?= build/demo
+PROMPT ?= Once upon a time
+
+# Use OpenBLAS (Debian: libopenblas-dev) when it links; pure Go otherwise.
+HASH := \#
+TAGS ?= $(shell printf '$(HASH)include <cblas.h>\nint main(void){return 0;}\n' | cc -x c - -lopenblas -o /dev/null 2>/dev/null && echo openblas)
+GOFLAGS_TAGS = $(if $(TAGS),-tags $(TAGS))
+
+NVCC ?= nvcc
+CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
+
+.PHONY: build test demo cuda bench clean fmt
+
+build:
+	go build $(GOFLAGS_TAGS) -o build/llmq ./cmd/llmq
+
+test:
+	go vet $(GOFLAGS_TAGS) ./...
+	go test $(GOFLAGS_TAGS) -timeout 60m ./...
+
+demo: build
+	./build/llmq inspect $(MODEL)
+	./build/llmq eval ppl $(MODEL) --data $(DATA) --windows 8
+	./build/llmq generate $(MODEL) --prompt "$(PROMPT)" --max-tokens 48
+
+bench:
+	go test $(GOFLAGS_TAGS) -run XX -bench . -benchtime 3x ./llm/
+
+cuda: build/libllmqcuda.so
+
+build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
+	@mkdir -p build
+	$(NVCC) -O3 -std=c++17 --shared -Xcompiler -fPIC $(CUDA_ARCH) -lcublas -o $@ $(filter %.cu,$^)
+
+fmt:
+	gofmt -w $$(git ls-files '*.go')
+
+clean:
+	rm -rf build

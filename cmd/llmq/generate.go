@@ -1,0 +1,74 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/llmq/llmq/llm"
+	"github.com/spf13/cobra"
+)
+
+func newGenerate() *cobra.Command {
+	var prompt string
+	var opt llm.GenerateOptions
+	var noBOS bool
+	cmd := &cobra.Command{
+		Use:   "generate MODEL_DIR",
+		Short: "Continue a prompt, streaming the text as it is produced",
+		Example: `  llmq generate ../shared/models/llama-tiny --prompt "Once upon a time"
+  llmq generate out/llama-small-gptq --prompt "The history of" --temperature 0.8 --top-p 0.9 --seed 7`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if prompt == "" {
+				return fmt.Errorf("--prompt is required")
+			}
+			if opt.MaxTokens <= 0 {
+				return fmt.Errorf("--max-tokens must be positive, got %d", opt.MaxTokens)
+			}
+			if err := opt.Sample.Validate(); err != nil {
+				return err
+			}
+			m, err := openModel(args[0])
+			if err != nil {
+				return err
+			}
+			defer m.Close()
+			ids := m.tok.Encode(prompt, !noBOS)
+			opt.Stop = m.ck.Config.EOS
+			w := cmd.OutOrStdout()
+			fmt.Fprint(w, prompt)
+			stream := m.tok.NewStream()
+			start := time.Now()
+			var first time.Duration
+			out, err := llm.Generate(cmd.Context(), m.backend, ids, opt, func(id int) error {
+				if first == 0 {
+					first = time.Since(start)
+				}
+				fmt.Fprint(w, stream.Add(id))
+				return nil
+			})
+			fmt.Fprintln(w, stream.Flush())
+			if err != nil {
+				return err
+			}
+			el := time.Since(start)
+			rate := 0.0
+			if len(out) > 1 {
+				rate = float64(len(out)-1) / (el - first).Seconds()
+			}
+			fmt.Fprintf(os.Stderr, "[%d prompt tokens, %d generated; first token %v, then %.1f tokens/s on %s]\n",
+				len(ids), len(out), first.Round(time.Millisecond), rate, m.backend.Name())
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&prompt, "prompt", "", "text to continue (required)")
+	f.IntVar(&opt.MaxTokens, "max-tokens", 64, "new tokens at most")
+	f.Float64Var(&opt.Sample.Temperature, "temperature", 0, "sampling temperature (0: greedy)")
+	f.Float64Var(&opt.Sample.TopP, "top-p", 1, "nucleus sampling: keep the most likely tokens up to this probability")
+	f.IntVar(&opt.Sample.TopK, "top-k", 0, "keep only the K most likely tokens (0: all)")
+	f.Uint64Var(&opt.Sample.Seed, "seed", 0, "random seed for sampling")
+	f.BoolVar(&noBOS, "no-bos", false, "do not prepend the BOS token")
+	return cmd
+}

@@ -1,0 +1,72 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/spf13/cobra"
+)
+
+func newInspect() *cobra.Command {
+	return &cobra.Command{
+		Use:     "inspect MODEL_DIR",
+		Short:   "Show a checkpoint's architecture, size, dtypes and quantization",
+		Example: "  llmq inspect ../shared/models/llama-small",
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ck, err := checkpoint.Open(args[0])
+			if err != nil {
+				return err
+			}
+			defer ck.Close()
+			c := ck.Config
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "model          %s\n", args[0])
+			fmt.Fprintf(w, "architecture   %s (%s)\n", c.Architecture, c.ModelType)
+			fmt.Fprintf(w, "layers         %d\n", c.Layers)
+			fmt.Fprintf(w, "hidden         %d (intermediate %d)\n", c.Hidden, c.Intermediate)
+			fmt.Fprintf(w, "heads          %d query, %d key/value, head_dim %d\n", c.Heads, c.KVHeads, c.HeadDim)
+			fmt.Fprintf(w, "vocab          %d (embeddings tied: %v)\n", c.Vocab, c.TieEmbeddings)
+			fmt.Fprintf(w, "context        %d, rope %s θ=%g\n", c.MaxPositions, c.Rope.Type, c.Rope.Theta)
+			fmt.Fprintf(w, "parameters     %s\n", human(float64(c.Params()), ""))
+			var dts []string
+			for d, n := range ck.DTypes() {
+				dts = append(dts, fmt.Sprintf("%s×%d", d, n))
+			}
+			sort.Strings(dts)
+			fmt.Fprintf(w, "tensors        %d (%s), config dtype %s\n", len(ck.Names()), strings.Join(dts, ", "), c.DType)
+			fmt.Fprintf(w, "size on disk   %s\n", human(float64(ck.SizeOnDisk()), "B"))
+			if c.Quantization == nil {
+				fmt.Fprintf(w, "quantization   none\n")
+			} else {
+				var q map[string]any
+				_ = json.Unmarshal(c.Quantization, &q)
+				keys := make([]string, 0, len(q))
+				for k := range q {
+					keys = append(keys, k)
+				}
+				sort.Strings(keys)
+				var parts []string
+				for _, k := range keys {
+					parts = append(parts, fmt.Sprintf("%s=%v", k, q[k]))
+				}
+				fmt.Fprintf(w, "quantization   %s\n", strings.Join(parts, " "))
+			}
+			return nil
+		},
+	}
+}
+
+// human prints 29368832 as "29.37M".
+func human(v float64, unit string) string {
+	for _, s := range []string{"", "K", "M", "G", "T"} {
+		if v < 1000 {
+			return fmt.Sprintf("%.2f%s%s", v, s, unit)
+		}
+		v /= 1000
+	}
+	return fmt.Sprintf("%.2fP%s", v, unit)
+}

@@ -1,0 +1,59 @@
+package llm_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+)
+
+// BenchmarkPrefill reports prompt-processing throughput on llama-small:
+// one 2048-token window (or 512) per iteration.
+func BenchmarkPrefill(b *testing.B) {
+	for _, n := range []int{512, 2048} {
+		b.Run(itoa(n), func(b *testing.B) {
+			m := loadModel(b, "models/llama-small")
+			ids := shared.Int32s(b, "reference/wikitext2-test.tokens.i32")[:n]
+			logits := make([]float32, n*m.Cfg.Vocab)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				c, _ := m.NewCache(n)
+				if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: ids, Logits: logits}}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(n*b.N)/b.Elapsed().Seconds(), "tokens/s")
+		})
+	}
+}
+
+// BenchmarkDecode reports batch-1 decoding throughput on llama-small after
+// a 128-token prompt: one new token per iteration through the KV cache.
+func BenchmarkDecode(b *testing.B) {
+	m := loadModel(b, "models/llama-small")
+	ids := shared.Int32s(b, "reference/wikitext2-test.tokens.i32")[:128]
+	logits := make([]float32, m.Cfg.Vocab)
+	c, _ := m.NewCache(m.Cfg.MaxPositions)
+	ctx := context.Background()
+	if err := m.Forward(ctx, []llm.Step{{Cache: c, Tokens: ids, Logits: logits, LastOnly: true}}); err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if c.Len() == c.Cap() {
+			c.Truncate(128)
+		}
+		if err := m.Forward(ctx, []llm.Step{{Cache: c, Tokens: []int{llm.Argmax(logits)}, Logits: logits, LastOnly: true}}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "tokens/s")
+}
+
+func itoa(n int) string {
+	if n == 2048 {
+		return "2048"
+	}
+	return "512"
+}

@@ -1,0 +1,115 @@
+package mat
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+func TestExp32Accuracy(t *testing.T) {
+	worst := 0.0
+	for i := 0; i < 1_000_000; i++ {
+		x := float32(-87 + 175*float64(i)/1e6)
+		got := float64(Exp32(x))
+		want := math.Exp(float64(x))
+		if rel := math.Abs(got-want) / want; rel > worst {
+			worst = rel
+		}
+	}
+	if worst > 3e-7 {
+		t.Fatalf("worst relative error %.3g > 3e-7 (2.5 ulp)", worst)
+	}
+	if Exp32(0) != 1 || Exp32(-200) != 0 || !math.IsInf(float64(Exp32(100)), 1) {
+		t.Fatalf("edge cases: exp(0)=%v exp(-200)=%v exp(100)=%v", Exp32(0), Exp32(-200), Exp32(100))
+	}
+}
+
+// TestGemmAgainstNaive checks every transpose combination and strided
+// operands against a float64 triple loop.
+func TestGemmAgainstNaive(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	m, n, k := 37, 29, 53
+	for _, ta := range []bool{false, true} {
+		for _, tb := range []bool{false, true} {
+			lda, ldb, ldc := k+3, n+5, n+2
+			ar, br := m, k
+			if ta {
+				ar, lda = k, m+3
+			}
+			if tb {
+				br, ldb = n, k+5
+			}
+			a := make([]float32, ar*lda)
+			b := make([]float32, br*ldb)
+			c := make([]float32, m*ldc)
+			for i := range a {
+				a[i] = r.Float32() - 0.5
+			}
+			for i := range b {
+				b[i] = r.Float32() - 0.5
+			}
+			for i := range c {
+				c[i] = r.Float32()
+			}
+			c0 := append([]float32(nil), c...)
+			Gemm(ta, tb, m, n, k, 0.5, a, lda, b, ldb, 2, c, ldc)
+			for i := 0; i < m; i++ {
+				for j := 0; j < n; j++ {
+					var s float64
+					for p := 0; p < k; p++ {
+						var av, bv float32
+						if ta {
+							av = a[p*lda+i]
+						} else {
+							av = a[i*lda+p]
+						}
+						if tb {
+							bv = b[j*ldb+p]
+						} else {
+							bv = b[p*ldb+j]
+						}
+						s += float64(av) * float64(bv)
+					}
+					want := 0.5*s + 2*float64(c0[i*ldc+j])
+					if d := math.Abs(float64(c[i*ldc+j]) - want); d > 1e-4 {
+						t.Fatalf("transA=%v transB=%v: C[%d,%d]=%v want %v", ta, tb, i, j, c[i*ldc+j], want)
+					}
+				}
+			}
+		}
+	}
+}
+
+func TestParallelForCoversRange(t *testing.T) {
+	for _, n := range []int{0, 1, 7, 100, 1001} {
+		seen := make([]int32, n)
+		ParallelFor(n, 3, func(lo, hi int) {
+			for i := lo; i < hi; i++ {
+				seen[i]++
+			}
+		})
+		for i, s := range seen {
+			if s != 1 {
+				t.Fatalf("n=%d: index %d visited %d times", n, i, s)
+			}
+		}
+	}
+}
+
+func BenchmarkExp32(b *testing.B) {
+	x := float32(-3.7)
+	var s float32
+	for i := 0; i < b.N; i++ {
+		s += Exp32(x)
+	}
+	_ = s
+}
+
+func BenchmarkMathExp(b *testing.B) {
+	x := -3.7
+	var s float64
+	for i := 0; i < b.N; i++ {
+		s += math.Exp(x)
+	}
+	_ = s
+}
