@@ -102,19 +102,11 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 			return err
 		}
 		RMSNorm(h, x, b.AttnNorm, rows, c.RMSNormEps)
-		b.Q.Forward(q, h, rows)
-		b.K.Forward(k, h, rows)
-		b.V.Forward(v, h, rows)
-		m.rope.apply(q, rows, nH, hd, cos, sin)
-		m.rope.apply(k, rows, nKV, hd, cos, sin)
-		r0 := 0
+		lens := make([]int, len(steps))
 		for i, s := range steps {
-			n := len(s.Tokens)
-			kc := caches[i]
-			kc.store(l, k[r0*nKV*hd:], v[r0*nKV*hd:], n)
-			attention(att[r0*nH*hd:], q[r0*nH*hd:], kc, l, n, nH)
-			r0 += n
+			lens[i] = len(s.Tokens)
 		}
+		m.selfAttention(att, b, h, l, lens, caches, cos, sin, q, k, v)
 		b.O.Forward(tmp, att, rows)
 		add(x, tmp)
 
@@ -140,6 +132,31 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		r += n
 	}
 	return nil
+}
+
+// selfAttention projects the normed rows h to queries, keys and values,
+// rotates them, appends keys and values to each sequence's cache (layer l)
+// and writes the attention output (before o_proj) to att. lens[i] rows of
+// h belong to sequence i; cos and sin are the rotary tables of the rows.
+func (m *Model) selfAttention(att []float32, b *Block, h []float32, l int, lens []int, caches []*KVCache, cos, sin, q, k, v []float32) {
+	c := m.Cfg
+	hd, nH, nKV := c.HeadDim, c.Heads, c.KVHeads
+	rows := 0
+	for _, n := range lens {
+		rows += n
+	}
+	b.Q.Forward(q, h, rows)
+	b.K.Forward(k, h, rows)
+	b.V.Forward(v, h, rows)
+	m.rope.apply(q, rows, nH, hd, cos, sin)
+	m.rope.apply(k, rows, nKV, hd, cos, sin)
+	r0 := 0
+	for i, n := range lens {
+		kc := caches[i]
+		kc.store(l, k[r0*nKV*hd:], v[r0*nKV*hd:], n)
+		attention(att[r0*nH*hd:], q[r0*nH*hd:], kc, l, n, nH)
+		r0 += n
+	}
 }
 
 // store writes n new rows of keys and values ([n][kv_heads×hd]) at the end

@@ -150,3 +150,28 @@ func readGreedy(t *testing.T, name string) greedyRef {
 	}
 	return g
 }
+
+// TestStagesEqualForward: running the blocks piecewise through Stages (as
+// the quantizers do) gives the forward pass's logits.
+func TestStagesEqualForward(t *testing.T) {
+	m := loadModel(t, "models/archzoo/qwen2-rand")
+	ids := shared.Int32s(t, "reference/qwen2-rand.logits.input.i32")[:50]
+	c := m.Cfg
+	T := len(ids)
+	x := make([]float32, T*c.Hidden)
+	for i, id := range ids {
+		copy(x[i*c.Hidden:], m.Embed[id*c.Hidden:(id+1)*c.Hidden])
+	}
+	st := llm.NewStages(c)
+	for _, b := range m.Blocks {
+		x = st.Block(b, x, T)
+	}
+	got := make([]float32, T*c.Vocab)
+	m.LMHead.Forward(got, st.Norm(m.Norm, x, T), T)
+	want := make([]float32, T*c.Vocab)
+	cache, _ := m.NewCache(T)
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: want}}); err != nil {
+		t.Fatal(err)
+	}
+	assertClose(t, got, want, 1e-5, "stages vs forward")
+}

@@ -7,6 +7,7 @@ import (
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/tokenizer"
+	"github.com/llmq/llmq/pack"
 )
 
 // loaded is a model ready to run, with its tokenizer.
@@ -29,7 +30,12 @@ func openModel(dir string) (*loaded, error) {
 		ck.Close()
 		return nil, err
 	}
-	m, err := llm.Load(ck, nil)
+	load, err := pack.Loader(ck.Config)
+	if err != nil {
+		ck.Close()
+		return nil, fmt.Errorf("%s: %w", dir, err)
+	}
+	m, err := llm.Load(ck, load)
 	if err != nil {
 		ck.Close()
 		return nil, fmt.Errorf("loading %s: %w", dir, err)

@@ -64,6 +64,9 @@ func WriteFile(path string, tensors map[string]Out, meta map[string]string) erro
 	if err := tmp.Close(); err != nil {
 		return err
 	}
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
+		return err
+	}
 	return os.Rename(tmp.Name(), path)
 }
 

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/llmq/llmq/evals"
+	"github.com/llmq/llmq/gptq"
+	"github.com/llmq/llmq/internal/progress"
+	"github.com/llmq/llmq/pack"
+	"github.com/spf13/cobra"
+)
+
+func newQuantize() *cobra.Command {
+	var opt gptq.RunOptions
+	var bits, group int
+	var sym bool
+	var reportPath string
+	cmd := &cobra.Command{
+		Use:   "quantize MODEL_DIR -o OUT",
+		Short: "Quantize a checkpoint to INT4 (GPTQ, RTN) and write a packed GPTQ-format checkpoint",
+		Long: `Quantize the linear layers of every decoder block, streaming one block at a
+time, and write safetensors shards in the GPTQ layout that transformers, vLLM
+and GPTQModel load. Embeddings, norms and lm_head keep their dtype unless
+--quantize-lm-head. Calibration takes the first --nsamples non-overlapping
+windows of --seqlen tokens of --calib (deterministic).`,
+		Example: `  llmq quantize ../shared/models/llama-small --method gptq --bits 4 --group 128 \
+      --calib ../shared/data/calib.txt -o out/llama-small-gptq-w4g128
+  llmq quantize ../shared/models/llama-small --method rtn --bits 4 --group 128 -o out/llama-small-rtn`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			opt.Src = args[0]
+			opt.GPTQ.Grid = pack.Grid{Bits: bits, GroupSize: group, Sym: sym}
+			if err := opt.GPTQ.Grid.Validate(0); err != nil {
+				return err
+			}
+			switch opt.Method {
+			case "gptq":
+				if opt.Calib == "" {
+					return fmt.Errorf("--method gptq needs --calib FILE (calibration text or .i32 tokens)")
+				}
+			case "rtn":
+			case "awq":
+				return fmt.Errorf("--method awq is not available yet")
+			default:
+				return fmt.Errorf("--method must be gptq, awq or rtn, got %q", opt.Method)
+			}
+			if opt.GPTQ.Damp <= 0 || opt.GPTQ.Damp >= 1 {
+				return fmt.Errorf("--damp must be in (0, 1), got %v", opt.GPTQ.Damp)
+			}
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			var bar *progress.Bar
+			opt.Progress = func(block, blocks int, stage string) {
+				if bar == nil {
+					bar = progress.New(opt.Method, blocks)
+				}
+				bar.Set(block, fmt.Sprintf("block %d %s", block, stage))
+			}
+			opt.GPTQ.Log = func(format string, a ...any) { fmt.Fprintf(os.Stderr, "\nnote: "+format+"\n", a...) }
+			rep, err := gptq.Run(ctx, opt)
+			if err != nil {
+				if ctx.Err() != nil {
+					return fmt.Errorf("interrupted; nothing was written to %s", opt.Out)
+				}
+				return err
+			}
+			if bar != nil {
+				bar.Set(len(rep.Layers)/7, "done")
+			}
+			printReport(cmd, rep)
+			if reportPath != "" {
+				return writeJSON(reportPath, evals.NewRecord("quantize", map[string]any{"model": opt.Src, "out": opt.Out, "report": rep}))
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVarP(&opt.Out, "output", "o", "", "output directory (required; written atomically)")
+	f.StringVar(&opt.Method, "method", "gptq", "gptq, awq or rtn")
+	f.IntVar(&bits, "bits", 4, "bits per weight: 2, 3, 4 or 8")
+	f.IntVar(&group, "group", 128, "group size along the input dimension: 32, 64, 128, or -1 (per channel)")
+	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
+	f.BoolVar(&opt.GPTQ.ActOrder, "act-order", false, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
+	f.BoolVar(&opt.GPTQ.StaticGroups, "static-groups", false, "GPTQ: fit all group scales before quantizing")
+	f.Float64Var(&opt.GPTQ.Damp, "damp", 0.01, "GPTQ: dampening as a fraction of mean(diag H)")
+	f.BoolVar(&opt.TrueSequential, "true-sequential", true, "GPTQ: quantize [q,k,v]→[o]→[gate,up]→[down] sequentially")
+	f.StringVar(&opt.Calib, "calib", "", "calibration text file (or .i32 token file)")
+	f.IntVar(&opt.NSamples, "nsamples", 128, "calibration windows")
+	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window")
+	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
+	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists")
+	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")
+	return cmd
+}
+
+func printReport(cmd *cobra.Command, rep *gptq.Report) {
+	w := cmd.OutOrStdout()
+	if rep.Method == "gptq" {
+		fmt.Fprintf(w, "%-36s %12s %8s\n", "layer", "gptq loss", "seconds")
+		for _, l := range rep.Layers {
+			fmt.Fprintf(w, "%-36s %12.4f %8.2f\n", l.Name, l.Loss, l.Seconds)
+		}
+	}
+	fmt.Fprintf(w, "method %s, format %s, %d calibration tokens\n", rep.Method, rep.Format, rep.CalibTokens)
+	fmt.Fprintf(w, "size %s → %s, wall time %.1f s\n", human(float64(rep.BytesIn), "B"), human(float64(rep.BytesOut), "B"), rep.Seconds)
+}

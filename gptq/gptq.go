@@ -1,0 +1,293 @@
+// Package gptq implements GPTQ (Frantar, Ashkboos, Hoefler, Alistarh 2022,
+// "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+// Transformers"), following the IST-DASLab reference implementation.
+//
+// For a linear layer with weights W [out][in] and calibration inputs X,
+// GPTQ minimises ‖W X − Ŵ X‖² over quantized Ŵ, one input column at a time.
+// With the Hessian of that loss
+//
+//	H = 2/n · Σ x xᵀ        (n calibration tokens)
+//
+// quantizing column j to q_j leaves an error that the not-yet-quantized
+// columns absorb optimally (Optimal Brain Surgeon):
+//
+//	err = (w_j − q_j) / [H⁻¹]_jj,    w_k −= err · [H⁻¹]_jk   for k > j.
+//
+// The reference implementation's tricks, all here:
+//   - Hinv is the upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU): row j of U
+//     holds exactly the update coefficients after columns < j are gone;
+//   - damping: H += damp·mean(diag H)·I (damp 0.01), retried ×10 when the
+//     Cholesky factorization fails; dead inputs (H_jj = 0) get H_jj = 1, W_:j = 0;
+//   - lazy batch updates: columns are processed in blocks of 128, and the
+//     errors of a block update the rest of W in one matrix product;
+//   - groups: a group's scale and zero are fitted when its first column is
+//     reached, on the error-compensated weights (--static-groups fits all
+//     groups up front on the original weights);
+//   - act-order: columns in order of decreasing H_jj, recorded in g_idx.
+//
+// Rows (output channels) are independent given H, so they run in parallel.
+package gptq
+
+import (
+	"fmt"
+	"math"
+	"sort"
+
+	"github.com/llmq/llmq/llm/mat"
+	"github.com/llmq/llmq/pack"
+	gmat "gonum.org/v1/gonum/mat"
+)
+
+// Hessian accumulates H = 2/n Σ x xᵀ over the rows fed to a linear layer.
+type Hessian struct {
+	In  int
+	n   int
+	sum []float32 // Σ x xᵀ, [in][in]
+}
+
+// NewHessian starts an empty accumulator for in input features.
+func NewHessian(in int) *Hessian { return &Hessian{In: in, sum: make([]float32, in*in)} }
+
+// Add accumulates rows of inputs x [rows][in].
+func (h *Hessian) Add(x []float32, rows int) error {
+	if err := pack.CheckFinite(x[:rows*h.In]); err != nil {
+		return fmt.Errorf("calibration activations: %w", err)
+	}
+	mat.Gemm(true, false, h.In, h.In, rows, 1, x, h.In, x, h.In, 1, h.sum, h.In)
+	h.n += rows
+	return nil
+}
+
+// Tokens is how many rows have been accumulated.
+func (h *Hessian) Tokens() int { return h.n }
+
+// Matrix returns H = 2/n Σ x xᵀ in float64.
+func (h *Hessian) Matrix() []float64 {
+	out := make([]float64, len(h.sum))
+	s := 2 / float64(max(h.n, 1))
+	for i, v := range h.sum {
+		out[i] = s * float64(v)
+	}
+	return out
+}
+
+// Options configure GPTQ.
+type Options struct {
+	Grid         pack.Grid
+	Damp         float64 // fraction of mean(diag H) added to the diagonal (0.01)
+	BlockSize    int     // columns per lazy-update block (128)
+	ActOrder     bool    // quantize columns by decreasing diag(H)
+	StaticGroups bool    // fit every group's scale/zero before any update
+	// Log, if set, receives notes such as increased damping.
+	Log func(format string, args ...any)
+}
+
+// Prepared is the per-Hessian part of GPTQ: the column order and the
+// damped inverse Cholesky factor. Layers that share inputs (q, k and v
+// projections) share one.
+type Prepared struct {
+	In   int
+	Perm []int     // column order (identity without act-order)
+	Dead []bool    // inputs never active in calibration
+	Hinv []float32 // upper Cholesky factor of (H + damp·I)⁻¹ in Perm order, [in][in]
+	Damp float64   // damping actually used
+}
+
+// Prepare handles dead inputs, act-order and damping, and factors H.
+func Prepare(H []float64, in int, opt Options) (*Prepared, error) {
+	if len(H) != in*in {
+		return nil, fmt.Errorf("Hessian has %d entries, want %d×%d", len(H), in, in)
+	}
+	H = append([]float64(nil), H...)
+	p := &Prepared{In: in, Perm: make([]int, in), Dead: make([]bool, in)}
+	var mean float64
+	for i := 0; i < in; i++ {
+		if H[i*in+i] == 0 {
+			p.Dead[i] = true
+			H[i*in+i] = 1
+		}
+		mean += H[i*in+i]
+		p.Perm[i] = i
+	}
+	mean /= float64(in)
+	if opt.ActOrder {
+		sort.SliceStable(p.Perm, func(a, b int) bool { return H[p.Perm[a]*in+p.Perm[a]] > H[p.Perm[b]*in+p.Perm[b]] })
+	}
+	hp := gmat.NewSymDense(in, nil)
+	for i := 0; i < in; i++ {
+		for j := i; j < in; j++ {
+			hp.SetSym(i, j, H[p.Perm[i]*in+p.Perm[j]])
+		}
+	}
+	damp := opt.Damp
+	if damp <= 0 {
+		damp = 0.01
+	}
+	for try := 0; ; try++ {
+		U, ok := inverseCholesky(hp, damp*mean)
+		if ok {
+			p.Hinv, p.Damp = U, damp
+			return p, nil
+		}
+		if try == 3 {
+			return nil, fmt.Errorf("Hessian is not positive definite even with damping %g·mean(diag H): the calibration inputs are degenerate", damp)
+		}
+		if opt.Log != nil {
+			opt.Log("Cholesky failed with damp %g; retrying with %g", damp, damp*10)
+		}
+		damp *= 10
+	}
+}
+
+// inverseCholesky returns the upper factor U of (H + λI)⁻¹ = UᵀU as float32.
+func inverseCholesky(h *gmat.SymDense, lambda float64) ([]float32, bool) {
+	n := h.SymmetricDim()
+	d := gmat.NewSymDense(n, nil)
+	d.CopySym(h)
+	for i := 0; i < n; i++ {
+		d.SetSym(i, i, d.At(i, i)+lambda)
+	}
+	var c gmat.Cholesky
+	if !c.Factorize(d) {
+		return nil, false
+	}
+	var inv gmat.SymDense
+	if err := c.InverseTo(&inv); err != nil {
+		return nil, false
+	}
+	var c2 gmat.Cholesky
+	if !c2.Factorize(&inv) {
+		return nil, false
+	}
+	var u gmat.TriDense
+	c2.UTo(&u)
+	out := make([]float32, n*n)
+	for i := 0; i < n; i++ {
+		for j := i; j < n; j++ {
+			v := u.At(i, j)
+			if math.IsNaN(v) || math.IsInf(v, 0) {
+				return nil, false
+			}
+			out[i*n+j] = float32(v)
+		}
+	}
+	return out, true
+}
+
+// Result is a quantized layer and its GPTQ loss Σ (w − q)² / (2·[H⁻¹]_jj²).
+type Result struct {
+	Linear *pack.Linear
+	Loss   float64
+}
+
+// Quantize runs GPTQ on w [out][in] (not modified) with a prepared Hessian.
+func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, error) {
+	grid := opt.Grid
+	if err := grid.Validate(in); err != nil {
+		return nil, err
+	}
+	if p.In != in || len(w) != out*in {
+		return nil, fmt.Errorf("weights %d×%d do not match the Hessian's %d inputs", out, len(w)/max(out, 1), p.In)
+	}
+	if err := pack.CheckFinite(w); err != nil {
+		return nil, fmt.Errorf("weights: %w", err)
+	}
+	bs := opt.BlockSize
+	if bs <= 0 {
+		bs = 128
+	}
+	group := grid.Group(in)
+	G := in / group
+	perGroup := opt.Grid.GroupSize > 0
+
+	// W in Perm order, dead columns zeroed. Without groups the single
+	// group is fitted first, on the original weights, as the reference does.
+	W := make([]float32, out*in)
+	l := &pack.Linear{In: in, Out: out, Grid: grid, Q: make([]uint8, out*in),
+		Scale: make([]float32, G*out), Zero: make([]uint8, G*out), GIdx: make([]int32, in)}
+	for o := 0; o < out; o++ {
+		if !perGroup {
+			s, z := grid.Params(w[o*in : (o+1)*in])
+			l.Scale[o], l.Zero[o] = s, uint8(z)
+		}
+		for j, src := range p.Perm {
+			if !p.Dead[src] {
+				W[o*in+j] = w[o*in+src]
+			}
+		}
+	}
+	if perGroup && opt.StaticGroups {
+		for o := 0; o < out; o++ {
+			for g := 0; g < G; g++ {
+				seg := make([]float32, group)
+				for i := range seg {
+					if src := g*group + i; !p.Dead[src] {
+						seg[i] = w[o*in+src]
+					}
+				}
+				s, z := grid.Params(seg)
+				l.Scale[g*out+o], l.Zero[g*out+o] = s, uint8(z)
+			}
+		}
+	}
+	// groupOf[j] is the group of the column at position j of Perm order.
+	groupOf := make([]int, in)
+	for j, src := range p.Perm {
+		switch {
+		case !perGroup:
+			groupOf[j] = 0
+		case opt.StaticGroups:
+			groupOf[j] = src / group
+		default:
+			groupOf[j] = j / group
+		}
+		l.GIdx[src] = int32(groupOf[j])
+	}
+
+	Q := make([]uint8, out*in) // in Perm order
+	Err := make([]float32, out*bs)
+	losses := make([]float64, out)
+	Hinv := p.Hinv
+	for i1 := 0; i1 < in; i1 += bs {
+		i2 := min(i1+bs, in)
+		nb := i2 - i1
+		mat.ParallelFor(out, 8, func(lo, hi int) {
+			for o := lo; o < hi; o++ {
+				row := W[o*in : (o+1)*in]
+				for j := i1; j < i2; j++ {
+					g := groupOf[j]
+					if perGroup && !opt.StaticGroups && j%group == 0 {
+						s, z := grid.Params(row[j : j+group])
+						l.Scale[g*out+o], l.Zero[g*out+o] = s, uint8(z)
+					}
+					scale, zero := l.Scale[g*out+o], int(l.Zero[g*out+o])
+					q := grid.Quantize(row[j], scale, zero)
+					Q[o*in+j] = uint8(q)
+					d := Hinv[j*in+j]
+					diff := row[j] - pack.Dequantize(q, scale, zero)
+					losses[o] += float64(diff) * float64(diff) / (2 * float64(d) * float64(d))
+					e := diff / d
+					Err[o*bs+j-i1] = e
+					hrow := Hinv[j*in : j*in+i2]
+					for k := j + 1; k < i2; k++ {
+						row[k] -= e * hrow[k]
+					}
+				}
+			}
+		})
+		if i2 < in {
+			// W[:, i2:] −= Err · Hinv[i1:i2, i2:]
+			mat.Gemm(false, false, out, in-i2, nb, -1, Err, bs, Hinv[i1*in+i2:], in, 1, W[i2:], in)
+		}
+	}
+	for o := 0; o < out; o++ {
+		for j, src := range p.Perm {
+			l.Q[o*in+src] = Q[o*in+j]
+		}
+	}
+	var loss float64
+	for _, v := range losses {
+		loss += v
+	}
+	return &Result{Linear: l, Loss: loss}, nil
+}

@@ -1,0 +1,66 @@
+package llm
+
+import "github.com/llmq/llmq/llm/checkpoint"
+
+// Stages runs one decoder block in pieces over a single sequence starting
+// at position 0, for calibration: quantizers need the inputs of each linear
+// layer and must re-run parts of a block after quantizing others. It shares
+// the forward pass's code, so calibration sees exactly what inference does.
+type Stages struct {
+	m *Model // configuration and rotary tables only; no weights
+}
+
+// NewStages prepares stages for an architecture.
+func NewStages(cfg *checkpoint.Config) *Stages {
+	return &Stages{m: &Model{Cfg: cfg, rope: newRope(cfg)}}
+}
+
+// Norm returns RMSNorm(x)·w for T rows.
+func (s *Stages) Norm(w, x []float32, T int) []float32 {
+	out := make([]float32, len(x))
+	RMSNorm(out, x, w, T, s.m.Cfg.RMSNormEps)
+	return out
+}
+
+// Attention returns the attention output before o_proj for the normed rows
+// n (the input of q/k/v_proj), positions 0..T−1 with a causal mask.
+func (s *Stages) Attention(b *Block, n []float32, T int) []float32 {
+	c := s.m.Cfg
+	hd := c.HeadDim
+	kc := &KVCache{cap: T, kvh: c.KVHeads, hd: hd,
+		k: [][]float32{make([]float32, c.KVHeads*T*hd)}, v: [][]float32{make([]float32, c.KVHeads*T*hd)}}
+	cos, sin := s.m.rope.table(0, T)
+	att := make([]float32, T*c.Heads*hd)
+	q := make([]float32, T*c.Heads*hd)
+	k := make([]float32, T*c.KVHeads*hd)
+	v := make([]float32, T*c.KVHeads*hd)
+	s.m.selfAttention(att, b, n, 0, []int{T}, []*KVCache{kc}, cos, sin, q, k, v)
+	return att
+}
+
+// MLPAct returns SiLU(gate·m) ⊙ up·m, the input of down_proj, for the
+// normed rows m (the input of gate/up_proj).
+func (s *Stages) MLPAct(b *Block, m []float32, T int) []float32 {
+	I := s.m.Cfg.Intermediate
+	g, u := make([]float32, T*I), make([]float32, T*I)
+	b.Gate.Forward(g, m, T)
+	b.Up.Forward(u, m, T)
+	SwiGLU(g, u)
+	return g
+}
+
+// AddLinear sets x += L(in) for T rows.
+func (s *Stages) AddLinear(x []float32, l Linear, in []float32, T int) {
+	out := make([]float32, T*l.Out())
+	l.Forward(out, in, T)
+	add(x, out)
+}
+
+// Block runs the whole block on x (T rows) and returns the new x.
+func (s *Stages) Block(b *Block, x []float32, T int) []float32 {
+	h := append([]float32(nil), x...)
+	s.AddLinear(h, b.O, s.Attention(b, s.Norm(b.AttnNorm, x, T), T), T)
+	m := s.Norm(b.MLPNorm, h, T)
+	s.AddLinear(h, b.Down, s.MLPAct(b, m, T), T)
+	return h
+}

@@ -1,0 +1,152 @@
+// Package pack holds what every quantization method shares: the integer
+// grid weights are rounded to, the bit packing of checkpoints, the GPTQ and
+// AWQ tensor layouts, and the loader that turns packed tensors back into
+// weights.
+//
+// # The grid
+//
+// Weights are quantized per group of GroupSize consecutive input channels
+// of one output channel (GroupSize -1: the whole row is one group), exactly
+// as the reference GPTQ Quantizer does it (IST-DASLab/gptq, quant.py):
+//
+//	maxq  = 2^bits − 1
+//	xmin  = min(min(x), 0),  xmax = max(max(x), 0)        (the range holds 0)
+//	sym:  xmax = max(|xmin|, xmax); xmin = −xmax if xmin < 0
+//	xmin = −1, xmax = +1 if both are 0                    (an all-zero group)
+//	scale = (xmax − xmin) / maxq
+//	zero  = 2^(bits−1) (sym)  or  round(−xmin / scale) (asym)
+//	q     = clamp(round(x / scale) + zero, 0, maxq)       (round half to even)
+//	x̂     = scale · (q − zero)
+//
+// One deliberate difference: scale is rounded to float16 as soon as it is
+// found, and everything after uses the rounded value. Checkpoints store
+// float16 scales, so the weights GPTQ compensates for are exactly the
+// weights a loader dequantizes — bit for bit, which the round-trip tests
+// check.
+//
+// # Bit packing
+//
+// Values of b bits are packed into int32 words as a little-endian bit
+// stream: value j occupies bits b·j … b·j+b−1 of the stream, word w holding
+// stream bits 32w … 32w+31. For b = 2, 4, 8 this is the familiar nibble
+// packing (value j of a word at bits b·(j mod 32/b)); for b = 3 it is
+// exactly GPTQ's layout of 32 values in 3 words.
+//
+// # GPTQ layout (checkpoint_format "gptq", and "gptq_v2")
+//
+// For a linear layer with in inputs, out outputs, G = in/group groups:
+//
+//	qweight  int32 [in·bits/32, out]  column o is the bit stream of q[o, 0..in)
+//	qzeros   int32 [G, out·bits/32]   row g is the bit stream of zero[g, 0..out)
+//	scales   fp16  [G, out]
+//	g_idx    int32 [in]               the group of each input channel
+//
+// and w[o, i] = scales[g_idx[i], o] · (q[o, i] − zero[g_idx[i], o]).
+// Format "gptq" (v1, what transformers, vLLM and AutoGPTQ read) stores
+// zero − 1 and loaders add 1 back, so an asymmetric zero of 0 cannot be
+// stored (−1 wraps to 2^bits − 1); we write v1 when no zero is 0 and
+// "gptq_v2" (zeros as they are, GPTQModel's format) otherwise.
+//
+// # AWQ layout (AutoAWQ "gemm")
+//
+//	qweight int32 [in, out/8]   8 outputs a word, in the order 0,2,4,6,1,3,5,7
+//	qzeros  int32 [G, out/8]    likewise
+//	scales  fp16  [G, out]
+//
+// with w[o, i] = scales[i/group, o] · (q[o, i] − zero[i/group, o]), zeros
+// stored as they are, 4 bits only.
+package pack
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/x448/float16"
+)
+
+// Grid is a quantization grid: bit width, group size along the input
+// dimension (−1 for one group per row) and symmetry.
+type Grid struct {
+	Bits      int
+	GroupSize int
+	Sym       bool
+}
+
+// Validate checks the grid against a layer's input width.
+func (g Grid) Validate(in int) error {
+	switch g.Bits {
+	case 2, 3, 4, 8:
+	default:
+		return fmt.Errorf("--bits %d is not supported (2, 3, 4 or 8)", g.Bits)
+	}
+	switch g.GroupSize {
+	case -1, 32, 64, 128:
+	default:
+		return fmt.Errorf("--group %d is not supported (32, 64, 128, or -1 for one group per output channel)", g.GroupSize)
+	}
+	if in > 0 && g.GroupSize > 0 && in%g.GroupSize != 0 {
+		return fmt.Errorf("--group %d does not divide the layer's %d input features", g.GroupSize, in)
+	}
+	return nil
+}
+
+// Group returns the effective group size for a layer of in inputs.
+func (g Grid) Group(in int) int {
+	if g.GroupSize <= 0 {
+		return in
+	}
+	return g.GroupSize
+}
+
+// MaxQ is 2^bits − 1.
+func (g Grid) MaxQ() int { return 1<<g.Bits - 1 }
+
+// Params fits scale and zero to the values of one group (reference GPTQ
+// find_params), with the scale rounded to float16.
+func (g Grid) Params(x []float32) (scale float32, zero int) {
+	var xmin, xmax float32
+	for _, v := range x {
+		xmin = min(xmin, v)
+		xmax = max(xmax, v)
+	}
+	return g.ParamsRange(xmin, xmax)
+}
+
+// ParamsRange is Params given the group's minimum and maximum (each taken
+// with 0, so xmin ≤ 0 ≤ xmax).
+func (g Grid) ParamsRange(xmin, xmax float32) (scale float32, zero int) {
+	xmin, xmax = min(xmin, 0), max(xmax, 0)
+	maxq := float32(g.MaxQ())
+	if g.Sym {
+		xmax = max(-xmin, xmax)
+		if xmin < 0 {
+			xmin = -xmax
+		}
+	}
+	if xmin == 0 && xmax == 0 {
+		xmin, xmax = -1, 1
+	}
+	scale = RoundF16((xmax - xmin) / maxq)
+	if scale == 0 { // range below float16's smallest subnormal
+		scale = RoundF16(6e-8)
+	}
+	if g.Sym {
+		return scale, (g.MaxQ() + 1) / 2
+	}
+	z := math.RoundToEven(float64(-xmin / scale))
+	return scale, int(min(max(z, 0), float64(g.MaxQ())))
+}
+
+// Quantize maps x to its grid index.
+func (g Grid) Quantize(x, scale float32, zero int) int {
+	q := math.RoundToEven(float64(x/scale)) + float64(zero)
+	return int(min(max(q, 0), float64(g.MaxQ())))
+}
+
+// Dequantize maps a grid index back to a weight.
+func Dequantize(q int, scale float32, zero int) float32 {
+	return scale * float32(q-zero)
+}
+
+// RoundF16 rounds a float32 to the nearest float16 value.
+func RoundF16(x float32) float32 { return float16.Fromfloat32(x).Float32() }

@@ -1,0 +1,39 @@
+package pack
+
+import "fmt"
+
+// RTN quantizes w [out][in] to the nearest grid point, group by group: the
+// round-to-nearest baseline every calibrated method is compared with.
+func RTN(w []float32, out, in int, grid Grid) (*Linear, error) {
+	if err := grid.Validate(in); err != nil {
+		return nil, err
+	}
+	if err := CheckFinite(w); err != nil {
+		return nil, err
+	}
+	group := grid.Group(in)
+	G := in / group
+	l := &Linear{In: in, Out: out, Grid: grid, Q: make([]uint8, out*in),
+		Scale: make([]float32, G*out), Zero: make([]uint8, G*out), GIdx: SequentialGIdx(in, group)}
+	for o := 0; o < out; o++ {
+		for g := 0; g < G; g++ {
+			seg := w[o*in+g*group : o*in+(g+1)*group]
+			scale, zero := grid.Params(seg)
+			l.Scale[g*out+o], l.Zero[g*out+o] = scale, uint8(zero)
+			for i, v := range seg {
+				l.Q[o*in+g*group+i] = uint8(grid.Quantize(v, scale, zero))
+			}
+		}
+	}
+	return l, nil
+}
+
+// CheckFinite reports the first NaN or Inf in x.
+func CheckFinite(x []float32) error {
+	for i, v := range x {
+		if v != v || v > 3.4e38 || v < -3.4e38 {
+			return fmt.Errorf("non-finite value %v at element %d", v, i)
+		}
+	}
+	return nil
+}
