@@ -1,0 +1,233 @@
+package pack
+
+import (
+	"math"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/llmq/llmq/llm/checkpoint"
+)
+
+// TestGridByHand checks find_params/quantize on cases worked out by hand.
+func TestGridByHand(t *testing.T) {
+	g := Grid{Bits: 4, GroupSize: 128}
+	// asym: range [-1, 2] → scale 3/15 = 0.2, zero round(1/0.2) = 5
+	s, z := g.Params([]float32{-1, 0.5, 2})
+	if s != RoundF16(0.2) || z != 5 {
+		t.Errorf("asym [-1,2]: scale %v zero %d, want %v 5", s, z, RoundF16(0.2))
+	}
+	// scale is float16 0.19995117: 0.5/scale = 2.5006 → 3, + zero 5 = 8
+	if q := g.Quantize(0.5, s, z); q != 8 {
+		t.Errorf("quantize(0.5) = %d, want 8", q)
+	}
+	// all positive: the range is stretched to include 0
+	s, z = g.Params([]float32{1, 3})
+	if s != RoundF16(3.0/15) || z != 0 {
+		t.Errorf("asym [1,3]: scale %v zero %d, want %v 0", s, z, RoundF16(0.2))
+	}
+	// sym: xmax = max(|xmin|, xmax) = 2, xmin = -2, scale 4/15, zero 8
+	gs := Grid{Bits: 4, GroupSize: 128, Sym: true}
+	s, z = gs.Params([]float32{-1, 2})
+	if s != RoundF16(4.0/15) || z != 8 {
+		t.Errorf("sym [-1,2]: scale %v zero %d", s, z)
+	}
+	// sym, all positive: the reference leaves xmin at 0 → scale xmax/15
+	s, z = gs.Params([]float32{1, 3})
+	if s != RoundF16(3.0/15) || z != 8 {
+		t.Errorf("sym [1,3]: scale %v zero %d", s, z)
+	}
+	// all-zero group: range ±1
+	s, z = g.Params([]float32{0, 0})
+	if s != RoundF16(2.0/15) || z != 8 {
+		t.Errorf("zeros: scale %v zero %d", s, z)
+	}
+	// clamping
+	if q := g.Quantize(100, 0.1, 3); q != 15 {
+		t.Errorf("clamp high: %d", q)
+	}
+	if q := g.Quantize(-100, 0.1, 3); q != 0 {
+		t.Errorf("clamp low: %d", q)
+	}
+	// 3-bit: maxq 7
+	s, z = Grid{Bits: 3, GroupSize: 32}.Params([]float32{-0.7, 0.7})
+	if s != RoundF16(1.4/7) || z != 4 {
+		t.Errorf("3-bit: scale %v zero %d", s, z)
+	}
+}
+
+func TestGridValidate(t *testing.T) {
+	for _, bad := range []Grid{{Bits: 5, GroupSize: 128}, {Bits: 4, GroupSize: 100}, {Bits: 1, GroupSize: -1}} {
+		if bad.Validate(256) == nil {
+			t.Errorf("%+v accepted", bad)
+		}
+	}
+	if (Grid{Bits: 4, GroupSize: 128}).Validate(320) == nil {
+		t.Error("group 128 accepted for 320 inputs")
+	}
+}
+
+func TestPackBitsRoundTrip(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for _, b := range []int{2, 3, 4, 8} {
+		v := make([]uint8, 96)
+		for i := range v {
+			v[i] = uint8(r.IntN(1 << b))
+		}
+		words, err := PackBits(v, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(words) != 96*b/32 {
+			t.Fatalf("%d bits: %d words", b, len(words))
+		}
+		got := UnpackBits(words, b, len(v))
+		for i := range v {
+			if got[i] != v[i] {
+				t.Fatalf("%d bits: value %d: %d != %d", b, i, got[i], v[i])
+			}
+		}
+	}
+	// 4-bit layout by hand: values 1..8 → 0x87654321
+	w, _ := PackBits([]uint8{1, 2, 3, 4, 5, 6, 7, 8}, 4)
+	if uint32(w[0]) != 0x87654321 {
+		t.Errorf("nibble order: %#x", uint32(w[0]))
+	}
+	// 3-bit layout as GPTQ's pack: value 10 straddles words 0 and 1
+	v := make([]uint8, 32)
+	v[10] = 0b111
+	w, _ = PackBits(v, 3)
+	if uint32(w[0]) != 0b11<<30 || uint32(w[1]) != 1 || w[2] != 0 {
+		t.Errorf("3-bit straddle: %#x %#x %#x", uint32(w[0]), uint32(w[1]), uint32(w[2]))
+	}
+}
+
+func randomLinear(r *rand.Rand, out, in int, grid Grid, actOrder bool) *Linear {
+	w := make([]float32, out*in)
+	for i := range w {
+		w[i] = float32(r.NormFloat64() * 0.05)
+	}
+	l, _ := RTN(w, out, in, grid)
+	if actOrder {
+		perm := r.Perm(in)
+		group := grid.Group(in)
+		for j, src := range perm {
+			l.GIdx[src] = int32(j / group)
+		}
+	}
+	return l
+}
+
+// TestCheckpointRoundTrip writes layers in each layout, reads them back
+// through a checkpoint and requires bit-identical dequantized weights.
+func TestCheckpointRoundTrip(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for _, c := range []struct {
+		name     string
+		grid     Grid
+		actOrder bool
+		format   string
+	}{
+		{"asym-v2", Grid{4, 128, false}, false, FormatGPTQv2},
+		{"sym-v1", Grid{4, 128, true}, false, FormatGPTQ},
+		{"asym-actorder-v2", Grid{4, 64, false}, true, FormatGPTQv2},
+		{"sym-actorder-v1", Grid{4, 32, true}, true, FormatGPTQ},
+		{"3bit-v2", Grid{3, 128, false}, false, FormatGPTQv2},
+		{"2bit-perchannel", Grid{2, -1, true}, false, FormatGPTQ},
+		{"8bit", Grid{8, 128, true}, false, FormatGPTQ},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			l := randomLinear(r, 64, 256, c.grid, c.actOrder)
+			dir := t.TempDir()
+			tensors, err := l.GPTQTensors("layer", c.format)
+			if err != nil {
+				t.Fatal(err)
+			}
+			writeCheckpoint(t, dir, tensors)
+			ck, err := checkpoint.Open(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ck.Close()
+			back, err := ReadGPTQ(ck, "layer", 256, 64, c.grid, c.format)
+			if err != nil {
+				t.Fatal(err)
+			}
+			assertSameWeights(t, back.Dequantize(), l.Dequantize())
+		})
+	}
+}
+
+// TestV1RejectsZeroZero: format gptq stores zero−1, so 0 must be refused.
+func TestV1RejectsZeroZero(t *testing.T) {
+	l := &Linear{In: 8, Out: 8, Grid: Grid{4, -1, false}, Q: make([]uint8, 64), Scale: make([]float32, 8), Zero: make([]uint8, 8), GIdx: make([]int32, 8)}
+	if _, err := l.GPTQTensors("x", FormatGPTQ); err == nil {
+		t.Fatal("zero point 0 written in v1")
+	}
+	if !l.NeedsV2() {
+		t.Fatal("NeedsV2 false with zero 0")
+	}
+}
+
+// TestAWQAndGPTQLayoutsAgree: the same layer exported both ways
+// dequantizes to identical weights.
+func TestAWQAndGPTQLayoutsAgree(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	grid := Grid{4, 128, false}
+	l := randomLinear(r, 64, 256, grid, false)
+	dir := t.TempDir()
+	awq, err := l.AWQTensors("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gq, _ := l.GPTQTensors("g", FormatGPTQv2)
+	for k, v := range gq {
+		awq[k] = v
+	}
+	writeCheckpoint(t, dir, awq)
+	ck, err := checkpoint.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	a, err := ReadAWQ(ck, "a", 256, 64, grid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, err := ReadGPTQ(ck, "g", 256, 64, grid, FormatGPTQv2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertSameWeights(t, a.Dequantize(), g.Dequantize())
+	assertSameWeights(t, a.Dequantize(), l.Dequantize())
+	// AWQ's interleave by hand: nibble k of word j holds output 8j+order[k]
+	qw, _ := ck.Tensor("a.qweight")
+	v, _ := qw.Int32()
+	word := uint32(v[0])
+	for k, o := range []int{0, 2, 4, 6, 1, 3, 5, 7} {
+		if got := uint8(word>>(4*k)) & 15; got != l.Q[o*256] {
+			t.Fatalf("nibble %d = %d, want q[output %d] = %d", k, got, o, l.Q[o*256])
+		}
+	}
+}
+
+func writeCheckpoint(t *testing.T, dir string, tensors map[string]checkpoint.Out) {
+	t.Helper()
+	cfg := `{"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8}`
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkpoint.WriteFile(filepath.Join(dir, "model.safetensors"), tensors, nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func assertSameWeights(t *testing.T, got, want []float32) {
+	t.Helper()
+	for i := range want {
+		if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+			t.Fatalf("weight %d: %v != %v", i, got[i], want[i])
+		}
+	}
+}
