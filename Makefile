@@ -17,9 +17,18 @@ TAGS ?= $(shell printf '$(HASH)include <cblas.h>\nint main(void){return 0;}\n' |
 GOFLAGS_TAGS = $(if $(TAGS),-tags $(TAGS))
 
 NVCC ?= nvcc
+NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test demo cuda bench clean fmt
+.PHONY: build test demo cuda bench clean fmt device
+
+# Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
+device:
+	@mkdir -p build/device
+	go build -o build/device/llmq ./cmd/llmq
+	go test -c -o build/device/cuda.test ./cuda
+	git rev-parse HEAD > build/device/COMMIT
+	git status --porcelain --untracked-files=no | grep -q . && echo "-dirty" >> build/device/COMMIT || true
 
 build:
 	go build $(GOFLAGS_TAGS) -o build/llmq ./cmd/llmq
@@ -40,7 +49,7 @@ cuda: build/libllmqcuda.so
 
 build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 	@mkdir -p build
-	$(NVCC) -O3 -std=c++17 --shared -Xcompiler -fPIC $(CUDA_ARCH) -lcublas -o $@ $(filter %.cu,$^)
+	$(NVCC) $(NVCC_FLAGS) --shared -Xcompiler -fPIC $(CUDA_ARCH) -lcublas -o $@ $(filter %.cu,$^)
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

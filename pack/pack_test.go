@@ -231,3 +231,34 @@ func assertSameWeights(t *testing.T, got, want []float32) {
 		}
 	}
 }
+
+// TestGPULayoutDecodes: the kernel layout decodes back to the layer's
+// weights (rows in kernel order), with and without act-order.
+func TestGPULayoutDecodes(t *testing.T) {
+	r := rand.New(rand.NewPCG(11, 12))
+	for _, act := range []bool{false, true} {
+		for _, grid := range []Grid{{Bits: 4, GroupSize: 128}, {Bits: 4, GroupSize: -1, Sym: true}, {Bits: 4, GroupSize: 32}} {
+			l := randomLinear(r, 128, 256, grid, act && grid.GroupSize > 0)
+			g, err := l.GPULayout()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if (g.Perm != nil) != (act && grid.GroupSize > 0) {
+				t.Fatalf("act-order %v: perm present = %v", act, g.Perm != nil)
+			}
+			W := g.Dequantize()
+			ref := l.Dequantize() // [out][in]
+			for k := 0; k < l.In; k++ {
+				src := k
+				if g.Perm != nil {
+					src = int(g.Perm[k])
+				}
+				for n := 0; n < l.Out; n++ {
+					if want := RoundF16(ref[n*l.In+src]); W[k*l.Out+n] != want {
+						t.Fatalf("grid %+v act %v: W[%d][%d] = %v, want %v", grid, act, k, n, W[k*l.Out+n], want)
+					}
+				}
+			}
+		}
+	}
+}

@@ -31,6 +31,6 @@ benchmarks.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate())
+	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate(), newBench())
 	return root
 }

@@ -1,0 +1,66 @@
+//go:build cgo
+
+package main
+
+import (
+	"fmt"
+
+	"github.com/llmq/llmq/cuda"
+	"github.com/llmq/llmq/evals"
+	"github.com/spf13/cobra"
+)
+
+func newBenchGemm() *cobra.Command {
+	var ms, jsonOut string
+	var iters int
+	cmd := &cobra.Command{
+		Use:   "gemm",
+		Short: "Time the W4A16 kernel against cuBLAS fp16 on Llama-3 8B/70B shapes",
+		Example: `  llmq bench gemm --json evals/results/gemm-h200.json
+  llmq bench gemm --m 1,16,64 --iters 50`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			Ms, err := parseInts(ms)
+			if err != nil {
+				return fmt.Errorf("--m: %w", err)
+			}
+			lib, err := cuda.Open("")
+			if err != nil {
+				return err
+			}
+			dev, err := lib.Device()
+			if err != nil {
+				return err
+			}
+			b := &evals.GemmBench{Lib: lib, Iters: iters}
+			bw, err := b.MeasureReadBW()
+			if err != nil {
+				return err
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "%s, %d SMs, measured read bandwidth %.2f TB/s\n", dev.Name, dev.SMs, bw/1e12)
+			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s %8s %6s\n", "shape", "M", "w4a16 µs", "cuBLAS µs", "speedup", "TFLOP/s", "%BW")
+			var all []evals.GemmResult
+			for _, s := range evals.LlamaShapes {
+				res, err := b.Run(s, Ms)
+				if err != nil {
+					return err
+				}
+				for _, r := range res {
+					fmt.Fprintf(w, "%-24s %6d %10.2f %10.2f %7.2fx %8.1f %5.0f%%\n", r.Shape, r.M, r.W4Micros, r.CuBLASMicro, r.Speedup, r.TFLOPS, 100*r.BWFraction)
+				}
+				all = append(all, res...)
+			}
+			if jsonOut != "" {
+				rec := evals.NewRecord("bench-gemm", map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "results": all})
+				rec.Device = dev.Name + "; host " + rec.Device
+				return writeJSON(jsonOut, rec)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&ms, "m", "1,2,4,8,16,32,64,128,256,1024,4096", "comma-separated M (tokens) values")
+	cmd.Flags().IntVar(&iters, "iters", 100, "timed runs per measurement (median reported)")
+	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
+	return cmd
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the CUDA library, check it, time it.
+# Run from the repository root with build/device (make device) carried.
+# Outputs go to $OUT (the device tool's folder) or build/out.
+set -uo pipefail
+OUT=${OUT:-build/out}
+mkdir -p "$OUT"
+export LLMQ_COMMIT=$(tr -d '\n' < build/device/COMMIT)
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+nvcc --version | tail -1
+t0=$(date +%s)
+make cuda NVCC_FLAGS="-O3 -std=c++17 -Xptxas -v" > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+grep -E "registers|spill" "$OUT/build.log" | grep -B1 -A0 "w4a16_fused" | head; grep -A2 "Compiling entry function '_ZN.*w4a16_fused" "$OUT/build.log" | grep -E "registers|spill" | head -8
+echo "build $(( $(date +%s) - t0 ))s"
+case "${1:-all}" in
+  all|test)
+    build/device/cuda.test -test.v -test.run . > "$OUT/cudatest.log" 2>&1; rc=$?
+    grep -E "^(--- |ok|FAIL|PASS)|rel err" "$OUT/cudatest.log" | tail -25
+    echo "cuda tests rc=$rc"
+    timeout 120 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestDequant' > "$OUT/memcheck.log" 2>&1
+    tail -4 "$OUT/memcheck.log"
+    ;;
+esac
+case "${1:-all}" in
+  all|bench)
+    build/device/llmq bench gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt"
+    ;;
+esac

@@ -1,0 +1,217 @@
+//go:build cgo
+
+package cuda
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/llmq/llmq/pack"
+	"github.com/x448/float16"
+)
+
+// openLib loads the CUDA library, skipping when there is none (CI, and any
+// machine without a GPU).
+func openLib(t testing.TB) *Lib {
+	t.Helper()
+	l, err := Open("")
+	if err != nil {
+		t.Skip(err)
+	}
+	if _, err := l.Device(); err != nil {
+		t.Skip("GPU unavailable: ", err)
+	}
+	return l
+}
+
+// randomLayer makes a 4-bit layer with random grid indices, scales and
+// zeros (or zero 8 when sym), and a random act-order g_idx if asked.
+func randomLayer(r *rand.Rand, K, N, group int, sym, actOrder bool) *pack.Linear {
+	grid := pack.Grid{Bits: 4, GroupSize: group, Sym: sym}
+	g := grid.Group(K)
+	G := K / g
+	l := &pack.Linear{In: K, Out: N, Grid: grid, Q: make([]uint8, N*K), Scale: make([]float32, G*N), Zero: make([]uint8, G*N), GIdx: pack.SequentialGIdx(K, g)}
+	for i := range l.Q {
+		l.Q[i] = uint8(r.IntN(16))
+	}
+	for i := range l.Scale {
+		l.Scale[i] = pack.RoundF16(float32(0.002 + 0.02*r.Float64()))
+		l.Zero[i] = 8
+		if !sym {
+			l.Zero[i] = uint8(r.IntN(16))
+		}
+	}
+	if actOrder {
+		for j, src := range r.Perm(K) {
+			l.GIdx[src] = int32(j / g)
+		}
+	}
+	return l
+}
+
+func randomHalf(r *rand.Rand, n int) ([]uint16, []float32) {
+	bits, vals := make([]uint16, n), make([]float32, n)
+	for i := range bits {
+		h := float16.Fromfloat32(float32(r.NormFloat64()))
+		bits[i], vals[i] = h.Bits(), h.Float32()
+	}
+	return bits, vals
+}
+
+// reference is C[m][n] = Σ_k A[m][src(k)]·W[k][n] in float64, W in kernel
+// row order.
+func reference(A []float32, W []float32, perm []int32, M, K, N int) []float64 {
+	C := make([]float64, M*N)
+	for m := 0; m < M; m++ {
+		row := C[m*N : (m+1)*N]
+		for k := 0; k < K; k++ {
+			src := k
+			if perm != nil {
+				src = int(perm[k])
+			}
+			a := float64(A[m*K+src])
+			if a == 0 {
+				continue
+			}
+			wr := W[k*N : (k+1)*N]
+			for n := range row {
+				row[n] += a * float64(wr[n])
+			}
+		}
+	}
+	return C
+}
+
+type gemmCase struct {
+	M, K, N, group int
+	sym, act       bool
+	path           int
+}
+
+func runCase(t *testing.T, l *Lib, r *rand.Rand, c gemmCase) {
+	t.Helper()
+	layer := randomLayer(r, c.K, c.N, c.group, c.sym, c.act)
+	g, err := layer.GPULayout()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := l.UploadW4(g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Free(l)
+	abits, avals := randomHalf(r, c.M*c.K)
+	A, _ := AllocFrom(l, abits)
+	defer l.Free(A)
+	C, _ := l.Alloc(c.M * c.N * 2)
+	defer l.Free(C)
+	ws, _ := l.Alloc(l.WorkspaceBytes(c.M, c.N))
+	defer l.Free(ws)
+	l.Memset(ws, 0, ws.Bytes)
+	scratch, _ := l.Alloc(c.K * c.N * 2)
+	defer l.Free(scratch)
+	var aperm Buf
+	if g.Perm != nil {
+		aperm, _ = l.Alloc(c.M * c.K * 2)
+		defer l.Free(aperm)
+	}
+	ref := reference(avals, g.Dequantize(), g.Perm, c.M, c.K, c.N)
+	l.SetPath(c.path)
+	defer l.SetPath(PathAuto)
+	for run := 0; run < 2; run++ { // twice: the workspace must come back zeroed
+		if err := l.Memset(C, 0xff, C.Bytes); err != nil { // poison: 0xffff is NaN
+			t.Fatal(err)
+		}
+		if err := l.GemmW4(A, C, w, c.M, ws, scratch, aperm); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Sync(); err != nil {
+			t.Fatal(err)
+		}
+		out := make([]uint16, c.M*c.N)
+		if err := Download(l, out, C); err != nil {
+			t.Fatal(err)
+		}
+		var num, den float64
+		for i, h := range out {
+			v := float64(float16.Frombits(h).Float32())
+			if math.IsNaN(v) || math.IsInf(v, 0) {
+				t.Fatalf("%+v run %d: output %d (row %d) not written or not finite: %v", c, run, i, i/c.N, v)
+			}
+			num += (v - ref[i]) * (v - ref[i])
+			den += ref[i] * ref[i]
+		}
+		if rel := math.Sqrt(num / den); rel > 1e-3 {
+			t.Fatalf("%+v run %d: relative Frobenius error %.3g > 1e-3", c, run, rel)
+		} else if run == 0 {
+			t.Logf("%+v: rel err %.2e", c, rel)
+		}
+	}
+}
+
+// TestW4A16MatchesReference checks the kernel against a float64 CPU
+// reference over many shapes, groups, sym/asym and act-order, on both paths.
+func TestW4A16MatchesReference(t *testing.T) {
+	l := openLib(t)
+	r := rand.New(rand.NewPCG(uint64(rand.Int64()), 7))
+	for _, M := range []int{1, 3, 16, 17, 64, 100, 256, 1000, 4096} {
+		K, N := 1024, 192
+		if M >= 1000 {
+			K, N = 256, 128
+		}
+		for _, v := range []struct {
+			group    int
+			sym, act bool
+		}{{128, false, false}, {128, true, false}, {-1, false, false}, {128, false, true}, {32, true, true}} {
+			paths := []int{PathFused}
+			if M >= 64 {
+				paths = append(paths, PathCuBLAS)
+			}
+			for _, p := range paths {
+				runCase(t, l, r, gemmCase{M: M, K: K, N: N, group: v.group, sym: v.sym, act: v.act, path: p})
+			}
+		}
+	}
+	// A deep K (many splits) and a wide N.
+	runCase(t, l, r, gemmCase{M: 5, K: 14336, N: 256, group: 128, path: PathFused})
+	runCase(t, l, r, gemmCase{M: 2, K: 512, N: 4096, group: 128, path: PathFused})
+}
+
+// TestDequantMatchesCPU: the GPU dequantizer equals the CPU decoder of the
+// same layout bit for bit.
+func TestDequantMatchesCPU(t *testing.T) {
+	l := openLib(t)
+	r := rand.New(rand.NewPCG(3, 3))
+	layer := randomLayer(r, 512, 256, 128, false, false)
+	g, _ := layer.GPULayout()
+	w, err := l.UploadW4(g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Free(l)
+	W, _ := l.Alloc(512 * 256 * 2)
+	defer l.Free(W)
+	if err := l.Dequant(w, W); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]uint16, 512*256)
+	if err := Download(l, got, W); err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range g.Dequantize() {
+		if float16.Frombits(got[i]).Float32() != want {
+			t.Fatalf("element %d: GPU %v, CPU %v", i, float16.Frombits(got[i]).Float32(), want)
+		}
+	}
+}
+
+func TestBadShapeIsAnError(t *testing.T) {
+	l := openLib(t)
+	w := &W4{K: 100, N: 64, Group: 100}
+	if err := l.GemmW4(Buf{}, Buf{}, w, 1, Buf{}, Buf{}, Buf{}); err == nil {
+		t.Fatal("K=100 accepted")
+	} else {
+		t.Log(err)
+	}
+}

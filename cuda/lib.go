@@ -1,0 +1,280 @@
+//go:build cgo
+
+// Package cuda runs llmq's CUDA kernels from Go. The kernels live in a
+// shared library built by nvcc (`make cuda` → build/libllmqcuda.so); this
+// package loads it at run time with dlopen, so llmq builds with plain
+// `go build` anywhere and reports plainly when no GPU library is present.
+// Every CUDA error comes back as a Go error naming the call that failed.
+// Device pointers travel as integers, never as Go pointers.
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef uintptr_t P;
+static void* lib_open(const char* path) { return dlopen(path, RTLD_NOW | RTLD_LOCAL); }
+static const char* lib_error(void) { const char* e = dlerror(); return e ? e : "unknown dlopen error"; }
+static void* lib_sym(void* h, const char* name) { return dlsym(h, name); }
+
+static const char* c_str(void* f) { return ((const char* (*)(void))f)(); }
+static int c_i(void* f) { return ((int (*)(void))f)(); }
+static int c_i_i(void* f, int a) { return ((int (*)(int))f)(a); }
+static int c_info(void* f, char* name, int n, size_t* fr, size_t* tot, int* sms) {
+	return ((int (*)(char*, int, size_t*, size_t*, int*))f)(name, n, fr, tot, sms);
+}
+static int c_malloc(void* f, P* p, size_t n) { void* v = 0; int r = ((int (*)(void**, size_t))f)(&v, n); *p = (P)v; return r; }
+static int c_p(void* f, P a) { return ((int (*)(void*))f)((void*)a); }
+static int c_pp_n(void* f, P a, P b, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)a, (const void*)b, n); }
+static int c_h2d(void* f, P dst, const void* src, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)dst, src, n); }
+static int c_d2h(void* f, void* dst, P src, size_t n) { return ((int (*)(void*, const void*, size_t))f)(dst, (const void*)src, n); }
+static int c_memset(void* f, P a, int v, size_t n) { return ((int (*)(void*, int, size_t))f)((void*)a, v, n); }
+static int c_event_create(void* f, P* p) { void* v = 0; int r = ((int (*)(void**))f)(&v); *p = (P)v; return r; }
+static int c_elapsed(void* f, P a, P b, float* ms) { return ((int (*)(void*, void*, float*))f)((void*)a, (void*)b, ms); }
+static size_t c_ws(void* f, int m, int n) { return ((size_t (*)(int, int))f)(m, n); }
+static int c_gemm_w4(void* f, P A, P B, P S, P Z, P perm, P aperm, P C, P ws, P scratch, int M, int N, int K, int g) {
+	return ((int (*)(const void*, const void*, const void*, const void*, const int32_t*, void*, void*, void*, void*, int, int, int, int))f)(
+		(const void*)A, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm, (void*)aperm, (void*)C, (void*)ws, (void*)scratch, M, N, K, g);
+}
+static int c_dequant(void* f, P B, P S, P Z, P W, int N, int K, int g) {
+	return ((int (*)(const void*, const void*, const void*, void*, int, int, int))f)((const void*)B, (const void*)S, (const void*)Z, (void*)W, N, K, g);
+}
+static int c_probe(void* f, P p, size_t n, P out) { return ((int (*)(const void*, size_t, void*))f)((const void*)p, n, (void*)out); }
+static int c_gemm_f16(void* f, P A, P W, P C, int M, int N, int K) {
+	return ((int (*)(const void*, const void*, void*, int, int, int))f)((const void*)A, (const void*)W, (void*)C, M, N, K);
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"unsafe"
+)
+
+// Lib is a loaded llmq CUDA library.
+type Lib struct {
+	path string
+	f    map[string]unsafe.Pointer
+}
+
+var symbols = []string{
+	"llmq_last_error", "llmq_version", "llmq_device_info", "llmq_malloc", "llmq_free",
+	"llmq_memcpy_h2d", "llmq_memcpy_d2h", "llmq_memcpy_d2d", "llmq_memset", "llmq_sync",
+	"llmq_event_create", "llmq_event_destroy", "llmq_event_record", "llmq_event_elapsed",
+	"llmq_w4a16_workspace_bytes", "llmq_w4a16_gemm", "llmq_w4a16_set_path", "llmq_w4_dequant", "llmq_gemm_f16", "llmq_read_probe",
+}
+
+// DefaultPath is $LLMQ_CUDA_LIB, else build/libllmqcuda.so beside the
+// executable's directory (build/llmq → build/libllmqcuda.so), else in the
+// working directory.
+func DefaultPath() string {
+	if p := os.Getenv("LLMQ_CUDA_LIB"); p != "" {
+		return p
+	}
+	if exe, err := os.Executable(); err == nil {
+		p := filepath.Join(filepath.Dir(exe), "libllmqcuda.so")
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	return filepath.Join("build", "libllmqcuda.so")
+}
+
+// Open loads the library at path ("" for DefaultPath).
+func Open(path string) (*Lib, error) {
+	if path == "" {
+		path = DefaultPath()
+	}
+	cp := C.CString(path)
+	defer C.free(unsafe.Pointer(cp))
+	h := C.lib_open(cp)
+	if h == nil {
+		return nil, fmt.Errorf("GPU unavailable: cannot load the llmq CUDA library %s (%s); build it with `make cuda` on a machine with nvcc, or point LLMQ_CUDA_LIB at it", path, C.GoString(C.lib_error()))
+	}
+	l := &Lib{path: path, f: map[string]unsafe.Pointer{}}
+	for _, s := range symbols {
+		cs := C.CString(s)
+		p := C.lib_sym(h, cs)
+		C.free(unsafe.Pointer(cs))
+		if p == nil {
+			return nil, fmt.Errorf("%s is not a matching llmq CUDA library: symbol %s missing; rebuild with `make cuda`", path, s)
+		}
+		l.f[s] = p
+	}
+	return l, nil
+}
+
+// Path is where the library was loaded from.
+func (l *Lib) Path() string { return l.path }
+
+func (l *Lib) check(call string, rc C.int) error {
+	if rc == 0 {
+		return nil
+	}
+	return fmt.Errorf("%s: %s", call, C.GoString(C.c_str(l.f["llmq_last_error"])))
+}
+
+// Device describes the GPU.
+type Device struct {
+	Name        string
+	FreeBytes   uint64
+	TotalBytes  uint64
+	SMs         int
+	LibraryPath string
+}
+
+// Device queries GPU 0.
+func (l *Lib) Device() (Device, error) {
+	var name [256]C.char
+	var fr, tot C.size_t
+	var sms C.int
+	if err := l.check("llmq_device_info", C.c_info(l.f["llmq_device_info"], &name[0], 256, &fr, &tot, &sms)); err != nil {
+		return Device{}, err
+	}
+	return Device{Name: C.GoString(&name[0]), FreeBytes: uint64(fr), TotalBytes: uint64(tot), SMs: int(sms), LibraryPath: l.path}, nil
+}
+
+// Buf is device memory.
+type Buf struct {
+	p     C.P
+	Bytes int
+}
+
+// Alloc allocates device memory (cudaMalloc).
+func (l *Lib) Alloc(bytes int) (Buf, error) {
+	var p C.P
+	if err := l.check("llmq_malloc", C.c_malloc(l.f["llmq_malloc"], &p, C.size_t(bytes))); err != nil {
+		return Buf{}, fmt.Errorf("allocating %d bytes on the GPU: %w", bytes, err)
+	}
+	return Buf{p: p, Bytes: bytes}, nil
+}
+
+// Free releases device memory.
+func (l *Lib) Free(b Buf) error {
+	if b.p == 0 {
+		return nil
+	}
+	return l.check("llmq_free", C.c_p(l.f["llmq_free"], b.p))
+}
+
+// Offset returns a view of b starting bytes in.
+func (b Buf) Offset(bytes int) Buf { return Buf{p: b.p + C.P(bytes), Bytes: b.Bytes - bytes} }
+
+// Nil reports whether b is unset.
+func (b Buf) Nil() bool { return b.p == 0 }
+
+// Upload copies a host slice into device memory.
+func Upload[T any](l *Lib, dst Buf, src []T) error {
+	if len(src) == 0 {
+		return nil
+	}
+	n := len(src) * int(unsafe.Sizeof(src[0]))
+	if n > dst.Bytes {
+		return fmt.Errorf("upload of %d bytes into a %d-byte buffer", n, dst.Bytes)
+	}
+	return l.check("llmq_memcpy_h2d", C.c_h2d(l.f["llmq_memcpy_h2d"], dst.p, unsafe.Pointer(&src[0]), C.size_t(n)))
+}
+
+// Download copies device memory into a host slice.
+func Download[T any](l *Lib, dst []T, src Buf) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	n := len(dst) * int(unsafe.Sizeof(dst[0]))
+	if n > src.Bytes {
+		return fmt.Errorf("download of %d bytes from a %d-byte buffer", n, src.Bytes)
+	}
+	return l.check("llmq_memcpy_d2h", C.c_d2h(l.f["llmq_memcpy_d2h"], unsafe.Pointer(&dst[0]), src.p, C.size_t(n)))
+}
+
+// AllocFrom allocates a buffer holding a copy of src.
+func AllocFrom[T any](l *Lib, src []T) (Buf, error) {
+	var zero T
+	b, err := l.Alloc(max(1, len(src)) * int(unsafe.Sizeof(zero)))
+	if err != nil {
+		return b, err
+	}
+	return b, Upload(l, b, src)
+}
+
+// Copy copies n bytes between device buffers.
+func (l *Lib) Copy(dst, src Buf, n int) error {
+	return l.check("llmq_memcpy_d2d", C.c_pp_n(l.f["llmq_memcpy_d2d"], dst.p, src.p, C.size_t(n)))
+}
+
+// Memset fills n bytes with v.
+func (l *Lib) Memset(b Buf, v byte, n int) error {
+	return l.check("llmq_memset", C.c_memset(l.f["llmq_memset"], b.p, C.int(v), C.size_t(n)))
+}
+
+// Sync waits for queued work and reports any asynchronous error.
+func (l *Lib) Sync() error { return l.check("llmq_sync", C.c_i(l.f["llmq_sync"])) }
+
+// Event is a CUDA event for timing.
+type Event struct{ p C.P }
+
+// NewEvent creates an event.
+func (l *Lib) NewEvent() (Event, error) {
+	var p C.P
+	err := l.check("llmq_event_create", C.c_event_create(l.f["llmq_event_create"], &p))
+	return Event{p}, err
+}
+
+// Record records e on the library's stream.
+func (l *Lib) Record(e Event) error {
+	return l.check("llmq_event_record", C.c_p(l.f["llmq_event_record"], e.p))
+}
+
+// Elapsed returns milliseconds between two recorded events.
+func (l *Lib) Elapsed(a, b Event) (float64, error) {
+	var ms C.float
+	err := l.check("llmq_event_elapsed", C.c_elapsed(l.f["llmq_event_elapsed"], a.p, b.p, &ms))
+	return float64(ms), err
+}
+
+// DestroyEvent releases an event.
+func (l *Lib) DestroyEvent(e Event) error {
+	return l.check("llmq_event_destroy", C.c_p(l.f["llmq_event_destroy"], e.p))
+}
+
+// WorkspaceBytes is the zeroed workspace GemmW4 needs for M×N.
+func (l *Lib) WorkspaceBytes(M, N int) int {
+	return int(C.c_ws(l.f["llmq_w4a16_workspace_bytes"], C.int(M), C.int(N)))
+}
+
+// Path values for SetPath.
+const (
+	PathAuto   = 0
+	PathFused  = 1
+	PathCuBLAS = 2
+)
+
+// SetPath forces the W4A16 path (tests and benchmarks).
+func (l *Lib) SetPath(p int) { C.c_i_i(l.f["llmq_w4a16_set_path"], C.int(p)) }
+
+// GemmW4 computes C[M,N] = A[M,K]·dequant(w) in fp16. ws must hold
+// WorkspaceBytes(M, N) zeroed bytes; scratch (K·N fp16) enables the
+// cuBLAS path for large M; aperm (M·K fp16) is needed for act-order.
+func (l *Lib) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error {
+	return l.check("llmq_w4a16_gemm", C.c_gemm_w4(l.f["llmq_w4a16_gemm"], A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, C_.p, ws.p, scratch.p,
+		C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group)))
+}
+
+// Dequant writes W[K,N] fp16 = dequant(w).
+func (l *Lib) Dequant(w *W4, W Buf) error {
+	return l.check("llmq_w4_dequant", C.c_dequant(l.f["llmq_w4_dequant"], w.B.p, w.S.p, w.Z.p, W.p, C.int(w.N), C.int(w.K), C.int(w.Group)))
+}
+
+// GemmF16 computes C[M,N] = A[M,K]·W[K,N] with cuBLAS (fp16, fp32 accumulation).
+func (l *Lib) GemmF16(A, W, C_ Buf, M, N, K int) error {
+	return l.check("llmq_gemm_f16", C.c_gemm_f16(l.f["llmq_gemm_f16"], A.p, W.p, C_.p, C.int(M), C.int(N), C.int(K)))
+}
+
+// ReadProbe reads n bytes of b once; out is 4 bytes of scratch.
+func (l *Lib) ReadProbe(b Buf, n int, out Buf) error {
+	return l.check("llmq_read_probe", C.c_probe(l.f["llmq_read_probe"], b.p, C.size_t(n), out.p))
+}

@@ -1,0 +1,335 @@
+// W4A16 GEMM on Tensor Cores: C[M,N] = A[M,K] · dequant(B)[K,N].
+//
+// Fused path (small and medium M, where the weights dominate the bytes):
+// a CTA of 8 warps owns 64 output columns (one "n-tile") and a slice of K;
+// its warps split the slice further. For each 16-row step of K a lane
+// loads one 16-byte chunk of B — exactly its mma.m16n8k16 B fragments for
+// the tile's eight n8 sub-tiles, 32 int4 values — and dequantizes them in
+// registers with the fp16 magic-number trick: OR-ing a nibble into the
+// mantissa of 1024.0 (0x6400) gives the fp16 value 1024 + q, so
+// (1024 + q) − (1024 + z) = q − z exactly, then × scale. A fragments come
+// straight from global memory (they are small and L1/L2-resident). Partial
+// sums are reduced across warps in shared memory and across the K slices
+// with fp32 atomics into a workspace; the last CTA to finish a tile
+// (a per-tile counter) converts it to fp16 and re-zeroes the workspace and
+// counter, so one launch does the whole product.
+//
+// Large M (compute-bound): B is dequantized once to fp16 and multiplied by
+// cuBLAS; the extra K·N·2 bytes are small next to the arithmetic there.
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include "common.cuh"
+
+namespace {
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// deq turns two (1024+q) fp16 values into (q − z)·s, with zz = (1024+z)×2
+// and ss = s×2 as half2 bit patterns.
+__device__ __forceinline__ uint32_t deq(uint32_t q, uint32_t zz, uint32_t ss) {
+  half2 v = __hsub2(*reinterpret_cast<half2*>(&q), *reinterpret_cast<half2*>(&zz));
+  v = __hmul2(v, *reinterpret_cast<half2*>(&ss));
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_a(const half* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+
+// load_group fills the per-lane half2 scales and (1024+zero) values of the
+// eight n8 sub-tiles for group g.
+__device__ __forceinline__ void load_group(const uint4* __restrict__ S, const uint32_t* __restrict__ Z, int g, int NT,
+                                           int nt, int gid, uint32_t (&ss)[8], uint32_t (&zz)[8]) {
+  const uint4 sv = __ldg(S + ((size_t)g * NT + nt) * 8 + gid);
+  const uint32_t zv = __ldg(Z + ((size_t)g * NT + nt) * 8 + gid);
+  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
+    ss[j] = h | (h << 16);
+    const uint32_t zn = 0x6400u | ((zv >> (4 * j)) & 0xfu);
+    zz[j] = zn | (zn << 16);
+  }
+}
+
+template <int MB, int UNROLL>
+__global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                   const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                   half* __restrict__ C, float* __restrict__ ws,
+                                                   int* __restrict__ counters, int M, int N, int K, int group,
+                                                   int splits) {
+  __shared__ float red[16 * MB * 64];
+  __shared__ int s_last;
+  const int nt = blockIdx.x, split = blockIdx.y;
+  const int row0 = blockIdx.z * 16 * MB;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6;
+  const int per_split = (KT + splits - 1) / splits;
+  const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
+  const int per_warp = (s1 - s0 + 7) >> 3;
+  const int k0 = s0 + warp * per_warp, k1 = min(s1, k0 + per_warp);
+
+  for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) red[i] = 0.f;
+
+  float acc[MB][8][4];
+#pragma unroll
+  for (int m = 0; m < MB; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
+
+  const half* arow[MB][2];
+  bool aok[MB][2];
+#pragma unroll
+  for (int m = 0; m < MB; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + m * 16 + gid + 8 * h;
+      aok[m][h] = r < M;
+      arow[m][h] = A + (size_t)min(r, M - 1) * K;
+    }
+
+  const uint4* Bp = B + (size_t)nt * KT * 32 + lane;
+  int cur = -1;
+  uint32_t ss[8], zz[8];
+  for (int kt = k0; kt < k1; kt += UNROLL) {
+    uint4 bq[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (kt + u < k1) bq[u] = ld_stream(Bp + (size_t)(kt + u) * 32);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int k = kt + u;
+      if (k < k1) {
+        const int g = (k << 4) / group;
+        if (g != cur) {
+          cur = g;
+          load_group(S, Z, g, NT, nt, gid, ss, zz);
+        }
+        uint32_t af[MB][4];
+        const int c = (k << 4) + 2 * tig;
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          af[m][0] = aok[m][0] ? ld_a(arow[m][0] + c) : 0u;
+          af[m][1] = aok[m][1] ? ld_a(arow[m][1] + c) : 0u;
+          af[m][2] = aok[m][0] ? ld_a(arow[m][0] + c + 8) : 0u;
+          af[m][3] = aok[m][1] ? ld_a(arow[m][1] + c + 8) : 0u;
+        }
+        const uint32_t w[4] = {bq[u].x, bq[u].y, bq[u].z, bq[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t q = w[i];
+          const uint32_t p0 = (q & 0x000f000fu) | 0x64006400u;
+          const uint32_t p1 = ((q >> 4) & 0x000f000fu) | 0x64006400u;
+          const uint32_t p2 = ((q >> 8) & 0x000f000fu) | 0x64006400u;
+          const uint32_t p3 = ((q >> 12) & 0x000f000fu) | 0x64006400u;
+          const int ja = 2 * i, jb = 2 * i + 1;
+          const uint32_t b0a = deq(p0, zz[ja], ss[ja]), b1a = deq(p1, zz[ja], ss[ja]);
+          const uint32_t b0b = deq(p2, zz[jb], ss[jb]), b1b = deq(p3, zz[jb], ss[jb]);
+#pragma unroll
+          for (int m = 0; m < MB; ++m) {
+            mma16816(acc[m][ja], af[m], b0a, b1a);
+            mma16816(acc[m][jb], af[m], b0b, b1b);
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < MB; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int r = m * 16 + gid, col = j * 8 + 2 * tig;
+      atomicAdd(&red[r * 64 + col], acc[m][j][0]);
+      atomicAdd(&red[r * 64 + col + 1], acc[m][j][1]);
+      atomicAdd(&red[(r + 8) * 64 + col], acc[m][j][2]);
+      atomicAdd(&red[(r + 8) * 64 + col + 1], acc[m][j][3]);
+    }
+  __syncthreads();
+  if (splits == 1) {
+    for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) {
+      const int r = row0 + i / 64;
+      if (r < M) C[(size_t)r * N + nt * 64 + (i & 63)] = __float2half_rn(red[i]);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) {
+    const int r = row0 + i / 64;
+    if (r < M) atomicAdd(&ws[(size_t)r * N + nt * 64 + (i & 63)], red[i]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&counters[blockIdx.z * NT + nt], 1) == splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) {
+    const int r = row0 + i / 64;
+    if (r < M) {
+      const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
+      C[idx] = __float2half_rn(__ldcg(&ws[idx]));
+      ws[idx] = 0.f;
+    }
+  }
+  if (threadIdx.x == 0) counters[blockIdx.z * NT + nt] = 0;
+}
+
+// dequant_kernel writes W[K][N] fp16 from the tiled layout, one 16-byte
+// chunk per thread, with the same fp16 arithmetic as the fused kernel.
+__global__ void dequant_kernel(const uint4* __restrict__ B, const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                               half* __restrict__ W, int N, int K, int group) {
+  const int KT = K >> 4, NT = N >> 6;
+  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (size_t)NT * KT * 32) return;
+  const int lane = idx & 31;
+  const size_t chunk = idx >> 5;
+  const int kt = chunk % KT, nt = chunk / KT;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int g = (kt << 4) / group;
+  uint32_t ss[8], zz[8];
+  load_group(S, Z, g, NT, nt, gid, ss, zz);
+  const uint4 v = __ldg(B + idx);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t q = w[i];
+    const uint32_t p[4] = {(q & 0x000f000fu) | 0x64006400u, ((q >> 4) & 0x000f000fu) | 0x64006400u,
+                           ((q >> 8) & 0x000f000fu) | 0x64006400u, ((q >> 12) & 0x000f000fu) | 0x64006400u};
+    for (int s = 0; s < 4; ++s) {
+      const int j = 2 * i + (s >> 1);              // n8 sub-tile
+      const int kk = 2 * tig + ((s & 1) ? 8 : 0);  // first k of the pair
+      const uint32_t d = deq(p[s], zz[j], ss[j]);
+      const int n = nt * 64 + j * 8 + gid;
+      const int k = kt * 16 + kk;
+      W[(size_t)k * N + n] = __ushort_as_half((unsigned short)(d & 0xffffu));
+      W[(size_t)(k + 1) * N + n] = __ushort_as_half((unsigned short)(d >> 16));
+    }
+  }
+}
+
+__global__ void gather_cols(const half* __restrict__ A, const int32_t* __restrict__ perm, half* __restrict__ out, int M,
+                            int K) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)M * K) return;
+  const size_t m = i / K;
+  out[i] = A[m * K + perm[i % K]];
+}
+
+int g_path = 0;
+int g_sms = 0;
+cublasHandle_t g_cublas = nullptr;
+
+int cublas_handle(cublasHandle_t* h) {
+  if (!g_cublas) {
+    cublasStatus_t s = cublasCreate(&g_cublas);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+      llmq::set_error("cublasCreate failed: status %d", (int)s);
+      return 1;
+    }
+    cublasSetStream(g_cublas, llmq::stream());
+  }
+  *h = g_cublas;
+  return 0;
+}
+
+int check_shape(int M, int N, int K, int group) {
+  if (M < 1 || N < 64 || N % 64 || K < 16 || K % 16 || group < 16 || group % 16 || K % group) {
+    llmq::set_error("unsupported W4A16 shape M=%d N=%d K=%d group=%d (need N %% 64 == 0, group %% 16 == 0, K %% group == 0)",
+                    M, N, K, group);
+    return 1;
+  }
+  return 0;
+}
+
+template <int MB, int UNROLL>
+int launch_fused(const half* A, const void* B, const void* S, const void* Z, half* C, void* workspace, int M, int N,
+                 int K, int group) {
+  if (!g_sms) CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
+  const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * MB - 1) / (16 * MB);
+  int splits = (2 * g_sms + NT * mblocks - 1) / (NT * mblocks);
+  splits = max(1, min(splits, KT / 8));
+  float* ws = (float*)workspace;
+  int* counters = (int*)(ws + (size_t)M * N);
+  w4a16_fused<MB, UNROLL><<<dim3(NT, splits, mblocks), 256, 0, llmq::stream()>>>(
+      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group, splits);
+  CK_LAUNCH("w4a16_fused");
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+size_t llmq_w4a16_workspace_bytes(int M, int N) {
+  return (size_t)M * N * sizeof(float) + (size_t)((M + 15) / 16) * (N / 64) * sizeof(int);
+}
+
+int llmq_w4a16_set_path(int path) {
+  g_path = path;
+  return 0;
+}
+
+int llmq_w4_dequant(const void* B, const void* S, const void* Z, void* W, int N, int K, int group) {
+  if (check_shape(1, N, K, group)) return 1;
+  const size_t threads = (size_t)(N / 64) * (K / 16) * 32;
+  dequant_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, llmq::stream()>>>(
+      (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, (half*)W, N, K, group);
+  CK_LAUNCH("dequant_kernel");
+  return 0;
+}
+
+int llmq_gemm_f16(const void* A, const void* W, void* C, int M, int N, int K) {
+  cublasHandle_t h;
+  if (cublas_handle(&h)) return 1;
+  const float alpha = 1.f, beta = 0.f;
+  // Row-major C = A·W is column-major Cᵀ = Wᵀ·Aᵀ.
+  cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, N, A, CUDA_R_16F, K,
+                                  &beta, C, CUDA_R_16F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    llmq::set_error("cublasGemmEx failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
+    return 1;
+  }
+  return 0;
+}
+
+int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
+                    void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group) {
+  if (check_shape(M, N, K, group)) return 1;
+  const half* a = (const half*)A;
+  if (perm) {
+    if (!a_perm) {
+      llmq::set_error("act-order weights need an a_perm scratch of M·K fp16");
+      return 1;
+    }
+    const size_t n = (size_t)M * K;
+    gather_cols<<<(unsigned)((n + 255) / 256), 256, 0, llmq::stream()>>>(a, perm, (half*)a_perm, M, K);
+    CK_LAUNCH("gather_cols");
+    a = (const half*)a_perm;
+  }
+  int path = g_path ? g_path : (M <= 128 || !scratch ? 1 : 2);
+  if (path == 2) {
+    if (!scratch) {
+      llmq::set_error("the dequantize+cuBLAS path needs a K·N fp16 scratch");
+      return 1;
+    }
+    if (llmq_w4_dequant(B, scales, zeros, scratch, N, K, group)) return 1;
+    return llmq_gemm_f16(a, scratch, C, M, N, K);
+  }
+  if (M <= 16) return launch_fused<1, 8>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (M <= 32) return launch_fused<2, 8>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  return launch_fused<4, 4>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+}
+}

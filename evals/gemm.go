@@ -1,0 +1,203 @@
+//go:build cgo
+
+package evals
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"sort"
+
+	"github.com/llmq/llmq/cuda"
+	"github.com/llmq/llmq/pack"
+	"github.com/x448/float16"
+)
+
+// GemmShape is one linear layer: K inputs → N outputs.
+type GemmShape struct {
+	Name string `json:"name"`
+	K    int    `json:"k"`
+	N    int    `json:"n"`
+}
+
+// LlamaShapes are Llama-3-8B's linear layers (fused qkv, o, fused gate+up,
+// down) and Llama-3-70B's down projection.
+var LlamaShapes = []GemmShape{
+	{"8B qkv 4096→6144", 4096, 6144}, {"8B o 4096→4096", 4096, 4096},
+	{"8B gate+up 4096→28672", 4096, 28672}, {"8B down 14336→4096", 14336, 4096},
+	{"70B down 28672→8192", 28672, 8192},
+}
+
+// GemmResult is one shape at one M.
+type GemmResult struct {
+	Shape       string  `json:"shape"`
+	M           int     `json:"m"`
+	K           int     `json:"k"`
+	N           int     `json:"n"`
+	W4Micros    float64 `json:"w4a16_us"`
+	CuBLASMicro float64 `json:"cublas_fp16_us"`
+	Speedup     float64 `json:"speedup"`
+	TFLOPS      float64 `json:"w4a16_tflops"`
+	Bytes       int64   `json:"bytes_moved"`
+	BWFraction  float64 `json:"fraction_of_read_bw"`
+}
+
+// GemmBench times the W4A16 kernel against cuBLAS fp16 with CUDA events:
+// warm-up, then the median of iters runs, rotating among enough copies of
+// the weights that L2 (60 MB on the H200) cannot serve them.
+type GemmBench struct {
+	Lib   *cuda.Lib
+	Iters int
+	// ReadBW is the measured read bandwidth in bytes/s (MeasureReadBW).
+	ReadBW float64
+}
+
+// MeasureReadBW reads a 2 GiB buffer once per run and returns bytes/s.
+func (b *GemmBench) MeasureReadBW() (float64, error) {
+	const n = 2 << 30
+	buf, err := b.Lib.Alloc(n)
+	if err != nil {
+		return 0, err
+	}
+	defer b.Lib.Free(buf)
+	out, _ := b.Lib.Alloc(16)
+	defer b.Lib.Free(out)
+	b.Lib.Memset(buf, 1, n)
+	ms, err := b.median(func(int) error { return b.Lib.ReadProbe(buf, n, out) }, 20)
+	if err != nil {
+		return 0, err
+	}
+	b.ReadBW = n / (ms / 1e3)
+	return b.ReadBW, nil
+}
+
+// median times fn (given the iteration number) and returns the median ms.
+func (b *GemmBench) median(fn func(i int) error, iters int) (float64, error) {
+	l := b.Lib
+	start, _ := l.NewEvent()
+	stop, _ := l.NewEvent()
+	defer l.DestroyEvent(start)
+	defer l.DestroyEvent(stop)
+	for i := 0; i < 10; i++ {
+		if err := fn(i); err != nil {
+			return 0, err
+		}
+	}
+	if err := l.Sync(); err != nil {
+		return 0, err
+	}
+	times := make([]float64, iters)
+	for i := range times {
+		l.Record(start)
+		if err := fn(i); err != nil {
+			return 0, err
+		}
+		l.Record(stop)
+		ms, err := l.Elapsed(start, stop)
+		if err != nil {
+			return 0, err
+		}
+		times[i] = ms
+	}
+	sort.Float64s(times)
+	return times[len(times)/2], nil
+}
+
+// randomGPUWeights makes a random 4-bit layer in the kernel layout (values
+// uniform over the grid, realistic scales; act-order off).
+func randomGPUWeights(r *rand.Rand, K, N int) (*pack.GPUWeights, error) {
+	G := K / 128
+	l := &pack.Linear{In: K, Out: N, Grid: pack.Grid{Bits: 4, GroupSize: 128}, Q: make([]uint8, N*K),
+		Scale: make([]float32, G*N), Zero: make([]uint8, G*N), GIdx: pack.SequentialGIdx(K, 128)}
+	for i := range l.Q {
+		l.Q[i] = uint8(r.Uint32() & 15)
+	}
+	for i := range l.Scale {
+		l.Scale[i] = pack.RoundF16(0.001 + 0.01*r.Float32())
+		l.Zero[i] = uint8(r.IntN(16))
+	}
+	return l.GPULayout()
+}
+
+// Run measures one shape at each M.
+func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
+	l := b.Lib
+	r := rand.New(rand.NewPCG(uint64(s.K), uint64(s.N)))
+	g, err := randomGPUWeights(r, s.K, s.N)
+	if err != nil {
+		return nil, err
+	}
+	w4Bytes := len(g.B)*4 + len(g.Scales)*2 + len(g.Zeros)*4
+	f16Bytes := s.K * s.N * 2
+	copies := func(bytes int) int { return max(1, min(16, (256<<20)/bytes+1)) }
+	var ws4 []*cuda.W4
+	for i := 0; i < copies(w4Bytes); i++ {
+		w, err := l.UploadW4(g)
+		if err != nil {
+			return nil, err
+		}
+		defer w.Free(l)
+		ws4 = append(ws4, w)
+	}
+	var wf16 []cuda.Buf
+	for i := 0; i < copies(f16Bytes); i++ {
+		w, err := l.Alloc(f16Bytes)
+		if err != nil {
+			return nil, err
+		}
+		defer l.Free(w)
+		if err := l.Dequant(ws4[0], w); err != nil {
+			return nil, err
+		}
+		wf16 = append(wf16, w)
+	}
+	maxM := 0
+	for _, m := range Ms {
+		maxM = max(maxM, m)
+	}
+	abits := make([]uint16, maxM*s.K)
+	for i := range abits {
+		abits[i] = float16.Fromfloat32(float32(r.NormFloat64())).Bits()
+	}
+	A, err := cuda.AllocFrom(l, abits)
+	if err != nil {
+		return nil, err
+	}
+	defer l.Free(A)
+	C, _ := l.Alloc(maxM * s.N * 2)
+	defer l.Free(C)
+	ws, err := l.Alloc(l.WorkspaceBytes(maxM, s.N))
+	if err != nil {
+		return nil, err
+	}
+	defer l.Free(ws)
+	l.Memset(ws, 0, ws.Bytes)
+	scratch, err := l.Alloc(f16Bytes)
+	if err != nil {
+		return nil, err
+	}
+	defer l.Free(scratch)
+
+	var out []GemmResult
+	for _, M := range Ms {
+		t4, err := b.median(func(i int) error {
+			return l.GemmW4(A, C, ws4[i%len(ws4)], M, ws, scratch, cuda.Buf{})
+		}, b.Iters)
+		if err != nil {
+			return nil, fmt.Errorf("%s M=%d: %w", s.Name, M, err)
+		}
+		t16, err := b.median(func(i int) error {
+			return l.GemmF16(A, wf16[i%len(wf16)], C, M, s.N, s.K)
+		}, b.Iters)
+		if err != nil {
+			return nil, fmt.Errorf("%s M=%d cuBLAS: %w", s.Name, M, err)
+		}
+		bytes := int64(w4Bytes) + int64(M*s.K*2) + int64(M*s.N*2)
+		res := GemmResult{Shape: s.Name, M: M, K: s.K, N: s.N, W4Micros: t4 * 1e3, CuBLASMicro: t16 * 1e3,
+			Speedup: t16 / t4, TFLOPS: 2 * float64(M) * float64(s.K) * float64(s.N) / (t4 / 1e3) / 1e12, Bytes: bytes}
+		if b.ReadBW > 0 {
+			res.BWFraction = float64(bytes) / (t4 / 1e3) / b.ReadBW
+		}
+		out = append(out, res)
+	}
+	return out, nil
+}

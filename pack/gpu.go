@@ -1,0 +1,152 @@
+package pack
+
+import (
+	"fmt"
+	"sort"
+
+	"github.com/x448/float16"
+)
+
+// GPUWeights is a 4-bit layer in the layout the CUDA W4A16 kernel reads
+// (cuda/llmq.h): B in 16-byte chunks, one per lane of a warp, each holding
+// the lane's mma.m16n8k16 B fragments for a 16×64 tile; scales and zeros
+// reordered so a lane reads its eight columns' values with one load.
+//
+// For K = In rows and N = Out columns, chunk (nt, kt) covers columns
+// nt·64 … nt·64+63 and rows kt·16 … kt·16+15 and sits at chunk index
+// nt·(K/16) + kt; lane l = 4·gid + tig holds 4 words w0…w3, and word i
+// holds, for the n8 sub-tiles j = 2i and 2i+1 (column n = nt·64 + j·8 + gid):
+//
+//	nibble 0/4: rows 2·tig, 2·tig+1 of sub-tile 2i     (mma b0, low/high half)
+//	nibble 1/5: rows 2·tig+8, 2·tig+9 of sub-tile 2i   (mma b1)
+//	nibble 2/6, 3/7: the same rows of sub-tile 2i+1
+//
+// so that (w >> 4p) & 0x000F000F extracts fragment register p as two fp16
+// mantissas. Act-order layers are handled once here: input channels are
+// sorted by g_idx (Perm), so groups are contiguous and the kernel never
+// reads g_idx; the runtime gathers A's columns through Perm.
+type GPUWeights struct {
+	K, N, Group int
+	B           []uint32 // K·N/8 words
+	Scales      []uint16 // fp16 bits, [G][N/64][8][8]
+	Zeros       []uint32 // [G][N/64][8], nibble j = zero of sub-tile j
+	Perm        []int32  // nil when g_idx is sequential
+}
+
+// GPULayout repacks a 4-bit layer for the kernel.
+func (l *Linear) GPULayout() (*GPUWeights, error) {
+	K, N := l.In, l.Out
+	if l.Grid.Bits != 4 {
+		return nil, fmt.Errorf("the GPU kernel runs 4-bit weights, this layer has %d bits", l.Grid.Bits)
+	}
+	group := l.Grid.Group(K)
+	if N%64 != 0 || K%16 != 0 || group%16 != 0 || K%group != 0 {
+		return nil, fmt.Errorf("the GPU kernel needs out %% 64 == 0 and a group that is a multiple of 16 dividing in (have out %d, in %d, group %d)", N, K, group)
+	}
+	G := K / group
+	perm, err := groupOrder(l.GIdx, G, group)
+	if err != nil {
+		return nil, err
+	}
+	src := func(k int) int { // original input channel of kernel row k
+		if perm == nil {
+			return k
+		}
+		return int(perm[k])
+	}
+	g := &GPUWeights{K: K, N: N, Group: group, Perm: perm,
+		B: make([]uint32, K*N/8), Scales: make([]uint16, G*N), Zeros: make([]uint32, G*N/8)}
+	q := func(k, n int) uint32 { return uint32(l.Q[n*K+src(k)]) }
+	KT, NT := K/16, N/64
+	for nt := 0; nt < NT; nt++ {
+		for kt := 0; kt < KT; kt++ {
+			for lane := 0; lane < 32; lane++ {
+				gid, tig := lane/4, lane%4
+				k := kt*16 + 2*tig
+				base := ((nt*KT+kt)*32 + lane) * 4
+				for i := 0; i < 4; i++ {
+					na := nt*64 + (2*i)*8 + gid
+					nb := nt*64 + (2*i+1)*8 + gid
+					w := q(k, na) | q(k+8, na)<<4 | q(k, nb)<<8 | q(k+8, nb)<<12 |
+						q(k+1, na)<<16 | q(k+9, na)<<20 | q(k+1, nb)<<24 | q(k+9, nb)<<28
+					g.B[base+i] = w
+				}
+			}
+		}
+	}
+	for grp := 0; grp < G; grp++ {
+		for nt := 0; nt < NT; nt++ {
+			for gid := 0; gid < 8; gid++ {
+				var z uint32
+				for j := 0; j < 8; j++ {
+					n := nt*64 + j*8 + gid
+					g.Scales[((grp*NT+nt)*8+gid)*8+j] = float16.Fromfloat32(l.Scale[grp*N+n]).Bits()
+					z |= uint32(l.Zero[grp*N+n]) << (4 * j)
+				}
+				g.Zeros[(grp*NT+nt)*8+gid] = z
+			}
+		}
+	}
+	return g, nil
+}
+
+// groupOrder returns nil for a sequential g_idx, else the input channels
+// sorted (stably) by group, after checking every group has `group` members.
+func groupOrder(gidx []int32, G, group int) ([]int32, error) {
+	sequential := true
+	count := make([]int, G)
+	for i, g := range gidx {
+		if int(g) != i/group {
+			sequential = false
+		}
+		if g < 0 || int(g) >= G {
+			return nil, fmt.Errorf("g_idx[%d] = %d outside [0, %d)", i, g, G)
+		}
+		count[g]++
+	}
+	if sequential {
+		return nil, nil
+	}
+	for g, c := range count {
+		if c != group {
+			return nil, fmt.Errorf("g_idx gives group %d %d channels, the GPU layout needs exactly %d", g, c, group)
+		}
+	}
+	perm := make([]int32, len(gidx))
+	for i := range perm {
+		perm[i] = int32(i)
+	}
+	sort.SliceStable(perm, func(a, b int) bool { return gidx[perm[a]] < gidx[perm[b]] })
+	return perm, nil
+}
+
+// Dequantize decodes the GPU layout back to W[K][N] in kernel row order
+// (rows permuted by Perm), with the kernel's fp16 arithmetic: (q − z)·s
+// rounded once to fp16. Tests use it as the CPU reference of the kernel.
+func (g *GPUWeights) Dequantize() []float32 {
+	K, N := g.K, g.N
+	KT, NT := K/16, N/64
+	W := make([]float32, K*N)
+	for nt := 0; nt < NT; nt++ {
+		for kt := 0; kt < KT; kt++ {
+			grp := kt * 16 / g.Group
+			for lane := 0; lane < 32; lane++ {
+				gid, tig := lane/4, lane%4
+				for i := 0; i < 4; i++ {
+					w := g.B[((nt*KT+kt)*32+lane)*4+i]
+					for nib := 0; nib < 8; nib++ {
+						j := 2*i + (nib>>1)&1
+						k := kt*16 + 2*tig + 8*(nib&1) + nib/4
+						n := nt*64 + j*8 + gid
+						q := int(w>>(4*nib)) & 15
+						s := float16.Frombits(g.Scales[((grp*NT+nt)*8+gid)*8+j]).Float32()
+						z := int(g.Zeros[(grp*NT+nt)*8+gid]>>(4*j)) & 15
+						W[k*N+n] = RoundF16(float32(q-z) * s)
+					}
+				}
+			}
+		}
+	}
+	return W
+}
+
