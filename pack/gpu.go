@@ -149,4 +149,3 @@ func (g *GPUWeights) Dequantize() []float32 {
 	}
 	return W
 }
-
