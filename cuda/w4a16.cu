@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
                                                    half* __restrict__ C, float* __restrict__ ws,
                                                    int* __restrict__ counters, int M, int N, int K, int group,
                                                    int splits) {
-  __shared__ float red[16 * MB * 64];
+  __shared__ __align__(16) float red[8][16 * 64];  // one 16×64 slice per warp
   __shared__ int s_last;
   const int nt = blockIdx.x, split = blockIdx.y;
   const int row0 = blockIdx.z * 16 * MB;
@@ -80,8 +80,6 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
   const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
   const int per_warp = (s1 - s0 + 7) >> 3;
   const int k0 = s0 + warp * per_warp, k1 = min(s1, k0 + per_warp);
-
-  for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) red[i] = 0.f;
 
   float acc[MB][8][4];
 #pragma unroll
@@ -148,29 +146,36 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
       }
     }
   }
-  __syncthreads();
+  // Reduce the eight warps' partial sums one m-tile at a time: each warp
+  // writes its slice, then each thread sums four outputs over the slices.
 #pragma unroll
-  for (int m = 0; m < MB; ++m)
+  for (int m = 0; m < MB; ++m) {
+    if (row0 + m * 16 >= M) break;  // uniform across the CTA
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int r = m * 16 + gid, col = j * 8 + 2 * tig;
-      atomicAdd(&red[r * 64 + col], acc[m][j][0]);
-      atomicAdd(&red[r * 64 + col + 1], acc[m][j][1]);
-      atomicAdd(&red[(r + 8) * 64 + col], acc[m][j][2]);
-      atomicAdd(&red[(r + 8) * 64 + col + 1], acc[m][j][3]);
+      const int col = j * 8 + 2 * tig;
+      *reinterpret_cast<float2*>(&red[warp][gid * 64 + col]) = make_float2(acc[m][j][0], acc[m][j][1]);
+      *reinterpret_cast<float2*>(&red[warp][(gid + 8) * 64 + col]) = make_float2(acc[m][j][2], acc[m][j][3]);
     }
-  __syncthreads();
-  if (splits == 1) {
-    for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) {
-      const int r = row0 + i / 64;
-      if (r < M) C[(size_t)r * N + nt * 64 + (i & 63)] = __float2half_rn(red[i]);
+    __syncthreads();
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = threadIdx.x + 256 * e;
+      const int r = row0 + m * 16 + i / 64;
+      if (r < M) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v += red[w][i];
+        const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
+        if (splits == 1)
+          C[idx] = __float2half_rn(v);
+        else
+          atomicAdd(&ws[idx], v);
+      }
     }
-    return;
+    __syncthreads();
   }
-  for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) {
-    const int r = row0 + i / 64;
-    if (r < M) atomicAdd(&ws[(size_t)r * N + nt * 64 + (i & 63)], red[i]);
-  }
+  if (splits == 1) return;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(&counters[blockIdx.z * NT + nt], 1) == splits - 1;
@@ -188,35 +193,44 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
   if (threadIdx.x == 0) counters[blockIdx.z * NT + nt] = 0;
 }
 
-// dequant_kernel writes W[K][N] fp16 from the tiled layout, one 16-byte
-// chunk per thread, with the same fp16 arithmetic as the fused kernel.
-__global__ void dequant_kernel(const uint4* __restrict__ B, const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                               half* __restrict__ W, int N, int K, int group) {
+// dequant_kernel writes W[K][N] fp16 from the tiled layout, one warp per
+// 16×64 chunk, with the same fp16 arithmetic as the fused kernel: lanes
+// dequantize their fragments into a shared tile, then store it as 16 rows
+// of 128 contiguous bytes.
+__global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ B, const uint4* __restrict__ S,
+                                                      const uint32_t* __restrict__ Z, half* __restrict__ W, int N,
+                                                      int K, int group) {
+  __shared__ __align__(16) half tile[8][16][64];
   const int KT = K >> 4, NT = N >> 6;
-  const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= (size_t)NT * KT * 32) return;
-  const int lane = idx & 31;
-  const size_t chunk = idx >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const size_t chunk = (size_t)blockIdx.x * 8 + warp;
+  if (chunk >= (size_t)NT * KT) return;
   const int kt = chunk % KT, nt = chunk / KT;
   const int gid = lane >> 2, tig = lane & 3;
-  const int g = (kt << 4) / group;
   uint32_t ss[8], zz[8];
-  load_group(S, Z, g, NT, nt, gid, ss, zz);
-  const uint4 v = __ldg(B + idx);
+  load_group(S, Z, (kt << 4) / group, NT, nt, gid, ss, zz);
+  const uint4 v = __ldg(B + chunk * 32 + lane);
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
   for (int i = 0; i < 4; ++i) {
     const uint32_t q = w[i];
     const uint32_t p[4] = {(q & 0x000f000fu) | 0x64006400u, ((q >> 4) & 0x000f000fu) | 0x64006400u,
                            ((q >> 8) & 0x000f000fu) | 0x64006400u, ((q >> 12) & 0x000f000fu) | 0x64006400u};
+#pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int j = 2 * i + (s >> 1);              // n8 sub-tile
-      const int kk = 2 * tig + ((s & 1) ? 8 : 0);  // first k of the pair
+      const int kk = 2 * tig + ((s & 1) ? 8 : 0);  // first row of the pair
       const uint32_t d = deq(p[s], zz[j], ss[j]);
-      const int n = nt * 64 + j * 8 + gid;
-      const int k = kt * 16 + kk;
-      W[(size_t)k * N + n] = __ushort_as_half((unsigned short)(d & 0xffffu));
-      W[(size_t)(k + 1) * N + n] = __ushort_as_half((unsigned short)(d >> 16));
+      tile[warp][kk][j * 8 + gid] = __ushort_as_half((unsigned short)(d & 0xffffu));
+      tile[warp][kk + 1][j * 8 + gid] = __ushort_as_half((unsigned short)(d >> 16));
     }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int piece = lane + 32 * i, row = piece >> 3, c8 = (piece & 7) * 8;
+    *reinterpret_cast<uint4*>(&W[(size_t)(kt * 16 + row) * N + nt * 64 + c8]) =
+        *reinterpret_cast<const uint4*>(&tile[warp][row][c8]);
   }
 }
 
@@ -284,8 +298,8 @@ int llmq_w4a16_set_path(int path) {
 
 int llmq_w4_dequant(const void* B, const void* S, const void* Z, void* W, int N, int K, int group) {
   if (check_shape(1, N, K, group)) return 1;
-  const size_t threads = (size_t)(N / 64) * (K / 16) * 32;
-  dequant_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, llmq::stream()>>>(
+  const size_t chunks = (size_t)(N / 64) * (K / 16);
+  dequant_kernel<<<(unsigned)((chunks + 7) / 8), 256, 0, llmq::stream()>>>(
       (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, (half*)W, N, K, group);
   CK_LAUNCH("dequant_kernel");
   return 0;
