@@ -26,3 +26,9 @@ case "${1:-all}" in
     build/device/llmq bench gemm --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt"
     ;;
 esac
+case "${1:-all}" in
+  all|tune)
+    echo "fused path forced up to M=1024:"
+    LLMQ_W4_FUSED_MAX_M=1024 build/device/llmq bench gemm --m 128,256,512,1024 --iters 50 2>&1 | tail -21 | tee "$OUT/gemm-fused-large-m.txt"
+    ;;
+esac

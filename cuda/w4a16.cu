@@ -18,6 +18,7 @@
 // cuBLAS; the extra K·N·2 bytes are small next to the arithmetic there.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
+#include <stdlib.h>
 #include "common.cuh"
 
 namespace {
@@ -103,11 +104,26 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
   const uint4* Bp = B + (size_t)nt * KT * 32 + lane;
   int cur = -1;
   uint32_t ss[8], zz[8];
+  const int c0 = 2 * tig;
   for (int kt = k0; kt < k1; kt += UNROLL) {
+    // Issue every load of the batch (B chunks and A fragments) before any
+    // arithmetic, so the warp waits for one round trip per batch.
     uint4 bq[UNROLL];
+    uint32_t af[UNROLL][MB][4];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
-      if (kt + u < k1) bq[u] = ld_stream(Bp + (size_t)(kt + u) * 32);
+    for (int u = 0; u < UNROLL; ++u) {
+      if (kt + u < k1) {
+        bq[u] = ld_stream(Bp + (size_t)(kt + u) * 32);
+        const int c = ((kt + u) << 4) + c0;
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          af[u][m][0] = aok[m][0] ? ld_a(arow[m][0] + c) : 0u;
+          af[u][m][1] = aok[m][1] ? ld_a(arow[m][1] + c) : 0u;
+          af[u][m][2] = aok[m][0] ? ld_a(arow[m][0] + c + 8) : 0u;
+          af[u][m][3] = aok[m][1] ? ld_a(arow[m][1] + c + 8) : 0u;
+        }
+      }
+    }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int k = kt + u;
@@ -116,15 +132,6 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
         if (g != cur) {
           cur = g;
           load_group(S, Z, g, NT, nt, gid, ss, zz);
-        }
-        uint32_t af[MB][4];
-        const int c = (k << 4) + 2 * tig;
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          af[m][0] = aok[m][0] ? ld_a(arow[m][0] + c) : 0u;
-          af[m][1] = aok[m][1] ? ld_a(arow[m][1] + c) : 0u;
-          af[m][2] = aok[m][0] ? ld_a(arow[m][0] + c + 8) : 0u;
-          af[m][3] = aok[m][1] ? ld_a(arow[m][1] + c + 8) : 0u;
         }
         const uint32_t w[4] = {bq[u].x, bq[u].y, bq[u].z, bq[u].w};
 #pragma unroll
@@ -139,8 +146,8 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
           const uint32_t b0b = deq(p2, zz[jb], ss[jb]), b1b = deq(p3, zz[jb], ss[jb]);
 #pragma unroll
           for (int m = 0; m < MB; ++m) {
-            mma16816(acc[m][ja], af[m], b0a, b1a);
-            mma16816(acc[m][jb], af[m], b0b, b1b);
+            mma16816(acc[m][ja], af[u][m], b0a, b1a);
+            mma16816(acc[m][jb], af[u][m], b0b, b1b);
           }
         }
       }
@@ -271,16 +278,33 @@ int check_shape(int M, int N, int K, int group) {
 template <int MB, int UNROLL>
 int launch_fused(const half* A, const void* B, const void* S, const void* Z, half* C, void* workspace, int M, int N,
                  int K, int group) {
+  static int resident = 0;  // CTAs of this instantiation per SM
   if (!g_sms) CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
+  if (!resident) CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, UNROLL>, 256, 0));
   const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * MB - 1) / (16 * MB);
-  int splits = (2 * g_sms + NT * mblocks - 1) / (NT * mblocks);
-  splits = max(1, min(splits, KT / 8));
+  // One full wave: as many K splits as fill the resident CTA slots, each
+  // warp keeping at least one batch of 16-row steps; fewer splits as M grows
+  // (the cross-CTA reduction costs M·N·splits atomics).
+  int splits = max(1, (g_sms * max(resident, 1)) / (NT * mblocks));
+  splits = min(splits, max(1, KT / (8 * UNROLL)));
+  if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
   w4a16_fused<MB, UNROLL><<<dim3(NT, splits, mblocks), 256, 0, llmq::stream()>>>(
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group, splits);
   CK_LAUNCH("w4a16_fused");
   return 0;
+}
+
+// fused_max_m is the largest M the fused kernel takes in automatic mode
+// ($LLMQ_W4_FUSED_MAX_M overrides, for tuning).
+int fused_max_m() {
+  static int v = -1;
+  if (v < 0) {
+    const char* e = getenv("LLMQ_W4_FUSED_MAX_M");
+    v = e ? atoi(e) : 128;
+  }
+  return v;
 }
 
 }  // namespace
@@ -333,7 +357,7 @@ int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void
     CK_LAUNCH("gather_cols");
     a = (const half*)a_perm;
   }
-  int path = g_path ? g_path : (M <= 128 || !scratch ? 1 : 2);
+  int path = g_path ? g_path : (M <= fused_max_m() || !scratch ? 1 : 2);
   if (path == 2) {
     if (!scratch) {
       llmq::set_error("the dequantize+cuBLAS path needs a K·N fp16 scratch");
@@ -343,7 +367,7 @@ int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void
     return llmq_gemm_f16(a, scratch, C, M, N, K);
   }
   if (M <= 16) return launch_fused<1, 8>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  if (M <= 32) return launch_fused<2, 8>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  return launch_fused<4, 4>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (M <= 32) return launch_fused<2, 4>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  return launch_fused<4, 2>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
 }
 }
