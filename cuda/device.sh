@@ -28,7 +28,7 @@ case "${1:-all}" in
 esac
 case "${1:-all}" in
   all|tune)
-    echo "fused path forced up to M=1024:"
-    LLMQ_W4_FUSED_MAX_M=1024 build/device/llmq bench gemm --m 128,256,512,1024 --iters 50 2>&1 | tail -21 | tee "$OUT/gemm-fused-large-m.txt"
+    echo "fused path forced up to M=256:"
+    LLMQ_W4_FUSED_MAX_M=256 build/device/llmq bench gemm --m 32,64,128,256 --iters 100 2>&1 | tail -21 | tee "$OUT/gemm-fused-large-m.txt"
     ;;
 esac

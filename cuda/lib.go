@@ -66,6 +66,7 @@ var symbols = []string{
 	"llmq_memcpy_h2d", "llmq_memcpy_d2h", "llmq_memcpy_d2d", "llmq_memset", "llmq_sync",
 	"llmq_event_create", "llmq_event_destroy", "llmq_event_record", "llmq_event_elapsed",
 	"llmq_w4a16_workspace_bytes", "llmq_w4a16_gemm", "llmq_w4a16_set_path", "llmq_w4_dequant", "llmq_gemm_f16", "llmq_read_probe",
+	"llmq_capture_begin", "llmq_capture_end", "llmq_graph_launch", "llmq_graph_destroy",
 }
 
 // DefaultPath is $LLMQ_CUDA_LIB, else build/libllmqcuda.so beside the
@@ -277,4 +278,31 @@ func (l *Lib) GemmF16(A, W, C_ Buf, M, N, K int) error {
 // ReadProbe reads n bytes of b once; out is 4 bytes of scratch.
 func (l *Lib) ReadProbe(b Buf, n int, out Buf) error {
 	return l.check("llmq_read_probe", C.c_probe(l.f["llmq_read_probe"], b.p, C.size_t(n), out.p))
+}
+
+// Graph is an instantiated CUDA graph.
+type Graph struct{ p C.P }
+
+// Capture records the GPU work fn issues into a graph instead of running it.
+func (l *Lib) Capture(fn func() error) (Graph, error) {
+	if err := l.check("llmq_capture_begin", C.c_i(l.f["llmq_capture_begin"])); err != nil {
+		return Graph{}, err
+	}
+	ferr := fn()
+	var p C.P
+	err := l.check("llmq_capture_end", C.c_event_create(l.f["llmq_capture_end"], &p))
+	if ferr != nil {
+		return Graph{}, ferr
+	}
+	return Graph{p}, err
+}
+
+// Launch replays a graph.
+func (l *Lib) Launch(g Graph) error {
+	return l.check("llmq_graph_launch", C.c_p(l.f["llmq_graph_launch"], g.p))
+}
+
+// DestroyGraph releases a graph.
+func (l *Lib) DestroyGraph(g Graph) error {
+	return l.check("llmq_graph_destroy", C.c_p(l.f["llmq_graph_destroy"], g.p))
 }

@@ -32,6 +32,13 @@ int llmq_memcpy_d2d(void* dst, const void* src, size_t bytes);
 int llmq_memset(void* dst, int value, size_t bytes);
 int llmq_sync(void);
 
+/* CUDA graphs: calls between begin and end are captured, not run; the
+ * graph then replays them with one launch. */
+int llmq_capture_begin(void);
+int llmq_capture_end(void** graph_exec);
+int llmq_graph_launch(void* graph_exec);
+int llmq_graph_destroy(void* graph_exec);
+
 /* Timing with CUDA events on the library's stream. */
 int llmq_event_create(void** ev);
 int llmq_event_destroy(void* ev);

@@ -56,6 +56,20 @@ int llmq_memcpy_d2d(void* d, const void* s, size_t n) {
 int llmq_memset(void* d, int v, size_t n) { CK(cudaMemsetAsync(d, v, n, llmq::stream())); return 0; }
 int llmq_sync(void) { CK(cudaStreamSynchronize(llmq::stream())); return 0; }
 
+int llmq_capture_begin(void) { CK(cudaStreamBeginCapture(llmq::stream(), cudaStreamCaptureModeRelaxed)); return 0; }
+int llmq_capture_end(void** exec) {
+  cudaGraph_t g;
+  CK(cudaStreamEndCapture(llmq::stream(), &g));
+  cudaGraphExec_t e;
+  cudaError_t err = cudaGraphInstantiate(&e, g, 0);
+  cudaGraphDestroy(g);
+  CK(err);
+  *exec = (void*)e;
+  return 0;
+}
+int llmq_graph_launch(void* exec) { CK(cudaGraphLaunch((cudaGraphExec_t)exec, llmq::stream())); return 0; }
+int llmq_graph_destroy(void* exec) { CK(cudaGraphExecDestroy((cudaGraphExec_t)exec)); return 0; }
+
 int llmq_event_create(void** ev) { CK(cudaEventCreate((cudaEvent_t*)ev)); return 0; }
 int llmq_event_destroy(void* ev) { CK(cudaEventDestroy((cudaEvent_t)ev)); return 0; }
 int llmq_event_record(void* ev) { CK(cudaEventRecord((cudaEvent_t)ev, llmq::stream())); return 0; }

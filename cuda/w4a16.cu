@@ -261,6 +261,11 @@ int cublas_handle(cublasHandle_t* h) {
       return 1;
     }
     cublasSetStream(g_cublas, llmq::stream());
+    // An explicit workspace lets cuBLAS calls be captured in CUDA graphs.
+    void* ws = nullptr;
+    const size_t bytes = 64u << 20;
+    CK(cudaMalloc(&ws, bytes));
+    cublasSetWorkspace(g_cublas, ws, bytes);
   }
   *h = g_cublas;
   return 0;
@@ -302,7 +307,7 @@ int fused_max_m() {
   static int v = -1;
   if (v < 0) {
     const char* e = getenv("LLMQ_W4_FUSED_MAX_M");
-    v = e ? atoi(e) : 128;
+    v = e ? atoi(e) : 64;
   }
   return v;
 }
