@@ -1,9 +1,10 @@
 // W4A16 GEMM on Tensor Cores: C[M,N] = A[M,K] · dequant(B)[K,N].
 //
 // Fused path (small and medium M, where the weights dominate the bytes):
-// a CTA of 8 warps owns 64 output columns (one "n-tile") and a slice of K;
-// its warps split the slice further. For each 16-row step of K a lane
-// loads one 16-byte chunk of B — exactly its mma.m16n8k16 B fragments for
+// a CTA of 4 warps owns 64 output columns (one "n-tile") and a slice of K;
+// its warps split the slice further, each streaming its share through its
+// own 4-stage cp.async ring in shared memory. For each 16-row step of K a
+// lane copies one 16-byte chunk of B — exactly its mma.m16n8k16 B fragments for
 // the tile's eight n8 sub-tiles, 32 int4 values — and dequantizes them in
 // registers with the fp16 magic-number trick: OR-ing a nibble into the
 // mantissa of 1024.0 (0x6400) gives the fp16 value 1024 + q, so
@@ -38,13 +39,6 @@ __device__ __forceinline__ uint32_t deq(uint32_t q, uint32_t zz, uint32_t ss) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 __device__ __forceinline__ uint32_t ld_a(const half* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
@@ -64,13 +58,114 @@ __device__ __forceinline__ void load_group(const uint4* __restrict__ S, const ui
   }
 }
 
-template <int MB, int UNROLL>
-__global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
-                                                   const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                   half* __restrict__ C, float* __restrict__ ws,
-                                                   int* __restrict__ counters, int M, int N, int K, int group,
-                                                   int splits) {
-  __shared__ __align__(16) float red[8][16 * 64];  // one 16×64 slice per warp
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async16_ca(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(a), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+constexpr int kWarps = 4;   // warps per CTA, splitting the CTA's K slice
+constexpr int kStages = 4;  // depth of each warp's cp.async ring
+
+// Per-warp ring of U 16-row steps a stage: each lane's B chunk, and the
+// scales (16 B) and zeros (4 B) of the step's group for the lane's columns.
+template <int U>
+struct Ring {
+  uint4 b[kStages][U][32];
+  uint4 s[kStages][U][32];
+  uint32_t z[kStages][U][32];
+};
+
+template <int U>
+constexpr size_t fused_smem_bytes() {
+  return kWarps * sizeof(Ring<U>) > kWarps * 16 * 64 * sizeof(float) ? kWarps * sizeof(Ring<U>)
+                                                                      : kWarps * 16 * 64 * sizeof(float);
+}
+
+template <int MB, int U>
+__device__ __forceinline__ void load_a(uint32_t (&af)[U][MB][4], const half* const (&arow)[MB][2],
+                                       const bool (&aok)[MB][2], int kt, int k1, int c0) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int c = ((kt + u) << 4) + c0;
+    const bool in = kt + u < k1;
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      af[u][m][0] = in && aok[m][0] ? ld_a(arow[m][0] + c) : 0u;
+      af[u][m][1] = in && aok[m][1] ? ld_a(arow[m][1] + c) : 0u;
+      af[u][m][2] = in && aok[m][0] ? ld_a(arow[m][0] + c + 8) : 0u;
+      af[u][m][3] = in && aok[m][1] ? ld_a(arow[m][1] + c + 8) : 0u;
+    }
+  }
+}
+
+// compute_stage runs the mma for one stage's U steps from the ring.
+template <int MB, int U>
+__device__ __forceinline__ void compute_stage(float (&acc)[MB][8][4], const Ring<U>& ring, int stage,
+                                              const uint32_t (&af)[U][MB][4], int kt, int k1, int group, int lane,
+                                              int& cur, uint32_t (&ss)[8], uint32_t (&zz)[8]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k = kt + u;
+    if (k < k1) {
+      const int g = (k << 4) / group;
+      if (g != cur) {
+        cur = g;
+        const uint4 sv = ring.s[stage][u][lane];
+        const uint32_t zv = ring.z[stage][u][lane];
+        const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
+          ss[j] = h | (h << 16);
+          const uint32_t zn = 0x6400u | ((zv >> (4 * j)) & 0xfu);
+          zz[j] = zn | (zn << 16);
+        }
+      }
+      const uint4 bq = ring.b[stage][u][lane];
+      const uint32_t w[4] = {bq.x, bq.y, bq.z, bq.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t q = w[i];
+        const uint32_t p0 = (q & 0x000f000fu) | 0x64006400u;
+        const uint32_t p1 = ((q >> 4) & 0x000f000fu) | 0x64006400u;
+        const uint32_t p2 = ((q >> 8) & 0x000f000fu) | 0x64006400u;
+        const uint32_t p3 = ((q >> 12) & 0x000f000fu) | 0x64006400u;
+        const int ja = 2 * i, jb = 2 * i + 1;
+        const uint32_t b0a = deq(p0, zz[ja], ss[ja]), b1a = deq(p1, zz[ja], ss[ja]);
+        const uint32_t b0b = deq(p2, zz[jb], ss[jb]), b1b = deq(p3, zz[jb], ss[jb]);
+#pragma unroll
+        for (int m = 0; m < MB; ++m) {
+          mma16816(acc[m][ja], af[u][m], b0a, b1a);
+          mma16816(acc[m][jb], af[u][m], b0b, b1b);
+        }
+      }
+    }
+  }
+}
+
+// w4a16_fused: a CTA of kWarps warps owns one 64-column n-tile, one K slice
+// (blockIdx.y of `splits`) and 16·MB rows (blockIdx.z). Each warp streams
+// its part of the slice through its own cp.async ring, U steps a stage.
+template <int MB, int U>
+__global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                           half* __restrict__ C, float* __restrict__ ws,
+                                                           int* __restrict__ counters, int M, int N, int K, int group,
+                                                           int splits) {
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;
   const int nt = blockIdx.x, split = blockIdx.y;
   const int row0 = blockIdx.z * 16 * MB;
@@ -79,8 +174,9 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
   const int KT = K >> 4, NT = N >> 6;
   const int per_split = (KT + splits - 1) / splits;
   const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
-  const int per_warp = (s1 - s0 + 7) >> 3;
+  const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
   const int k0 = s0 + warp * per_warp, k1 = min(s1, k0 + per_warp);
+  Ring<U>& ring = reinterpret_cast<Ring<U>*>(smem)[warp];
 
   float acc[MB][8][4];
 #pragma unroll
@@ -102,59 +198,48 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
     }
 
   const uint4* Bp = B + (size_t)nt * KT * 32 + lane;
-  int cur = -1;
-  uint32_t ss[8], zz[8];
-  const int c0 = 2 * tig;
-  for (int kt = k0; kt < k1; kt += UNROLL) {
-    // Issue every load of the batch (B chunks and A fragments) before any
-    // arithmetic, so the warp waits for one round trip per batch.
-    uint4 bq[UNROLL];
-    uint32_t af[UNROLL][MB][4];
+  const size_t sz_off = (size_t)nt * 8 + gid;
+  // issue copies stage b of this warp's steps into the ring.
+  auto issue = [&](int b) {
+    const int stage = b % kStages;
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (kt + u < k1) {
-        bq[u] = ld_stream(Bp + (size_t)(kt + u) * 32);
-        const int c = ((kt + u) << 4) + c0;
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          af[u][m][0] = aok[m][0] ? ld_a(arow[m][0] + c) : 0u;
-          af[u][m][1] = aok[m][1] ? ld_a(arow[m][1] + c) : 0u;
-          af[u][m][2] = aok[m][0] ? ld_a(arow[m][0] + c + 8) : 0u;
-          af[u][m][3] = aok[m][1] ? ld_a(arow[m][1] + c + 8) : 0u;
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int k = kt + u;
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + b * U + u;
       if (k < k1) {
         const int g = (k << 4) / group;
-        if (g != cur) {
-          cur = g;
-          load_group(S, Z, g, NT, nt, gid, ss, zz);
-        }
-        const uint32_t w[4] = {bq[u].x, bq[u].y, bq[u].z, bq[u].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t q = w[i];
-          const uint32_t p0 = (q & 0x000f000fu) | 0x64006400u;
-          const uint32_t p1 = ((q >> 4) & 0x000f000fu) | 0x64006400u;
-          const uint32_t p2 = ((q >> 8) & 0x000f000fu) | 0x64006400u;
-          const uint32_t p3 = ((q >> 12) & 0x000f000fu) | 0x64006400u;
-          const int ja = 2 * i, jb = 2 * i + 1;
-          const uint32_t b0a = deq(p0, zz[ja], ss[ja]), b1a = deq(p1, zz[ja], ss[ja]);
-          const uint32_t b0b = deq(p2, zz[jb], ss[jb]), b1b = deq(p3, zz[jb], ss[jb]);
-#pragma unroll
-          for (int m = 0; m < MB; ++m) {
-            mma16816(acc[m][ja], af[u][m], b0a, b1a);
-            mma16816(acc[m][jb], af[u][m], b0b, b1b);
-          }
-        }
+        cp_async16(&ring.b[stage][u][lane], Bp + (size_t)k * 32);
+        cp_async16_ca(&ring.s[stage][u][lane], S + (size_t)g * NT * 8 + sz_off);
+        cp_async4(&ring.z[stage][u][lane], Z + (size_t)g * NT * 8 + sz_off);
       }
     }
+    cp_async_commit();
+  };
+
+  const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
+#pragma unroll
+  for (int b = 0; b < kStages - 1; ++b) issue(b);
+  const int c0 = 2 * tig;
+  int cur = -1;
+  uint32_t ss[8], zz[8];
+  uint32_t afa[U][MB][4], afb[U][MB][4];
+  load_a<MB, U>(afa, arow, aok, k0, k1, c0);
+  for (int b = 0; b < batches; b += 2) {
+    issue(b + kStages - 1);
+    load_a<MB, U>(afb, arow, aok, k0 + (b + 1) * U, k1, c0);
+    cp_async_wait<kStages - 1>();
+    compute_stage<MB, U>(acc, ring, b % kStages, afa, k0 + b * U, k1, group, lane, cur, ss, zz);
+    if (b + 1 >= batches) break;
+    issue(b + kStages);
+    load_a<MB, U>(afa, arow, aok, k0 + (b + 2) * U, k1, c0);
+    cp_async_wait<kStages - 1>();
+    compute_stage<MB, U>(acc, ring, (b + 1) % kStages, afb, k0 + (b + 1) * U, k1, group, lane, cur, ss, zz);
   }
-  // Reduce the eight warps' partial sums one m-tile at a time: each warp
-  // writes its slice, then each thread sums four outputs over the slices.
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is reused for the reduction below
+
+  // Reduce the warps' partial sums one m-tile at a time: each warp writes
+  // its 16×64 slice, then each thread sums its outputs over the slices.
+  float(*red)[16 * 64] = reinterpret_cast<float(*)[16 * 64]>(smem);
 #pragma unroll
   for (int m = 0; m < MB; ++m) {
     if (row0 + m * 16 >= M) break;  // uniform across the CTA
@@ -165,14 +250,12 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
       *reinterpret_cast<float2*>(&red[warp][(gid + 8) * 64 + col]) = make_float2(acc[m][j][2], acc[m][j][3]);
     }
     __syncthreads();
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = threadIdx.x + 256 * e;
+    for (int i = threadIdx.x; i < 16 * 64; i += kWarps * 32) {
       const int r = row0 + m * 16 + i / 64;
       if (r < M) {
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) v += red[w][i];
+        for (int w = 0; w < kWarps; ++w) v += red[w][i];
         const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
         if (splits == 1)
           C[idx] = __float2half_rn(v);
@@ -189,7 +272,7 @@ __global__ void __launch_bounds__(256) w4a16_fused(const half* __restrict__ A, c
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int i = threadIdx.x; i < 16 * MB * 64; i += blockDim.x) {
+  for (int i = threadIdx.x; i < 16 * MB * 64; i += kWarps * 32) {
     const int r = row0 + i / 64;
     if (r < M) {
       const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
@@ -280,22 +363,26 @@ int check_shape(int M, int N, int K, int group) {
   return 0;
 }
 
-template <int MB, int UNROLL>
+template <int MB, int U>
 int launch_fused(const half* A, const void* B, const void* S, const void* Z, half* C, void* workspace, int M, int N,
                  int K, int group) {
   static int resident = 0;  // CTAs of this instantiation per SM
+  constexpr size_t smem = fused_smem_bytes<U>();
   if (!g_sms) CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
-  if (!resident) CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, UNROLL>, 256, 0));
+  if (!resident) {
+    CK(cudaFuncSetAttribute(w4a16_fused<MB, U>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, U>, kWarps * 32, smem));
+  }
   const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * MB - 1) / (16 * MB);
   // One full wave: as many K splits as fill the resident CTA slots, each
-  // warp keeping at least one batch of 16-row steps; fewer splits as M grows
+  // warp keeping at least two stages of steps; fewer splits as M grows
   // (the cross-CTA reduction costs M·N·splits atomics).
   int splits = max(1, (g_sms * max(resident, 1)) / (NT * mblocks));
-  splits = min(splits, max(1, KT / (8 * UNROLL)));
+  splits = min(splits, max(1, KT / (2 * kWarps * U)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  w4a16_fused<MB, UNROLL><<<dim3(NT, splits, mblocks), 256, 0, llmq::stream()>>>(
+  w4a16_fused<MB, U><<<dim3(NT, splits, mblocks), kWarps * 32, smem, llmq::stream()>>>(
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group, splits);
   CK_LAUNCH("w4a16_fused");
   return 0;
@@ -371,7 +458,7 @@ int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void
     if (llmq_w4_dequant(B, scales, zeros, scratch, N, K, group)) return 1;
     return llmq_gemm_f16(a, scratch, C, M, N, K);
   }
-  if (M <= 16) return launch_fused<1, 8>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (M <= 16) return launch_fused<1, 4>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   if (M <= 32) return launch_fused<2, 4>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   return launch_fused<4, 2>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
 }
