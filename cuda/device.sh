@@ -32,3 +32,11 @@ case "${1:-all}" in
     LLMQ_W4_FUSED_MAX_M=256 build/device/llmq bench gemm --m 32,64,128,256 --iters 100 2>&1 | tail -21 | tee "$OUT/gemm-fused-large-m.txt"
     ;;
 esac
+case "${1:-all}" in
+  profile)
+    timeout 300 ncu --clock-control none -k regex:w4a16_fused -c 1 --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+      build/device/llmq bench gemm --m 1 --shape 70B --iters 20 > "$OUT/ncu.txt" 2>&1
+    grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|WRN|OPT|One or More|smsp|Executed" | head -60
+    ;;
+esac

@@ -4,6 +4,7 @@ package main
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/evals"
@@ -11,7 +12,7 @@ import (
 )
 
 func newBenchGemm() *cobra.Command {
-	var ms, jsonOut string
+	var ms, jsonOut, only string
 	var iters int
 	cmd := &cobra.Command{
 		Use:   "gemm",
@@ -42,6 +43,9 @@ func newBenchGemm() *cobra.Command {
 			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s %8s %6s\n", "shape", "M", "w4a16 µs", "cuBLAS µs", "speedup", "TFLOP/s", "%BW")
 			var all []evals.GemmResult
 			for _, s := range evals.LlamaShapes {
+				if only != "" && !strings.Contains(s.Name, only) {
+					continue
+				}
 				res, err := b.Run(s, Ms)
 				if err != nil {
 					return err
@@ -62,5 +66,6 @@ func newBenchGemm() *cobra.Command {
 	cmd.Flags().StringVar(&ms, "m", "1,2,4,8,16,32,64,128,256,1024,4096", "comma-separated M (tokens) values")
 	cmd.Flags().IntVar(&iters, "iters", 100, "timed runs per measurement (median reported)")
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
+	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
 	return cmd
 }
