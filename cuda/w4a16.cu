@@ -40,7 +40,6 @@ __device__ __forceinline__ uint32_t deq(uint32_t q, uint32_t zz, uint32_t ss) {
 }
 
 
-__device__ __forceinline__ uint32_t ld_a(const half* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
 // load_group fills the per-lane half2 scales and (1024+zero) values of the
 // eight n8 sub-tiles for group g.
@@ -62,96 +61,88 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async16_ca(void* smem, const void* gmem) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(a), "l"(gmem));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "r"(mask), "r"(magic));  // (a & b) | c
+  return d;
+}
+
 constexpr int kWarps = 4;   // warps per CTA, splitting the CTA's K slice
 constexpr int kStages = 4;  // depth of each warp's cp.async ring
 
-// Per-warp ring of U 16-row steps a stage: each lane's B chunk, and the
-// scales (16 B) and zeros (4 B) of the step's group for the lane's columns.
-template <int U>
+// Per-warp ring, U 16-row steps a stage: each lane's 16-byte B chunk, and
+// the step's A tile (16·MB rows × 16 columns; lane l copies row l/2,
+// columns (l%2)·8 …, zero-filled past M).
+template <int MB, int U>
 struct Ring {
   uint4 b[kStages][U][32];
-  uint4 s[kStages][U][32];
-  uint32_t z[kStages][U][32];
+  uint4 a[kStages][U][MB][32];
 };
 
-template <int U>
+template <int MB, int U>
 constexpr size_t fused_smem_bytes() {
-  return kWarps * sizeof(Ring<U>) > kWarps * 16 * 64 * sizeof(float) ? kWarps * sizeof(Ring<U>)
-                                                                      : kWarps * 16 * 64 * sizeof(float);
+  return kWarps * sizeof(Ring<MB, U>) > kWarps * 16 * 64 * sizeof(float) ? kWarps * sizeof(Ring<MB, U>)
+                                                                          : kWarps * 16 * 64 * sizeof(float);
 }
 
-template <int MB, int U>
-__device__ __forceinline__ void load_a(uint32_t (&af)[U][MB][4], const half* const (&arow)[MB][2],
-                                       const bool (&aok)[MB][2], int kt, int k1, int c0) {
+// Group scales/zeros in the form the dequant needs: half2 scale, and the
+// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles).
+struct GroupRegs {
+  uint32_t s[8], zlo[8], zhi[8];
+};
+
+__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
+  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c = ((kt + u) << 4) + c0;
-    const bool in = kt + u < k1;
-#pragma unroll
-    for (int m = 0; m < MB; ++m) {
-      af[u][m][0] = in && aok[m][0] ? ld_a(arow[m][0] + c) : 0u;
-      af[u][m][1] = in && aok[m][1] ? ld_a(arow[m][1] + c) : 0u;
-      af[u][m][2] = in && aok[m][0] ? ld_a(arow[m][0] + c + 8) : 0u;
-      af[u][m][3] = in && aok[m][1] ? ld_a(arow[m][1] + c + 8) : 0u;
-    }
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
+    r.s[j] = h | (h << 16);
+    const uint32_t z = (zv >> (4 * j)) & 0xfu;
+    const uint32_t lo = 0x6400u | z, hi = 0x5400u | (z << 4);
+    r.zlo[j] = lo | (lo << 16);
+    r.zhi[j] = hi | (hi << 16);
   }
 }
 
-// compute_stage runs the mma for one stage's U steps from the ring.
-template <int MB, int U>
-__device__ __forceinline__ void compute_stage(float (&acc)[MB][8][4], const Ring<U>& ring, int stage,
-                                              const uint32_t (&af)[U][MB][4], int kt, int k1, int group, int lane,
-                                              int& cur, uint32_t (&ss)[8], uint32_t (&zz)[8]) {
+// compute_step: dequantize one lane's B chunk and run the mma for MB m-tiles.
+template <int MB>
+__device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4 bq, const uint32_t (&af)[MB][4],
+                                             const GroupRegs& gr) {
+  const uint32_t w[4] = {bq.x, bq.y, bq.z, bq.w};
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int k = kt + u;
-    if (k < k1) {
-      const int g = (k << 4) / group;
-      if (g != cur) {
-        cur = g;
-        const uint4 sv = ring.s[stage][u][lane];
-        const uint32_t zv = ring.z[stage][u][lane];
-        const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t q = w[i], q8 = q >> 8;
+    // (1024 + n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …)
+    const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
+    const uint32_t p1 = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
+    const uint32_t p2 = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
+    const uint32_t p3 = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
+    const int ja = 2 * i, jb = 2 * i + 1;
+    const uint32_t b0a = deq(p0, gr.zlo[ja], gr.s[ja]), b1a = deq(p1, gr.zhi[ja], gr.s[ja]);
+    const uint32_t b0b = deq(p2, gr.zlo[jb], gr.s[jb]), b1b = deq(p3, gr.zhi[jb], gr.s[jb]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
-          ss[j] = h | (h << 16);
-          const uint32_t zn = 0x6400u | ((zv >> (4 * j)) & 0xfu);
-          zz[j] = zn | (zn << 16);
-        }
-      }
-      const uint4 bq = ring.b[stage][u][lane];
-      const uint32_t w[4] = {bq.x, bq.y, bq.z, bq.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t q = w[i];
-        const uint32_t p0 = (q & 0x000f000fu) | 0x64006400u;
-        const uint32_t p1 = ((q >> 4) & 0x000f000fu) | 0x64006400u;
-        const uint32_t p2 = ((q >> 8) & 0x000f000fu) | 0x64006400u;
-        const uint32_t p3 = ((q >> 12) & 0x000f000fu) | 0x64006400u;
-        const int ja = 2 * i, jb = 2 * i + 1;
-        const uint32_t b0a = deq(p0, zz[ja], ss[ja]), b1a = deq(p1, zz[ja], ss[ja]);
-        const uint32_t b0b = deq(p2, zz[jb], ss[jb]), b1b = deq(p3, zz[jb], ss[jb]);
-#pragma unroll
-        for (int m = 0; m < MB; ++m) {
-          mma16816(acc[m][ja], af[u][m], b0a, b1a);
-          mma16816(acc[m][jb], af[u][m], b0b, b1b);
-        }
-      }
+    for (int m = 0; m < MB; ++m) {
+      mma16816(acc[m][ja], af[m], b0a, b1a);
+      mma16816(acc[m][jb], af[m], b0b, b1b);
     }
   }
 }
@@ -159,11 +150,12 @@ __device__ __forceinline__ void compute_stage(float (&acc)[MB][8][4], const Ring
 // w4a16_fused: a CTA of kWarps warps owns one 64-column n-tile, one K slice
 // (blockIdx.y of `splits`) and 16·MB rows (blockIdx.z). Each warp streams
 // its part of the slice through its own cp.async ring, U steps a stage.
+// gshift: a group spans 2^gshift steps (−1: a single group).
 template <int MB, int U>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                            half* __restrict__ C, float* __restrict__ ws,
-                                                           int* __restrict__ counters, int M, int N, int K, int group,
+                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
                                                            int splits) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;
@@ -176,7 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restric
   const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
   const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
   const int k0 = s0 + warp * per_warp, k1 = min(s1, k0 + per_warp);
-  Ring<U>& ring = reinterpret_cast<Ring<U>*>(smem)[warp];
+  Ring<MB, U>& ring = reinterpret_cast<Ring<MB, U>*>(smem)[warp];
 
   float acc[MB][8][4];
 #pragma unroll
@@ -186,30 +178,25 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restric
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
 
-  const half* arow[MB][2];
-  bool aok[MB][2];
+  // This lane's A source row for each m-tile (row lane/2, 8 columns at (lane%2)·8).
+  const half* asrc[MB];
+  bool aok[MB];
 #pragma unroll
-  for (int m = 0; m < MB; ++m)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row0 + m * 16 + gid + 8 * h;
-      aok[m][h] = r < M;
-      arow[m][h] = A + (size_t)min(r, M - 1) * K;
-    }
-
+  for (int m = 0; m < MB; ++m) {
+    const int r = row0 + m * 16 + (lane >> 1);
+    aok[m] = r < M;
+    asrc[m] = A + (size_t)(aok[m] ? r : 0) * K + (lane & 1) * 8;
+  }
   const uint4* Bp = B + (size_t)nt * KT * 32 + lane;
-  const size_t sz_off = (size_t)nt * 8 + gid;
-  // issue copies stage b of this warp's steps into the ring.
   auto issue = [&](int b) {
     const int stage = b % kStages;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = k0 + b * U + u;
       if (k < k1) {
-        const int g = (k << 4) / group;
         cp_async16(&ring.b[stage][u][lane], Bp + (size_t)k * 32);
-        cp_async16_ca(&ring.s[stage][u][lane], S + (size_t)g * NT * 8 + sz_off);
-        cp_async4(&ring.z[stage][u][lane], Z + (size_t)g * NT * 8 + sz_off);
+#pragma unroll
+        for (int m = 0; m < MB; ++m) cp_async16_zfill(&ring.a[stage][u][m][lane], asrc[m] + k * 16, aok[m]);
       }
     }
     cp_async_commit();
@@ -218,21 +205,49 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restric
   const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
 #pragma unroll
   for (int b = 0; b < kStages - 1; ++b) issue(b);
-  const int c0 = 2 * tig;
-  int cur = -1;
-  uint32_t ss[8], zz[8];
-  uint32_t afa[U][MB][4], afb[U][MB][4];
-  load_a<MB, U>(afa, arow, aok, k0, k1, c0);
-  for (int b = 0; b < batches; b += 2) {
+
+  // Scales and zeros: the current group's in registers, the next one's
+  // loaded ahead.
+  const size_t sz_off = (size_t)nt * 8 + gid;
+  const int G = gshift < 0 ? 1 : KT >> gshift;
+  int cur = gshift < 0 ? 0 : k0 >> gshift;
+  GroupRegs gr;
+  uint4 sv_next = make_uint4(0, 0, 0, 0);
+  uint32_t zv_next = 0;
+  if (k1 > k0) {
+    convert_group(gr, __ldg(S + (size_t)cur * NT * 8 + sz_off), __ldg(Z + (size_t)cur * NT * 8 + sz_off));
+    if (cur + 1 < G) {
+      sv_next = __ldg(S + (size_t)(cur + 1) * NT * 8 + sz_off);
+      zv_next = __ldg(Z + (size_t)(cur + 1) * NT * 8 + sz_off);
+    }
+  }
+  // ldmatrix row address within a 16×16 A tile: row lane%16, half lane/16.
+  const int lm_off = (lane & 15) * 2 + (lane >> 4);  // in 16-byte units
+
+  for (int b = 0; b < batches; ++b) {
     issue(b + kStages - 1);
-    load_a<MB, U>(afb, arow, aok, k0 + (b + 1) * U, k1, c0);
     cp_async_wait<kStages - 1>();
-    compute_stage<MB, U>(acc, ring, b % kStages, afa, k0 + b * U, k1, group, lane, cur, ss, zz);
-    if (b + 1 >= batches) break;
-    issue(b + kStages);
-    load_a<MB, U>(afa, arow, aok, k0 + (b + 2) * U, k1, c0);
-    cp_async_wait<kStages - 1>();
-    compute_stage<MB, U>(acc, ring, (b + 1) % kStages, afb, k0 + (b + 1) * U, k1, group, lane, cur, ss, zz);
+    __syncwarp();  // ldmatrix reads other lanes' copies
+    const int stage = b % kStages;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + b * U + u;
+      if (k < k1) {
+        if (gshift >= 0 && (k >> gshift) != cur) {
+          cur = k >> gshift;
+          convert_group(gr, sv_next, zv_next);
+          if (cur + 1 < G) {
+            sv_next = __ldg(S + (size_t)(cur + 1) * NT * 8 + sz_off);
+            zv_next = __ldg(Z + (size_t)(cur + 1) * NT * 8 + sz_off);
+          }
+        }
+        uint32_t af[MB][4];
+#pragma unroll
+        for (int m = 0; m < MB; ++m) ldmatrix_x4(af[m], &ring.a[stage][u][m][0].x + 4 * lm_off);
+        compute_step<MB>(acc, ring.b[stage][u][lane], af, gr);
+      }
+    }
+    __syncwarp();  // all lanes done with this stage before it is refilled
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring is reused for the reduction below
@@ -367,7 +382,7 @@ template <int MB, int U>
 int launch_fused(const half* A, const void* B, const void* S, const void* Z, half* C, void* workspace, int M, int N,
                  int K, int group) {
   static int resident = 0;  // CTAs of this instantiation per SM
-  constexpr size_t smem = fused_smem_bytes<U>();
+  constexpr size_t smem = fused_smem_bytes<MB, U>();
   if (!g_sms) CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
   if (!resident) {
     CK(cudaFuncSetAttribute(w4a16_fused<MB, U>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -378,12 +393,17 @@ int launch_fused(const half* A, const void* B, const void* S, const void* Z, hal
   // warp keeping at least two stages of steps; fewer splits as M grows
   // (the cross-CTA reduction costs M·N·splits atomics).
   int splits = max(1, (g_sms * max(resident, 1)) / (NT * mblocks));
-  splits = min(splits, max(1, KT / (2 * kWarps * U)));
+  splits = min(splits, max(1, KT / (4 * kWarps * U)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
+  int gshift = -1;  // one group
+  if (group < K) {
+    gshift = 0;
+    while ((16 << gshift) < group) ++gshift;
+  }
   w4a16_fused<MB, U><<<dim3(NT, splits, mblocks), kWarps * 32, smem, llmq::stream()>>>(
-      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group, splits);
+      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, gshift, splits);
   CK_LAUNCH("w4a16_fused");
   return 0;
 }
@@ -458,8 +478,12 @@ int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void
     if (llmq_w4_dequant(B, scales, zeros, scratch, N, K, group)) return 1;
     return llmq_gemm_f16(a, scratch, C, M, N, K);
   }
-  if (M <= 16) return launch_fused<1, 4>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  if (M <= 32) return launch_fused<2, 4>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  return launch_fused<4, 2>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (group < K && (group & (group - 1))) {
+    llmq::set_error("the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", group);
+    return 1;
+  }
+  if (M <= 16) return launch_fused<1, 2>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (M <= 32) return launch_fused<2, 2>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  return launch_fused<4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
 }
 }
