@@ -28,7 +28,7 @@ for c in "${configs[@]}"; do
     rtn-w*)       $LLMQ quantize "$MODEL" --method rtn  --bits "${c#rtn-w}" --group 128 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     gptq-w?)      $LLMQ quantize "$MODEL" --method gptq --bits "${c#gptq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     gptq-w?-act)  b=${c#gptq-w}; $LLMQ quantize "$MODEL" --method gptq --bits "${b%-act}" --group 128 --act-order --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
-    awq-w?)       $LLMQ quantize "$MODEL" --method awq  --bits "${c#awq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 512 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
+    awq-w?)       $LLMQ quantize "$MODEL" --method awq  --bits "${c#awq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 512 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" --stats "$RES/awq-stats-$NAME-$c.json" ;;
     awq-gptq-w?)  $LLMQ quantize "$MODEL" --method awq+gptq --bits "${c#awq-gptq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     *) echo "unknown config $c" >&2; exit 2 ;;
   esac

@@ -15,8 +15,15 @@ import (
 
 // RunOptions describe a whole-model quantization.
 type RunOptions struct {
-	Src, Out       string
-	Method         string // "gptq" or "rtn"
+	Src, Out string
+	Method   string // "gptq", "rtn", or a name for Custom (e.g. "awq")
+	// Custom, if set, quantizes each block instead of GPTQ/RTN (AWQ does).
+	Custom BlockQuantizer
+	// Prepare, if set, runs on each block before GPTQ collects its Hessians
+	// (AWQ's scale folding, for awq+gptq).
+	Prepare BlockQuantizer
+	// Format is the checkpoint layout: "gptq" (default) or "awq".
+	Format         string
 	GPTQ           Options
 	TrueSequential bool   // quantize [q,k,v] → [o] → [gate,up] → [down], each on inputs from the quantized earlier ones
 	Calib          string // text file, or .i32 token file
@@ -46,13 +53,58 @@ type Report struct {
 	CalibTokens int           `json:"calibration_tokens"`
 }
 
+// BlockContext is what a per-block quantizer works with.
+type BlockContext struct {
+	Ctx    context.Context
+	Index  int
+	Prefix string // "model.layers.N."
+	Block  *llm.Block
+	Stages *llm.Stages
+	// X holds the calibration activations entering the block ([window]
+	// [SeqLen·hidden]); the quantizer must leave there those entering the
+	// next block.
+	X       [][]float32
+	SeqLen  int
+	Tensors map[string]checkpoint.Out // this block's shard; norms and biases are pre-filled
+	// Progress reports a stage of the block.
+	Progress func(stage string)
+	q        *quantizer
+}
+
+// Emit adds a quantized layer to the shard (in the run's format) and the
+// report, and replaces the block's layer by its dequantized weights.
+func (bc *BlockContext) Emit(name string, l *llm.Linear, lin *pack.Linear, loss float64, t0 time.Time) error {
+	d := (*l).(*llm.Dense)
+	if err := bc.q.add(bc.Tensors, bc.Prefix+name, lin); err != nil {
+		return err
+	}
+	*l = llm.NewDense(lin.Dequantize(), d.B, d.In(), d.Out())
+	bc.q.rep.Layers = append(bc.q.rep.Layers, LayerReport{Name: bc.Prefix + name, Loss: loss, Seconds: time.Since(t0).Seconds()})
+	return nil
+}
+
+// SetFloat32 stores a (modified) vector such as a norm weight in the shard
+// as F32, so that folded scales are kept exactly.
+func (bc *BlockContext) SetFloat32(name string, v []float32) {
+	bc.Tensors[bc.Prefix+name] = checkpoint.F32(v, len(v))
+}
+
+// BlockQuantizer quantizes one block.
+type BlockQuantizer func(bc *BlockContext) error
+
 // Run quantizes the checkpoint in opt.Src and writes opt.Out, streaming one
 // decoder block at a time: peak memory is one block's weights plus the
 // calibration activations.
 func Run(ctx context.Context, opt RunOptions) (*Report, error) {
 	start := time.Now()
-	if opt.Method != "gptq" && opt.Method != "rtn" {
+	if opt.Custom == nil && opt.Method != "gptq" && opt.Method != "rtn" {
 		return nil, fmt.Errorf("--method %q: gptq.Run handles gptq and rtn", opt.Method)
+	}
+	if opt.Format == "" {
+		opt.Format = "gptq"
+	}
+	if opt.Format != "gptq" && opt.Format != "awq" {
+		return nil, fmt.Errorf("--format %q: want gptq or awq", opt.Format)
 	}
 	ck, err := checkpoint.Open(opt.Src)
 	if err != nil {
@@ -71,7 +123,7 @@ func Run(ctx context.Context, opt RunOptions) (*Report, error) {
 	rep := &Report{Method: opt.Method, BytesIn: ck.SizeOnDisk()}
 
 	var X [][]float32
-	if opt.Method == "gptq" {
+	if opt.Method != "rtn" {
 		tok, err := tokenizer.Load(filepath.Join(opt.Src, "tokenizer.json"))
 		if err != nil {
 			return nil, err
@@ -110,10 +162,16 @@ func Run(ctx context.Context, opt RunOptions) (*Report, error) {
 		DampPercent: opt.GPTQ.Damp, TrueSequential: opt.TrueSequential, LMHead: opt.QuantizeLMHead,
 		Meta: &pack.QuantMeta{Quantizer: "llmq", Method: opt.Method},
 	}
-	if opt.Method == "gptq" {
+	if opt.Method != "rtn" {
 		qc.Meta.NSamples, qc.Meta.SeqLen, qc.Meta.Calib = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib)
-	} else {
+	}
+	if opt.Method != "gptq" && opt.Prepare == nil {
 		qc.DampPercent, qc.TrueSequential = 0, false
+	}
+	if opt.Format == "awq" {
+		zp := !opt.GPTQ.Grid.Sym
+		qc = &pack.QuantConfig{QuantMethod: "awq", Bits: opt.GPTQ.Grid.Bits, GroupSize: opt.GPTQ.Grid.GroupSize,
+			ZeroPoint: &zp, Version: "gemm", Meta: qc.Meta}
 	}
 	if err := w.Finish(opt.Src, qc); err != nil {
 		return nil, err
@@ -129,6 +187,21 @@ type quantizer struct {
 	X   [][]float32 // calibration activations entering the current block
 	w   *pack.Writer
 	rep *Report
+}
+
+// add lays out a quantized layer in the run's format.
+func (q *quantizer) add(tensors map[string]checkpoint.Out, name string, lin *pack.Linear) error {
+	if q.opt.Format == "awq" {
+		t, err := lin.AWQTensors(name)
+		if err != nil {
+			return err
+		}
+		for k, v := range t {
+			tensors[k] = v
+		}
+		return nil
+	}
+	return q.w.AddGPTQ(tensors, name, lin)
 }
 
 // block quantizes decoder layer l and advances X past it.
@@ -160,6 +233,19 @@ func (q *quantizer) block(ctx context.Context, l int) error {
 			q.opt.Progress(l, cfg.Layers, stage)
 		}
 	}
+	bc := &BlockContext{Ctx: ctx, Index: l, Prefix: prefix, Block: b, Stages: q.st, X: q.X, SeqLen: q.opt.SeqLen,
+		Tensors: tensors, Progress: progress, q: q}
+	if q.opt.Custom != nil {
+		if err := q.opt.Custom(bc); err != nil {
+			return err
+		}
+		return q.w.WriteShard(tensors)
+	}
+	if q.opt.Prepare != nil {
+		if err := q.opt.Prepare(bc); err != nil {
+			return err
+		}
+	}
 
 	// quantize replaces each named layer by its quantized version, given
 	// the Hessian of their shared input (nil for RTN).
@@ -187,11 +273,9 @@ func (q *quantizer) block(ctx context.Context, l int) error {
 			if err != nil {
 				return fmt.Errorf("%s%s: %w", prefix, n, err)
 			}
-			if err := q.w.AddGPTQ(tensors, prefix+n, lin); err != nil {
+			if err := bc.Emit(n, linears[n], lin, loss, t0); err != nil {
 				return err
 			}
-			*linears[n] = llm.NewDense(lin.Dequantize(), d.B, d.In(), d.Out())
-			q.rep.Layers = append(q.rep.Layers, LayerReport{Name: prefix + n, Loss: loss, Seconds: time.Since(t0).Seconds()})
 		}
 		return nil
 	}
@@ -329,7 +413,7 @@ func (q *quantizer) head(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("lm_head: %w", err)
 	}
-	if err := q.w.AddGPTQ(tensors, "lm_head", lin); err != nil {
+	if err := q.add(tensors, "lm_head", lin); err != nil {
 		return err
 	}
 	q.rep.Layers = append(q.rep.Layers, LayerReport{Name: "lm_head", Loss: loss, Seconds: time.Since(t0).Seconds()})

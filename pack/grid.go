@@ -66,10 +66,15 @@ import (
 
 // Grid is a quantization grid: bit width, group size along the input
 // dimension (−1 for one group per row) and symmetry.
+//
+// MinMax selects AWQ's variant (llm-awq pseudo_quantize_tensor): the range
+// is the group's own [min, max] (not stretched to hold 0), clamped to at
+// least 1e-5, and zero = clamp(−round(min/scale), 0, maxq).
 type Grid struct {
 	Bits      int
 	GroupSize int
 	Sym       bool
+	MinMax    bool
 }
 
 // Validate checks the grid against a layer's input width.
@@ -104,7 +109,7 @@ func (g Grid) MaxQ() int { return 1<<g.Bits - 1 }
 // Params fits scale and zero to the values of one group (reference GPTQ
 // find_params), with the scale rounded to float16.
 func (g Grid) Params(x []float32) (scale float32, zero int) {
-	var xmin, xmax float32
+	xmin, xmax := x[0], x[0]
 	for _, v := range x {
 		xmin = min(xmin, v)
 		xmax = max(xmax, v)
@@ -112,11 +117,15 @@ func (g Grid) Params(x []float32) (scale float32, zero int) {
 	return g.ParamsRange(xmin, xmax)
 }
 
-// ParamsRange is Params given the group's minimum and maximum (each taken
-// with 0, so xmin ≤ 0 ≤ xmax).
+// ParamsRange is Params given the group's minimum and maximum.
 func (g Grid) ParamsRange(xmin, xmax float32) (scale float32, zero int) {
-	xmin, xmax = min(xmin, 0), max(xmax, 0)
 	maxq := float32(g.MaxQ())
+	if g.MinMax && !g.Sym {
+		scale = RoundF16(max(xmax-xmin, 1e-5) / maxq)
+		z := -math.RoundToEven(float64(xmin / scale))
+		return scale, int(min(max(z, 0), float64(g.MaxQ())))
+	}
+	xmin, xmax = min(xmin, 0), max(xmax, 0)
 	if g.Sym {
 		xmax = max(-xmin, xmax)
 		if xmin < 0 {

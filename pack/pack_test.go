@@ -129,13 +129,13 @@ func TestCheckpointRoundTrip(t *testing.T) {
 		actOrder bool
 		format   string
 	}{
-		{"asym-v2", Grid{4, 128, false}, false, FormatGPTQv2},
-		{"sym-v1", Grid{4, 128, true}, false, FormatGPTQ},
-		{"asym-actorder-v2", Grid{4, 64, false}, true, FormatGPTQv2},
-		{"sym-actorder-v1", Grid{4, 32, true}, true, FormatGPTQ},
-		{"3bit-v2", Grid{3, 128, false}, false, FormatGPTQv2},
-		{"2bit-perchannel", Grid{2, -1, true}, false, FormatGPTQ},
-		{"8bit", Grid{8, 128, true}, false, FormatGPTQ},
+		{"asym-v2", Grid{Bits: 4, GroupSize: 128}, false, FormatGPTQv2},
+		{"sym-v1", Grid{Bits: 4, GroupSize: 128, Sym: true}, false, FormatGPTQ},
+		{"asym-actorder-v2", Grid{Bits: 4, GroupSize: 64}, true, FormatGPTQv2},
+		{"sym-actorder-v1", Grid{Bits: 4, GroupSize: 32, Sym: true}, true, FormatGPTQ},
+		{"3bit-v2", Grid{Bits: 3, GroupSize: 128}, false, FormatGPTQv2},
+		{"2bit-perchannel", Grid{Bits: 2, GroupSize: -1, Sym: true}, false, FormatGPTQ},
+		{"8bit", Grid{Bits: 8, GroupSize: 128, Sym: true}, false, FormatGPTQ},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			l := randomLinear(r, 64, 256, c.grid, c.actOrder)
@@ -161,7 +161,7 @@ func TestCheckpointRoundTrip(t *testing.T) {
 
 // TestV1RejectsZeroZero: format gptq stores zero−1, so 0 must be refused.
 func TestV1RejectsZeroZero(t *testing.T) {
-	l := &Linear{In: 8, Out: 8, Grid: Grid{4, -1, false}, Q: make([]uint8, 64), Scale: make([]float32, 8), Zero: make([]uint8, 8), GIdx: make([]int32, 8)}
+	l := &Linear{In: 8, Out: 8, Grid: Grid{Bits: 4, GroupSize: -1}, Q: make([]uint8, 64), Scale: make([]float32, 8), Zero: make([]uint8, 8), GIdx: make([]int32, 8)}
 	if _, err := l.GPTQTensors("x", FormatGPTQ); err == nil {
 		t.Fatal("zero point 0 written in v1")
 	}
@@ -174,7 +174,7 @@ func TestV1RejectsZeroZero(t *testing.T) {
 // dequantizes to identical weights.
 func TestAWQAndGPTQLayoutsAgree(t *testing.T) {
 	r := rand.New(rand.NewPCG(7, 8))
-	grid := Grid{4, 128, false}
+	grid := Grid{Bits: 4, GroupSize: 128}
 	l := randomLinear(r, 64, 256, grid, false)
 	dir := t.TempDir()
 	awq, err := l.AWQTensors("a")
@@ -260,5 +260,25 @@ func TestGPULayoutDecodes(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestAWQGridByHand: AWQ's grid keeps the group's own range.
+func TestAWQGridByHand(t *testing.T) {
+	g := Grid{Bits: 4, GroupSize: 128, MinMax: true}
+	// [1, 4]: scale 3/15 = 0.2, zero clamp(−round(1/0.2), 0, 15) = 0 → 1 is not representable exactly
+	s, z := g.Params([]float32{1, 2.5, 4})
+	if s != RoundF16(0.2) || z != 0 {
+		t.Errorf("[1,4]: scale %v zero %d", s, z)
+	}
+	// [-3, 1.5]: scale 4.5/15 = 0.3, zero round(3/0.3) = 10
+	s, z = g.Params([]float32{-3, 1.5})
+	if s != RoundF16(0.3) || z != 10 {
+		t.Errorf("[-3,1.5]: scale %v zero %d", s, z)
+	}
+	// constant group: range clamped to 1e-5
+	s, _ = g.Params([]float32{0.5, 0.5})
+	if s != RoundF16(1e-5/15) {
+		t.Errorf("constant group: scale %v", s)
 	}
 }

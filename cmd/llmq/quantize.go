@@ -6,6 +6,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/progress"
@@ -16,11 +17,11 @@ import (
 func newQuantize() *cobra.Command {
 	var opt gptq.RunOptions
 	var bits, group int
-	var sym bool
-	var reportPath string
+	var sym, duo, noClip bool
+	var reportPath, statsPath string
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
-		Short: "Quantize a checkpoint to INT4 (GPTQ, RTN) and write a packed GPTQ-format checkpoint",
+		Short: "Quantize a checkpoint to INT4 (GPTQ, AWQ, RTN) and write a packed checkpoint",
 		Long: `Quantize the linear layers of every decoder block, streaming one block at a
 time, and write safetensors shards in the GPTQ layout that transformers, vLLM
 and GPTQModel load. Embeddings, norms and lm_head keep their dtype unless
@@ -28,6 +29,8 @@ and GPTQModel load. Embeddings, norms and lm_head keep their dtype unless
 windows of --seqlen tokens of --calib (deterministic).`,
 		Example: `  llmq quantize ../shared/models/llama-small --method gptq --bits 4 --group 128 \
       --calib ../shared/data/calib.txt -o out/llama-small-gptq-w4g128
+  llmq quantize ../shared/models/llama-small --method awq --calib ../shared/data/calib.txt \
+      --stats out/awq-stats.json -o out/llama-small-awq
   llmq quantize ../shared/models/llama-small --method rtn --bits 4 --group 128 -o out/llama-small-rtn`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -36,16 +39,35 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			if err := opt.GPTQ.Grid.Validate(0); err != nil {
 				return err
 			}
+			var stats []awq.LinearStats
+			awqOpt := awq.Options{Grid: pack.Grid{Bits: bits, GroupSize: group, Sym: sym, MinMax: true}, Duo: duo, Clip: !noClip,
+				Log: func(format string, a ...any) { fmt.Fprintf(os.Stderr, "\nnote: "+format+"\n", a...) }}
 			switch opt.Method {
-			case "gptq":
+			case "gptq", "awq", "awq+gptq":
 				if opt.Calib == "" {
-					return fmt.Errorf("--method gptq needs --calib FILE (calibration text or .i32 tokens)")
+					return fmt.Errorf("--method %s needs --calib FILE (calibration text or .i32 tokens)", opt.Method)
 				}
 			case "rtn":
-			case "awq":
-				return fmt.Errorf("--method awq is not available yet")
 			default:
-				return fmt.Errorf("--method must be gptq, awq or rtn, got %q", opt.Method)
+				return fmt.Errorf("--method must be gptq, awq, awq+gptq or rtn, got %q", opt.Method)
+			}
+			switch opt.Method {
+			case "awq":
+				// AWQ's defaults: 128 windows of 512 tokens, its own grid.
+				if !cmd.Flags().Changed("seqlen") {
+					opt.SeqLen = 512
+				}
+				opt.GPTQ.Grid = awqOpt.Grid
+				var sp *[]awq.LinearStats
+				if statsPath != "" {
+					sp = &stats
+				}
+				opt.Custom = awq.Quantizer(awqOpt, sp)
+			case "awq+gptq":
+				opt.Prepare = awq.Prepare(awqOpt)
+			}
+			if statsPath != "" && opt.Method != "awq" {
+				return fmt.Errorf("--stats is written by --method awq")
 			}
 			if opt.GPTQ.Damp <= 0 || opt.GPTQ.Damp >= 1 {
 				return fmt.Errorf("--damp must be in (0, 1), got %v", opt.GPTQ.Damp)
@@ -71,6 +93,11 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				bar.Set(len(rep.Layers)/7, "done")
 			}
 			printReport(cmd, rep)
+			if statsPath != "" {
+				if err := writeJSON(statsPath, map[string]any{"model": opt.Src, "layers": stats}); err != nil {
+					return err
+				}
+			}
 			if reportPath != "" {
 				return writeJSON(reportPath, evals.NewRecord("quantize", map[string]any{"model": opt.Src, "out": opt.Out, "report": rep}))
 			}
@@ -79,7 +106,11 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	}
 	f := cmd.Flags()
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory (required; written atomically)")
-	f.StringVar(&opt.Method, "method", "gptq", "gptq, awq or rtn")
+	f.StringVar(&opt.Method, "method", "gptq", "gptq, awq, awq+gptq (AWQ scales folded, then GPTQ) or rtn")
+	f.StringVar(&opt.Format, "format", "gptq", "checkpoint layout: gptq, or awq (AutoAWQ GEMM; 4-bit, no act-order)")
+	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency, outlier tokens) as JSON")
+	f.BoolVar(&duo, "duo", false, "AWQ: duo scaling x̄^α / w̄^(1−α) (AutoAWQ) instead of x̄^α (llm-awq)")
+	f.BoolVar(&noClip, "no-clip", false, "AWQ: skip the clip search")
 	f.IntVar(&bits, "bits", 4, "bits per weight: 2, 3, 4 or 8")
 	f.IntVar(&group, "group", 128, "group size along the input dimension: 32, 64, 128, or -1 (per channel)")
 	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
@@ -89,7 +120,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&opt.TrueSequential, "true-sequential", true, "GPTQ: quantize [q,k,v]→[o]→[gate,up]→[down] sequentially")
 	f.StringVar(&opt.Calib, "calib", "", "calibration text file (or .i32 token file)")
 	f.IntVar(&opt.NSamples, "nsamples", 128, "calibration windows")
-	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window")
+	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window (AWQ default 512)")
 	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
 	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists")
 	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")

@@ -1,0 +1,151 @@
+package awq
+
+import (
+	"context"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/pack"
+)
+
+func tinyBlock(t *testing.T) (*llm.Stages, *llm.Block, [][]float32, int) {
+	t.Helper()
+	ck, err := checkpoint.Open(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ck.Close() })
+	b, err := llm.LoadBlock(ck, 1, llm.DenseLoader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	E, _ := ck.Float32("model.embed_tokens.weight", 8192, 256)
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+	const T = 64
+	var X [][]float32
+	for w := 0; w < 2; w++ {
+		x := make([]float32, T*256)
+		for i := 0; i < T; i++ {
+			id := ids[w*T+i]
+			copy(x[i*256:], E[id*256:(id+1)*256])
+		}
+		X = append(X, x)
+	}
+	return llm.NewStages(ck.Config), b, X, T
+}
+
+// TestFoldingPreservesFunction: with any positive scales folded into the
+// norms and linear rows, the fp32 block output is unchanged (1e-5 relative).
+func TestFoldingPreservesFunction(t *testing.T) {
+	st, b, X, T := tinyBlock(t)
+	want := st.Block(b, X[0], T)
+	r := rand.New(rand.NewPCG(1, 2))
+	randScales := func(n int) []float32 {
+		s := make([]float32, n)
+		for i := range s {
+			s[i] = float32(math.Exp(r.NormFloat64()))
+		}
+		return s
+	}
+	sc := &Scales{QKV: randScales(256), GateUp: randScales(256), Down: randScales(768)}
+	if n := Apply(b, sc, nil); n != 0 {
+		t.Fatalf("%d values clamped", n)
+	}
+	got := st.Block(b, X[0], T)
+	var num, den float64
+	for i := range want {
+		num += float64(got[i]-want[i]) * float64(got[i]-want[i])
+		den += float64(want[i]) * float64(want[i])
+	}
+	if rel := math.Sqrt(num / den); rel > 1e-5 {
+		t.Fatalf("block output changed by %.2e relative after folding", rel)
+	}
+}
+
+// TestFoldIntoLinearRows covers the v_proj → o_proj fold (shapes match
+// only without GQA, which no shared model has): o(v(x)) is unchanged.
+func TestFoldIntoLinearRows(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	d := 32
+	v := llm.NewDense(make([]float32, d*d), make([]float32, d), d, d)
+	o := llm.NewDense(make([]float32, d*d), nil, d, d)
+	for i := range v.W {
+		v.W[i], o.W[i] = float32(r.NormFloat64()), float32(r.NormFloat64())
+	}
+	for i := range v.B {
+		v.B[i] = float32(r.NormFloat64())
+	}
+	x := make([]float32, 4*d)
+	for i := range x {
+		x[i] = float32(r.NormFloat64())
+	}
+	run := func() []float32 {
+		h, y := make([]float32, 4*d), make([]float32, 4*d)
+		v.Forward(h, x, 4)
+		o.Forward(y, h, 4)
+		return y
+	}
+	want := run()
+	s := make([]float32, d)
+	for i := range s {
+		s[i] = 0.1 + 5*r.Float32()
+	}
+	DivideRows(v.W, v.B, d, s)
+	ScaleColumns(o.W, d, s)
+	got := run()
+	for i := range want {
+		if math.Abs(float64(got[i]-want[i])) > 1e-4*(1+math.Abs(float64(want[i]))) {
+			t.Fatalf("output %d: %v → %v", i, want[i], got[i])
+		}
+	}
+}
+
+// TestScaleSearchBeatsRTN: on a real block, the searched scales give a
+// module output error no worse than α = 0 (plain RTN), and clipping does
+// not increase the partial-output error.
+func TestScaleSearchBeatsRTN(t *testing.T) {
+	st, b, X, T := tinyBlock(t)
+	f, err := Collect(context.Background(), st, b, X, T)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opt := Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}}
+	var errs []float64
+	down := dense(b.Down)
+	eval := func(qw [][]float32) (float64, error) {
+		ql := llm.NewDense(qw[0], nil, down.In(), down.Out())
+		var s float64
+		for w, a := range f.Act {
+			out := make([]float32, T*down.Out())
+			ql.Forward(out, a, T)
+			s += MSE(out, f.orgM[w])
+		}
+		errs = append(errs, s)
+		return s, nil
+	}
+	_, alpha, err := Search([][]float32{down.W}, down.In(), ChannelMean(f.Act, down.In()), eval, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	best := math.Inf(1)
+	for _, e := range errs {
+		best = math.Min(best, e)
+	}
+	t.Logf("down_proj: α=%.2f, error %.4g vs RTN (α=0) %.4g", alpha, best, errs[0])
+	if best > errs[0] {
+		t.Fatalf("search chose an error %.4g above α=0's %.4g", best, errs[0])
+	}
+	// A heavy-tailed channel makes the search prefer α > 0.
+	if alpha == 0 {
+		t.Log("note: α=0 chosen on this block")
+	}
+	w := append([]float32(nil), down.W...)
+	shrink := Clip(w, down.Out(), down.In(), f.Act, opt)
+	if shrink <= 0.5 || shrink > 1 {
+		t.Fatalf("mean shrink %v outside (0.5, 1]", shrink)
+	}
+}

@@ -1,0 +1,215 @@
+package awq
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/llmq/llmq/llm"
+)
+
+// Features are the inputs of a block's linear layers on the calibration
+// windows, computed with the unquantized block, and the block's outputs.
+type Features struct {
+	T    int
+	N    [][]float32 // RMSNorm(x): input of q, k, v
+	Att  [][]float32 // attention output: input of o
+	M    [][]float32 // RMSNorm(h): input of gate, up
+	Act  [][]float32 // SiLU(gate)·up: input of down
+	Out  [][]float32 // the block's output
+	orgA [][]float32 // o(att): what the q/k/v search inspects
+	orgM [][]float32 // down(act): what the gate/up search inspects
+}
+
+// Collect runs the block on the calibration windows X ([w][T·hidden]).
+func Collect(ctx context.Context, st *llm.Stages, b *llm.Block, X [][]float32, T int) (*Features, error) {
+	f := &Features{T: T}
+	for _, x := range X {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		n := st.Norm(b.AttnNorm, x, T)
+		att := st.Attention(b, n, T)
+		oa := make([]float32, T*b.O.Out())
+		b.O.Forward(oa, att, T)
+		h := append([]float32(nil), x...)
+		add(h, oa)
+		m := st.Norm(b.MLPNorm, h, T)
+		act := st.MLPAct(b, m, T)
+		dm := make([]float32, T*b.Down.Out())
+		b.Down.Forward(dm, act, T)
+		out := append([]float32(nil), h...)
+		add(out, dm)
+		f.N, f.Att, f.M, f.Act, f.Out = append(f.N, n), append(f.Att, att), append(f.M, m), append(f.Act, act), append(f.Out, out)
+		f.orgA, f.orgM = append(f.orgA, oa), append(f.orgM, dm)
+	}
+	return f, nil
+}
+
+func add(x, y []float32) {
+	for i := range x {
+		x[i] += y[i]
+	}
+}
+
+// Scales are the per-channel scales of a block's four AWQ groups (nil when
+// a group does not apply).
+type Scales struct {
+	QKV, VO, GateUp, Down []float32
+	Alpha                 [4]float64
+}
+
+func dense(l llm.Linear) *llm.Dense { return l.(*llm.Dense) }
+
+// SearchBlock searches the scales of the block's groups.
+func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features, opt Options) (*Scales, error) {
+	T := f.T
+	sc := &Scales{}
+	mse := func(got, want [][]float32) float64 {
+		var s float64
+		for i := range got {
+			s += MSE(got[i], want[i])
+		}
+		return s / float64(len(got))
+	}
+	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
+	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
+	var err error
+
+	// input_layernorm → q, k, v, inspecting o(attention(·)).
+	sc.QKV, sc.Alpha[0], err = Search([][]float32{q.W, k.W, v.W}, q.In(), ChannelMean(f.N, q.In()), func(qw [][]float32) (float64, error) {
+		tb := *b
+		tb.Q, tb.K, tb.V = llm.NewDense(qw[0], q.B, q.In(), q.Out()), llm.NewDense(qw[1], k.B, k.In(), k.Out()), llm.NewDense(qw[2], v.B, v.In(), v.Out())
+		outs := make([][]float32, len(f.N))
+		for w, n := range f.N {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			outs[w] = make([]float32, T*o.Out())
+			o.Forward(outs[w], st.Attention(&tb, n, T), T)
+		}
+		return mse(outs, f.orgA), nil
+	}, opt)
+	if err != nil {
+		return nil, fmt.Errorf("q/k/v scales: %w", err)
+	}
+
+	// v_proj → o_proj, only when their weights have the same shape (no GQA).
+	if v.Out() == o.In() && v.In() == o.Out() {
+		sc.VO, sc.Alpha[1], err = Search([][]float32{o.W}, o.In(), ChannelMean(f.Att, o.In()), func(qw [][]float32) (float64, error) {
+			ql := llm.NewDense(qw[0], nil, o.In(), o.Out())
+			outs := make([][]float32, len(f.Att))
+			for w, a := range f.Att {
+				outs[w] = make([]float32, T*o.Out())
+				ql.Forward(outs[w], a, T)
+			}
+			return mse(outs, f.orgA), nil
+		}, opt)
+		if err != nil {
+			return nil, fmt.Errorf("v/o scales: %w", err)
+		}
+	}
+
+	// post_attention_layernorm → gate, up, inspecting the MLP output.
+	sc.GateUp, sc.Alpha[2], err = Search([][]float32{gate.W, up.W}, gate.In(), ChannelMean(f.M, gate.In()), func(qw [][]float32) (float64, error) {
+		tb := *b
+		tb.Gate, tb.Up = llm.NewDense(qw[0], nil, gate.In(), gate.Out()), llm.NewDense(qw[1], nil, up.In(), up.Out())
+		outs := make([][]float32, len(f.M))
+		for w, m := range f.M {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			outs[w] = make([]float32, T*down.Out())
+			down.Forward(outs[w], st.MLPAct(&tb, m, T), T)
+		}
+		return mse(outs, f.orgM), nil
+	}, opt)
+	if err != nil {
+		return nil, fmt.Errorf("gate/up scales: %w", err)
+	}
+
+	// up_proj → down_proj.
+	sc.Down, sc.Alpha[3], err = Search([][]float32{down.W}, down.In(), ChannelMean(f.Act, down.In()), func(qw [][]float32) (float64, error) {
+		ql := llm.NewDense(qw[0], nil, down.In(), down.Out())
+		outs := make([][]float32, len(f.Act))
+		for w, a := range f.Act {
+			outs[w] = make([]float32, T*down.Out())
+			ql.Forward(outs[w], a, T)
+		}
+		return mse(outs, f.orgM), nil
+	}, opt)
+	if err != nil {
+		return nil, fmt.Errorf("up/down scales: %w", err)
+	}
+	return sc, nil
+}
+
+// Apply folds the scales into the block: each group's weight columns are
+// multiplied by s and whatever produces their input (a norm's weight or a
+// linear's rows) divided by s, leaving the block's function unchanged. The
+// cached features are divided too, for the clip search. It returns how
+// many folded values were clamped to the float16 range.
+func Apply(b *llm.Block, sc *Scales, f *Features) int {
+	clamped := 0
+	divide := func(xs [][]float32, s []float32) {
+		if xs == nil {
+			return
+		}
+		d := len(s)
+		for _, x := range xs {
+			for i := range x {
+				x[i] /= s[i%d]
+			}
+		}
+	}
+	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
+	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
+	if sc.QKV != nil {
+		clamped += DivideVector(b.AttnNorm, sc.QKV)
+		for _, l := range []*llm.Dense{q, k, v} {
+			ScaleColumns(l.W, l.In(), sc.QKV)
+		}
+		if f != nil {
+			divide(f.N, sc.QKV)
+		}
+	}
+	if sc.VO != nil {
+		clamped += DivideRows(v.W, v.B, v.In(), sc.VO)
+		ScaleColumns(o.W, o.In(), sc.VO)
+		if f != nil {
+			divide(f.Att, sc.VO)
+		}
+	}
+	if sc.GateUp != nil {
+		clamped += DivideVector(b.MLPNorm, sc.GateUp)
+		ScaleColumns(gate.W, gate.In(), sc.GateUp)
+		ScaleColumns(up.W, up.In(), sc.GateUp)
+		if f != nil {
+			divide(f.M, sc.GateUp)
+		}
+	}
+	if sc.Down != nil {
+		clamped += DivideRows(up.W, nil, up.In(), sc.Down)
+		ScaleColumns(down.W, down.In(), sc.Down)
+		if f != nil {
+			divide(f.Act, sc.Down)
+		}
+	}
+	return clamped
+}
+
+// ClipBlock runs the clip search on v, o, gate, up and down (q and k are
+// skipped: their errors are amplified by the softmax in ways the
+// per-channel output error does not see).
+func ClipBlock(b *llm.Block, f *Features, opt Options) map[string]float64 {
+	out := map[string]float64{}
+	for _, c := range []struct {
+		name string
+		l    llm.Linear
+		in   [][]float32
+	}{{"self_attn.v_proj", b.V, f.N}, {"self_attn.o_proj", b.O, f.Att}, {"mlp.gate_proj", b.Gate, f.M},
+		{"mlp.up_proj", b.Up, f.M}, {"mlp.down_proj", b.Down, f.Act}} {
+		d := dense(c.l)
+		out[c.name] = Clip(d.W, d.Out(), d.In(), c.in, opt)
+	}
+	return out
+}
