@@ -37,10 +37,16 @@ test:
 	go vet $(GOFLAGS_TAGS) ./...
 	go test $(GOFLAGS_TAGS) -timeout 60m ./...
 
+# The main job on a checkpoint: inspect it, quantize it with GPTQ (a short
+# calibration, to keep the demo quick), compare perplexities, and generate
+# with the quantized model.
 demo: build
 	./build/llmq inspect $(MODEL)
+	./build/llmq quantize $(MODEL) --method gptq --bits 4 --group 128 --calib $(CALIB) --nsamples 32 --seqlen 512 -o $(OUT) --force
+	./build/llmq inspect $(OUT)
 	./build/llmq eval ppl $(MODEL) --data $(DATA) --windows 8
-	./build/llmq generate $(MODEL) --prompt "$(PROMPT)" --max-tokens 48
+	./build/llmq eval ppl $(OUT) --data $(DATA) --windows 8
+	./build/llmq generate $(OUT) --prompt "$(PROMPT)" --max-tokens 48
 
 bench:
 	go test $(GOFLAGS_TAGS) -run XX -bench . -benchtime 3x ./llm/

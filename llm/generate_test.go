@@ -1,0 +1,107 @@
+package llm_test
+
+import (
+	"context"
+	"reflect"
+	"testing"
+
+	"github.com/llmq/llmq/llm"
+)
+
+// TestGreedyMatchesTransformers: 32 greedy tokens for each reference prompt
+// equal transformers' generate() output.
+func TestGreedyMatchesTransformers(t *testing.T) {
+	for _, name := range []string{"llama-tiny", "llama-small"} {
+		m := loadModel(t, "models/"+name)
+		for prompt, ref := range readGreedy(t, name) {
+			got, err := llm.Generate(context.Background(), m, ref.PromptIDs, llm.GenerateOptions{MaxTokens: len(ref.GreedyIDs)}, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, ref.GreedyIDs) {
+				t.Errorf("%s %q:\n got  %v\n want %v", name, prompt, got, ref.GreedyIDs)
+			}
+		}
+	}
+}
+
+// TestCachedDecodingEqualsFullPrefix: each greedy token chosen through the
+// KV cache is the argmax of a fresh full-prefix forward pass.
+func TestCachedDecodingEqualsFullPrefix(t *testing.T) {
+	m := loadModel(t, "models/llama-tiny")
+	prompt := []int{0, 6810, 815, 263, 630}
+	got, err := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: 20}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seq := append([]int(nil), prompt...)
+	logits := make([]float32, m.Cfg.Vocab)
+	for i, id := range got {
+		c, _ := m.NewCache(len(seq))
+		if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: seq, Logits: logits, LastOnly: true}}); err != nil {
+			t.Fatal(err)
+		}
+		if want := llm.Argmax(logits); want != id {
+			t.Fatalf("token %d: cached decoding chose %d, full prefix %d", i, id, want)
+		}
+		seq = append(seq, id)
+	}
+}
+
+// TestSamplingIsSeeded: the same seed gives the same tokens, another seed
+// (almost surely) different ones, and top-k 1 is greedy.
+func TestSamplingIsSeeded(t *testing.T) {
+	m := loadModel(t, "models/llama-tiny")
+	prompt := []int{0, 462, 2347, 286, 265}
+	run := func(o llm.SampleOptions) []int {
+		out, err := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: 24, Sample: o}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	a := run(llm.SampleOptions{Temperature: 1, TopP: 0.95, Seed: 7})
+	b := run(llm.SampleOptions{Temperature: 1, TopP: 0.95, Seed: 7})
+	c := run(llm.SampleOptions{Temperature: 1, TopP: 0.95, Seed: 8})
+	if !reflect.DeepEqual(a, b) {
+		t.Fatalf("same seed, different tokens:\n%v\n%v", a, b)
+	}
+	if reflect.DeepEqual(a, c) {
+		t.Errorf("seeds 7 and 8 gave identical samples %v", a)
+	}
+	greedy := run(llm.SampleOptions{})
+	if k1 := run(llm.SampleOptions{Temperature: 1.3, TopK: 1, Seed: 3}); !reflect.DeepEqual(k1, greedy) {
+		t.Errorf("top-k 1 differs from greedy")
+	}
+	if err := (llm.SampleOptions{TopP: 1.5}).Validate(); err == nil {
+		t.Error("top-p 1.5 accepted")
+	}
+}
+
+// TestGenerateStopsAtEOS: a stop token ends generation and is not emitted.
+func TestGenerateStopsAtEOS(t *testing.T) {
+	m := loadModel(t, "models/llama-tiny")
+	prompt := []int{0, 462, 2347, 286, 265}
+	full, _ := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: 10}, nil)
+	// stop at the first token that has not appeared before it
+	i := 1
+	for ; i < len(full); i++ {
+		seen := false
+		for _, id := range full[:i] {
+			seen = seen || id == full[i]
+		}
+		if !seen {
+			break
+		}
+	}
+	if i == len(full) {
+		t.Fatal("no new token in the reference output")
+	}
+	out, _ := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: 10, Stop: []int{full[i]}}, nil)
+	if !reflect.DeepEqual(out, full[:i]) {
+		t.Fatalf("stopping at %d: got %v from %v", full[i], out, full)
+	}
+	if _, err := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: 5000}, nil); err == nil {
+		t.Error("generation past the context accepted")
+	}
+}
