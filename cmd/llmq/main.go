@@ -6,6 +6,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"runtime/pprof"
 
 	"github.com/spf13/cobra"
 )
@@ -30,6 +31,29 @@ benchmarks.`,
   llmq generate ../shared/models/llama-tiny --prompt "Once upon a time"`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+	}
+	var profile string
+	var stopProfile func()
+	root.PersistentFlags().StringVar(&profile, "cpuprofile", "", "write a CPU profile (go tool pprof) of the command to this file")
+	root.PersistentPreRunE = func(cmd *cobra.Command, args []string) error {
+		if profile == "" {
+			return nil
+		}
+		f, err := os.Create(profile)
+		if err != nil {
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+			return fmt.Errorf("--cpuprofile: %w", err)
+		}
+		stopProfile = func() { pprof.StopCPUProfile(); f.Close() }
+		return nil
+	}
+	root.PersistentPostRun = func(cmd *cobra.Command, args []string) {
+		if stopProfile != nil {
+			stopProfile()
+		}
 	}
 	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate(), newBench())
 	return root
