@@ -4,8 +4,10 @@ import (
 	"context"
 	"math"
 	"math/rand/v2"
+	"path/filepath"
 	"testing"
 
+	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -147,5 +149,76 @@ func TestScaleSearchBeatsRTN(t *testing.T) {
 	shrink := Clip(w, down.Out(), down.In(), f.Act, opt)
 	if shrink <= 0.5 || shrink > 1 {
 		t.Fatalf("mean shrink %v outside (0.5, 1]", shrink)
+	}
+}
+
+// TestExportsAgree quantizes llama-tiny with AWQ (a short calibration) into
+// the GPTQ layout and the AutoAWQ layout: both load, carry the right
+// quantization_config, and dequantize to identical weights.
+func TestExportsAgree(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	dir := t.TempDir()
+	opt := Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}, Clip: true}
+	var stats []LinearStats
+	run := func(format string, st *[]LinearStats) string {
+		out := filepath.Join(dir, format)
+		_, err := gptq.Run(context.Background(), gptq.RunOptions{Src: src, Out: out, Method: "awq", Format: format,
+			Custom: Quantizer(opt, st), GPTQ: gptq.Options{Grid: opt.Grid}, Calib: shared.Path(t, "data/calib.txt"),
+			NSamples: 4, SeqLen: 64})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	a, b := run("gptq", &stats), run("awq", nil)
+	cka, err := checkpoint.Open(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cka.Close()
+	ckb, err := checkpoint.Open(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ckb.Close()
+	qa, _ := pack.ParseQuantConfig(cka.Config.Quantization)
+	qb, _ := pack.ParseQuantConfig(ckb.Config.Quantization)
+	if qa.QuantMethod != "gptq" || qb.QuantMethod != "awq" || qb.Version != "gemm" || qb.ZeroPoint == nil || !*qb.ZeroPoint {
+		t.Fatalf("configs: %+v / %+v", qa, qb)
+	}
+	for _, name := range []string{"model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"} {
+		in, out := 256, 256
+		if name == "model.layers.3.mlp.down_proj" {
+			in = 768
+		}
+		la, err := qa.Read(cka, name, in, out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lb, err := qb.Read(ckb, name, in, out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wa, wb := la.Dequantize(), lb.Dequantize()
+		for i := range wa {
+			if wa[i] != wb[i] {
+				t.Fatalf("%s weight %d: %v (gptq layout) vs %v (awq layout)", name, i, wa[i], wb[i])
+			}
+		}
+	}
+	// The folded norms are stored exactly, and the model runs.
+	if nt, _ := cka.Tensor("model.layers.0.input_layernorm.weight"); nt.DType.String() != "F32" {
+		t.Errorf("folded norm stored as %s", nt.DType)
+	}
+	if len(stats) != 16 || stats[0].Alpha == nil || stats[0].SaliencyMax < stats[0].SaliencyP50 {
+		t.Errorf("stats: %d layers, first %+v", len(stats), stats[0])
+	}
+	m, err := pack.OpenModel(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if _, err := llm.Generate(context.Background(), m.Model, []int{0, 462}, llm.GenerateOptions{MaxTokens: 3}, nil); err != nil {
+		t.Fatal(err)
 	}
 }
