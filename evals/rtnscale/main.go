@@ -1,3 +1,16 @@
+// Command rtnscale measures how the precision of RTN's group scales moves
+// perplexity, to explain llmq's RTN figures against the reference code's:
+// llmq rounds each scale to float16 when it is fitted (what a GPTQ-format
+// checkpoint stores), the reference IST-DASLab code keeps float32 scales in
+// its fake quantization. It fake-quantizes every decoder linear layer of a
+// model with RTN w4 g128 (asymmetric, range holding 0) with the scale kept
+// in float32 ("f32"), rounded to float16 ("f16", llmq), or computed in
+// bfloat16 arithmetic ("bf16", the reference run on bf16 weights), or
+// leaves the model as is ("none"), and prints wikitext-2 perplexity.
+//
+//	go run -tags openblas ./evals/rtnscale ../shared/models/llama-tiny f32 0
+//
+// The last argument limits the windows (0: all 189).
 package main
 
 import (
@@ -14,7 +27,7 @@ import (
 
 func bf16(x float32) float32 { return math.Float32frombits(uint32(checkpoint.ToBF16(x)) << 16) }
 
-// rtn with a choice of scale precision: "f16" (llmq), "f32", "bf16" (all ops in bf16)
+// rtn fake-quantizes w [out][in] in place with the chosen scale precision.
 func rtn(w []float32, in int, mode string) {
 	for o := 0; o < len(w)/in; o++ {
 		for g := 0; g < in/128; g++ {
