@@ -86,22 +86,21 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint3
   return d;
 }
 
-constexpr int kWarps = 4;   // warps per CTA, splitting the CTA's K slice
-constexpr int kStages = 4;  // depth of each warp's cp.async ring
+constexpr int kWarps = 4;  // warps per CTA, splitting the CTA's K slice
 
 // Per-warp ring, U 16-row steps a stage: each lane's 16-byte B chunk, and
 // the step's A tile (16·MB rows × 16 columns; lane l copies row l/2,
 // columns (l%2)·8 …, zero-filled past M).
-template <int MB, int U>
+template <int MB, int U, int STAGES>
 struct Ring {
-  uint4 b[kStages][U][32];
-  uint4 a[kStages][U][MB][32];
+  uint4 b[STAGES][U][32];
+  uint4 a[STAGES][U][MB][32];
 };
 
-template <int MB, int U>
+template <int MB, int U, int STAGES>
 constexpr size_t fused_smem_bytes() {
-  return kWarps * sizeof(Ring<MB, U>) > kWarps * 16 * 64 * sizeof(float) ? kWarps * sizeof(Ring<MB, U>)
-                                                                          : kWarps * 16 * 64 * sizeof(float);
+  return kWarps * sizeof(Ring<MB, U, STAGES>) > kWarps * 16 * 64 * sizeof(float) ? kWarps * sizeof(Ring<MB, U, STAGES>)
+                                                                                  : kWarps * 16 * 64 * sizeof(float);
 }
 
 // Group scales/zeros in the form the dequant needs: half2 scale, and the
@@ -149,10 +148,11 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
 
 // w4a16_fused: a CTA of kWarps warps owns one 64-column n-tile, one K slice
 // (blockIdx.y of `splits`) and 16·MB rows (blockIdx.z). Each warp streams
-// its part of the slice through its own cp.async ring, U steps a stage.
+// its part of the slice through its own cp.async ring of STAGES stages, U
+// steps a stage; MINB asks the compiler to fit MINB CTAs per SM.
 // gshift: a group spans 2^gshift steps (−1: a single group).
-template <int MB, int U>
-__global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
+template <int MB, int U, int STAGES, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                            half* __restrict__ C, float* __restrict__ ws,
                                                            int* __restrict__ counters, int M, int N, int K, int gshift,
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restric
   const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
   const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
   const int k0 = s0 + warp * per_warp, k1 = min(s1, k0 + per_warp);
-  Ring<MB, U>& ring = reinterpret_cast<Ring<MB, U>*>(smem)[warp];
+  Ring<MB, U, STAGES>& ring = reinterpret_cast<Ring<MB, U, STAGES>*>(smem)[warp];
 
   float acc[MB][8][4];
 #pragma unroll
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restric
   }
   const uint4* Bp = B + (size_t)nt * KT * 32 + lane;
   auto issue = [&](int b) {
-    const int stage = b % kStages;
+    const int stage = b % STAGES;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = k0 + b * U + u;
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restric
 
   const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
 #pragma unroll
-  for (int b = 0; b < kStages - 1; ++b) issue(b);
+  for (int b = 0; b < STAGES - 1; ++b) issue(b);
 
   // Scales and zeros: the current group's in registers, the next one's
   // loaded ahead.
@@ -225,10 +225,10 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_fused(const half* __restric
   const int lm_off = (lane & 15) * 2 + (lane >> 4);  // in 16-byte units
 
   for (int b = 0; b < batches; ++b) {
-    issue(b + kStages - 1);
-    cp_async_wait<kStages - 1>();
+    issue(b + STAGES - 1);
+    cp_async_wait<STAGES - 1>();
     __syncwarp();  // ldmatrix reads other lanes' copies
-    const int stage = b % kStages;
+    const int stage = b % STAGES;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = k0 + b * U + u;
@@ -378,15 +378,15 @@ int check_shape(int M, int N, int K, int group) {
   return 0;
 }
 
-template <int MB, int U>
+template <int MB, int U, int STAGES, int MINB>
 int launch_fused(const half* A, const void* B, const void* S, const void* Z, half* C, void* workspace, int M, int N,
                  int K, int group) {
   static int resident = 0;  // CTAs of this instantiation per SM
-  constexpr size_t smem = fused_smem_bytes<MB, U>();
+  constexpr size_t smem = fused_smem_bytes<MB, U, STAGES>();
   if (!g_sms) CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
   if (!resident) {
-    CK(cudaFuncSetAttribute(w4a16_fused<MB, U>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, U>, kWarps * 32, smem));
+    CK(cudaFuncSetAttribute(w4a16_fused<MB, U, STAGES, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, U, STAGES, MINB>, kWarps * 32, smem));
   }
   const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * MB - 1) / (16 * MB);
   // One full wave: as many K splits as fill the resident CTA slots, each
@@ -402,7 +402,7 @@ int launch_fused(const half* A, const void* B, const void* S, const void* Z, hal
     gshift = 0;
     while ((16 << gshift) < group) ++gshift;
   }
-  w4a16_fused<MB, U><<<dim3(NT, splits, mblocks), kWarps * 32, smem, llmq::stream()>>>(
+  w4a16_fused<MB, U, STAGES, MINB><<<dim3(NT, splits, mblocks), kWarps * 32, smem, llmq::stream()>>>(
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, gshift, splits);
   CK_LAUNCH("w4a16_fused");
   return 0;
@@ -482,8 +482,22 @@ int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void
     llmq::set_error("the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", group);
     return 1;
   }
-  if (M <= 16) return launch_fused<1, 2>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  if (M <= 32) return launch_fused<2, 2>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  return launch_fused<4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (M <= 16) {
+    // $LLMQ_W4_VARIANT selects a tuning variant of the M ≤ 16 kernel
+    // (ring depth, minimum CTAs per SM) for experiments; 0 is the default.
+    static int variant = -1;
+    if (variant < 0) {
+      const char* e = getenv("LLMQ_W4_VARIANT");
+      variant = e ? atoi(e) : 0;
+    }
+    switch (variant) {
+      case 1: return launch_fused<1, 2, 4, 6>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+      case 2: return launch_fused<1, 4, 3, 6>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+      case 3: return launch_fused<1, 2, 3, 8>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+      default: return launch_fused<1, 2, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+    }
+  }
+  if (M <= 32) return launch_fused<2, 2, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  return launch_fused<4, 1, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
 }
 }
