@@ -40,11 +40,3 @@ case "${1:-all}" in
     grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|WRN|OPT|One or More|smsp|Executed" | head -60
     ;;
 esac
-case "${1:-all}" in
-  variants)
-    for v in 0 1 2 3; do
-      echo "variant $v:"
-      LLMQ_W4_VARIANT=$v build/device/llmq bench gemm --m 1,8,16 --iters 60 --json "$OUT/gemm-variant-$v.json" 2>&1 | tail -15 | awk '{print $1,$2,$3,$4,$5,$6,$7,$8}'
-    done
-    ;;
-esac

@@ -482,21 +482,7 @@ int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void
     llmq::set_error("the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", group);
     return 1;
   }
-  if (M <= 16) {
-    // $LLMQ_W4_VARIANT selects a tuning variant of the M ≤ 16 kernel
-    // (ring depth, minimum CTAs per SM) for experiments; 0 is the default.
-    static int variant = -1;
-    if (variant < 0) {
-      const char* e = getenv("LLMQ_W4_VARIANT");
-      variant = e ? atoi(e) : 0;
-    }
-    switch (variant) {
-      case 1: return launch_fused<1, 2, 4, 6>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-      case 2: return launch_fused<1, 4, 3, 6>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-      case 3: return launch_fused<1, 2, 3, 8>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-      default: return launch_fused<1, 2, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-    }
-  }
+  if (M <= 16) return launch_fused<1, 2, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   if (M <= 32) return launch_fused<2, 2, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
 }
