@@ -64,13 +64,6 @@ func dense(l llm.Linear) *llm.Dense { return l.(*llm.Dense) }
 func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features, opt Options) (*Scales, error) {
 	T := f.T
 	sc := &Scales{}
-	mse := func(got, want [][]float32) float64 {
-		var s float64
-		for i := range got {
-			s += MSE(got[i], want[i])
-		}
-		return s / float64(len(got))
-	}
 	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
 	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
 	var err error
@@ -87,7 +80,7 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 			outs[w] = make([]float32, T*o.Out())
 			o.Forward(outs[w], st.Attention(&tb, n, T), T)
 		}
-		return mse(outs, f.orgA), nil
+		return meanMSE(outs, f.orgA), nil
 	}, opt)
 	if err != nil {
 		return nil, fmt.Errorf("q/k/v scales: %w", err)
@@ -95,15 +88,7 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 
 	// v_proj → o_proj, only when their weights have the same shape (no GQA).
 	if v.Out() == o.In() && v.In() == o.Out() {
-		sc.VO, sc.Alpha[1], err = Search([][]float32{o.W}, o.In(), ChannelMean(f.Att, o.In()), func(qw [][]float32) (float64, error) {
-			ql := llm.NewDense(qw[0], nil, o.In(), o.Out())
-			outs := make([][]float32, len(f.Att))
-			for w, a := range f.Att {
-				outs[w] = make([]float32, T*o.Out())
-				ql.Forward(outs[w], a, T)
-			}
-			return mse(outs, f.orgA), nil
-		}, opt)
+		sc.VO, sc.Alpha[1], err = searchLinear(o, f.Att, f.orgA, T, opt)
 		if err != nil {
 			return nil, fmt.Errorf("v/o scales: %w", err)
 		}
@@ -121,26 +106,41 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 			outs[w] = make([]float32, T*down.Out())
 			down.Forward(outs[w], st.MLPAct(&tb, m, T), T)
 		}
-		return mse(outs, f.orgM), nil
+		return meanMSE(outs, f.orgM), nil
 	}, opt)
 	if err != nil {
 		return nil, fmt.Errorf("gate/up scales: %w", err)
 	}
 
 	// up_proj → down_proj.
-	sc.Down, sc.Alpha[3], err = Search([][]float32{down.W}, down.In(), ChannelMean(f.Act, down.In()), func(qw [][]float32) (float64, error) {
-		ql := llm.NewDense(qw[0], nil, down.In(), down.Out())
-		outs := make([][]float32, len(f.Act))
-		for w, a := range f.Act {
-			outs[w] = make([]float32, T*down.Out())
-			ql.Forward(outs[w], a, T)
-		}
-		return mse(outs, f.orgM), nil
-	}, opt)
+	sc.Down, sc.Alpha[3], err = searchLinear(down, f.Act, f.orgM, T, opt)
 	if err != nil {
 		return nil, fmt.Errorf("up/down scales: %w", err)
 	}
 	return sc, nil
+}
+
+// searchLinear searches the scales of one linear layer whose own output is
+// inspected (v_proj → o_proj and up_proj → down_proj).
+func searchLinear(l *llm.Dense, inputs, org [][]float32, T int, opt Options) ([]float32, float64, error) {
+	return Search([][]float32{l.W}, l.In(), ChannelMean(inputs, l.In()), func(qw [][]float32) (float64, error) {
+		ql := llm.NewDense(qw[0], nil, l.In(), l.Out())
+		outs := make([][]float32, len(inputs))
+		for w, a := range inputs {
+			outs[w] = make([]float32, T*l.Out())
+			ql.Forward(outs[w], a, T)
+		}
+		return meanMSE(outs, org), nil
+	}, opt)
+}
+
+// meanMSE averages the per-window MSE.
+func meanMSE(got, want [][]float32) float64 {
+	var s float64
+	for i := range got {
+		s += MSE(got[i], want[i])
+	}
+	return s / float64(len(got))
 }
 
 // Apply folds the scales into the block: each group's weight columns are

@@ -91,13 +91,19 @@ func DenseLoader(ck *checkpoint.Checkpoint, name string, in, out int, bias bool)
 	if err != nil {
 		return nil, err
 	}
-	var b []float32
-	if bias {
-		if b, err = ck.Float32(name+".bias", out); err != nil {
-			return nil, err
-		}
+	b, err := ReadBias(ck, name, out, bias)
+	if err != nil {
+		return nil, err
 	}
 	return NewDense(w, b, in, out), nil
+}
+
+// ReadBias reads name+".bias" when bias is set (nil otherwise).
+func ReadBias(ck *checkpoint.Checkpoint, name string, out int, bias bool) ([]float32, error) {
+	if !bias {
+		return nil, nil
+	}
+	return ck.Float32(name+".bias", out)
 }
 
 // LoadBlock reads decoder layer i. Quantization tools use it to stream a

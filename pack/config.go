@@ -101,11 +101,9 @@ func Loader(cfg *checkpoint.Config) (llm.LinearLoader, error) {
 		if err != nil {
 			return nil, err
 		}
-		var b []float32
-		if bias {
-			if b, err = ck.Float32(name+".bias", out); err != nil {
-				return nil, err
-			}
+		b, err := llm.ReadBias(ck, name, out, bias)
+		if err != nil {
+			return nil, err
 		}
 		return llm.NewDense(l.Dequantize(), b, in, out), nil
 	}, nil
