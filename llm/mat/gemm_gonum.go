@@ -21,3 +21,12 @@ func gemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int,
 	// gonum's Sgemm parallelises internally too; goroutines compose.
 	gonum.Implementation{}.Sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
 }
+
+// gemv computes y = alpha·op(A)·x + beta·y for row-major A (r×c, stride lda).
+func gemv(trans bool, r, c int, alpha float32, a []float32, lda int, x []float32, beta float32, y []float32) {
+	t := blas.NoTrans
+	if trans {
+		t = blas.Trans
+	}
+	gonum.Implementation{}.Sgemv(t, r, c, alpha, a, lda, x, 1, beta, y, 1)
+}

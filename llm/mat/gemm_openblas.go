@@ -31,3 +31,14 @@ func gemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int,
 		(*C.float)(unsafe.Pointer(&b[0])), C.blasint(ldb), C.float(beta),
 		(*C.float)(unsafe.Pointer(&c[0])), C.blasint(ldc))
 }
+
+// gemv computes y = alpha·op(A)·x + beta·y for row-major A (r×c, stride lda).
+func gemv(trans bool, r, c int, alpha float32, a []float32, lda int, x []float32, beta float32, y []float32) {
+	t := uint32(C.CblasNoTrans)
+	if trans {
+		t = C.CblasTrans
+	}
+	C.cblas_sgemv(C.CblasRowMajor, C.enum_CBLAS_TRANSPOSE(t), C.blasint(r), C.blasint(c), C.float(alpha),
+		(*C.float)(unsafe.Pointer(&a[0])), C.blasint(lda), (*C.float)(unsafe.Pointer(&x[0])), 1,
+		C.float(beta), (*C.float)(unsafe.Pointer(&y[0])), 1)
+}

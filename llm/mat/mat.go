@@ -24,6 +24,13 @@ func Gemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int,
 	if m == 0 || n == 0 {
 		return
 	}
+	if m == 1 {
+		// A row times a matrix is a matrix-vector product: GEMM kernels
+		// repack the whole matrix per call, which doubles the memory
+		// traffic that bounds decoding.
+		gemvRow(transB, n, k, alpha, a, b, ldb, beta, c)
+		return
+	}
 	w := Workers()
 	if w == 1 || int64(m)*int64(n)*int64(k) < 1<<18 {
 		gemm(transA, transB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
@@ -45,6 +52,18 @@ func Gemm(transA, transB bool, m, n, k int, alpha float32, a []float32, lda int,
 			bo = lo * ldb
 		}
 		gemm(transA, transB, m, hi-lo, k, alpha, a, lda, b[bo:], ldb, beta, c[lo:], ldc)
+	})
+}
+
+// gemvRow computes c[0:n] = alpha·a·op(B) + beta·c for one row a, split
+// across goroutines by columns of the result.
+func gemvRow(transB bool, n, k int, alpha float32, a, b []float32, ldb int, beta float32, c []float32) {
+	ParallelFor(n, 256, func(lo, hi int) {
+		if transB { // B is n×k: c = B[lo:hi]·a
+			gemv(false, hi-lo, k, alpha, b[lo*ldb:], ldb, a, beta, c[lo:])
+		} else { // B is k×n: c = B[:, lo:hi]ᵀ·a
+			gemv(true, k, hi-lo, alpha, b[lo:], ldb, a, beta, c[lo:])
+		}
 	})
 }
 

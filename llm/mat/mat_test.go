@@ -113,3 +113,42 @@ func BenchmarkMathExp(b *testing.B) {
 	}
 	_ = s
 }
+
+// TestGemmSingleRow: the matrix-vector path (m = 1) against the naive
+// product, both transpositions of B, with beta.
+func TestGemmSingleRow(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	n, k := 700, 129
+	a := make([]float32, k)
+	for i := range a {
+		a[i] = r.Float32() - 0.5
+	}
+	for _, tb := range []bool{false, true} {
+		b := make([]float32, n*k)
+		for i := range b {
+			b[i] = r.Float32() - 0.5
+		}
+		c := make([]float32, n)
+		for i := range c {
+			c[i] = 1
+		}
+		ldb := n
+		if tb {
+			ldb = k
+		}
+		Gemm(false, tb, 1, n, k, 2, a, k, b, ldb, 0.5, c, n)
+		for j := 0; j < n; j++ {
+			var s float64
+			for p := 0; p < k; p++ {
+				bv := b[p*n+j]
+				if tb {
+					bv = b[j*k+p]
+				}
+				s += float64(a[p]) * float64(bv)
+			}
+			if want := 2*s + 0.5; math.Abs(float64(c[j])-want) > 1e-4 {
+				t.Fatalf("transB=%v: c[%d] = %v, want %v", tb, j, c[j], want)
+			}
+		}
+	}
+}
