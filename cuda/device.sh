@@ -17,8 +17,10 @@ case "${1:-all}" in
     build/device/cuda.test -test.v -test.run . > "$OUT/cudatest.log" 2>&1; rc=$?
     grep -E "^(--- |ok|FAIL|PASS)|rel err" "$OUT/cudatest.log" | tail -25
     echo "cuda tests rc=$rc"
-    timeout 120 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestDequant' > "$OUT/memcheck.log" 2>&1
-    tail -4 "$OUT/memcheck.log"
+    for tool in memcheck racecheck; do
+      timeout 240 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/$tool.log" 2>&1
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1)"
+    done
     ;;
 esac
 case "${1:-all}" in

@@ -215,3 +215,15 @@ func TestBadShapeIsAnError(t *testing.T) {
 		t.Log(err)
 	}
 }
+
+// TestSmallForSanitizer is a quick case for compute-sanitizer (memcheck,
+// racecheck): both paths, act-order, and a K deep enough to split across
+// CTAs so the workspace and last-CTA counter logic runs.
+func TestSmallForSanitizer(t *testing.T) {
+	l := openLib(t)
+	r := rand.New(rand.NewPCG(9, 9))
+	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathFused})
+	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, path: PathFused})
+	runCase(t, l, r, gemmCase{M: 70, K: 512, N: 128, group: 128, path: PathFused})
+	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, path: PathCuBLAS})
+}
