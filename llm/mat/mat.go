@@ -3,7 +3,8 @@
 //
 // The default build uses gonum's pure-Go BLAS, so llmq builds anywhere with
 // `go build`. Building with `-tags openblas` routes Gemm through OpenBLAS's
-// cblas_sgemm (Debian: libopenblas-dev), about 12× faster on two AVX2 cores;
+// cblas_sgemm (Debian: libopenblas-dev), 8.4× faster on two AVX2 cores
+// (BenchmarkGemm: 111.6 vs 13.3 GFLOP/s);
 // both paths compute the same product up to float32 summation order.
 package mat
 
