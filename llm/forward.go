@@ -97,15 +97,15 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		}
 	}
 
+	lens := make([]int, len(steps))
+	for i, s := range steps {
+		lens[i] = len(s.Tokens)
+	}
 	for l, b := range m.Blocks {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 		RMSNorm(h, x, b.AttnNorm, rows, c.RMSNormEps)
-		lens := make([]int, len(steps))
-		for i, s := range steps {
-			lens[i] = len(s.Tokens)
-		}
 		m.selfAttention(att, b, h, l, lens, caches, cos, sin, q, k, v)
 		b.O.Forward(tmp, att, rows)
 		add(x, tmp)

@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -142,11 +141,6 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 	if qc.QuantMethod == "awq" {
 		qc.CheckpointFormat = ""
 	}
-	keys := make([]string, 0, len(w.weightMap))
-	for k := range w.weightMap {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
 	index := map[string]any{"metadata": map[string]any{"total_size": w.Bytes}, "weight_map": w.weightMap}
 	if err := writeJSON(filepath.Join(w.tmp, "model.safetensors.index.json"), index); err != nil {
 		return err

@@ -34,6 +34,7 @@ type Tokenizer struct {
 	pre        preTokenizer
 	decoder    decoder
 	added      []addedToken // longest content first, for splitting
+	addedFirst [256]bool    // first bytes of added tokens
 	addedByID  map[int]addedToken
 	prefix     []int // ids the post-processor puts before a single sequence
 	suffix     []int // ... and after it
@@ -95,6 +96,7 @@ func Parse(data []byte) (*Tokenizer, error) {
 			return nil, fmt.Errorf("added token %d has empty content", a.ID)
 		}
 		t.added = append(t.added, a)
+		t.addedFirst[a.Content[0]] = true
 		t.addedByID[a.ID] = a
 		m.addToken(a.Content, a.ID)
 	}
@@ -188,6 +190,9 @@ func (t *Tokenizer) splitAdded(text string) []segment {
 
 // addedAt returns the longest added token that s starts with.
 func (t *Tokenizer) addedAt(s string) (addedToken, bool) {
+	if !t.addedFirst[s[0]] {
+		return addedToken{}, false
+	}
 	for _, a := range t.added {
 		if strings.HasPrefix(s, a.Content) {
 			return a, true
