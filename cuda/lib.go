@@ -31,7 +31,9 @@ static int c_pp_n(void* f, P a, P b, size_t n) { return ((int (*)(void*, const v
 static int c_h2d(void* f, P dst, const void* src, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)dst, src, n); }
 static int c_d2h(void* f, void* dst, P src, size_t n) { return ((int (*)(void*, const void*, size_t))f)(dst, (const void*)src, n); }
 static int c_memset(void* f, P a, int v, size_t n) { return ((int (*)(void*, int, size_t))f)((void*)a, v, n); }
-static int c_event_create(void* f, P* p) { void* v = 0; int r = ((int (*)(void**))f)(&v); *p = (P)v; return r; }
+// c_out_ptr calls an int f(void** out) and returns *out as an integer
+// (event creation, graph instantiation).
+static int c_out_ptr(void* f, P* p) { void* v = 0; int r = ((int (*)(void**))f)(&v); *p = (P)v; return r; }
 static int c_elapsed(void* f, P a, P b, float* ms) { return ((int (*)(void*, void*, float*))f)((void*)a, (void*)b, ms); }
 static size_t c_ws(void* f, int m, int n) { return ((size_t (*)(int, int))f)(m, n); }
 static int c_gemm_w4(void* f, P A, P B, P S, P Z, P perm, P aperm, P C, P ws, P scratch, int M, int N, int K, int g) {
@@ -221,7 +223,7 @@ type Event struct{ p C.P }
 // NewEvent creates an event.
 func (l *Lib) NewEvent() (Event, error) {
 	var p C.P
-	err := l.check("llmq_event_create", C.c_event_create(l.f["llmq_event_create"], &p))
+	err := l.check("llmq_event_create", C.c_out_ptr(l.f["llmq_event_create"], &p))
 	return Event{p}, err
 }
 
@@ -290,7 +292,7 @@ func (l *Lib) Capture(fn func() error) (Graph, error) {
 	}
 	ferr := fn()
 	var p C.P
-	err := l.check("llmq_capture_end", C.c_event_create(l.f["llmq_capture_end"], &p))
+	err := l.check("llmq_capture_end", C.c_out_ptr(l.f["llmq_capture_end"], &p))
 	if ferr != nil {
 		return Graph{}, ferr
 	}

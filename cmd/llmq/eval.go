@@ -41,7 +41,7 @@ func newEvalPPL() *cobra.Command {
 				return err
 			}
 			defer m.Close()
-			ids := m.tok.Encode(string(text), false)
+			ids := m.Tokenizer.Encode(string(text), false)
 			seq := opt.SeqLen
 			if seq == 0 {
 				seq = 2048
@@ -56,16 +56,16 @@ func newEvalPPL() *cobra.Command {
 				}
 				bar.Set(done, "")
 			}
-			res, err := evals.Perplexity(cmd.Context(), m.backend, ids, opt)
+			res, err := evals.Perplexity(cmd.Context(), m.Model, ids, opt)
 			if err != nil {
 				return err
 			}
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "perplexity  %.4f\n", res.Perplexity)
 			fmt.Fprintf(w, "tokens      %d in %d windows of %d (%d predicted)\n", res.Tokens, res.Windows, res.SeqLen, res.Predicted)
-			fmt.Fprintf(w, "speed       %.0f tokens/s on %s (%.1f s)\n", res.TokensPerSec, m.backend.Name(), res.Seconds)
+			fmt.Fprintf(w, "speed       %.0f tokens/s on %s (%.1f s)\n", res.TokensPerSec, m.Model.Name(), res.Seconds)
 			if jsonOut != "" {
-				rec := evals.NewRecord("ppl", map[string]any{"model": args[0], "data": data, "backend": m.backend.Name(), "result": res})
+				rec := evals.NewRecord("ppl", map[string]any{"model": args[0], "data": data, "backend": m.Model.Name(), "result": res})
 				return writeJSON(jsonOut, rec)
 			}
 			return nil

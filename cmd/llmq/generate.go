@@ -34,14 +34,14 @@ func newGenerate() *cobra.Command {
 				return err
 			}
 			defer m.Close()
-			ids := m.tok.Encode(prompt, !noBOS)
-			opt.Stop = m.ck.Config.EOS
+			ids := m.Tokenizer.Encode(prompt, !noBOS)
+			opt.Stop = m.Checkpoint.Config.EOS
 			w := cmd.OutOrStdout()
 			fmt.Fprint(w, prompt)
-			stream := m.tok.NewStream()
+			stream := m.Tokenizer.NewStream()
 			start := time.Now()
 			var first time.Duration
-			out, err := llm.Generate(cmd.Context(), m.backend, ids, opt, func(id int) error {
+			out, err := llm.Generate(cmd.Context(), m.Model, ids, opt, func(id int) error {
 				if first == 0 {
 					first = time.Since(start)
 				}
@@ -58,7 +58,7 @@ func newGenerate() *cobra.Command {
 				rate = float64(len(out)-1) / (el - first).Seconds()
 			}
 			fmt.Fprintf(os.Stderr, "[%d prompt tokens, %d generated; first token %v, then %.1f tokens/s on %s]\n",
-				len(ids), len(out), first.Round(time.Millisecond), rate, m.backend.Name())
+				len(ids), len(out), first.Round(time.Millisecond), rate, m.Model.Name())
 			return nil
 		},
 	}
