@@ -1,7 +1,7 @@
 # llmq — build, test, demo and CUDA targets.
 #
-#   make demo    inspect, evaluate and generate with the shared llama-tiny
-#                (MODEL=/path/to/checkpoint to use your own)
+#   make demo    inspect, GPTQ-quantize, evaluate and generate with the shared
+#                llama-tiny (MODEL=/path/to/checkpoint to use your own)
 #   make test    go vet + the whole test suite (what CI runs)
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
 
