@@ -233,3 +233,34 @@ func FuzzParse(f *testing.F) {
 		tk.Decode(tk.Encode(text, true), false)
 	})
 }
+
+// TestStreamEqualsDecode: streaming a long text token by token gives the
+// one-shot decode, for byte-level BPE and for SentencePiece-style BPE
+// (whose decoder strips the first token's leading space and merges byte
+// fallback runs, so the stream's decode window must respect both).
+func TestStreamEqualsDecode(t *testing.T) {
+	sp, err := Parse([]byte(spTokenizer))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bl := load(t, "models/llama-tiny/tokenizer.json")
+	text, err := os.ReadFile(shared.Path(t, "data/wikitext2/wiki.test.raw"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, c := range map[string]struct {
+		tk   *Tokenizer
+		text string
+	}{"byte-level": {bl, string(text[:20000])}, "sentencepiece": {sp, "hi te é hi  é te"}} {
+		ids := c.tk.Encode(c.text, false)
+		s := c.tk.NewStream()
+		var b strings.Builder
+		for _, id := range ids {
+			b.WriteString(s.Add(id))
+		}
+		b.WriteString(s.Flush())
+		if want := c.tk.Decode(ids, true); b.String() != want {
+			t.Errorf("%s: streamed text differs from the decode (%d vs %d bytes)", name, b.Len(), len(want))
+		}
+	}
+}
