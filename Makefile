@@ -2,7 +2,8 @@
 #
 #   make demo    inspect, GPTQ-quantize, evaluate and generate with the shared
 #                llama-tiny (MODEL=/path/to/checkpoint to use your own)
-#   make test    go vet + the whole test suite (what CI runs)
+#   make test    go vet + the whole test suite + the npm client e2e (what CI runs)
+#   make e2e     drive llmq serve with the official openai npm package
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
 
 MODEL ?= ../shared/models/llama-tiny
@@ -20,7 +21,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test demo cuda bench clean fmt device
+.PHONY: build test e2e demo cuda bench clean fmt device
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
 device:
@@ -36,6 +37,16 @@ build:
 test:
 	go vet $(GOFLAGS_TAGS) ./...
 	go test $(GOFLAGS_TAGS) -timeout 60m ./...
+	$(MAKE) e2e
+
+# llmq serve end to end with the openai npm client (Node.js 20+ and the npm
+# registry); skipped without Node.js unless LLMQ_REQUIRE_SHARED=1 (CI).
+e2e:
+	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+	  if [ "$$LLMQ_REQUIRE_SHARED" = 1 ]; then echo "e2e: node and npm are required"; exit 1; fi; \
+	  echo "e2e: skipped (no node/npm)"; exit 0; fi; \
+	go build $(GOFLAGS_TAGS) -o build/e2e/llmq ./cmd/llmq && \
+	cd evals/serve-e2e && npm ci --no-audit --no-fund --loglevel=error && node e2e.mjs ../../build/e2e/llmq $(abspath $(MODEL))
 
 # The main job on a checkpoint: inspect it, quantize it with GPTQ (a short
 # calibration, to keep the demo quick), compare perplexities, and generate

@@ -3,9 +3,11 @@ module github.com/llmq/llmq
 go 1.26.8
 
 require (
+	github.com/ardanlabs/jinja v1.8.0 // indirect
 	github.com/dlclark/regexp2 v1.12.0 // indirect
 	github.com/inconshreveable/mousetrap v1.1.0 // indirect
 	github.com/nlpodyssey/safetensors v0.0.0-20250209183917-bfb01cc25f7c // indirect
+	github.com/sashabaranov/go-openai v1.43.0 // indirect
 	github.com/spf13/cobra v1.10.2 // indirect
 	github.com/spf13/pflag v1.0.9 // indirect
 	github.com/x448/float16 v0.8.4 // indirect

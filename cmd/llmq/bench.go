@@ -11,9 +11,9 @@ import (
 func newBench() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "bench",
-		Short: "Benchmarks: the W4A16 GEMM kernel against cuBLAS",
+		Short: "Benchmarks: the W4A16 GEMM kernel against cuBLAS, the HTTP server under load",
 	}
-	cmd.AddCommand(newBenchGemm())
+	cmd.AddCommand(newBenchGemm(), newBenchServe())
 	return cmd
 }
 

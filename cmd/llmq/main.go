@@ -55,6 +55,6 @@ benchmarks.`,
 			stopProfile()
 		}
 	}
-	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate(), newBench())
+	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate(), newServe(), newBench())
 	return root
 }

@@ -1,0 +1,162 @@
+package evals
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+)
+
+// LoadOptions describe a closed-loop load test of an OpenAI-compatible
+// server: Clients goroutines each send streaming chat requests one after
+// another until Requests have been sent in all.
+type LoadOptions struct {
+	URL       string // base URL, e.g. http://127.0.0.1:8080
+	Model     string
+	Clients   int
+	Requests  int
+	MaxTokens int
+	Prompt    string // the user message; request i appends " (i)"
+}
+
+// LoadResult summarises a load test. Latencies are per request: TTFT to
+// the first streamed text, Total to the end of the stream.
+type LoadResult struct {
+	Requests         int                `json:"requests"`
+	Succeeded        int                `json:"succeeded"`
+	Errors           []string           `json:"errors,omitempty"`
+	CompletionTokens int                `json:"completion_tokens"`
+	WallSeconds      float64            `json:"wall_s"`
+	TokensPerSecond  float64            `json:"tokens_per_s"`
+	TTFT             map[string]float64 `json:"ttft_ms"`
+	Total            map[string]float64 `json:"latency_ms"`
+}
+
+// RunLoad runs the load test.
+func RunLoad(ctx context.Context, opt LoadOptions) (*LoadResult, error) {
+	if opt.Clients <= 0 || opt.Requests <= 0 || opt.MaxTokens <= 0 {
+		return nil, fmt.Errorf("load test: clients, requests and max tokens must be positive")
+	}
+	res := &LoadResult{Requests: opt.Requests}
+	var mu sync.Mutex
+	var ttft, total []float64
+	next := make(chan int)
+	go func() {
+		defer close(next)
+		for i := 0; i < opt.Requests; i++ {
+			select {
+			case next <- i:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	client := &http.Client{}
+	start := time.Now()
+	var wg sync.WaitGroup
+	for c := 0; c < opt.Clients; c++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range next {
+				first, all, tokens, err := streamChat(ctx, client, opt, fmt.Sprintf("%s (%d)", opt.Prompt, i))
+				mu.Lock()
+				if err != nil {
+					res.Errors = append(res.Errors, fmt.Sprintf("request %d: %v", i, err))
+				} else {
+					res.Succeeded++
+					res.CompletionTokens += tokens
+					ttft, total = append(ttft, ms(first)), append(total, ms(all))
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	res.WallSeconds = time.Since(start).Seconds()
+	res.TokensPerSecond = float64(res.CompletionTokens) / res.WallSeconds
+	res.TTFT, res.Total = percentiles(ttft), percentiles(total)
+	return res, ctx.Err()
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func percentiles(xs []float64) map[string]float64 {
+	if len(xs) == 0 {
+		return nil
+	}
+	sort.Float64s(xs)
+	at := func(p float64) float64 { return xs[min(len(xs)-1, int(p*float64(len(xs))))] }
+	return map[string]float64{"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "max": xs[len(xs)-1]}
+}
+
+// streamChat sends one streaming chat request and reads its events to
+// [DONE]. It returns the time to the first text, to the end, and the
+// completion tokens of the usage event.
+func streamChat(ctx context.Context, client *http.Client, opt LoadOptions, prompt string) (first, all time.Duration, tokens int, err error) {
+	body, _ := json.Marshal(map[string]any{
+		"model": opt.Model, "stream": true, "max_tokens": opt.MaxTokens, "temperature": 0,
+		"stream_options": map[string]any{"include_usage": true},
+		"messages":       []any{map[string]any{"role": "user", "content": prompt}},
+	})
+	req, err := http.NewRequestWithContext(ctx, "POST", strings.TrimSuffix(opt.URL, "/")+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	t0 := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, 0, 0, fmt.Errorf("status %s", resp.Status)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	done := false
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			done = true
+			break
+		}
+		var ev struct {
+			Choices []struct {
+				Delta struct{ Content string }
+			}
+			Usage *struct {
+				CompletionTokens int `json:"completion_tokens"`
+			}
+			Error *struct{ Message string }
+		}
+		if err := json.Unmarshal([]byte(data), &ev); err != nil {
+			return 0, 0, 0, fmt.Errorf("bad event %q: %w", data, err)
+		}
+		if ev.Error != nil {
+			return 0, 0, 0, fmt.Errorf("server error in stream: %s", ev.Error.Message)
+		}
+		if len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" && first == 0 {
+			first = time.Since(t0)
+		}
+		if ev.Usage != nil {
+			tokens = ev.Usage.CompletionTokens
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, 0, 0, err
+	}
+	if !done {
+		return 0, 0, 0, fmt.Errorf("stream ended without [DONE]")
+	}
+	return first, time.Since(t0), tokens, nil
+}

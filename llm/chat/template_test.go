@@ -1,0 +1,124 @@
+package chat
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/llmq/llmq/internal/shared"
+)
+
+// TestTemplatesMatchJinja2 renders the Llama-3, Llama-3.1, Mistral and
+// Qwen2 templates on each case of testdata/cases.json and compares with
+// jinja2's renderings (testdata/golden.json, from testdata/render.py).
+func TestTemplatesMatchJinja2(t *testing.T) {
+	var cases []struct {
+		Name                string
+		AddGenerationPrompt bool `json:"add_generation_prompt"`
+		Messages            []Message
+	}
+	read(t, "testdata/cases.json", &cases)
+	var golden map[string]string
+	read(t, "testdata/golden.json", &golden)
+	tokens := map[string][2]string{
+		"llama3": {"<|begin_of_text|>", "<|eot_id|>"}, "llama31": {"<|begin_of_text|>", "<|eot_id|>"},
+		"mistral": {"<s>", "</s>"}, "qwen2": {"", "<|im_end|>"},
+	}
+	n := 0
+	for name, tok := range tokens {
+		src, err := os.ReadFile(filepath.Join("testdata", name+".jinja"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tmpl, err := New(strings.TrimSuffix(string(src), "\n"), tok[0], tok[1])
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		for _, c := range cases {
+			key := name + "/" + c.Name
+			want, ok := golden[key]
+			if !ok {
+				t.Fatalf("golden.json has no %s: rerun testdata/render.py", key)
+			}
+			got, err := tmpl.Render(c.Messages, c.AddGenerationPrompt)
+			if err != nil {
+				got = "ERROR: " + strings.TrimPrefix(err.Error(), "chat template: ")
+			}
+			if strings.HasPrefix(want, "ERROR: ") {
+				// The engine words its errors its own way; the raised
+				// message must be there.
+				if err == nil || !strings.Contains(err.Error(), strings.TrimPrefix(want, "ERROR: ")) {
+					t.Errorf("%s: want error %q, got %q", key, want, got)
+				}
+			} else if got != want {
+				t.Errorf("%s:\n got %q\nwant %q", key, got, want)
+			}
+			n++
+		}
+	}
+	if n != len(golden) {
+		t.Errorf("compared %d renderings, golden.json has %d", n, len(golden))
+	}
+}
+
+func read(t *testing.T, path string, v any) {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+}
+
+func TestLoadSharedModel(t *testing.T) {
+	tmpl, err := Load(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := tmpl.Render([]Message{{Role: "user", Content: "Hi"}}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+	if got != want {
+		t.Errorf("got %q, want %q", got, want)
+	}
+	if tmpl.BOSToken != "<|begin_of_text|>" || tmpl.EOSToken != "<|end_of_text|>" {
+		t.Errorf("special tokens %q %q", tmpl.BOSToken, tmpl.EOSToken)
+	}
+}
+
+func TestParseForms(t *testing.T) {
+	tmpl, err := Parse([]byte(`{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ bos_token }}{{ messages[0].content }}"}],
+		"bos_token": {"content": "<s>", "lstrip": false}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := tmpl.Render([]Message{{Role: "user", Content: "x"}}, false); got != "<s>x" {
+		t.Errorf("named template with AddedToken bos: %q", got)
+	}
+	for _, c := range []struct{ json, want string }{
+		{`{}`, "no chat_template"},
+		{`{"chat_template": 3}`, "want a string or a list"},
+		{`{"chat_template": [{"name": "rag", "template": "x"}]}`, `no template named "default"`},
+		{`{"chat_template": "{% for m in messages %}"}`, "chat_template"},
+		{`{"chat_template": "x", "bos_token": 5}`, "bos_token"},
+		{`not json`, "not JSON"},
+	} {
+		_, err := Parse([]byte(c.json))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: got %v, want an error containing %q", c.json, err, c.want)
+		}
+	}
+	if _, err := Load(t.TempDir()); !errors.Is(err, ErrNoTemplate) || !strings.Contains(err.Error(), "tokenizer_config.json") {
+		t.Errorf("missing file: %v", err)
+	}
+	if _, err := tmpl.Render(nil, true); err == nil {
+		t.Error("no messages: want an error")
+	}
+}

@@ -1,0 +1,489 @@
+// Package engine is the API a Go chat server imports: it loads a model
+// (packed INT4 or unquantized) with its tokenizer and chat template, and
+// runs many generation requests at once on one Backend.
+//
+// Requests are batched continuously (Yu et al. 2022, "Orca"): one
+// scheduler goroutine owns the backend, and every iteration it admits
+// waiting requests up to MaxBatch, runs one Forward over all active
+// sequences together — a new request's whole prompt (prefill) next to the
+// others' single decode tokens — samples one token for each, and retires
+// the ones that finished. A request therefore never waits for another to
+// end, and batch-1 decoding turns into batch-N matrix products.
+//
+// Callers see requests as a blocking Generate call that streams text
+// through a callback; cancelling its context (a client that went away)
+// removes the sequence at the next iteration. Text is decoded and stop
+// strings are matched in the caller's goroutine, so a slow consumer never
+// stalls the batch.
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/chat"
+	"github.com/llmq/llmq/llm/tokenizer"
+	"github.com/llmq/llmq/pack"
+)
+
+// Options configure an Engine.
+type Options struct {
+	// Device runs the model: "cpu" (default) or "cuda".
+	Device string
+	// MaxBatch is the most sequences in one forward pass (default 16).
+	MaxBatch int
+	// MaxQueue is the most requests waiting for a batch slot; beyond it
+	// Generate fails at once with ErrBusy (default 64).
+	MaxQueue int
+}
+
+func (o Options) withDefaults() Options {
+	if o.Device == "" {
+		o.Device = "cpu"
+	}
+	if o.MaxBatch <= 0 {
+		o.MaxBatch = 16
+	}
+	if o.MaxQueue <= 0 {
+		o.MaxQueue = 64
+	}
+	return o
+}
+
+// Errors a server maps to status codes.
+var (
+	// ErrBusy: the queue is full; retry later (HTTP 503).
+	ErrBusy = errors.New("engine: too many requests waiting")
+	// ErrClosed: the engine was closed.
+	ErrClosed = errors.New("engine: closed")
+	// ErrInvalid wraps a request the model cannot serve (HTTP 400).
+	ErrInvalid = errors.New("invalid request")
+)
+
+// Engine runs generation requests on one backend. Its methods are safe for
+// concurrent use.
+type Engine struct {
+	Backend   llm.Backend
+	Tokenizer *tokenizer.Tokenizer
+	Template  *chat.Template // nil when the model has no chat template
+	// Stop holds the token ids that end a generation (the model's EOS ids
+	// and the chat template's end-of-turn token).
+	Stop []int
+
+	opt     Options
+	queue   chan *sequence
+	quit    chan struct{}
+	done    chan struct{}
+	closing sync.Once
+	closer  func() error
+
+	mu     sync.Mutex // orders submissions before Close
+	closed bool
+
+	active    atomic.Int64 // sequences in the batch
+	generated atomic.Int64 // tokens generated since the start
+}
+
+// Open loads a model directory — packed by llmq quantize or unquantized —
+// with its tokenizer.json and, if present, the chat template of
+// tokenizer_config.json, and starts an engine on it.
+func Open(dir string, opt Options) (*Engine, error) {
+	opt = opt.withDefaults()
+	if opt.Device != "cpu" {
+		return nil, fmt.Errorf("device %q: only \"cpu\" is available in this build (the CUDA runtime is not wired to the engine yet)", opt.Device)
+	}
+	m, err := pack.OpenModel(dir)
+	if err != nil {
+		return nil, err
+	}
+	tmpl, err := chat.Load(dir)
+	if err != nil && !errors.Is(err, chat.ErrNoTemplate) {
+		m.Close()
+		return nil, err
+	}
+	e := New(m.Model, m.Tokenizer, tmpl, m.Checkpoint.Config.EOS, opt)
+	e.closer = m.Close
+	return e, nil
+}
+
+// New starts an engine on a backend. stop are the model's EOS token ids;
+// the template's EOS token is added to them.
+func New(b llm.Backend, tok *tokenizer.Tokenizer, tmpl *chat.Template, stop []int, opt Options) *Engine {
+	opt = opt.withDefaults()
+	e := &Engine{Backend: b, Tokenizer: tok, Template: tmpl, opt: opt,
+		queue: make(chan *sequence, opt.MaxQueue), quit: make(chan struct{}), done: make(chan struct{})}
+	e.Stop = append(e.Stop, stop...)
+	if tmpl != nil {
+		if id, ok := tok.TokenID(tmpl.EOSToken); ok && !contains(e.Stop, id) {
+			e.Stop = append(e.Stop, id)
+		}
+	}
+	go e.run()
+	return e
+}
+
+func contains(xs []int, x int) bool {
+	for _, v := range xs {
+		if v == x {
+			return true
+		}
+	}
+	return false
+}
+
+// Close stops the engine: requests still running end with ErrClosed.
+// Callers that want in-flight requests to finish wait for them first (an
+// http.Server's Shutdown does).
+func (e *Engine) Close() error {
+	var err error
+	e.closing.Do(func() {
+		e.mu.Lock()
+		e.closed = true
+		e.mu.Unlock()
+		close(e.quit)
+		<-e.done
+		if e.closer != nil {
+			err = e.closer()
+		}
+	})
+	return err
+}
+
+// Stats are an engine's counters.
+type Stats struct {
+	Queued    int   // requests waiting for a batch slot
+	Active    int   // sequences in the running batch
+	Generated int64 // tokens generated since the engine started
+}
+
+// Stats reads the counters.
+func (e *Engine) Stats() Stats {
+	return Stats{Queued: len(e.queue), Active: int(e.active.Load()), Generated: e.generated.Load()}
+}
+
+// ModelName is the directory's base name, what servers list as the model.
+func ModelName(dir string) string { return filepath.Base(filepath.Clean(dir)) }
+
+// Request is one generation.
+type Request struct {
+	Prompt    []int // token ids (see Encode and EncodeChat)
+	MaxTokens int   // new tokens at most (> 0)
+	Sample    llm.SampleOptions
+	Stop      []string // text that ends the generation (not returned)
+}
+
+// Result is a finished generation.
+type Result struct {
+	Text             string
+	Tokens           []int
+	PromptTokens     int
+	CompletionTokens int
+	// FinishReason is "stop" (an EOS token or a stop string) or "length"
+	// (MaxTokens or the model's context).
+	FinishReason string
+}
+
+// Encode tokenizes a plain-text prompt, adding the tokenizer's special
+// tokens (BOS).
+func (e *Engine) Encode(text string) []int { return e.Tokenizer.Encode(text, true) }
+
+// EncodeChat renders a conversation with the model's chat template,
+// ready for the assistant's turn, and tokenizes it (the template writes
+// its own special tokens).
+func (e *Engine) EncodeChat(messages []chat.Message) ([]int, error) {
+	if e.Template == nil {
+		return nil, fmt.Errorf("%w: the model has no chat template (tokenizer_config.json chat_template); use a plain completion", ErrInvalid)
+	}
+	text, err := e.Template.Render(messages, true)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
+	return e.Tokenizer.Encode(text, false), nil
+}
+
+// Validate checks a request against the model before it is queued.
+func (e *Engine) Validate(req Request) error {
+	ctxLen := e.Backend.Config().MaxPositions
+	switch {
+	case len(req.Prompt) == 0:
+		return fmt.Errorf("%w: empty prompt", ErrInvalid)
+	case req.MaxTokens <= 0:
+		return fmt.Errorf("%w: max_tokens must be positive, got %d", ErrInvalid, req.MaxTokens)
+	case len(req.Prompt) >= ctxLen:
+		return fmt.Errorf("%w: the prompt has %d tokens, the model's context is %d", ErrInvalid, len(req.Prompt), ctxLen)
+	case len(req.Prompt)+req.MaxTokens > ctxLen:
+		return fmt.Errorf("%w: max_tokens %d too large: %d prompt tokens + %d exceed the model's context of %d",
+			ErrInvalid, req.MaxTokens, len(req.Prompt), req.MaxTokens, ctxLen)
+	}
+	for _, id := range req.Prompt {
+		if id < 0 || id >= e.Backend.Config().Vocab {
+			return fmt.Errorf("%w: token id %d outside the vocabulary of %d", ErrInvalid, id, e.Backend.Config().Vocab)
+		}
+	}
+	for _, s := range req.Stop {
+		if s == "" {
+			return fmt.Errorf("%w: empty stop string", ErrInvalid)
+		}
+	}
+	if err := req.Sample.Validate(); err != nil {
+		return fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
+	return nil
+}
+
+// Generate runs a request, calling emit (when not nil) with each piece of
+// new text as soon as it is final. It blocks until the generation ends,
+// ctx is cancelled, or emit returns an error. It fails at once with
+// ErrBusy when MaxQueue requests are already waiting.
+func (e *Engine) Generate(ctx context.Context, req Request, emit func(text string) error) (*Result, error) {
+	if err := e.Validate(req); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // tells the scheduler to drop the sequence if it runs on
+	s := &sequence{ctx: ctx, req: req, tokens: make(chan int, req.MaxTokens+1)}
+	if err := e.submit(s); err != nil {
+		return nil, err
+	}
+
+	res := &Result{PromptTokens: len(req.Prompt), FinishReason: "length"}
+	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
+	send := func(piece string) error {
+		if piece == "" {
+			return nil
+		}
+		res.Text += piece
+		if emit != nil {
+			return emit(piece)
+		}
+		return nil
+	}
+	for id := range s.tokens {
+		res.Tokens = append(res.Tokens, id)
+		piece, stopped := text.add(id)
+		if err := send(piece); err != nil {
+			return res, err
+		}
+		if stopped {
+			res.FinishReason = "stop"
+			break
+		}
+	}
+	if res.FinishReason != "stop" {
+		if err := s.err; err != nil {
+			res.CompletionTokens = len(res.Tokens)
+			return res, err
+		}
+		if s.eos {
+			res.FinishReason = "stop"
+		}
+		if err := send(text.flush()); err != nil {
+			return res, err
+		}
+	}
+	res.CompletionTokens = len(res.Tokens)
+	return res, nil
+}
+
+// submit queues a sequence unless the engine is closed or the queue full.
+func (e *Engine) submit(s *sequence) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return ErrClosed
+	}
+	select {
+	case e.queue <- s:
+		return nil
+	default:
+		return ErrBusy
+	}
+}
+
+// sequence is a request inside the scheduler. The scheduler sends each
+// new token on tokens and closes it at the end, after setting err (a
+// failure or cancellation) or eos; the channel holds MaxTokens+1 ids, so
+// sending never blocks.
+type sequence struct {
+	ctx    context.Context
+	req    Request
+	tokens chan int
+
+	cache   llm.Cache
+	sampler *llm.Sampler
+	logits  []float32
+	next    []int
+	n       int
+	eos     bool
+	err     error
+}
+
+func (s *sequence) finish(err error) {
+	s.err = err
+	close(s.tokens)
+}
+
+// run is the scheduler loop.
+func (e *Engine) run() {
+	defer close(e.done)
+	var active []*sequence
+	defer func() {
+		for _, s := range active {
+			s.finish(ErrClosed)
+		}
+		for {
+			select {
+			case s := <-e.queue:
+				s.finish(ErrClosed)
+			default:
+				return
+			}
+		}
+	}()
+	cfg := e.Backend.Config()
+	var steps []llm.Step
+	for {
+		e.active.Store(int64(len(active)))
+		if len(active) == 0 { // idle: wait for work
+			select {
+			case s := <-e.queue:
+				active = append(active, s)
+			case <-e.quit:
+				return
+			}
+		}
+	admit:
+		for len(active) < e.opt.MaxBatch {
+			select {
+			case s := <-e.queue:
+				active = append(active, s)
+			default:
+				break admit
+			}
+		}
+		select {
+		case <-e.quit:
+			return
+		default:
+		}
+
+		// Start new sequences, drop cancelled ones, and build the steps.
+		steps = steps[:0]
+		live := active[:0]
+		for _, s := range active {
+			if err := s.ctx.Err(); err != nil {
+				s.finish(err)
+				continue
+			}
+			if s.cache == nil {
+				c, err := e.Backend.NewCache(len(s.req.Prompt) + s.req.MaxTokens)
+				if err != nil {
+					s.finish(err)
+					continue
+				}
+				s.cache, s.sampler, s.next = c, llm.NewSampler(s.req.Sample), s.req.Prompt
+				s.logits = make([]float32, cfg.Vocab)
+			}
+			live = append(live, s)
+			steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits, LastOnly: true})
+		}
+		active = live
+		if len(active) == 0 {
+			continue
+		}
+		if err := e.forward(steps); err != nil {
+			for _, s := range active {
+				s.finish(err)
+			}
+			active = active[:0]
+			continue
+		}
+
+		// One new token for each sequence.
+		live = active[:0]
+		for _, s := range active {
+			id := s.sampler.Sample(s.logits)
+			if contains(e.Stop, id) {
+				s.eos = true
+				s.finish(nil)
+				continue
+			}
+			s.tokens <- id
+			s.n++
+			e.generated.Add(1)
+			if s.n >= s.req.MaxTokens {
+				s.finish(nil)
+				continue
+			}
+			s.next = []int{id}
+			live = append(live, s)
+		}
+		active = live
+	}
+}
+
+// forward runs one batched step, turning a panic in a backend into an
+// error so that one bad request cannot take the server down.
+func (e *Engine) forward(steps []llm.Step) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%s forward pass: %v", e.Backend.Name(), r)
+		}
+	}()
+	return e.Backend.Forward(context.Background(), steps)
+}
+
+// stopText decodes tokens to text and ends it at the first stop string,
+// holding back any tail that could still become one.
+type stopText struct {
+	stream  *tokenizer.Stream
+	stops   []string
+	pending string // decoded, not yet emitted
+}
+
+func newStopText(s *tokenizer.Stream, stops []string) *stopText {
+	return &stopText{stream: s, stops: stops}
+}
+
+// add decodes one token; it returns the text now safe to emit and
+// whether a stop string was found (the text before it is returned).
+func (t *stopText) add(id int) (string, bool) {
+	t.pending += t.stream.Add(id)
+	for _, s := range t.stops {
+		if i := strings.Index(t.pending, s); i >= 0 {
+			out := t.pending[:i]
+			t.pending = ""
+			return out, true
+		}
+	}
+	keep := 0 // longest tail of pending that starts a stop string
+	for _, s := range t.stops {
+		for k := min(len(s)-1, len(t.pending)); k > keep; k-- {
+			if strings.HasPrefix(s, t.pending[len(t.pending)-k:]) {
+				keep = k
+				break
+			}
+		}
+	}
+	out := t.pending[:len(t.pending)-keep]
+	t.pending = t.pending[len(t.pending)-keep:]
+	return out, false
+}
+
+// flush returns the held-back text at the end of a generation.
+func (t *stopText) flush() string {
+	out := t.pending + t.stream.Flush()
+	t.pending = ""
+	for _, s := range t.stops {
+		if i := strings.Index(out, s); i >= 0 {
+			out = out[:i]
+		}
+	}
+	return out
+}

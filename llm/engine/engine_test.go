@@ -1,0 +1,233 @@
+package engine
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/chat"
+	"github.com/llmq/llmq/pack"
+)
+
+func openTiny(t *testing.T, opt Options) *Engine {
+	t.Helper()
+	e, err := Open(shared.Path(t, "models/llama-tiny"), opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// Six prompts submitted at once to an engine that batches at most four:
+// two wait in the queue and join the batch while the others decode. Every
+// sequence must still get exactly the transformers reference's greedy ids.
+func TestContinuousBatchingMatchesReference(t *testing.T) {
+	data, err := os.ReadFile(shared.Path(t, "reference/llama-tiny.greedy.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ref map[string]struct {
+		PromptIDs []int `json:"prompt_ids"`
+		GreedyIDs []int `json:"greedy_ids"`
+	}
+	if err := json.Unmarshal(data, &ref); err != nil {
+		t.Fatal(err)
+	}
+	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	e := New(m.Model, m.Tokenizer, nil, nil, Options{MaxBatch: 4})
+	defer e.Close()
+	var wg sync.WaitGroup
+	for prompt, r := range ref {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := e.Generate(context.Background(), Request{Prompt: r.PromptIDs, MaxTokens: len(r.GreedyIDs)}, nil)
+			if err != nil {
+				t.Errorf("%q: %v", prompt, err)
+				return
+			}
+			if !equal(res.Tokens, r.GreedyIDs) {
+				t.Errorf("%q:\n got %v\nwant %v", prompt, res.Tokens, r.GreedyIDs)
+			}
+			if res.FinishReason != "length" || res.PromptTokens != len(r.PromptIDs) || res.CompletionTokens != len(r.GreedyIDs) {
+				t.Errorf("%q: finish %q, usage %d+%d", prompt, res.FinishReason, res.PromptTokens, res.CompletionTokens)
+			}
+			if want := m.Tokenizer.Decode(r.GreedyIDs, true); res.Text != want {
+				t.Errorf("%q: text %q, want %q", prompt, res.Text, want)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+func equal(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// Greedy llama-tiny continues "The history of the" with " history of the"
+// over and over; a stop string spanning token boundaries ends it, and the
+// text streamed before the stop never includes a piece of it.
+func TestStopString(t *testing.T) {
+	e := openTiny(t, Options{})
+	var streamed strings.Builder
+	res, err := e.Generate(context.Background(), Request{Prompt: e.Encode("The history of the"), MaxTokens: 20, Stop: []string{"the hist"}},
+		func(s string) error { streamed.WriteString(s); return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Text != " history of " || streamed.String() != res.Text || res.FinishReason != "stop" {
+		t.Errorf("text %q, streamed %q, finish %q", res.Text, streamed.String(), res.FinishReason)
+	}
+	if res.CompletionTokens > 6 {
+		t.Errorf("generation went on for %d tokens after the stop string", res.CompletionTokens)
+	}
+}
+
+func TestChatTemplateAndEOS(t *testing.T) {
+	e := openTiny(t, Options{})
+	ids, err := e.EncodeChat([]chat.Message{{Role: "user", Content: "Hi"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := e.Tokenizer.Encode("<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", false)
+	if !equal(ids, want) {
+		t.Errorf("chat prompt %v, want %v", ids, want)
+	}
+	if id, _ := e.Tokenizer.TokenID("<|end_of_text|>"); !contains(e.Stop, id) {
+		t.Errorf("stop ids %v lack <|end_of_text|> (%d)", e.Stop, id)
+	}
+}
+
+// gated is a backend whose Forward waits until the test lets it go.
+type gated struct {
+	llm.Backend
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (g *gated) Forward(ctx context.Context, steps []llm.Step) error {
+	g.entered <- struct{}{}
+	<-g.release
+	return g.Backend.Forward(ctx, steps)
+}
+
+// With one batch slot and a queue of one, a third concurrent request is
+// refused with ErrBusy; cancelling a running request ends it with the
+// context's error while the queued one still completes; Close ends the rest.
+func TestBusyCancelClose(t *testing.T) {
+	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	g := &gated{Backend: m.Model, entered: make(chan struct{}), release: make(chan struct{})}
+	e := New(g, m.Tokenizer, nil, nil, Options{MaxBatch: 1, MaxQueue: 1})
+	prompt := m.Tokenizer.Encode("Once upon a time", true)
+
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	first := make(chan error)
+	go func() {
+		_, err := e.Generate(ctx1, Request{Prompt: prompt, MaxTokens: 50}, nil)
+		first <- err
+	}()
+	<-g.entered // the first request is in a forward pass
+	second := make(chan *Result)
+	go func() {
+		res, err := e.Generate(context.Background(), Request{Prompt: prompt, MaxTokens: 3}, nil)
+		if err != nil {
+			t.Errorf("queued request: %v", err)
+		}
+		second <- res
+	}()
+	for len(e.queue) == 0 { // wait until the second request is queued
+	}
+	if _, err := e.Generate(context.Background(), Request{Prompt: prompt, MaxTokens: 3}, nil); !errors.Is(err, ErrBusy) {
+		t.Errorf("third request: %v, want ErrBusy", err)
+	}
+	cancel1()
+	close(g.release) // let every forward pass through from now on
+	go func() {
+		for range g.entered {
+		}
+	}()
+	if err := <-first; !errors.Is(err, context.Canceled) {
+		t.Errorf("cancelled request: %v", err)
+	}
+	if res := <-second; res == nil || len(res.Tokens) != 3 {
+		t.Errorf("queued request result %+v", res)
+	}
+	e.Close()
+	if _, err := e.Generate(context.Background(), Request{Prompt: prompt, MaxTokens: 3}, nil); !errors.Is(err, ErrClosed) {
+		t.Errorf("after Close: %v", err)
+	}
+	close(g.entered)
+}
+
+func TestValidate(t *testing.T) {
+	e := openTiny(t, Options{})
+	ctxLen := e.Backend.Config().MaxPositions
+	long := make([]int, ctxLen)
+	for _, c := range []struct {
+		req  Request
+		want string
+	}{
+		{Request{MaxTokens: 1}, "empty prompt"},
+		{Request{Prompt: []int{1}}, "max_tokens must be positive"},
+		{Request{Prompt: long, MaxTokens: 1}, "the prompt has 2048 tokens, the model's context is 2048"},
+		{Request{Prompt: long[:2000], MaxTokens: 100}, "max_tokens 100 too large"},
+		{Request{Prompt: []int{1 << 30}, MaxTokens: 1}, "outside the vocabulary"},
+		{Request{Prompt: []int{1}, MaxTokens: 1, Stop: []string{""}}, "empty stop string"},
+		{Request{Prompt: []int{1}, MaxTokens: 1, Sample: llm.SampleOptions{TopP: 2}}, "top-p"},
+	} {
+		_, err := e.Generate(context.Background(), c.req, nil)
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("got %v, want ErrInvalid containing %q", err, c.want)
+		}
+	}
+	if _, err := Open(shared.Path(t, "models/llama-tiny"), Options{Device: "tpu"}); err == nil || !strings.Contains(err.Error(), `"tpu"`) {
+		t.Errorf("unknown device: %v", err)
+	}
+}
+
+func TestStopTextHoldsBackPrefixes(t *testing.T) {
+	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	ids := m.Tokenizer.Encode(" one two three four", false)
+	st := newStopText(m.Tokenizer.NewStream(), []string{"three four five"})
+	var out string
+	for _, id := range ids {
+		piece, stop := st.add(id)
+		if stop {
+			t.Fatal("stopped on a prefix of the stop string")
+		}
+		out += piece
+	}
+	if out != " one two " {
+		t.Errorf("emitted %q before the end; the possible start of the stop string must be held", out)
+	}
+	if out += st.flush(); out != " one two three four" {
+		t.Errorf("after flush %q", out)
+	}
+}

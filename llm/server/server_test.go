@@ -1,0 +1,336 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/chat"
+	"github.com/llmq/llmq/llm/engine"
+	"github.com/llmq/llmq/pack"
+	openai "github.com/sashabaranov/go-openai"
+)
+
+// serve starts a server for llama-tiny on a loopback port; backend wraps
+// the CPU model when not nil.
+func serve(t *testing.T, opt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *openai.Client) {
+	t.Helper()
+	dir := shared.Path(t, "models/llama-tiny")
+	m, err := pack.OpenModel(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl, err := chat.Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b llm.Backend = m.Model
+	if wrap != nil {
+		b = wrap(b)
+	}
+	e := engine.New(b, m.Tokenizer, tmpl, m.Checkpoint.Config.EOS, opt)
+	ts := httptest.NewServer(New(e, Options{Model: "llama-tiny", MaxBodyBytes: 32 << 10}))
+	t.Cleanup(func() { ts.Close(); e.Close(); m.Close() })
+	cfg := openai.DefaultConfig("none")
+	cfg.BaseURL = ts.URL + "/v1"
+	return ts, e, openai.NewClientWithConfig(cfg)
+}
+
+var hi = []openai.ChatCompletionMessage{{Role: "user", Content: "Tell me about the history of Rome."}}
+
+// The non-streaming answer is the engine's greedy continuation of the
+// rendered chat prompt, with OpenAI's fields and usage counts.
+func TestChatCompletion(t *testing.T) {
+	_, e, client := serve(t, engine.Options{}, nil)
+	resp, err := client.CreateChatCompletion(context.Background(), openai.ChatCompletionRequest{
+		Model: "llama-tiny", Messages: hi, MaxTokens: 12, Temperature: 1e-9})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompt, _ := e.EncodeChat([]chat.Message{{Role: "user", Content: hi[0].Content}})
+	want, err := e.Generate(context.Background(), engine.Request{Prompt: prompt, MaxTokens: 12}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Choices) != 1 || resp.Choices[0].Message.Content != want.Text || resp.Choices[0].Message.Role != "assistant" {
+		t.Fatalf("choices %+v, want text %q", resp.Choices, want.Text)
+	}
+	if resp.Choices[0].FinishReason != "length" || resp.Object != "chat.completion" || resp.Model != "llama-tiny" || !strings.HasPrefix(resp.ID, "chatcmpl-") {
+		t.Errorf("response fields: %+v", resp)
+	}
+	if u := resp.Usage; u.PromptTokens != len(prompt) || u.CompletionTokens != 12 || u.TotalTokens != len(prompt)+12 {
+		t.Errorf("usage %+v, prompt %d tokens", u, len(prompt))
+	}
+}
+
+// Streaming gives the same text as the whole answer, the role in the
+// first chunk, the finish reason in the last, and usage when asked.
+func TestChatCompletionStream(t *testing.T) {
+	_, _, client := serve(t, engine.Options{}, nil)
+	req := openai.ChatCompletionRequest{Model: "llama-tiny", Messages: hi, MaxTokens: 16, Temperature: 1e-9, Seed: ptr(3)}
+	whole, err := client.CreateChatCompletion(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Stream, req.StreamOptions = true, &openai.StreamOptions{IncludeUsage: true}
+	stream, err := client.CreateChatCompletionStream(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	var text strings.Builder
+	var role, finish string
+	var usage *openai.Usage
+	chunks := 0
+	for {
+		c, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		chunks++
+		if c.Usage != nil {
+			usage = c.Usage
+		}
+		if len(c.Choices) == 0 {
+			continue
+		}
+		if chunks == 1 {
+			role = c.Choices[0].Delta.Role
+		}
+		text.WriteString(c.Choices[0].Delta.Content)
+		if c.Choices[0].FinishReason != "" {
+			finish = string(c.Choices[0].FinishReason)
+		}
+	}
+	if text.String() != whole.Choices[0].Message.Content || role != "assistant" || finish != "length" {
+		t.Errorf("streamed %q (role %q, finish %q), whole %q", text.String(), role, finish, whole.Choices[0].Message.Content)
+	}
+	if chunks < 5 {
+		t.Errorf("only %d chunks: the text was not streamed", chunks)
+	}
+	if usage == nil || usage.CompletionTokens != 16 || usage.PromptTokens != whole.Usage.PromptTokens {
+		t.Errorf("usage %+v, want %+v", usage, whole.Usage)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// Completions: a stop string and the same seed give the same sampled text
+// streamed and whole; models lists the model.
+func TestCompletionsAndModels(t *testing.T) {
+	_, _, client := serve(t, engine.Options{}, nil)
+	req := openai.CompletionRequest{Model: "llama-tiny", Prompt: "Once upon a time", MaxTokens: 24, Temperature: 0.8, TopP: 0.9, Seed: ptr(11), Stop: []string{"."}}
+	whole, err := client.CreateCompletion(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if whole.Object != "text_completion" || len(whole.Choices) != 1 || whole.Choices[0].Text == "" || strings.Contains(whole.Choices[0].Text, ".") {
+		t.Fatalf("completion %+v", whole)
+	}
+	req.Stream = true
+	stream, err := client.CreateCompletionStream(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	var text strings.Builder
+	for {
+		c, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(c.Choices) > 0 {
+			text.WriteString(c.Choices[0].Text)
+		}
+	}
+	if text.String() != whole.Choices[0].Text {
+		t.Errorf("streamed %q, whole %q (same seed)", text.String(), whole.Choices[0].Text)
+	}
+	models, err := client.ListModels(context.Background())
+	if err != nil || len(models.Models) != 1 || models.Models[0].ID != "llama-tiny" {
+		t.Errorf("models %+v, %v", models, err)
+	}
+}
+
+// Bad requests get OpenAI-style errors with the right status codes.
+func TestErrors(t *testing.T) {
+	ts, _, client := serve(t, engine.Options{}, nil)
+	long := strings.Repeat("history ", 2100)
+	for _, c := range []struct {
+		path, body string
+		status     int
+		want       string
+	}{
+		{"/v1/chat/completions", `{"model": "llama-tiny", "messages": [`, 400, "malformed JSON"},
+		{"/v1/chat/completions", `{"model": "gpt-5", "messages": [{"role": "user", "content": "x"}]}`, 404, `does not exist; this server has`},
+		{"/v1/chat/completions", `{"messages": [{"role": "user", "content": "x"}]}`, 400, "model is required"},
+		{"/v1/chat/completions", `{"model": "llama-tiny", "messages": []}`, 400, "at least one message"},
+		{"/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}`, 400, "max_tokens 5000 too large"},
+		{"/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}`, 400, "n must be 1"},
+		{"/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}`, 400, "only text"},
+		{"/v1/completions", `{"model": "llama-tiny", "prompt": "x", "temperature": 3}`, 400, "temperature must be in [0, 2]"},
+		{"/v1/completions", `{"model": "llama-tiny", "prompt": "x", "stop": 7}`, 400, "stop must be a string"},
+		{"/v1/completions", `{"model": "llama-tiny", "prompt": "` + strings.Repeat("x", 40000) + `"}`, 413, "larger than 32768 bytes"},
+	} {
+		resp, err := http.Post(ts.URL+c.path, "application/json", strings.NewReader(c.body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != c.status || !strings.Contains(string(body), c.want) || !strings.Contains(string(body), `"error"`) {
+			t.Errorf("%.60s: %d %s, want %d with %q", c.body, resp.StatusCode, body, c.status, c.want)
+		}
+	}
+	// The prompt past the context, through the client library.
+	_, err := client.CreateCompletion(context.Background(), openai.CompletionRequest{Model: "llama-tiny", Prompt: long, MaxTokens: 1})
+	var apiErr *openai.APIError
+	if !errors.As(err, &apiErr) || apiErr.HTTPStatusCode != 400 || !strings.Contains(apiErr.Message, "model's context is 2048") {
+		t.Errorf("long prompt: %v", err)
+	}
+	if resp, err := http.Get(ts.URL + "/health"); err != nil || resp.StatusCode != 200 {
+		t.Errorf("health: %v %v", resp, err)
+	}
+}
+
+// gate holds every forward pass until the test releases it.
+type gate struct {
+	llm.Backend
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (g *gate) Forward(ctx context.Context, steps []llm.Step) error {
+	select {
+	case g.entered <- struct{}{}:
+	default:
+	}
+	<-g.release
+	return g.Backend.Forward(ctx, steps)
+}
+
+// A full queue answers 503 with Retry-After.
+func TestBusy(t *testing.T) {
+	g := &gate{entered: make(chan struct{}), release: make(chan struct{})}
+	ts, e, _ := serve(t, engine.Options{MaxBatch: 1, MaxQueue: 1}, func(b llm.Backend) llm.Backend { g.Backend = b; return g })
+	body := `{"model": "llama-tiny", "prompt": "x", "max_tokens": 2}`
+	done := make(chan int, 2)
+	post := func() {
+		resp, err := http.Post(ts.URL+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Error(err)
+			done <- 0
+			return
+		}
+		resp.Body.Close()
+		done <- resp.StatusCode
+	}
+	go post()
+	<-g.entered // the first request is in a forward pass
+	go post()
+	for e.Stats().Queued == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	resp, err := http.Post(ts.URL+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("third request: %d, Retry-After %q", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	close(g.release)
+	if a, b := <-done, <-done; a != 200 || b != 200 {
+		t.Errorf("the running and the queued requests: %d %d", a, b)
+	}
+}
+
+// A client that goes away mid-stream stops its generation: the engine
+// retires the sequence long before its max_tokens.
+func TestDisconnectStopsGeneration(t *testing.T) {
+	_, e, client := serve(t, engine.Options{}, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	stream, err := client.CreateChatCompletionStream(ctx, openai.ChatCompletionRequest{Model: "llama-tiny", Messages: hi, MaxTokens: 2000, Temperature: 1e-9})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		if _, err := stream.Recv(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cancel()
+	stream.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for e.Stats().Active > 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if st := e.Stats(); st.Active != 0 || st.Generated >= 1000 {
+		t.Errorf("after the disconnect: %+v (max_tokens was 2000)", st)
+	}
+}
+
+// Shutting down lets a running stream finish, then Serve returns.
+func TestGracefulShutdown(t *testing.T) {
+	dir := shared.Path(t, "models/llama-tiny")
+	e, err := engine.Open(dir, engine.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- Serve(ctx, ln, New(e, Options{Model: "llama-tiny"}), 30*time.Second) }()
+	cfg := openai.DefaultConfig("none")
+	cfg.BaseURL = "http://" + ln.Addr().String() + "/v1"
+	stream, err := openai.NewClientWithConfig(cfg).CreateChatCompletionStream(context.Background(),
+		openai.ChatCompletionRequest{Model: "llama-tiny", Messages: hi, MaxTokens: 200, Temperature: 1e-9})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	if _, err := stream.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	stop() // SIGTERM in llmq serve
+	var finish openai.FinishReason
+	for {
+		c, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("stream cut by the shutdown: %v", err)
+		}
+		if len(c.Choices) > 0 && c.Choices[0].FinishReason != "" {
+			finish = c.Choices[0].FinishReason
+		}
+	}
+	if finish != "length" {
+		t.Errorf("finish reason %q: the stream did not run to its end", finish)
+	}
+	if err := <-served; err != nil {
+		t.Errorf("Serve: %v", err)
+	}
+	if _, err := net.DialTimeout("tcp", ln.Addr().String(), time.Second); err == nil {
+		t.Error("still accepting connections after shutdown")
+	}
+}
