@@ -47,6 +47,33 @@ static int c_probe(void* f, P p, size_t n, P out) { return ((int (*)(const void*
 static int c_gemm_f16(void* f, P A, P W, P C, int M, int N, int K) {
 	return ((int (*)(const void*, const void*, void*, int, int, int))f)((const void*)A, (const void*)W, (void*)C, M, N, K);
 }
+static int c_embed(void* f, P ids, P E, P x, int T, int H) {
+	return ((int (*)(const int32_t*, const void*, float*, int, int))f)((const int32_t*)ids, (const void*)E, (float*)x, T, H);
+}
+static int c_rmsnorm(void* f, P x, P d, P rows, P w, P out, int n, int H, float eps) {
+	return ((int (*)(float*, const void*, const int32_t*, const float*, void*, int, int, float))f)(
+		(float*)x, (const void*)d, (const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
+}
+static int c_add(void* f, P x, P d, size_t n) { return ((int (*)(float*, const void*, size_t))f)((float*)x, (const void*)d, n); }
+static int c_bias(void* f, P y, P b, int T, int N) { return ((int (*)(void*, const void*, int, int))f)((void*)y, (const void*)b, T, N); }
+static int c_rope(void* f, P x, P pos, P inv, int T, int heads, int hd) {
+	return ((int (*)(void*, const int32_t*, const float*, int, int, int))f)((void*)x, (const int32_t*)pos, (const float*)inv, T, heads, hd);
+}
+static int c_kv_store(void* f, P k, P v, P rs, P rp, P base, P cap, int layer, int layers, int T, int kvdim) {
+	return ((int (*)(const void*, const void*, const int32_t*, const int32_t*, const uint64_t*, const int32_t*, int, int, int, int))f)(
+		(const void*)k, (const void*)v, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, layer, layers, T, kvdim);
+}
+static int c_attention(void* f, P q, P out, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads, int kvh, int hd, int maxk) {
+	return ((int (*)(const void*, void*, const int32_t*, const int32_t*, const uint64_t*, const int32_t*, int, int, int, int, int, int, int))f)(
+		(const void*)q, (void*)out, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk);
+}
+static int c_silu_mul(void* f, P g, P u, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)g, (const void*)u, n); }
+static int c_nll(void* f, P logits, P targets, P nll, int T, int V) {
+	return ((int (*)(const float*, const int32_t*, float*, int, int))f)((const float*)logits, (const int32_t*)targets, (float*)nll, T, V);
+}
+static int c_gemm_nt(void* f, P A, P W, P C, int M, int N, int K, int c32) {
+	return ((int (*)(const void*, const void*, void*, int, int, int, int))f)((const void*)A, (const void*)W, (void*)C, M, N, K, c32);
+}
 */
 import "C"
 
@@ -69,6 +96,8 @@ var symbols = []string{
 	"llmq_event_create", "llmq_event_destroy", "llmq_event_record", "llmq_event_elapsed",
 	"llmq_w4a16_workspace_bytes", "llmq_w4a16_gemm", "llmq_w4a16_set_path", "llmq_w4_dequant", "llmq_gemm_f16", "llmq_read_probe",
 	"llmq_capture_begin", "llmq_capture_end", "llmq_graph_launch", "llmq_graph_destroy",
+	"llmq_embed", "llmq_rmsnorm", "llmq_add", "llmq_add_bias", "llmq_rope", "llmq_kv_store", "llmq_attention",
+	"llmq_silu_mul", "llmq_nll", "llmq_gemm_nt",
 }
 
 // DefaultPath is $LLMQ_CUDA_LIB, else build/libllmqcuda.so beside the
@@ -308,3 +337,68 @@ func (l *Lib) Launch(g Graph) error {
 func (l *Lib) DestroyGraph(g Graph) error {
 	return l.check("llmq_graph_destroy", C.c_p(l.f["llmq_graph_destroy"], g.p))
 }
+
+// The model kernels (model.cu); see llmq.h for their contracts.
+
+// Embed gathers fp16 embedding rows E[ids[t]] into the fp32 rows x.
+func (l *Lib) Embed(ids, E, x Buf, T, H int) error {
+	return l.check("llmq_embed", C.c_embed(l.f["llmq_embed"], ids.p, E.p, x.p, C.int(T), C.int(H)))
+}
+
+// RMSNorm: with rows unset, x += delta (when set) and out = RMSNorm(x)·w
+// over n rows; with rows, out row i = RMSNorm(x[rows[i]])·w.
+func (l *Lib) RMSNorm(x, delta, rows, w, out Buf, n, H int, eps float32) error {
+	return l.check("llmq_rmsnorm", C.c_rmsnorm(l.f["llmq_rmsnorm"], x.p, delta.p, rows.p, w.p, out.p, C.int(n), C.int(H), C.float(eps)))
+}
+
+// Add does x += delta over n values (fp32 += fp16).
+func (l *Lib) Add(x, delta Buf, n int) error {
+	return l.check("llmq_add", C.c_add(l.f["llmq_add"], x.p, delta.p, C.size_t(n)))
+}
+
+// AddBias adds b [N] to each of T rows of y.
+func (l *Lib) AddBias(y, b Buf, T, N int) error {
+	return l.check("llmq_add_bias", C.c_bias(l.f["llmq_add_bias"], y.p, b.p, C.int(T), C.int(N)))
+}
+
+// RoPE rotates every head of x [T][heads·hd] by its row's position.
+func (l *Lib) RoPE(x, pos, invFreq Buf, T, heads, hd int) error {
+	return l.check("llmq_rope", C.c_rope(l.f["llmq_rope"], x.p, pos.p, invFreq.p, C.int(T), C.int(heads), C.int(hd)))
+}
+
+// RowMeta are the per-row and per-sequence arrays of a forward pass.
+type RowMeta struct{ RowSeq, RowPos, KVBase, KVCap Buf }
+
+// KVStore writes rows of k and v into their sequences' caches.
+func (l *Lib) KVStore(k, v Buf, m RowMeta, layer, layers, T, kvDim int) error {
+	return l.check("llmq_kv_store", C.c_kv_store(l.f["llmq_kv_store"], k.p, v.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
+		C.int(layer), C.int(layers), C.int(T), C.int(kvDim)))
+}
+
+// Attention writes causal attention over each row's cache to out.
+func (l *Lib) Attention(q, out Buf, m RowMeta, layer, layers, T, heads, kvHeads, hd, maxKeys int) error {
+	return l.check("llmq_attention", C.c_attention(l.f["llmq_attention"], q.p, out.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
+		C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys)))
+}
+
+// SiLUMul does g = SiLU(g)·u over n fp16 values.
+func (l *Lib) SiLUMul(g, u Buf, n int) error {
+	return l.check("llmq_silu_mul", C.c_silu_mul(l.f["llmq_silu_mul"], g.p, u.p, C.size_t(n)))
+}
+
+// NLL writes −log softmax(logits row t)[targets[t]] for T fp32 rows of V.
+func (l *Lib) NLL(logits, targets, nll Buf, T, V int) error {
+	return l.check("llmq_nll", C.c_nll(l.f["llmq_nll"], logits.p, targets.p, nll.p, C.int(T), C.int(V)))
+}
+
+// GemmNT computes C[M,N] = A[M,K]·W[N,K]ᵀ with cuBLAS; C is fp32 when f32.
+func (l *Lib) GemmNT(A, W, C_ Buf, M, N, K int, f32 bool) error {
+	c32 := 0
+	if f32 {
+		c32 = 1
+	}
+	return l.check("llmq_gemm_nt", C.c_gemm_nt(l.f["llmq_gemm_nt"], A.p, W.p, C_.p, C.int(M), C.int(N), C.int(K), C.int(c32)))
+}
+
+// Ptr is the device address of b, for arrays of pointers.
+func (b Buf) Ptr() uint64 { return uint64(b.p) }

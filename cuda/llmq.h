@@ -71,6 +71,27 @@ int llmq_w4_dequant(const void* B, const void* scales, const void* zeros, void* 
 /* cuBLAS fp16 baseline: C[M,N] = A[M,K] · W[K,N], fp32 accumulation. */
 int llmq_gemm_f16(const void* A, const void* W, void* C, int M, int N, int K);
 
+/* Model kernels (model.cu): residual stream x fp32, activations fp16.
+ * Row t of a forward pass belongs to sequence row_seq[t] at position
+ * row_pos[t]; sequence s's cache is fp16 [2][layers][kv_cap[s]][kv_dim]
+ * at kv_base[s] (keys, then values). All these arrays are device memory. */
+int llmq_embed(const int32_t* ids, const void* E, float* x, int T, int H);
+/* rows NULL: x += delta (if not NULL), out = RMSNorm(x)·w over n rows;
+ * otherwise out row i = RMSNorm(x[rows[i]])·w. */
+int llmq_rmsnorm(float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
+int llmq_add(float* x, const void* delta, size_t n);
+int llmq_add_bias(void* y, const void* b, int T, int N);
+int llmq_rope(void* x, const int32_t* pos, const float* inv_freq, int T, int heads, int hd);
+int llmq_kv_store(const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                  const int32_t* kv_cap, int layer, int layers, int T, int kv_dim);
+/* max_keys bounds row_pos+1 over the rows (it sizes shared memory). */
+int llmq_attention(const void* q, void* out, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                   const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads, int hd, int max_keys);
+int llmq_silu_mul(void* g, const void* u, size_t n);
+int llmq_nll(const float* logits, const int32_t* targets, float* nll, int T, int V);
+/* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
+int llmq_gemm_nt(const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,12 +4,21 @@
 // the GPU is unavailable and Open says so.
 package cuda
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/llmq/llmq/llm/checkpoint"
+)
+
+var errNoCgo = errors.New("GPU unavailable: llmq was built without cgo (CGO_ENABLED=0); rebuild with cgo to load the CUDA library")
 
 // Lib is unavailable without cgo.
 type Lib struct{}
 
 // Open always fails without cgo.
 func Open(path string) (*Lib, error) {
-	return nil, errors.New("GPU unavailable: llmq was built without cgo (CGO_ENABLED=0); rebuild with cgo to load the CUDA library")
+	return nil, errNoCgo
 }
+
+// OpenModel always fails without cgo.
+func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) { return nil, errNoCgo }

@@ -421,6 +421,11 @@ int fused_max_m() {
 
 }  // namespace
 
+namespace llmq {
+// cublas gives the other kernels' files the library's cuBLAS handle.
+int cublas(cublasHandle_t* h) { return cublas_handle(h); }
+}  // namespace llmq
+
 extern "C" {
 
 size_t llmq_w4a16_workspace_bytes(int M, int N) {

@@ -131,15 +131,17 @@ func (w *Writer) WriteShard(tensors map[string]checkpoint.Out) error {
 }
 
 // Finish writes the shard index and config.json (the source's, with
-// quantization_config set), copies the tokenizer files, and moves the
+// quantization_config set unless qc is nil), copies the tokenizer files, and moves the
 // directory into place.
 func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 	if len(w.shards) != w.nShards {
 		return fmt.Errorf("wrote %d of %d shards", len(w.shards), w.nShards)
 	}
-	qc.CheckpointFormat = w.Format
-	if qc.QuantMethod == "awq" {
-		qc.CheckpointFormat = ""
+	if qc != nil {
+		qc.CheckpointFormat = w.Format
+		if qc.QuantMethod == "awq" {
+			qc.CheckpointFormat = ""
+		}
 	}
 	index := map[string]any{"metadata": map[string]any{"total_size": w.Bytes}, "weight_map": w.weightMap}
 	if err := writeJSON(filepath.Join(w.tmp, "model.safetensors.index.json"), index); err != nil {
@@ -153,7 +155,9 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 	if err := json.Unmarshal(raw, &cfg); err != nil {
 		return fmt.Errorf("%s/config.json: %w", srcDir, err)
 	}
-	cfg["quantization_config"] = qc
+	if qc != nil {
+		cfg["quantization_config"] = qc
+	}
 	if err := writeJSON(filepath.Join(w.tmp, "config.json"), cfg); err != nil {
 		return err
 	}

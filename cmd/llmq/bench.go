@@ -13,7 +13,7 @@ func newBench() *cobra.Command {
 		Use:   "bench",
 		Short: "Benchmarks: the W4A16 GEMM kernel against cuBLAS, the HTTP server under load",
 	}
-	cmd.AddCommand(newBenchGemm(), newBenchServe())
+	cmd.AddCommand(newBenchGemm(), newBenchServe(), newBenchDecode())
 	return cmd
 }
 

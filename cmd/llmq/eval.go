@@ -20,13 +20,14 @@ func newEval() *cobra.Command {
 }
 
 func newEvalPPL() *cobra.Command {
-	var data, jsonOut string
+	var data, jsonOut, device string
 	var opt evals.PPLOptions
 	cmd := &cobra.Command{
 		Use:   "ppl MODEL_DIR",
 		Short: "Perplexity on a text file (non-overlapping windows, no BOS)",
 		Example: `  llmq eval ppl ../shared/models/llama-tiny --data ../shared/data/wikitext2/wiki.test.raw
-  llmq eval ppl out/llama-small-gptq --data wiki.test.raw --seqlen 2048 --windows 10 --json ppl.json`,
+  llmq eval ppl out/llama-small-gptq --data wiki.test.raw --seqlen 2048 --windows 10 --json ppl.json
+  llmq eval ppl out/llama-small-gptq --data wiki.test.raw --device cuda`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if data == "" {
@@ -36,7 +37,7 @@ func newEvalPPL() *cobra.Command {
 			if err != nil {
 				return fmt.Errorf("--data: %w", err)
 			}
-			m, err := openModel(args[0])
+			m, err := openModel(args[0], device)
 			if err != nil {
 				return err
 			}
@@ -56,16 +57,16 @@ func newEvalPPL() *cobra.Command {
 				}
 				bar.Set(done, "")
 			}
-			res, err := evals.Perplexity(cmd.Context(), m.Model, ids, opt)
+			res, err := evals.Perplexity(cmd.Context(), m.Backend, ids, opt)
 			if err != nil {
 				return err
 			}
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "perplexity  %.4f\n", res.Perplexity)
 			fmt.Fprintf(w, "tokens      %d in %d windows of %d (%d predicted)\n", res.Tokens, res.Windows, res.SeqLen, res.Predicted)
-			fmt.Fprintf(w, "speed       %.0f tokens/s on %s (%.1f s)\n", res.TokensPerSec, m.Model.Name(), res.Seconds)
+			fmt.Fprintf(w, "speed       %.0f tokens/s on %s (%.1f s)\n", res.TokensPerSec, m.Backend.Name(), res.Seconds)
 			if jsonOut != "" {
-				rec := evals.NewRecord("ppl", map[string]any{"model": args[0], "data": data, "backend": m.Model.Name(), "result": res})
+				rec := evals.NewRecord("ppl", map[string]any{"model": args[0], "data": data, "backend": m.Backend.Name(), "load_s": m.LoadTime.Seconds(), "result": res})
 				return writeJSON(jsonOut, rec)
 			}
 			return nil
@@ -75,6 +76,7 @@ func newEvalPPL() *cobra.Command {
 	cmd.Flags().IntVar(&opt.SeqLen, "seqlen", 2048, "window length in tokens")
 	cmd.Flags().IntVar(&opt.Windows, "windows", 0, "evaluate only the first N windows (0: all)")
 	cmd.Flags().StringVar(&jsonOut, "json", "", "also write the result as JSON to this file")
+	cmd.Flags().StringVar(&device, "device", "cpu", "cpu, or cuda (the GPU backend: logits stay on the GPU)")
 	return cmd
 }
 

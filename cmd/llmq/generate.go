@@ -13,6 +13,7 @@ func newGenerate() *cobra.Command {
 	var prompt string
 	var opt llm.GenerateOptions
 	var noBOS bool
+	var device string
 	cmd := &cobra.Command{
 		Use:   "generate MODEL_DIR",
 		Short: "Continue a prompt, streaming the text as it is produced",
@@ -29,19 +30,19 @@ func newGenerate() *cobra.Command {
 			if err := opt.Sample.Validate(); err != nil {
 				return err
 			}
-			m, err := openModel(args[0])
+			m, err := openModel(args[0], device)
 			if err != nil {
 				return err
 			}
 			defer m.Close()
 			ids := m.Tokenizer.Encode(prompt, !noBOS)
-			opt.Stop = m.Checkpoint.Config.EOS
+			opt.Stop = m.Config.EOS
 			w := cmd.OutOrStdout()
 			fmt.Fprint(w, prompt)
 			stream := m.Tokenizer.NewStream()
 			start := time.Now()
 			var first time.Duration
-			out, err := llm.Generate(cmd.Context(), m.Model, ids, opt, func(id int) error {
+			out, err := llm.Generate(cmd.Context(), m.Backend, ids, opt, func(id int) error {
 				if first == 0 {
 					first = time.Since(start)
 				}
@@ -58,7 +59,7 @@ func newGenerate() *cobra.Command {
 				rate = float64(len(out)-1) / (el - first).Seconds()
 			}
 			fmt.Fprintf(os.Stderr, "[%d prompt tokens, %d generated; first token %v, then %.1f tokens/s on %s]\n",
-				len(ids), len(out), first.Round(time.Millisecond), rate, m.Model.Name())
+				len(ids), len(out), first.Round(time.Millisecond), rate, m.Backend.Name())
 			return nil
 		},
 	}
@@ -70,5 +71,6 @@ func newGenerate() *cobra.Command {
 	f.IntVar(&opt.Sample.TopK, "top-k", 0, "keep only the K most likely tokens (0: all)")
 	f.Uint64Var(&opt.Sample.Seed, "seed", 0, "random seed for sampling")
 	f.BoolVar(&noBOS, "no-bos", false, "do not prepend the BOS token")
+	f.StringVar(&device, "device", "cpu", "cpu, or cuda (decode steps replay a CUDA graph)")
 	return cmd
 }

@@ -55,6 +55,6 @@ benchmarks.`,
 			stopProfile()
 		}
 	}
-	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate(), newServe(), newBench())
+	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate(), newServe(), newSynth(), newBench())
 	return root
 }

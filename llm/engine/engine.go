@@ -21,6 +21,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -29,12 +30,11 @@ import (
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
 	"github.com/llmq/llmq/llm/tokenizer"
-	"github.com/llmq/llmq/pack"
 )
 
 // Options configure an Engine.
 type Options struct {
-	// Device runs the model: "cpu" (default) or "cuda".
+	// Device runs the model: "cpu" (default) or "cuda" (see Load).
 	Device string
 	// MaxBatch is the most sequences in one forward pass (default 16).
 	MaxBatch int
@@ -90,24 +90,15 @@ type Engine struct {
 	generated atomic.Int64 // tokens generated since the start
 }
 
-// Open loads a model directory — packed by llmq quantize or unquantized —
-// with its tokenizer.json and, if present, the chat template of
-// tokenizer_config.json, and starts an engine on it.
+// Open loads a model directory (see Load) on opt.Device and starts an
+// engine on it; Close releases the model too.
 func Open(dir string, opt Options) (*Engine, error) {
 	opt = opt.withDefaults()
-	if opt.Device != "cpu" {
-		return nil, fmt.Errorf("device %q: only \"cpu\" is available in this build (the CUDA runtime is not wired to the engine yet)", opt.Device)
-	}
-	m, err := pack.OpenModel(dir)
+	m, err := Load(dir, opt.Device)
 	if err != nil {
 		return nil, err
 	}
-	tmpl, err := chat.Load(dir)
-	if err != nil && !errors.Is(err, chat.ErrNoTemplate) {
-		m.Close()
-		return nil, err
-	}
-	e := New(m.Model, m.Tokenizer, tmpl, m.Checkpoint.Config.EOS, opt)
+	e := New(m.Backend, m.Tokenizer, m.Template, m.Config.EOS, opt)
 	e.closer = m.Close
 	return e, nil
 }
@@ -325,6 +316,9 @@ type sequence struct {
 }
 
 func (s *sequence) finish(err error) {
+	if c, ok := s.cache.(io.Closer); ok { // a GPU cache holds device memory
+		c.Close()
+	}
 	s.err = err
 	close(s.tokens)
 }

@@ -1,0 +1,176 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sort"
+	"time"
+
+	"github.com/llmq/llmq/cuda"
+	"github.com/llmq/llmq/evals"
+	"github.com/llmq/llmq/llm"
+	"github.com/spf13/cobra"
+)
+
+// newBenchDecode is `llmq bench decode` (prefill too): end-to-end speed of
+// a backend's forward passes, logits copied back to the host included.
+func newBenchDecode() *cobra.Command {
+	var device, contexts, batches, jsonOut string
+	var steps, prefill, reps int
+	cmd := &cobra.Command{
+		Use:   "decode MODEL_DIR",
+		Short: "Decode and prefill speed: tokens/s at given context lengths and batch sizes",
+		Long: `For each context length C and batch size B, decode prefills B sequences with
+C tokens, then times --steps decode steps of B tokens (one per sequence,
+greedy, logits copied to the host as a server would). It also times the
+prefill of --prefill tokens (batch 1). On the GPU, decode steps replay CUDA
+graphs; the memory in use on the GPU is reported.`,
+		Example: `  llmq bench decode /tmp/llama3-8b-w4 --device cuda --context 128,2048 --batch 1,8,32 --json evals/results/decode-h200-llama3-8b-w4.json`,
+		Args:    cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctxs, err := parseInts(contexts)
+			if err != nil {
+				return fmt.Errorf("--context: %w", err)
+			}
+			bs, err := parseInts(batches)
+			if err != nil {
+				return fmt.Errorf("--batch: %w", err)
+			}
+			m, err := openModel(args[0], device)
+			if err != nil {
+				return err
+			}
+			defer m.Close()
+			b := m.Backend
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "%s on %s (loaded in %.1f s)\n", args[0], b.Name(), m.LoadTime.Seconds())
+			var results []map[string]any
+			peak := int64(0)
+			gpuUsed := func() {
+				if g, ok := b.(interface{ MemoryUsed() (int64, error) }); ok {
+					if u, err := g.MemoryUsed(); err == nil {
+						peak = max(peak, u)
+					}
+				}
+			}
+			if prefill > 0 {
+				var times []float64
+				for r := 0; r < reps; r++ {
+					t, err := timePrefill(cmd.Context(), b, prefill)
+					if err != nil {
+						return err
+					}
+					times = append(times, t)
+				}
+				t := median(times)
+				fmt.Fprintf(w, "prefill %5d tokens            %8.1f ms  %9.0f tokens/s\n", prefill, t*1e3, float64(prefill)/t)
+				results = append(results, map[string]any{"kind": "prefill", "tokens": prefill, "ms": t * 1e3, "tokens_per_s": float64(prefill) / t})
+			}
+			for _, c := range ctxs {
+				for _, B := range bs {
+					per, err := timeDecode(cmd.Context(), b, c, B, steps, gpuUsed)
+					if err != nil {
+						return fmt.Errorf("context %d, batch %d: %w", c, B, err)
+					}
+					fmt.Fprintf(w, "decode  context %5d batch %3d %8.2f ms/step %9.1f tokens/s\n", c, B, per*1e3, float64(B)/per)
+					results = append(results, map[string]any{"kind": "decode", "context": c, "batch": B, "ms_per_step": per * 1e3, "tokens_per_s": float64(B) / per})
+				}
+			}
+			data := map[string]any{"model": args[0], "backend": b.Name(), "load_s": m.LoadTime.Seconds(), "steps": steps, "results": results}
+			if cb, ok := b.(cuda.Backend); ok {
+				data["weight_bytes"] = cb.WeightBytes()
+				fmt.Fprintf(w, "GPU memory: weights %.2f GiB", float64(cb.WeightBytes())/(1<<30))
+				if peak > 0 {
+					data["gpu_memory_used_bytes"] = peak
+					fmt.Fprintf(w, ", in use at most %.2f GiB (weights, caches, activations, graphs, CUDA context)", float64(peak)/(1<<30))
+				}
+				fmt.Fprintln(w)
+			}
+			if jsonOut != "" {
+				return writeJSON(jsonOut, evals.NewRecord("bench-decode", data))
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&device, "device", "cpu", "cpu or cuda")
+	f.StringVar(&contexts, "context", "128,2048", "comma-separated context lengths before decoding")
+	f.StringVar(&batches, "batch", "1,8,32", "comma-separated batch sizes")
+	f.IntVar(&steps, "steps", 64, "decode steps timed per measurement")
+	f.IntVar(&prefill, "prefill", 2048, "tokens of the timed prefill (0: skip)")
+	f.IntVar(&reps, "reps", 3, "prefill repetitions (median reported)")
+	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
+	return cmd
+}
+
+func median(xs []float64) float64 {
+	sort.Float64s(xs)
+	return xs[len(xs)/2]
+}
+
+// tokens returns n token ids for benchmarking (a fixed pattern below the
+// vocabulary size).
+func tokens(n, vocab int, salt int) []int {
+	ids := make([]int, n)
+	for i := range ids {
+		ids[i] = (i*7919 + salt*104729 + 11) % min(vocab, 8000)
+	}
+	return ids
+}
+
+func closeCache(c llm.Cache) {
+	if cl, ok := c.(io.Closer); ok {
+		cl.Close()
+	}
+}
+
+// timePrefill times one prefill of n tokens from an empty cache.
+func timePrefill(ctx context.Context, b llm.Backend, n int) (float64, error) {
+	c, err := b.NewCache(n)
+	if err != nil {
+		return 0, err
+	}
+	defer closeCache(c)
+	logits := make([]float32, b.Config().Vocab)
+	start := time.Now()
+	if err := b.Forward(ctx, []llm.Step{{Cache: c, Tokens: tokens(n, b.Config().Vocab, 0), Logits: logits, LastOnly: true}}); err != nil {
+		return 0, err
+	}
+	return time.Since(start).Seconds(), nil
+}
+
+// timeDecode prefills B sequences of n tokens, then returns the seconds
+// per decode step of B tokens (median of steps steps after two warm-ups).
+func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, sample func()) (float64, error) {
+	V := b.Config().Vocab
+	caches := make([]llm.Cache, B)
+	logits := make([][]float32, B)
+	for i := range caches {
+		c, err := b.NewCache(n + steps + 2)
+		if err != nil {
+			return 0, err
+		}
+		defer closeCache(c)
+		caches[i], logits[i] = c, make([]float32, V)
+		if err := b.Forward(ctx, []llm.Step{{Cache: c, Tokens: tokens(n, V, i), Logits: logits[i], LastOnly: true}}); err != nil {
+			return 0, err
+		}
+	}
+	var times []float64
+	st := make([]llm.Step, B)
+	for s := 0; s < steps+2; s++ {
+		for i := range st {
+			st[i] = llm.Step{Cache: caches[i], Tokens: []int{llm.Argmax(logits[i])}, Logits: logits[i], LastOnly: true}
+		}
+		start := time.Now()
+		if err := b.Forward(ctx, st); err != nil {
+			return 0, err
+		}
+		if s >= 2 {
+			times = append(times, time.Since(start).Seconds())
+		}
+	}
+	sample()
+	return median(times), nil
+}

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"fmt"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/llmq/llmq/evals"
+	"github.com/llmq/llmq/internal/progress"
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/spf13/cobra"
+)
+
+func newSynth() *cobra.Command {
+	opt := evals.SynthOptions{}
+	cmd := &cobra.Command{
+		Use:   "synth --preset NAME -o DIR",
+		Short: "Write a random-weight checkpoint of a real model's size (for speed measurements)",
+		Long: `synth writes a checkpoint with the architecture of a published model and
+random weights, in the layout real checkpoints use: bf16 (--bits 16), or
+4-bit GPTQ with fp16 scales (--bits 4). Its perplexity means nothing; its
+load time, memory and speed are those of the real model.
+Presets: ` + strings.Join(evals.PresetNames(), ", "),
+		Example: `  llmq synth --preset llama3-8b --bits 4 --group 128 -o /tmp/llama3-8b-w4
+  llmq synth --preset llama3-8b --bits 16 -o /tmp/llama3-8b-bf16`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if opt.Out == "" {
+				return fmt.Errorf("-o DIR is required")
+			}
+			bar := progress.New("synth", 0)
+			opt.Progress = func(done, total int) {
+				if done == 1 {
+					bar = progress.New("synth "+opt.Preset, total)
+				}
+				bar.Set(done, "")
+			}
+			start := time.Now()
+			if err := evals.Synth(opt); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "wrote %s (%s, %d-bit) in %.1f s\n", opt.Out, opt.Preset, opt.Bits, time.Since(start).Seconds())
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&opt.Preset, "preset", "llama3-8b", "architecture: "+strings.Join(evals.PresetNames(), ", "))
+	f.IntVar(&opt.Bits, "bits", 4, "4 (GPTQ, symmetric, fp16 scales) or 16 (bf16)")
+	f.IntVar(&opt.Group, "group", 128, "quantization group size")
+	f.IntVar(&opt.Layers, "layers", 0, "override the number of layers (0: the preset's)")
+	f.StringVar(&opt.Tokenizer, "tokenizer", filepath.Join(shared.Root(), "models", "llama-small"), "directory whose tokenizer.json (and tokenizer_config.json) to copy")
+	f.StringVarP(&opt.Out, "output", "o", "", "output directory")
+	f.BoolVar(&opt.Force, "force", false, "replace an existing output directory")
+	return cmd
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for the GPU runtime (cuda.Model): build the
+# library, run the model tests, and measure perplexity, decoding and
+# prefill. Run from the repository root with build/device (make device)
+# and .carry/shared (the shared assets the mode needs) carried:
+#
+#   bash cuda/device-model.sh tiny    # tests + ppl of llama-tiny fp/RTN/GPTQ
+#   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
+#   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
+#
+# Results go to $OUT (the device tool's folder) or build/out.
+set -uo pipefail
+OUT=${OUT:-build/out}
+mkdir -p "$OUT"
+export LLMQ_COMMIT=$(tr -d '\n' < build/device/COMMIT)
+export LLMQ_SHARED=$PWD/.carry/shared
+for f in .carry/*.tar.zst; do [ -e "$f" ] && tar -C .carry -xf "$f" --use-compress-program=unzstd; done
+L=build/device/llmq
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+t0=$(date +%s)
+make cuda > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+cp build/libllmqcuda.so build/device/
+echo "build $(( $(date +%s) - t0 ))s"
+WIKI=$LLMQ_SHARED/data/wikitext2/wiki.test.raw
+ppl() { # name dir
+  $L eval ppl "$2" --data "$WIKI" --device cuda --json "$OUT/ppl-$1-wikitext2-cuda.json" 2>&1 | grep -v "^ppl " | tr '\r' '\n' | grep -E "perplexity|speed|loaded|error|Error"
+}
+case "$1" in
+  tiny|small)
+    M=llama-$1
+    build/device/cuda.test -test.v -test.run 'TestModel|TestGreedy|TestBatched|TestWindowNLL|TestKernelError|TestCheckFits' > "$OUT/cuda-model-tests-$1.log" 2>&1
+    echo "model tests rc=$?"; grep -E "^(=== RUN|--- |ok|FAIL|PASS)|Δlogit|window|difference|panic" "$OUT/cuda-model-tests-$1.log" | grep -v "=== RUN" | head -40
+    # Quantized checkpoints come made on the CPU machine (.carry/q), so
+    # that their CPU perplexities there are of the very same weights.
+    D=$LLMQ_SHARED/models/$M
+    for dir in "$D" .carry/q/$M-*; do
+      [ -d "$dir" ] || continue
+      c=$(basename "$dir"); c=${c#$M-}; [ "$dir" = "$D" ] && c=fp32
+      echo "== $M $c"; ppl $M-$c "$dir"
+      $L generate "$dir" --device cuda --prompt "The history of the" --max-tokens 32 2>&1 | tail -1
+    done
+    timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-$1.log" 2>&1
+    echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-$1.log" | tail -1)"
+    ;;
+  synth)
+    for b in 4 16; do
+      d=/tmp/llama3-8b-b$b
+      $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+      $L bench decode $d --device cuda --context 128,2048 --batch 1,8,32 --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
+      echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"
+      ppl llama3-8b-b$b $d
+      rm -rf $d
+    done
+    ;;
+esac

@@ -1,0 +1,239 @@
+package evals
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"hash/fnv"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/llm/mat"
+	"github.com/llmq/llmq/pack"
+	"github.com/nlpodyssey/safetensors"
+	"github.com/x448/float16"
+)
+
+// Preset is the architecture of a published model, for synthetic
+// checkpoints that measure speed at real sizes.
+type Preset struct {
+	Hidden, Intermediate, Layers, Heads, KVHeads, Vocab, MaxPositions int
+	RopeTheta                                                        float64
+	Tied, QKVBias                                                    bool
+	Arch, ModelType                                                  string
+}
+
+// Presets are the configurations of Llama 2 and 3, Mistral and Qwen2 models
+// (their Hugging Face config.json files).
+var Presets = map[string]Preset{
+	"llama3-1b":  {2048, 8192, 16, 32, 8, 128256, 8192, 500000, true, false, "LlamaForCausalLM", "llama"},
+	"llama3-8b":  {4096, 14336, 32, 32, 8, 128256, 8192, 500000, false, false, "LlamaForCausalLM", "llama"},
+	"llama3-70b": {8192, 28672, 80, 64, 8, 128256, 8192, 500000, false, false, "LlamaForCausalLM", "llama"},
+	"llama2-7b":  {4096, 11008, 32, 32, 32, 32000, 4096, 10000, false, false, "LlamaForCausalLM", "llama"},
+	"mistral-7b": {4096, 14336, 32, 32, 8, 32768, 32768, 1000000, false, false, "MistralForCausalLM", "mistral"},
+	"qwen2-7b":   {3584, 18944, 28, 28, 4, 152064, 32768, 1000000, false, true, "Qwen2ForCausalLM", "qwen2"},
+}
+
+// PresetNames lists the presets, sorted.
+func PresetNames() []string {
+	var n []string
+	for k := range Presets {
+		n = append(n, k)
+	}
+	sort.Strings(n)
+	return n
+}
+
+// SynthOptions choose what Synth writes.
+type SynthOptions struct {
+	Preset    string
+	Bits      int // 4 (GPTQ layout, symmetric) or 16 (bf16)
+	Group     int
+	Layers    int    // override the preset's layer count (0: keep)
+	Tokenizer string // directory with tokenizer.json (and tokenizer_config.json)
+	Out       string
+	Force     bool
+	Progress  func(done, total int)
+}
+
+// Synth writes a random-weight checkpoint with a preset's architecture in
+// the layout real checkpoints use — bf16, or GPTQ 4-bit with fp16 scales —
+// so that loading and running it costs what the real model costs. Weights
+// are uniform with standard deviation 0.02 (dequantized ones too), which
+// keeps activations in range through every layer. It is deterministic.
+func Synth(opt SynthOptions) error {
+	p, ok := Presets[opt.Preset]
+	if !ok {
+		return fmt.Errorf("--preset %q: want one of %s", opt.Preset, strings.Join(PresetNames(), ", "))
+	}
+	if opt.Bits != 4 && opt.Bits != 16 {
+		return fmt.Errorf("--bits %d: want 4 (GPTQ) or 16 (bf16)", opt.Bits)
+	}
+	if opt.Layers > 0 {
+		p.Layers = opt.Layers
+	}
+	if opt.Group <= 0 || p.Hidden%opt.Group != 0 || p.Intermediate%opt.Group != 0 || opt.Group%8 != 0 {
+		return fmt.Errorf("--group %d must be a multiple of 8 dividing %d and %d", opt.Group, p.Hidden, p.Intermediate)
+	}
+	src, err := os.MkdirTemp("", "llmq-synth-src-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(src)
+	hd := p.Hidden / p.Heads
+	cfg := map[string]any{
+		"architectures": []string{p.Arch}, "model_type": p.ModelType, "hidden_size": p.Hidden,
+		"intermediate_size": p.Intermediate, "num_hidden_layers": p.Layers, "num_attention_heads": p.Heads,
+		"num_key_value_heads": p.KVHeads, "head_dim": hd, "vocab_size": p.Vocab, "max_position_embeddings": p.MaxPositions,
+		"rope_theta": p.RopeTheta, "rms_norm_eps": 1e-5, "tie_word_embeddings": p.Tied, "hidden_act": "silu",
+		"bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+		"llmq_synthetic": fmt.Sprintf("random weights, preset %s", opt.Preset),
+	}
+	data, _ := json.MarshalIndent(cfg, "", "  ")
+	if err := os.WriteFile(filepath.Join(src, "config.json"), data, 0o644); err != nil {
+		return err
+	}
+	for _, f := range []string{"tokenizer.json", "tokenizer_config.json"} {
+		b, err := os.ReadFile(filepath.Join(opt.Tokenizer, f))
+		if err != nil {
+			if f == "tokenizer.json" {
+				return fmt.Errorf("--tokenizer: %w", err)
+			}
+			continue
+		}
+		if err := os.WriteFile(filepath.Join(src, f), b, 0o644); err != nil {
+			return err
+		}
+	}
+
+	w, err := pack.NewWriter(opt.Out, opt.Force, p.Layers+1)
+	if err != nil {
+		return err
+	}
+	ok = false
+	defer func() {
+		if !ok {
+			w.Abort()
+		}
+	}()
+	qd, kvd := p.Heads*hd, p.KVHeads*hd
+	for l := 0; l < p.Layers; l++ {
+		pre := fmt.Sprintf("model.layers.%d.", l)
+		t := map[string]checkpoint.Out{
+			pre + "input_layernorm.weight":          ones(p.Hidden),
+			pre + "post_attention_layernorm.weight": ones(p.Hidden),
+		}
+		for _, lin := range []struct {
+			name    string
+			in, out int
+		}{{"self_attn.q_proj", p.Hidden, qd}, {"self_attn.k_proj", p.Hidden, kvd}, {"self_attn.v_proj", p.Hidden, kvd},
+			{"self_attn.o_proj", qd, p.Hidden}, {"mlp.gate_proj", p.Hidden, p.Intermediate}, {"mlp.up_proj", p.Hidden, p.Intermediate},
+			{"mlp.down_proj", p.Intermediate, p.Hidden}} {
+			name := pre + lin.name
+			if opt.Bits == 4 {
+				synthGPTQ(t, name, lin.in, lin.out, opt.Group)
+			} else {
+				t[name+".weight"] = randomBF16(name, lin.out*lin.in, lin.out, lin.in)
+			}
+			if p.QKVBias && strings.HasPrefix(lin.name, "self_attn.") && lin.name != "self_attn.o_proj" {
+				t[name+".bias"] = randomBF16(name+".bias", lin.out, lin.out)
+			}
+		}
+		if err := w.WriteShard(t); err != nil {
+			return err
+		}
+		if opt.Progress != nil {
+			opt.Progress(l+1, p.Layers+1)
+		}
+	}
+	t := map[string]checkpoint.Out{
+		"model.embed_tokens.weight": randomBF16("embed", p.Vocab*p.Hidden, p.Vocab, p.Hidden),
+		"model.norm.weight":         ones(p.Hidden),
+	}
+	if !p.Tied {
+		t["lm_head.weight"] = randomBF16("lm_head", p.Vocab*p.Hidden, p.Vocab, p.Hidden)
+	}
+	if err := w.WriteShard(t); err != nil {
+		return err
+	}
+	var qc *pack.QuantConfig
+	if opt.Bits == 4 {
+		sym := true
+		qc = &pack.QuantConfig{QuantMethod: "gptq", Bits: 4, GroupSize: opt.Group, Sym: &sym,
+			Meta: &pack.QuantMeta{Quantizer: "llmq", Method: "synthetic"}}
+	}
+	if err := w.Finish(src, qc); err != nil {
+		return err
+	}
+	if opt.Progress != nil {
+		opt.Progress(p.Layers+1, p.Layers+1)
+	}
+	ok = true
+	return nil
+}
+
+func ones(n int) checkpoint.Out {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = 1
+	}
+	return checkpoint.BF16(v, n)
+}
+
+// random fills n values from a splitmix64 stream seeded by the tensor's
+// name and the chunk, in parallel and reproducibly.
+func random(name string, n int, put func(i int, r uint64)) {
+	h := fnv.New64a()
+	h.Write([]byte(name))
+	seed := h.Sum64()
+	const chunk = 1 << 16
+	mat.ParallelFor((n+chunk-1)/chunk, 1, func(lo, hi int) {
+		for c := lo; c < hi; c++ {
+			s := seed ^ uint64(c)*0x9e3779b97f4a7c15
+			for i := c * chunk; i < min(n, (c+1)*chunk); i++ {
+				s += 0x9e3779b97f4a7c15
+				z := s
+				z = (z ^ z>>30) * 0xbf58476d1ce4e5b9
+				z = (z ^ z>>27) * 0x94d049bb133111eb
+				put(i, z^z>>31)
+			}
+		}
+	})
+}
+
+// randomBF16 is uniform on ±0.02·√3 (standard deviation 0.02).
+func randomBF16(name string, n int, shape ...int) checkpoint.Out {
+	b := make([]byte, 2*n)
+	a := 0.02 * math.Sqrt(3)
+	random(name, n, func(i int, r uint64) {
+		u := float64(r>>40) / (1 << 24)
+		binary.LittleEndian.PutUint16(b[2*i:], checkpoint.ToBF16(float32((2*u-1)*a)))
+	})
+	return checkpoint.Out{DType: safetensors.BF16, Shape: shape, Data: b}
+}
+
+// synthGPTQ adds a symmetric 4-bit GPTQ (v1) layer with uniform random
+// codes and scales around 0.0043, so dequantized weights have standard
+// deviation ≈ 0.02 like randomBF16's.
+func synthGPTQ(t map[string]checkpoint.Out, name string, in, out, group int) {
+	G := in / group
+	qweight := make([]byte, in/8*out*4)
+	random(name+".qweight", len(qweight)/8, func(i int, r uint64) { binary.LittleEndian.PutUint64(qweight[8*i:], r) })
+	t[name+".qweight"] = checkpoint.Out{DType: safetensors.I32, Shape: []int{in / 8, out}, Data: qweight}
+	zeros := make([]int32, G*out/8)
+	for i := range zeros {
+		zeros[i] = 0x77777777 // zero 8, stored minus one (GPTQ v1)
+	}
+	t[name+".qzeros"] = checkpoint.I32(zeros, G, out/8)
+	scales := make([]byte, 2*G*out)
+	random(name+".scales", G*out, func(i int, r uint64) {
+		u := float64(r>>40) / (1 << 24)
+		binary.LittleEndian.PutUint16(scales[2*i:], float16.Fromfloat32(float32(0.0035+0.0016*u)).Bits())
+	})
+	t[name+".scales"] = checkpoint.Out{DType: safetensors.F16, Shape: []int{G, out}, Data: scales}
+	t[name+".g_idx"] = checkpoint.I32(pack.SequentialGIdx(in, group), in)
+}
