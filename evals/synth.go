@@ -22,9 +22,9 @@ import (
 // checkpoints that measure speed at real sizes.
 type Preset struct {
 	Hidden, Intermediate, Layers, Heads, KVHeads, Vocab, MaxPositions int
-	RopeTheta                                                        float64
-	Tied, QKVBias                                                    bool
-	Arch, ModelType                                                  string
+	RopeTheta                                                         float64
+	Tied, QKVBias                                                     bool
+	Arch, ModelType                                                   string
 }
 
 // Presets are the configurations of Llama 2 and 3, Mistral and Qwen2 models
