@@ -14,7 +14,7 @@ OUT=${OUT:-build/out}
 mkdir -p "$OUT"
 export LLMQ_COMMIT=$(tr -d '\n' < build/device/COMMIT)
 export LLMQ_SHARED=$PWD/.carry/shared
-for f in .carry/*.tar.zst; do [ -e "$f" ] && tar -C .carry -xf "$f" --use-compress-program=unzstd; done
+for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.carry')" "$f"; done
 L=build/device/llmq
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 t0=$(date +%s)
