@@ -12,9 +12,11 @@
 set -uo pipefail
 OUT=${OUT:-build/out}
 mkdir -p "$OUT"
+# Archives under .carry hold repository-relative paths (.carry/shared/...,
+# build/device/...): compressed, more fits in one carry.
+for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.')" "$f"; done
 export LLMQ_COMMIT=$(tr -d '\n' < build/device/COMMIT)
 export LLMQ_SHARED=$PWD/.carry/shared
-for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.carry')" "$f"; done
 L=build/device/llmq
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 t0=$(date +%s)
@@ -26,29 +28,34 @@ ppl() { # name dir
   $L eval ppl "$2" --data "$WIKI" --device cuda --json "$OUT/ppl-$1-wikitext2-cuda.json" 2>&1 | grep -v "^ppl " | tr '\r' '\n' | grep -E "perplexity|speed|loaded|error|Error"
 }
 case "$1" in
-  tiny|small)
-    M=llama-$1
+  tiny|small|small+synth)
+    M=llama-${1%+synth}
     build/device/cuda.test -test.v -test.run 'TestModel|TestGreedy|TestBatched|TestWindowNLL|TestKernelError|TestCheckFits' > "$OUT/cuda-model-tests-$1.log" 2>&1
     echo "model tests rc=$?"; grep -E "^(=== RUN|--- |ok|FAIL|PASS)|Δlogit|window|difference|panic" "$OUT/cuda-model-tests-$1.log" | grep -v "=== RUN" | head -40
-    # Quantized checkpoints come made on the CPU machine (.carry/q), so
-    # that their CPU perplexities there are of the very same weights.
+    # RTN is deterministic, so quantizing here gives the weights whose CPU
+    # perplexity is committed; GPTQ/AWQ checkpoints come made on the CPU
+    # machine (.carry/q) for the same reason.
     D=$LLMQ_SHARED/models/$M
-    for dir in "$D" .carry/q/$M-*; do
+    $L quantize "$D" --method rtn --bits 4 --group 128 -o build/q/$M-rtn-w4 --force > /dev/null 2>&1 || echo "rtn quantize failed"
+    for dir in "$D" build/q/$M-rtn-w4 .carry/q/$M-*; do
       [ -d "$dir" ] || continue
       c=$(basename "$dir"); c=${c#$M-}; [ "$dir" = "$D" ] && c=fp32
       echo "== $M $c"; ppl $M-$c "$dir"
       $L generate "$dir" --device cuda --prompt "The history of the" --max-tokens 32 2>&1 | tail -1
     done
+    [ $1 = small+synth ] && exec bash "$0" synth
     timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-$1.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-$1.log" | tail -1)"
     ;;
   synth)
     for b in 4 16; do
       d=/tmp/llama3-8b-b$b
-      $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+      $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-small 2>&1 | tail -1
       $L bench decode $d --device cuda --context 128,2048 --batch 1,8,32 --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
-      echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"
-      ppl llama3-8b-b$b $d
+      if [ $b = 4 ]; then
+        echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"
+        ppl llama3-8b-b$b $d
+      fi
       rm -rf $d
     done
     ;;
