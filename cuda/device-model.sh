@@ -7,6 +7,7 @@
 #   bash cuda/device-model.sh tiny    # tests + ppl of llama-tiny fp/RTN/GPTQ
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
+#   bash cuda/device-model.sh tiny+synth   (or small+synth) both in one call
 #
 # Results go to $OUT (the device tool's folder) or build/out.
 set -uo pipefail
@@ -28,7 +29,7 @@ ppl() { # name dir
   $L eval ppl "$2" --data "$WIKI" --device cuda --json "$OUT/ppl-$1-wikitext2-cuda.json" 2>&1 | grep -v "^ppl " | tr '\r' '\n' | grep -E "perplexity|speed|loaded|error|Error"
 }
 case "$1" in
-  tiny|small|small+synth)
+  tiny|small|small+synth|tiny+synth)
     M=llama-${1%+synth}
     build/device/cuda.test -test.v -test.run 'TestModel|TestGreedy|TestBatched|TestWindowNLL|TestKernelError|TestCheckFits' > "$OUT/cuda-model-tests-$1.log" 2>&1
     echo "model tests rc=$?"; grep -E "^(=== RUN|--- |ok|FAIL|PASS)|Δlogit|window|difference|panic" "$OUT/cuda-model-tests-$1.log" | grep -v "=== RUN" | head -40
@@ -43,14 +44,22 @@ case "$1" in
       echo "== $M $c"; ppl $M-$c "$dir"
       $L generate "$dir" --device cuda --prompt "The history of the" --max-tokens 32 2>&1 | tail -1
     done
-    [ $1 = small+synth ] && exec bash "$0" synth
+    case $1 in *+synth) exec bash "$0" synth "$M" ;; esac
     timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-$1.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-$1.log" | tail -1)"
     ;;
   synth)
+    TOK=$LLMQ_SHARED/models/${2:-llama-small}
+    if command -v nsys > /dev/null; then  # where a decode step's time goes
+      $L synth --preset llama3-8b --bits 4 --layers 8 -o /tmp/p8 --force --tokenizer $TOK > /dev/null 2>&1
+      timeout 240 nsys profile -o /tmp/decode --force-overwrite true $L bench decode /tmp/p8 --device cuda --context 2048 --batch 1 --steps 32 --prefill 0 > /dev/null 2>&1
+      nsys stats --report cuda_gpu_kern_sum /tmp/decode.nsys-rep > "$OUT/nsys-decode-llama3-8b-8layers.txt" 2>&1
+      head -30 "$OUT/nsys-decode-llama3-8b-8layers.txt" | cut -c1-160
+      rm -rf /tmp/p8
+    fi
     for b in 4 16; do
       d=/tmp/llama3-8b-b$b
-      $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-small 2>&1 | tail -1
+      $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $TOK 2>&1 | tail -1
       $L bench decode $d --device cuda --context 128,2048 --batch 1,8,32 --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
       if [ $b = 4 ]; then
         echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"

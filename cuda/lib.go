@@ -56,17 +56,18 @@ static int c_rmsnorm(void* f, P x, P d, P rows, P w, P out, int n, int H, float 
 }
 static int c_add(void* f, P x, P d, size_t n) { return ((int (*)(float*, const void*, size_t))f)((float*)x, (const void*)d, n); }
 static int c_bias(void* f, P y, P b, int T, int N) { return ((int (*)(void*, const void*, int, int))f)((void*)y, (const void*)b, T, N); }
-static int c_rope(void* f, P x, P pos, P inv, int T, int heads, int hd) {
-	return ((int (*)(void*, const int32_t*, const float*, int, int, int))f)((void*)x, (const int32_t*)pos, (const float*)inv, T, heads, hd);
+static int c_rope(void* f, P x, P pos, P cs, P sn, int T, int heads, int hd) {
+	return ((int (*)(void*, const int32_t*, const float*, const float*, int, int, int))f)((void*)x, (const int32_t*)pos, (const float*)cs, (const float*)sn, T, heads, hd);
 }
 static int c_kv_store(void* f, P k, P v, P rs, P rp, P base, P cap, int layer, int layers, int T, int kvdim) {
 	return ((int (*)(const void*, const void*, const int32_t*, const int32_t*, const uint64_t*, const int32_t*, int, int, int, int))f)(
 		(const void*)k, (const void*)v, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, layer, layers, T, kvdim);
 }
-static int c_attention(void* f, P q, P out, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads, int kvh, int hd, int maxk) {
-	return ((int (*)(const void*, void*, const int32_t*, const int32_t*, const uint64_t*, const int32_t*, int, int, int, int, int, int, int))f)(
-		(const void*)q, (void*)out, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk);
+static int c_attention(void* f, P q, P out, P ws, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads, int kvh, int hd, int maxk) {
+	return ((int (*)(const void*, void*, void*, const int32_t*, const int32_t*, const uint64_t*, const int32_t*, int, int, int, int, int, int, int))f)(
+		(const void*)q, (void*)out, (void*)ws, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk);
 }
+static size_t c_attn_ws(void* f, int T, int heads, int hd, int maxk) { return ((size_t (*)(int, int, int, int))f)(T, heads, hd, maxk); }
 static int c_silu_mul(void* f, P g, P u, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)g, (const void*)u, n); }
 static int c_nll(void* f, P logits, P targets, P nll, int T, int V) {
 	return ((int (*)(const float*, const int32_t*, float*, int, int))f)((const float*)logits, (const int32_t*)targets, (float*)nll, T, V);
@@ -96,7 +97,7 @@ var symbols = []string{
 	"llmq_event_create", "llmq_event_destroy", "llmq_event_record", "llmq_event_elapsed",
 	"llmq_w4a16_workspace_bytes", "llmq_w4a16_gemm", "llmq_w4a16_set_path", "llmq_w4_dequant", "llmq_gemm_f16", "llmq_read_probe",
 	"llmq_capture_begin", "llmq_capture_end", "llmq_graph_launch", "llmq_graph_destroy",
-	"llmq_embed", "llmq_rmsnorm", "llmq_add", "llmq_add_bias", "llmq_rope", "llmq_kv_store", "llmq_attention",
+	"llmq_embed", "llmq_rmsnorm", "llmq_add", "llmq_add_bias", "llmq_rope", "llmq_kv_store", "llmq_attention", "llmq_attention_workspace_bytes",
 	"llmq_silu_mul", "llmq_nll", "llmq_gemm_nt",
 }
 
@@ -361,9 +362,10 @@ func (l *Lib) AddBias(y, b Buf, T, N int) error {
 	return l.check("llmq_add_bias", C.c_bias(l.f["llmq_add_bias"], y.p, b.p, C.int(T), C.int(N)))
 }
 
-// RoPE rotates every head of x [T][heads·hd] by its row's position.
-func (l *Lib) RoPE(x, pos, invFreq Buf, T, heads, hd int) error {
-	return l.check("llmq_rope", C.c_rope(l.f["llmq_rope"], x.p, pos.p, invFreq.p, C.int(T), C.int(heads), C.int(hd)))
+// RoPE rotates every head of x [T][heads·hd] by its row's position, with
+// the rotary tables cos and sin [positions][hd/2].
+func (l *Lib) RoPE(x, pos, cos, sin Buf, T, heads, hd int) error {
+	return l.check("llmq_rope", C.c_rope(l.f["llmq_rope"], x.p, pos.p, cos.p, sin.p, C.int(T), C.int(heads), C.int(hd)))
 }
 
 // RowMeta are the per-row and per-sequence arrays of a forward pass.
@@ -375,9 +377,15 @@ func (l *Lib) KVStore(k, v Buf, m RowMeta, layer, layers, T, kvDim int) error {
 		C.int(layer), C.int(layers), C.int(T), C.int(kvDim)))
 }
 
-// Attention writes causal attention over each row's cache to out.
-func (l *Lib) Attention(q, out Buf, m RowMeta, layer, layers, T, heads, kvHeads, hd, maxKeys int) error {
-	return l.check("llmq_attention", C.c_attention(l.f["llmq_attention"], q.p, out.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
+// AttentionWorkspaceBytes is the scratch Attention needs.
+func (l *Lib) AttentionWorkspaceBytes(T, heads, hd, maxKeys int) int {
+	return int(C.c_attn_ws(l.f["llmq_attention_workspace_bytes"], C.int(T), C.int(heads), C.int(hd), C.int(maxKeys)))
+}
+
+// Attention writes causal attention over each row's cache to out; ws
+// holds AttentionWorkspaceBytes bytes.
+func (l *Lib) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, kvHeads, hd, maxKeys int) error {
+	return l.check("llmq_attention", C.c_attention(l.f["llmq_attention"], q.p, out.p, ws.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
 		C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys)))
 }
 

@@ -81,12 +81,16 @@ int llmq_embed(const int32_t* ids, const void* E, float* x, int T, int H);
 int llmq_rmsnorm(float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
 int llmq_add(float* x, const void* delta, size_t n);
 int llmq_add_bias(void* y, const void* b, int T, int N);
-int llmq_rope(void* x, const int32_t* pos, const float* inv_freq, int T, int heads, int hd);
+/* cos_t, sin_t: [positions][hd/2] fp32 rotary tables. */
+int llmq_rope(void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd);
 int llmq_kv_store(const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
                   const int32_t* kv_cap, int layer, int layers, int T, int kv_dim);
-/* max_keys bounds row_pos+1 over the rows (it sizes shared memory). */
-int llmq_attention(const void* q, void* out, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
-                   const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads, int hd, int max_keys);
+/* max_keys bounds row_pos+1 over the rows; workspace holds
+ * llmq_attention_workspace_bytes(T, heads, hd, max_keys) bytes. */
+size_t llmq_attention_workspace_bytes(int T, int heads, int hd, int max_keys);
+int llmq_attention(const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
+                   const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
+                   int hd, int max_keys);
 int llmq_silu_mul(void* g, const void* u, size_t n);
 int llmq_nll(const float* logits, const int32_t* targets, float* nll, int T, int V);
 /* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */

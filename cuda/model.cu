@@ -1,6 +1,6 @@
 // The transformer's non-GEMM kernels for the GPU backend (package cuda's
 // Model): embedding gather, RMSNorm fused with the residual add, rotary
-// embeddings, the key/value cache, attention, SwiGLU, and the negative
+// embeddings, the key/value cache, attention (split over chunks of keys), SwiGLU, and the negative
 // log-likelihood that perplexity needs, so logits never leave the GPU.
 //
 // The residual stream x is fp32; everything a GEMM reads or writes is
@@ -92,21 +92,21 @@ __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, in
 }
 
 // rope_kernel rotates the two halves of every head of row blockIdx.x by
-// the angles pos·inv_freq (computed as float32 products, then cos/sin in
-// double, as the CPU backend does).
-__global__ void rope_kernel(half* __restrict__ x, const int32_t* __restrict__ pos, const float* __restrict__ inv_freq,
-                            int heads, int hd) {
+// the angles of its position, from tables cos/sin [positions][hd/2] made
+// once on the host (float32 angle products, cos/sin in double, as the CPU
+// backend computes them).
+__global__ void rope_kernel(half* __restrict__ x, const int32_t* __restrict__ pos, const float* __restrict__ cos_t,
+                            const float* __restrict__ sin_t, int heads, int hd) {
   const int half_d = hd / 2;
-  const float p = (float)pos[blockIdx.x];
+  const float* ct = cos_t + (size_t)pos[blockIdx.x] * half_d;
+  const float* st = sin_t + (size_t)pos[blockIdx.x] * half_d;
   half* row = x + (size_t)blockIdx.x * heads * hd;
   for (int i = threadIdx.x; i < heads * half_d; i += blockDim.x) {
     const int h = i / half_d, j = i % half_d;
-    double s, c;
-    sincos((double)(p * inv_freq[j]), &s, &c);
     half* v = row + h * hd;
-    const float a = __half2float(v[j]), b = __half2float(v[j + half_d]);
-    v[j] = __float2half(a * (float)c - b * (float)s);
-    v[j + half_d] = __float2half(b * (float)c + a * (float)s);
+    const float a = __half2float(v[j]), b = __half2float(v[j + half_d]), c = ct[j], s = st[j];
+    v[j] = __float2half(a * c - b * s);
+    v[j + half_d] = __float2half(b * c + a * s);
   }
 }
 
@@ -128,20 +128,38 @@ __global__ void kv_store_kernel(const half* __restrict__ k, const half* __restri
   }
 }
 
-// attention_kernel: one block of 128 threads per (row, head). The row's
-// query attends to keys 0..row_pos (causal) of its sequence's cache:
-// scores in shared memory (one warp per key, lanes over the head
-// dimension), softmax, then each thread accumulates output dimensions.
-__global__ void attention_kernel(const half* __restrict__ q, half* __restrict__ out, const int32_t* __restrict__ row_seq,
+// Attention runs in two kernels, as flash-decoding does (Dao et al. 2023):
+// attention_kernel splits each (row, head)'s keys 0..row_pos into chunks
+// of `chunk` keys, one block of 128 threads per chunk, and writes the
+// chunk's running max m, sum l = Σ exp(s − m) and unnormalised output
+// Σ exp(s − m)·v; attention_combine merges the chunks. Decoding (few rows,
+// long contexts) gets many blocks per head this way; prefill uses one
+// chunk per row.
+//
+// In a block, each warp scores keys (lanes over the head dimension, the
+// query in shared memory), then each warp accumulates the output of its
+// share of the keys with lane l owning hd/32 consecutive dimensions, so a
+// value row is one coalesced load; the four warps' sums meet in shared
+// memory. part holds, per (row, head, chunk), hd outputs then m and l.
+constexpr int kMaxDimsPerLane = 8;  // head_dim ≤ 256
+
+__global__ void attention_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                                  const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                                  const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads,
-                                 int hd, float scale) {
-  extern __shared__ float smem[];  // [hd] query, then [n] scores
+                                 int hd, float scale, int chunk) {
+  extern __shared__ float smem[];  // [hd] query, [chunk] scores, [4][hd] warp outputs
   __shared__ float red[32];
-  const int t = blockIdx.x, h = blockIdx.y, s = row_seq[t], n = row_pos[t] + 1;
+  const int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
+  const int j0 = c * chunk, j1 = min(n, j0 + chunk);
+  float* out = part + (((size_t)t * heads + h) * gridDim.z + c) * (hd + 2);
+  if (j0 >= j1) {  // beyond this row's keys: an empty chunk
+    if (threadIdx.x == 0) out[hd] = -INFINITY, out[hd + 1] = 0.f;
+    return;
+  }
   const int kvh = h / (heads / kv_heads), kv_dim = kv_heads * hd;
   float* qs = smem;
   float* sc = smem + hd;
+  float* wo = sc + chunk;
   const half* qr = q + ((size_t)t * heads + h) * hd;
   for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = __half2float(qr[i]) * scale;
   __syncthreads();
@@ -149,7 +167,7 @@ __global__ void attention_kernel(const half* __restrict__ q, half* __restrict__ 
   const half* V = cache_row(kv_base, kv_cap, s, 1, layer, layers, 0, kv_dim) + kvh * hd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   float mx = -INFINITY;
-  for (int j = warp; j < n; j += nwarps) {
+  for (int j = j0 + warp; j < j1; j += nwarps) {
     const half2* kr = (const half2*)(K + (size_t)j * kv_dim);
     float d = 0.f;
     for (int i = lane; i < hd / 2; i += 32) {
@@ -157,23 +175,60 @@ __global__ void attention_kernel(const half* __restrict__ q, half* __restrict__ 
       d += qs[2 * i] * kv.x + qs[2 * i + 1] * kv.y;
     }
     d = warp_sum(d);
-    if (lane == 0) sc[j] = d;
+    if (lane == 0) sc[j - j0] = d;
     mx = fmaxf(mx, d);
   }
-  mx = block_max(mx, red);  // lanes hold their warp's max; the block's is the max of those
+  mx = block_max(mx, red);
   float sum = 0.f;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+  for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) {
     const float e = __expf(sc[j] - mx);
     sc[j] = e;
     sum += e;
   }
-  sum = block_sum(sum, red);  // ends with a barrier after sc is written
-  const float inv = 1.f / sum;
+  sum = block_sum(sum, red);  // its barriers publish sc
+  const int per = hd / 32;    // dimensions per lane
+  float acc[kMaxDimsPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
+  for (int j = j0 + warp; j < j1; j += nwarps) {
+    const half* vr = V + (size_t)j * kv_dim + lane * per;
+    const float p = sc[j - j0];
+#pragma unroll
+    for (int i = 0; i < kMaxDimsPerLane; i++)
+      if (i < per) acc[i] += p * __half2float(vr[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++)
+    if (i < per) wo[warp * hd + lane * per + i] = acc[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    float o = 0.f;
+    for (int w = 0; w < nwarps; w++) o += wo[w * hd + i];
+    out[i] = o;
+  }
+  if (threadIdx.x == 0) out[hd] = mx, out[hd + 1] = sum;
+}
+
+// attention_combine: one block per (row, head) merges the chunks:
+// O = Σ_c e^{m_c − M}·o_c / Σ_c e^{m_c − M}·l_c with M = max_c m_c.
+__global__ void attention_combine(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
+  const int t = blockIdx.x, h = blockIdx.y;
+  const float* p = part + ((size_t)t * heads + h) * chunks * (hd + 2);
+  float M = -INFINITY;
+  for (int c = 0; c < chunks; c++) M = fmaxf(M, p[c * (hd + 2) + hd]);
+  float L = 0.f;
+  for (int c = 0; c < chunks; c++) {
+    const float* pc = p + c * (hd + 2);
+    if (pc[hd + 1] > 0.f) L += __expf(pc[hd] - M) * pc[hd + 1];
+  }
   half* o = out + ((size_t)t * heads + h) * hd;
   for (int i = threadIdx.x; i < hd; i += blockDim.x) {
     float acc = 0.f;
-    for (int j = 0; j < n; j++) acc += sc[j] * __half2float(V[(size_t)j * kv_dim + i]);
-    o[i] = __float2half(acc * inv);
+    for (int c = 0; c < chunks; c++) {
+      const float* pc = p + c * (hd + 2);
+      if (pc[hd + 1] > 0.f) acc += __expf(pc[hd] - M) * pc[i];
+    }
+    o[i] = __float2half(acc / L);
   }
 }
 
@@ -229,8 +284,8 @@ int llmq_add_bias(void* y, const void* b, int T, int N) {
   return 0;
 }
 
-int llmq_rope(void* x, const int32_t* pos, const float* inv_freq, int T, int heads, int hd) {
-  rope_kernel<<<T, 128, 0, llmq::stream()>>>((half*)x, pos, inv_freq, heads, hd);
+int llmq_rope(void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd) {
+  rope_kernel<<<T, 128, 0, llmq::stream()>>>((half*)x, pos, cos_t, sin_t, heads, hd);
   CK_LAUNCH("rope_kernel");
   return 0;
 }
@@ -243,22 +298,35 @@ int llmq_kv_store(const void* k, const void* v, const int32_t* row_seq, const in
   return 0;
 }
 
-int llmq_attention(const void* q, void* out, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
-                   const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads, int hd, int max_keys) {
-  if (heads % kv_heads || hd % 2 || hd > 1024) {
-    llmq::set_error("attention: heads %d must be a multiple of kv_heads %d and head_dim %d even and ≤ 1024", heads, kv_heads, hd);
+size_t llmq_attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
+  const int chunk = T <= 64 ? 256 : max_keys;
+  return (size_t)T * heads * ((max_keys + chunk - 1) / chunk) * (hd + 2) * sizeof(float);
+}
+
+int llmq_attention(const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
+                   const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
+                   int hd, int max_keys) {
+  if (heads % kv_heads || hd % 32 || hd > 32 * kMaxDimsPerLane) {
+    llmq::set_error("attention: heads %d must be a multiple of kv_heads %d, head_dim %d a multiple of 32 up to %d", heads,
+                    kv_heads, hd, 32 * kMaxDimsPerLane);
     return 1;
   }
-  const size_t smem = (size_t)(hd + max_keys) * sizeof(float);
+  // Few rows (decoding): chunks of 256 keys spread a head over many
+  // blocks. Many rows (prefill): one chunk per row is parallel enough.
+  const int chunk = T <= 64 ? 256 : max_keys;
+  const int chunks = (max_keys + chunk - 1) / chunk;
+  const size_t smem = (size_t)(hd + chunk + 4 * hd) * sizeof(float);
   static size_t raised = 48 << 10;
   if (smem > raised) {
     CK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     raised = smem;
   }
-  attention_kernel<<<dim3(T, heads), 128, smem, llmq::stream()>>>((const half*)q, (half*)out, row_seq, row_pos, kv_base,
-                                                                    kv_cap, layer, layers, heads, kv_heads, hd,
-                                                                    1.f / sqrtf((float)hd));
+  attention_kernel<<<dim3(T, heads, chunks), 128, smem, llmq::stream()>>>(
+      (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
+      1.f / sqrtf((float)hd), chunk);
   CK_LAUNCH("attention_kernel");
+  attention_combine<<<dim3(T, heads), 128, 0, llmq::stream()>>>((const float*)workspace, (half*)out, heads, hd, chunks);
+  CK_LAUNCH("attention_combine");
   return 0;
 }
 

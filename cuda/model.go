@@ -30,7 +30,7 @@ type Model struct {
 	embed     Buf // fp16 [vocab][hidden]
 	norm      Buf // fp32 [hidden]
 	lmHead    *gpuLinear
-	invFreq   Buf
+	cos, sin  Buf // rotary tables [max_position_embeddings][head_dim/2]
 	scratch   Buf // K·N fp16: large-M W4 layers dequantize here for cuBLAS
 	maxN      int // widest linear (workspace sizing)
 	maxPermK  int // widest act-order input (a_perm sizing)
@@ -38,6 +38,7 @@ type Model struct {
 	weights   int64 // bytes of weights on the GPU
 
 	eager  *acts
+	attnWS Buf // the eager passes' attention scratch
 	graphs map[[2]int]*decodeGraph
 	owned  []Buf
 }
@@ -99,7 +100,11 @@ func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
 	default: // tied: the LM head is the embedding matrix
 		m.lmHead = &gpuLinear{in: c.Hidden, out: c.Vocab, w: m.embed}
 	}
-	if m.invFreq, err = m.upload32(llm.RopeInvFreq(c)); err != nil {
+	cos, sin := llm.RopeTables(c, c.MaxPositions)
+	if m.cos, err = m.upload32(cos); err != nil {
+		return nil, err
+	}
+	if m.sin, err = m.upload32(sin); err != nil {
 		return nil, err
 	}
 	for i := 0; i < c.Layers; i++ {
@@ -391,6 +396,8 @@ func (m *Model) Close() error {
 		m.eager.free(m.lib)
 		m.eager = nil
 	}
+	m.lib.Free(m.attnWS)
+	m.attnWS = Buf{}
 	for _, b := range m.owned {
 		m.lib.Free(b)
 	}
@@ -446,8 +453,9 @@ func (m *Model) upload(a *acts, p *pass) error {
 }
 
 // layers queues the embedding and every decoder block for T rows, leaving
-// the final residual stream in a.x.
-func (m *Model) layers(ctx context.Context, a *acts, T, maxKeys int) error {
+// the final residual stream in a.x. attnWS is the attention scratch for T
+// rows and maxKeys keys.
+func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys int) error {
 	c, lib := m.cfg, m.lib
 	H, hd, L := c.Hidden, c.HeadDim, c.Layers
 	eps := float32(c.RMSNormEps)
@@ -469,10 +477,10 @@ func (m *Model) layers(ctx context.Context, a *acts, T, maxKeys int) error {
 			func() error { return m.run(b.q, a.h, a.q, T, a, false) },
 			func() error { return m.run(b.k, a.h, a.k, T, a, false) },
 			func() error { return m.run(b.v, a.h, a.v, T, a, false) },
-			func() error { return lib.RoPE(a.q, a.meta.RowPos, m.invFreq, T, c.Heads, hd) },
-			func() error { return lib.RoPE(a.k, a.meta.RowPos, m.invFreq, T, c.KVHeads, hd) },
+			func() error { return lib.RoPE(a.q, a.meta.RowPos, m.cos, m.sin, T, c.Heads, hd) },
+			func() error { return lib.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
 			func() error { return lib.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
-			func() error { return lib.Attention(a.q, a.att, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys) },
+			func() error { return lib.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys) },
 			func() error { return m.run(b.o, a.att, a.delta, T, a, false) },
 			func() error { return lib.RMSNorm(a.x, a.delta, Buf{}, b.mlpNorm, a.h, T, H, eps) },
 			func() error { return m.run(b.gate, a.h, a.g, T, a, false) },
@@ -507,12 +515,30 @@ func (m *Model) eagerActs(rows int) (*acts, error) {
 		m.eager.free(m.lib)
 		m.eager = nil
 	}
+	m.lib.Free(m.attnWS)
+	m.attnWS = Buf{}
 	a, err := m.newActs(max(rows, 16))
 	if err != nil {
 		return nil, err
 	}
 	m.eager = a
 	return a, nil
+}
+
+// eagerAttnWS returns the eager attention scratch, grown as needed.
+func (m *Model) eagerAttnWS(T, maxKeys int) (Buf, error) {
+	need := m.lib.AttentionWorkspaceBytes(T, m.cfg.Heads, m.cfg.HeadDim, maxKeys)
+	if m.attnWS.Bytes >= need {
+		return m.attnWS, nil
+	}
+	m.lib.Free(m.attnWS)
+	m.attnWS = Buf{}
+	b, err := m.lib.Alloc(need)
+	if err != nil {
+		return b, fmt.Errorf("attention scratch for %d rows: %w", T, err)
+	}
+	m.attnWS = b
+	return b, nil
 }
 
 // Forward implements llm.Backend.
@@ -559,7 +585,11 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		if err := Upload(m.lib, a.rowIdx, out); err != nil {
 			return err
 		}
-		if err := m.layers(ctx, a, T, p.maxKeys); err != nil {
+		ws, err := m.eagerAttnWS(T, p.maxKeys)
+		if err != nil {
+			return err
+		}
+		if err := m.layers(ctx, a, ws, T, p.maxKeys); err != nil {
 			return err
 		}
 		if err := m.head(a, len(out)); err != nil {
@@ -614,8 +644,14 @@ func (m *Model) decode(p *pass) (*acts, error) {
 			a.free(m.lib)
 			return nil, err
 		}
+		ws, err := m.lib.Alloc(m.lib.AttentionWorkspaceBytes(B, m.cfg.Heads, m.cfg.HeadDim, keys))
+		if err != nil {
+			a.free(m.lib)
+			return nil, err
+		}
+		a.bufs = append(a.bufs, ws)
 		g, err := m.lib.Capture(func() error {
-			if err := m.layers(nil, a, B, keys); err != nil {
+			if err := m.layers(nil, a, ws, B, keys); err != nil {
 				return err
 			}
 			return m.head(a, B)
@@ -670,7 +706,11 @@ func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) 
 	if err := Upload(m.lib, a.targets, targets); err != nil {
 		return 0, 0, err
 	}
-	if err := m.layers(ctx, a, T, p.maxKeys); err != nil {
+	ws, err := m.eagerAttnWS(T, p.maxKeys)
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := m.layers(ctx, a, ws, T, p.maxKeys); err != nil {
 		return 0, 0, err
 	}
 	if err := m.head(a, n); err != nil {

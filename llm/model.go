@@ -227,9 +227,10 @@ func newRope(c *checkpoint.Config) *rope {
 	return &rope{invFreq: inv}
 }
 
-// RopeInvFreq returns the rotary inverse frequencies [head_dim/2] of a
-// config (scaling applied), for backends that rotate on their own.
-func RopeInvFreq(c *checkpoint.Config) []float32 { return newRope(c).invFreq }
+// RopeTables returns the rotary tables cos and sin [n][head_dim/2] for
+// positions 0..n-1, as the CPU backend computes them, for backends that
+// rotate on their own.
+func RopeTables(c *checkpoint.Config, n int) (cos, sin []float32) { return newRope(c).table(0, n) }
 
 // table fills cos and sin [n][half] for positions pos0..pos0+n-1.
 func (r *rope) table(pos0, n int) (cos, sin []float32) {
