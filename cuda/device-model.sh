@@ -57,11 +57,11 @@ case "$1" in
       head -30 "$OUT/nsys-decode-llama3-8b-8layers.txt" | cut -c1-160
       rm -rf /tmp/p8
     fi
-    for b in 4 16; do
+    for b in ${SYNTH_BITS:-4 16}; do
       d=/tmp/llama3-8b-b$b
       $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $TOK 2>&1 | tail -1
       $L bench decode $d --device cuda --context 128,2048 --batch 1,8,32 --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
-      if [ $b = 4 ]; then
+      if [ $b = 4 ] && [ "${SYNTH_PPL:-1}" = 1 ]; then
         echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"
         ppl llama3-8b-b$b $d
       fi

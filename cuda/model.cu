@@ -91,7 +91,7 @@ __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, in
   if (i < n) y[i] = __float2half(__half2float(y[i]) + __half2float(b[i % N]));
 }
 
-// rope_kernel rotates the two halves of every head of row blockIdx.x by
+// rope_kernel rotates the two halves of head blockIdx.y of row blockIdx.x by
 // the angles of its position, from tables cos/sin [positions][hd/2] made
 // once on the host (float32 angle products, cos/sin in double, as the CPU
 // backend computes them).
@@ -100,10 +100,8 @@ __global__ void rope_kernel(half* __restrict__ x, const int32_t* __restrict__ po
   const int half_d = hd / 2;
   const float* ct = cos_t + (size_t)pos[blockIdx.x] * half_d;
   const float* st = sin_t + (size_t)pos[blockIdx.x] * half_d;
-  half* row = x + (size_t)blockIdx.x * heads * hd;
-  for (int i = threadIdx.x; i < heads * half_d; i += blockDim.x) {
-    const int h = i / half_d, j = i % half_d;
-    half* v = row + h * hd;
+  half* v = x + ((size_t)blockIdx.x * heads + blockIdx.y) * hd;
+  for (int j = threadIdx.x; j < half_d; j += blockDim.x) {
     const float a = __half2float(v[j]), b = __half2float(v[j + half_d]), c = ct[j], s = st[j];
     v[j] = __float2half(a * c - b * s);
     v[j + half_d] = __float2half(b * c + a * s);
@@ -130,7 +128,7 @@ __global__ void kv_store_kernel(const half* __restrict__ k, const half* __restri
 
 // Attention runs in two kernels, as flash-decoding does (Dao et al. 2023):
 // attention_kernel splits each (row, head)'s keys 0..row_pos into chunks
-// of `chunk` keys, one block of 128 threads per chunk, and writes the
+// of `chunk` keys (64 when decoding), one block of 128 threads per chunk, and writes the
 // chunk's running max m, sum l = Σ exp(s − m) and unnormalised output
 // Σ exp(s − m)·v; attention_combine merges the chunks. Decoding (few rows,
 // long contexts) gets many blocks per head this way; prefill uses one
@@ -142,6 +140,8 @@ __global__ void kv_store_kernel(const half* __restrict__ k, const half* __restri
 // value row is one coalesced load; the four warps' sums meet in shared
 // memory. part holds, per (row, head, chunk), hd outputs then m and l.
 constexpr int kMaxDimsPerLane = 8;  // head_dim ≤ 256
+constexpr int kUnroll = 4;          // keys a warp loads at once
+constexpr int kDecodeChunk = 64;    // keys per block when decoding
 
 __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                                  const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
@@ -166,17 +166,36 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
   const half* K = cache_row(kv_base, kv_cap, s, 0, layer, layers, 0, kv_dim) + kvh * hd;
   const half* V = cache_row(kv_base, kv_cap, s, 1, layer, layers, 0, kv_dim) + kvh * hd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  // Scores, kUnroll keys per warp at a time so that their loads are in
+  // flight together (a decode step is latency-bound, not bandwidth-bound).
   float mx = -INFINITY;
-  for (int j = j0 + warp; j < j1; j += nwarps) {
-    const half2* kr = (const half2*)(K + (size_t)j * kv_dim);
-    float d = 0.f;
-    for (int i = lane; i < hd / 2; i += 32) {
-      const float2 kv = __half22float2(kr[i]);
-      d += qs[2 * i] * kv.x + qs[2 * i + 1] * kv.y;
+  for (int j = j0 + warp; j < j1; j += kUnroll * nwarps) {
+    float d[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) {
+      const int jj = j + u * nwarps;
+      d[u] = 0.f;
+      if (jj < j1) {
+        const half2* kr = (const half2*)(K + (size_t)jj * kv_dim);
+#pragma unroll
+        for (int r = 0; r < kMaxDimsPerLane / 2; r++) {
+          const int i = lane + 32 * r;
+          if (i < hd / 2) {
+            const float2 kv = __half22float2(kr[i]);
+            d[u] += qs[2 * i] * kv.x + qs[2 * i + 1] * kv.y;
+          }
+        }
+      }
     }
-    d = warp_sum(d);
-    if (lane == 0) sc[j - j0] = d;
-    mx = fmaxf(mx, d);
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) {
+      const int jj = j + u * nwarps;
+      const float v = warp_sum(d[u]);
+      if (jj < j1) {
+        if (lane == 0) sc[jj - j0] = v;
+        mx = fmaxf(mx, v);
+      }
+    }
   }
   mx = block_max(mx, red);
   float sum = 0.f;
@@ -190,12 +209,18 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
   float acc[kMaxDimsPerLane];
 #pragma unroll
   for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
-  for (int j = j0 + warp; j < j1; j += nwarps) {
-    const half* vr = V + (size_t)j * kv_dim + lane * per;
-    const float p = sc[j - j0];
+  for (int j = j0 + warp; j < j1; j += kUnroll * nwarps) {
 #pragma unroll
-    for (int i = 0; i < kMaxDimsPerLane; i++)
-      if (i < per) acc[i] += p * __half2float(vr[i]);
+    for (int u = 0; u < kUnroll; u++) {
+      const int jj = j + u * nwarps;
+      if (jj < j1) {
+        const half* vr = V + (size_t)jj * kv_dim + lane * per;
+        const float p = sc[jj - j0];
+#pragma unroll
+        for (int i = 0; i < kMaxDimsPerLane; i++)
+          if (i < per) acc[i] += p * __half2float(vr[i]);
+      }
+    }
   }
 #pragma unroll
   for (int i = 0; i < kMaxDimsPerLane; i++)
@@ -285,7 +310,7 @@ int llmq_add_bias(void* y, const void* b, int T, int N) {
 }
 
 int llmq_rope(void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd) {
-  rope_kernel<<<T, 128, 0, llmq::stream()>>>((half*)x, pos, cos_t, sin_t, heads, hd);
+  rope_kernel<<<dim3(T, heads), 64, 0, llmq::stream()>>>((half*)x, pos, cos_t, sin_t, heads, hd);
   CK_LAUNCH("rope_kernel");
   return 0;
 }
@@ -299,7 +324,7 @@ int llmq_kv_store(const void* k, const void* v, const int32_t* row_seq, const in
 }
 
 size_t llmq_attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
-  const int chunk = T <= 64 ? 256 : max_keys;
+  const int chunk = T <= 64 ? kDecodeChunk : max_keys;
   return (size_t)T * heads * ((max_keys + chunk - 1) / chunk) * (hd + 2) * sizeof(float);
 }
 
@@ -311,9 +336,9 @@ int llmq_attention(const void* q, void* out, void* workspace, const int32_t* row
                     kv_heads, hd, 32 * kMaxDimsPerLane);
     return 1;
   }
-  // Few rows (decoding): chunks of 256 keys spread a head over many
+  // Few rows (decoding): chunks of 64 keys spread a head over many
   // blocks. Many rows (prefill): one chunk per row is parallel enough.
-  const int chunk = T <= 64 ? 256 : max_keys;
+  const int chunk = T <= 64 ? kDecodeChunk : max_keys;
   const int chunks = (max_keys + chunk - 1) / chunk;
   const size_t smem = (size_t)(hd + chunk + 4 * hd) * sizeof(float);
   static size_t raised = 48 << 10;
