@@ -31,8 +31,8 @@ ppl() { # name dir
 case "$1" in
   tiny|small|small+synth|tiny+synth)
     M=llama-${1%+synth}
-    build/device/cuda.test -test.v -test.run 'TestModel|TestGreedy|TestBatched|TestWindowNLL|TestKernelError|TestCheckFits' > "$OUT/cuda-model-tests-$1.log" 2>&1
-    echo "model tests rc=$?"; grep -E "^(=== RUN|--- |ok|FAIL|PASS)|Δlogit|window|difference|panic" "$OUT/cuda-model-tests-$1.log" | grep -v "=== RUN" | head -40
+    build/device/cuda.test -test.v -test.run 'TestModel|TestGreedy|TestBatched|TestWindowNLL|TestKernelError|TestCheckFits' > "$OUT/cuda-model-tests-${1/+/-}.log" 2>&1
+    echo "model tests rc=$?"; grep -E "^(=== RUN|--- |ok|FAIL|PASS)|Δlogit|window|difference|panic" "$OUT/cuda-model-tests-${1/+/-}.log" | grep -v "=== RUN" | head -40
     # RTN is deterministic, so quantizing here gives the weights whose CPU
     # perplexity is committed; GPTQ/AWQ checkpoints come made on the CPU
     # machine (.carry/q) for the same reason.
@@ -45,8 +45,8 @@ case "$1" in
       $L generate "$dir" --device cuda --prompt "The history of the" --max-tokens 32 2>&1 | tail -1
     done
     case $1 in *+synth) exec bash "$0" synth "$M" ;; esac
-    timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-$1.log" 2>&1
-    echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-$1.log" | tail -1)"
+    timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-${1/+/-}.log" 2>&1
+    echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-${1/+/-}.log" | tail -1)"
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}
