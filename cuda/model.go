@@ -480,7 +480,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys int)
 			func() error { return lib.RoPE(a.q, a.meta.RowPos, m.cos, m.sin, T, c.Heads, hd) },
 			func() error { return lib.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
 			func() error { return lib.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
-			func() error { return lib.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys) },
+			func() error {
+				return lib.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys)
+			},
 			func() error { return m.run(b.o, a.att, a.delta, T, a, false) },
 			func() error { return lib.RMSNorm(a.x, a.delta, Buf{}, b.mlpNorm, a.h, T, H, eps) },
 			func() error { return m.run(b.gate, a.h, a.g, T, a, false) },
