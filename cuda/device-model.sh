@@ -8,6 +8,7 @@
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
 #   bash cuda/device-model.sh tiny+synth   (or small+synth) both in one call
+#   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #
 # Results go to $OUT (the device tool's folder) or build/out.
 set -uo pipefail
@@ -47,6 +48,11 @@ case "$1" in
     case $1 in *+synth) exec bash "$0" synth "$M" ;; esac
     timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-${1/+/-}.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-${1/+/-}.log" | tail -1)"
+    ;;
+  serve) # the engine on the GPU under load, and the current kernels under the sanitizer
+    $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-h200.json" 2>&1 | tail -5
+    timeout 200 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestGreedy|TestKernelError' > "$OUT/cuda-model-memcheck-tiny.log" 2>&1
+    echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-tiny.log" | tail -1)"
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}
