@@ -4,9 +4,7 @@ package cuda
 
 import (
 	"context"
-	"encoding/json"
 	"math"
-	"os"
 	"strings"
 	"testing"
 
@@ -85,18 +83,7 @@ func TestGreedyMatchesReference(t *testing.T) {
 	for _, name := range []string{"llama-tiny", "llama-small"} {
 		t.Run(name, func(t *testing.T) {
 			_, gpu := loadBoth(t, name)
-			data, err := os.ReadFile(shared.Path(t, "reference/"+name+".greedy.json"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			var ref map[string]struct {
-				PromptIDs []int `json:"prompt_ids"`
-				GreedyIDs []int `json:"greedy_ids"`
-			}
-			if err := json.Unmarshal(data, &ref); err != nil {
-				t.Fatal(err)
-			}
-			for prompt, r := range ref {
+			for prompt, r := range shared.GreedyRefs(t, name) {
 				out, err := llm.Generate(context.Background(), gpu, r.PromptIDs, llm.GenerateOptions{MaxTokens: len(r.GreedyIDs)}, nil)
 				if err != nil {
 					t.Fatal(err)

@@ -2,9 +2,7 @@ package llm_test
 
 import (
 	"context"
-	"encoding/json"
 	"math"
-	"os"
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
@@ -131,24 +129,6 @@ func assertClose(t *testing.T, got, want []float32, tol float64, what string) {
 			t.Fatalf("%s: element %d differs by %.3e (got %v want %v)", what, i, d, got[i], want[i])
 		}
 	}
-}
-
-type greedyRef map[string]struct {
-	PromptIDs []int  `json:"prompt_ids"`
-	GreedyIDs []int  `json:"greedy_ids"`
-	Text      string `json:"text"`
-}
-
-func readGreedy(t *testing.T, name string) greedyRef {
-	data, err := os.ReadFile(shared.Path(t, "reference/"+name+".greedy.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var g greedyRef
-	if err := json.Unmarshal(data, &g); err != nil {
-		t.Fatal(err)
-	}
-	return g
 }
 
 // TestStagesEqualForward: running the blocks piecewise through Stages (as

@@ -5,6 +5,7 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 )
 
@@ -13,7 +14,7 @@ import (
 func TestGreedyMatchesTransformers(t *testing.T) {
 	for _, name := range []string{"llama-tiny", "llama-small"} {
 		m := loadModel(t, "models/"+name)
-		for prompt, ref := range readGreedy(t, name) {
+		for prompt, ref := range shared.GreedyRefs(t, name) {
 			got, err := llm.Generate(context.Background(), m, ref.PromptIDs, llm.GenerateOptions{MaxTokens: len(ref.GreedyIDs)}, nil)
 			if err != nil {
 				t.Fatal(err)

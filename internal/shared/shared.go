@@ -6,6 +6,7 @@ package shared
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"math"
 	"os"
 	"path/filepath"
@@ -74,4 +75,26 @@ func Float32s(tb testing.TB, rel string) []float32 {
 		out[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
 	}
 	return out
+}
+
+// Greedy is one prompt of reference/<model>.greedy.json: transformers'
+// prompt ids and its greedy continuation.
+type Greedy struct {
+	PromptIDs []int  `json:"prompt_ids"`
+	GreedyIDs []int  `json:"greedy_ids"`
+	Text      string `json:"text"`
+}
+
+// GreedyRefs reads reference/<model>.greedy.json, keyed by prompt text.
+func GreedyRefs(tb testing.TB, model string) map[string]Greedy {
+	tb.Helper()
+	data, err := os.ReadFile(Path(tb, "reference/"+model+".greedy.json"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var g map[string]Greedy
+	if err := json.Unmarshal(data, &g); err != nil {
+		tb.Fatalf("reference/%s.greedy.json: %v", model, err)
+	}
+	return g
 }

@@ -2,9 +2,7 @@ package engine
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -29,17 +27,7 @@ func openTiny(t *testing.T, opt Options) *Engine {
 // two wait in the queue and join the batch while the others decode. Every
 // sequence must still get exactly the transformers reference's greedy ids.
 func TestContinuousBatchingMatchesReference(t *testing.T) {
-	data, err := os.ReadFile(shared.Path(t, "reference/llama-tiny.greedy.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var ref map[string]struct {
-		PromptIDs []int `json:"prompt_ids"`
-		GreedyIDs []int `json:"greedy_ids"`
-	}
-	if err := json.Unmarshal(data, &ref); err != nil {
-		t.Fatal(err)
-	}
+	ref := shared.GreedyRefs(t, "llama-tiny")
 	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
 	if err != nil {
 		t.Fatal(err)

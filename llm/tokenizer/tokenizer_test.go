@@ -49,17 +49,7 @@ func TestWikiTextMatchesHF(t *testing.T) {
 // the TemplateProcessing post-processor).
 func TestPromptsMatchHF(t *testing.T) {
 	tk := load(t, "models/llama-tiny/tokenizer.json")
-	data, err := os.ReadFile(shared.Path(t, "reference/llama-tiny.greedy.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var ref map[string]struct {
-		PromptIDs []int `json:"prompt_ids"`
-	}
-	if err := json.Unmarshal(data, &ref); err != nil {
-		t.Fatal(err)
-	}
-	for prompt, r := range ref {
+	for prompt, r := range shared.GreedyRefs(t, "llama-tiny") {
 		if got := tk.Encode(prompt, true); !reflect.DeepEqual(got, r.PromptIDs) {
 			t.Errorf("%q: got %v, want %v", prompt, got, r.PromptIDs)
 		}
