@@ -271,10 +271,11 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 			res.CompletionTokens = len(res.Tokens)
 			return res, err
 		}
-		if s.eos {
+		piece, stopped := text.flush()
+		if s.eos || stopped {
 			res.FinishReason = "stop"
 		}
-		if err := send(text.flush()); err != nil {
+		if err := send(piece); err != nil {
 			return res, err
 		}
 	}
@@ -470,14 +471,16 @@ func (t *stopText) add(id int) (string, bool) {
 	return out, false
 }
 
-// flush returns the held-back text at the end of a generation.
-func (t *stopText) flush() string {
+// flush returns the held-back text at the end of a generation, cut at a
+// stop string if the last characters completed one.
+func (t *stopText) flush() (string, bool) {
 	out := t.pending + t.stream.Flush()
 	t.pending = ""
+	stopped := false
 	for _, s := range t.stops {
 		if i := strings.Index(out, s); i >= 0 {
-			out = out[:i]
+			out, stopped = out[:i], true
 		}
 	}
-	return out
+	return out, stopped
 }

@@ -215,7 +215,8 @@ func TestStopTextHoldsBackPrefixes(t *testing.T) {
 	if out != " one two " {
 		t.Errorf("emitted %q before the end; the possible start of the stop string must be held", out)
 	}
-	if out += st.flush(); out != " one two three four" {
-		t.Errorf("after flush %q", out)
+	rest, stopped := st.flush()
+	if out += rest; out != " one two three four" || stopped {
+		t.Errorf("after flush %q (stopped %v)", out, stopped)
 	}
 }
