@@ -7,6 +7,8 @@
 // in float32 ("f32"), rounded to float16 ("f16", llmq), or computed in
 // bfloat16 arithmetic ("bf16", the reference run on bf16 weights), or
 // leaves the model as is ("none"), and prints wikitext-2 perplexity.
+// "minmax32" and "minmax16" use AWQ's grid instead (the range is the
+// group's min..max, not widened to hold 0), with float32 or float16 scales.
 //
 //	go run -tags openblas ./evals/rtnscale ../shared/models/llama-tiny f32 0
 //
@@ -18,6 +20,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"strings"
 
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/llm"
@@ -33,6 +36,9 @@ func rtn(w []float32, in int, mode string) {
 		for g := 0; g < in/128; g++ {
 			seg := w[o*in+g*128 : o*in+(g+1)*128]
 			var xmin, xmax float32
+			if strings.HasPrefix(mode, "minmax") { // AWQ's grid: the range need not hold 0
+				xmin, xmax = seg[0], seg[0]
+			}
 			for _, v := range seg {
 				xmin, xmax = min(xmin, v), max(xmax, v)
 			}
@@ -41,12 +47,12 @@ func rtn(w []float32, in int, mode string) {
 			}
 			scale := (xmax - xmin) / 15
 			switch mode {
-			case "f16":
+			case "f16", "minmax16":
 				scale = pack.RoundF16(scale)
 			case "bf16":
 				scale = bf16(bf16(xmax-xmin) / 15)
 			}
-			zero := float32(math.RoundToEven(float64(-xmin / scale)))
+			zero := min(max(float32(math.RoundToEven(float64(-xmin/scale))), 0), 15)
 			if mode == "bf16" {
 				zero = float32(math.RoundToEven(float64(bf16(-xmin / scale))))
 			}
