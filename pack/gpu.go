@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"sort"
 
+	"github.com/llmq/llmq/llm/mat"
 	"github.com/x448/float16"
 )
 
@@ -58,22 +59,26 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 		B: make([]uint32, K*N/8), Scales: make([]uint16, G*N), Zeros: make([]uint32, G*N/8)}
 	q := func(k, n int) uint32 { return uint32(l.Q[n*K+src(k)]) }
 	KT, NT := K/16, N/64
-	for nt := 0; nt < NT; nt++ {
-		for kt := 0; kt < KT; kt++ {
-			for lane := 0; lane < 32; lane++ {
-				gid, tig := lane/4, lane%4
-				k := kt*16 + 2*tig
-				base := ((nt*KT+kt)*32 + lane) * 4
-				for i := 0; i < 4; i++ {
-					na := nt*64 + (2*i)*8 + gid
-					nb := nt*64 + (2*i+1)*8 + gid
-					w := q(k, na) | q(k+8, na)<<4 | q(k, nb)<<8 | q(k+8, nb)<<12 |
-						q(k+1, na)<<16 | q(k+9, na)<<20 | q(k+1, nb)<<24 | q(k+9, nb)<<28
-					g.B[base+i] = w
+	// Tiles are independent: repack them in parallel (an 8B model has
+	// 30 million of them to place at load time).
+	mat.ParallelFor(NT, 1, func(lo, hi int) {
+		for nt := lo; nt < hi; nt++ {
+			for kt := 0; kt < KT; kt++ {
+				for lane := 0; lane < 32; lane++ {
+					gid, tig := lane/4, lane%4
+					k := kt*16 + 2*tig
+					base := ((nt*KT+kt)*32 + lane) * 4
+					for i := 0; i < 4; i++ {
+						na := nt*64 + (2*i)*8 + gid
+						nb := nt*64 + (2*i+1)*8 + gid
+						w := q(k, na) | q(k+8, na)<<4 | q(k, nb)<<8 | q(k+8, nb)<<12 |
+							q(k+1, na)<<16 | q(k+9, na)<<20 | q(k+1, nb)<<24 | q(k+9, nb)<<28
+						g.B[base+i] = w
+					}
 				}
 			}
 		}
-	}
+	})
 	for grp := 0; grp < G; grp++ {
 		for nt := 0; nt < NT; nt++ {
 			for gid := 0; gid < 8; gid++ {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 
 	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/llm/mat"
 )
 
 // Linear is a quantized linear layer in llmq's canonical in-memory form,
@@ -128,13 +129,15 @@ func ReadGPTQ(ck *checkpoint.Checkpoint, prefix string, in, out int, grid Grid, 
 	}
 	rows := in * b / 32
 	l.Q = make([]uint8, out*in)
-	col := make([]int32, rows)
-	for o := 0; o < out; o++ {
-		for r := range col {
-			col[r] = qw[r*out+o]
+	mat.ParallelFor(out, 64, func(lo, hi int) {
+		col := make([]int32, rows)
+		for o := lo; o < hi; o++ {
+			for r := range col {
+				col[r] = qw[r*out+o]
+			}
+			copy(l.Q[o*in:], UnpackBits(col, b, in))
 		}
-		copy(l.Q[o*in:], UnpackBits(col, b, in))
-	}
+	})
 	l.Zero = make([]uint8, 0, G*out)
 	mask := uint8(1<<b - 1)
 	for g := 0; g < G; g++ {
