@@ -12,6 +12,7 @@ import (
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
+	"github.com/nlpodyssey/safetensors"
 )
 
 func tinyBlock(t *testing.T) (*llm.Stages, *llm.Block, [][]float32, int) {
@@ -222,4 +223,82 @@ func TestExportsAgree(t *testing.T) {
 	if _, err := llm.Generate(context.Background(), m.Model, []int{0, 462}, llm.GenerateOptions{MaxTokens: 3}, nil); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// awq+gptq: scales searched and folded into each block, then GPTQ on the
+// scaled weights. The folded norms are written as F32 and differ from the
+// originals, and the model stays close to the unquantized one (a scale
+// applied on one side only would wreck its perplexity).
+func TestAWQThenGPTQ(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	out := filepath.Join(t.TempDir(), "awq-gptq")
+	grid := pack.Grid{Bits: 4, GroupSize: 128}
+	_, err := gptq.Run(context.Background(), gptq.RunOptions{Src: src, Out: out, Method: "awq+gptq",
+		Prepare: Prepare(Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}}),
+		GPTQ:    gptq.Options{Grid: grid, Damp: 0.01, BlockSize: 128}, TrueSequential: true,
+		Calib: shared.Path(t, "data/calib.txt"), NSamples: 4, SeqLen: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ck, err := checkpoint.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	orig, _ := checkpoint.Open(src)
+	defer orig.Close()
+	q, _ := pack.ParseQuantConfig(ck.Config.Quantization)
+	if q == nil || q.Meta == nil || q.Meta.Method != "awq+gptq" || q.QuantMethod != "gptq" {
+		t.Fatalf("quantization_config %+v", q)
+	}
+	name := "model.layers.0.input_layernorm.weight"
+	tq, _ := ck.Tensor(name)
+	a, _ := ck.Float32(name, 256)
+	b, _ := orig.Float32(name, 256)
+	same := true
+	for i := range a {
+		same = same && a[i] == b[i]
+	}
+	if tq.DType != safetensors.F32 || same {
+		t.Errorf("%s: dtype %s, equal to the original: %v (scales not folded?)", name, tq.DType, same)
+	}
+	ppl := func(dir string) float64 {
+		m, err := pack.OpenModel(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")[:2*512]
+		var sum float64
+		for w := 0; w < 2; w++ {
+			win := ids[w*512 : (w+1)*512]
+			cache, _ := m.NewCache(len(win))
+			V := m.Config().Vocab
+			logits := make([]float32, len(win)*V)
+			if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: win, Logits: logits}}); err != nil {
+				t.Fatal(err)
+			}
+			for i := 0; i+1 < len(win); i++ {
+				sum += nll(logits[i*V:(i+1)*V], win[i+1])
+			}
+		}
+		return math.Exp(sum / float64(2*511))
+	}
+	pq, pf := ppl(out), ppl(src)
+	t.Logf("awq+gptq w4 perplexity %.3f, unquantized %.3f (2 windows of 512)", pq, pf)
+	if pq > pf*1.05 {
+		t.Errorf("awq+gptq perplexity %.3f is more than 5%% above the unquantized %.3f", pq, pf)
+	}
+}
+
+func nll(logits []float32, target int) float64 {
+	mx := math.Inf(-1)
+	for _, v := range logits {
+		mx = math.Max(mx, float64(v))
+	}
+	var s float64
+	for _, v := range logits {
+		s += math.Exp(float64(v) - mx)
+	}
+	return math.Log(s) + mx - float64(logits[target])
 }

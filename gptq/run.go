@@ -97,8 +97,8 @@ type BlockQuantizer func(bc *BlockContext) error
 // calibration activations.
 func Run(ctx context.Context, opt RunOptions) (*Report, error) {
 	start := time.Now()
-	if opt.Custom == nil && opt.Method != "gptq" && opt.Method != "rtn" {
-		return nil, fmt.Errorf("--method %q: gptq.Run handles gptq and rtn", opt.Method)
+	if opt.Custom == nil && opt.Prepare == nil && opt.Method != "gptq" && opt.Method != "rtn" {
+		return nil, fmt.Errorf("--method %q: gptq.Run handles gptq and rtn (others need a Custom or Prepare hook)", opt.Method)
 	}
 	if opt.Format == "" {
 		opt.Format = "gptq"
