@@ -279,7 +279,7 @@ func TestAWQThenGPTQ(t *testing.T) {
 				t.Fatal(err)
 			}
 			for i := 0; i+1 < len(win); i++ {
-				sum += nll(logits[i*V:(i+1)*V], win[i+1])
+				sum += llm.NLL(logits[i*V:(i+1)*V], win[i+1])
 			}
 		}
 		return math.Exp(sum / float64(2*511))
@@ -289,16 +289,4 @@ func TestAWQThenGPTQ(t *testing.T) {
 	if pq > pf*1.05 {
 		t.Errorf("awq+gptq perplexity %.3f is more than 5%% above the unquantized %.3f", pq, pf)
 	}
-}
-
-func nll(logits []float32, target int) float64 {
-	mx := math.Inf(-1)
-	for _, v := range logits {
-		mx = math.Max(mx, float64(v))
-	}
-	var s float64
-	for _, v := range logits {
-		s += math.Exp(float64(v) - mx)
-	}
-	return math.Log(s) + mx - float64(logits[target])
 }

@@ -183,7 +183,7 @@ func TestWindowNLL(t *testing.T) {
 		}
 		var c float64
 		for i := 0; i+1 < len(win); i++ {
-			c += nll(logits[i*V:(i+1)*V], win[i+1])
+			c += llm.NLL(logits[i*V:(i+1)*V], win[i+1])
 		}
 		rel := math.Abs(g-c) / c
 		t.Logf("window %d: GPU mean NLL %.5f, CPU %.5f (relative difference %.2e)", w, g/float64(n), c/float64(n), rel)
@@ -191,18 +191,6 @@ func TestWindowNLL(t *testing.T) {
 			t.Errorf("window %d: GPU NLL %.4f over %d tokens, CPU %.4f", w, g, n, c)
 		}
 	}
-}
-
-func nll(logits []float32, target int) float64 {
-	mx := math.Inf(-1)
-	for _, v := range logits {
-		mx = math.Max(mx, float64(v))
-	}
-	var s float64
-	for _, v := range logits {
-		s += math.Exp(float64(v) - mx)
-	}
-	return math.Log(s) + mx - float64(logits[target])
 }
 
 // A failing kernel comes back as an error naming it, and the model keeps

@@ -103,20 +103,7 @@ func WindowNLL(ctx context.Context, b llm.Backend, win []int) (float64, int, err
 	}
 	var sum float64
 	for i := 0; i+1 < len(win); i++ {
-		sum += NLL(logits[i*V:(i+1)*V], win[i+1])
+		sum += llm.NLL(logits[i*V:(i+1)*V], win[i+1])
 	}
 	return sum, len(win) - 1, nil
-}
-
-// NLL is −log softmax(logits)[target], computed stably in float64.
-func NLL(logits []float32, target int) float64 {
-	mx := float64(logits[0])
-	for _, v := range logits {
-		mx = math.Max(mx, float64(v))
-	}
-	var s float64
-	for _, v := range logits {
-		s += math.Exp(float64(v) - mx)
-	}
-	return mx + math.Log(s) - float64(logits[target])
 }

@@ -54,7 +54,7 @@ func TestNLLByHand(t *testing.T) {
 	// logits (0, ln 2, ln 5): softmax = (1/8, 2/8, 5/8)
 	l := []float32{0, float32(math.Log(2)), float32(math.Log(5))}
 	for target, p := range []float64{1.0 / 8, 2.0 / 8, 5.0 / 8} {
-		if got, want := evals.NLL(l, target), -math.Log(p); math.Abs(got-want) > 1e-6 {
+		if got, want := llm.NLL(l, target), -math.Log(p); math.Abs(got-want) > 1e-6 {
 			t.Errorf("NLL(target %d) = %v, want %v", target, got, want)
 		}
 	}

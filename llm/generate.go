@@ -46,6 +46,20 @@ func NewSampler(opt SampleOptions) *Sampler {
 	return &Sampler{opt: opt, rng: rand.New(rand.NewPCG(opt.Seed, opt.Seed^0x9e3779b97f4a7c15))}
 }
 
+// NLL is −log softmax(logits)[target], computed stably in float64: the
+// per-token loss that perplexity averages.
+func NLL(logits []float32, target int) float64 {
+	mx := float64(logits[0])
+	for _, v := range logits {
+		mx = math.Max(mx, float64(v))
+	}
+	var s float64
+	for _, v := range logits {
+		s += math.Exp(float64(v) - mx)
+	}
+	return mx + math.Log(s) - float64(logits[target])
+}
+
 // Argmax is the index of the largest value (the first on ties).
 func Argmax(x []float32) int {
 	best := 0
