@@ -94,7 +94,7 @@ graphs; the memory in use on the GPU is reported.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&device, "device", "cpu", "cpu or cuda")
+	f.StringVar(&device, "device", "cpu", "auto, cpu or cuda")
 	f.StringVar(&contexts, "context", "128,2048", "comma-separated context lengths before decoding")
 	f.StringVar(&batches, "batch", "1,8,32", "comma-separated batch sizes")
 	f.IntVar(&steps, "steps", 64, "decode steps timed per measurement")

@@ -82,7 +82,7 @@ goroutines are left behind after shutdown.`,
 	f.IntVar(&load.MaxTokens, "max-tokens", 32, "max_tokens of each request")
 	f.StringVar(&load.Prompt, "prompt", "Tell me about the history of Rome", "user message")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
-	f.StringVar(&opt.Device, "device", "cpu", "cpu or cuda")
+	f.StringVar(&opt.Device, "device", "cpu", "auto, cpu or cuda")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot")
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
 	return cmd

@@ -76,7 +76,7 @@ func newEvalPPL() *cobra.Command {
 	cmd.Flags().IntVar(&opt.SeqLen, "seqlen", 2048, "window length in tokens")
 	cmd.Flags().IntVar(&opt.Windows, "windows", 0, "evaluate only the first N windows (0: all)")
 	cmd.Flags().StringVar(&jsonOut, "json", "", "also write the result as JSON to this file")
-	cmd.Flags().StringVar(&device, "device", "cpu", "cpu, or cuda (the GPU backend: logits stay on the GPU)")
+	cmd.Flags().StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu, or cuda (the GPU backend: logits stay on the GPU)")
 	return cmd
 }
 

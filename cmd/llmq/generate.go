@@ -71,6 +71,6 @@ func newGenerate() *cobra.Command {
 	f.IntVar(&opt.Sample.TopK, "top-k", 0, "keep only the K most likely tokens (0: all)")
 	f.Uint64Var(&opt.Sample.Seed, "seed", 0, "random seed for sampling")
 	f.BoolVar(&noBOS, "no-bos", false, "do not prepend the BOS token")
-	f.StringVar(&device, "device", "cpu", "cpu, or cuda (decode steps replay a CUDA graph)")
+	f.StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu, or cuda (decode steps replay a CUDA graph)")
 	return cmd
 }

@@ -8,13 +8,16 @@ import (
 )
 
 // openModel loads dir's checkpoint (packed or not) and tokenizer on a
-// device: cpu or cuda.
+// device: auto, cpu or cuda; it says when auto falls back to the CPU.
 func openModel(dir, device string) (*engine.Model, error) {
 	m, err := engine.Load(dir, device)
 	if err != nil {
 		return nil, err
 	}
-	if device == "cuda" {
+	if m.Fallback != "" {
+		fmt.Fprintln(os.Stderr, "llmq:", m.Fallback)
+	}
+	if device != "cpu" {
 		fmt.Fprintf(os.Stderr, "llmq: %s loaded on %s in %.1f s\n", dir, m.Backend.Name(), m.LoadTime.Seconds())
 	}
 	return m, nil

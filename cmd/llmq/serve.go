@@ -37,6 +37,9 @@ to --grace.`,
 				return err
 			}
 			defer e.Close()
+			if e.Fallback != "" {
+				fmt.Fprintln(os.Stderr, "llmq:", e.Fallback)
+			}
 			if name == "" {
 				name = engine.ModelName(args[0])
 			}
@@ -60,7 +63,7 @@ to --grace.`,
 	f := cmd.Flags()
 	f.StringVar(&addr, "addr", "127.0.0.1:8080", "address to listen on")
 	f.StringVar(&name, "model-name", "", "model name clients send (default: the directory's name)")
-	f.StringVar(&device, "device", "cpu", "device: cpu or cuda")
+	f.StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu or cuda")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot before 503")
 	f.DurationVar(&grace, "grace", 30*time.Second, "on SIGTERM, how long running requests may take to finish")

@@ -34,7 +34,7 @@ import (
 
 // Options configure an Engine.
 type Options struct {
-	// Device runs the model: "cpu" (default) or "cuda" (see Load).
+	// Device runs the model: "cpu" (default), "cuda" or "auto" (see Load).
 	Device string
 	// MaxBatch is the most sequences in one forward pass (default 16).
 	MaxBatch int
@@ -75,6 +75,8 @@ type Engine struct {
 	// Stop holds the token ids that end a generation (the model's EOS ids
 	// and the chat template's end-of-turn token).
 	Stop []int
+	// Fallback says why Device "auto" runs on the CPU (empty otherwise).
+	Fallback string
 
 	opt     Options
 	queue   chan *sequence
@@ -99,7 +101,7 @@ func Open(dir string, opt Options) (*Engine, error) {
 		return nil, err
 	}
 	e := New(m.Backend, m.Tokenizer, m.Template, m.Config.EOS, opt)
-	e.closer = m.Close
+	e.closer, e.Fallback = m.Close, m.Fallback
 	return e, nil
 }
 

@@ -191,7 +191,7 @@ func TestValidate(t *testing.T) {
 			t.Errorf("got %v, want ErrInvalid containing %q", err, c.want)
 		}
 	}
-	if _, err := Open(shared.Path(t, "models/llama-tiny"), Options{Device: "tpu"}); err == nil || !strings.Contains(err.Error(), `"tpu"`) {
+	if _, err := Open(shared.Path(t, "models/llama-tiny"), Options{Device: "tpu"}); err == nil || !strings.Contains(err.Error(), `"tpu": want auto, cpu or cuda`) {
 		t.Errorf("unknown device: %v", err)
 	}
 }
@@ -218,5 +218,25 @@ func TestStopTextHoldsBackPrefixes(t *testing.T) {
 	rest, stopped := st.flush()
 	if out += rest; out != " one two three four" || stopped {
 		t.Errorf("after flush %q (stopped %v)", out, stopped)
+	}
+}
+
+// Device "auto" uses the GPU when it can and otherwise says why it runs on
+// the CPU.
+func TestLoadAuto(t *testing.T) {
+	m, err := Load(shared.Path(t, "models/llama-tiny"), "auto")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	name := m.Backend.Name()
+	switch {
+	case m.Fallback == "" && !strings.HasPrefix(name, "cuda"):
+		t.Errorf("no fallback reason, but running on %s", name)
+	case m.Fallback != "" && (!strings.HasPrefix(name, "cpu") || !strings.Contains(m.Fallback, "GPU unavailable")):
+		t.Errorf("fallback %q, running on %s", m.Fallback, name)
+	}
+	if _, err := Load(t.TempDir(), "auto"); err == nil || !strings.Contains(err.Error(), "config.json") {
+		t.Errorf("auto on an empty directory: %v (want the checkpoint's error)", err)
 	}
 }

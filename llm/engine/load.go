@@ -23,23 +23,38 @@ type Model struct {
 	Tokenizer *tokenizer.Tokenizer
 	Template  *chat.Template // nil without a chat_template
 	LoadTime  time.Duration
-	close     func() error
+	// Fallback says why device "auto" runs on the CPU (empty otherwise).
+	Fallback string
+	close    func() error
 }
 
 // Close releases the model (its mapped files, its GPU memory).
 func (m *Model) Close() error { return m.close() }
 
 // Load opens a model directory — packed by llmq quantize or unquantized —
-// on device "cpu" (float32, dequantized) or "cuda" (the GPU backend: packed
-// layers stay 4-bit, the rest fp16).
+// on device "cpu" (float32, dequantized), "cuda" (the GPU backend: packed
+// layers stay 4-bit, the rest fp16), or "auto": the GPU when its library
+// and a device are there and the model fits, else the CPU, with the reason
+// in Model.Fallback.
 func Load(dir, device string) (*Model, error) {
+	if device == "auto" {
+		m, err := Load(dir, "cuda")
+		if err == nil {
+			return m, nil
+		}
+		if m, cerr := Load(dir, "cpu"); cerr == nil {
+			m.Fallback = err.Error() + "; running on the CPU"
+			return m, nil
+		}
+		// Not a GPU problem (a bad checkpoint, say): report the CPU's error.
+	}
 	start := time.Now()
 	tmpl, err := chat.Load(dir)
 	if err != nil && !errors.Is(err, chat.ErrNoTemplate) {
 		return nil, err
 	}
 	switch device {
-	case "", "cpu":
+	case "", "cpu", "auto":
 		m, err := pack.OpenModel(dir)
 		if err != nil {
 			return nil, err
@@ -63,5 +78,5 @@ func Load(dir, device string) (*Model, error) {
 		return &Model{Dir: dir, Config: ck.Config, Backend: b, Tokenizer: tok, Template: tmpl,
 			LoadTime: time.Since(start), close: b.Close}, nil
 	}
-	return nil, fmt.Errorf("--device %q: want cpu or cuda", device)
+	return nil, fmt.Errorf("--device %q: want auto, cpu or cuda", device)
 }
