@@ -9,6 +9,7 @@
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
 #   bash cuda/device-model.sh tiny+synth   (or small+synth) both in one call
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
+#   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
 #
 # Results go to $OUT (the device tool's folder) or build/out.
 set -uo pipefail
@@ -53,6 +54,11 @@ case "$1" in
     $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-h200.json" 2>&1 | tail -5
     timeout 200 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestGreedy|TestKernelError' > "$OUT/cuda-model-memcheck-tiny.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-tiny.log" | tail -1)"
+    ;;
+  load) # load time of a W4 llama3-8b, and --device auto picking the GPU
+    $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/w4 --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+    $L bench decode /tmp/w4 --device cuda --context 128 --batch 1 --steps 16 --prefill 0 --json "$OUT/decode-h200-llama3-8b-w4-load.json" 2>&1 | grep -v "^\s*$"
+    $L generate $LLMQ_SHARED/models/llama-tiny --prompt "The history of the" --max-tokens 8 2>&1 | tail -3
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}
