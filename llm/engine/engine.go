@@ -246,12 +246,14 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 	}
 
 	res := &Result{PromptTokens: len(req.Prompt), FinishReason: "length"}
+	var all strings.Builder
+	defer func() { res.Text = all.String() }()
 	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
 	send := func(piece string) error {
 		if piece == "" {
 			return nil
 		}
-		res.Text += piece
+		all.WriteString(piece)
 		if emit != nil {
 			return emit(piece)
 		}
