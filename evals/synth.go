@@ -51,7 +51,8 @@ func PresetNames() []string {
 // SynthOptions choose what Synth writes.
 type SynthOptions struct {
 	Preset    string
-	Bits      int // 4 (GPTQ layout, symmetric) or 16 (bf16)
+	Arch      *Preset // used instead of Presets[Preset] when set
+	Bits      int     // 4 (GPTQ layout, symmetric) or 16 (bf16)
 	Group     int
 	Layers    int    // override the preset's layer count (0: keep)
 	Tokenizer string // directory with tokenizer.json (and tokenizer_config.json)
@@ -67,6 +68,9 @@ type SynthOptions struct {
 // keeps activations in range through every layer. It is deterministic.
 func Synth(opt SynthOptions) error {
 	p, ok := Presets[opt.Preset]
+	if opt.Arch != nil {
+		p, ok = *opt.Arch, true
+	}
 	if !ok {
 		return fmt.Errorf("--preset %q: want one of %s", opt.Preset, strings.Join(PresetNames(), ", "))
 	}

@@ -1,0 +1,78 @@
+package evals_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/llmq/llmq/evals"
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/pack"
+)
+
+// Synthetic checkpoints load like real ones (4-bit GPTQ and bf16), run with
+// finite logits of a sane size, and are reproducible byte for byte.
+func TestSynth(t *testing.T) {
+	arch := &evals.Preset{Hidden: 256, Intermediate: 512, Layers: 2, Heads: 4, KVHeads: 2, Vocab: 8192,
+		MaxPositions: 256, RopeTheta: 10000, QKVBias: true, Arch: "Qwen2ForCausalLM", ModelType: "qwen2"}
+	tok := filepath.Dir(shared.Path(t, "models/llama-tiny/tokenizer.json"))
+	dir := t.TempDir()
+	for _, bits := range []int{4, 16} {
+		out := filepath.Join(dir, fmt.Sprintf("bits%d", bits))
+		opt := evals.SynthOptions{Arch: arch, Bits: bits, Group: 128, Tokenizer: tok, Out: out}
+		if err := evals.Synth(opt); err != nil {
+			t.Fatal(err)
+		}
+		m, err := pack.OpenModel(out)
+		if err != nil {
+			t.Fatalf("%d bits: %v", bits, err)
+		}
+		q, _ := pack.ParseQuantConfig(m.Checkpoint.Config.Quantization)
+		if (bits == 4) != (q != nil) || m.Checkpoint.Config.Layers != 2 || !m.Checkpoint.Config.QKVBias {
+			t.Errorf("%d bits: quantization %+v, config %+v", bits, q, m.Checkpoint.Config)
+		}
+		ids := m.Tokenizer.Encode("The history of the", true)
+		cache, _ := m.NewCache(len(ids))
+		V := m.Config().Vocab
+		logits := make([]float32, len(ids)*V)
+		if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: logits}}); err != nil {
+			t.Fatal(err)
+		}
+		var ss float64
+		for _, v := range logits {
+			if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+				t.Fatalf("%d bits: non-finite logit", bits)
+			}
+			ss += float64(v) * float64(v)
+		}
+		if rms := math.Sqrt(ss / float64(len(logits))); rms < 1e-3 || rms > 100 {
+			t.Errorf("%d bits: logits RMS %.4g", bits, rms)
+		}
+		m.Close()
+
+		again := filepath.Join(dir, "again")
+		opt.Out, opt.Force = again, true
+		if err := evals.Synth(opt); err != nil {
+			t.Fatal(err)
+		}
+		a, _ := os.ReadFile(filepath.Join(out, "model-00001-of-00003.safetensors"))
+		b, _ := os.ReadFile(filepath.Join(again, "model-00001-of-00003.safetensors"))
+		if len(a) == 0 || !bytes.Equal(a, b) {
+			t.Errorf("%d bits: two runs wrote different shards (%d and %d bytes)", bits, len(a), len(b))
+		}
+	}
+	err := evals.Synth(evals.SynthOptions{Preset: "gpt-5", Bits: 4, Group: 128, Tokenizer: tok, Out: filepath.Join(dir, "x")})
+	if err == nil || !strings.Contains(err.Error(), "llama3-8b") {
+		t.Errorf("unknown preset: %v", err)
+	}
+	err = evals.Synth(evals.SynthOptions{Arch: arch, Bits: 3, Group: 128, Tokenizer: tok, Out: filepath.Join(dir, "x")})
+	if err == nil || !strings.Contains(err.Error(), "--bits 3") {
+		t.Errorf("3 bits: %v", err)
+	}
+}
