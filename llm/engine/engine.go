@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"io"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -113,21 +114,12 @@ func New(b llm.Backend, tok *tokenizer.Tokenizer, tmpl *chat.Template, stop []in
 		queue: make(chan *sequence, opt.MaxQueue), quit: make(chan struct{}), done: make(chan struct{})}
 	e.Stop = append(e.Stop, stop...)
 	if tmpl != nil {
-		if id, ok := tok.TokenID(tmpl.EOSToken); ok && !contains(e.Stop, id) {
+		if id, ok := tok.TokenID(tmpl.EOSToken); ok && !slices.Contains(e.Stop, id) {
 			e.Stop = append(e.Stop, id)
 		}
 	}
 	go e.run()
 	return e
-}
-
-func contains(xs []int, x int) bool {
-	for _, v := range xs {
-		if v == x {
-			return true
-		}
-	}
-	return false
 }
 
 // Close stops the engine: requests still running end with ErrClosed.
@@ -408,7 +400,7 @@ func (e *Engine) run() {
 		live = active[:0]
 		for _, s := range active {
 			id := s.sampler.Sample(s.logits)
-			if contains(e.Stop, id) {
+			if slices.Contains(e.Stop, id) {
 				s.eos = true
 				s.finish(nil)
 				continue

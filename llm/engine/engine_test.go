@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -100,7 +101,7 @@ func TestChatTemplateAndEOS(t *testing.T) {
 	if !equal(ids, want) {
 		t.Errorf("chat prompt %v, want %v", ids, want)
 	}
-	if id, _ := e.Tokenizer.TokenID("<|end_of_text|>"); !contains(e.Stop, id) {
+	if id, _ := e.Tokenizer.TokenID("<|end_of_text|>"); !slices.Contains(e.Stop, id) {
 		t.Errorf("stop ids %v lack <|end_of_text|> (%d)", e.Stop, id)
 	}
 }
