@@ -5,7 +5,6 @@ package evals
 import (
 	"fmt"
 	"math/rand/v2"
-	"sort"
 
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/pack"
@@ -116,8 +115,7 @@ func (b *GemmBench) median(fn func(i int) error, iters int) (float64, error) {
 		}
 		times[i] = ms / perCall
 	}
-	sort.Float64s(times)
-	return times[len(times)/2], nil
+	return Median(times), nil
 }
 
 // randomGPUWeights makes a random 4-bit layer in the kernel layout (values

@@ -92,8 +92,19 @@ func percentiles(xs []float64) map[string]float64 {
 		return nil
 	}
 	sort.Float64s(xs)
-	at := func(p float64) float64 { return xs[min(len(xs)-1, int(p*float64(len(xs))))] }
-	return map[string]float64{"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "max": xs[len(xs)-1]}
+	return map[string]float64{"p50": quantile(xs, 0.50), "p90": quantile(xs, 0.90), "p99": quantile(xs, 0.99), "max": xs[len(xs)-1]}
+}
+
+// quantile is the p-quantile of sorted values (nearest rank, rounding down).
+func quantile(sorted []float64, p float64) float64 {
+	return sorted[min(len(sorted)-1, int(p*float64(len(sorted))))]
+}
+
+// Median sorts xs in place and returns its middle value (the upper one of
+// an even count), the statistic every llmq timing reports.
+func Median(xs []float64) float64 {
+	sort.Float64s(xs)
+	return quantile(xs, 0.5)
 }
 
 // streamChat sends one streaming chat request and reads its events to

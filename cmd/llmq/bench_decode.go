@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"sort"
 	"time"
 
 	"github.com/llmq/llmq/cuda"
@@ -63,7 +62,7 @@ graphs; the memory in use on the GPU is reported.`,
 					}
 					times = append(times, t)
 				}
-				t := median(times)
+				t := evals.Median(times)
 				fmt.Fprintf(w, "prefill %5d tokens            %8.1f ms  %9.0f tokens/s\n", prefill, t*1e3, float64(prefill)/t)
 				results = append(results, map[string]any{"kind": "prefill", "tokens": prefill, "ms": t * 1e3, "tokens_per_s": float64(prefill) / t})
 			}
@@ -102,11 +101,6 @@ graphs; the memory in use on the GPU is reported.`,
 	f.IntVar(&reps, "reps", 3, "prefill repetitions (median reported)")
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
 	return cmd
-}
-
-func median(xs []float64) float64 {
-	sort.Float64s(xs)
-	return xs[len(xs)/2]
 }
 
 // tokens returns n token ids for benchmarking (a fixed pattern below the
@@ -172,5 +166,5 @@ func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, sample func
 		}
 	}
 	sample()
-	return median(times), nil
+	return evals.Median(times), nil
 }
