@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
@@ -268,21 +269,12 @@ func TestAWQThenGPTQ(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer m.Close()
-		ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")[:2*512]
-		var sum float64
-		for w := 0; w < 2; w++ {
-			win := ids[w*512 : (w+1)*512]
-			cache, _ := m.NewCache(len(win))
-			V := m.Config().Vocab
-			logits := make([]float32, len(win)*V)
-			if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: win, Logits: logits}}); err != nil {
-				t.Fatal(err)
-			}
-			for i := 0; i+1 < len(win); i++ {
-				sum += llm.NLL(logits[i*V:(i+1)*V], win[i+1])
-			}
+		ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+		res, err := evals.Perplexity(context.Background(), m, ids, evals.PPLOptions{SeqLen: 512, Windows: 2})
+		if err != nil {
+			t.Fatal(err)
 		}
-		return math.Exp(sum / float64(2*511))
+		return res.Perplexity
 	}
 	pq, pf := ppl(out), ppl(src)
 	t.Logf("awq+gptq w4 perplexity %.3f, unquantized %.3f (2 windows of 512)", pq, pf)
