@@ -96,7 +96,6 @@ type Engine struct {
 // Open loads a model directory (see Load) on opt.Device and starts an
 // engine on it; Close releases the model too.
 func Open(dir string, opt Options) (*Engine, error) {
-	opt = opt.withDefaults()
 	m, err := Load(dir, opt.Device)
 	if err != nil {
 		return nil, err

@@ -42,11 +42,12 @@ func Load(dir, device string) (*Model, error) {
 		if err == nil {
 			return m, nil
 		}
-		if m, cerr := Load(dir, "cpu"); cerr == nil {
-			m.Fallback = err.Error() + "; running on the CPU"
-			return m, nil
+		m, cerr := Load(dir, "cpu")
+		if cerr != nil { // not a GPU problem (a bad checkpoint, say)
+			return nil, cerr
 		}
-		// Not a GPU problem (a bad checkpoint, say): report the CPU's error.
+		m.Fallback = err.Error() + "; running on the CPU"
+		return m, nil
 	}
 	start := time.Now()
 	tmpl, err := chat.Load(dir)
@@ -54,7 +55,7 @@ func Load(dir, device string) (*Model, error) {
 		return nil, err
 	}
 	switch device {
-	case "", "cpu", "auto":
+	case "", "cpu":
 		m, err := pack.OpenModel(dir)
 		if err != nil {
 			return nil, err
