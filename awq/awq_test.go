@@ -282,3 +282,79 @@ func TestAWQThenGPTQ(t *testing.T) {
 		t.Errorf("awq+gptq perplexity %.3f is more than 5%% above the unquantized %.3f", pq, pf)
 	}
 }
+
+// TestClipMatchesDefinition checks Clip against its definition computed
+// plainly, one output channel and group at a time: for each shrink
+// f = 1 − i/20 (i < 10) clamp the group to ±f·max|w|, quantize, and keep
+// the f whose partial outputs on the subsampled rows are closest.
+func TestClipMatchesDefinition(t *testing.T) {
+	const out, in, T = 24, 256, 700
+	r := rand.New(rand.NewPCG(3, 4))
+	w := make([]float32, out*in)
+	for i := range w {
+		w[i] = float32(r.NormFloat64() * 0.02)
+		if r.IntN(50) == 0 {
+			w[i] *= 8 // a few large weights, so shrinking pays off somewhere
+		}
+	}
+	xs := [][]float32{make([]float32, T*in), make([]float32, T*in)}
+	for _, x := range xs {
+		for i := range x {
+			x[i] = float32(r.NormFloat64())
+		}
+	}
+	// The reference subsamples every (rows/512)-th row: 1400/512 = 2.
+	var rows [][]float32
+	for k := 0; k < 2*T; k += 2 {
+		rows = append(rows, xs[k/T][(k%T)*in:(k%T+1)*in])
+	}
+	for _, bits := range []int{3, 4} {
+		g := pack.Grid{Bits: bits, GroupSize: 128, MinMax: true}
+		want := append([]float32(nil), w...)
+		for o := 0; o < out; o++ {
+			for s := 0; s < in; s += 128 {
+				seg := want[o*in+s : o*in+s+128]
+				var mx float64
+				for _, v := range seg {
+					mx = math.Max(mx, math.Abs(float64(v)))
+				}
+				best, bestF := math.Inf(1), 1.0
+				for i := 0; i < 10; i++ {
+					m := float32(mx) * (1 - float32(i)/20)
+					q := make([]float32, 128)
+					for j, v := range seg {
+						q[j] = min(max(v, -m), m)
+					}
+					scale, zero := g.Params(q)
+					var e float64
+					for _, x := range rows {
+						var a, b float64
+						for j, v := range seg {
+							a += float64(x[s+j]) * float64(v)
+							b += float64(x[s+j]) * float64(pack.Dequantize(g.Quantize(q[j], scale, zero), scale, zero))
+						}
+						e += (a - b) * (a - b)
+					}
+					if e < best {
+						best, bestF = e, 1-float64(i)/20
+					}
+				}
+				m := float32(mx) * float32(bestF)
+				for j, v := range seg {
+					seg[j] = min(max(v, -m), m)
+				}
+			}
+		}
+		got := append([]float32(nil), w...)
+		Clip(got, out, in, xs, Options{Grid: g})
+		diff := 0
+		for i := range got {
+			if got[i] != want[i] {
+				diff++
+			}
+		}
+		if diff > 0 {
+			t.Errorf("%d bits: %d of %d clipped weights differ from the definition", bits, diff, len(got))
+		}
+	}
+}

@@ -121,7 +121,14 @@ func (g Grid) Params(x []float32) (scale float32, zero int) {
 func (g Grid) ParamsRange(xmin, xmax float32) (scale float32, zero int) {
 	maxq := float32(g.MaxQ())
 	if g.MinMax && !g.Sym {
-		scale = RoundF16(max(xmax-xmin, 1e-5) / maxq)
+		// As llm-awq computes it on the GPU: PyTorch divides a tensor by a
+		// scalar through the scalar's float32 reciprocal. The last bit
+		// matters: it decides, for a group clipped to ±m, whether m/scale
+		// is exactly maxq/2 (rounding away, to an asymmetric grid) or just
+		// below. The scale is not rounded to float16 here: the codes are
+		// the reference's, and the checkpoint stores the scale in float16
+		// (at most 2⁻¹¹ relative away).
+		scale = max(xmax-xmin, 1e-5) * (1 / maxq)
 		z := -math.RoundToEven(float64(xmin / scale))
 		return scale, int(min(max(z, 0), float64(g.MaxQ())))
 	}

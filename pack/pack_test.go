@@ -263,22 +263,33 @@ func TestGPULayoutDecodes(t *testing.T) {
 	}
 }
 
-// TestAWQGridByHand: AWQ's grid keeps the group's own range.
+// TestAWQGridByHand: AWQ's grid keeps the group's own range, and computes
+// the scale as llm-awq does on the GPU, (max − min)·float32(1/maxq).
 func TestAWQGridByHand(t *testing.T) {
 	g := Grid{Bits: 4, GroupSize: 128, MinMax: true}
+	inv15 := float32(1) / 15
 	// [1, 4]: scale 3/15 = 0.2, zero clamp(−round(1/0.2), 0, 15) = 0 → 1 is not representable exactly
 	s, z := g.Params([]float32{1, 2.5, 4})
-	if s != RoundF16(0.2) || z != 0 {
+	if s != 3*inv15 || z != 0 {
 		t.Errorf("[1,4]: scale %v zero %d", s, z)
 	}
 	// [-3, 1.5]: scale 4.5/15 = 0.3, zero round(3/0.3) = 10
 	s, z = g.Params([]float32{-3, 1.5})
-	if s != RoundF16(0.3) || z != 10 {
+	if s != 4.5*inv15 || z != 10 {
 		t.Errorf("[-3,1.5]: scale %v zero %d", s, z)
 	}
 	// constant group: range clamped to 1e-5
 	s, _ = g.Params([]float32{0.5, 0.5})
-	if s != RoundF16(1e-5/15) {
+	if s != float32(1e-5)*inv15 {
 		t.Errorf("constant group: scale %v", s)
+	}
+	// A 3-bit group clipped to ±0.3: 0.6·float32(1/7) makes 0.3/scale
+	// 3.4999998, so zero = 3 and both ends land on ±3 steps (true division
+	// gives exactly 3.5, zero 4, and −0.3 would go to −4 steps).
+	g3 := Grid{Bits: 3, GroupSize: 128, MinMax: true}
+	s, z = g3.Params([]float32{-0.3, 0.1, 0.3})
+	lo, hi := Dequantize(g3.Quantize(-0.3, s, z), s, z), Dequantize(g3.Quantize(0.3, s, z), s, z)
+	if z != 3 || lo != -3*s || hi != 3*s {
+		t.Errorf("±0.3 at 3 bits: scale %v zero %d, −0.3 → %v, 0.3 → %v; want zero 3, ±%v", s, z, lo, hi, 3*s)
 	}
 }
