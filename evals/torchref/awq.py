@@ -21,6 +21,8 @@ now decides the same way.
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy as np
@@ -221,7 +223,9 @@ def main():
     cal = torch.tensor(cal[:need]).view(a.nsamples, a.seqlen).cuda()
     wiki = np.fromfile(a.wiki, dtype="<i4").tolist()
 
-    report = {"model": a.model, "bits": a.bits, "group": a.group, "torch": torch.__version__, "calib_tokens_head": cal[0, :8].tolist(), "runs": []}
+    report = {"kind": "torchref-awq", "command": "python3 " + " ".join(sys.argv), "commit": os.environ.get("LLMQ_COMMIT", ""),
+              "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "model": a.model, "bits": a.bits, "group": a.group, "torch": torch.__version__, "calib_tokens_head": cal[0, :8].tolist(), "runs": []}
     fp = load(a.model, torch.float32)
     report["ppl_fp32"] = perplexity(fp, wiki)
     rtn = load(a.model, torch.float32)

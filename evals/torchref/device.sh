@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs evals/torchref/awq.py on the GPU machine: one call, several models,
 # bit widths and variants. .carry/awq.tar.xz holds .carry/shared/... (the
-# models, calib.txt and the wikitext-2 token ids):
+# models, calib.txt and the wikitext-2 token ids) and .carry/COMMIT the
+# commit (git rev-parse HEAD > .carry/COMMIT):
 #
 #   bash evals/torchref/device.sh "llama-small:3:ref,go-alpha,noclip,fp16" "llama-small:4:ref"
 set -uo pipefail
@@ -9,6 +10,7 @@ OUT=${OUT:-build/out}
 mkdir -p "$OUT"
 for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.')" "$f"; done
 S=.carry/shared
+export LLMQ_COMMIT=$(cat .carry/COMMIT 2>/dev/null)
 export PYTHONUNBUFFERED=1
 for spec in "$@"; do
   IFS=: read -r model bits variants <<< "$spec"
