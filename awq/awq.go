@@ -153,11 +153,18 @@ func ScaledQuant(w []float32, out, in int, s []float32, g pack.Grid) []float32 {
 	return q
 }
 
+// Choice is the outcome of one group's scale search.
+type Choice struct {
+	Scales []float32 // per input channel; nil when the group does not apply
+	Alpha  float64   // the chosen exponent
+	Loss   []float64 // the inspected module's output MSE for each α on the grid
+}
+
 // Search finds the best scales for a group of linear layers (weights ws,
 // all with in inputs). eval(qw) returns the squared error of the inspected
 // module's output when the group's weights are replaced by qw (same order
-// as ws). It returns the scales and the chosen α.
-func Search(ws [][]float32, in int, xmean []float64, eval func(qw [][]float32) (float64, error), opt Options) ([]float32, float64, error) {
+// as ws).
+func Search(ws [][]float32, in int, xmean []float64, eval func(qw [][]float32) (float64, error), opt Options) (Choice, error) {
 	var wmean []float64
 	if opt.Duo {
 		wmean = weightMean(ws, in, opt.Grid.Group(in))
@@ -166,7 +173,8 @@ func Search(ws [][]float32, in int, xmean []float64, eval func(qw [][]float32) (
 	if n <= 0 {
 		n = 20
 	}
-	best, bestErr, bestAlpha := []float32(nil), math.Inf(1), 0.0
+	var c Choice
+	bestErr := math.Inf(1)
 	for r := 0; r < n; r++ {
 		alpha := float64(r) / float64(n)
 		s := candidate(xmean, wmean, alpha)
@@ -176,16 +184,17 @@ func Search(ws [][]float32, in int, xmean []float64, eval func(qw [][]float32) (
 		}
 		e, err := eval(qw)
 		if err != nil {
-			return nil, 0, err
+			return Choice{}, err
 		}
+		c.Loss = append(c.Loss, e)
 		if e < bestErr {
-			best, bestErr, bestAlpha = s, e, alpha
+			c.Scales, c.Alpha, bestErr = s, alpha, e
 		}
 	}
-	if best == nil {
-		return nil, 0, fmt.Errorf("scale search found no finite error (non-finite activations?)")
+	if c.Scales == nil {
+		return Choice{}, fmt.Errorf("scale search found no finite error (non-finite activations?)")
 	}
-	return best, bestAlpha, nil
+	return c, nil
 }
 
 // ScaleColumns multiplies the input columns of w [out][in] by s.
@@ -347,7 +356,13 @@ type LinearStats struct {
 	SaliencyMax      float64        `json:"saliency_max"`
 	TopChannels      []int          `json:"top_channels"`
 	TopTokenOutliers []TokenOutlier `json:"top_token_outliers"`
-	Alpha            *float64       `json:"alpha,omitempty"` // chosen scale exponent, for the group's first layer
+	// Set for the first layer of each scaling group: the chosen exponent
+	// and the output MSE of every α on the grid (how flat the search was).
+	Alpha     *float64  `json:"alpha,omitempty"`
+	AlphaLoss []float64 `json:"alpha_loss,omitempty"`
+	// ClipShrink is, for each layer reading this input that was clipped,
+	// the mean chosen max|w| shrink factor (1 = not clipped).
+	ClipShrink map[string]float64 `json:"clip_shrink,omitempty"`
 }
 
 // TokenOutlier is a token whose largest |x| is among the biggest.

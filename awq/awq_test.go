@@ -55,7 +55,7 @@ func TestFoldingPreservesFunction(t *testing.T) {
 		}
 		return s
 	}
-	sc := &Scales{QKV: randScales(256), GateUp: randScales(256), Down: randScales(768)}
+	sc := &Scales{QKV: Choice{Scales: randScales(256)}, GateUp: Choice{Scales: randScales(256)}, Down: Choice{Scales: randScales(768)}}
 	if n := Apply(b, sc, nil); n != 0 {
 		t.Fatalf("%d values clamped", n)
 	}
@@ -131,7 +131,8 @@ func TestScaleSearchBeatsRTN(t *testing.T) {
 		errs = append(errs, s)
 		return s, nil
 	}
-	scales, alpha, err := Search([][]float32{down.W}, down.In(), ChannelMean(f.Act, down.In()), eval, opt)
+	c, err := Search([][]float32{down.W}, down.In(), ChannelMean(f.Act, down.In()), eval, opt)
+	scales, alpha := c.Scales, c.Alpha
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -213,8 +214,43 @@ func TestExportsAgree(t *testing.T) {
 	if nt, _ := cka.Tensor("model.layers.0.input_layernorm.weight"); nt.DType.String() != "F32" {
 		t.Errorf("folded norm stored as %s", nt.DType)
 	}
-	if len(stats) != 16 || stats[0].Alpha == nil || stats[0].SaliencyMax < stats[0].SaliencyP50 {
-		t.Errorf("stats: %d layers, first %+v", len(stats), stats[0])
+	// Stats: per block q/o/gate/down inputs; α and its loss curve for the
+	// three groups llama-tiny has (no v→o under GQA), the chosen α the
+	// curve's minimum; clip shrinks of the layers reading each input.
+	if len(stats) != 16 {
+		t.Fatalf("stats: %d entries, want 16", len(stats))
+	}
+	for i, st := range stats {
+		if st.SaliencyMax < st.SaliencyP50 || st.Tokens != 4*64 {
+			t.Errorf("%s: saliency max %v < p50 %v, or %d tokens", st.Layer, st.SaliencyMax, st.SaliencyP50, st.Tokens)
+		}
+		if i%4 == 1 {
+			if st.Alpha != nil || len(st.ClipShrink) != 1 {
+				t.Errorf("%s: α %v (want none), clip %v", st.Layer, st.Alpha, st.ClipShrink)
+			}
+			continue
+		}
+		if st.Alpha == nil || len(st.AlphaLoss) != 20 {
+			t.Fatalf("%s: α %v, %d losses", st.Layer, st.Alpha, len(st.AlphaLoss))
+		}
+		best := 0
+		for j, l := range st.AlphaLoss {
+			if l < st.AlphaLoss[best] {
+				best = j
+			}
+		}
+		if float64(best)/20 != *st.Alpha {
+			t.Errorf("%s: α %v, but the smallest loss is at %v", st.Layer, *st.Alpha, float64(best)/20)
+		}
+		wantClip := map[int]int{0: 1, 2: 2, 3: 1}[i%4]
+		if len(st.ClipShrink) != wantClip {
+			t.Errorf("%s: clip shrinks %v, want %d", st.Layer, st.ClipShrink, wantClip)
+		}
+		for name, v := range st.ClipShrink {
+			if v < 0.55 || v > 1 {
+				t.Errorf("%s: %s mean shrink %v outside [0.55, 1]", st.Layer, name, v)
+			}
+		}
 	}
 	m, err := pack.OpenModel(b)
 	if err != nil {

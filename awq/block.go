@@ -51,11 +51,10 @@ func add(x, y []float32) {
 	}
 }
 
-// Scales are the per-channel scales of a block's four AWQ groups (nil when
-// a group does not apply).
+// Scales are the search results of a block's four AWQ groups (VO's Scales
+// are nil when the group does not apply).
 type Scales struct {
-	QKV, VO, GateUp, Down []float32
-	Alpha                 [4]float64
+	QKV, VO, GateUp, Down Choice
 }
 
 func dense(l llm.Linear) *llm.Dense { return l.(*llm.Dense) }
@@ -69,7 +68,7 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 	var err error
 
 	// input_layernorm → q, k, v, inspecting o(attention(·)).
-	sc.QKV, sc.Alpha[0], err = Search([][]float32{q.W, k.W, v.W}, q.In(), ChannelMean(f.N, q.In()), func(qw [][]float32) (float64, error) {
+	sc.QKV, err = Search([][]float32{q.W, k.W, v.W}, q.In(), ChannelMean(f.N, q.In()), func(qw [][]float32) (float64, error) {
 		tb := *b
 		tb.Q, tb.K, tb.V = llm.NewDense(qw[0], q.B, q.In(), q.Out()), llm.NewDense(qw[1], k.B, k.In(), k.Out()), llm.NewDense(qw[2], v.B, v.In(), v.Out())
 		outs := make([][]float32, len(f.N))
@@ -88,14 +87,14 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 
 	// v_proj → o_proj, only when their weights have the same shape (no GQA).
 	if v.Out() == o.In() && v.In() == o.Out() {
-		sc.VO, sc.Alpha[1], err = searchLinear(o, f.Att, f.orgA, T, opt)
+		sc.VO, err = searchLinear(o, f.Att, f.orgA, T, opt)
 		if err != nil {
 			return nil, fmt.Errorf("v/o scales: %w", err)
 		}
 	}
 
 	// post_attention_layernorm → gate, up, inspecting the MLP output.
-	sc.GateUp, sc.Alpha[2], err = Search([][]float32{gate.W, up.W}, gate.In(), ChannelMean(f.M, gate.In()), func(qw [][]float32) (float64, error) {
+	sc.GateUp, err = Search([][]float32{gate.W, up.W}, gate.In(), ChannelMean(f.M, gate.In()), func(qw [][]float32) (float64, error) {
 		tb := *b
 		tb.Gate, tb.Up = llm.NewDense(qw[0], nil, gate.In(), gate.Out()), llm.NewDense(qw[1], nil, up.In(), up.Out())
 		outs := make([][]float32, len(f.M))
@@ -113,7 +112,7 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 	}
 
 	// up_proj → down_proj.
-	sc.Down, sc.Alpha[3], err = searchLinear(down, f.Act, f.orgM, T, opt)
+	sc.Down, err = searchLinear(down, f.Act, f.orgM, T, opt)
 	if err != nil {
 		return nil, fmt.Errorf("up/down scales: %w", err)
 	}
@@ -122,7 +121,7 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 
 // searchLinear searches the scales of one linear layer whose own output is
 // inspected (v_proj → o_proj and up_proj → down_proj).
-func searchLinear(l *llm.Dense, inputs, org [][]float32, T int, opt Options) ([]float32, float64, error) {
+func searchLinear(l *llm.Dense, inputs, org [][]float32, T int, opt Options) (Choice, error) {
 	return Search([][]float32{l.W}, l.In(), ChannelMean(inputs, l.In()), func(qw [][]float32) (float64, error) {
 		ql := llm.NewDense(qw[0], nil, l.In(), l.Out())
 		outs := make([][]float32, len(inputs))
@@ -163,35 +162,35 @@ func Apply(b *llm.Block, sc *Scales, f *Features) int {
 	}
 	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
 	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
-	if sc.QKV != nil {
-		clamped += DivideVector(b.AttnNorm, sc.QKV)
+	if s := sc.QKV.Scales; s != nil {
+		clamped += DivideVector(b.AttnNorm, s)
 		for _, l := range []*llm.Dense{q, k, v} {
-			ScaleColumns(l.W, l.In(), sc.QKV)
+			ScaleColumns(l.W, l.In(), s)
 		}
 		if f != nil {
-			divide(f.N, sc.QKV)
-		}
-	}
-	if sc.VO != nil {
-		clamped += DivideRows(v.W, v.B, v.In(), sc.VO)
-		ScaleColumns(o.W, o.In(), sc.VO)
-		if f != nil {
-			divide(f.Att, sc.VO)
+			divide(f.N, s)
 		}
 	}
-	if sc.GateUp != nil {
-		clamped += DivideVector(b.MLPNorm, sc.GateUp)
-		ScaleColumns(gate.W, gate.In(), sc.GateUp)
-		ScaleColumns(up.W, up.In(), sc.GateUp)
+	if s := sc.VO.Scales; s != nil {
+		clamped += DivideRows(v.W, v.B, v.In(), s)
+		ScaleColumns(o.W, o.In(), s)
 		if f != nil {
-			divide(f.M, sc.GateUp)
+			divide(f.Att, s)
 		}
 	}
-	if sc.Down != nil {
-		clamped += DivideRows(up.W, nil, up.In(), sc.Down)
-		ScaleColumns(down.W, down.In(), sc.Down)
+	if s := sc.GateUp.Scales; s != nil {
+		clamped += DivideVector(b.MLPNorm, s)
+		ScaleColumns(gate.W, gate.In(), s)
+		ScaleColumns(up.W, up.In(), s)
 		if f != nil {
-			divide(f.Act, sc.Down)
+			divide(f.M, s)
+		}
+	}
+	if s := sc.Down.Scales; s != nil {
+		clamped += DivideRows(up.W, nil, up.In(), s)
+		ScaleColumns(down.W, down.In(), s)
+		if f != nil {
+			divide(f.Act, s)
 		}
 	}
 	return clamped

@@ -20,27 +20,43 @@ func Quantizer(opt Options, stats *[]LinearStats) gptq.BlockQuantizer {
 		if err != nil {
 			return err
 		}
-		sc, err := scaleBlock(bc, f, opt)
-		if err != nil {
-			return err
-		}
+		// Input statistics come from the unscaled features (Apply divides
+		// them by the scales).
+		var st []LinearStats
 		if stats != nil {
-			for i, s := range []struct {
+			for _, in := range []struct {
 				name string
 				xs   [][]float32
 				d    int
 			}{{"self_attn.q_proj", f.N, b.Q.In()}, {"self_attn.o_proj", f.Att, b.O.In()}, {"mlp.gate_proj", f.M, b.Gate.In()}, {"mlp.down_proj", f.Act, b.Down.In()}} {
-				st := Stats(bc.Prefix+s.name, s.xs, s.d)
-				if i != 1 || sc.VO != nil {
-					a := sc.Alpha[i]
-					st.Alpha = &a
-				}
-				*stats = append(*stats, st)
+				st = append(st, Stats(bc.Prefix+in.name, in.xs, in.d))
 			}
 		}
+		sc, err := scaleBlock(bc, f, opt)
+		if err != nil {
+			return err
+		}
+		var shrink map[string]float64
 		if opt.Clip {
 			bc.Progress("clip")
-			ClipBlock(b, f, opt)
+			shrink = ClipBlock(b, f, opt)
+		}
+		if stats != nil {
+			readers := [4][]string{{"self_attn.v_proj"}, {"self_attn.o_proj"}, {"mlp.gate_proj", "mlp.up_proj"}, {"mlp.down_proj"}}
+			for i, c := range []Choice{sc.QKV, sc.VO, sc.GateUp, sc.Down} {
+				if c.Scales != nil {
+					st[i].Alpha, st[i].AlphaLoss = &c.Alpha, c.Loss
+				}
+				for _, name := range readers[i] {
+					if v, ok := shrink[name]; ok {
+						if st[i].ClipShrink == nil {
+							st[i].ClipShrink = map[string]float64{}
+						}
+						st[i].ClipShrink[name] = v
+					}
+				}
+			}
+			*stats = append(*stats, st...)
 		}
 		bc.Progress("quantize")
 		for _, nl := range b.Linears() {
@@ -90,7 +106,7 @@ func scaleBlock(bc *gptq.BlockContext, f *Features, opt Options) (*Scales, error
 	}
 	bc.SetFloat32("input_layernorm.weight", b.AttnNorm)
 	bc.SetFloat32("post_attention_layernorm.weight", b.MLPNorm)
-	if v := dense(b.V); v.B != nil && sc.VO != nil {
+	if v := dense(b.V); v.B != nil && sc.VO.Scales != nil {
 		bc.SetFloat32("self_attn.v_proj.bias", v.B)
 	}
 	return sc, nil

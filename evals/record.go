@@ -34,7 +34,8 @@ func NewRecord(kind string, data map[string]any) Record {
 }
 
 // Commit is the current git commit, marked "-dirty" when the tree has
-// uncommitted changes.
+// uncommitted changes outside evals/results (results are outputs: a run
+// that writes several of them must not mark its own later records dirty).
 func Commit() string {
 	if c := os.Getenv("LLMQ_COMMIT"); c != "" {
 		return c
@@ -44,7 +45,7 @@ func Commit() string {
 		return "unknown"
 	}
 	c := strings.TrimSpace(string(out))
-	if st, err := exec.Command("git", "status", "--porcelain", "--untracked-files=no").Output(); err == nil && len(st) > 0 {
+	if st, err := exec.Command("git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)evals/results").Output(); err == nil && len(st) > 0 {
 		c += "-dirty"
 	}
 	return c
