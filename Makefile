@@ -29,7 +29,7 @@ device:
 	go build -o build/device/llmq ./cmd/llmq
 	go test -c -o build/device/cuda.test ./cuda
 	git rev-parse HEAD > build/device/COMMIT
-	git status --porcelain --untracked-files=no | grep -q . && echo "-dirty" >> build/device/COMMIT || true
+	git status --porcelain --untracked-files=no -- ':(top)' ':(top,exclude)evals/results' | grep -q . && echo "-dirty" >> build/device/COMMIT || true
 
 build:
 	go build $(GOFLAGS_TAGS) -o build/llmq ./cmd/llmq
