@@ -27,7 +27,15 @@
 //
 // Then clipping: per output channel and group, the weight range is shrunk
 // to max|w|·(1 − i/20), i = 0 … 9, keeping the shrink whose quantized
-// partial outputs on 512 subsampled tokens are closest; q and k are skipped.
+// partial outputs on every (tokens/512)-th calibration token are closest;
+// q and k are skipped.
+//
+// The searches make the same choices as llm-awq: evals/torchref/awq.py, an
+// independent PyTorch version run on a GPU, reproduces the reference
+// perplexities and agrees with this package's α in every group. That
+// needs the reference's arithmetic where choices are near ties: the grid
+// (pack.Grid with MinMax) computes its scale as PyTorch does on the GPU,
+// and candidates are scored with float32 scales, not float16.
 package awq
 
 import (
@@ -243,11 +251,11 @@ func clampF16(v float32, n *int) float32 {
 }
 
 // Clip searches, per output channel and group, the max |w| shrink that
-// best preserves the group's partial outputs on up to 512 of the input
-// rows x [rows][in] (subsampled with a uniform stride, as the reference
-// does), and clamps w in place. For each group the partial outputs of all
-// output channels are one matrix product, so each candidate shrink costs a
-// GEMM. It returns the mean chosen shrink factor.
+// best preserves the group's partial outputs on the input rows x
+// [rows][in] subsampled with a stride of rows/512, as the reference does,
+// and clamps w in place. For each group the partial outputs of all output
+// channels are one matrix product, so each candidate shrink costs a GEMM.
+// It returns the mean chosen shrink factor.
 func Clip(w []float32, out, in int, xs [][]float32, opt Options) float64 {
 	group := opt.Grid.Group(in)
 	total := 0
