@@ -196,19 +196,27 @@ func Apply(b *llm.Block, sc *Scales, f *Features) int {
 	return clamped
 }
 
+// inputs are the block's four linear inputs, in the order of the AWQ
+// groups that scale them: q/k/v, o, gate/up, down.
+func (f *Features) inputs() [4][][]float32 { return [4][][]float32{f.N, f.Att, f.M, f.Act} }
+
 // ClipBlock runs the clip search on v, o, gate, up and down (q and k are
 // skipped: their errors are amplified by the softmax in ways the
-// per-channel output error does not see).
-func ClipBlock(b *llm.Block, f *Features, opt Options) map[string]float64 {
-	out := map[string]float64{}
+// per-channel output error does not see). It returns the mean shrink of
+// each layer, by the input it reads (the order of Features.inputs).
+func ClipBlock(b *llm.Block, f *Features, opt Options) [4]map[string]float64 {
+	var out [4]map[string]float64
+	in := f.inputs()
 	for _, c := range []struct {
-		name string
-		l    llm.Linear
-		in   [][]float32
-	}{{"self_attn.v_proj", b.V, f.N}, {"self_attn.o_proj", b.O, f.Att}, {"mlp.gate_proj", b.Gate, f.M},
-		{"mlp.up_proj", b.Up, f.M}, {"mlp.down_proj", b.Down, f.Act}} {
+		name  string
+		l     llm.Linear
+		input int
+	}{{"self_attn.v_proj", b.V, 0}, {"self_attn.o_proj", b.O, 1}, {"mlp.gate_proj", b.Gate, 2}, {"mlp.up_proj", b.Up, 2}, {"mlp.down_proj", b.Down, 3}} {
 		d := dense(c.l)
-		out[c.name] = Clip(d.W, d.Out(), d.In(), c.in, opt)
+		if out[c.input] == nil {
+			out[c.input] = map[string]float64{}
+		}
+		out[c.input][c.name] = Clip(d.W, d.Out(), d.In(), in[c.input], opt)
 	}
 	return out
 }

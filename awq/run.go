@@ -24,37 +24,26 @@ func Quantizer(opt Options, stats *[]LinearStats) gptq.BlockQuantizer {
 		// them by the scales).
 		var st []LinearStats
 		if stats != nil {
-			for _, in := range []struct {
-				name string
-				xs   [][]float32
-				d    int
-			}{{"self_attn.q_proj", f.N, b.Q.In()}, {"self_attn.o_proj", f.Att, b.O.In()}, {"mlp.gate_proj", f.M, b.Gate.In()}, {"mlp.down_proj", f.Act, b.Down.In()}} {
-				st = append(st, Stats(bc.Prefix+in.name, in.xs, in.d))
+			dims := [4]int{b.Q.In(), b.O.In(), b.Gate.In(), b.Down.In()}
+			for i, name := range []string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"} {
+				st = append(st, Stats(bc.Prefix+name, f.inputs()[i], dims[i]))
 			}
 		}
 		sc, err := scaleBlock(bc, f, opt)
 		if err != nil {
 			return err
 		}
-		var shrink map[string]float64
+		var shrink [4]map[string]float64
 		if opt.Clip {
 			bc.Progress("clip")
 			shrink = ClipBlock(b, f, opt)
 		}
 		if stats != nil {
-			readers := [4][]string{{"self_attn.v_proj"}, {"self_attn.o_proj"}, {"mlp.gate_proj", "mlp.up_proj"}, {"mlp.down_proj"}}
 			for i, c := range []Choice{sc.QKV, sc.VO, sc.GateUp, sc.Down} {
 				if c.Scales != nil {
 					st[i].Alpha, st[i].AlphaLoss = &c.Alpha, c.Loss
 				}
-				for _, name := range readers[i] {
-					if v, ok := shrink[name]; ok {
-						if st[i].ClipShrink == nil {
-							st[i].ClipShrink = map[string]float64{}
-						}
-						st[i].ClipShrink[name] = v
-					}
-				}
+				st[i].ClipShrink = shrink[i]
 			}
 			*stats = append(*stats, st...)
 		}
