@@ -108,7 +108,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory (required; written atomically)")
 	f.StringVar(&opt.Method, "method", "gptq", "gptq, awq, awq+gptq (AWQ scales folded, then GPTQ) or rtn")
 	f.StringVar(&opt.Format, "format", "gptq", "checkpoint layout: gptq, or awq (AutoAWQ GEMM; 4-bit, no act-order)")
-	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency, outlier tokens) as JSON")
+	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency, outlier tokens) and search results (α and its loss curve, clip shrinks) as JSON")
 	f.BoolVar(&duo, "duo", false, "AWQ: duo scaling x̄^α / w̄^(1−α) (AutoAWQ) instead of x̄^α (llm-awq)")
 	f.BoolVar(&noClip, "no-clip", false, "AWQ: skip the clip search")
 	f.IntVar(&bits, "bits", 4, "bits per weight: 2, 3, 4 or 8")
