@@ -22,7 +22,9 @@
 // found, and everything after uses the rounded value. Checkpoints store
 // float16 scales, so the weights GPTQ compensates for are exactly the
 // weights a loader dequantizes — bit for bit, which the round-trip tests
-// check.
+// check. AWQ's grid (MinMax) is the exception: it follows llm-awq's
+// arithmetic exactly, float32 scale included, because the AWQ searches'
+// near-ties depend on it; RTN rounds its scale to float16 when storing it.
 //
 // # Bit packing
 //
@@ -107,7 +109,8 @@ func (g Grid) Group(in int) int {
 func (g Grid) MaxQ() int { return 1<<g.Bits - 1 }
 
 // Params fits scale and zero to the values of one group (reference GPTQ
-// find_params), with the scale rounded to float16.
+// find_params), with the scale rounded to float16 (except on AWQ's MinMax
+// grid: see ParamsRange).
 func (g Grid) Params(x []float32) (scale float32, zero int) {
 	xmin, xmax := x[0], x[0]
 	for _, v := range x {

@@ -292,4 +292,13 @@ func TestAWQGridByHand(t *testing.T) {
 	if z != 3 || lo != -3*s || hi != 3*s {
 		t.Errorf("±0.3 at 3 bits: scale %v zero %d, −0.3 → %v, 0.3 → %v; want zero 3, ±%v", s, z, lo, hi, 3*s)
 	}
+	// RTN keeps the codes of that scale and stores it as float16, the value
+	// a checkpoint holds.
+	l, err := RTN([]float32{-0.3, 0.1, 0.3, 0.2}, 1, 4, Grid{Bits: 3, GroupSize: -1, MinMax: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Scale[0] != RoundF16(s) || l.Zero[0] != 3 || l.Q[0] != 0 || l.Q[2] != 6 {
+		t.Errorf("RTN on AWQ's grid: scale %v (want %v), zero %d, codes %v", l.Scale[0], RoundF16(s), l.Zero[0], l.Q)
+	}
 }

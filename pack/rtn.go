@@ -19,10 +19,12 @@ func RTN(w []float32, out, in int, grid Grid) (*Linear, error) {
 		for g := 0; g < G; g++ {
 			seg := w[o*in+g*group : o*in+(g+1)*group]
 			scale, zero := grid.Params(seg)
-			l.Scale[g*out+o], l.Zero[g*out+o] = scale, uint8(zero)
 			for i, v := range seg {
 				l.Q[o*in+g*group+i] = uint8(grid.Quantize(v, scale, zero))
 			}
+			// The codes come from the grid's scale; the layer holds it as
+			// the checkpoint will (AWQ's grid does not round it itself).
+			l.Scale[g*out+o], l.Zero[g*out+o] = RoundF16(scale), uint8(zero)
 		}
 	}
 	return l, nil
