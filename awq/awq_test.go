@@ -132,10 +132,10 @@ func TestScaleSearchBeatsRTN(t *testing.T) {
 		return s, nil
 	}
 	c, err := Search([][]float32{down.W}, down.In(), ChannelMean(f.Act, down.In()), eval, opt)
-	scales, alpha := c.Scales, c.Alpha
 	if err != nil {
 		t.Fatal(err)
 	}
+	scales, alpha := c.Scales, c.Alpha
 	rtnErr := errs[0] // α = 0: s ≡ 1, plain round-to-nearest
 	got, _ := eval([][]float32{ScaledQuant(down.W, down.Out(), down.In(), scales, opt.Grid)})
 	t.Logf("down_proj: α=%.2f, error %.4g vs RTN (α=0) %.4g", alpha, got, rtnErr)
