@@ -136,6 +136,14 @@ func TestScaleSearchBeatsRTN(t *testing.T) {
 		t.Fatal(err)
 	}
 	scales, alpha := c.Scales, c.Alpha
+	if len(c.Loss) != 20 || len(errs) != 20 {
+		t.Fatalf("%d losses recorded for %d candidates", len(c.Loss), len(errs))
+	}
+	for i, e := range c.Loss {
+		if e != errs[i] {
+			t.Fatalf("loss %d recorded as %v, the candidate scored %v", i, e, errs[i])
+		}
+	}
 	rtnErr := errs[0] // α = 0: s ≡ 1, plain round-to-nearest
 	got, _ := eval([][]float32{ScaledQuant(down.W, down.Out(), down.In(), scales, opt.Grid)})
 	t.Logf("down_proj: α=%.2f, error %.4g vs RTN (α=0) %.4g", alpha, got, rtnErr)
