@@ -4,16 +4,12 @@ import (
 	"context"
 	"math"
 	"math/rand/v2"
-	"path/filepath"
 	"testing"
 
-	"github.com/llmq/llmq/evals"
-	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
-	"github.com/nlpodyssey/safetensors"
 )
 
 func tinyBlock(t *testing.T) (*llm.Stages, *llm.Block, [][]float32, int) {
@@ -108,222 +104,99 @@ func TestFoldIntoLinearRows(t *testing.T) {
 	}
 }
 
-// TestScaleSearchBeatsRTN: on a real block, the searched scales give a
-// module output error no worse than α = 0 (plain RTN), and clipping does
-// not increase the partial-output error.
-func TestScaleSearchBeatsRTN(t *testing.T) {
+// TestScaleSearchMatchesDefinition checks the α search on a real down_proj
+// against the definition computed independently in float64: for each α on
+// the grid, s = max(x̄^α, 1e-4) / sqrt(max·min), the weights W·diag(s)
+// rounded on AWQ's grid and divided by s again, and the loss the mean
+// squared difference of the layer's outputs on the calibration tokens.
+// The recorded loss curve must be that curve, the chosen α its minimum,
+// and (the down_proj input having outlier channels) scaling must beat
+// plain round-to-nearest (α = 0).
+func TestScaleSearchMatchesDefinition(t *testing.T) {
 	st, b, X, T := tinyBlock(t)
 	f, err := Collect(context.Background(), st, b, X, T)
 	if err != nil {
 		t.Fatal(err)
 	}
 	opt := Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}}
-	var errs []float64
 	down := dense(b.Down)
-	eval := func(qw [][]float32) (float64, error) {
-		ql := llm.NewDense(qw[0], nil, down.In(), down.Out())
-		var s float64
-		for w, a := range f.Act {
-			out := make([]float32, T*down.Out())
-			ql.Forward(out, a, T)
-			s += MSE(out, f.orgM[w])
-		}
-		errs = append(errs, s)
-		return s, nil
-	}
-	c, err := Search([][]float32{down.W}, down.In(), ChannelMean(f.Act, down.In()), eval, opt)
+	out, in := down.Out(), down.In()
+	c, err := searchLinear(down, f.Act, f.orgM, T, opt)
 	if err != nil {
 		t.Fatal(err)
 	}
-	scales, alpha := c.Scales, c.Alpha
-	if len(c.Loss) != 20 || len(errs) != 20 {
-		t.Fatalf("%d losses recorded for %d candidates", len(c.Loss), len(errs))
+	if len(c.Loss) != 20 {
+		t.Fatalf("%d losses recorded, want 20", len(c.Loss))
 	}
-	for i, e := range c.Loss {
-		if e != errs[i] {
-			t.Fatalf("loss %d recorded as %v, the candidate scored %v", i, e, errs[i])
+	xbar := make([]float64, in)
+	for _, x := range f.Act {
+		for k, v := range x {
+			xbar[k%in] += math.Abs(float64(v)) / float64(len(f.Act)*T)
 		}
 	}
-	rtnErr := errs[0] // α = 0: s ≡ 1, plain round-to-nearest
-	got, _ := eval([][]float32{ScaledQuant(down.W, down.Out(), down.In(), scales, opt.Grid)})
-	t.Logf("down_proj: α=%.2f, error %.4g vs RTN (α=0) %.4g", alpha, got, rtnErr)
-	// The down_proj input has outlier channels, so scaling must pay off here,
-	// and the returned scales must be the ones that scored best.
-	if alpha == 0 || got >= 0.9*rtnErr {
-		t.Fatalf("search chose α=%.2f with error %.4g; RTN (α=0) has %.4g", alpha, got, rtnErr)
-	}
-	for _, e := range errs[:len(errs)-1] {
-		if e < got {
-			t.Fatalf("returned scales score %.4g, but a candidate scored %.4g", got, e)
+	want := make([]float64, 20)
+	for r := range want {
+		alpha := float64(r) / 20
+		s := make([]float64, in)
+		lo, hi := math.Inf(1), 0.0
+		for k, x := range xbar {
+			s[k] = math.Max(math.Pow(x, alpha), 1e-4)
+			lo, hi = math.Min(lo, s[k]), math.Max(hi, s[k])
 		}
+		s32 := make([]float32, in)
+		for k := range s {
+			s32[k] = float32(s[k] / math.Sqrt(lo*hi))
+		}
+		wq := make([]float64, out*in)
+		for o := 0; o < out; o++ {
+			for g := 0; g < in; g += 128 {
+				seg := make([]float32, 128)
+				for k := range seg {
+					seg[k] = down.W[o*in+g+k] * s32[g+k]
+				}
+				scale, zero := opt.Grid.Params(seg)
+				for k, v := range seg {
+					wq[o*in+g+k] = float64(pack.Dequantize(opt.Grid.Quantize(v, scale, zero), scale, zero) / s32[g+k])
+				}
+			}
+		}
+		for _, x := range f.Act {
+			var se float64
+			for tk := 0; tk < T; tk++ {
+				row := x[tk*in : (tk+1)*in]
+				for o := 0; o < out; o++ {
+					var a, q float64
+					for k, v := range row {
+						a += float64(down.W[o*in+k]) * float64(v)
+						q += wq[o*in+k] * float64(v)
+					}
+					se += (a - q) * (a - q)
+				}
+			}
+			want[r] += se / float64(T*out) / float64(len(f.Act))
+		}
+	}
+	best := 0
+	for r, l := range want {
+		// The layer runs in float32, the definition in float64.
+		if math.Abs(c.Loss[r]-l) > 1e-3*l {
+			t.Errorf("α=%.2f: loss %.6g recorded, the definition gives %.6g", float64(r)/20, c.Loss[r], l)
+		}
+		if l < want[best] {
+			best = r
+		}
+	}
+	if a := float64(best) / 20; c.Alpha != a && math.Abs(want[int(c.Alpha*20)]-want[best]) > 1e-3*want[best] {
+		t.Errorf("chose α=%.2f (loss %.6g); the definition's minimum is α=%.2f (%.6g)", c.Alpha, want[int(c.Alpha*20)], a, want[best])
+	}
+	t.Logf("down_proj: α=%.2f, loss %.4g vs RTN (α=0) %.4g", c.Alpha, want[best], want[0])
+	if best == 0 || want[best] >= 0.9*want[0] {
+		t.Errorf("scaling does not pay off on down_proj: best α=%.2f, loss %.4g vs RTN %.4g", float64(best)/20, want[best], want[0])
 	}
 	w := append([]float32(nil), down.W...)
-	shrink := Clip(w, down.Out(), down.In(), f.Act, opt)
+	shrink := Clip(w, out, in, f.Act, opt)
 	if shrink <= 0.5 || shrink > 1 {
 		t.Fatalf("mean shrink %v outside (0.5, 1]", shrink)
-	}
-}
-
-// TestExportsAgree quantizes llama-tiny with AWQ (a short calibration) into
-// the GPTQ layout and the AutoAWQ layout: both load, carry the right
-// quantization_config, and dequantize to identical weights.
-func TestExportsAgree(t *testing.T) {
-	src := shared.Path(t, "models/llama-tiny")
-	dir := t.TempDir()
-	opt := Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}, Clip: true}
-	var stats []LinearStats
-	run := func(format string, st *[]LinearStats) string {
-		out := filepath.Join(dir, format)
-		_, err := gptq.Run(context.Background(), gptq.RunOptions{Src: src, Out: out, Method: "awq", Format: format,
-			Custom: Quantizer(opt, st), GPTQ: gptq.Options{Grid: opt.Grid}, Calib: shared.Path(t, "data/calib.txt"),
-			NSamples: 4, SeqLen: 64})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return out
-	}
-	a, b := run("gptq", &stats), run("awq", nil)
-	cka, err := checkpoint.Open(a)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cka.Close()
-	ckb, err := checkpoint.Open(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ckb.Close()
-	qa, _ := pack.ParseQuantConfig(cka.Config.Quantization)
-	qb, _ := pack.ParseQuantConfig(ckb.Config.Quantization)
-	if qa.QuantMethod != "gptq" || qb.QuantMethod != "awq" || qb.Version != "gemm" || qb.ZeroPoint == nil || !*qb.ZeroPoint {
-		t.Fatalf("configs: %+v / %+v", qa, qb)
-	}
-	for _, name := range []string{"model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"} {
-		in, out := 256, 256
-		if name == "model.layers.3.mlp.down_proj" {
-			in = 768
-		}
-		la, err := qa.Read(cka, name, in, out)
-		if err != nil {
-			t.Fatal(err)
-		}
-		lb, err := qb.Read(ckb, name, in, out)
-		if err != nil {
-			t.Fatal(err)
-		}
-		wa, wb := la.Dequantize(), lb.Dequantize()
-		for i := range wa {
-			if wa[i] != wb[i] {
-				t.Fatalf("%s weight %d: %v (gptq layout) vs %v (awq layout)", name, i, wa[i], wb[i])
-			}
-		}
-	}
-	// The folded norms are stored exactly, and the model runs.
-	if nt, _ := cka.Tensor("model.layers.0.input_layernorm.weight"); nt.DType.String() != "F32" {
-		t.Errorf("folded norm stored as %s", nt.DType)
-	}
-	// Stats: per block q/o/gate/down inputs; α and its loss curve for the
-	// three groups llama-tiny has (no v→o under GQA), the chosen α the
-	// curve's minimum; clip shrinks of the layers reading each input.
-	if len(stats) != 16 {
-		t.Fatalf("stats: %d entries, want 16", len(stats))
-	}
-	for i, st := range stats {
-		if st.SaliencyMax < st.SaliencyP50 || st.Tokens != 4*64 {
-			t.Errorf("%s: saliency max %v < p50 %v, or %d tokens", st.Layer, st.SaliencyMax, st.SaliencyP50, st.Tokens)
-		}
-		if i%4 == 1 {
-			if st.Alpha != nil || len(st.ClipShrink) != 1 {
-				t.Errorf("%s: α %v (want none), clip %v", st.Layer, st.Alpha, st.ClipShrink)
-			}
-			continue
-		}
-		if st.Alpha == nil || len(st.AlphaLoss) != 20 {
-			t.Fatalf("%s: α %v, %d losses", st.Layer, st.Alpha, len(st.AlphaLoss))
-		}
-		best := 0
-		for j, l := range st.AlphaLoss {
-			if l < st.AlphaLoss[best] {
-				best = j
-			}
-		}
-		if float64(best)/20 != *st.Alpha {
-			t.Errorf("%s: α %v, but the smallest loss is at %v", st.Layer, *st.Alpha, float64(best)/20)
-		}
-		wantClip := map[int]int{0: 1, 2: 2, 3: 1}[i%4]
-		if len(st.ClipShrink) != wantClip {
-			t.Errorf("%s: clip shrinks %v, want %d", st.Layer, st.ClipShrink, wantClip)
-		}
-		for name, v := range st.ClipShrink {
-			if v < 0.55 || v > 1 {
-				t.Errorf("%s: %s mean shrink %v outside [0.55, 1]", st.Layer, name, v)
-			}
-		}
-	}
-	m, err := pack.OpenModel(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	if _, err := llm.Generate(context.Background(), m.Model, []int{0, 462}, llm.GenerateOptions{MaxTokens: 3}, nil); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// awq+gptq: scales searched and folded into each block, then GPTQ on the
-// scaled weights. The folded norms are written as F32 and differ from the
-// originals, and the model stays close to the unquantized one (a scale
-// applied on one side only would wreck its perplexity).
-func TestAWQThenGPTQ(t *testing.T) {
-	src := shared.Path(t, "models/llama-tiny")
-	out := filepath.Join(t.TempDir(), "awq-gptq")
-	grid := pack.Grid{Bits: 4, GroupSize: 128}
-	_, err := gptq.Run(context.Background(), gptq.RunOptions{Src: src, Out: out, Method: "awq+gptq",
-		Prepare: Prepare(Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}}),
-		GPTQ:    gptq.Options{Grid: grid, Damp: 0.01, BlockSize: 128}, TrueSequential: true,
-		Calib: shared.Path(t, "data/calib.txt"), NSamples: 4, SeqLen: 256})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ck, err := checkpoint.Open(out)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ck.Close()
-	orig, _ := checkpoint.Open(src)
-	defer orig.Close()
-	q, _ := pack.ParseQuantConfig(ck.Config.Quantization)
-	if q == nil || q.Meta == nil || q.Meta.Method != "awq+gptq" || q.QuantMethod != "gptq" {
-		t.Fatalf("quantization_config %+v", q)
-	}
-	name := "model.layers.0.input_layernorm.weight"
-	tq, _ := ck.Tensor(name)
-	a, _ := ck.Float32(name, 256)
-	b, _ := orig.Float32(name, 256)
-	same := true
-	for i := range a {
-		same = same && a[i] == b[i]
-	}
-	if tq.DType != safetensors.F32 || same {
-		t.Errorf("%s: dtype %s, equal to the original: %v (scales not folded?)", name, tq.DType, same)
-	}
-	ppl := func(dir string) float64 {
-		m, err := pack.OpenModel(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer m.Close()
-		ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
-		res, err := evals.Perplexity(context.Background(), m, ids, evals.PPLOptions{SeqLen: 512, Windows: 2})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res.Perplexity
-	}
-	pq, pf := ppl(out), ppl(src)
-	t.Logf("awq+gptq w4 perplexity %.3f, unquantized %.3f (2 windows of 512)", pq, pf)
-	if pq > pf*1.05 {
-		t.Errorf("awq+gptq perplexity %.3f is more than 5%% above the unquantized %.3f", pq, pf)
 	}
 }
 

@@ -220,3 +220,29 @@ func ClipBlock(b *llm.Block, f *Features, opt Options) [4]map[string]float64 {
 	}
 	return out
 }
+
+// VBias is the block's v_proj bias (nil without one): folding v→o scales
+// divides it too.
+func VBias(b *llm.Block) []float32 { return dense(b.V).B }
+
+// BlockStats are the input statistics of the block's q, o, gate and down
+// layers (the four inputs AWQ scales), from unscaled features.
+func BlockStats(prefix string, b *llm.Block, f *Features) []LinearStats {
+	dims := [4]int{b.Q.In(), b.O.In(), b.Gate.In(), b.Down.In()}
+	var st []LinearStats
+	for i, name := range []string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"} {
+		st = append(st, Stats(prefix+name, f.inputs()[i], dims[i]))
+	}
+	return st
+}
+
+// AddSearchResults records in a block's statistics (BlockStats) the α each
+// group chose with the loss of every α, and the clip shrinks of ClipBlock.
+func AddSearchResults(st []LinearStats, sc *Scales, shrink [4]map[string]float64) {
+	for i, c := range []Choice{sc.QKV, sc.VO, sc.GateUp, sc.Down} {
+		if c.Scales != nil {
+			st[i].Alpha, st[i].AlphaLoss = &c.Alpha, c.Loss
+		}
+		st[i].ClipShrink = shrink[i]
+	}
+}

@@ -244,8 +244,13 @@ func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, erro
 		l.GIdx[src] = int32(groupOf[j])
 	}
 
+	// The blocked column update of the reference's fasterquant: for each
+	// block of bs columns [i1, i2), quantize its columns one by one, each
+	// column's error Err1 spreading over the block's later columns with the
+	// row Hinv1[j] of the inverse Cholesky factor; then the block's errors
+	// update all later columns at once: W[:, i2:] −= Err1 · Hinv[i1:i2, i2:].
 	Q := make([]uint8, out*in) // in Perm order
-	Err := make([]float32, out*bs)
+	Err1 := make([]float32, out*bs)
 	losses := make([]float64, out)
 	Hinv := p.Hinv
 	for i1 := 0; i1 < in; i1 += bs {
@@ -253,31 +258,30 @@ func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, erro
 		nb := i2 - i1
 		mat.ParallelFor(out, 8, func(lo, hi int) {
 			for o := lo; o < hi; o++ {
-				row := W[o*in : (o+1)*in]
+				W1 := W[o*in : (o+1)*in] // this row; the block is W1[i1:i2]
 				for j := i1; j < i2; j++ {
 					g := groupOf[j]
 					if perGroup && !opt.StaticGroups && j%group == 0 {
-						s, z := grid.Params(row[j : j+group])
+						s, z := grid.Params(W1[j : j+group])
 						l.Scale[g*out+o], l.Zero[g*out+o] = s, uint8(z)
 					}
 					scale, zero := l.Scale[g*out+o], int(l.Zero[g*out+o])
-					q := grid.Quantize(row[j], scale, zero)
+					q := grid.Quantize(W1[j], scale, zero)
 					Q[o*in+j] = uint8(q)
 					d := Hinv[j*in+j]
-					diff := row[j] - pack.Dequantize(q, scale, zero)
+					diff := W1[j] - pack.Dequantize(q, scale, zero)
 					losses[o] += float64(diff) * float64(diff) / (2 * float64(d) * float64(d))
-					e := diff / d
-					Err[o*bs+j-i1] = e
+					err1 := diff / d
+					Err1[o*bs+j-i1] = err1
 					hrow := Hinv[j*in : j*in+i2]
 					for k := j + 1; k < i2; k++ {
-						row[k] -= e * hrow[k]
+						W1[k] -= err1 * hrow[k]
 					}
 				}
 			}
 		})
 		if i2 < in {
-			// W[:, i2:] −= Err · Hinv[i1:i2, i2:]
-			mat.Gemm(false, false, out, in-i2, nb, -1, Err, bs, Hinv[i1*in+i2:], in, 1, W[i2:], in)
+			mat.Gemm(false, false, out, in-i2, nb, -1, Err1, bs, Hinv[i1*in+i2:], in, 1, W[i2:], in)
 		}
 	}
 	for o := 0; o < out; o++ {

@@ -1,11 +1,9 @@
 package gptq
 
 import (
-	"context"
 	"encoding/binary"
 	"math"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -297,50 +295,5 @@ func TestWriterSwitchesToV2(t *testing.T) {
 				t.Fatalf("layer %d weight %d: %v != %v", i, j, a[j], b[j])
 			}
 		}
-	}
-}
-
-func TestRunErrors(t *testing.T) {
-	src := shared.Path(t, "models/llama-tiny")
-	tmp := t.TempDir()
-	short := filepath.Join(tmp, "short.txt")
-	os.WriteFile(short, []byte("only a few words of calibration text"), 0o644)
-	base := RunOptions{Src: src, Method: "gptq", GPTQ: Options{Grid: pack.Grid{Bits: 4, GroupSize: 128}, Damp: 0.01}, NSamples: 4, SeqLen: 128, TrueSequential: true}
-
-	o := base
-	o.Out, o.Calib = filepath.Join(tmp, "a"), short
-	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "0 windows of 128") {
-		t.Errorf("short calibration: %v", err)
-	}
-	o = base
-	o.Out, o.Calib = filepath.Join(tmp, "b"), shared.Path(t, "data/calib.txt")
-	o.GPTQ.Grid.GroupSize = 96
-	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "--group 96") {
-		t.Errorf("bad group: %v", err)
-	}
-	// A cancelled run (Ctrl-C) leaves neither output nor temp dir.
-	o = base
-	o.Out, o.Calib = filepath.Join(tmp, "c"), shared.Path(t, "data/calib.txt")
-	ctx, cancel := context.WithCancel(context.Background())
-	o.Progress = func(block, blocks int, stage string) {
-		if block == 2 {
-			cancel()
-		}
-	}
-	if _, err := Run(ctx, o); err == nil {
-		t.Error("cancelled run succeeded")
-	}
-	entries, _ := os.ReadDir(tmp)
-	for _, e := range entries {
-		if e.Name() != "short.txt" {
-			t.Errorf("left behind: %s", e.Name())
-		}
-	}
-	// An existing output is refused without Force.
-	os.Mkdir(filepath.Join(tmp, "exists"), 0o755)
-	o = base
-	o.Method, o.Out = "rtn", filepath.Join(tmp, "exists")
-	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "--force") {
-		t.Errorf("existing output: %v", err)
 	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -11,11 +12,14 @@ import (
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/progress"
 	"github.com/llmq/llmq/pack"
+	"github.com/llmq/llmq/quantize"
 	"github.com/spf13/cobra"
 )
 
 func newQuantize() *cobra.Command {
-	var opt gptq.RunOptions
+	var opt quantize.Options
+	var method string
+	var gopt gptq.Options
 	var bits, group int
 	var sym, duo, noClip bool
 	var reportPath, statsPath string
@@ -35,59 +39,68 @@ windows of --seqlen tokens of --calib (deterministic).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			opt.Src = args[0]
-			opt.GPTQ.Grid = pack.Grid{Bits: bits, GroupSize: group, Sym: sym}
-			if err := opt.GPTQ.Grid.Validate(0); err != nil {
-				return err
+			if opt.Out == "" {
+				return fmt.Errorf("-o/--output is required")
 			}
+			if opt.Format != "gptq" && opt.Format != "awq" {
+				return fmt.Errorf("--format must be gptq or awq, got %q", opt.Format)
+			}
+			if _, err := os.Stat(opt.Out); err == nil && !opt.Force {
+				return fmt.Errorf("output %s exists; --force replaces it", opt.Out)
+			}
+			grid := pack.Grid{Bits: bits, GroupSize: group, Sym: sym}
+			if err := grid.Validate(0); err != nil {
+				return fmt.Errorf("--bits %d --group %d: %w", bits, group, err)
+			}
+			if gopt.Damp <= 0 || gopt.Damp >= 1 {
+				return fmt.Errorf("--damp must be in (0, 1), got %v", gopt.Damp)
+			}
+			note := func(format string, a ...any) { fmt.Fprintf(os.Stderr, "\nnote: "+format+"\n", a...) }
+			gopt.Grid, gopt.Log = grid, note
+			awqOpt := awq.Options{Grid: grid, Duo: duo, Clip: !noClip, Log: note}
+			awqOpt.Grid.MinMax = true // AWQ's own grid
 			var stats []awq.LinearStats
-			awqOpt := awq.Options{Grid: pack.Grid{Bits: bits, GroupSize: group, Sym: sym, MinMax: true}, Duo: duo, Clip: !noClip,
-				Log: func(format string, a ...any) { fmt.Fprintf(os.Stderr, "\nnote: "+format+"\n", a...) }}
-			switch opt.Method {
-			case "gptq", "awq", "awq+gptq":
-				if opt.Calib == "" {
-					return fmt.Errorf("--method %s needs --calib FILE (calibration text or .i32 tokens)", opt.Method)
-				}
+			switch method {
 			case "rtn":
-			default:
-				return fmt.Errorf("--method must be gptq, awq, awq+gptq or rtn, got %q", opt.Method)
-			}
-			switch opt.Method {
+				opt.Method = quantize.RTN{G: grid}
+			case "gptq":
+				opt.Method = quantize.GPTQ{Opt: gopt}
 			case "awq":
-				// AWQ's defaults: 128 windows of 512 tokens, its own grid.
+				m := quantize.AWQ{Opt: awqOpt}
+				if statsPath != "" {
+					m.Stats = &stats
+				}
+				opt.Method = m
+				// AWQ's default calibration: 128 windows of 512 tokens.
 				if !cmd.Flags().Changed("seqlen") {
 					opt.SeqLen = 512
 				}
-				opt.GPTQ.Grid = awqOpt.Grid
-				var sp *[]awq.LinearStats
-				if statsPath != "" {
-					sp = &stats
-				}
-				opt.Custom = awq.Quantizer(awqOpt, sp)
 			case "awq+gptq":
-				opt.Prepare = awq.Prepare(awqOpt)
+				opt.Method = quantize.AWQGPTQ{GPTQ: quantize.GPTQ{Opt: gopt}, Scales: awqOpt}
+			default:
+				return fmt.Errorf("--method must be gptq, awq, awq+gptq or rtn, got %q", method)
 			}
-			if statsPath != "" && opt.Method != "awq" {
+			if opt.Method.Calibrated() && opt.Calib == "" {
+				return fmt.Errorf("--method %s needs --calib FILE (calibration text or .i32 tokens)", method)
+			}
+			if statsPath != "" && method != "awq" {
 				return fmt.Errorf("--stats is written by --method awq")
-			}
-			if opt.GPTQ.Damp <= 0 || opt.GPTQ.Damp >= 1 {
-				return fmt.Errorf("--damp must be in (0, 1), got %v", opt.GPTQ.Damp)
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			var bar *progress.Bar
 			opt.Progress = func(block, blocks int, stage string) {
 				if bar == nil {
-					bar = progress.New(opt.Method, blocks)
+					bar = progress.New(method, blocks)
 				}
 				bar.Set(block, fmt.Sprintf("block %d %s", block, stage))
 			}
-			opt.GPTQ.Log = func(format string, a ...any) { fmt.Fprintf(os.Stderr, "\nnote: "+format+"\n", a...) }
-			rep, err := gptq.Run(ctx, opt)
+			rep, err := quantize.Run(ctx, opt)
 			if err != nil {
 				if ctx.Err() != nil {
 					return fmt.Errorf("interrupted; nothing was written to %s", opt.Out)
 				}
-				return err
+				return quantizeFlagError(err, opt)
 			}
 			if bar != nil {
 				bar.Set(len(rep.Layers)/7, "done")
@@ -106,7 +119,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	}
 	f := cmd.Flags()
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory (required; written atomically)")
-	f.StringVar(&opt.Method, "method", "gptq", "gptq, awq, awq+gptq (AWQ scales folded, then GPTQ) or rtn")
+	f.StringVar(&method, "method", "gptq", "gptq, awq, awq+gptq (AWQ scales folded, then GPTQ) or rtn")
 	f.StringVar(&opt.Format, "format", "gptq", "checkpoint layout: gptq, or awq (AutoAWQ GEMM; 4-bit, no act-order)")
 	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency, outlier tokens) and search results (α and its loss curve, clip shrinks) as JSON")
 	f.BoolVar(&duo, "duo", false, "AWQ: duo scaling x̄^α / w̄^(1−α) (AutoAWQ) instead of x̄^α (llm-awq)")
@@ -114,9 +127,9 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.IntVar(&bits, "bits", 4, "bits per weight: 2, 3, 4 or 8")
 	f.IntVar(&group, "group", 128, "group size along the input dimension: 32, 64, 128, or -1 (per channel)")
 	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
-	f.BoolVar(&opt.GPTQ.ActOrder, "act-order", false, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
-	f.BoolVar(&opt.GPTQ.StaticGroups, "static-groups", false, "GPTQ: fit all group scales before quantizing")
-	f.Float64Var(&opt.GPTQ.Damp, "damp", 0.01, "GPTQ: dampening as a fraction of mean(diag H)")
+	f.BoolVar(&gopt.ActOrder, "act-order", false, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
+	f.BoolVar(&gopt.StaticGroups, "static-groups", false, "GPTQ: fit all group scales before quantizing")
+	f.Float64Var(&gopt.Damp, "damp", 0.01, "GPTQ: dampening as a fraction of mean(diag H)")
 	f.BoolVar(&opt.TrueSequential, "true-sequential", true, "GPTQ: quantize [q,k,v]→[o]→[gate,up]→[down] sequentially")
 	f.StringVar(&opt.Calib, "calib", "", "calibration text file (or .i32 token file)")
 	f.IntVar(&opt.NSamples, "nsamples", 128, "calibration windows")
@@ -127,7 +140,16 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	return cmd
 }
 
-func printReport(cmd *cobra.Command, rep *gptq.Report) {
+// quantizeFlagError names the flags behind a library error where there
+// are some.
+func quantizeFlagError(err error, opt quantize.Options) error {
+	if errors.Is(err, quantize.ErrCalibration) {
+		return fmt.Errorf("--calib/--nsamples %d/--seqlen %d: %w", opt.NSamples, opt.SeqLen, err)
+	}
+	return err
+}
+
+func printReport(cmd *cobra.Command, rep *quantize.Report) {
 	w := cmd.OutOrStdout()
 	if rep.Method == "gptq" {
 		fmt.Fprintf(w, "%-36s %12s %8s\n", "layer", "gptq loss", "seconds")

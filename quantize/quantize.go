@@ -1,0 +1,264 @@
+// Package quantize is the driver of llmq quantize: it turns an
+// unquantized checkpoint into a packed one with any Method (RTN, GPTQ, AWQ,
+// AWQ+GPTQ), streaming one decoder block at a time so that memory holds one
+// block's weights and the calibration activations:
+//
+//	X = embeddings of the calibration windows (first NSamples windows of SeqLen tokens)
+//	for each block:
+//	    load its weights (float32)
+//	    next = Method.Prepare(block, X)            AWQ: search and fold scales
+//	    for each input of the block (in order when true-sequential):
+//	        stats = Method.NewStats; stats.Add(input rows on X)   GPTQ: H
+//	        for each layer reading it: Method.Quantize(W, stats) → packed layer
+//	        replace the layer by its dequantized weights
+//	    X = next, or the quantized block run on X
+//	    write the block's shard
+//	write embeddings, final norm and lm_head, then config.json with
+//	quantization_config; rename the temporary directory into place.
+//
+// The four inputs of a Llama block are RMSNorm(x) (read by q, k, v), the
+// attention output (o), RMSNorm(h) (gate, up) and SiLU(gate)·up (down).
+// True-sequential order (the GPTQ reference's option) takes each input's
+// statistics after the layers before it are quantized: [q,k,v] → [o] →
+// [gate,up] → [down]; otherwise all four come from the unquantized block
+// in one pass.
+package quantize
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/calib"
+	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/llm/tokenizer"
+	"github.com/llmq/llmq/pack"
+)
+
+// ErrCalibration marks errors in the calibration data (an unreadable file,
+// fewer windows than asked for).
+var ErrCalibration = errors.New("calibration file")
+
+// Options describe a whole-model quantization.
+type Options struct {
+	Src, Out string
+	Method   Method
+	// Format is the checkpoint layout: "gptq" (default) or "awq".
+	Format string
+	// TrueSequential takes each input's statistics from a block whose
+	// earlier layers are already quantized.
+	TrueSequential bool
+	Calib          string // text file, or .i32 token file
+	NSamples       int    // calibration windows
+	SeqLen         int    // tokens per window
+	QuantizeLMHead bool
+	Force          bool // replace Out if it exists
+	// Progress, if set, is told when each block starts a stage.
+	Progress func(block, blocks int, stage string)
+}
+
+// LayerReport is one quantized linear layer.
+type LayerReport struct {
+	Name    string  `json:"name"`
+	Loss    float64 `json:"gptq_loss,omitempty"` // Σ (w−q)²/(2·Hinv_jj²); 0 but for GPTQ
+	Seconds float64 `json:"seconds"`
+}
+
+// Report summarises a run.
+type Report struct {
+	Method      string        `json:"method"`
+	Layers      []LayerReport `json:"layers"`
+	Seconds     float64       `json:"seconds"`
+	BytesIn     int64         `json:"bytes_in"`
+	BytesOut    int64         `json:"bytes_out"`
+	Format      string        `json:"checkpoint_format"`
+	CalibTokens int           `json:"calibration_tokens"`
+}
+
+// Run quantizes the checkpoint in opt.Src and writes opt.Out. Output goes
+// to a temporary directory renamed into place at the end; an error or a
+// cancelled ctx leaves nothing behind.
+func Run(ctx context.Context, opt Options) (*Report, error) {
+	start := time.Now()
+	m := opt.Method
+	if m == nil {
+		return nil, fmt.Errorf("no quantization method given")
+	}
+	if opt.Format == "" {
+		opt.Format = "gptq"
+	}
+	if opt.Format != "gptq" && opt.Format != "awq" {
+		return nil, fmt.Errorf("checkpoint format %q: want gptq or awq", opt.Format)
+	}
+	ck, err := checkpoint.Open(opt.Src)
+	if err != nil {
+		return nil, err
+	}
+	defer ck.Close()
+	cfg := ck.Config
+	if cfg.Quantization != nil {
+		return nil, fmt.Errorf("%s is already quantized", opt.Src)
+	}
+	grid := m.Grid()
+	for _, in := range []int{cfg.Hidden, cfg.Heads * cfg.HeadDim, cfg.Intermediate} {
+		if err := grid.Validate(in); err != nil {
+			return nil, err
+		}
+	}
+	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk()}
+
+	var X [][]float32
+	if m.Calibrated() {
+		if X, err = calibration(ck, opt); err != nil {
+			return nil, err
+		}
+		rep.CalibTokens = len(X) * opt.SeqLen
+	}
+
+	w, err := pack.NewWriter(opt.Out, opt.Force, cfg.Layers+1)
+	if err != nil {
+		return nil, err
+	}
+	defer w.Abort() // a no-op once Finish has moved the directory
+	d := &driver{opt: opt, m: m, ck: ck, st: llm.NewStages(cfg), X: X, w: w, rep: rep}
+	for l := 0; l < cfg.Layers; l++ {
+		if err := d.block(ctx, l); err != nil {
+			return nil, fmt.Errorf("block %d: %w", l, err)
+		}
+	}
+	if err := d.head(ctx); err != nil {
+		return nil, err
+	}
+	if err := w.Finish(opt.Src, d.quantConfig()); err != nil {
+		return nil, err
+	}
+	rep.Format, rep.BytesOut, rep.Seconds = w.Format, w.Bytes, time.Since(start).Seconds()
+	return rep, nil
+}
+
+// calibration embeds the first NSamples windows of SeqLen tokens of the
+// calibration file.
+func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, error) {
+	tok, err := tokenizer.Load(filepath.Join(opt.Src, "tokenizer.json"))
+	if err != nil {
+		return nil, err
+	}
+	ids, err := calib.ReadTokens(opt.Calib, tok)
+	if err != nil {
+		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
+	}
+	windows, err := calib.Windows(ids, opt.NSamples, opt.SeqLen)
+	if err != nil {
+		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
+	}
+	return calib.Embed(ck, windows)
+}
+
+// quantConfig is the checkpoint's quantization_config.
+func (d *driver) quantConfig() *pack.QuantConfig {
+	opt, g := d.opt, d.m.Grid()
+	meta := &pack.QuantMeta{Quantizer: "llmq", Method: d.m.Name()}
+	if d.m.Calibrated() {
+		meta.NSamples, meta.SeqLen, meta.Calib = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib)
+	}
+	if opt.Format == "awq" {
+		zp := !g.Sym
+		return &pack.QuantConfig{QuantMethod: "awq", Bits: g.Bits, GroupSize: g.GroupSize,
+			ZeroPoint: &zp, Version: "gemm", Meta: meta}
+	}
+	qc := &pack.QuantConfig{QuantMethod: "gptq", Bits: g.Bits, GroupSize: g.GroupSize, Sym: &g.Sym,
+		LMHead: opt.QuantizeLMHead, Meta: meta}
+	// true_sequential describes how statistics were gathered: only methods
+	// that gather them have the setting.
+	qc.TrueSequential = opt.TrueSequential && d.m.NewStats(1) != nil
+	d.m.Describe(qc)
+	return qc
+}
+
+type driver struct {
+	opt Options
+	m   Method
+	ck  *checkpoint.Checkpoint
+	st  *llm.Stages
+	X   [][]float32 // calibration activations entering the current block
+	w   *pack.Writer
+	rep *Report
+}
+
+// emit adds a quantized layer to the shard in the run's format and to the
+// report.
+func (d *driver) emit(tensors map[string]checkpoint.Out, name string, lin *pack.Linear, loss float64, t0 time.Time) error {
+	if d.opt.Format == "awq" {
+		t, err := lin.AWQTensors(name)
+		if err != nil {
+			return err
+		}
+		for k, v := range t {
+			tensors[k] = v
+		}
+	} else if err := d.w.AddGPTQ(tensors, name, lin); err != nil {
+		return err
+	}
+	d.rep.Layers = append(d.rep.Layers, LayerReport{Name: name, Loss: loss, Seconds: time.Since(t0).Seconds()})
+	return nil
+}
+
+// head writes the embeddings, the final norm and the LM head (quantized
+// only with QuantizeLMHead, its input being the final norm of the last
+// block's output) as the last shard.
+func (d *driver) head(ctx context.Context) error {
+	cfg := d.ck.Config
+	tensors := map[string]checkpoint.Out{}
+	for _, n := range []string{"model.embed_tokens.weight", "model.norm.weight"} {
+		t, err := d.ck.Tensor(n)
+		if err != nil {
+			return err
+		}
+		tensors[n] = pack.Raw(t)
+	}
+	if !d.opt.QuantizeLMHead {
+		if d.ck.Has("lm_head.weight") {
+			t, err := d.ck.Tensor("lm_head.weight")
+			if err != nil {
+				return err
+			}
+			tensors["lm_head.weight"] = pack.Raw(t)
+		}
+		return d.w.WriteShard(tensors)
+	}
+	t0 := time.Now()
+	name := "lm_head.weight"
+	if !d.ck.Has(name) {
+		name = "model.embed_tokens.weight" // tied
+	}
+	W, err := d.ck.Float32(name, cfg.Vocab, cfg.Hidden)
+	if err != nil {
+		return err
+	}
+	s := d.m.NewStats(cfg.Hidden)
+	if s != nil {
+		norm, err := d.ck.Float32("model.norm.weight", cfg.Hidden)
+		if err != nil {
+			return err
+		}
+		for _, x := range d.X {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if err := s.Add(d.st.Norm(norm, x, d.opt.SeqLen), d.opt.SeqLen); err != nil {
+				return fmt.Errorf("lm_head: %w", err)
+			}
+		}
+	}
+	lin, loss, err := d.m.Quantize(Layer{Name: "lm_head", W: W, Out: cfg.Vocab, In: cfg.Hidden}, s)
+	if err != nil {
+		return fmt.Errorf("lm_head: %w", err)
+	}
+	if err := d.emit(tensors, "lm_head", lin, loss, t0); err != nil {
+		return err
+	}
+	return d.w.WriteShard(tensors)
+}

@@ -1,0 +1,228 @@
+package quantize
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/llmq/llmq/awq"
+	"github.com/llmq/llmq/evals"
+	"github.com/llmq/llmq/gptq"
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/pack"
+	"github.com/nlpodyssey/safetensors"
+)
+
+func TestRunErrors(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	tmp := t.TempDir()
+	short := filepath.Join(tmp, "short.txt")
+	os.WriteFile(short, []byte("only a few words of calibration text"), 0o644)
+	gptqOpt := gptq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128}, Damp: 0.01}
+	base := Options{Src: src, Method: GPTQ{Opt: gptqOpt}, NSamples: 4, SeqLen: 128, TrueSequential: true}
+
+	o := base
+	o.Out, o.Calib = filepath.Join(tmp, "a"), short
+	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "0 windows of 128") {
+		t.Errorf("short calibration: %v", err)
+	}
+	o = base
+	o.Out, o.Calib = filepath.Join(tmp, "b"), shared.Path(t, "data/calib.txt")
+	bad := gptqOpt
+	bad.Grid.GroupSize = 96
+	o.Method = GPTQ{Opt: bad}
+	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "96") {
+		t.Errorf("bad group: %v", err)
+	}
+	// A cancelled run (Ctrl-C) leaves neither output nor temp dir.
+	o = base
+	o.Out, o.Calib = filepath.Join(tmp, "c"), shared.Path(t, "data/calib.txt")
+	ctx, cancel := context.WithCancel(context.Background())
+	o.Progress = func(block, blocks int, stage string) {
+		if block == 2 {
+			cancel()
+		}
+	}
+	if _, err := Run(ctx, o); err == nil {
+		t.Error("cancelled run succeeded")
+	}
+	entries, _ := os.ReadDir(tmp)
+	for _, e := range entries {
+		if e.Name() != "short.txt" {
+			t.Errorf("left behind: %s", e.Name())
+		}
+	}
+	// An existing output is refused without Force.
+	os.Mkdir(filepath.Join(tmp, "exists"), 0o755)
+	o = base
+	o.Method, o.Out = RTN{G: gptqOpt.Grid}, filepath.Join(tmp, "exists")
+	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "exists") {
+		t.Errorf("existing output: %v", err)
+	}
+}
+
+// TestExportsAgree quantizes llama-tiny with AWQ (a short calibration) into
+// the GPTQ layout and the AutoAWQ layout: both load, carry the right
+// quantization_config, and dequantize to identical weights.
+func TestExportsAgree(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	dir := t.TempDir()
+	opt := awq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}, Clip: true}
+	var stats []awq.LinearStats
+	run := func(format string, st *[]awq.LinearStats) string {
+		out := filepath.Join(dir, format)
+		_, err := Run(context.Background(), Options{Src: src, Out: out, Method: AWQ{Opt: opt, Stats: st}, Format: format,
+			Calib: shared.Path(t, "data/calib.txt"), NSamples: 4, SeqLen: 64})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	a, b := run("gptq", &stats), run("awq", nil)
+	cka, err := checkpoint.Open(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cka.Close()
+	ckb, err := checkpoint.Open(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ckb.Close()
+	qa, _ := pack.ParseQuantConfig(cka.Config.Quantization)
+	qb, _ := pack.ParseQuantConfig(ckb.Config.Quantization)
+	if qa.QuantMethod != "gptq" || qb.QuantMethod != "awq" || qb.Version != "gemm" || qb.ZeroPoint == nil || !*qb.ZeroPoint {
+		t.Fatalf("configs: %+v / %+v", qa, qb)
+	}
+	for _, name := range []string{"model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"} {
+		in, out := 256, 256
+		if name == "model.layers.3.mlp.down_proj" {
+			in = 768
+		}
+		la, err := qa.Read(cka, name, in, out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lb, err := qb.Read(ckb, name, in, out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		wa, wb := la.Dequantize(), lb.Dequantize()
+		for i := range wa {
+			if wa[i] != wb[i] {
+				t.Fatalf("%s weight %d: %v (gptq layout) vs %v (awq layout)", name, i, wa[i], wb[i])
+			}
+		}
+	}
+	// The folded norms are stored exactly, and the model runs.
+	if nt, _ := cka.Tensor("model.layers.0.input_layernorm.weight"); nt.DType.String() != "F32" {
+		t.Errorf("folded norm stored as %s", nt.DType)
+	}
+	// Stats: per block q/o/gate/down inputs; α and its loss curve for the
+	// three groups llama-tiny has (no v→o under GQA), the chosen α the
+	// curve's minimum; clip shrinks of the layers reading each input.
+	if len(stats) != 16 {
+		t.Fatalf("stats: %d entries, want 16", len(stats))
+	}
+	for i, st := range stats {
+		if st.SaliencyMax < st.SaliencyP50 || st.Tokens != 4*64 {
+			t.Errorf("%s: saliency max %v < p50 %v, or %d tokens", st.Layer, st.SaliencyMax, st.SaliencyP50, st.Tokens)
+		}
+		if i%4 == 1 {
+			if st.Alpha != nil || len(st.ClipShrink) != 1 {
+				t.Errorf("%s: α %v (want none), clip %v", st.Layer, st.Alpha, st.ClipShrink)
+			}
+			continue
+		}
+		if st.Alpha == nil || len(st.AlphaLoss) != 20 {
+			t.Fatalf("%s: α %v, %d losses", st.Layer, st.Alpha, len(st.AlphaLoss))
+		}
+		best := 0
+		for j, l := range st.AlphaLoss {
+			if l < st.AlphaLoss[best] {
+				best = j
+			}
+		}
+		if float64(best)/20 != *st.Alpha {
+			t.Errorf("%s: α %v, but the smallest loss is at %v", st.Layer, *st.Alpha, float64(best)/20)
+		}
+		wantClip := map[int]int{0: 1, 2: 2, 3: 1}[i%4]
+		if len(st.ClipShrink) != wantClip {
+			t.Errorf("%s: clip shrinks %v, want %d", st.Layer, st.ClipShrink, wantClip)
+		}
+		for name, v := range st.ClipShrink {
+			if v < 0.55 || v > 1 {
+				t.Errorf("%s: %s mean shrink %v outside [0.55, 1]", st.Layer, name, v)
+			}
+		}
+	}
+	m, err := pack.OpenModel(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if _, err := llm.Generate(context.Background(), m.Model, []int{0, 462}, llm.GenerateOptions{MaxTokens: 3}, nil); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// awq+gptq: scales searched and folded into each block, then GPTQ on the
+// scaled weights. The folded norms are written as F32 and differ from the
+// originals, and the model stays close to the unquantized one (a scale
+// applied on one side only would wreck its perplexity).
+func TestAWQThenGPTQ(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	out := filepath.Join(t.TempDir(), "awq-gptq")
+	grid := pack.Grid{Bits: 4, GroupSize: 128}
+	m := AWQGPTQ{GPTQ: GPTQ{Opt: gptq.Options{Grid: grid, Damp: 0.01, BlockSize: 128}},
+		Scales: awq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}}}
+	_, err := Run(context.Background(), Options{Src: src, Out: out, Method: m, TrueSequential: true,
+		Calib: shared.Path(t, "data/calib.txt"), NSamples: 4, SeqLen: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ck, err := checkpoint.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	orig, _ := checkpoint.Open(src)
+	defer orig.Close()
+	q, _ := pack.ParseQuantConfig(ck.Config.Quantization)
+	if q == nil || q.Meta == nil || q.Meta.Method != "awq+gptq" || q.QuantMethod != "gptq" {
+		t.Fatalf("quantization_config %+v", q)
+	}
+	name := "model.layers.0.input_layernorm.weight"
+	tq, _ := ck.Tensor(name)
+	a, _ := ck.Float32(name, 256)
+	b, _ := orig.Float32(name, 256)
+	same := true
+	for i := range a {
+		same = same && a[i] == b[i]
+	}
+	if tq.DType != safetensors.F32 || same {
+		t.Errorf("%s: dtype %s, equal to the original: %v (scales not folded?)", name, tq.DType, same)
+	}
+	ppl := func(dir string) float64 {
+		m, err := pack.OpenModel(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+		res, err := evals.Perplexity(context.Background(), m, ids, evals.PPLOptions{SeqLen: 512, Windows: 2})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Perplexity
+	}
+	pq, pf := ppl(out), ppl(src)
+	t.Logf("awq+gptq w4 perplexity %.3f, unquantized %.3f (2 windows of 512)", pq, pf)
+	if pq > pf*1.05 {
+		t.Errorf("awq+gptq perplexity %.3f is more than 5%% above the unquantized %.3f", pq, pf)
+	}
+}
