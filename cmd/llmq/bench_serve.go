@@ -7,9 +7,9 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/evals"
-	"github.com/llmq/llmq/llm/engine"
-	"github.com/llmq/llmq/llm/server"
+	"github.com/llmq/llmq/server"
 	"github.com/spf13/cobra"
 )
 

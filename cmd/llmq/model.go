@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/llmq/llmq/llm/engine"
+	"github.com/llmq/llmq/engine"
 )
 
 // openModel loads dir's checkpoint (packed or not) and tokenizer on a

@@ -8,8 +8,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/llmq/llmq/llm/engine"
-	"github.com/llmq/llmq/llm/server"
+	"github.com/llmq/llmq/engine"
+	"github.com/llmq/llmq/server"
 	"github.com/spf13/cobra"
 )
 

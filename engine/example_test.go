@@ -6,9 +6,9 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm/chat"
-	"github.com/llmq/llmq/llm/engine"
 )
 
 // A chat server opens a model once and calls Generate from each request's

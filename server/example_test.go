@@ -8,9 +8,9 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
-	"github.com/llmq/llmq/llm/engine"
-	"github.com/llmq/llmq/llm/server"
+	"github.com/llmq/llmq/server"
 )
 
 // An OpenAI-compatible endpoint in a few lines: open an engine, wrap it in

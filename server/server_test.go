@@ -11,10 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
-	"github.com/llmq/llmq/llm/engine"
 	"github.com/llmq/llmq/pack"
 	openai "github.com/sashabaranov/go-openai"
 )
