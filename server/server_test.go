@@ -11,32 +11,31 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
-	"github.com/llmq/llmq/pack"
 	openai "github.com/sashabaranov/go-openai"
 )
 
-// serve starts a server for llama-tiny on a loopback port; backend wraps
-// the CPU model when not nil.
+// serve starts a server for llama-tiny (on the CPU, with its chat
+// template) on a loopback port; wrap wraps the backend when not nil.
 func serve(t *testing.T, opt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *openai.Client) {
 	t.Helper()
-	dir := shared.Path(t, "models/llama-tiny")
-	m, err := pack.OpenModel(dir)
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl, err := chat.Load(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b llm.Backend = m.Model
+	b := m.Backend
 	if wrap != nil {
 		b = wrap(b)
 	}
-	e := engine.New(b, m.Tokenizer, tmpl, m.Checkpoint.Config.EOS, opt)
+	e, err := engine.New(engine.NewModel(b, m.Tokenizer, m.Template), opt)
+	if err != nil {
+		m.Close()
+		t.Fatal(err)
+	}
 	ts := httptest.NewServer(New(e, Options{Model: "llama-tiny", MaxBodyBytes: 32 << 10}))
 	t.Cleanup(func() { ts.Close(); e.Close(); m.Close() })
 	cfg := openai.DefaultConfig("none")
@@ -286,8 +285,12 @@ func TestDisconnectStopsGeneration(t *testing.T) {
 
 // Shutting down lets a running stream finish, then Serve returns.
 func TestGracefulShutdown(t *testing.T) {
-	dir := shared.Path(t, "models/llama-tiny")
-	e, err := engine.Open(dir, engine.Options{})
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	e, err := engine.New(m, engine.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
