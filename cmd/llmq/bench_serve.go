@@ -7,16 +7,16 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/evals"
-	"github.com/llmq/llmq/llm/engine"
-	"github.com/llmq/llmq/llm/server"
+	"github.com/llmq/llmq/server"
 	"github.com/spf13/cobra"
 )
 
 func newBenchServe() *cobra.Command {
 	var load evals.LoadOptions
 	var opt engine.Options
-	var jsonOut string
+	var device, jsonOut string
 	cmd := &cobra.Command{
 		Use:   "serve MODEL_DIR",
 		Short: "Load-test llmq serve in-process: concurrent streaming chat clients on loopback",
@@ -29,16 +29,22 @@ goroutines are left behind after shutdown.`,
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			base := runtime.NumGoroutine()
-			e, err := engine.Open(args[0], opt)
+			m, err := loadModel(args[0], device)
 			if err != nil {
+				return err
+			}
+			e, err := engine.New(m, opt)
+			if err != nil {
+				m.Close()
 				return err
 			}
 			ln, err := net.Listen("tcp", "127.0.0.1:0")
 			if err != nil {
 				e.Close()
+				m.Close()
 				return err
 			}
-			load.URL, load.Model = "http://"+ln.Addr().String(), engine.ModelName(args[0])
+			load.URL, load.Model = "http://"+ln.Addr().String(), modelName(args[0])
 			ctx, stop := context.WithCancel(cmd.Context())
 			served := make(chan error, 1)
 			go func() {
@@ -48,6 +54,7 @@ goroutines are left behind after shutdown.`,
 			stop()
 			serr := <-served
 			e.Close()
+			m.Close()
 			if lerr != nil {
 				return lerr
 			}
@@ -82,7 +89,7 @@ goroutines are left behind after shutdown.`,
 	f.IntVar(&load.MaxTokens, "max-tokens", 32, "max_tokens of each request")
 	f.StringVar(&load.Prompt, "prompt", "Tell me about the history of Rome", "user message")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
-	f.StringVar(&opt.Device, "device", "cpu", "auto, cpu or cuda")
+	f.StringVar(&device, "device", "cpu", "auto, cpu or cuda")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot")
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
 	return cmd

@@ -1,16 +1,28 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 
-	"github.com/llmq/llmq/llm/engine"
+	"github.com/llmq/llmq/backend"
 )
 
-// openModel loads dir's checkpoint (packed or not) and tokenizer on a
-// device: auto, cpu or cuda; it says when auto falls back to the CPU.
-func openModel(dir, device string) (*engine.Model, error) {
-	m, err := engine.Load(dir, device)
+// loadModel opens dir's checkpoint (packed or not), tokenizer and chat
+// template on a device: auto, cpu or cuda (the --device flag).
+func loadModel(dir, device string) (*backend.Model, error) {
+	m, err := backend.Open(dir, device)
+	if errors.Is(err, backend.ErrUnknownDevice) {
+		return nil, fmt.Errorf("--device %q: want auto, cpu or cuda", device)
+	}
+	return m, err
+}
+
+// openModel is loadModel that also says when auto falls back to the CPU
+// and, on the GPU, how long loading took.
+func openModel(dir, device string) (*backend.Model, error) {
+	m, err := loadModel(dir, device)
 	if err != nil {
 		return nil, err
 	}
@@ -22,3 +34,7 @@ func openModel(dir, device string) (*engine.Model, error) {
 	}
 	return m, nil
 }
+
+// modelName is the directory's base name: the model's name in the API
+// llmq serve answers.
+func modelName(dir string) string { return filepath.Base(filepath.Clean(dir)) }

@@ -8,8 +8,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/llmq/llmq/llm/engine"
-	"github.com/llmq/llmq/llm/server"
+	"github.com/llmq/llmq/engine"
+	"github.com/llmq/llmq/server"
 	"github.com/spf13/cobra"
 )
 
@@ -31,17 +31,21 @@ to --grace.`,
   curl -N localhost:8080/v1/chat/completions -d '{"model":"llama-tiny","stream":true,"max_tokens":32,"messages":[{"role":"user","content":"Hi"}]}'`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			opt.Device = device
-			e, err := engine.Open(args[0], opt)
+			m, err := loadModel(args[0], device)
+			if err != nil {
+				return err
+			}
+			defer m.Close()
+			if m.Fallback != "" {
+				fmt.Fprintln(os.Stderr, "llmq:", m.Fallback)
+			}
+			e, err := engine.New(m, opt)
 			if err != nil {
 				return err
 			}
 			defer e.Close()
-			if e.Fallback != "" {
-				fmt.Fprintln(os.Stderr, "llmq:", e.Fallback)
-			}
 			if name == "" {
-				name = engine.ModelName(args[0])
+				name = modelName(args[0])
 			}
 			ln, err := net.Listen("tcp", addr)
 			if err != nil {

@@ -6,15 +6,23 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/llmq/llmq/backend"
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm/chat"
-	"github.com/llmq/llmq/llm/engine"
 )
 
-// A chat server opens a model once and calls Generate from each request's
+// A chat server opens a model once (package backend picks the device),
+// starts an engine on it, and calls Generate from each request's
 // goroutine; text streams through the callback as it is produced.
 func Example() {
-	e, err := engine.Open(filepath.Join(shared.Root(), "models/llama-tiny"), engine.Options{Device: "cpu"})
+	m, err := backend.Open(filepath.Join(shared.Root(), "models/llama-tiny"), "cpu")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer m.Close()
+	e, err := engine.New(m, engine.Options{MaxBatch: 16})
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -42,7 +50,13 @@ func Example() {
 // Plain completion with sampling: a fixed seed gives the same text on
 // every run.
 func ExampleEngine_Generate() {
-	e, err := engine.Open(filepath.Join(shared.Root(), "models/llama-tiny"), engine.Options{})
+	m, err := backend.Open(filepath.Join(shared.Root(), "models/llama-tiny"), "cpu")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer m.Close()
+	e, err := engine.New(m, engine.Options{})
 	if err != nil {
 		fmt.Println(err)
 		return

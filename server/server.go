@@ -25,9 +25,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
-	"github.com/llmq/llmq/llm/engine"
 )
 
 // Options configure a Server.

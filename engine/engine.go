@@ -1,6 +1,16 @@
-// Package engine is the API a Go chat server imports: it loads a model
-// (packed INT4 or unquantized) with its tokenizer and chat template, and
-// runs many generation requests at once on one Backend.
+// Package engine is the API a Go chat server imports: it runs many
+// generation requests at once on one model — an llm.Backend with its
+// tokenizer and chat template — and renders chat prompts.
+//
+// The engine does not load models: it runs whatever satisfies Model.
+// Package backend opens a model directory on the CPU or the GPU and
+// returns one, so the engine depends on package llm's interfaces alone,
+// never on the packages that implement them (pack, cuda):
+//
+//	m, err := backend.Open(dir, "auto")
+//	defer m.Close()
+//	e, err := engine.New(m, engine.Options{MaxBatch: 16})
+//	defer e.Close()
 //
 // Requests are batched continuously (Yu et al. 2022, "Orca"): one
 // scheduler goroutine owns the backend, and every iteration it admits
@@ -22,7 +32,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -33,10 +42,30 @@ import (
 	"github.com/llmq/llmq/llm/tokenizer"
 )
 
+// Model is what an Engine runs. *backend.Model is one; NewModel makes one
+// from parts a caller already holds (a backend it wrapped, say).
+type Model interface {
+	// Parts returns the backend that runs the forward passes, the
+	// checkpoint's tokenizer, and its chat template (nil when it has none).
+	// The backend's Config().EOS ids end a generation.
+	Parts() (llm.Backend, *tokenizer.Tokenizer, *chat.Template)
+}
+
+// NewModel makes a Model of its parts; tmpl may be nil.
+func NewModel(b llm.Backend, tok *tokenizer.Tokenizer, tmpl *chat.Template) Model {
+	return parts{b, tok, tmpl}
+}
+
+type parts struct {
+	b    llm.Backend
+	tok  *tokenizer.Tokenizer
+	tmpl *chat.Template
+}
+
+func (p parts) Parts() (llm.Backend, *tokenizer.Tokenizer, *chat.Template) { return p.b, p.tok, p.tmpl }
+
 // Options configure an Engine.
 type Options struct {
-	// Device runs the model: "cpu" (default), "cuda" or "auto" (see Load).
-	Device string
 	// MaxBatch is the most sequences in one forward pass (default 16).
 	MaxBatch int
 	// MaxQueue is the most requests waiting for a batch slot; beyond it
@@ -45,9 +74,6 @@ type Options struct {
 }
 
 func (o Options) withDefaults() Options {
-	if o.Device == "" {
-		o.Device = "cpu"
-	}
 	if o.MaxBatch <= 0 {
 		o.MaxBatch = 16
 	}
@@ -76,15 +102,12 @@ type Engine struct {
 	// Stop holds the token ids that end a generation (the model's EOS ids
 	// and the chat template's end-of-turn token).
 	Stop []int
-	// Fallback says why Device "auto" runs on the CPU (empty otherwise).
-	Fallback string
 
 	opt     Options
 	queue   chan *sequence
 	quit    chan struct{}
 	done    chan struct{}
 	closing sync.Once
-	closer  func() error
 
 	mu     sync.Mutex // orders submissions before Close
 	closed bool
@@ -93,50 +116,46 @@ type Engine struct {
 	generated atomic.Int64 // tokens generated since the start
 }
 
-// Open loads a model directory (see Load) on opt.Device and starts an
-// engine on it; Close releases the model too.
-func Open(dir string, opt Options) (*Engine, error) {
-	m, err := Load(dir, opt.Device)
-	if err != nil {
-		return nil, err
+// New starts an engine on a model. The engine uses the model but does not
+// own it: whoever opened the model closes it, after closing the engine.
+func New(m Model, opt Options) (*Engine, error) {
+	if m == nil {
+		return nil, errors.New("engine: no model")
 	}
-	e := New(m.Backend, m.Tokenizer, m.Template, m.Config.EOS, opt)
-	e.closer, e.Fallback = m.Close, m.Fallback
-	return e, nil
-}
-
-// New starts an engine on a backend. stop are the model's EOS token ids;
-// the template's EOS token is added to them.
-func New(b llm.Backend, tok *tokenizer.Tokenizer, tmpl *chat.Template, stop []int, opt Options) *Engine {
+	b, tok, tmpl := m.Parts()
+	switch {
+	case b == nil:
+		return nil, errors.New("engine: the model has no backend")
+	case b.Config() == nil:
+		return nil, fmt.Errorf("engine: the %s backend has no config", b.Name())
+	case tok == nil:
+		return nil, errors.New("engine: the model has no tokenizer")
+	}
 	opt = opt.withDefaults()
 	e := &Engine{Backend: b, Tokenizer: tok, Template: tmpl, opt: opt,
 		queue: make(chan *sequence, opt.MaxQueue), quit: make(chan struct{}), done: make(chan struct{})}
-	e.Stop = append(e.Stop, stop...)
+	e.Stop = slices.Clone(b.Config().EOS)
 	if tmpl != nil {
 		if id, ok := tok.TokenID(tmpl.EOSToken); ok && !slices.Contains(e.Stop, id) {
 			e.Stop = append(e.Stop, id)
 		}
 	}
 	go e.run()
-	return e
+	return e, nil
 }
 
 // Close stops the engine: requests still running end with ErrClosed.
 // Callers that want in-flight requests to finish wait for them first (an
-// http.Server's Shutdown does).
+// http.Server's Shutdown does). It leaves the model open.
 func (e *Engine) Close() error {
-	var err error
 	e.closing.Do(func() {
 		e.mu.Lock()
 		e.closed = true
 		e.mu.Unlock()
 		close(e.quit)
 		<-e.done
-		if e.closer != nil {
-			err = e.closer()
-		}
 	})
-	return err
+	return nil
 }
 
 // Stats are an engine's counters.
@@ -150,9 +169,6 @@ type Stats struct {
 func (e *Engine) Stats() Stats {
 	return Stats{Queued: len(e.queue), Active: int(e.active.Load()), Generated: e.generated.Load()}
 }
-
-// ModelName is the directory's base name, what servers list as the model.
-func ModelName(dir string) string { return filepath.Base(filepath.Clean(dir)) }
 
 // Request is one generation.
 type Request struct {

@@ -8,15 +8,28 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
-	"github.com/llmq/llmq/pack"
 )
 
-func openTiny(t *testing.T, opt Options) *Engine {
+// openTiny opens llama-tiny on the CPU; it is closed when the test ends.
+func openTiny(t *testing.T) *backend.Model {
 	t.Helper()
-	e, err := Open(shared.Path(t, "models/llama-tiny"), opt)
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
+}
+
+// start starts an engine on m; it is closed when the test ends (before
+// the model, which t.Cleanup closes later).
+func start(t *testing.T, m Model, opt Options) *Engine {
+	t.Helper()
+	e, err := New(m, opt)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -24,18 +37,16 @@ func openTiny(t *testing.T, opt Options) *Engine {
 	return e
 }
 
+// tiny is an engine on llama-tiny with its chat template.
+func tiny(t *testing.T, opt Options) *Engine { return start(t, openTiny(t), opt) }
+
 // Six prompts submitted at once to an engine that batches at most four:
 // two wait in the queue and join the batch while the others decode. Every
 // sequence must still get exactly the transformers reference's greedy ids.
 func TestContinuousBatchingMatchesReference(t *testing.T) {
 	ref := shared.GreedyRefs(t, "llama-tiny")
-	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	e := New(m.Model, m.Tokenizer, nil, nil, Options{MaxBatch: 4})
-	defer e.Close()
+	m := openTiny(t)
+	e := start(t, m, Options{MaxBatch: 4})
 	var wg sync.WaitGroup
 	for prompt, r := range ref {
 		wg.Add(1)
@@ -76,7 +87,7 @@ func equal(a, b []int) bool {
 // over and over; a stop string spanning token boundaries ends it, and the
 // text streamed before the stop never includes a piece of it.
 func TestStopString(t *testing.T) {
-	e := openTiny(t, Options{})
+	e := tiny(t, Options{})
 	var streamed strings.Builder
 	res, err := e.Generate(context.Background(), Request{Prompt: e.Encode("The history of the"), MaxTokens: 20, Stop: []string{"the hist"}},
 		func(s string) error { streamed.WriteString(s); return nil })
@@ -92,7 +103,7 @@ func TestStopString(t *testing.T) {
 }
 
 func TestChatTemplateAndEOS(t *testing.T) {
-	e := openTiny(t, Options{})
+	e := tiny(t, Options{})
 	ids, err := e.EncodeChat([]chat.Message{{Role: "user", Content: "Hi"}})
 	if err != nil {
 		t.Fatal(err)
@@ -123,13 +134,9 @@ func (g *gated) Forward(ctx context.Context, steps []llm.Step) error {
 // refused with ErrBusy; cancelling a running request ends it with the
 // context's error while the queued one still completes; Close ends the rest.
 func TestBusyCancelClose(t *testing.T) {
-	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	g := &gated{Backend: m.Model, entered: make(chan struct{}), release: make(chan struct{})}
-	e := New(g, m.Tokenizer, nil, nil, Options{MaxBatch: 1, MaxQueue: 1})
+	m := openTiny(t)
+	g := &gated{Backend: m.Backend, entered: make(chan struct{}), release: make(chan struct{})}
+	e := start(t, NewModel(g, m.Tokenizer, nil), Options{MaxBatch: 1, MaxQueue: 1})
 	prompt := m.Tokenizer.Encode("Once upon a time", true)
 
 	ctx1, cancel1 := context.WithCancel(context.Background())
@@ -172,7 +179,7 @@ func TestBusyCancelClose(t *testing.T) {
 }
 
 func TestValidate(t *testing.T) {
-	e := openTiny(t, Options{})
+	e := tiny(t, Options{})
 	ctxLen := e.Backend.Config().MaxPositions
 	long := make([]int, ctxLen)
 	for _, c := range []struct {
@@ -192,17 +199,10 @@ func TestValidate(t *testing.T) {
 			t.Errorf("got %v, want ErrInvalid containing %q", err, c.want)
 		}
 	}
-	if _, err := Open(shared.Path(t, "models/llama-tiny"), Options{Device: "tpu"}); err == nil || !strings.Contains(err.Error(), `"tpu": want auto, cpu or cuda`) {
-		t.Errorf("unknown device: %v", err)
-	}
 }
 
 func TestStopTextHoldsBackPrefixes(t *testing.T) {
-	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m := openTiny(t)
 	ids := m.Tokenizer.Encode(" one two three four", false)
 	st := newStopText(m.Tokenizer.NewStream(), []string{"three four five"})
 	var out string
@@ -222,22 +222,23 @@ func TestStopTextHoldsBackPrefixes(t *testing.T) {
 	}
 }
 
-// Device "auto" uses the GPU when it can and otherwise says why it runs on
-// the CPU.
-func TestLoadAuto(t *testing.T) {
-	m, err := Load(shared.Path(t, "models/llama-tiny"), "auto")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	name := m.Backend.Name()
-	switch {
-	case m.Fallback == "" && !strings.HasPrefix(name, "cuda"):
-		t.Errorf("no fallback reason, but running on %s", name)
-	case m.Fallback != "" && (!strings.HasPrefix(name, "cpu") || !strings.Contains(m.Fallback, "GPU unavailable")):
-		t.Errorf("fallback %q, running on %s", m.Fallback, name)
-	}
-	if _, err := Load(t.TempDir(), "auto"); err == nil || !strings.Contains(err.Error(), "config.json") {
-		t.Errorf("auto on an empty directory: %v (want the checkpoint's error)", err)
+// New refuses a model it could not run, instead of failing later in the
+// scheduler goroutine.
+func TestNewRefusesIncompleteModel(t *testing.T) {
+	m := openTiny(t)
+	for _, c := range []struct {
+		m    Model
+		want string
+	}{
+		{nil, "no model"},
+		{NewModel(nil, m.Tokenizer, nil), "no backend"},
+		{NewModel(m.Backend, nil, nil), "no tokenizer"},
+	} {
+		if e, err := New(c.m, Options{}); err == nil || !strings.Contains(err.Error(), c.want) {
+			if e != nil {
+				e.Close()
+			}
+			t.Errorf("got %v, want an error containing %q", err, c.want)
+		}
 	}
 }

@@ -8,15 +8,23 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/llmq/llmq/backend"
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
-	"github.com/llmq/llmq/llm/engine"
-	"github.com/llmq/llmq/llm/server"
+	"github.com/llmq/llmq/server"
 )
 
-// An OpenAI-compatible endpoint in a few lines: open an engine, wrap it in
-// the handler, and serve it (server.Serve adds graceful shutdown).
+// An OpenAI-compatible endpoint in a few lines: open a model, start an
+// engine on it, wrap the engine in the handler, and serve it (server.Serve
+// adds graceful shutdown).
 func Example() {
-	e, err := engine.Open(filepath.Join(shared.Root(), "models/llama-tiny"), engine.Options{})
+	m, err := backend.Open(filepath.Join(shared.Root(), "models/llama-tiny"), "cpu")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer m.Close()
+	e, err := engine.New(m, engine.Options{})
 	if err != nil {
 		fmt.Println(err)
 		return

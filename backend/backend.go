@@ -1,4 +1,16 @@
-package engine
+// Package backend opens a model directory on a device: it is the one place
+// that chooses between the CPU backend (package llm, weights read by
+// package pack) and the GPU backend (package cuda).
+//
+// The packages that run models — the engine, the server, perplexity — see
+// only an llm.Backend with the checkpoint's tokenizer and chat template,
+// so they import neither pack nor cuda; a program (cmd/llmq, or a Go chat
+// server) calls Open and hands the result on:
+//
+//	m, err := backend.Open(dir, "auto") // the GPU when it can, else the CPU
+//	defer m.Close()
+//	e, err := engine.New(m, engine.Options{})
+package backend
 
 import (
 	"errors"
@@ -13,6 +25,10 @@ import (
 	"github.com/llmq/llmq/llm/tokenizer"
 	"github.com/llmq/llmq/pack"
 )
+
+// ErrUnknownDevice is returned by Open for a device other than auto, cpu
+// and cuda.
+var ErrUnknownDevice = errors.New("unknown device")
 
 // Model is a checkpoint opened on a device, with its tokenizer and chat
 // template.
@@ -31,38 +47,43 @@ type Model struct {
 // Close releases the model (its mapped files, its GPU memory).
 func (m *Model) Close() error { return m.close() }
 
-// Load opens a model directory — packed by llmq quantize or unquantized —
+// Parts returns what an engine runs: the backend, the tokenizer and the
+// chat template (nil when the checkpoint has none). It makes *Model an
+// engine.Model.
+func (m *Model) Parts() (llm.Backend, *tokenizer.Tokenizer, *chat.Template) {
+	if m == nil {
+		return nil, nil, nil
+	}
+	return m.Backend, m.Tokenizer, m.Template
+}
+
+// Open loads a model directory — packed by llmq quantize or unquantized —
 // on device "cpu" (float32, dequantized), "cuda" (the GPU backend: packed
 // layers stay 4-bit, the rest fp16), or "auto": the GPU when its library
 // and a device are there and the model fits, else the CPU, with the reason
 // in Model.Fallback.
-func Load(dir, device string) (*Model, error) {
+func Open(dir, device string) (*Model, error) {
 	if device == "auto" {
-		m, err := Load(dir, "cuda")
+		m, err := Open(dir, "cuda")
 		if err == nil {
 			return m, nil
 		}
-		m, cerr := Load(dir, "cpu")
+		m, cerr := Open(dir, "cpu")
 		if cerr != nil { // not a GPU problem (a bad checkpoint, say)
 			return nil, cerr
 		}
 		m.Fallback = err.Error() + "; running on the CPU"
 		return m, nil
 	}
+	if device != "" && device != "cpu" && device != "cuda" {
+		return nil, fmt.Errorf("%w %q: want auto, cpu or cuda", ErrUnknownDevice, device)
+	}
 	start := time.Now()
 	tmpl, err := chat.Load(dir)
 	if err != nil && !errors.Is(err, chat.ErrNoTemplate) {
 		return nil, err
 	}
-	switch device {
-	case "", "cpu":
-		m, err := pack.OpenModel(dir)
-		if err != nil {
-			return nil, err
-		}
-		return &Model{Dir: dir, Config: m.Checkpoint.Config, Backend: m.Model, Tokenizer: m.Tokenizer, Template: tmpl,
-			LoadTime: time.Since(start), close: m.Close}, nil
-	case "cuda":
+	if device == "cuda" {
 		ck, err := checkpoint.Open(dir)
 		if err != nil {
 			return nil, err
@@ -79,5 +100,10 @@ func Load(dir, device string) (*Model, error) {
 		return &Model{Dir: dir, Config: ck.Config, Backend: b, Tokenizer: tok, Template: tmpl,
 			LoadTime: time.Since(start), close: b.Close}, nil
 	}
-	return nil, fmt.Errorf("--device %q: want auto, cpu or cuda", device)
+	m, err := pack.OpenModel(dir)
+	if err != nil {
+		return nil, err
+	}
+	return &Model{Dir: dir, Config: m.Checkpoint.Config, Backend: m.Model, Tokenizer: m.Tokenizer, Template: tmpl,
+		LoadTime: time.Since(start), close: m.Close}, nil
 }

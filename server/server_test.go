@@ -1,42 +1,45 @@
 package server
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/llmq/llmq/backend"
+	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
-	"github.com/llmq/llmq/llm/chat"
-	"github.com/llmq/llmq/llm/engine"
-	"github.com/llmq/llmq/pack"
 	openai "github.com/sashabaranov/go-openai"
 )
 
-// serve starts a server for llama-tiny on a loopback port; backend wraps
-// the CPU model when not nil.
+// serve starts a server for llama-tiny (on the CPU, with its chat
+// template) on a loopback port; wrap wraps the backend when not nil.
 func serve(t *testing.T, opt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *openai.Client) {
 	t.Helper()
-	dir := shared.Path(t, "models/llama-tiny")
-	m, err := pack.OpenModel(dir)
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
 	if err != nil {
 		t.Fatal(err)
 	}
-	tmpl, err := chat.Load(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var b llm.Backend = m.Model
+	b := m.Backend
 	if wrap != nil {
 		b = wrap(b)
 	}
-	e := engine.New(b, m.Tokenizer, tmpl, m.Checkpoint.Config.EOS, opt)
+	e, err := engine.New(engine.NewModel(b, m.Tokenizer, m.Template), opt)
+	if err != nil {
+		m.Close()
+		t.Fatal(err)
+	}
 	ts := httptest.NewServer(New(e, Options{Model: "llama-tiny", MaxBodyBytes: 32 << 10}))
 	t.Cleanup(func() { ts.Close(); e.Close(); m.Close() })
 	cfg := openai.DefaultConfig("none")
@@ -44,30 +47,149 @@ func serve(t *testing.T, opt engine.Options, wrap func(llm.Backend) llm.Backend)
 	return ts, e, openai.NewClientWithConfig(cfg)
 }
 
+// answer is what a client reads from /v1/completions, whole or streamed.
+type answer struct {
+	Text   string
+	Finish string
+	Usage  usage
+}
+
+// complete asks /v1/completions for a greedy (temperature 0) completion
+// and reads the JSON answer or, when stream, the server-sent events up to
+// [DONE]. It speaks plain HTTP: go-openai cannot send temperature 0.
+func complete(url, prompt string, maxTokens int, stream bool) (*answer, error) {
+	body, err := json.Marshal(map[string]any{"model": "llama-tiny", "prompt": prompt, "max_tokens": maxTokens,
+		"temperature": 0, "stream": stream, "stream_options": map[string]bool{"include_usage": true}})
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.Post(url+"/v1/completions", "application/json", bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(resp.Body)
+		return nil, fmt.Errorf("status %d: %s", resp.StatusCode, b)
+	}
+	type chunk struct {
+		Choices []struct {
+			Text         string  `json:"text"`
+			FinishReason *string `json:"finish_reason"`
+		} `json:"choices"`
+		Usage *usage `json:"usage"`
+	}
+	var a answer
+	add := func(c chunk) {
+		for _, ch := range c.Choices {
+			a.Text += ch.Text
+			if ch.FinishReason != nil {
+				a.Finish = *ch.FinishReason
+			}
+		}
+		if c.Usage != nil {
+			a.Usage = *c.Usage
+		}
+	}
+	if !stream {
+		var c chunk
+		if err := json.NewDecoder(resp.Body).Decode(&c); err != nil {
+			return nil, err
+		}
+		add(c)
+		return &a, nil
+	}
+	if ct := resp.Header.Get("Content-Type"); ct != "text/event-stream" {
+		return nil, fmt.Errorf("stream with Content-Type %q", ct)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		switch {
+		case sc.Text() == "":
+			continue
+		case !ok:
+			return nil, fmt.Errorf("not an event: %q", sc.Text())
+		case data == "[DONE]":
+			return &a, nil
+		}
+		var c chunk
+		if err := json.Unmarshal([]byte(data), &c); err != nil {
+			return nil, fmt.Errorf("event %q: %w", data, err)
+		}
+		add(c)
+	}
+	return nil, fmt.Errorf("the stream ended without [DONE] (%v)", sc.Err())
+}
+
+// The server's greedy completions are transformers' greedy continuations
+// (reference/llama-tiny.greedy.json, decoded by HF tokenizers): three
+// prompts, each asked for whole and streamed, all six at once on an
+// engine that batches four, so that requests join running batches.
+func TestCompletionsMatchReference(t *testing.T) {
+	ref := shared.GreedyRefs(t, "llama-tiny")
+	ts, _, _ := serve(t, engine.Options{MaxBatch: 4}, nil)
+	// Counted by hand: BOS and one token per word — "The" " history" " of"
+	// " the"; "Once" " upon" " a" " time"; "def" " main" "()" ":" — and the
+	// reference's 32 greedy tokens.
+	want := usage{PromptTokens: 5, CompletionTokens: 32, TotalTokens: 37}
+	var wg sync.WaitGroup
+	for prompt, r := range ref {
+		if len(r.PromptIDs) != want.PromptTokens || len(r.GreedyIDs) != want.CompletionTokens {
+			t.Fatalf("%q: the reference has %d prompt and %d greedy ids", prompt, len(r.PromptIDs), len(r.GreedyIDs))
+		}
+		for _, stream := range []bool{false, true} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				a, err := complete(ts.URL, prompt, want.CompletionTokens, stream)
+				if err != nil {
+					t.Errorf("%q (stream %v): %v", prompt, stream, err)
+					return
+				}
+				if a.Text != r.Text || a.Finish != "length" || a.Usage != want {
+					t.Errorf("%q (stream %v):\n got %q, finish %q, usage %+v\nwant %q, finish \"length\", usage %+v",
+						prompt, stream, a.Text, a.Finish, a.Usage, r.Text, want)
+				}
+			}()
+		}
+	}
+	wg.Wait()
+}
+
 var hi = []openai.ChatCompletionMessage{{Role: "user", Content: "Tell me about the history of Rome."}}
 
-// The non-streaming answer is the engine's greedy continuation of the
-// rendered chat prompt, with OpenAI's fields and usage counts.
+// hiPromptTokens is the rendered chat prompt of hi, counted by hand from
+// tokenizer_config.json's template and tokenizer.json's vocabulary ("Tell"
+// and "assistant" are not in it; "\n\n" is two pre-tokens):
+//
+//	<|start_header_id|> user <|end_header_id|> \n \n   5
+//	T ell ␣me ␣about ␣the ␣history ␣of ␣Rome .        9
+//	<|eot_id|>                                        1
+//	<|start_header_id|> ass ist ant <|end_header_id|> \n \n   7
+const hiPromptTokens = 22
+
+// The chat route renders the template, answers in OpenAI's
+// chat.completion shape and counts usage. The text is llmq's greedy
+// answer, recorded: a regression check of the chat route, since
+// transformers' reference has no chat prompt (the generation itself is
+// checked against it in TestCompletionsMatchReference).
 func TestChatCompletion(t *testing.T) {
-	_, e, client := serve(t, engine.Options{}, nil)
+	_, _, client := serve(t, engine.Options{}, nil)
 	resp, err := client.CreateChatCompletion(context.Background(), openai.ChatCompletionRequest{
 		Model: "llama-tiny", Messages: hi, MaxTokens: 12, Temperature: 1e-9})
 	if err != nil {
 		t.Fatal(err)
 	}
-	prompt, _ := e.EncodeChat([]chat.Message{{Role: "user", Content: hi[0].Content}})
-	want, err := e.Generate(context.Background(), engine.Request{Prompt: prompt, MaxTokens: 12}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(resp.Choices) != 1 || resp.Choices[0].Message.Content != want.Text || resp.Choices[0].Message.Role != "assistant" {
-		t.Fatalf("choices %+v, want text %q", resp.Choices, want.Text)
+	const want = "The history of the history of the history of the history of"
+	if len(resp.Choices) != 1 || resp.Choices[0].Message.Content != want || resp.Choices[0].Message.Role != "assistant" {
+		t.Fatalf("choices %+v, want text %q", resp.Choices, want)
 	}
 	if resp.Choices[0].FinishReason != "length" || resp.Object != "chat.completion" || resp.Model != "llama-tiny" || !strings.HasPrefix(resp.ID, "chatcmpl-") {
 		t.Errorf("response fields: %+v", resp)
 	}
-	if u := resp.Usage; u.PromptTokens != len(prompt) || u.CompletionTokens != 12 || u.TotalTokens != len(prompt)+12 {
-		t.Errorf("usage %+v, prompt %d tokens", u, len(prompt))
+	if u := resp.Usage; u.PromptTokens != hiPromptTokens || u.CompletionTokens != 12 || u.TotalTokens != hiPromptTokens+12 {
+		t.Errorf("usage %+v, want %d+12", u, hiPromptTokens)
 	}
 }
 
@@ -119,8 +241,8 @@ func TestChatCompletionStream(t *testing.T) {
 	if chunks < 5 {
 		t.Errorf("only %d chunks: the text was not streamed", chunks)
 	}
-	if usage == nil || usage.CompletionTokens != 16 || usage.PromptTokens != whole.Usage.PromptTokens {
-		t.Errorf("usage %+v, want %+v", usage, whole.Usage)
+	if usage == nil || usage.PromptTokens != hiPromptTokens || usage.CompletionTokens != 16 || usage.TotalTokens != hiPromptTokens+16 {
+		t.Errorf("usage %+v, want %d+16", usage, hiPromptTokens)
 	}
 }
 
@@ -286,8 +408,12 @@ func TestDisconnectStopsGeneration(t *testing.T) {
 
 // Shutting down lets a running stream finish, then Serve returns.
 func TestGracefulShutdown(t *testing.T) {
-	dir := shared.Path(t, "models/llama-tiny")
-	e, err := engine.Open(dir, engine.Options{})
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	e, err := engine.New(m, engine.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
