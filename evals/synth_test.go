@@ -3,6 +3,7 @@ package evals_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"os"
@@ -72,7 +73,8 @@ func TestSynth(t *testing.T) {
 		t.Errorf("unknown preset: %v", err)
 	}
 	err = evals.Synth(evals.SynthOptions{Arch: arch, Bits: 3, Group: 128, Tokenizer: tok, Out: filepath.Join(dir, "x")})
-	if err == nil || !strings.Contains(err.Error(), "--bits 3") {
+	var oe *evals.SynthOptionError
+	if !errors.As(err, &oe) || oe.Field != "Bits" || err.Error() != "bits 3: want 4 (GPTQ) or 16 (bf16)" {
 		t.Errorf("3 bits: %v", err)
 	}
 }

@@ -10,6 +10,11 @@ import (
 // openModel loads dir's checkpoint (packed or not) and tokenizer on a
 // device: auto, cpu or cuda; it says when auto falls back to the CPU.
 func openModel(dir, device string) (*engine.Model, error) {
+	switch device {
+	case "auto", "cpu", "cuda":
+	default:
+		return nil, fmt.Errorf("--device %q: want auto, cpu or cuda", device)
+	}
 	m, err := engine.Load(dir, device)
 	if err != nil {
 		return nil, err
