@@ -3,6 +3,7 @@
 #   make demo    inspect, GPTQ-quantize, evaluate and generate with the shared
 #                llama-tiny (MODEL=/path/to/checkpoint to use your own)
 #   make test    go vet + the whole test suite + the npm client e2e (what CI runs)
+#   make test-full  the full wikitext-2 perplexities against the references
 #   make e2e     drive llmq serve with the official openai npm package
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
 
@@ -28,7 +29,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test e2e demo cuda bench clean fmt device
+.PHONY: build test test-full e2e demo cuda bench clean fmt device
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
 # build/device/COMMIT is for the scripts there that record results of
@@ -46,6 +47,11 @@ test:
 	go vet $(GOFLAGS_TAGS) ./...
 	go test $(GOFLAGS_TAGS) -timeout 60m ./...
 	$(MAKE) e2e
+
+# The opt-in tests that take minutes: the full wikitext-2 perplexity of
+# llama-tiny and llama-small against REFERENCE.md's figures.
+test-full:
+	LLMQ_FULL_PPL=1 go test $(GOFLAGS_TAGS) -timeout 60m -run TestPerplexityFull -v ./evals
 
 # llmq serve end to end with the openai npm client (Node.js 20+ and the npm
 # registry); skipped without Node.js unless LLMQ_REQUIRE_SHARED=1 (CI).
