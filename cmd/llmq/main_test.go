@@ -191,8 +191,8 @@ func TestCommandLineErrors(t *testing.T) {
 		{"group 0", []string{"quantize", model, "--method", "rtn", "--group", "0", "-o", out}, []string{"--group 0: want a positive size, or -1"}, nil},
 		{"group not dividing", []string{"quantize", model, "--method", "rtn", "--group", "100", "-o", out}, []string{"--group 100: want a size dividing the layer's 256 input features"}, nil},
 		{"missing --calib", []string{"quantize", model, "--method", "gptq", "-o", out}, []string{"--calib"}, nil},
-		{"missing -o", []string{"quantize", model, "--method", "rtn"}, []string{"-o OUT is required"}, nil},
-		{"existing output", []string{"quantize", model, "--method", "rtn", "-o", exists}, []string{exists, "use --force to replace it"}, fs.ErrExist},
+		{"missing -o", []string{"quantize", model, "--method", "rtn"}, []string{"-o", "required"}, nil},
+		{"existing output", []string{"quantize", model, "--method", "rtn", "-o", exists}, []string{exists, "--force"}, nil},
 		{"missing model dir", []string{"quantize", missing, "--method", "rtn", "-o", out}, []string{missing}, fs.ErrNotExist},
 		{"inspect missing model dir", []string{"inspect", missing}, []string{missing}, fs.ErrNotExist},
 		{"eval missing model dir", []string{"eval", "ppl", missing, "--data", data, "--device", "cpu"}, []string{missing}, fs.ErrNotExist},
@@ -203,6 +203,8 @@ func TestCommandLineErrors(t *testing.T) {
 		{"generate bad --max-tokens", []string{"generate", model, "--prompt", "x", "--max-tokens", "0"}, []string{"--max-tokens must be positive, got 0"}, nil},
 		{"synth unknown preset", []string{"synth", "--preset", "gpt-5", "-o", out}, []string{`--preset "gpt-5": want one of`, "llama3-8b"}, nil},
 		{"synth bits 3", []string{"synth", "--bits", "3", "-o", out}, []string{"--bits 3: want 4 (GPTQ) or 16 (bf16)"}, nil},
+		{"synth group 100", []string{"synth", "--group", "100", "-o", out}, []string{"--group 100: want a multiple of 8 dividing 4096 and 14336"}, nil},
+		{"synth existing output", []string{"synth", "--preset", "llama3-1b", "--layers", "1", "--tokenizer", model, "-o", exists}, []string{exists, "use --force to replace it"}, fs.ErrExist},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			_, err := llmq(t, c.args...)
