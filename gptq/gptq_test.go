@@ -219,7 +219,7 @@ func TestWrittenLayerRoundTrip(t *testing.T) {
 			t.Fatal(err)
 		}
 		dir := filepath.Join(t.TempDir(), "out")
-		wr, err := pack.NewWriter(dir, false, 1)
+		wr, err := pack.NewWriter(dir, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -227,7 +227,7 @@ func TestWrittenLayerRoundTrip(t *testing.T) {
 		if err := wr.AddGPTQ(tensors, "layer", res.Linear); err != nil {
 			t.Fatal(err)
 		}
-		if err := wr.WriteShard(tensors); err != nil {
+		if err := wr.WritePart(tensors); err != nil {
 			t.Fatal(err)
 		}
 		if err := wr.Finish(shared.Path(t, "models/llama-tiny"), &pack.QuantConfig{QuantMethod: "gptq", Bits: 4, GroupSize: 128}); err != nil {
@@ -260,13 +260,13 @@ func TestWriterSwitchesToV2(t *testing.T) {
 	}
 	positive, _ := pack.RTN(pos, 8, 32, grid)
 	dir := filepath.Join(t.TempDir(), "out")
-	wr, _ := pack.NewWriter(dir, false, 2)
+	wr, _ := pack.NewWriter(dir, false)
 	for i, l := range []*pack.Linear{mixed, positive} {
 		tensors := map[string]checkpoint.Out{}
 		if err := wr.AddGPTQ(tensors, "l"+string(rune('0'+i)), l); err != nil {
 			t.Fatal(err)
 		}
-		if err := wr.WriteShard(tensors); err != nil {
+		if err := wr.WritePart(tensors); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -55,7 +55,10 @@ type Options struct {
 	NSamples       int    // calibration windows
 	SeqLen         int    // tokens per window
 	QuantizeLMHead bool
-	Force          bool // replace Out if it exists
+	Force          bool // replace Out if it exists (and is an llmq output)
+	// MaxShardBytes bounds a shard of the output
+	// (pack.DefaultMaxShardBytes when 0).
+	MaxShardBytes int64
 	// Progress, if set, is told when each block starts a stage.
 	Progress func(block, blocks int, stage string)
 }
@@ -110,6 +113,12 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}
 	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk()}
 
+	w, err := pack.NewWriter(opt.Out, opt.Force)
+	if err != nil {
+		return nil, err
+	}
+	w.MaxShardBytes = opt.MaxShardBytes
+	defer w.Abort() // a no-op once Finish has moved the directory
 	var X [][]float32
 	if m.Calibrated() {
 		if X, err = calibration(ck, opt); err != nil {
@@ -118,11 +127,6 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		rep.CalibTokens = len(X) * opt.SeqLen
 	}
 
-	w, err := pack.NewWriter(opt.Out, opt.Force, cfg.Layers+1)
-	if err != nil {
-		return nil, err
-	}
-	defer w.Abort() // a no-op once Finish has moved the directory
 	d := &driver{opt: opt, m: m, ck: ck, st: llm.NewStages(cfg), X: X, w: w, rep: rep}
 	for l := 0; l < cfg.Layers; l++ {
 		if err := d.block(ctx, l); err != nil {
@@ -227,7 +231,7 @@ func (d *driver) head(ctx context.Context) error {
 			}
 			tensors["lm_head.weight"] = pack.Raw(t)
 		}
-		return d.w.WriteShard(tensors)
+		return d.w.WritePart(tensors)
 	}
 	t0 := time.Now()
 	name := "lm_head.weight"
@@ -260,5 +264,5 @@ func (d *driver) head(ctx context.Context) error {
 	if err := d.emit(tensors, "lm_head", lin, loss, t0); err != nil {
 		return err
 	}
-	return d.w.WriteShard(tensors)
+	return d.w.WritePart(tensors)
 }

@@ -169,6 +169,13 @@ func TestCommandLineErrors(t *testing.T) {
 	if err := os.Mkdir(exists, 0o755); err != nil {
 		t.Fatal(err)
 	}
+	foreign := filepath.Join(dir, "foreign")
+	if err := os.Mkdir(foreign, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(foreign, "notes.txt"), []byte("not a checkpoint"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	short := filepath.Join(dir, "short.txt")
 	if err := os.WriteFile(short, []byte("a few words"), 0o644); err != nil {
 		t.Fatal(err)
@@ -193,6 +200,8 @@ func TestCommandLineErrors(t *testing.T) {
 		{"missing --calib", []string{"quantize", model, "--method", "gptq", "-o", out}, []string{"--calib"}, nil},
 		{"missing -o", []string{"quantize", model, "--method", "rtn"}, []string{"-o", "required"}, nil},
 		{"existing output", []string{"quantize", model, "--method", "rtn", "-o", exists}, []string{exists, "--force"}, nil},
+		{"--force over a foreign directory", []string{"quantize", model, "--method", "rtn", "-o", foreign, "--force"}, []string{foreign, "not an llmq output"}, nil},
+		{"bad --max-shard-size", []string{"quantize", model, "--method", "rtn", "-o", out, "--max-shard-size", "5XB"}, []string{"--max-shard-size", `"5XB"`}, nil},
 		{"missing model dir", []string{"quantize", missing, "--method", "rtn", "-o", out}, []string{missing}, fs.ErrNotExist},
 		{"inspect missing model dir", []string{"inspect", missing}, []string{missing}, fs.ErrNotExist},
 		{"eval missing model dir", []string{"eval", "ppl", missing, "--data", data, "--device", "cpu"}, []string{missing}, fs.ErrNotExist},
@@ -221,12 +230,16 @@ func TestCommandLineErrors(t *testing.T) {
 			}
 		})
 	}
-	// Nothing was written by the refused runs.
+	// Nothing was written by the refused runs, and the foreign directory
+	// is untouched.
+	if b, err := os.ReadFile(filepath.Join(foreign, "notes.txt")); err != nil || string(b) != "not a checkpoint" {
+		t.Errorf("--force touched a foreign directory: %q, %v", b, err)
+	}
 	if _, err := os.Stat(out); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("a refused command wrote %s (%v)", out, err)
 	}
 	entries, _ := os.ReadDir(dir)
-	if len(entries) != 2 {
+	if len(entries) != 3 { // exists, foreign, short.txt
 		var names []string
 		for _, e := range entries {
 			names = append(names, e.Name())

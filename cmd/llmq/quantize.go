@@ -22,7 +22,7 @@ func newQuantize() *cobra.Command {
 	var gopt gptq.Options
 	var bits, group int
 	var sym, duo, noClip bool
-	var reportPath, statsPath string
+	var reportPath, statsPath, shardSize string
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
 		Short: "Quantize a checkpoint to INT4 (GPTQ, AWQ, RTN) and write a packed checkpoint",
@@ -42,11 +42,12 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			if opt.Out == "" {
 				return fmt.Errorf("-o/--output is required")
 			}
+			var err error
+			if opt.MaxShardBytes, err = parseSize(shardSize); err != nil {
+				return fmt.Errorf("--max-shard-size: %w", err)
+			}
 			if opt.Format != "gptq" && opt.Format != "awq" {
 				return fmt.Errorf("--format must be gptq or awq, got %q", opt.Format)
-			}
-			if _, err := os.Stat(opt.Out); err == nil && !opt.Force {
-				return fmt.Errorf("output %s exists; --force replaces it", opt.Out)
 			}
 			grid := pack.Grid{Bits: bits, GroupSize: group, Sym: sym}
 			if err := grid.Validate(0); err != nil {
@@ -135,7 +136,8 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.IntVar(&opt.NSamples, "nsamples", 128, "calibration windows")
 	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window (AWQ default 512)")
 	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
-	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists")
+	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
+	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")
 	return cmd
 }
