@@ -121,6 +121,9 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	defer w.Abort() // a no-op once Finish has moved the directory
 	var X [][]float32
 	if m.Calibrated() {
+		if opt.Progress != nil {
+			opt.Progress(0, cfg.Layers, "reading the calibration data")
+		}
 		if X, err = calibration(ck, opt); err != nil {
 			return nil, err
 		}
@@ -150,7 +153,7 @@ func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, error) {
 	if err != nil {
 		return nil, err
 	}
-	ids, err := calib.ReadTokens(opt.Calib, tok)
+	ids, err := calib.ReadTokens(opt.Calib, calib.FormatAuto, tok)
 	if err != nil {
 		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
 	}

@@ -247,3 +247,43 @@ func TestCommandLineErrors(t *testing.T) {
 		t.Errorf("the refused commands left %v behind", names)
 	}
 }
+
+// TestEvalTokenFile: eval ppl reads token ids from an .i32 file (the
+// shared HF token ids of WikiText-2) and gets exactly the perplexity of
+// the text it tokenizes itself (the tokenizer reproduces those ids); the
+// same file read as text, or a binary file under another name, is refused
+// instead of tokenized into nonsense.
+func TestEvalTokenFile(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	text := shared.Path(t, "data/wikitext2/wiki.test.raw")
+	ids := shared.Path(t, "reference/wikitext2-test.tokens.i32")
+	args := []string{"--seqlen", "256", "--windows", "2", "--device", "cpu"}
+	fromText := perplexity(t, mustLLMQ(t, append([]string{"eval", "ppl", model, "--data", text}, args...)...))
+	fromIDs := perplexity(t, mustLLMQ(t, append([]string{"eval", "ppl", model, "--data", ids}, args...)...))
+	if fromText != fromIDs {
+		t.Errorf("perplexity %v from the text, %v from its HF token ids", fromText, fromIDs)
+	}
+	_, err := llmq(t, append([]string{"eval", "ppl", model, "--data", ids, "--format", "text"}, args...)...)
+	if err == nil || !strings.Contains(err.Error(), "does not look like text") || !strings.Contains(err.Error(), "--format ids") {
+		t.Errorf("ids read as text: %v", err)
+	}
+	// Ids out of the vocabulary are refused with their position.
+	bad := filepath.Join(t.TempDir(), "bad.i32")
+	os.WriteFile(bad, []byte{1, 0, 0, 0, 0, 0, 1, 0}, 0o644) // 1, 65536
+	_, err = llmq(t, append([]string{"eval", "ppl", model, "--data", bad}, args...)...)
+	if err == nil || !strings.Contains(err.Error(), "token id 65536 at position 1") {
+		t.Errorf("id outside the vocabulary: %v", err)
+	}
+}
+
+// TestCalibrationTooShort: too little calibration text says how many
+// windows fit and suggests settings that work.
+func TestCalibrationTooShort(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	short := filepath.Join(t.TempDir(), "short.txt")
+	os.WriteFile(short, []byte(strings.Repeat("The cat sat on the mat. ", 40)), 0o644) // 280 tokens
+	_, err := llmq(t, "quantize", model, "--method", "gptq", "--calib", short, "--nsamples", "4", "--seqlen", "128", "-o", filepath.Join(t.TempDir(), "out"))
+	if err == nil || !strings.Contains(err.Error(), "2 windows of 128") || !strings.Contains(err.Error(), "use --nsamples 2, or --seqlen 70 for 4 windows") {
+		t.Errorf("short calibration: %v", err)
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/progress"
+	"github.com/llmq/llmq/llm/calib"
 	"github.com/llmq/llmq/pack"
 	"github.com/llmq/llmq/quantize"
 	"github.com/spf13/cobra"
@@ -145,8 +146,20 @@ windows of --seqlen tokens of --calib (deterministic).`,
 // quantizeFlagError names the flags behind a library error where there
 // are some.
 func quantizeFlagError(err error, opt quantize.Options) error {
+	var short *calib.ShortError
+	if errors.As(err, &short) {
+		fit := short.Tokens / short.SeqLen
+		hint := fmt.Sprintf("use --nsamples %d", fit)
+		if fit == 0 {
+			hint = "use more calibration text"
+		}
+		if s := short.Tokens / short.N; s >= 16 {
+			hint += fmt.Sprintf(", or --seqlen %d for %d windows", s, short.N)
+		}
+		return fmt.Errorf("--calib %s with --nsamples %d --seqlen %d: %w; %s", opt.Calib, opt.NSamples, opt.SeqLen, short, hint)
+	}
 	if errors.Is(err, quantize.ErrCalibration) {
-		return fmt.Errorf("--calib/--nsamples %d/--seqlen %d: %w", opt.NSamples, opt.SeqLen, err)
+		return fmt.Errorf("--calib %s: %w", opt.Calib, err)
 	}
 	return err
 }
