@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"encoding/binary"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -222,4 +223,50 @@ func FuzzHeader(f *testing.F) {
 			_ = tn.ToFloat32(make([]float32, tn.Numel()))
 		}
 	})
+}
+
+// TestNonFiniteWeightsNamed: a weight that overflowed to Inf (70000 does
+// not fit in fp16) or is NaN is refused with the tensor and the index;
+// the largest finite float32 is accepted.
+func TestNonFiniteWeightsNamed(t *testing.T) {
+	dir := copyModel(t, "models/llama-tiny")
+	p := filepath.Join(dir, "model.safetensors")
+	f, err := OpenFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tensors := map[string]Out{}
+	for _, n := range f.Names() {
+		tn, _ := f.Tensor(n)
+		tensors[n] = Out{DType: tn.DType, Shape: tn.Shape, Data: append([]byte(nil), tn.Data...)}
+	}
+	f.Close()
+	norm := make([]float32, 256)
+	norm[7] = 70000
+	tensors["model.norm.weight"] = F16(norm, 256)
+	ln := make([]float32, 256)
+	ln[3] = float32(math.NaN())
+	tensors["model.layers.1.input_layernorm.weight"] = F32(ln, 256)
+	big := make([]float32, 256)
+	big[0] = math.MaxFloat32
+	tensors["model.layers.0.input_layernorm.weight"] = F32(big, 256)
+	if err := WriteFile(p, tensors, nil); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	for name, want := range map[string]string{
+		"model.norm.weight":                     `tensor "model.norm.weight": element 7 is +Inf`,
+		"model.layers.1.input_layernorm.weight": `tensor "model.layers.1.input_layernorm.weight": element 3 is NaN`,
+	} {
+		if _, err := ck.Float32(name, 256); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want %q", name, err, want)
+		}
+	}
+	if v, err := ck.Float32("model.layers.0.input_layernorm.weight", 256); err != nil || v[0] != math.MaxFloat32 {
+		t.Errorf("the largest finite float32: %v, %v", v[0], err)
+	}
 }

@@ -286,7 +286,24 @@ func (c *Checkpoint) Float32(name string, shape ...int) ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, t.Numel())
-	return out, t.ToFloat32(out)
+	if err := t.ToFloat32(out); err != nil {
+		return nil, err
+	}
+	if i := NonFinite(out); i >= 0 {
+		return nil, fmt.Errorf("tensor %q: element %d is %v; weights must be finite", name, i, out[i])
+	}
+	return out, nil
+}
+
+// NonFinite is the index of the first NaN or ±Inf in x, or −1. (A bf16 or
+// fp16 value that overflowed is stored as Inf, so this catches it.)
+func NonFinite(x []float32) int {
+	for i, v := range x {
+		if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+			return i
+		}
+	}
+	return -1
 }
 
 // SizeOnDisk is the total size of the weight files in bytes.
