@@ -14,6 +14,8 @@ import (
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // The command line's behaviour, run in process through newRoot() as a user
@@ -286,4 +288,27 @@ func TestCalibrationTooShort(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "2 windows of 128") || !strings.Contains(err.Error(), "use --nsamples 2, or --seqlen 70 for 4 windows") {
 		t.Errorf("short calibration: %v", err)
 	}
+}
+
+// TestHelpHasExamples: every command shows an example in its help, and
+// every flag has a usage text.
+func TestHelpHasExamples(t *testing.T) {
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		if c.Hidden || c.Name() == "help" || c.Name() == "completion" {
+			return
+		}
+		if c.Example == "" {
+			t.Errorf("llmq %s: no example in its help", c.CommandPath())
+		}
+		c.LocalFlags().VisitAll(func(f *pflag.Flag) {
+			if strings.TrimSpace(f.Usage) == "" {
+				t.Errorf("%s --%s: no usage text", c.CommandPath(), f.Name)
+			}
+		})
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(newRoot())
 }

@@ -57,6 +57,6 @@ Presets: ` + strings.Join(evals.PresetNames(), ", "),
 	f.IntVar(&opt.Layers, "layers", 0, "override the number of layers (0: the preset's)")
 	f.StringVar(&opt.Tokenizer, "tokenizer", filepath.Join(assets.Root(), "models", "llama-small"), "directory whose tokenizer.json (and tokenizer_config.json) to copy")
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory")
-	f.BoolVar(&opt.Force, "force", false, "replace an existing output directory")
+	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
 	return cmd
 }
