@@ -61,6 +61,8 @@ func TestConfigErrors(t *testing.T) {
 		`{}`:                                     "no \"architectures\"",
 		`{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}`: "intermediate_size must be a positive integer",
 		`{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 10}`: "not a multiple of num_key_value_heads",
+		`{"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": true}`:                                                                                      "use_sliding_window",
+		`{"architectures": ["MistralForCausalLM"], "sliding_window": 0}`:                                                                                                                   "sliding_window 0",
 		`{"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}}`:                                                                                                   `rope type "yarn" is not supported`,
 	}
 	for in, want := range cases {
