@@ -557,3 +557,20 @@ func TestWriterV2SwitchReadError(t *testing.T) {
 		t.Errorf("unreadable part: %v", err)
 	}
 }
+
+// FuzzParseQuantConfig: no quantization_config panics the parser, and one
+// it accepts describes a grid the loaders can read.
+func FuzzParseQuantConfig(f *testing.F) {
+	f.Add([]byte(`{"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": true, "sym": false, "checkpoint_format": "gptq_v2"}`))
+	f.Add([]byte(`{"quant_method": "awq", "bits": 4, "group_size": 256, "zero_point": true, "version": "gemm"}`))
+	f.Add([]byte(`{"quant_method": "gptq", "bits": 3, "group_size": -1}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		q, err := ParseQuantConfig(data)
+		if err != nil || q == nil {
+			return
+		}
+		if err := q.Grid().Validate(0); err != nil {
+			t.Fatalf("accepted %s with an invalid grid: %v", data, err)
+		}
+	})
+}

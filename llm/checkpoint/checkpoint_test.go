@@ -272,3 +272,24 @@ func TestNonFiniteWeightsNamed(t *testing.T) {
 		t.Errorf("the largest finite float32: %v, %v", v[0], err)
 	}
 }
+
+// FuzzParseConfig: no config.json, however malformed, panics the parser,
+// and a config it accepts describes a runnable shape (positive sizes,
+// heads dividing evenly, a sliding window only when positive).
+func FuzzParseConfig(f *testing.F) {
+	for _, m := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-swa-rand", "archzoo/llama31-rand"} {
+		if data, err := os.ReadFile(filepath.Join(shared.Root(), "models", m, "config.json")); err == nil {
+			f.Add(data)
+		}
+	}
+	f.Add([]byte(`{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10, "rope_scaling": {"rope_type": "llama3", "factor": 8}}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := ParseConfig(data)
+		if err != nil {
+			return
+		}
+		if c.Hidden <= 0 || c.Layers <= 0 || c.Heads <= 0 || c.KVHeads <= 0 || c.HeadDim <= 0 || c.Vocab <= 0 || c.Heads%c.KVHeads != 0 || c.SlidingWindow < 0 {
+			t.Fatalf("accepted an unrunnable config: %+v", c)
+		}
+	})
+}
