@@ -131,6 +131,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
 	f.BoolVar(&gopt.ActOrder, "act-order", false, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
 	f.BoolVar(&gopt.StaticGroups, "static-groups", false, "GPTQ: fit all group scales before quantizing")
+	f.BoolVar(&gopt.GroupsFromBlockStart, "groups-from-block-start", false, "GPTQ, groups smaller than 128: fit a group on the weights as its 128-column block began (the reference code's W), not as already updated")
 	f.Float64Var(&gopt.Damp, "damp", 0.01, "GPTQ: dampening as a fraction of mean(diag H)")
 	f.BoolVar(&opt.TrueSequential, "true-sequential", true, "GPTQ: quantize [q,k,v]→[o]→[gate,up]→[down] sequentially")
 	f.StringVar(&opt.Calib, "calib", "", "calibration text file (or .i32 token file)")
