@@ -14,8 +14,8 @@ import (
 
 func newEval() *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "eval",
-		Short: "Evaluate a model",
+		Use:     "eval",
+		Short:   "Evaluate a model",
 		Example: `  llmq eval ppl ../shared/models/llama-tiny --data ../shared/data/wikitext2/wiki.test.raw --windows 8`,
 	}
 	cmd.AddCommand(newEvalPPL())
