@@ -37,8 +37,11 @@ type Config struct {
 	BOS           int   // bos_token_id, -1 when absent
 	EOS           []int // eos_token_id (one or several)
 
-	// Quantization is config.json's quantization_config, verbatim, or nil.
-	Quantization json.RawMessage
+	// Quantization is config.json's quantization_config, verbatim, or nil;
+	// or, when config.json has none, the JSON of a legacy settings file
+	// (QuantizationFile names it).
+	Quantization     json.RawMessage
+	QuantizationFile string
 }
 
 // Rope describes rotary position embeddings. Type is "default", "linear" or
