@@ -29,8 +29,9 @@ type QuantConfig struct {
 
 // QuantMeta records how llmq made the checkpoint.
 type QuantMeta struct {
-	Quantizer string `json:"quantizer"` // "llmq"
-	Method    string `json:"method"`    // rtn, gptq, awq, awq+gptq
+	Quantizer string `json:"quantizer"`         // "llmq"
+	Version   string `json:"version,omitempty"` // the llmq commit that wrote it
+	Method    string `json:"method"`            // rtn, gptq, awq, awq+gptq
 	NSamples  int    `json:"nsamples,omitempty"`
 	SeqLen    int    `json:"seqlen,omitempty"`
 	Calib     string `json:"calibration,omitempty"`

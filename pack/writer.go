@@ -29,6 +29,8 @@ type Writer struct {
 	Format        string // GPTQ checkpoint format of the layers written so far
 	bits          int    // bit width of the layers written
 	Bytes         int64  // bytes of tensor data written
+	// Card, if set, is written as the output's README.md (a model card).
+	Card string
 }
 
 // part is one WritePart call's file in the temporary directory.
@@ -313,6 +315,11 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 	}
 	for _, name := range []string{"tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json", "tokenizer.model"} {
 		if err := copyFile(filepath.Join(srcDir, name), filepath.Join(w.tmp, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	if w.Card != "" {
+		if err := os.WriteFile(filepath.Join(w.tmp, "README.md"), []byte(w.Card), 0o644); err != nil {
 			return err
 		}
 	}

@@ -59,6 +59,9 @@ type Options struct {
 	// MaxShardBytes bounds a shard of the output
 	// (pack.DefaultMaxShardBytes when 0).
 	MaxShardBytes int64
+	// CommandLine and Version, if set, are recorded in the model card and
+	// the config's meta (how the checkpoint was made, by which llmq).
+	CommandLine, Version string
 	// Progress, if set, is told when each block starts a stage.
 	Progress func(block, blocks int, stage string)
 }
@@ -139,7 +142,13 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if err := d.head(ctx); err != nil {
 		return nil, err
 	}
-	if err := w.Finish(opt.Src, d.quantConfig()); err != nil {
+	qc := d.quantConfig()
+	rep.BytesOut, rep.Format = w.Bytes, w.Format
+	if qc.QuantMethod == "gptq" {
+		qc.CheckpointFormat = w.Format // as Finish records it
+	}
+	w.Card = modelCard(opt, ck, qc, rep)
+	if err := w.Finish(opt.Src, qc); err != nil {
 		return nil, err
 	}
 	rep.Format, rep.BytesOut, rep.Seconds = w.Format, w.Bytes, time.Since(start).Seconds()
@@ -167,7 +176,7 @@ func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, error) {
 // quantConfig is the checkpoint's quantization_config.
 func (d *driver) quantConfig() *pack.QuantConfig {
 	opt, g := d.opt, d.m.Grid()
-	meta := &pack.QuantMeta{Quantizer: "llmq", Method: d.m.Name()}
+	meta := &pack.QuantMeta{Quantizer: "llmq", Version: d.opt.Version, Method: d.m.Name()}
 	if d.m.Calibrated() {
 		meta.NSamples, meta.SeqLen, meta.Calib = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib)
 	}

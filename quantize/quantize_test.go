@@ -314,3 +314,36 @@ func TestLegacyLayouts(t *testing.T) {
 		t.Errorf("two weight files without an index: %v", err)
 	}
 }
+
+// TestModelCard: an output carries a README.md that says what it was made
+// from and how (method, bits, group, calibration, the command line), and
+// the config's meta names llmq's version.
+func TestModelCard(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "out")
+	opt := Options{Src: shared.Path(t, "models/llama-tiny"), Out: out, TrueSequential: true,
+		Method: GPTQ{Opt: gptq.Options{Grid: pack.Grid{Bits: 3, GroupSize: 64, Sym: true}, Damp: 0.01}},
+		Calib:  shared.Path(t, "data/calib.txt"), NSamples: 2, SeqLen: 64,
+		CommandLine: "llmq quantize llama-tiny --bits 3 --group 64 --sym", Version: "abc123"}
+	if _, err := Run(context.Background(), opt); err != nil {
+		t.Fatal(err)
+	}
+	card, err := os.ReadFile(filepath.Join(out, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"base_model: llama-tiny", "# llama-tiny, 3-bit GPTQ", "to 3 bits, groups of 64, symmetric",
+		"calib.txt, the first 2 windows of 64 tokens (128 tokens)", "llmq abc123", "llmq quantize llama-tiny --bits 3 --group 64 --sym"} {
+		if !strings.Contains(string(card), want) {
+			t.Errorf("model card lacks %q:\n%s", want, card)
+		}
+	}
+	ck, err := checkpoint.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	q, err := pack.ParseQuantConfig(ck.Config.Quantization)
+	if err != nil || q.Meta == nil || q.Meta.Quantizer != "llmq" || q.Meta.Version != "abc123" || q.Meta.Method != "gptq" {
+		t.Errorf("meta %+v, %v", q.Meta, err)
+	}
+}

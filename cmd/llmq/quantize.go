@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/llmq/llmq/awq"
@@ -97,6 +98,10 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				}
 				bar.Set(block, fmt.Sprintf("block %d %s", block, stage))
 			}
+			opt.CommandLine = commandLine(cmd)
+			if v := evals.Commit(); v != "unknown" {
+				opt.Version = v
+			}
 			rep, err := quantize.Run(ctx, opt)
 			if err != nil {
 				if ctx.Err() != nil {
@@ -175,4 +180,19 @@ func printReport(cmd *cobra.Command, rep *quantize.Report) {
 	}
 	fmt.Fprintf(w, "method %s, format %s, %d calibration tokens\n", rep.Method, rep.Format, rep.CalibTokens)
 	fmt.Fprintf(w, "size %s → %s, wall time %.1f s\n", human(float64(rep.BytesIn), "B"), human(float64(rep.BytesOut), "B"), rep.Seconds)
+}
+
+// commandLine is the command as a shell would take it back.
+func commandLine(cmd *cobra.Command) string {
+	parts := []string{cmd.CommandPath()}
+	for _, a := range os.Args[1:] {
+		if a == "" || strings.ContainsAny(a, " \t\n'\"$\\") {
+			a = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
+		}
+		parts = append(parts, a)
+	}
+	if len(os.Args) > 1 && os.Args[1] == cmd.Name() {
+		parts = append(parts[:1], parts[2:]...) // CommandPath already holds it
+	}
+	return strings.Join(parts, " ")
 }
