@@ -3,6 +3,7 @@
 #   make demo    inspect, GPTQ-quantize, evaluate and generate with the shared
 #                llama-tiny (MODEL=/path/to/checkpoint to use your own)
 #   make test    go vet + the whole test suite + the npm client e2e (what CI runs)
+#   make test-full  the full wikitext-2 perplexities against the references
 #   make e2e     drive llmq serve with the official openai npm package
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
 
@@ -17,27 +18,40 @@ HASH := \#
 TAGS ?= $(shell printf '$(HASH)include <cblas.h>\nint main(void){return 0;}\n' | cc -x c - -lopenblas -o /dev/null 2>/dev/null && echo openblas)
 GOFLAGS_TAGS = $(if $(TAGS),-tags $(TAGS))
 
+# The commit the binaries are built from, linked into them for builds that
+# carry no VCS stamp of Go's (make device's binaries run where there is no
+# git; test binaries; -buildvcs=false). "-dirty" when tracked files outside
+# evals/results differ from it (results are outputs, not sources).
+REVISION := $(shell git rev-parse HEAD 2>/dev/null)$(shell git status --porcelain --untracked-files=no -- ':(top)' ':(top,exclude)evals/results' 2>/dev/null | grep -q . && echo -dirty)
+LDFLAGS = -ldflags "-X github.com/llmq/llmq/evals.revision=$(REVISION)"
+
 NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test e2e demo cuda bench clean fmt device
+.PHONY: build test test-full e2e demo cuda bench clean fmt device
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
+# build/device/COMMIT is for the scripts there that record results of
+# programs other than llmq (evals/torchref/awq.py reads $$LLMQ_COMMIT).
 device:
 	@mkdir -p build/device
-	go build -o build/device/llmq ./cmd/llmq
-	go test -c -o build/device/cuda.test ./cuda
-	git rev-parse HEAD > build/device/COMMIT
-	git status --porcelain --untracked-files=no -- ':(top)' ':(top,exclude)evals/results' | grep -q . && echo "-dirty" >> build/device/COMMIT || true
+	go build $(LDFLAGS) -o build/device/llmq ./cmd/llmq
+	go test -c $(LDFLAGS) -o build/device/cuda.test ./cuda
+	echo "$(REVISION)" > build/device/COMMIT
 
 build:
-	go build $(GOFLAGS_TAGS) -o build/llmq ./cmd/llmq
+	go build $(GOFLAGS_TAGS) $(LDFLAGS) -o build/llmq ./cmd/llmq
 
 test:
 	go vet $(GOFLAGS_TAGS) ./...
 	go test $(GOFLAGS_TAGS) -timeout 60m ./...
 	$(MAKE) e2e
+
+# The opt-in tests that take minutes: the full wikitext-2 perplexity of
+# llama-tiny and llama-small against REFERENCE.md's figures.
+test-full:
+	LLMQ_FULL_PPL=1 go test $(GOFLAGS_TAGS) -timeout 60m -run TestPerplexityFull -v ./evals
 
 # llmq serve end to end with the openai npm client (Node.js 20+ and the npm
 # registry); skipped without Node.js unless LLMQ_REQUIRE_SHARED=1 (CI).
@@ -45,7 +59,7 @@ e2e:
 	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
 	  if [ "$$LLMQ_REQUIRE_SHARED" = 1 ]; then echo "e2e: node and npm are required"; exit 1; fi; \
 	  echo "e2e: skipped (no node/npm)"; exit 0; fi; \
-	go build $(GOFLAGS_TAGS) -o build/e2e/llmq ./cmd/llmq && \
+	go build $(GOFLAGS_TAGS) $(LDFLAGS) -o build/e2e/llmq ./cmd/llmq && \
 	cd evals/serve-e2e && npm ci --no-audit --no-fund --loglevel=error && node e2e.mjs ../../build/e2e/llmq $(abspath $(MODEL))
 
 # The main job on a checkpoint: inspect it, quantize it with GPTQ (a short

@@ -94,7 +94,7 @@ func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
 	switch h := head.(type) {
 	case *gpuLinear:
 		if h.w4 != nil {
-			return nil, fmt.Errorf("%s: a 4-bit lm_head is not supported by the GPU backend yet (quantize without --lm-head)", ck.Dir)
+			return nil, fmt.Errorf("%s: a 4-bit lm_head is not supported by the GPU backend yet (it runs checkpoints whose lm_head is unquantized)", ck.Dir)
 		}
 		m.lmHead = h
 	default: // tied: the LM head is the embedding matrix

@@ -2,8 +2,8 @@ package evals
 
 import (
 	"os"
-	"os/exec"
 	"runtime"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"time"
@@ -20,8 +20,8 @@ type Record struct {
 	Data    map[string]any `json:"data"`
 }
 
-// NewRecord stamps data with the command line, the git commit (or
-// $LLMQ_COMMIT where there is no git, as on the GPU machine) and the device.
+// NewRecord stamps data with the command line, the commit the binary was
+// built from (see Commit) and the device.
 func NewRecord(kind string, data map[string]any) Record {
 	return Record{
 		Kind:    kind,
@@ -33,22 +33,45 @@ func NewRecord(kind string, data map[string]any) Record {
 	}
 }
 
-// Commit is the current git commit, marked "-dirty" when the tree has
-// uncommitted changes outside evals/results (results are outputs: a run
-// that writes several of them must not mark its own later records dirty).
+// revision is the commit the Makefile links in (-ldflags "-X
+// github.com/llmq/llmq/evals.revision=HASH[-dirty]") for builds that carry
+// no VCS stamp: make device's binaries (run on a machine without git),
+// test binaries, builds with -buildvcs=false.
+var revision string
+
+// Commit is the commit the running binary was built from, with "-dirty"
+// when its tree had uncommitted changes: Go's VCS stamp (vcs.revision and
+// vcs.modified in the build info), else the revision linked in by the
+// Makefile, else "unknown". It never looks at the working directory, which
+// need not be the repository the binary came from.
 func Commit() string {
-	if c := os.Getenv("LLMQ_COMMIT"); c != "" {
-		return c
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		if c := stampedCommit(bi.Settings); c != "" {
+			return c
+		}
 	}
-	out, err := exec.Command("git", "rev-parse", "HEAD").Output()
-	if err != nil {
-		return "unknown"
+	if revision != "" {
+		return revision
 	}
-	c := strings.TrimSpace(string(out))
-	if st, err := exec.Command("git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)evals/results").Output(); err == nil && len(st) > 0 {
-		c += "-dirty"
+	return "unknown"
+}
+
+// stampedCommit reads the VCS stamp of a build's settings ("" without one).
+func stampedCommit(settings []debug.BuildSetting) string {
+	var rev string
+	dirty := false
+	for _, s := range settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			dirty = s.Value == "true"
+		}
 	}
-	return c
+	if rev != "" && dirty {
+		rev += "-dirty"
+	}
+	return rev
 }
 
 // Device describes the CPU (model name and cores); GPU runs add theirs.

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -61,6 +62,25 @@ type SynthOptions struct {
 	Progress  func(done, total int)
 }
 
+// A SynthOptionError is a SynthOptions field Synth cannot use: the field's
+// name (Preset, Bits, Group, Tokenizer), its value as text, and what was
+// expected, or the error reading it. A command line names its own flag.
+type SynthOptionError struct {
+	Field string
+	Value string
+	Want  string
+	Err   error
+}
+
+func (e *SynthOptionError) Error() string {
+	if e.Err != nil {
+		return fmt.Sprintf("%s %s: %v", strings.ToLower(e.Field), e.Value, e.Err)
+	}
+	return fmt.Sprintf("%s %s: want %s", strings.ToLower(e.Field), e.Value, e.Want)
+}
+
+func (e *SynthOptionError) Unwrap() error { return e.Err }
+
 // Synth writes a random-weight checkpoint with a preset's architecture in
 // the layout real checkpoints use — bf16, or GPTQ 4-bit with fp16 scales —
 // so that loading and running it costs what the real model costs. Weights
@@ -72,16 +92,16 @@ func Synth(opt SynthOptions) error {
 		p, ok = *opt.Arch, true
 	}
 	if !ok {
-		return fmt.Errorf("--preset %q: want one of %s", opt.Preset, strings.Join(PresetNames(), ", "))
+		return &SynthOptionError{Field: "Preset", Value: strconv.Quote(opt.Preset), Want: "one of " + strings.Join(PresetNames(), ", ")}
 	}
 	if opt.Bits != 4 && opt.Bits != 16 {
-		return fmt.Errorf("--bits %d: want 4 (GPTQ) or 16 (bf16)", opt.Bits)
+		return &SynthOptionError{Field: "Bits", Value: strconv.Itoa(opt.Bits), Want: "4 (GPTQ) or 16 (bf16)"}
 	}
 	if opt.Layers > 0 {
 		p.Layers = opt.Layers
 	}
 	if opt.Group <= 0 || p.Hidden%opt.Group != 0 || p.Intermediate%opt.Group != 0 || opt.Group%8 != 0 {
-		return fmt.Errorf("--group %d must be a multiple of 8 dividing %d and %d", opt.Group, p.Hidden, p.Intermediate)
+		return &SynthOptionError{Field: "Group", Value: strconv.Itoa(opt.Group), Want: fmt.Sprintf("a multiple of 8 dividing %d and %d", p.Hidden, p.Intermediate)}
 	}
 	src, err := os.MkdirTemp("", "llmq-synth-src-")
 	if err != nil {
@@ -105,7 +125,7 @@ func Synth(opt SynthOptions) error {
 		b, err := os.ReadFile(filepath.Join(opt.Tokenizer, f))
 		if err != nil {
 			if f == "tokenizer.json" {
-				return fmt.Errorf("--tokenizer: %w", err)
+				return &SynthOptionError{Field: "Tokenizer", Value: opt.Tokenizer, Err: err}
 			}
 			continue
 		}

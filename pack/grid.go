@@ -79,20 +79,32 @@ type Grid struct {
 	MinMax    bool
 }
 
-// Validate checks the grid against a layer's input width.
+// A GridError is a grid parameter that cannot be used: which one ("bits"
+// or "group size"), its value, and what was expected. A command line names
+// its own flag for Field.
+type GridError struct {
+	Field string
+	Value int
+	Want  string
+}
+
+func (e *GridError) Error() string { return fmt.Sprintf("%s %d: want %s", e.Field, e.Value, e.Want) }
+
+// Validate checks the grid against a layer's input width (in ≤ 0: any
+// width). Bits are 2, 3, 4 or 8 (the widths the bit-stream layouts and
+// their loaders read); the group size is −1 (one group per row) or any
+// size dividing the input width: GPTQ and AWQ checkpoints use 32 to 256.
 func (g Grid) Validate(in int) error {
 	switch g.Bits {
 	case 2, 3, 4, 8:
 	default:
-		return fmt.Errorf("--bits %d is not supported (2, 3, 4 or 8)", g.Bits)
+		return &GridError{Field: "bits", Value: g.Bits, Want: "2, 3, 4 or 8"}
 	}
-	switch g.GroupSize {
-	case -1, 32, 64, 128:
-	default:
-		return fmt.Errorf("--group %d is not supported (32, 64, 128, or -1 for one group per output channel)", g.GroupSize)
+	if g.GroupSize == 0 || g.GroupSize < -1 {
+		return &GridError{Field: "group size", Value: g.GroupSize, Want: "a positive size, or -1 for one group per row"}
 	}
 	if in > 0 && g.GroupSize > 0 && in%g.GroupSize != 0 {
-		return fmt.Errorf("--group %d does not divide the layer's %d input features", g.GroupSize, in)
+		return &GridError{Field: "group size", Value: g.GroupSize, Want: fmt.Sprintf("a size dividing the layer's %d input features", in)}
 	}
 	return nil
 }

@@ -1,10 +1,13 @@
 package pack
 
 import (
+	"errors"
+	"io/fs"
 	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -58,13 +61,85 @@ func TestGridByHand(t *testing.T) {
 }
 
 func TestGridValidate(t *testing.T) {
-	for _, bad := range []Grid{{Bits: 5, GroupSize: 128}, {Bits: 4, GroupSize: 100}, {Bits: 1, GroupSize: -1}} {
-		if bad.Validate(256) == nil {
-			t.Errorf("%+v accepted", bad)
+	for _, c := range []struct {
+		grid  Grid
+		in    int
+		field string
+		want  string // the error's text
+	}{
+		{Grid{Bits: 5, GroupSize: 128}, 256, "bits", "bits 5: want 2, 3, 4 or 8"},
+		{Grid{Bits: 1, GroupSize: -1}, 256, "bits", "bits 1: want 2, 3, 4 or 8"},
+		{Grid{Bits: 4, GroupSize: 0}, 256, "group size", "group size 0: want a positive size, or -1 for one group per row"},
+		{Grid{Bits: 4, GroupSize: -2}, 0, "group size", "group size -2: want a positive size, or -1 for one group per row"},
+		{Grid{Bits: 4, GroupSize: 100}, 256, "group size", "group size 100: want a size dividing the layer's 256 input features"},
+		{Grid{Bits: 4, GroupSize: 128}, 320, "group size", "group size 128: want a size dividing the layer's 320 input features"},
+		{Grid{Bits: 4, GroupSize: 512}, 256, "group size", "group size 512: want a size dividing the layer's 256 input features"},
+	} {
+		err := c.grid.Validate(c.in)
+		var ge *GridError
+		if !errors.As(err, &ge) || ge.Field != c.field || err.Error() != c.want {
+			t.Errorf("%+v on %d inputs: %v, want a GridError %q", c.grid, c.in, err, c.want)
 		}
 	}
-	if (Grid{Bits: 4, GroupSize: 128}).Validate(320) == nil {
-		t.Error("group 128 accepted for 320 inputs")
+	// Every group size that divides the input width is accepted (GPTQ and
+	// AWQ checkpoints use 32 to 256), and -1; without a width, any size.
+	for _, c := range []struct{ group, in int }{{256, 4096}, {256, 11008 - 11008%256}, {96, 288}, {7, 14}, {-1, 4096}, {256, 0}, {1000, 0}} {
+		if err := (Grid{Bits: 4, GroupSize: c.group}).Validate(c.in); err != nil {
+			t.Errorf("group %d on %d inputs refused: %v", c.group, c.in, err)
+		}
+	}
+}
+
+// TestGroup256Checkpoints: quantization_config with group_size 256, as
+// GPTQModel/AutoGPTQ and AutoAWQ write it, is accepted, and layers with
+// groups of 256 read back through it bit for bit in both layouts.
+func TestGroup256Checkpoints(t *testing.T) {
+	gptqConfig := `{"bits": 4, "group_size": 256, "damp_percent": 0.01, "desc_act": false, "static_groups": false,
+		"sym": true, "true_sequential": true, "model_name_or_path": null, "model_file_base_name": null,
+		"quant_method": "gptq", "checkpoint_format": "gptq"}`
+	awqConfig := `{"quant_method": "awq", "zero_point": true, "group_size": 256, "bits": 4, "version": "gemm",
+		"modules_to_not_convert": null}`
+	r := rand.New(rand.NewPCG(13, 14))
+	for _, c := range []struct {
+		name, config string
+		grid         Grid
+		tensors      func(l *Linear) (map[string]checkpoint.Out, error)
+	}{
+		{"gptq", gptqConfig, Grid{Bits: 4, GroupSize: 256, Sym: true}, func(l *Linear) (map[string]checkpoint.Out, error) { return l.GPTQTensors("layer", FormatGPTQ) }},
+		{"awq", awqConfig, Grid{Bits: 4, GroupSize: 256}, func(l *Linear) (map[string]checkpoint.Out, error) { return l.AWQTensors("layer") }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			q, err := ParseQuantConfig([]byte(c.config))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := q.Grid(); got != c.grid {
+				t.Fatalf("grid %+v, want %+v", got, c.grid)
+			}
+			l := randomLinear(r, 64, 768, c.grid, false) // 3 groups of 256
+			tensors, err := c.tensors(l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			dir := t.TempDir()
+			writeCheckpoint(t, dir, tensors)
+			ck, err := checkpoint.Open(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ck.Close()
+			back, err := q.Read(ck, "layer", 768, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			assertSameWeights(t, back.Dequantize(), l.Dequantize())
+			if _, err := back.GPULayout(); err != nil {
+				t.Errorf("GPU layout of groups of 256: %v", err)
+			}
+		})
+	}
+	if _, err := ParseQuantConfig([]byte(`{"quant_method": "gptq", "bits": 4, "group_size": -7}`)); err == nil || !strings.Contains(err.Error(), "group size -7") {
+		t.Errorf("group_size -7: %v", err)
 	}
 }
 
@@ -301,4 +376,21 @@ func TestAWQGridByHand(t *testing.T) {
 	if l.Scale[0] != RoundF16(s) || l.Zero[0] != 3 || l.Q[0] != 0 || l.Q[2] != 6 {
 		t.Errorf("RTN on AWQ's grid: scale %v (want %v), zero %d, codes %v", l.Scale[0], RoundF16(s), l.Zero[0], l.Q)
 	}
+}
+
+// TestWriterRefusesExistingOutput: an existing directory is an fs.ErrExist
+// (a command line adds how to replace it) unless force is set.
+func TestWriterRefusesExistingOutput(t *testing.T) {
+	dir := t.TempDir()
+	if _, err := NewWriter(dir, false, 1); !errors.Is(err, fs.ErrExist) || !strings.Contains(err.Error(), dir) {
+		t.Errorf("existing output: %v, want fs.ErrExist naming %s", err, dir)
+	}
+	if _, err := NewWriter("", false, 1); !errors.Is(err, ErrNoOutput) {
+		t.Error("empty output directory accepted")
+	}
+	w, err := NewWriter(dir, true, 1)
+	if err != nil {
+		t.Fatalf("with force: %v", err)
+	}
+	os.RemoveAll(w.tmp)
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -26,14 +27,18 @@ type Writer struct {
 	Bytes      int64  // bytes of tensor data written
 }
 
+// ErrNoOutput is NewWriter's error for an empty output directory name.
+var ErrNoOutput = errors.New("no output directory given")
+
 // NewWriter prepares to write nShards shards to dir. An existing dir is an
-// error unless force is set (it is then replaced at Finish).
+// error (wrapping fs.ErrExist) unless force is set (it is then replaced at
+// Finish).
 func NewWriter(dir string, force bool, nShards int) (*Writer, error) {
 	if dir == "" {
-		return nil, fmt.Errorf("-o OUT is required")
+		return nil, ErrNoOutput
 	}
 	if _, err := os.Stat(dir); err == nil && !force {
-		return nil, fmt.Errorf("output %s exists; use --force to replace it", dir)
+		return nil, fmt.Errorf("output directory %s: %w", dir, fs.ErrExist)
 	}
 	parent := filepath.Dir(filepath.Clean(dir))
 	if err := os.MkdirAll(parent, 0o755); err != nil {

@@ -55,6 +55,7 @@ benchmarks.`,
 			stopProfile()
 		}
 	}
-	root.AddCommand(newInspect(), newTokenize(), newQuantize(), newEval(), newGenerate(), newServe(), newSynth(), newBench())
+	root.AddCommand(newInspect(), newTokenize(), withFlagErrors(newQuantize(), flagNames{"bits": "--bits", "group size": "--group"}), newEval(), newGenerate(), newServe(),
+		withFlagErrors(newSynth(), flagNames{"Preset": "--preset", "Bits": "--bits", "Group": "--group", "Tokenizer": "--tokenizer"}), newBench())
 	return root
 }

@@ -50,7 +50,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			}
 			grid := pack.Grid{Bits: bits, GroupSize: group, Sym: sym}
 			if err := grid.Validate(0); err != nil {
-				return fmt.Errorf("--bits %d --group %d: %w", bits, group, err)
+				return err // withFlagErrors names the flag
 			}
 			if gopt.Damp <= 0 || gopt.Damp >= 1 {
 				return fmt.Errorf("--damp must be in (0, 1), got %v", gopt.Damp)
@@ -125,7 +125,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&duo, "duo", false, "AWQ: duo scaling x̄^α / w̄^(1−α) (AutoAWQ) instead of x̄^α (llm-awq)")
 	f.BoolVar(&noClip, "no-clip", false, "AWQ: skip the clip search")
 	f.IntVar(&bits, "bits", 4, "bits per weight: 2, 3, 4 or 8")
-	f.IntVar(&group, "group", 128, "group size along the input dimension: 32, 64, 128, or -1 (per channel)")
+	f.IntVar(&group, "group", 128, "group size along the input dimension: a size dividing every layer's input (32, 64, 128, 256, …) or -1 (per channel)")
 	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
 	f.BoolVar(&gopt.ActOrder, "act-order", false, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
 	f.BoolVar(&gopt.StaticGroups, "static-groups", false, "GPTQ: fit all group scales before quantizing")

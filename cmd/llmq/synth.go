@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/llmq/llmq/evals"
+	"github.com/llmq/llmq/internal/assets"
 	"github.com/llmq/llmq/internal/progress"
-	"github.com/llmq/llmq/internal/shared"
 	"github.com/spf13/cobra"
 )
 
@@ -49,7 +49,7 @@ Presets: ` + strings.Join(evals.PresetNames(), ", "),
 	f.IntVar(&opt.Bits, "bits", 4, "4 (GPTQ, symmetric, fp16 scales) or 16 (bf16)")
 	f.IntVar(&opt.Group, "group", 128, "quantization group size")
 	f.IntVar(&opt.Layers, "layers", 0, "override the number of layers (0: the preset's)")
-	f.StringVar(&opt.Tokenizer, "tokenizer", filepath.Join(shared.Root(), "models", "llama-small"), "directory whose tokenizer.json (and tokenizer_config.json) to copy")
+	f.StringVar(&opt.Tokenizer, "tokenizer", filepath.Join(assets.Root(), "models", "llama-small"), "directory whose tokenizer.json (and tokenizer_config.json) to copy")
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory")
 	f.BoolVar(&opt.Force, "force", false, "replace an existing output directory")
 	return cmd

@@ -1,6 +1,7 @@
-// Package shared locates the project's read-only reference assets (models,
-// data and reference outputs in ../shared beside the repository) for tests
-// and benchmarks. When they are absent a test is skipped with a clear
+// Package shared gives tests and benchmarks the project's read-only
+// reference assets (models, data and reference outputs in ../shared beside
+// the repository, located by internal/assets). It imports testing: only
+// tests may import it. When they are absent a test is skipped with a clear
 // message, unless LLMQ_REQUIRE_SHARED=1 (set by CI), where it fails.
 package shared
 
@@ -11,29 +12,12 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/llmq/llmq/internal/assets"
 )
 
-// Root returns the shared directory: $LLMQ_SHARED, or ../shared relative to
-// the module root.
-func Root() string {
-	if d := os.Getenv("LLMQ_SHARED"); d != "" {
-		return d
-	}
-	dir, err := os.Getwd()
-	if err != nil {
-		return "../shared"
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return filepath.Join(dir, "..", "shared")
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "../shared"
-		}
-		dir = parent
-	}
-}
+// Root returns the shared directory (see assets.Root).
+func Root() string { return assets.Root() }
 
 // Path returns Root()/rel, skipping (or, in CI, failing) tb when it is absent.
 func Path(tb testing.TB, rel string) string {

@@ -19,11 +19,11 @@ import (
 func ReadTokens(path string, tok *tokenizer.Tokenizer) ([]int, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("--calib: %w", err)
+		return nil, fmt.Errorf("calibration data: %w", err)
 	}
 	if strings.HasSuffix(path, ".i32") {
 		if len(data)%4 != 0 {
-			return nil, fmt.Errorf("--calib %s: %d bytes is not a whole number of int32 ids", path, len(data))
+			return nil, fmt.Errorf("calibration data %s: %d bytes is not a whole number of int32 ids", path, len(data))
 		}
 		ids := make([]int, len(data)/4)
 		for i := range ids {
@@ -37,11 +37,11 @@ func ReadTokens(path string, tok *tokenizer.Tokenizer) ([]int, error) {
 // Windows returns the first n non-overlapping windows of seqlen tokens.
 func Windows(ids []int, n, seqlen int) ([][]int, error) {
 	if n <= 0 || seqlen <= 0 {
-		return nil, fmt.Errorf("--nsamples and --seqlen must be positive (got %d and %d)", n, seqlen)
+		return nil, fmt.Errorf("%d calibration windows of %d tokens: want a positive number of windows and tokens", n, seqlen)
 	}
 	have := len(ids) / seqlen
 	if have < n {
-		return nil, fmt.Errorf("calibration data has %d tokens, %d windows of %d; --nsamples %d asks for %d tokens", len(ids), have, seqlen, n, n*seqlen)
+		return nil, fmt.Errorf("calibration data has %d tokens, %d windows of %d; %d windows need %d tokens", len(ids), have, seqlen, n, n*seqlen)
 	}
 	out := make([][]int, n)
 	for i := range out {
