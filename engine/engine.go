@@ -112,8 +112,11 @@ type Engine struct {
 	mu     sync.Mutex // orders submissions before Close
 	closed bool
 
-	active    atomic.Int64 // sequences in the batch
-	generated atomic.Int64 // tokens generated since the start
+	active       atomic.Int64 // sequences in the batch
+	generated    atomic.Int64 // tokens generated since the start
+	kvTokens     atomic.Int64 // tokens held by the active sequences' caches
+	kvBytes      atomic.Int64 // memory those caches reserve, when they report it
+	kvBytesKnown atomic.Bool
 }
 
 // New starts an engine on a model. The engine uses the model but does not
@@ -160,14 +163,41 @@ func (e *Engine) Close() error {
 
 // Stats are an engine's counters.
 type Stats struct {
-	Queued    int   // requests waiting for a batch slot
-	Active    int   // sequences in the running batch
-	Generated int64 // tokens generated since the engine started
+	Queued    int   `json:"queued"`           // requests waiting for a batch slot
+	Active    int   `json:"active"`           // sequences in the running batch
+	Generated int64 `json:"generated_tokens"` // tokens generated since the engine started
+	// KVTokens is the tokens the active sequences' KV caches hold, as of
+	// the last iteration of the scheduler.
+	KVTokens int64 `json:"kv_cache_tokens"`
+	// KVBytes is the memory the active sequences' caches reserve (their
+	// whole capacity), when the backend's caches report it (a Bytes()
+	// int64 method, as the CPU backend's have); 0 otherwise.
+	KVBytes int64 `json:"kv_cache_bytes,omitempty"`
+	// KVBytesKnown: the backend's caches report their size (seen once a
+	// request ran); KVBytes means nothing otherwise.
+	KVBytesKnown bool `json:"-"`
 }
 
 // Stats reads the counters.
 func (e *Engine) Stats() Stats {
-	return Stats{Queued: len(e.queue), Active: int(e.active.Load()), Generated: e.generated.Load()}
+	return Stats{Queued: len(e.queue), Active: int(e.active.Load()), Generated: e.generated.Load(),
+		KVTokens: e.kvTokens.Load(), KVBytes: e.kvBytes.Load(), KVBytesKnown: e.kvBytesKnown.Load()}
+}
+
+// kvUsage sums what the active sequences' caches hold and reserve; known
+// tells whether any cache reported its size.
+func kvUsage(active []*sequence) (tokens, bytes int64, known bool) {
+	for _, s := range active {
+		if s.cache == nil {
+			continue
+		}
+		tokens += int64(s.cache.Len())
+		if b, ok := s.cache.(interface{ Bytes() int64 }); ok {
+			bytes += b.Bytes()
+			known = true
+		}
+	}
+	return tokens, bytes, known
 }
 
 // Request is one generation.
@@ -356,6 +386,12 @@ func (e *Engine) run() {
 	var steps []llm.Step
 	for {
 		e.active.Store(int64(len(active)))
+		kvt, kvb, known := kvUsage(active)
+		e.kvTokens.Store(kvt)
+		e.kvBytes.Store(kvb)
+		if known {
+			e.kvBytesKnown.Store(true)
+		}
 		if len(active) == 0 { // idle: wait for work
 			select {
 			case s := <-e.queue:
