@@ -672,3 +672,24 @@ func TestPromptBytesLimitDefault(t *testing.T) {
 		t.Errorf("param %v", e["param"])
 	}
 }
+
+// TestBodyLimitWithoutLength (point 9): a chunked body (no Content-Length
+// to refuse it by) is cut at the limit while it is read: 413 all the same.
+func TestBodyLimitWithoutLength(t *testing.T) {
+	ts, _, _ := serveWith(t, Options{MaxBodyBytes: 1000}, engine.Options{}, nil)
+	body := io.MultiReader(strings.NewReader(`{"model": "llama-tiny", "prompt": "`), strings.NewReader(strings.Repeat("z", 5000)+`"}`))
+	req, err := http.NewRequest("POST", ts.URL+"/v1/completions", body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if req.ContentLength != 0 {
+		t.Fatalf("the request has a Content-Length (%d): the test would not read the body", req.ContentLength)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	checkErrorShape(t, "chunked body over the limit", resp, b, 413, "limit of 1000 bytes")
+}

@@ -313,13 +313,18 @@ type params struct {
 }
 
 // decode reads a JSON body within the size limit.
+// A body whose Content-Length is over the limit is refused unread.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) error {
+	tooLarge := &apiError{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error", Code: "request_too_large",
+		Message: fmt.Sprintf("request body larger than this server's limit of %d bytes", s.opt.MaxBodyBytes)}
+	if r.ContentLength > s.opt.MaxBodyBytes {
+		return tooLarge
+	}
 	body := http.MaxBytesReader(w, r.Body, s.opt.MaxBodyBytes)
 	if err := json.NewDecoder(body).Decode(v); err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			return &apiError{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error", Code: "request_too_large",
-				Message: fmt.Sprintf("request body larger than this server's limit of %d bytes", s.opt.MaxBodyBytes)}
+			return tooLarge
 		}
 		return jsonError(err)
 	}
