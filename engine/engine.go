@@ -296,7 +296,22 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 		}
 		return nil
 	}
-	for id := range s.tokens {
+tokens:
+	for {
+		var id int
+		var ok bool
+		select {
+		case id, ok = <-s.tokens:
+		case <-ctx.Done():
+			// Cancelled or past its deadline, perhaps still queued behind
+			// a full batch: answer now; the scheduler drops the sequence
+			// when it next looks at it.
+			res.CompletionTokens = len(res.Tokens)
+			return res, ctx.Err()
+		}
+		if !ok {
+			break
+		}
 		res.Tokens = append(res.Tokens, id)
 		piece, stopped := text.add(id)
 		if err := send(piece); err != nil {
@@ -304,7 +319,7 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 		}
 		if stopped {
 			res.FinishReason = "stop"
-			break
+			break tokens
 		}
 	}
 	if res.FinishReason != "stop" {

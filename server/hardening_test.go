@@ -693,3 +693,44 @@ func TestBodyLimitWithoutLength(t *testing.T) {
 	b, _ := io.ReadAll(resp.Body)
 	checkErrorShape(t, "chunked body over the limit", resp, b, 413, "limit of 1000 bytes")
 }
+
+// TestRequestTimeoutWhileQueued (point 11): a request still waiting for a
+// batch slot when its deadline passes is answered 504 then, not when the
+// batch ahead of it frees a slot.
+func TestRequestTimeoutWhileQueued(t *testing.T) {
+	g := newStepGate()
+	ts, e, _ := serveWith(t, Options{RequestTimeout: 300 * time.Millisecond}, engine.Options{MaxBatch: 1}, g.wrap)
+	first := make(chan int, 1)
+	go func() {
+		resp, _ := do(t, "POST", ts.URL+"/v1/completions", `{"model": "llama-tiny", "prompt": "Once upon a time", "max_tokens": 2}`)
+		first <- resp.StatusCode
+	}()
+	<-g.entered // the first request holds the only slot
+	type answer struct {
+		resp *http.Response
+		body []byte
+	}
+	second := make(chan answer, 1)
+	go func() {
+		resp, body := do(t, "POST", ts.URL+"/v1/completions", `{"model": "llama-tiny", "prompt": "The history of", "max_tokens": 2}`)
+		second <- answer{resp, body}
+	}()
+	select {
+	case a := <-second:
+		checkErrorShape(t, "queued request", a.resp, a.body, 504, "request timeout of 300ms")
+		close(g.release)
+	case <-time.After(5 * time.Second):
+		close(g.release)
+		t.Fatal("the queued request was not answered within 5 s of its 300 ms deadline")
+	}
+	if s := <-first; s != 504 { // it was held past its own deadline
+		t.Errorf("the first request: %d", s)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for (e.Stats().Active > 0 || e.Stats().Queued > 0) && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if st := e.Stats(); st.Active != 0 || st.Queued != 0 {
+		t.Errorf("sequences left behind: %+v", st)
+	}
+}
