@@ -115,6 +115,10 @@ func TestAbuseDoesNotSlowServing(t *testing.T) {
 		flooded = append(flooded, round(true))
 	}
 	q, f := slices.Min(quiet), slices.Min(flooded)
+	if raceEnabled {
+		t.Logf("race detector on: %v quiet, %v flooded, not compared", q, f)
+		return
+	}
 	if f > 2*q {
 		t.Errorf("the flood slowed 64 clients from %v to %v (more than 2×)", q, f)
 	}
