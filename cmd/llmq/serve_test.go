@@ -161,3 +161,20 @@ func TestServeBindsBeforeLoading(t *testing.T) {
 		t.Errorf("completion when ready: %d %s", resp.StatusCode, b)
 	}
 }
+
+// TestServeFlagErrors: bad serve flags are refused, naming the flag,
+// before anything is bound or loaded.
+func TestServeFlagErrors(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"serve", model, "--log-format", "xml"}, `--log-format "xml": want text or json`},
+		{[]string{"serve", model, "--addr", "127.0.0.1:99999"}, "--addr"},
+	} {
+		if _, err := llmq(t, c.args...); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: error %v, want it to say %q", c.args, err, c.want)
+		}
+	}
+}
