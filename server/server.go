@@ -35,6 +35,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"slices"
@@ -192,19 +193,13 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case !known:
 		writeError(sw, rs, &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
-			Message: fmt.Sprintf("no route %s %s: this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics", r.Method, r.URL.Path)})
+			Message: fmt.Sprintf("no route %.20s %.200s: this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics", r.Method, r.URL.Path)})
 	case methods[r.Method] == nil:
 		route = r.URL.Path
-		allowed := slices.Sorted(func(yield func(string) bool) {
-			for m := range methods {
-				if !yield(m) {
-					return
-				}
-			}
-		})
+		allowed := slices.Sorted(maps.Keys(methods))
 		sw.Header().Set("Allow", strings.Join(allowed, ", "))
 		writeError(sw, rs, &apiError{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed",
-			Message: fmt.Sprintf("%s does not answer %s; use %s", r.URL.Path, r.Method, strings.Join(allowed, " or "))})
+			Message: fmt.Sprintf("%s does not answer %.20s; use %s", r.URL.Path, r.Method, strings.Join(allowed, " or "))})
 	case r.URL.Path != "/health" && !s.authorized(r):
 		route = r.URL.Path
 		sw.Header().Set("WWW-Authenticate", `Bearer realm="llmq"`)
@@ -238,7 +233,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	s.log.LogAttrs(r.Context(), level, "request", attrs...)
 }
 
-// Timeouts of the HTTP server Serve runs.
+// ServeOptions configure Serve: the HTTP server's timeouts and shutdown.
 type ServeOptions struct {
 	// Grace is how long in-flight requests may run on after shutdown
 	// begins (default 30 s).
