@@ -4,6 +4,7 @@
 #                llama-tiny (MODEL=/path/to/checkpoint to use your own)
 #   make test    go vet + the whole test suite + the npm client e2e (what CI runs)
 #   make test-full  the full wikitext-2 perplexities against the references
+#   make fuzz    every parser of outside input, FUZZTIME (15s) each
 #   make e2e     drive llmq serve with the official openai npm package
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
 
@@ -29,7 +30,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test test-full e2e demo cuda bench clean fmt device
+.PHONY: build test test-full fuzz e2e demo cuda bench clean fmt device
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
 # build/device/COMMIT is for the scripts there that record results of
@@ -52,6 +53,18 @@ test:
 # llama-tiny and llama-small against REFERENCE.md's figures.
 test-full:
 	LLMQ_FULL_PPL=1 go test $(GOFLAGS_TAGS) -timeout 60m -run TestPerplexityFull -v ./evals
+
+# Fuzz every parser that takes outside input for FUZZTIME each; inputs
+# that found new paths are kept in the packages' testdata/fuzz (committed,
+# so plain go test replays them).
+FUZZTIME ?= 15s
+FUZZ_TARGETS = llm/checkpoint:FuzzHeader llm/checkpoint:FuzzParseConfig llm/tokenizer:FuzzParse \
+	llm/chat:FuzzRender pack:FuzzParseQuantConfig
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  pkg=$${t%%:*}; name=$${t#*:}; echo "fuzz $$pkg $$name ($(FUZZTIME))"; \
+	  go test $(GOFLAGS_TAGS) -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) ./$$pkg; \
+	done
 
 # llmq serve end to end with the openai npm client (Node.js 20+ and the npm
 # registry); skipped without Node.js unless LLMQ_REQUIRE_SHARED=1 (CI).

@@ -8,12 +8,10 @@ require (
 	github.com/nlpodyssey/safetensors v0.0.0-20250209183917-bfb01cc25f7c
 	github.com/sashabaranov/go-openai v1.43.0
 	github.com/spf13/cobra v1.10.2
+	github.com/spf13/pflag v1.0.9
 	github.com/x448/float16 v0.8.4
 	golang.org/x/text v0.44.0
 	gonum.org/v1/gonum v0.17.0
 )
 
-require (
-	github.com/inconshreveable/mousetrap v1.1.0 // indirect
-	github.com/spf13/pflag v1.0.9 // indirect
-)
+require github.com/inconshreveable/mousetrap v1.1.0 // indirect

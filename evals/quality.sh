@@ -8,6 +8,7 @@
 #   evals/quality.sh ../shared/models/llama-small [config ...]
 #
 # configs: fp32 rtn-w4 gptq-w4 gptq-w4-act rtn-w3 gptq-w3 gptq-w3-act awq-w4 awq-w3 awq-gptq-w4
+#          gptq-wB-gG (group G), gptq-wB-gG-bs (--groups-from-block-start)
 set -euo pipefail
 MODEL=${1:?model dir}; shift
 NAME=$(basename "$MODEL")
@@ -28,6 +29,8 @@ for c in "${configs[@]}"; do
     rtn-w*)       $LLMQ quantize "$MODEL" --method rtn  --bits "${c#rtn-w}" --group 128 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     gptq-w?)      $LLMQ quantize "$MODEL" --method gptq --bits "${c#gptq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     gptq-w?-act)  b=${c#gptq-w}; $LLMQ quantize "$MODEL" --method gptq --bits "${b%-act}" --group 128 --act-order --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
+    gptq-w?-g*)   b=${c#gptq-w}; g=${b#*-g}; g=${g%-bs}; extra=(); [[ $c == *-bs ]] && extra=(--groups-from-block-start)
+                  $LLMQ quantize "$MODEL" --method gptq --bits "${b%%-*}" --group "$g" "${extra[@]}" --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     awq-w?)       $LLMQ quantize "$MODEL" --method awq  --bits "${c#awq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 512 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" --stats "$RES/awq-stats-$NAME-$c.json" ;;
     awq-gptq-w?)  $LLMQ quantize "$MODEL" --method awq+gptq --bits "${c#awq-gptq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     *) echo "unknown config $c" >&2; exit 2 ;;

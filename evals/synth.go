@@ -59,7 +59,9 @@ type SynthOptions struct {
 	Tokenizer string // directory with tokenizer.json (and tokenizer_config.json)
 	Out       string
 	Force     bool
-	Progress  func(done, total int)
+	// MaxShardBytes bounds a shard (pack.DefaultMaxShardBytes when 0).
+	MaxShardBytes int64
+	Progress      func(done, total int)
 }
 
 // A SynthOptionError is a SynthOptions field Synth cannot use: the field's
@@ -134,10 +136,11 @@ func Synth(opt SynthOptions) error {
 		}
 	}
 
-	w, err := pack.NewWriter(opt.Out, opt.Force, p.Layers+1)
+	w, err := pack.NewWriter(opt.Out, opt.Force)
 	if err != nil {
 		return err
 	}
+	w.MaxShardBytes = opt.MaxShardBytes
 	ok = false
 	defer func() {
 		if !ok {
@@ -167,7 +170,7 @@ func Synth(opt SynthOptions) error {
 				t[name+".bias"] = randomBF16(name+".bias", lin.out, lin.out)
 			}
 		}
-		if err := w.WriteShard(t); err != nil {
+		if err := w.WritePart(t); err != nil {
 			return err
 		}
 		if opt.Progress != nil {
@@ -181,7 +184,7 @@ func Synth(opt SynthOptions) error {
 	if !p.Tied {
 		t["lm_head.weight"] = randomBF16("lm_head", p.Vocab*p.Hidden, p.Vocab, p.Hidden)
 	}
-	if err := w.WriteShard(t); err != nil {
+	if err := w.WritePart(t); err != nil {
 		return err
 	}
 	var qc *pack.QuantConfig

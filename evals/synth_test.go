@@ -69,8 +69,8 @@ func TestSynth(t *testing.T) {
 		if err := evals.Synth(opt); err != nil {
 			t.Fatal(err)
 		}
-		a, _ := os.ReadFile(filepath.Join(out, "model-00001-of-00003.safetensors"))
-		b, _ := os.ReadFile(filepath.Join(again, "model-00001-of-00003.safetensors"))
+		a, _ := os.ReadFile(filepath.Join(out, "model.safetensors"))
+		b, _ := os.ReadFile(filepath.Join(again, "model.safetensors"))
 		if len(a) == 0 || !bytes.Equal(a, b) {
 			t.Errorf("%d bits: two runs wrote different shards (%d and %d bytes)", bits, len(a), len(b))
 		}

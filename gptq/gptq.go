@@ -78,6 +78,12 @@ type Options struct {
 	BlockSize    int     // columns per lazy-update block (128)
 	ActOrder     bool    // quantize columns by decreasing diag(H)
 	StaticGroups bool    // fit every group's scale/zero before any update
+	// GroupsFromBlockStart fits a group that starts inside a block on the
+	// weights as they were when the block began (the reference's
+	// find_params(W[:, j:j+group]) reads W, not the block's working copy
+	// W1); otherwise on the weights already updated by the block's earlier
+	// columns. The two differ only for groups smaller than BlockSize.
+	GroupsFromBlockStart bool
 	// Log, if set, receives notes such as increased damping.
 	Log func(format string, args ...any)
 }
@@ -257,12 +263,25 @@ func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, erro
 		i2 := min(i1+bs, in)
 		nb := i2 - i1
 		mat.ParallelFor(out, 8, func(lo, hi int) {
+			var start, seg []float32 // the block as it began; a group's weights
+			if opt.GroupsFromBlockStart {
+				start, seg = make([]float32, nb), make([]float32, group)
+			}
 			for o := lo; o < hi; o++ {
 				W1 := W[o*in : (o+1)*in] // this row; the block is W1[i1:i2]
+				copy(start, W1[i1:i2])
 				for j := i1; j < i2; j++ {
 					g := groupOf[j]
 					if perGroup && !opt.StaticGroups && j%group == 0 {
-						s, z := grid.Params(W1[j : j+group])
+						fit := W1[j : j+group]
+						if start != nil && j > i1 {
+							n := copy(seg, start[j-i1:])
+							if j+group > i2 { // the group runs past the block
+								copy(seg[n:], W1[i2:j+group])
+							}
+							fit = seg
+						}
+						s, z := grid.Params(fit)
 						l.Scale[g*out+o], l.Zero[g*out+o] = s, uint8(z)
 					}
 					scale, zero := l.Scale[g*out+o], int(l.Zero[g*out+o])

@@ -219,7 +219,7 @@ func TestWrittenLayerRoundTrip(t *testing.T) {
 			t.Fatal(err)
 		}
 		dir := filepath.Join(t.TempDir(), "out")
-		wr, err := pack.NewWriter(dir, false, 1)
+		wr, err := pack.NewWriter(dir, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -227,7 +227,7 @@ func TestWrittenLayerRoundTrip(t *testing.T) {
 		if err := wr.AddGPTQ(tensors, "layer", res.Linear); err != nil {
 			t.Fatal(err)
 		}
-		if err := wr.WriteShard(tensors); err != nil {
+		if err := wr.WritePart(tensors); err != nil {
 			t.Fatal(err)
 		}
 		if err := wr.Finish(shared.Path(t, "models/llama-tiny"), &pack.QuantConfig{QuantMethod: "gptq", Bits: 4, GroupSize: 128}); err != nil {
@@ -260,13 +260,13 @@ func TestWriterSwitchesToV2(t *testing.T) {
 	}
 	positive, _ := pack.RTN(pos, 8, 32, grid)
 	dir := filepath.Join(t.TempDir(), "out")
-	wr, _ := pack.NewWriter(dir, false, 2)
+	wr, _ := pack.NewWriter(dir, false)
 	for i, l := range []*pack.Linear{mixed, positive} {
 		tensors := map[string]checkpoint.Out{}
 		if err := wr.AddGPTQ(tensors, "l"+string(rune('0'+i)), l); err != nil {
 			t.Fatal(err)
 		}
-		if err := wr.WriteShard(tensors); err != nil {
+		if err := wr.WritePart(tensors); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -294,6 +294,64 @@ func TestWriterSwitchesToV2(t *testing.T) {
 			if a[j] != b[j] {
 				t.Fatalf("layer %d weight %d: %v != %v", i, j, a[j], b[j])
 			}
+		}
+	}
+}
+
+// TestGroupsFromBlockStart: with GroupsFromBlockStart, a group that starts
+// inside the first 128-column block is fitted on the weights as the block
+// began — there, the original weights, so its scale and zero are exactly
+// round-to-nearest's; without it, on weights the block's earlier columns
+// have already updated. Groups as wide as the block are fitted alike.
+func TestGroupsFromBlockStart(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	out, in, n := 16, 256, 512
+	w := randn(r, out*in, 0.05)
+	x := randn(r, n*in, 1)
+	for t := 0; t < n; t++ { // correlated inputs, so errors propagate
+		for i := 1; i < in; i++ {
+			x[t*in+i] += 0.8 * x[t*in+i-1]
+		}
+	}
+	H := NewHessian(in)
+	if err := H.Add(x, n); err != nil {
+		t.Fatal(err)
+	}
+	run := func(g pack.Grid, fromStart bool) *pack.Linear {
+		o := Options{Grid: g, GroupsFromBlockStart: fromStart}
+		p, err := Prepare(H.Matrix(), in, o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := Quantize(w, out, in, p, o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Linear
+	}
+	g32 := pack.Grid{Bits: 4, GroupSize: 32}
+	rtn, _ := pack.RTN(w, out, in, g32)
+	ref, upd := run(g32, true), run(g32, false)
+	differ := 0
+	for g := 0; g < 4; g++ { // the four groups of the first block
+		for o := 0; o < out; o++ {
+			i := g*out + o
+			if ref.Scale[i] != rtn.Scale[i] || ref.Zero[i] != rtn.Zero[i] {
+				t.Fatalf("group %d row %d fitted from the block's start: scale %v zero %d, the original weights give %v %d",
+					g, o, ref.Scale[i], ref.Zero[i], rtn.Scale[i], rtn.Zero[i])
+			}
+			if g > 0 && (upd.Scale[i] != rtn.Scale[i] || upd.Zero[i] != rtn.Zero[i]) {
+				differ++
+			}
+		}
+	}
+	if differ < out { // of 48 later groups, most are refitted on updated weights
+		t.Errorf("only %d of %d later groups fitted on updated weights", differ, 3*out)
+	}
+	a, b := run(pack.Grid{Bits: 4, GroupSize: 128}, true).Dequantize(), run(pack.Grid{Bits: 4, GroupSize: 128}, false).Dequantize()
+	for i := range a {
+		if a[i] != b[i] {
+			t.Fatalf("group 128: weight %d differs between the two fits (%v, %v)", i, a[i], b[i])
 		}
 	}
 }

@@ -157,7 +157,7 @@ func (m *Model) selfAttention(att []float32, b *Block, h []float32, l int, lens 
 	for i, n := range lens {
 		kc := caches[i]
 		kc.store(l, k[r0*nKV*hd:], v[r0*nKV*hd:], n)
-		attention(att[r0*nH*hd:], q[r0*nH*hd:], kc, l, n, nH)
+		attention(att[r0*nH*hd:], q[r0*nH*hd:], kc, l, n, nH, c.SlidingWindow)
 		r0 += n
 	}
 }
@@ -182,8 +182,9 @@ const attnBlock = 256
 
 // attention computes softmax(q·kᵀ/√hd + causal mask)·v for n new query rows
 // of one sequence, whose keys and values (layer l) are already in the cache
-// after the kc.n earlier ones. q and out are [n][heads×hd].
-func attention(out, q []float32, kc *KVCache, l, n, heads int) {
+// after the kc.n earlier ones. q and out are [n][heads×hd]. With a sliding
+// window W > 0 the row at position p sees only keys p−W+1 … p.
+func attention(out, q []float32, kc *KVCache, l, n, heads, window int) {
 	hd, pos0 := kc.hd, kc.n
 	group := heads / kc.kvh
 	ld := heads * hd
@@ -201,7 +202,12 @@ func attention(out, q []float32, kc *KVCache, l, n, heads int) {
 				for i := 0; i < nb; i++ {
 					row := scores[i*S : (i+1)*S]
 					visible := pos0 + r0 + i + 1
-					softmax(row[:visible])
+					first := 0
+					if window > 0 {
+						first = max(0, visible-window)
+					}
+					softmax(row[first:visible])
+					clear(row[:first])
 					clear(row[visible:])
 				}
 				mat.GemmSerial(false, false, nb, hd, S, 1, scores, S, V, hd, 0, out[r0*ld+h*hd:], ld)

@@ -42,7 +42,7 @@ const batchTol = 2e-5
 // logits transformers computed for the same ids, on the trained models and
 // on the architecture zoo (Qwen2 biases, Mistral head_dim, Llama-3.1 RoPE).
 func TestLogitsMatchTransformers(t *testing.T) {
-	for _, name := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-rand", "archzoo/llama31-rand"} {
+	for _, name := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-rand", "archzoo/mistral-swa-rand", "archzoo/llama31-rand"} {
 		t.Run(name, func(t *testing.T) {
 			base := name
 			if i := len("archzoo/"); len(name) > i && name[:i] == "archzoo/" {
@@ -175,4 +175,29 @@ func TestStagesEqualForward(t *testing.T) {
 	// The same kernels on the same shapes in the same order: bit-identical
 	// (measured 0 with both BLAS builds).
 	assertClose(t, got, want, 0, "stages vs forward")
+}
+
+// TestSlidingWindowDecoding: with Mistral's sliding window (64), decoding
+// one token at a time past the window through the KV cache gives
+// transformers' full-sequence logits (which differ from full attention by
+// up to 4 there).
+func TestSlidingWindowDecoding(t *testing.T) {
+	m := loadModel(t, "models/archzoo/mistral-swa-rand")
+	if m.Cfg.SlidingWindow != 64 {
+		t.Fatalf("sliding window %d, want 64", m.Cfg.SlidingWindow)
+	}
+	ids := shared.Int32s(t, "reference/mistral-swa-rand.logits.input.i32")[:100]
+	want := shared.Float32s(t, "reference/mistral-swa-rand.logits.f32")
+	V := m.Cfg.Vocab
+	c, _ := m.NewCache(len(ids))
+	step := make([]float32, V)
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: ids[:50], Logits: step, LastOnly: true}}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 50; i < len(ids); i++ {
+		if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: ids[i : i+1], Logits: step}}); err != nil {
+			t.Fatal(err)
+		}
+		assertClose(t, step, want[i*V:(i+1)*V], refTol, "position")
+	}
 }

@@ -3,6 +3,7 @@ package pack
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -28,14 +29,19 @@ type QuantConfig struct {
 
 // QuantMeta records how llmq made the checkpoint.
 type QuantMeta struct {
-	Quantizer string `json:"quantizer"` // "llmq"
-	Method    string `json:"method"`    // rtn, gptq, awq, awq+gptq
+	Quantizer string `json:"quantizer"`         // "llmq"
+	Version   string `json:"version,omitempty"` // the llmq commit that wrote it
+	Method    string `json:"method"`            // rtn, gptq, awq, awq+gptq
 	NSamples  int    `json:"nsamples,omitempty"`
 	SeqLen    int    `json:"seqlen,omitempty"`
 	Calib     string `json:"calibration,omitempty"`
 }
 
 // ParseQuantConfig reads quantization_config; nil raw means unquantized.
+// It also reads the settings files of older quantizers: AutoGPTQ's
+// quantize_config.json (no quant_method: GPTQ) and AutoAWQ's
+// quant_config.json (w_bit, q_group_size, zero_point, version "GEMM"),
+// and takes quant_method and version in any case.
 func ParseQuantConfig(raw json.RawMessage) (*QuantConfig, error) {
 	if len(raw) == 0 {
 		return nil, nil
@@ -43,6 +49,28 @@ func ParseQuantConfig(raw json.RawMessage) (*QuantConfig, error) {
 	var q QuantConfig
 	if err := json.Unmarshal(raw, &q); err != nil {
 		return nil, fmt.Errorf("quantization_config: %w", err)
+	}
+	var awq struct {
+		WBit       *int `json:"w_bit"`
+		QGroupSize *int `json:"q_group_size"`
+	}
+	if err := json.Unmarshal(raw, &awq); err != nil {
+		return nil, fmt.Errorf("quantization_config: %w", err)
+	}
+	if awq.WBit != nil && q.Bits == 0 {
+		q.Bits = *awq.WBit
+	}
+	if awq.QGroupSize != nil && q.GroupSize == 0 {
+		q.GroupSize = *awq.QGroupSize
+	}
+	q.QuantMethod, q.Version = strings.ToLower(q.QuantMethod), strings.ToLower(q.Version)
+	if q.QuantMethod == "" {
+		switch {
+		case awq.WBit != nil || awq.QGroupSize != nil || q.ZeroPoint != nil:
+			q.QuantMethod = "awq"
+		case q.Bits != 0:
+			q.QuantMethod = "gptq"
+		}
 	}
 	switch q.QuantMethod {
 	case "gptq", "awq":
@@ -85,13 +113,32 @@ func (q *QuantConfig) Read(ck *checkpoint.Checkpoint, prefix string, in, out int
 	return ReadGPTQ(ck, prefix, in, out, q.Grid(), format)
 }
 
+// Unexplained is the error for a layer stored packed (name.qweight) in a
+// checkpoint without quantization settings, nil otherwise: without it the
+// loader would only say that name.weight is missing.
+func Unexplained(ck *checkpoint.Checkpoint, name string) error {
+	if !ck.Has(name+".qweight") || ck.Has(name+".weight") {
+		return nil
+	}
+	return fmt.Errorf("%s holds %s.qweight, a packed layer, but no quantization settings: config.json has no quantization_config and there is no %s",
+		ck.Dir, name, strings.Join(checkpoint.LegacyQuantConfigs, " or "))
+}
+
 // Loader returns the LinearLoader for a checkpoint: packed layers (those
 // with a .qweight) are dequantized to float32 for the CPU backend, others
 // read as they are.
 func Loader(cfg *checkpoint.Config) (llm.LinearLoader, error) {
 	q, err := ParseQuantConfig(cfg.Quantization)
-	if err != nil || q == nil {
-		return llm.DenseLoader, err
+	if err != nil {
+		return nil, err
+	}
+	if q == nil {
+		return func(ck *checkpoint.Checkpoint, name string, in, out int, bias bool) (llm.Linear, error) {
+			if err := Unexplained(ck, name); err != nil {
+				return nil, err
+			}
+			return llm.DenseLoader(ck, name, in, out, bias)
+		}, nil
 	}
 	return func(ck *checkpoint.Checkpoint, name string, in, out int, bias bool) (llm.Linear, error) {
 		if !ck.Has(name + ".qweight") {

@@ -1,12 +1,15 @@
 package pack
 
 import (
+	"bytes"
+	"encoding/json"
 	"errors"
 	"io/fs"
 	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -382,15 +385,192 @@ func TestAWQGridByHand(t *testing.T) {
 // (a command line adds how to replace it) unless force is set.
 func TestWriterRefusesExistingOutput(t *testing.T) {
 	dir := t.TempDir()
-	if _, err := NewWriter(dir, false, 1); !errors.Is(err, fs.ErrExist) || !strings.Contains(err.Error(), dir) {
+	if _, err := NewWriter(dir, false); !errors.Is(err, fs.ErrExist) || !strings.Contains(err.Error(), dir) {
 		t.Errorf("existing output: %v, want fs.ErrExist naming %s", err, dir)
 	}
-	if _, err := NewWriter("", false, 1); !errors.Is(err, ErrNoOutput) {
+	if _, err := NewWriter("", false); !errors.Is(err, ErrNoOutput) {
 		t.Error("empty output directory accepted")
 	}
-	w, err := NewWriter(dir, true, 1)
+	w, err := NewWriter(dir, true)
 	if err != nil {
 		t.Fatalf("with force: %v", err)
 	}
 	os.RemoveAll(w.tmp)
+}
+
+// finishSrc is a source directory with the one file Finish needs.
+func finishSrc(t *testing.T) string {
+	src := t.TempDir()
+	if err := os.WriteFile(filepath.Join(src, "config.json"), []byte(`{"model_type": "llama"}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return src
+}
+
+// TestWriterForceReplacesOnlyOutputs: --force replaces an empty directory
+// or an earlier llmq output (marker file), never a directory of other
+// files or a plain file, and leaves those untouched.
+func TestWriterForceReplacesOnlyOutputs(t *testing.T) {
+	tmp := t.TempDir()
+	home := filepath.Join(tmp, "home")
+	os.MkdirAll(home, 0o755)
+	precious := filepath.Join(home, "notes.txt")
+	os.WriteFile(precious, []byte("keep me"), 0o644)
+	if _, err := NewWriter(home, true); err == nil || !strings.Contains(err.Error(), home) || !strings.Contains(err.Error(), "not an llmq output") {
+		t.Errorf("forced over a foreign directory: %v", err)
+	}
+	if b, err := os.ReadFile(precious); err != nil || string(b) != "keep me" {
+		t.Fatalf("foreign file touched: %q, %v", b, err)
+	}
+	file := filepath.Join(tmp, "file")
+	os.WriteFile(file, []byte("x"), 0o644)
+	if _, err := NewWriter(file, true); err == nil || !strings.Contains(err.Error(), "not a directory") {
+		t.Errorf("forced over a file: %v", err)
+	}
+	// An output written by the Writer carries the marker and can be
+	// replaced; the replacement holds only the new files.
+	out := filepath.Join(tmp, "out")
+	for i, force := range []bool{false, true} {
+		w, err := NewWriter(out, force)
+		if err != nil {
+			t.Fatalf("write %d: %v", i, err)
+		}
+		if err := w.WritePart(map[string]checkpoint.Out{"t": checkpoint.F32([]float32{float32(i)}, 1)}); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Finish(finishSrc(t), nil); err != nil {
+			t.Fatalf("write %d: %v", i, err)
+		}
+	}
+	entries, _ := os.ReadDir(out)
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	if want := []string{Marker, "config.json", "model.safetensors"}; !slices.Equal(names, want) {
+		t.Errorf("output holds %v, want %v", names, want)
+	}
+	left, _ := os.ReadDir(tmp)
+	if len(left) != 3 { // home, file, out: no temporary directory left
+		t.Errorf("left in the parent: %v", left)
+	}
+}
+
+// TestWriterShardsBySize: parts are gathered, in order and never split,
+// into shards of at most MaxShardBytes; one shard is model.safetensors
+// without an index, several are model-0000i-of-0000N with an index that
+// maps every tensor to its shard; the tensors read back unchanged.
+func TestWriterShardsBySize(t *testing.T) {
+	part := func(name string, n int) map[string]checkpoint.Out {
+		v := make([]float32, n)
+		for i := range v {
+			v[i] = float32(len(name)*1000 + i)
+		}
+		return map[string]checkpoint.Out{name: checkpoint.F32(v, n)}
+	}
+	parts := []map[string]checkpoint.Out{part("a", 100), part("bb", 100), part("ccc", 300), part("dddd", 10)}
+	for _, c := range []struct {
+		max   int64
+		files map[string][]string // shard → tensors
+	}{
+		{0, map[string][]string{"model.safetensors": {"a", "bb", "ccc", "dddd"}}},
+		// 400-byte parts a, bb; 1200-byte ccc (over the bound: alone); 40-byte dddd.
+		{800, map[string][]string{"model-00001-of-00003.safetensors": {"a", "bb"}, "model-00002-of-00003.safetensors": {"ccc"},
+			"model-00003-of-00003.safetensors": {"dddd"}}},
+	} {
+		out := filepath.Join(t.TempDir(), "out")
+		w, err := NewWriter(out, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w.MaxShardBytes = c.max
+		for _, p := range parts {
+			if err := w.WritePart(p); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := w.Finish(finishSrc(t), nil); err != nil {
+			t.Fatal(err)
+		}
+		var index struct {
+			WeightMap map[string]string `json:"weight_map"`
+		}
+		raw, err := os.ReadFile(filepath.Join(out, "model.safetensors.index.json"))
+		if len(c.files) == 1 != (err != nil) {
+			t.Fatalf("max %d: index present %v with %d shards", c.max, err == nil, len(c.files))
+		}
+		json.Unmarshal(raw, &index)
+		for file, names := range c.files {
+			f, err := checkpoint.OpenFile(filepath.Join(out, file))
+			if err != nil {
+				t.Fatalf("max %d: %v", c.max, err)
+			}
+			got := f.Names()
+			slices.Sort(got)
+			if !slices.Equal(got, names) {
+				t.Errorf("max %d: %s holds %v, want %v", c.max, file, got, names)
+			}
+			for _, n := range names {
+				if len(c.files) > 1 && index.WeightMap[n] != file {
+					t.Errorf("max %d: index maps %s to %q, want %s", c.max, n, index.WeightMap[n], file)
+				}
+				tt, _ := f.Tensor(n)
+				for _, p := range parts {
+					if want, ok := p[n]; ok && !bytes.Equal(tt.Data, want.Data) {
+						t.Errorf("max %d: tensor %s changed", c.max, n)
+					}
+				}
+			}
+			f.Close()
+		}
+	}
+}
+
+// TestWriterV2SwitchReadError: a part that cannot be read back when the
+// checkpoint switches to gptq_v2 is an error naming it, not a silently
+// wrong shard.
+func TestWriterV2SwitchReadError(t *testing.T) {
+	w, err := NewWriter(filepath.Join(t.TempDir(), "out"), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Abort()
+	g := Grid{Bits: 4, GroupSize: -1}
+	positive := &Linear{In: 8, Out: 8, Grid: g, Q: make([]uint8, 64), Scale: make([]float32, 8), Zero: make([]uint8, 8), GIdx: make([]int32, 8)}
+	for i := range positive.Zero {
+		positive.Zero[i], positive.Scale[i] = 8, 1
+	}
+	tensors := map[string]checkpoint.Out{}
+	if err := w.AddGPTQ(tensors, "l0", positive); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.WritePart(tensors); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(filepath.Join(w.tmp, w.parts[0].file), 20); err != nil {
+		t.Fatal(err)
+	}
+	zero := *positive
+	zero.Zero = make([]uint8, 8) // a zero of 0 needs gptq_v2
+	err = w.AddGPTQ(map[string]checkpoint.Out{}, "l1", &zero)
+	if err == nil || !strings.Contains(err.Error(), w.parts[0].file) || !strings.Contains(err.Error(), "gptq_v2") {
+		t.Errorf("unreadable part: %v", err)
+	}
+}
+
+// FuzzParseQuantConfig: no quantization_config panics the parser, and one
+// it accepts describes a grid the loaders can read.
+func FuzzParseQuantConfig(f *testing.F) {
+	f.Add([]byte(`{"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": true, "sym": false, "checkpoint_format": "gptq_v2"}`))
+	f.Add([]byte(`{"quant_method": "awq", "bits": 4, "group_size": 256, "zero_point": true, "version": "gemm"}`))
+	f.Add([]byte(`{"quant_method": "gptq", "bits": 3, "group_size": -1}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		q, err := ParseQuantConfig(data)
+		if err != nil || q == nil {
+			return
+		}
+		if err := q.Grid().Validate(0); err != nil {
+			t.Fatalf("accepted %s with an invalid grid: %v", data, err)
+		}
+	})
 }

@@ -1,6 +1,10 @@
 package pack
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/llmq/llmq/llm/checkpoint"
+)
 
 // RTN quantizes w [out][in] to the nearest grid point, group by group: the
 // round-to-nearest baseline every calibrated method is compared with.
@@ -30,12 +34,11 @@ func RTN(w []float32, out, in int, grid Grid) (*Linear, error) {
 	return l, nil
 }
 
-// CheckFinite reports the first NaN or Inf in x.
+// CheckFinite reports the first NaN or ±Inf in x. (The largest finite
+// float32, 3.4028235e38, is finite: a threshold below it would refuse it.)
 func CheckFinite(x []float32) error {
-	for i, v := range x {
-		if v != v || v > 3.4e38 || v < -3.4e38 {
-			return fmt.Errorf("non-finite value %v at element %d", v, i)
-		}
+	if i := checkpoint.NonFinite(x); i >= 0 {
+		return fmt.Errorf("non-finite value %v at element %d", x[i], i)
 	}
 	return nil
 }

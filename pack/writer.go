@@ -13,32 +13,62 @@ import (
 	"github.com/llmq/llmq/llm/checkpoint"
 )
 
-// Writer writes a quantized checkpoint one shard at a time into a
-// temporary directory beside the destination, and renames it into place
-// only when Finish succeeds: an interrupted run leaves nothing behind.
+// Writer writes a checkpoint one part at a time (a decoder block's
+// tensors, say) into a temporary directory beside the destination. Finish
+// gathers the parts into shards of at most MaxShardBytes, writes the index
+// and config, and renames the directory into place: an interrupted run
+// leaves nothing behind.
 type Writer struct {
 	final, tmp string
 	force      bool
-	nShards    int
-	shards     []string
-	weightMap  map[string]string
-	Format     string // GPTQ checkpoint format of the layers written so far
-	bits       int    // bit width of the layers written
-	Bytes      int64  // bytes of tensor data written
+	// MaxShardBytes bounds a shard's tensor data (DefaultMaxShardBytes
+	// when 0). A part is never split: one larger than the bound is a shard
+	// of its own.
+	MaxShardBytes int64
+	parts         []part
+	Format        string // GPTQ checkpoint format of the layers written so far
+	bits          int    // bit width of the layers written
+	Bytes         int64  // bytes of tensor data written
+	// Card, if set, is written as the output's README.md (a model card).
+	Card string
 }
+
+// part is one WritePart call's file in the temporary directory.
+type part struct {
+	file  string
+	bytes int64
+}
+
+// DefaultMaxShardBytes is the ecosystem's default shard size
+// (transformers' save_pretrained: "5GB").
+const DefaultMaxShardBytes = 5_000_000_000
+
+// Marker is the file an llmq output directory holds; NewWriter replaces
+// an existing directory only when it has one (or is empty, or is an
+// earlier llmq output by its config).
+const Marker = ".llmq-output"
 
 // ErrNoOutput is NewWriter's error for an empty output directory name.
 var ErrNoOutput = errors.New("no output directory given")
 
-// NewWriter prepares to write nShards shards to dir. An existing dir is an
-// error (wrapping fs.ErrExist) unless force is set (it is then replaced at
-// Finish).
-func NewWriter(dir string, force bool, nShards int) (*Writer, error) {
+// NewWriter prepares to write a checkpoint to dir. An existing dir is an
+// error (wrapping fs.ErrExist) unless force is set; even then only an
+// empty directory or an earlier llmq output is replaced (at Finish), never
+// anything else.
+func NewWriter(dir string, force bool) (*Writer, error) {
 	if dir == "" {
 		return nil, ErrNoOutput
 	}
-	if _, err := os.Stat(dir); err == nil && !force {
-		return nil, fmt.Errorf("output directory %s: %w", dir, fs.ErrExist)
+	if st, err := os.Stat(dir); err == nil {
+		if !force {
+			return nil, fmt.Errorf("output directory %s: %w", dir, fs.ErrExist)
+		}
+		if !st.IsDir() {
+			return nil, fmt.Errorf("output %s exists and is not a directory; not replacing it", dir)
+		}
+		if err := replaceable(dir); err != nil {
+			return nil, err
+		}
 	}
 	parent := filepath.Dir(filepath.Clean(dir))
 	if err := os.MkdirAll(parent, 0o755); err != nil {
@@ -52,7 +82,36 @@ func NewWriter(dir string, force bool, nShards int) (*Writer, error) {
 		os.RemoveAll(tmp)
 		return nil, err
 	}
-	return &Writer{final: dir, tmp: tmp, force: force, nShards: nShards, weightMap: map[string]string{}, Format: FormatGPTQ}, nil
+	return &Writer{final: dir, tmp: tmp, force: force, Format: FormatGPTQ}, nil
+}
+
+// replaceable says whether an existing directory may be deleted to make
+// room for a new output: it must be empty, hold the Marker, or be an
+// llmq-quantized checkpoint written before the marker existed.
+func replaceable(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	if len(entries) == 0 {
+		return nil
+	}
+	if _, err := os.Stat(filepath.Join(dir, Marker)); err == nil {
+		return nil
+	}
+	if raw, err := os.ReadFile(filepath.Join(dir, "config.json")); err == nil {
+		var cfg struct {
+			Q struct {
+				Meta struct {
+					Quantizer string `json:"quantizer"`
+				} `json:"meta"`
+			} `json:"quantization_config"`
+		}
+		if json.Unmarshal(raw, &cfg) == nil && cfg.Q.Meta.Quantizer == "llmq" {
+			return nil
+		}
+	}
+	return fmt.Errorf("output directory %s is not empty and is not an llmq output (no %s); not replacing it", dir, Marker)
 }
 
 // AddGPTQ lays out a quantized layer in the current GPTQ format, switching
@@ -61,7 +120,7 @@ func (w *Writer) AddGPTQ(tensors map[string]checkpoint.Out, prefix string, l *Li
 	w.bits = l.Grid.Bits
 	if w.Format == FormatGPTQ && l.NeedsV2() {
 		if err := w.convertToV2(); err != nil {
-			return err
+			return fmt.Errorf("switching the checkpoint to gptq_v2: %w", err)
 		}
 	}
 	t, err := l.GPTQTensors(prefix, w.Format)
@@ -74,37 +133,47 @@ func (w *Writer) AddGPTQ(tensors map[string]checkpoint.Out, prefix string, l *Li
 	return nil
 }
 
-// convertToV2 rewrites the shards already written with zeros stored as
-// they are (v1 stored zero − 1).
+// convertToV2 rewrites the parts already written with zeros stored as
+// they are (v1 stored zero − 1). Each part is rewritten through a new
+// file renamed over it (checkpoint.WriteFile), inside the temporary
+// directory.
 func (w *Writer) convertToV2() error {
-	for _, name := range w.shards {
-		p := filepath.Join(w.tmp, name)
-		f, err := checkpoint.OpenFile(p)
-		if err != nil {
-			return err
-		}
-		out := map[string]checkpoint.Out{}
-		for _, n := range f.Names() {
-			t, _ := f.Tensor(n)
-			data := append([]byte(nil), t.Data...)
-			if strings.HasSuffix(n, ".qzeros") {
-				v, _ := t.Int32()
-				var err error
-				if v, err = shiftZeros(v, w.bits, 1); err != nil {
-					f.Close()
-					return err
-				}
-				data = checkpoint.I32(v, t.Shape...).Data
-			}
-			out[n] = checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: data}
-		}
-		f.Close()
-		if err := checkpoint.WriteFile(p, out, nil); err != nil {
-			return err
+	for _, pt := range w.parts {
+		p := filepath.Join(w.tmp, pt.file)
+		if err := rewriteZeros(p, w.bits); err != nil {
+			return fmt.Errorf("%s: %w", pt.file, err)
 		}
 	}
 	w.Format = FormatGPTQv2
 	return nil
+}
+
+func rewriteZeros(path string, bits int) error {
+	f, err := checkpoint.OpenFile(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	out := map[string]checkpoint.Out{}
+	for _, n := range f.Names() {
+		t, ok := f.Tensor(n)
+		if !ok {
+			return fmt.Errorf("tensor %q listed but not readable", n)
+		}
+		data := append([]byte(nil), t.Data...)
+		if strings.HasSuffix(n, ".qzeros") {
+			v, err := t.Int32()
+			if err != nil {
+				return fmt.Errorf("%s: %w", n, err)
+			}
+			if v, err = shiftZeros(v, bits, 1); err != nil {
+				return fmt.Errorf("%s: %w", n, err)
+			}
+			data = checkpoint.I32(v, t.Shape...).Data
+		}
+		out[n] = checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: data}
+	}
+	return checkpoint.WriteFile(path, out, map[string]string{"format": "pt"})
 }
 
 // shiftZeros adds delta to every packed zero of bits bits.
@@ -118,29 +187,108 @@ func shiftZeros(words []int32, bits, delta int) ([]int32, error) {
 	return PackBits(v, bits)
 }
 
-// WriteShard writes the next shard.
-func (w *Writer) WriteShard(tensors map[string]checkpoint.Out) error {
-	if len(w.shards) >= w.nShards {
-		return fmt.Errorf("more shards than the %d announced", w.nShards)
-	}
-	name := fmt.Sprintf("model-%05d-of-%05d.safetensors", len(w.shards)+1, w.nShards)
+// WritePart writes the next part: tensors that will share a shard.
+func (w *Writer) WritePart(tensors map[string]checkpoint.Out) error {
+	name := fmt.Sprintf(".part-%05d.safetensors", len(w.parts))
 	if err := checkpoint.WriteFile(filepath.Join(w.tmp, name), tensors, map[string]string{"format": "pt"}); err != nil {
 		return err
 	}
-	for n, t := range tensors {
-		w.weightMap[n] = name
-		w.Bytes += int64(len(t.Data))
+	var n int64
+	for _, t := range tensors {
+		n += int64(len(t.Data))
 	}
-	w.shards = append(w.shards, name)
+	w.Bytes += n
+	w.parts = append(w.parts, part{file: name, bytes: n})
 	return nil
 }
 
-// Finish writes the shard index and config.json (the source's, with
-// quantization_config set unless qc is nil), copies the tokenizer files, and moves the
-// directory into place.
+// shards gathers the parts, in order, into groups of at most
+// MaxShardBytes.
+func (w *Writer) shards() [][]part {
+	max := w.MaxShardBytes
+	if max <= 0 {
+		max = DefaultMaxShardBytes
+	}
+	var out [][]part
+	var size int64
+	for _, p := range w.parts {
+		if len(out) == 0 || size > 0 && size+p.bytes > max {
+			out = append(out, nil)
+			size = 0
+		}
+		out[len(out)-1] = append(out[len(out)-1], p)
+		size += p.bytes
+	}
+	return out
+}
+
+// writeShards turns the parts into model.safetensors (one shard) or
+// model-0000i-of-0000N.safetensors with their index.
+func (w *Writer) writeShards() error {
+	groups := w.shards()
+	weightMap := map[string]string{}
+	for i, g := range groups {
+		name := "model.safetensors"
+		if len(groups) > 1 {
+			name = fmt.Sprintf("model-%05d-of-%05d.safetensors", i+1, len(groups))
+		}
+		if err := w.merge(g, name, weightMap); err != nil {
+			return fmt.Errorf("writing %s: %w", name, err)
+		}
+	}
+	if len(groups) > 1 {
+		index := map[string]any{"metadata": map[string]any{"total_size": w.Bytes}, "weight_map": weightMap}
+		return writeJSON(filepath.Join(w.tmp, "model.safetensors.index.json"), index)
+	}
+	return nil
+}
+
+// merge writes the parts g as the shard name, recording where each
+// tensor went, and removes the parts.
+func (w *Writer) merge(g []part, name string, weightMap map[string]string) error {
+	tensors := map[string]checkpoint.Out{}
+	var files []*checkpoint.File
+	defer func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}()
+	for _, p := range g {
+		f, err := checkpoint.OpenFile(filepath.Join(w.tmp, p.file))
+		if err != nil {
+			return err
+		}
+		files = append(files, f)
+		for _, n := range f.Names() {
+			t, ok := f.Tensor(n)
+			if !ok {
+				return fmt.Errorf("%s: tensor %q listed but not readable", p.file, n)
+			}
+			if _, dup := tensors[n]; dup {
+				return fmt.Errorf("tensor %q written twice", n)
+			}
+			tensors[n] = checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: t.Data}
+			weightMap[n] = name
+		}
+	}
+	if err := checkpoint.WriteFile(filepath.Join(w.tmp, name), tensors, map[string]string{"format": "pt"}); err != nil {
+		return err
+	}
+	for _, p := range g {
+		if err := os.Remove(filepath.Join(w.tmp, p.file)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Finish writes the shards, the index and config.json (the source's, with
+// quantization_config set unless qc is nil), copies the tokenizer files,
+// marks the directory as llmq's, and moves it into place (replacing an
+// earlier output when forced).
 func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
-	if len(w.shards) != w.nShards {
-		return fmt.Errorf("wrote %d of %d shards", len(w.shards), w.nShards)
+	if len(w.parts) == 0 {
+		return fmt.Errorf("no tensors were written")
 	}
 	if qc != nil {
 		qc.CheckpointFormat = w.Format
@@ -148,8 +296,7 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 			qc.CheckpointFormat = ""
 		}
 	}
-	index := map[string]any{"metadata": map[string]any{"total_size": w.Bytes}, "weight_map": w.weightMap}
-	if err := writeJSON(filepath.Join(w.tmp, "model.safetensors.index.json"), index); err != nil {
+	if err := w.writeShards(); err != nil {
 		return err
 	}
 	raw, err := os.ReadFile(filepath.Join(srcDir, "config.json"))
@@ -171,9 +318,22 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 			return err
 		}
 	}
-	if w.force {
-		if err := os.RemoveAll(w.final); err != nil {
+	if w.Card != "" {
+		if err := os.WriteFile(filepath.Join(w.tmp, "README.md"), []byte(w.Card), 0o644); err != nil {
 			return err
+		}
+	}
+	if err := os.WriteFile(filepath.Join(w.tmp, Marker), []byte("written by llmq; llmq --force may replace this directory\n"), 0o644); err != nil {
+		return err
+	}
+	if w.force {
+		if _, err := os.Stat(w.final); err == nil {
+			if err := replaceable(w.final); err != nil { // it may have changed since NewWriter
+				return err
+			}
+			if err := os.RemoveAll(w.final); err != nil {
+				return err
+			}
 		}
 	}
 	if err := os.Rename(w.tmp, w.final); err != nil {

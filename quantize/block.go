@@ -84,7 +84,7 @@ func (d *driver) block(ctx context.Context, l int) error {
 		} else if err := d.propagate(ctx, b, progress); err != nil {
 			return err
 		}
-		return d.w.WriteShard(tensors)
+		return d.w.WritePart(tensors)
 	}
 
 	if d.opt.TrueSequential {
@@ -98,7 +98,7 @@ func (d *driver) block(ctx context.Context, l int) error {
 	if next != nil {
 		copy(d.X, next)
 	}
-	return d.w.WriteShard(tensors)
+	return d.w.WritePart(tensors)
 }
 
 // each calls fn on every calibration window, checking for cancellation.

@@ -55,7 +55,13 @@ type Options struct {
 	NSamples       int    // calibration windows
 	SeqLen         int    // tokens per window
 	QuantizeLMHead bool
-	Force          bool // replace Out if it exists
+	Force          bool // replace Out if it exists (and is an llmq output)
+	// MaxShardBytes bounds a shard of the output
+	// (pack.DefaultMaxShardBytes when 0).
+	MaxShardBytes int64
+	// CommandLine and Version, if set, are recorded in the model card and
+	// the config's meta (how the checkpoint was made, by which llmq).
+	CommandLine, Version string
 	// Progress, if set, is told when each block starts a stage.
 	Progress func(block, blocks int, stage string)
 }
@@ -110,19 +116,23 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}
 	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk()}
 
+	w, err := pack.NewWriter(opt.Out, opt.Force)
+	if err != nil {
+		return nil, err
+	}
+	w.MaxShardBytes = opt.MaxShardBytes
+	defer w.Abort() // a no-op once Finish has moved the directory
 	var X [][]float32
 	if m.Calibrated() {
+		if opt.Progress != nil {
+			opt.Progress(0, cfg.Layers, "reading the calibration data")
+		}
 		if X, err = calibration(ck, opt); err != nil {
 			return nil, err
 		}
 		rep.CalibTokens = len(X) * opt.SeqLen
 	}
 
-	w, err := pack.NewWriter(opt.Out, opt.Force, cfg.Layers+1)
-	if err != nil {
-		return nil, err
-	}
-	defer w.Abort() // a no-op once Finish has moved the directory
 	d := &driver{opt: opt, m: m, ck: ck, st: llm.NewStages(cfg), X: X, w: w, rep: rep}
 	for l := 0; l < cfg.Layers; l++ {
 		if err := d.block(ctx, l); err != nil {
@@ -132,7 +142,13 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if err := d.head(ctx); err != nil {
 		return nil, err
 	}
-	if err := w.Finish(opt.Src, d.quantConfig()); err != nil {
+	qc := d.quantConfig()
+	rep.BytesOut, rep.Format = w.Bytes, w.Format
+	if qc.QuantMethod == "gptq" {
+		qc.CheckpointFormat = w.Format // as Finish records it
+	}
+	w.Card = modelCard(opt, ck, qc, rep)
+	if err := w.Finish(opt.Src, qc); err != nil {
 		return nil, err
 	}
 	rep.Format, rep.BytesOut, rep.Seconds = w.Format, w.Bytes, time.Since(start).Seconds()
@@ -146,7 +162,7 @@ func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, error) {
 	if err != nil {
 		return nil, err
 	}
-	ids, err := calib.ReadTokens(opt.Calib, tok)
+	ids, err := calib.ReadTokens(opt.Calib, calib.FormatAuto, tok)
 	if err != nil {
 		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
 	}
@@ -160,7 +176,7 @@ func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, error) {
 // quantConfig is the checkpoint's quantization_config.
 func (d *driver) quantConfig() *pack.QuantConfig {
 	opt, g := d.opt, d.m.Grid()
-	meta := &pack.QuantMeta{Quantizer: "llmq", Method: d.m.Name()}
+	meta := &pack.QuantMeta{Quantizer: "llmq", Version: d.opt.Version, Method: d.m.Name()}
 	if d.m.Calibrated() {
 		meta.NSamples, meta.SeqLen, meta.Calib = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib)
 	}
@@ -227,7 +243,7 @@ func (d *driver) head(ctx context.Context) error {
 			}
 			tensors["lm_head.weight"] = pack.Raw(t)
 		}
-		return d.w.WriteShard(tensors)
+		return d.w.WritePart(tensors)
 	}
 	t0 := time.Now()
 	name := "lm_head.weight"
@@ -260,5 +276,5 @@ func (d *driver) head(ctx context.Context) error {
 	if err := d.emit(tensors, "lm_head", lin, loss, t0); err != nil {
 		return err
 	}
-	return d.w.WriteShard(tensors)
+	return d.w.WritePart(tensors)
 }

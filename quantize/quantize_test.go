@@ -2,6 +2,7 @@ package quantize
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -224,5 +225,125 @@ func TestAWQThenGPTQ(t *testing.T) {
 	t.Logf("awq+gptq w4 perplexity %.3f, unquantized %.3f (2 windows of 512)", pq, pf)
 	if pq > pf*1.05 {
 		t.Errorf("awq+gptq perplexity %.3f is more than 5%% above the unquantized %.3f", pq, pf)
+	}
+}
+
+// TestLegacyLayouts: checkpoints in the layouts older quantizers wrote —
+// AutoGPTQ's settings in quantize_config.json (no quant_method) and its
+// weights in gptq_model-4bit-128g.safetensors; AutoAWQ's settings in
+// quant_config.json (w_bit, q_group_size, version "GEMM") — load to the
+// same logits as the modern layout they were made from. Packed weights
+// without any settings, and several weight files without an index, are
+// errors that say so.
+func TestLegacyLayouts(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	tmp := t.TempDir()
+	grid := pack.Grid{Bits: 4, GroupSize: 128}
+	logits := func(dir string) ([]float32, error) {
+		m, err := pack.OpenModel(dir)
+		if err != nil {
+			return nil, err
+		}
+		defer m.Close()
+		c, _ := m.Model.NewCache(8)
+		out := make([]float32, 8*m.Model.Cfg.Vocab)
+		ids := shared.Int32s(t, "reference/llama-tiny.logits.input.i32")[:8]
+		return out, m.Model.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: ids, Logits: out}})
+	}
+	// legacy rewrites a modern output: config.json without
+	// quantization_config, settings in file, weights renamed to weights.
+	legacy := func(modern, name, file, settings, weights string) string {
+		dir := filepath.Join(tmp, name)
+		os.MkdirAll(dir, 0o755)
+		entries, _ := os.ReadDir(modern)
+		for _, e := range entries {
+			data, _ := os.ReadFile(filepath.Join(modern, e.Name()))
+			switch e.Name() {
+			case "config.json":
+				var cfg map[string]any
+				json.Unmarshal(data, &cfg)
+				delete(cfg, "quantization_config")
+				data, _ = json.Marshal(cfg)
+			case "model.safetensors":
+				if weights != "" {
+					os.WriteFile(filepath.Join(dir, weights), data, 0o644)
+					continue
+				}
+			}
+			os.WriteFile(filepath.Join(dir, e.Name()), data, 0o644)
+		}
+		if file != "" {
+			os.WriteFile(filepath.Join(dir, file), []byte(settings), 0o644)
+		}
+		return dir
+	}
+	for _, c := range []struct {
+		format, file, settings, weights string
+		g                               pack.Grid
+	}{
+		{"gptq", "quantize_config.json", `{"bits": 4, "group_size": 128, "damp_percent": 0.01, "desc_act": false, "sym": true, "true_sequential": true, "model_file_base_name": "gptq_model-4bit-128g"}`,
+			"gptq_model-4bit-128g.safetensors", pack.Grid{Bits: 4, GroupSize: 128, Sym: true}},
+		{"awq", "quant_config.json", `{"zero_point": true, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}`, "", grid},
+	} {
+		modern := filepath.Join(tmp, c.format)
+		if _, err := Run(context.Background(), Options{Src: src, Out: modern, Method: RTN{G: c.g}, Format: c.format}); err != nil {
+			t.Fatal(err)
+		}
+		want, err := logits(modern)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := logits(legacy(modern, c.format+"-legacy", c.file, c.settings, c.weights))
+		if err != nil {
+			t.Fatalf("%s in %s: %v", c.format, c.file, err)
+		}
+		for i := range want {
+			if got[i] != want[i] {
+				t.Fatalf("%s in %s: logit %d is %v, the modern layout gives %v", c.format, c.file, i, got[i], want[i])
+			}
+		}
+		if _, err := logits(legacy(modern, c.format+"-bare", "", "", "")); err == nil ||
+			!strings.Contains(err.Error(), ".qweight") || !strings.Contains(err.Error(), "quantize_config.json") {
+			t.Errorf("%s without settings: %v", c.format, err)
+		}
+	}
+	two := legacy(filepath.Join(tmp, "gptq"), "two", "", "", "a.safetensors")
+	b, _ := os.ReadFile(filepath.Join(two, "a.safetensors"))
+	os.WriteFile(filepath.Join(two, "b.safetensors"), b, 0o644)
+	if _, err := logits(two); err == nil || !strings.Contains(err.Error(), "a.safetensors, b.safetensors") {
+		t.Errorf("two weight files without an index: %v", err)
+	}
+}
+
+// TestModelCard: an output carries a README.md that says what it was made
+// from and how (method, bits, group, calibration, the command line), and
+// the config's meta names llmq's version.
+func TestModelCard(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "out")
+	opt := Options{Src: shared.Path(t, "models/llama-tiny"), Out: out, TrueSequential: true,
+		Method: GPTQ{Opt: gptq.Options{Grid: pack.Grid{Bits: 3, GroupSize: 64, Sym: true}, Damp: 0.01}},
+		Calib:  shared.Path(t, "data/calib.txt"), NSamples: 2, SeqLen: 64,
+		CommandLine: "llmq quantize llama-tiny --bits 3 --group 64 --sym", Version: "abc123"}
+	if _, err := Run(context.Background(), opt); err != nil {
+		t.Fatal(err)
+	}
+	card, err := os.ReadFile(filepath.Join(out, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"base_model: llama-tiny", "# llama-tiny, 3-bit GPTQ", "to 3 bits, groups of 64, symmetric",
+		"calib.txt, the first 2 windows of 64 tokens (128 tokens)", "llmq abc123", "llmq quantize llama-tiny --bits 3 --group 64 --sym"} {
+		if !strings.Contains(string(card), want) {
+			t.Errorf("model card lacks %q:\n%s", want, card)
+		}
+	}
+	ck, err := checkpoint.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	q, err := pack.ParseQuantConfig(ck.Config.Quantization)
+	if err != nil || q.Meta == nil || q.Meta.Quantizer != "llmq" || q.Meta.Version != "abc123" || q.Meta.Method != "gptq" {
+		t.Errorf("meta %+v, %v", q.Meta, err)
 	}
 }

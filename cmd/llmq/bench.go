@@ -11,7 +11,10 @@ import (
 func newBench() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "bench",
-		Short: "Benchmarks: the W4A16 GEMM kernel against cuBLAS, the HTTP server under load",
+		Short: "Benchmarks: the W4A16 GEMM kernel against cuBLAS, decoding, the HTTP server under load",
+		Example: `  llmq bench gemm --m 1,16,4096 --json gemm.json                  (GPU)
+  llmq bench decode /tmp/llama3-8b-w4 --device cuda --batch 1,8    (GPU)
+  llmq bench serve ../shared/models/llama-tiny --clients 8 --requests 32`,
 	}
 	cmd.AddCommand(newBenchGemm(), newBenchServe(), newBenchDecode())
 	return cmd

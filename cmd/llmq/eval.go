@@ -2,25 +2,28 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/internal/progress"
+	"github.com/llmq/llmq/llm/calib"
 	"github.com/spf13/cobra"
 )
 
 func newEval() *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "eval",
-		Short: "Evaluate a model",
+		Use:     "eval",
+		Short:   "Evaluate a model",
+		Example: `  llmq eval ppl ../shared/models/llama-tiny --data ../shared/data/wikitext2/wiki.test.raw --windows 8`,
 	}
 	cmd.AddCommand(newEvalPPL())
 	return cmd
 }
 
 func newEvalPPL() *cobra.Command {
-	var data, jsonOut, device string
+	var data, format, jsonOut, device string
 	var opt evals.PPLOptions
 	cmd := &cobra.Command{
 		Use:   "ppl MODEL_DIR",
@@ -33,16 +36,28 @@ func newEvalPPL() *cobra.Command {
 			if data == "" {
 				return fmt.Errorf("--data FILE is required (the text to evaluate on)")
 			}
-			text, err := os.ReadFile(data)
-			if err != nil {
+			if _, err := os.Stat(data); err != nil {
 				return fmt.Errorf("--data: %w", err)
 			}
+			fmt.Fprintf(os.Stderr, "llmq: loading %s\n", args[0])
 			m, err := openModel(args[0], device)
 			if err != nil {
 				return err
 			}
 			defer m.Close()
-			ids := m.Tokenizer.Encode(string(text), false)
+			ids, err := calib.ReadTokens(data, format, m.Tokenizer)
+			if err != nil {
+				if errors.Is(err, calib.ErrNotText) {
+					return fmt.Errorf("--data: %w; for little-endian int32 token ids use --format ids (or a .i32 name)", err)
+				}
+				return fmt.Errorf("--data/--format: %w", err)
+			}
+			vocab := m.Backend.Config().Vocab
+			for i, id := range ids {
+				if id < 0 || id >= vocab {
+					return fmt.Errorf("--data %s: token id %d at position %d is outside the model's vocabulary [0, %d)", data, id, i, vocab)
+				}
+			}
 			seq := opt.SeqLen
 			if seq == 0 {
 				seq = 2048
@@ -50,13 +65,15 @@ func newEvalPPL() *cobra.Command {
 			if len(ids) < seq {
 				return fmt.Errorf("--data %s has %d tokens, fewer than one window of --seqlen %d", data, len(ids), seq)
 			}
-			bar := progress.New("ppl", 0)
-			opt.Progress = func(done, total int) {
-				if done == 1 {
-					bar = progress.New("ppl", total)
-				}
-				bar.Set(done, "")
+			// The bar starts before the first window, so its rate and ETA
+			// count that window too.
+			windows := len(ids) / seq
+			if opt.Windows > 0 {
+				windows = min(windows, opt.Windows)
 			}
+			bar := progress.New("ppl", windows)
+			bar.Set(0, "")
+			opt.Progress = func(done, total int) { bar.Set(done, "") }
 			res, err := evals.Perplexity(cmd.Context(), m.Backend, ids, opt)
 			if err != nil {
 				return err
@@ -72,7 +89,8 @@ func newEvalPPL() *cobra.Command {
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&data, "data", "", "text file to evaluate on (required)")
+	cmd.Flags().StringVar(&data, "data", "", "text (or token id) file to evaluate on (required)")
+	cmd.Flags().StringVar(&format, "format", "auto", "what --data holds: auto (ids when the name ends in .i32, else text), text, or ids (little-endian int32 token ids)")
 	cmd.Flags().IntVar(&opt.SeqLen, "seqlen", 2048, "window length in tokens")
 	cmd.Flags().IntVar(&opt.Windows, "windows", 0, "evaluate only the first N windows (0: all)")
 	cmd.Flags().StringVar(&jsonOut, "json", "", "also write the result as JSON to this file")

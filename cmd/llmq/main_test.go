@@ -14,6 +14,8 @@ import (
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // The command line's behaviour, run in process through newRoot() as a user
@@ -169,6 +171,13 @@ func TestCommandLineErrors(t *testing.T) {
 	if err := os.Mkdir(exists, 0o755); err != nil {
 		t.Fatal(err)
 	}
+	foreign := filepath.Join(dir, "foreign")
+	if err := os.Mkdir(foreign, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(foreign, "notes.txt"), []byte("not a checkpoint"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	short := filepath.Join(dir, "short.txt")
 	if err := os.WriteFile(short, []byte("a few words"), 0o644); err != nil {
 		t.Fatal(err)
@@ -193,6 +202,8 @@ func TestCommandLineErrors(t *testing.T) {
 		{"missing --calib", []string{"quantize", model, "--method", "gptq", "-o", out}, []string{"--calib"}, nil},
 		{"missing -o", []string{"quantize", model, "--method", "rtn"}, []string{"-o", "required"}, nil},
 		{"existing output", []string{"quantize", model, "--method", "rtn", "-o", exists}, []string{exists, "--force"}, nil},
+		{"--force over a foreign directory", []string{"quantize", model, "--method", "rtn", "-o", foreign, "--force"}, []string{foreign, "not an llmq output"}, nil},
+		{"bad --max-shard-size", []string{"quantize", model, "--method", "rtn", "-o", out, "--max-shard-size", "5XB"}, []string{"--max-shard-size", `"5XB"`}, nil},
 		{"missing model dir", []string{"quantize", missing, "--method", "rtn", "-o", out}, []string{missing}, fs.ErrNotExist},
 		{"inspect missing model dir", []string{"inspect", missing}, []string{missing}, fs.ErrNotExist},
 		{"eval missing model dir", []string{"eval", "ppl", missing, "--data", data, "--device", "cpu"}, []string{missing}, fs.ErrNotExist},
@@ -221,16 +232,83 @@ func TestCommandLineErrors(t *testing.T) {
 			}
 		})
 	}
-	// Nothing was written by the refused runs.
+	// Nothing was written by the refused runs, and the foreign directory
+	// is untouched.
+	if b, err := os.ReadFile(filepath.Join(foreign, "notes.txt")); err != nil || string(b) != "not a checkpoint" {
+		t.Errorf("--force touched a foreign directory: %q, %v", b, err)
+	}
 	if _, err := os.Stat(out); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("a refused command wrote %s (%v)", out, err)
 	}
 	entries, _ := os.ReadDir(dir)
-	if len(entries) != 2 {
+	if len(entries) != 3 { // exists, foreign, short.txt
 		var names []string
 		for _, e := range entries {
 			names = append(names, e.Name())
 		}
 		t.Errorf("the refused commands left %v behind", names)
 	}
+}
+
+// TestEvalTokenFile: eval ppl reads token ids from an .i32 file (the
+// shared HF token ids of WikiText-2) and gets exactly the perplexity of
+// the text it tokenizes itself (the tokenizer reproduces those ids); the
+// same file read as text, or a binary file under another name, is refused
+// instead of tokenized into nonsense.
+func TestEvalTokenFile(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	text := shared.Path(t, "data/wikitext2/wiki.test.raw")
+	ids := shared.Path(t, "reference/wikitext2-test.tokens.i32")
+	args := []string{"--seqlen", "256", "--windows", "2", "--device", "cpu"}
+	fromText := perplexity(t, mustLLMQ(t, append([]string{"eval", "ppl", model, "--data", text}, args...)...))
+	fromIDs := perplexity(t, mustLLMQ(t, append([]string{"eval", "ppl", model, "--data", ids}, args...)...))
+	if fromText != fromIDs {
+		t.Errorf("perplexity %v from the text, %v from its HF token ids", fromText, fromIDs)
+	}
+	_, err := llmq(t, append([]string{"eval", "ppl", model, "--data", ids, "--format", "text"}, args...)...)
+	if err == nil || !strings.Contains(err.Error(), "does not look like text") || !strings.Contains(err.Error(), "--format ids") {
+		t.Errorf("ids read as text: %v", err)
+	}
+	// Ids out of the vocabulary are refused with their position.
+	bad := filepath.Join(t.TempDir(), "bad.i32")
+	os.WriteFile(bad, []byte{1, 0, 0, 0, 0, 0, 1, 0}, 0o644) // 1, 65536
+	_, err = llmq(t, append([]string{"eval", "ppl", model, "--data", bad}, args...)...)
+	if err == nil || !strings.Contains(err.Error(), "token id 65536 at position 1") {
+		t.Errorf("id outside the vocabulary: %v", err)
+	}
+}
+
+// TestCalibrationTooShort: too little calibration text says how many
+// windows fit and suggests settings that work.
+func TestCalibrationTooShort(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	short := filepath.Join(t.TempDir(), "short.txt")
+	os.WriteFile(short, []byte(strings.Repeat("The cat sat on the mat. ", 40)), 0o644) // 280 tokens
+	_, err := llmq(t, "quantize", model, "--method", "gptq", "--calib", short, "--nsamples", "4", "--seqlen", "128", "-o", filepath.Join(t.TempDir(), "out"))
+	if err == nil || !strings.Contains(err.Error(), "2 windows of 128") || !strings.Contains(err.Error(), "use --nsamples 2, or --seqlen 70 for 4 windows") {
+		t.Errorf("short calibration: %v", err)
+	}
+}
+
+// TestHelpHasExamples: every command shows an example in its help, and
+// every flag has a usage text.
+func TestHelpHasExamples(t *testing.T) {
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		if c.Hidden || c.Name() == "help" || c.Name() == "completion" {
+			return
+		}
+		if c.Example == "" {
+			t.Errorf("llmq %s: no example in its help", c.CommandPath())
+		}
+		c.LocalFlags().VisitAll(func(f *pflag.Flag) {
+			if strings.TrimSpace(f.Usage) == "" {
+				t.Errorf("%s --%s: no usage text", c.CommandPath(), f.Name)
+			}
+		})
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(newRoot())
 }

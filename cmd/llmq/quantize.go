@@ -5,12 +5,14 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/progress"
+	"github.com/llmq/llmq/llm/calib"
 	"github.com/llmq/llmq/pack"
 	"github.com/llmq/llmq/quantize"
 	"github.com/spf13/cobra"
@@ -22,7 +24,7 @@ func newQuantize() *cobra.Command {
 	var gopt gptq.Options
 	var bits, group int
 	var sym, duo, noClip bool
-	var reportPath, statsPath string
+	var reportPath, statsPath, shardSize string
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
 		Short: "Quantize a checkpoint to INT4 (GPTQ, AWQ, RTN) and write a packed checkpoint",
@@ -42,11 +44,12 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			if opt.Out == "" {
 				return fmt.Errorf("-o/--output is required")
 			}
+			var err error
+			if opt.MaxShardBytes, err = parseSize(shardSize); err != nil {
+				return fmt.Errorf("--max-shard-size: %w", err)
+			}
 			if opt.Format != "gptq" && opt.Format != "awq" {
 				return fmt.Errorf("--format must be gptq or awq, got %q", opt.Format)
-			}
-			if _, err := os.Stat(opt.Out); err == nil && !opt.Force {
-				return fmt.Errorf("output %s exists; --force replaces it", opt.Out)
 			}
 			grid := pack.Grid{Bits: bits, GroupSize: group, Sym: sym}
 			if err := grid.Validate(0); err != nil {
@@ -95,6 +98,10 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				}
 				bar.Set(block, fmt.Sprintf("block %d %s", block, stage))
 			}
+			opt.CommandLine = commandLine(cmd)
+			if v := evals.Commit(); v != "unknown" {
+				opt.Version = v
+			}
 			rep, err := quantize.Run(ctx, opt)
 			if err != nil {
 				if ctx.Err() != nil {
@@ -129,13 +136,15 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
 	f.BoolVar(&gopt.ActOrder, "act-order", false, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
 	f.BoolVar(&gopt.StaticGroups, "static-groups", false, "GPTQ: fit all group scales before quantizing")
+	f.BoolVar(&gopt.GroupsFromBlockStart, "groups-from-block-start", false, "GPTQ, groups smaller than 128: fit a group on the weights as its 128-column block began (the reference code's W), not as already updated")
 	f.Float64Var(&gopt.Damp, "damp", 0.01, "GPTQ: dampening as a fraction of mean(diag H)")
 	f.BoolVar(&opt.TrueSequential, "true-sequential", true, "GPTQ: quantize [q,k,v]→[o]→[gate,up]→[down] sequentially")
 	f.StringVar(&opt.Calib, "calib", "", "calibration text file (or .i32 token file)")
 	f.IntVar(&opt.NSamples, "nsamples", 128, "calibration windows")
 	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window (AWQ default 512)")
 	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
-	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists")
+	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
+	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")
 	return cmd
 }
@@ -143,8 +152,20 @@ windows of --seqlen tokens of --calib (deterministic).`,
 // quantizeFlagError names the flags behind a library error where there
 // are some.
 func quantizeFlagError(err error, opt quantize.Options) error {
+	var short *calib.ShortError
+	if errors.As(err, &short) {
+		fit := short.Tokens / short.SeqLen
+		hint := fmt.Sprintf("use --nsamples %d", fit)
+		if fit == 0 {
+			hint = "use more calibration text"
+		}
+		if s := short.Tokens / short.N; s >= 16 {
+			hint += fmt.Sprintf(", or --seqlen %d for %d windows", s, short.N)
+		}
+		return fmt.Errorf("--calib %s with --nsamples %d --seqlen %d: %w; %s", opt.Calib, opt.NSamples, opt.SeqLen, short, hint)
+	}
 	if errors.Is(err, quantize.ErrCalibration) {
-		return fmt.Errorf("--calib/--nsamples %d/--seqlen %d: %w", opt.NSamples, opt.SeqLen, err)
+		return fmt.Errorf("--calib %s: %w", opt.Calib, err)
 	}
 	return err
 }
@@ -159,4 +180,19 @@ func printReport(cmd *cobra.Command, rep *quantize.Report) {
 	}
 	fmt.Fprintf(w, "method %s, format %s, %d calibration tokens\n", rep.Method, rep.Format, rep.CalibTokens)
 	fmt.Fprintf(w, "size %s → %s, wall time %.1f s\n", human(float64(rep.BytesIn), "B"), human(float64(rep.BytesOut), "B"), rep.Seconds)
+}
+
+// commandLine is the command as a shell would take it back.
+func commandLine(cmd *cobra.Command) string {
+	parts := []string{cmd.CommandPath()}
+	for _, a := range os.Args[1:] {
+		if a == "" || strings.ContainsAny(a, " \t\n'\"$\\") {
+			a = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
+		}
+		parts = append(parts, a)
+	}
+	if len(os.Args) > 1 && os.Args[1] == cmd.Name() {
+		parts = append(parts[:1], parts[2:]...) // CommandPath already holds it
+	}
+	return strings.Join(parts, " ")
 }

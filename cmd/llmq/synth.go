@@ -14,6 +14,7 @@ import (
 
 func newSynth() *cobra.Command {
 	opt := evals.SynthOptions{}
+	var shardSize string
 	cmd := &cobra.Command{
 		Use:   "synth --preset NAME -o DIR",
 		Short: "Write a random-weight checkpoint of a real model's size (for speed measurements)",
@@ -28,6 +29,10 @@ Presets: ` + strings.Join(evals.PresetNames(), ", "),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if opt.Out == "" {
 				return fmt.Errorf("-o DIR is required")
+			}
+			var err error
+			if opt.MaxShardBytes, err = parseSize(shardSize); err != nil {
+				return fmt.Errorf("--max-shard-size: %w", err)
 			}
 			bar := progress.New("synth", 0)
 			opt.Progress = func(done, total int) {
@@ -48,9 +53,10 @@ Presets: ` + strings.Join(evals.PresetNames(), ", "),
 	f.StringVar(&opt.Preset, "preset", "llama3-8b", "architecture: "+strings.Join(evals.PresetNames(), ", "))
 	f.IntVar(&opt.Bits, "bits", 4, "4 (GPTQ, symmetric, fp16 scales) or 16 (bf16)")
 	f.IntVar(&opt.Group, "group", 128, "quantization group size")
+	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output: bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.IntVar(&opt.Layers, "layers", 0, "override the number of layers (0: the preset's)")
 	f.StringVar(&opt.Tokenizer, "tokenizer", filepath.Join(assets.Root(), "models", "llama-small"), "directory whose tokenizer.json (and tokenizer_config.json) to copy")
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory")
-	f.BoolVar(&opt.Force, "force", false, "replace an existing output directory")
+	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
 	return cmd
 }

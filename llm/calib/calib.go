@@ -5,33 +5,87 @@
 package calib
 
 import (
+	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/tokenizer"
 )
 
-// ReadTokens reads calibration tokens: a file ending in .i32 holds
-// little-endian int32 ids; anything else is text, encoded with tok.
-func ReadTokens(path string, tok *tokenizer.Tokenizer) ([]int, error) {
+// Formats of a token file (ReadTokens).
+const (
+	FormatAuto = "auto" // ids when the name ends in .i32, else text
+	FormatText = "text" // UTF-8 text, encoded with the tokenizer
+	FormatIDs  = "ids"  // little-endian int32 token ids
+)
+
+// ReadTokens reads a file of tokens in a format (FormatAuto when empty):
+// text is encoded with tok, without BOS. A file that does not look like
+// text (a NUL byte, or invalid UTF-8 in its first 64 KiB) is refused as
+// text rather than tokenized into nonsense. Ids are returned as read: the
+// caller checks them against its model's vocabulary.
+func ReadTokens(path, format string, tok *tokenizer.Tokenizer) ([]int, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return nil, fmt.Errorf("calibration data: %w", err)
+		return nil, err
 	}
-	if strings.HasSuffix(path, ".i32") {
-		if len(data)%4 != 0 {
-			return nil, fmt.Errorf("calibration data %s: %d bytes is not a whole number of int32 ids", path, len(data))
+	switch format {
+	case "", FormatAuto:
+		format = FormatText
+		if strings.HasSuffix(path, ".i32") {
+			format = FormatIDs
 		}
-		ids := make([]int, len(data)/4)
-		for i := range ids {
-			ids[i] = int(int32(binary.LittleEndian.Uint32(data[4*i:])))
-		}
-		return ids, nil
+	case FormatText, FormatIDs:
+	default:
+		return nil, fmt.Errorf("token file format %q: want %s, %s or %s", format, FormatAuto, FormatText, FormatIDs)
 	}
-	return tok.Encode(string(data), false), nil
+	if format == FormatText {
+		head := data[:min(len(data), 64<<10)]
+		if i := bytes.IndexByte(head, 0); i >= 0 || !utf8.Valid(trimPartialRune(head)) {
+			return nil, fmt.Errorf("%s does not look like text (a NUL byte or invalid UTF-8 near the start): %w", path, ErrNotText)
+		}
+		return tok.Encode(string(data), false), nil
+	}
+	if len(data)%4 != 0 {
+		return nil, fmt.Errorf("%s: %d bytes is not a whole number of int32 ids", path, len(data))
+	}
+	ids := make([]int, len(data)/4)
+	for i := range ids {
+		ids[i] = int(int32(binary.LittleEndian.Uint32(data[4*i:])))
+	}
+	return ids, nil
+}
+
+// ErrNotText is ReadTokens' error for a binary file read as text.
+var ErrNotText = errors.New("not a text file")
+
+// trimPartialRune drops a UTF-8 sequence cut off at the end of b.
+func trimPartialRune(b []byte) []byte {
+	for i := 1; i <= 3 && i <= len(b); i++ {
+		if utf8.RuneStart(b[len(b)-i]) {
+			if !utf8.FullRune(b[len(b)-i:]) {
+				return b[:len(b)-i]
+			}
+			break
+		}
+	}
+	return b
+}
+
+// ShortError is Windows' error for too few tokens: it knows the windows
+// that fit, so a caller can suggest settings that work.
+type ShortError struct {
+	Tokens, N, SeqLen int
+}
+
+func (e *ShortError) Error() string {
+	return fmt.Sprintf("calibration data has %d tokens, %d windows of %d; %d windows need %d tokens",
+		e.Tokens, e.Tokens/e.SeqLen, e.SeqLen, e.N, e.N*e.SeqLen)
 }
 
 // Windows returns the first n non-overlapping windows of seqlen tokens.
@@ -39,9 +93,8 @@ func Windows(ids []int, n, seqlen int) ([][]int, error) {
 	if n <= 0 || seqlen <= 0 {
 		return nil, fmt.Errorf("%d calibration windows of %d tokens: want a positive number of windows and tokens", n, seqlen)
 	}
-	have := len(ids) / seqlen
-	if have < n {
-		return nil, fmt.Errorf("calibration data has %d tokens, %d windows of %d; %d windows need %d tokens", len(ids), have, seqlen, n, n*seqlen)
+	if len(ids)/seqlen < n {
+		return nil, &ShortError{Tokens: len(ids), N: n, SeqLen: seqlen}
 	}
 	out := make([][]int, n)
 	for i := range out {

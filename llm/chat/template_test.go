@@ -122,3 +122,38 @@ func TestParseForms(t *testing.T) {
 		t.Error("no messages: want an error")
 	}
 }
+
+// FuzzRender: whatever a client sends as roles and contents, the
+// published templates render without panicking, and a message's content
+// reaches the prompt (the Llama-3 and Qwen2 templates insert it verbatim
+// or trimmed) unless the template refuses the conversation.
+func FuzzRender(f *testing.F) {
+	var tmpls []*Template
+	for _, name := range []string{"llama3", "qwen2", "mistral"} {
+		src, err := os.ReadFile(filepath.Join("testdata", name+".jinja"))
+		if err != nil {
+			f.Fatal(err)
+		}
+		tmpl, err := New(strings.TrimSuffix(string(src), "\n"), "<s>", "</s>")
+		if err != nil {
+			f.Fatal(err)
+		}
+		tmpls = append(tmpls, tmpl)
+	}
+	f.Add("user", "Hello!", "assistant", "Hi {{ there }} {% if %}", true)
+	f.Add("system", "  be brief \n", "user", "\x00\xff<|eot_id|>", false)
+	f.Fuzz(func(t *testing.T, r1, c1, r2, c2 string, gen bool) {
+		msgs := []Message{{Role: r1, Content: c1}, {Role: r2, Content: c2}}
+		for i, tmpl := range tmpls {
+			out, err := tmpl.Render(msgs, gen)
+			if err != nil || i == 2 { // Mistral's template reorders system text
+				continue
+			}
+			for _, m := range msgs {
+				if c := strings.TrimSpace(m.Content); !strings.Contains(out, c) {
+					t.Fatalf("template %d: content %q missing from %q", i, c, out)
+				}
+			}
+		}
+	})
+}

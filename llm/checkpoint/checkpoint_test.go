@@ -2,6 +2,7 @@ package checkpoint
 
 import (
 	"encoding/binary"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -60,6 +61,8 @@ func TestConfigErrors(t *testing.T) {
 		`{}`:                                     "no \"architectures\"",
 		`{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}`: "intermediate_size must be a positive integer",
 		`{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 10}`: "not a multiple of num_key_value_heads",
+		`{"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": true}`:                                                                                      "use_sliding_window",
+		`{"architectures": ["MistralForCausalLM"], "sliding_window": 0}`:                                                                                                                   "sliding_window 0",
 		`{"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}}`:                                                                                                   `rope type "yarn" is not supported`,
 	}
 	for in, want := range cases {
@@ -220,6 +223,73 @@ func FuzzHeader(f *testing.F) {
 		for _, n := range file.Names() {
 			tn, _ := file.Tensor(n)
 			_ = tn.ToFloat32(make([]float32, tn.Numel()))
+		}
+	})
+}
+
+// TestNonFiniteWeightsNamed: a weight that overflowed to Inf (70000 does
+// not fit in fp16) or is NaN is refused with the tensor and the index;
+// the largest finite float32 is accepted.
+func TestNonFiniteWeightsNamed(t *testing.T) {
+	dir := copyModel(t, "models/llama-tiny")
+	p := filepath.Join(dir, "model.safetensors")
+	f, err := OpenFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tensors := map[string]Out{}
+	for _, n := range f.Names() {
+		tn, _ := f.Tensor(n)
+		tensors[n] = Out{DType: tn.DType, Shape: tn.Shape, Data: append([]byte(nil), tn.Data...)}
+	}
+	f.Close()
+	norm := make([]float32, 256)
+	norm[7] = 70000
+	tensors["model.norm.weight"] = F16(norm, 256)
+	ln := make([]float32, 256)
+	ln[3] = float32(math.NaN())
+	tensors["model.layers.1.input_layernorm.weight"] = F32(ln, 256)
+	big := make([]float32, 256)
+	big[0] = math.MaxFloat32
+	tensors["model.layers.0.input_layernorm.weight"] = F32(big, 256)
+	if err := WriteFile(p, tensors, nil); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	for name, want := range map[string]string{
+		"model.norm.weight":                     `tensor "model.norm.weight": element 7 is +Inf`,
+		"model.layers.1.input_layernorm.weight": `tensor "model.layers.1.input_layernorm.weight": element 3 is NaN`,
+	} {
+		if _, err := ck.Float32(name, 256); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want %q", name, err, want)
+		}
+	}
+	if v, err := ck.Float32("model.layers.0.input_layernorm.weight", 256); err != nil || v[0] != math.MaxFloat32 {
+		t.Errorf("the largest finite float32: %v, %v", v[0], err)
+	}
+}
+
+// FuzzParseConfig: no config.json, however malformed, panics the parser,
+// and a config it accepts describes a runnable shape (positive sizes,
+// heads dividing evenly, a sliding window only when positive).
+func FuzzParseConfig(f *testing.F) {
+	for _, m := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-swa-rand", "archzoo/llama31-rand"} {
+		if data, err := os.ReadFile(filepath.Join(shared.Root(), "models", m, "config.json")); err == nil {
+			f.Add(data)
+		}
+	}
+	f.Add([]byte(`{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10, "rope_scaling": {"rope_type": "llama3", "factor": 8}}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := ParseConfig(data)
+		if err != nil {
+			return
+		}
+		if c.Hidden <= 0 || c.Layers <= 0 || c.Heads <= 0 || c.KVHeads <= 0 || c.HeadDim <= 0 || c.Vocab <= 0 || c.Heads%c.KVHeads != 0 || c.SlidingWindow < 0 {
+			t.Fatalf("accepted an unrunnable config: %+v", c)
 		}
 	})
 }

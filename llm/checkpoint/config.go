@@ -30,11 +30,18 @@ type Config struct {
 	QKVBias       bool    // q/k/v projections carry a bias (Qwen2, attention_bias)
 	DType         string  // torch_dtype or dtype, e.g. "bfloat16"
 	Rope          Rope
+	// SlidingWindow, when positive, limits attention to the last
+	// SlidingWindow positions (a query at p sees keys p−W+1 … p), as
+	// Mistral's sliding_window does.
+	SlidingWindow int
 	BOS           int   // bos_token_id, -1 when absent
 	EOS           []int // eos_token_id (one or several)
 
-	// Quantization is config.json's quantization_config, verbatim, or nil.
-	Quantization json.RawMessage
+	// Quantization is config.json's quantization_config, verbatim, or nil;
+	// or, when config.json has none, the JSON of a legacy settings file
+	// (QuantizationFile names it).
+	Quantization     json.RawMessage
+	QuantizationFile string
 }
 
 // Rope describes rotary position embeddings. Type is "default", "linear" or
@@ -88,6 +95,8 @@ type rawConfig struct {
 	BOSTokenID            *int            `json:"bos_token_id"`
 	EOSTokenID            json.RawMessage `json:"eos_token_id"`
 	QuantizationConfig    json.RawMessage `json:"quantization_config"`
+	SlidingWindow         *int            `json:"sliding_window"`
+	UseSlidingWindow      *bool           `json:"use_sliding_window"`
 }
 
 // LoadConfig reads and validates dir/config.json.
@@ -167,7 +176,34 @@ func ParseConfig(data []byte) (*Config, error) {
 	if err := c.parseRope(&r); err != nil {
 		return nil, err
 	}
+	if err := c.parseSlidingWindow(&r); err != nil {
+		return nil, err
+	}
 	return c, c.validate()
+}
+
+// parseSlidingWindow reads Mistral's sliding_window (null or absent: full
+// attention). Qwen2 configs carry a sliding_window that applies only with
+// use_sliding_window, and then to the layers past max_window_layers: that
+// variant is refused rather than run wrongly.
+func (c *Config) parseSlidingWindow(r *rawConfig) error {
+	if r.SlidingWindow == nil {
+		return nil
+	}
+	w := *r.SlidingWindow
+	if c.Architecture == "Qwen2ForCausalLM" {
+		if r.UseSlidingWindow != nil && *r.UseSlidingWindow {
+			return fmt.Errorf("use_sliding_window: Qwen2's per-layer sliding window is not supported")
+		}
+		return nil
+	}
+	if w <= 0 {
+		return fmt.Errorf("sliding_window %d: want a positive window or null", w)
+	}
+	if w < c.MaxPositions || c.MaxPositions == 0 {
+		c.SlidingWindow = w
+	}
+	return nil
 }
 
 // parseRope merges the transformers-4 style (top-level rope_theta and

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 
 	"github.com/nlpodyssey/safetensors"
 	"github.com/x448/float16"
@@ -184,11 +185,18 @@ type Checkpoint struct {
 // ErrNoTensor is wrapped by Checkpoint.Tensor when a tensor is absent.
 var ErrNoTensor = errors.New("tensor not found")
 
-// Open reads dir/config.json and maps the weights.
+// Open reads dir/config.json and maps the weights. A quantized checkpoint
+// whose config.json has no quantization_config may carry it in the file
+// older quantizers wrote beside it (LegacyQuantConfigs).
 func Open(dir string) (*Checkpoint, error) {
 	cfg, err := LoadConfig(dir)
 	if err != nil {
 		return nil, err
+	}
+	if cfg.Quantization == nil {
+		if cfg.Quantization, cfg.QuantizationFile, err = legacyQuantConfig(dir); err != nil {
+			return nil, err
+		}
 	}
 	paths, err := WeightFiles(dir)
 	if err != nil {
@@ -209,17 +217,53 @@ func Open(dir string) (*Checkpoint, error) {
 	return c, nil
 }
 
+// LegacyQuantConfigs are the files where quantizers wrote their settings
+// before they went into config.json: AutoGPTQ (until early 2024) and
+// AutoAWQ (before 0.1.7).
+var LegacyQuantConfigs = []string{"quantize_config.json", "quant_config.json"}
+
+// legacyQuantConfig returns the first legacy settings file's JSON and name.
+func legacyQuantConfig(dir string) (json.RawMessage, string, error) {
+	for _, name := range LegacyQuantConfigs {
+		data, err := os.ReadFile(filepath.Join(dir, name))
+		if errors.Is(err, os.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, "", err
+		}
+		if !json.Valid(data) {
+			return nil, "", fmt.Errorf("%s: invalid JSON", filepath.Join(dir, name))
+		}
+		return json.RawMessage(data), name, nil
+	}
+	return nil, "", nil
+}
+
 // WeightFiles lists the safetensors files of a model directory: the shards
-// named by model.safetensors.index.json, else model.safetensors.
+// named by model.safetensors.index.json, else model.safetensors, else the
+// directory's only .safetensors file (AutoGPTQ named it
+// gptq_model-4bit-128g.safetensors).
 func WeightFiles(dir string) ([]string, error) {
 	index := filepath.Join(dir, "model.safetensors.index.json")
 	data, err := os.ReadFile(index)
 	if errors.Is(err, os.ErrNotExist) {
 		single := filepath.Join(dir, "model.safetensors")
-		if _, err := os.Stat(single); err != nil {
-			return nil, fmt.Errorf("no weights in %s: neither model.safetensors nor model.safetensors.index.json", dir)
+		if _, err := os.Stat(single); err == nil {
+			return []string{single}, nil
 		}
-		return []string{single}, nil
+		all, _ := filepath.Glob(filepath.Join(dir, "*.safetensors"))
+		switch len(all) {
+		case 0:
+			return nil, fmt.Errorf("no weights in %s: no model.safetensors.index.json and no .safetensors file", dir)
+		case 1:
+			return all, nil
+		}
+		for i := range all {
+			all[i] = filepath.Base(all[i])
+		}
+		return nil, fmt.Errorf("%s holds %d .safetensors files (%s) but no model.safetensors.index.json saying which are the model's shards",
+			dir, len(all), strings.Join(all, ", "))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("reading shard index: %w", err)
@@ -286,7 +330,24 @@ func (c *Checkpoint) Float32(name string, shape ...int) ([]float32, error) {
 		return nil, err
 	}
 	out := make([]float32, t.Numel())
-	return out, t.ToFloat32(out)
+	if err := t.ToFloat32(out); err != nil {
+		return nil, err
+	}
+	if i := NonFinite(out); i >= 0 {
+		return nil, fmt.Errorf("tensor %q: element %d is %v; weights must be finite", name, i, out[i])
+	}
+	return out, nil
+}
+
+// NonFinite is the index of the first NaN or ±Inf in x, or −1. (A bf16 or
+// fp16 value that overflowed is stored as Inf, so this catches it.)
+func NonFinite(x []float32) int {
+	for i, v := range x {
+		if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+			return i
+		}
+	}
+	return -1
 }
 
 // SizeOnDisk is the total size of the weight files in bytes.

@@ -1,0 +1,73 @@
+package quantize
+
+import (
+	"fmt"
+	"path/filepath"
+	"strings"
+
+	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/pack"
+)
+
+// modelCard is the README.md of an output: what it was made from, how,
+// and how to load it.
+func modelCard(opt Options, ck *checkpoint.Checkpoint, qc *pack.QuantConfig, rep *Report) string {
+	var b strings.Builder
+	base := filepath.Base(filepath.Clean(opt.Src))
+	g := qc.Grid()
+	group := fmt.Sprintf("groups of %d", g.GroupSize)
+	if g.GroupSize <= 0 {
+		group = "one group per output channel"
+	}
+	sym := "asymmetric (a zero point per group)"
+	if g.Sym {
+		sym = "symmetric"
+	}
+	fmt.Fprintf(&b, "---\nbase_model: %s\ntags:\n- llmq\n- %s\n- %d-bit\n---\n\n", base, rep.Method, g.Bits)
+	fmt.Fprintf(&b, "# %s, %d-bit %s\n\n", base, g.Bits, strings.ToUpper(rep.Method))
+	fmt.Fprintf(&b, "%s (%s, %d layers) with the linear layers of every decoder block quantized by llmq to %d bits, %s, %s, with %s. ",
+		base, ck.Config.Architecture, ck.Config.Layers, g.Bits, group, sym, methodName(rep.Method))
+	if opt.QuantizeLMHead {
+		b.WriteString("lm_head is quantized too; embeddings and norms keep their dtype.\n\n")
+	} else {
+		b.WriteString("Embeddings, norms and lm_head keep their dtype.\n\n")
+	}
+	fmt.Fprintf(&b, "- layout: %s (`quant_method` %q", layoutName(qc), qc.QuantMethod)
+	if qc.CheckpointFormat != "" {
+		fmt.Fprintf(&b, ", `checkpoint_format` %q", qc.CheckpointFormat)
+	}
+	b.WriteString(" in config.json's quantization_config)\n")
+	if rep.CalibTokens > 0 {
+		fmt.Fprintf(&b, "- calibration: %s, the first %d windows of %d tokens (%d tokens)\n", filepath.Base(opt.Calib), opt.NSamples, opt.SeqLen, rep.CalibTokens)
+	}
+	fmt.Fprintf(&b, "- size: %.1f MB of weights, from %.1f MB\n", float64(rep.BytesOut)/1e6, float64(rep.BytesIn)/1e6)
+	if opt.Version != "" {
+		fmt.Fprintf(&b, "- made by llmq %s\n", opt.Version)
+	}
+	if opt.CommandLine != "" {
+		fmt.Fprintf(&b, "\n```\n%s\n```\n", opt.CommandLine)
+	}
+	b.WriteString("\nIt loads in transformers and vLLM (the " + layoutName(qc) + " layout) and in llmq (`llmq generate DIR --prompt …`, `llmq serve DIR`).\n")
+	return b.String()
+}
+
+func methodName(m string) string {
+	switch m {
+	case "rtn":
+		return "round-to-nearest"
+	case "gptq":
+		return "GPTQ (Frantar et al. 2022)"
+	case "awq":
+		return "AWQ (Lin et al. 2023)"
+	case "awq+gptq":
+		return "AWQ's scales folded in, then GPTQ"
+	}
+	return m
+}
+
+func layoutName(qc *pack.QuantConfig) string {
+	if qc.QuantMethod == "awq" {
+		return "AutoAWQ GEMM"
+	}
+	return "GPTQ"
+}
