@@ -113,6 +113,7 @@ type Engine struct {
 	closed bool
 
 	active       atomic.Int64 // sequences in the batch
+	queued       atomic.Int64 // sequences submitted, neither in the batch nor dropped yet
 	generated    atomic.Int64 // tokens generated since the start
 	kvTokens     atomic.Int64 // tokens held by the active sequences' caches
 	kvBytes      atomic.Int64 // memory those caches reserve, when they report it
@@ -180,7 +181,7 @@ type Stats struct {
 
 // Stats reads the counters.
 func (e *Engine) Stats() Stats {
-	return Stats{Queued: len(e.queue), Active: int(e.active.Load()), Generated: e.generated.Load(),
+	return Stats{Queued: int(e.queued.Load()), Active: int(e.active.Load()), Generated: e.generated.Load(),
 		KVTokens: e.kvTokens.Load(), KVBytes: e.kvBytes.Load(), KVBytesKnown: e.kvBytesKnown.Load()}
 }
 
@@ -339,15 +340,22 @@ tokens:
 	return res, nil
 }
 
-// submit queues a sequence unless the engine is closed or the queue full.
+// submit queues a sequence unless the engine is closed or MaxQueue
+// sequences are waiting already.
 func (e *Engine) submit(s *sequence) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
 		return ErrClosed
 	}
+	if e.queued.Load() >= int64(e.opt.MaxQueue) {
+		return ErrBusy
+	}
+	// The channel holds at most the queued sequences, fewer than
+	// MaxQueue, its capacity: the send does not block.
 	select {
 	case e.queue <- s:
+		e.queued.Add(1)
 		return nil
 	default:
 		return ErrBusy
@@ -383,9 +391,16 @@ func (s *sequence) finish(err error) {
 // run is the scheduler loop.
 func (e *Engine) run() {
 	defer close(e.done)
-	var active []*sequence
+	// waiting holds the submitted sequences not yet in the batch, taken
+	// off the channel every iteration so that those whose context ended
+	// (a client gone, a deadline passed) leave the queue at once, not when
+	// a batch slot frees.
+	var active, waiting []*sequence
 	defer func() {
 		for _, s := range active {
+			s.finish(ErrClosed)
+		}
+		for _, s := range waiting {
 			s.finish(ErrClosed)
 		}
 		for {
@@ -407,23 +422,39 @@ func (e *Engine) run() {
 		if known {
 			e.kvBytesKnown.Store(true)
 		}
-		if len(active) == 0 { // idle: wait for work
+		if len(active) == 0 && len(waiting) == 0 { // idle: wait for work
 			select {
 			case s := <-e.queue:
-				active = append(active, s)
+				waiting = append(waiting, s)
 			case <-e.quit:
 				return
 			}
 		}
-	admit:
-		for len(active) < e.opt.MaxBatch {
+	drain:
+		for {
 			select {
 			case s := <-e.queue:
-				active = append(active, s)
+				waiting = append(waiting, s)
 			default:
-				break admit
+				break drain
 			}
 		}
+		kept := waiting[:0]
+		for _, s := range waiting {
+			if err := s.ctx.Err(); err != nil {
+				s.finish(err)
+				e.queued.Add(-1)
+				continue
+			}
+			kept = append(kept, s)
+		}
+		clear(waiting[len(kept):])
+		waiting = kept
+		n := min(e.opt.MaxBatch-len(active), len(waiting))
+		active = append(active, waiting[:n]...)
+		waiting = append(waiting[:0], waiting[n:]...)
+		clear(waiting[len(waiting):cap(waiting)])
+		e.queued.Add(-int64(n))
 		select {
 		case <-e.quit:
 			return
