@@ -347,12 +347,16 @@ func (s *Server) checkPromptBytes(e *engine.Engine, param string, n int) error {
 
 // request turns params and a prompt into an engine request, with OpenAI's
 // defaults: temperature 1, top_p 1, max_tokens up to the context's end.
-func (s *Server) request(e *engine.Engine, p *params, prompt []int) (engine.Request, error) {
+func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam string) (engine.Request, error) {
 	req := engine.Request{Prompt: prompt, Sample: llm.SampleOptions{Temperature: 1, TopP: 1}}
 	if p.N != nil && *p.N != 1 {
 		return req, invalid("n", "n must be 1, got %d", *p.N)
 	}
 	ctxLen := e.Backend.Config().MaxPositions
+	if len(prompt) >= ctxLen {
+		return req, &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: promptParam, Code: "context_length_exceeded",
+			Message: fmt.Sprintf("the prompt has %d tokens, the model's context is %d (and leaves no room for an answer)", len(prompt), ctxLen)}
+	}
 	switch {
 	case p.MaxCompletionTokens != nil:
 		req.MaxTokens = *p.MaxCompletionTokens
@@ -539,7 +543,7 @@ func usageOf(res *engine.Result) *usage {
 // run generates and answers, streamed or whole.
 func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *engine.Engine, p *params, prompt []int, isChat bool) {
 	start := time.Now()
-	req, err := s.request(e, p, prompt)
+	req, err := s.request(e, p, prompt, map[bool]string{true: "messages", false: "prompt"}[isChat])
 	if err != nil {
 		writeError(w, rs, err)
 		return

@@ -321,7 +321,8 @@ func TestErrors(t *testing.T) {
 	// The prompt past the context, through the client library.
 	_, err := client.CreateCompletion(context.Background(), openai.CompletionRequest{Model: "llama-tiny", Prompt: long, MaxTokens: 1})
 	var apiErr *openai.APIError
-	if !errors.As(err, &apiErr) || apiErr.HTTPStatusCode != 400 || !strings.Contains(apiErr.Message, "model's context is 2048") {
+	if !errors.As(err, &apiErr) || apiErr.HTTPStatusCode != 400 || !strings.Contains(apiErr.Message, "model's context is 2048") ||
+		apiErr.Code != "context_length_exceeded" || apiErr.Param == nil || *apiErr.Param != "prompt" {
 		t.Errorf("long prompt: %v", err)
 	}
 	if resp, err := http.Get(ts.URL + "/health"); err != nil || resp.StatusCode != 200 {
