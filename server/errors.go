@@ -111,15 +111,15 @@ func jsonError(err error) *apiError {
 	return invalid("", "malformed JSON body")
 }
 
-// jsonKind names the JSON value encoding/json found ("number", "string"…;
-// it reports "number 1.5" for some).
+// jsonKind names the JSON value encoding/json found (it reports "bool",
+// "number", "number 1.5", "string", "array", "object").
 func jsonKind(v string) string {
 	kind, _, _ := strings.Cut(v, " ")
 	switch kind {
 	case "bool":
 		return "a boolean"
-	case "array", "object", "number", "string":
-		return map[string]string{"array": "an array", "object": "an object", "number": "a number", "string": "a string"}[kind]
+	case "array", "object":
+		return "an " + kind
 	}
 	return "a " + kind
 }
