@@ -667,7 +667,8 @@ func TestPromptBytesLimitDefault(t *testing.T) {
 	checkErrorShape(t, "prompt over the default", resp, body, 400, fmt.Sprintf("more than the %d this server takes (the model's context of 2048 tokens × %d bytes", limit, longest))
 	chat := `{"model": "llama-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "` + over[:limit/2] + `"}, {"role": "user", "content": "` + over[:limit/2+1] + `"}]}`
 	resp, body = do(t, "POST", ts.URL+"/v1/chat/completions", chat)
-	e := checkErrorShape(t, "chat over the default", resp, body, 400, fmt.Sprintf("the prompt has %d bytes", limit+1))
+	// The text counted: both contents and both roles ("user").
+	e := checkErrorShape(t, "chat over the default", resp, body, 400, fmt.Sprintf("the prompt has %d bytes", limit/2+limit/2+1+2*len("user")))
 	if e["param"] != "messages" {
 		t.Errorf("param %v", e["param"])
 	}

@@ -54,7 +54,7 @@ type Options struct {
 	Model        string // the model's name in requests and /v1/models
 	MaxBodyBytes int64  // request body limit (default 1 MiB): 413 beyond it
 	// MaxPromptBytes limits a prompt's text (a completion's prompt, or the
-	// sum of a chat's message contents) before it is tokenized: 400
+	// sum of a chat's message roles and contents) before it is tokenized: 400
 	// beyond it. By default it is the longest prompt that could fit the
 	// context: the context's tokens × the longest token's bytes.
 	MaxPromptBytes int
@@ -502,7 +502,7 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request, rs *req
 		msgs := make([]chat.Message, len(cr.Messages))
 		for i, m := range cr.Messages {
 			msgs[i] = chat.Message{Role: m.Role, Content: string(m.Content)}
-			n += len(m.Content)
+			n += len(m.Role) + len(m.Content)
 		}
 		if err := s.checkPromptBytes(e, "messages", n); err != nil {
 			return nil, err
