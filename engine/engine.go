@@ -112,8 +112,12 @@ type Engine struct {
 	mu     sync.Mutex // orders submissions before Close
 	closed bool
 
-	active    atomic.Int64 // sequences in the batch
-	generated atomic.Int64 // tokens generated since the start
+	active       atomic.Int64 // sequences in the batch
+	queued       atomic.Int64 // sequences submitted, neither in the batch nor dropped yet
+	generated    atomic.Int64 // tokens generated since the start
+	kvTokens     atomic.Int64 // tokens held by the active sequences' caches
+	kvBytes      atomic.Int64 // memory those caches reserve, when they report it
+	kvBytesKnown atomic.Bool
 }
 
 // New starts an engine on a model. The engine uses the model but does not
@@ -160,14 +164,41 @@ func (e *Engine) Close() error {
 
 // Stats are an engine's counters.
 type Stats struct {
-	Queued    int   // requests waiting for a batch slot
-	Active    int   // sequences in the running batch
-	Generated int64 // tokens generated since the engine started
+	Queued    int   `json:"queued"`           // requests waiting for a batch slot
+	Active    int   `json:"active"`           // sequences in the running batch
+	Generated int64 `json:"generated_tokens"` // tokens generated since the engine started
+	// KVTokens is the tokens the active sequences' KV caches hold, as of
+	// the last iteration of the scheduler.
+	KVTokens int64 `json:"kv_cache_tokens"`
+	// KVBytes is the memory the active sequences' caches reserve (their
+	// whole capacity), when the backend's caches report it (a Bytes()
+	// int64 method, as the CPU backend's have); 0 otherwise.
+	KVBytes int64 `json:"kv_cache_bytes,omitempty"`
+	// KVBytesKnown: the backend's caches report their size (seen once a
+	// request ran); KVBytes means nothing otherwise.
+	KVBytesKnown bool `json:"-"`
 }
 
 // Stats reads the counters.
 func (e *Engine) Stats() Stats {
-	return Stats{Queued: len(e.queue), Active: int(e.active.Load()), Generated: e.generated.Load()}
+	return Stats{Queued: int(e.queued.Load()), Active: int(e.active.Load()), Generated: e.generated.Load(),
+		KVTokens: e.kvTokens.Load(), KVBytes: e.kvBytes.Load(), KVBytesKnown: e.kvBytesKnown.Load()}
+}
+
+// kvUsage sums what the active sequences' caches hold and reserve; known
+// tells whether any cache reported its size.
+func kvUsage(active []*sequence) (tokens, bytes int64, known bool) {
+	for _, s := range active {
+		if s.cache == nil {
+			continue
+		}
+		tokens += int64(s.cache.Len())
+		if b, ok := s.cache.(interface{ Bytes() int64 }); ok {
+			bytes += b.Bytes()
+			known = true
+		}
+	}
+	return tokens, bytes, known
 }
 
 // Request is one generation.
@@ -266,7 +297,22 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 		}
 		return nil
 	}
-	for id := range s.tokens {
+tokens:
+	for {
+		var id int
+		var ok bool
+		select {
+		case id, ok = <-s.tokens:
+		case <-ctx.Done():
+			// Cancelled or past its deadline, perhaps still queued behind
+			// a full batch: answer now; the scheduler drops the sequence
+			// when it next looks at it.
+			res.CompletionTokens = len(res.Tokens)
+			return res, ctx.Err()
+		}
+		if !ok {
+			break
+		}
 		res.Tokens = append(res.Tokens, id)
 		piece, stopped := text.add(id)
 		if err := send(piece); err != nil {
@@ -274,7 +320,7 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 		}
 		if stopped {
 			res.FinishReason = "stop"
-			break
+			break tokens
 		}
 	}
 	if res.FinishReason != "stop" {
@@ -294,15 +340,22 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 	return res, nil
 }
 
-// submit queues a sequence unless the engine is closed or the queue full.
+// submit queues a sequence unless the engine is closed or MaxQueue
+// sequences are waiting already.
 func (e *Engine) submit(s *sequence) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
 		return ErrClosed
 	}
+	if e.queued.Load() >= int64(e.opt.MaxQueue) {
+		return ErrBusy
+	}
+	// The channel holds at most the queued sequences, fewer than
+	// MaxQueue, its capacity: the send does not block.
 	select {
 	case e.queue <- s:
+		e.queued.Add(1)
 		return nil
 	default:
 		return ErrBusy
@@ -338,9 +391,16 @@ func (s *sequence) finish(err error) {
 // run is the scheduler loop.
 func (e *Engine) run() {
 	defer close(e.done)
-	var active []*sequence
+	// waiting holds the submitted sequences not yet in the batch, taken
+	// off the channel every iteration so that those whose context ended
+	// (a client gone, a deadline passed) leave the queue at once, not when
+	// a batch slot frees.
+	var active, waiting []*sequence
 	defer func() {
 		for _, s := range active {
+			s.finish(ErrClosed)
+		}
+		for _, s := range waiting {
 			s.finish(ErrClosed)
 		}
 		for {
@@ -356,23 +416,45 @@ func (e *Engine) run() {
 	var steps []llm.Step
 	for {
 		e.active.Store(int64(len(active)))
-		if len(active) == 0 { // idle: wait for work
+		kvt, kvb, known := kvUsage(active)
+		e.kvTokens.Store(kvt)
+		e.kvBytes.Store(kvb)
+		if known {
+			e.kvBytesKnown.Store(true)
+		}
+		if len(active) == 0 && len(waiting) == 0 { // idle: wait for work
 			select {
 			case s := <-e.queue:
-				active = append(active, s)
+				waiting = append(waiting, s)
 			case <-e.quit:
 				return
 			}
 		}
-	admit:
-		for len(active) < e.opt.MaxBatch {
+	drain:
+		for {
 			select {
 			case s := <-e.queue:
-				active = append(active, s)
+				waiting = append(waiting, s)
 			default:
-				break admit
+				break drain
 			}
 		}
+		kept := waiting[:0]
+		for _, s := range waiting {
+			if err := s.ctx.Err(); err != nil {
+				s.finish(err)
+				e.queued.Add(-1)
+				continue
+			}
+			kept = append(kept, s)
+		}
+		clear(waiting[len(kept):])
+		waiting = kept
+		n := min(e.opt.MaxBatch-len(active), len(waiting))
+		active = append(active, waiting[:n]...)
+		waiting = append(waiting[:0], waiting[n:]...)
+		clear(waiting[len(waiting):cap(waiting)])
+		e.queued.Add(-int64(n))
 		select {
 		case <-e.quit:
 			return

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/internal/shared"
@@ -175,6 +176,71 @@ func TestBusyCancelClose(t *testing.T) {
 	if _, err := e.Generate(context.Background(), Request{Prompt: prompt, MaxTokens: 3}, nil); !errors.Is(err, ErrClosed) {
 		t.Errorf("after Close: %v", err)
 	}
+	close(g.entered)
+}
+
+// A queued request whose context ends returns at once, and leaves the
+// queue at the scheduler's next step rather than when a batch slot frees:
+// with one slot and a queue of one, a request cancelled while queued does
+// not keep the next one out (ErrBusy).
+func TestCancelledWhileQueuedFreesTheQueue(t *testing.T) {
+	m := openTiny(t)
+	g := &gated{Backend: m.Backend, entered: make(chan struct{}), release: make(chan struct{})}
+	e := start(t, NewModel(g, m.Tokenizer, nil), Options{MaxBatch: 1, MaxQueue: 1})
+	prompt := m.Tokenizer.Encode("Once upon a time", true)
+
+	first := make(chan error, 1)
+	go func() {
+		_, err := e.Generate(context.Background(), Request{Prompt: prompt, MaxTokens: 20}, nil)
+		first <- err
+	}()
+	<-g.entered // the first request holds the only slot
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	second := make(chan error, 1)
+	go func() {
+		_, err := e.Generate(ctx2, Request{Prompt: prompt, MaxTokens: 3}, nil)
+		second <- err
+	}()
+	for e.Stats().Queued == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	cancel2()
+	select {
+	case err := <-second:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("cancelled queued request: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a queued request did not return when cancelled")
+	}
+	g.release <- struct{}{} // one step: the scheduler drops the cancelled request
+	<-g.entered
+	if q := e.Stats().Queued; q != 0 {
+		t.Errorf("%d queued after the cancelled request left", q)
+	}
+	third := make(chan *Result, 1)
+	go func() {
+		res, err := e.Generate(context.Background(), Request{Prompt: prompt, MaxTokens: 2}, nil)
+		if err != nil {
+			t.Errorf("request after the cancelled one: %v", err)
+		}
+		third <- res
+	}()
+	for e.Stats().Queued == 0 && len(third) == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	close(g.release)
+	go func() {
+		for range g.entered {
+		}
+	}()
+	if err := <-first; err != nil {
+		t.Errorf("first request: %v", err)
+	}
+	if res := <-third; res == nil || len(res.Tokens) != 2 {
+		t.Errorf("third request: %+v", res)
+	}
+	e.Close()
 	close(g.entered)
 }
 

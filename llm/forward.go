@@ -33,6 +33,9 @@ func (m *Model) NewCache(capacity int) (Cache, error) {
 
 func (c *KVCache) Len() int { return c.n }
 func (c *KVCache) Cap() int { return c.cap }
+
+// Bytes is the memory the cache reserves (keys and values, all layers).
+func (c *KVCache) Bytes() int64 { return int64(2*len(c.k)*c.kvh*c.cap*c.hd) * 4 }
 func (c *KVCache) Truncate(n int) {
 	if n >= 0 && n < c.n {
 		c.n = n

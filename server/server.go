@@ -3,25 +3,43 @@
 //	POST /v1/chat/completions   chat, streaming (server-sent events) or not
 //	POST /v1/completions        plain-text completion, likewise
 //	GET  /v1/models             the one model served
-//	GET  /health                liveness and queue depth
+//	GET  /health                "loading" (503) until the model is ready, then "ok"
+//	GET  /metrics               Prometheus text format
 //
 // Requests follow the OpenAI schema (model, messages or prompt,
 // max_tokens / max_completion_tokens, temperature, top_p, stop, seed,
 // stream, stream_options.include_usage) and answers carry usage counts.
-// Errors use OpenAI's {"error": {...}} body: 400 for malformed JSON and
-// invalid parameters (a prompt longer than the context, max_tokens past
-// it), 404 for an unknown model, 413 for a body over the limit, 503 with
-// Retry-After when the engine's queue is full. A client that disconnects
-// cancels its generation.
+//
+// Every error, whatever the route, is answered in OpenAI's shape
+// {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON
+// and invalid parameters (a prompt longer than the context, max_tokens
+// past it), 401 for a missing or wrong API key, 404 for an unknown model
+// or route, 405 for a wrong method, 413 for a body over the limit, 429
+// with Retry-After past the rate or concurrency limit, 503 with
+// Retry-After while the model loads or when the engine's queue is full,
+// 504 when a generation outlives the request timeout. A client that
+// disconnects cancels its generation.
+//
+// A server can start before its model is loaded (New with a nil engine,
+// then SetEngine), so that a listener is bound at once and clients see
+// 503 "loading" rather than a refused connection. Each request gets an id,
+// returned as X-Request-Id and carried by its structured log line.
 package server
 
 import (
 	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -30,42 +48,231 @@ import (
 	"github.com/llmq/llmq/llm/chat"
 )
 
-// Options configure a Server.
+// Options configure a Server. The zero value serves without limits other
+// than a 1 MiB body and the model's context.
 type Options struct {
 	Model        string // the model's name in requests and /v1/models
-	MaxBodyBytes int64  // request body limit (default 1 MiB)
+	MaxBodyBytes int64  // request body limit (default 1 MiB): 413 beyond it
+	// MaxPromptBytes limits a prompt's text (a completion's prompt, or the
+	// sum of a chat's message roles and contents) before it is tokenized: 400
+	// beyond it. By default it is the longest prompt that could fit the
+	// context: the context's tokens × the longest token's bytes.
+	MaxPromptBytes int
+	// APIKey, when set, is required on every route but /health as
+	// "Authorization: Bearer APIKey"; requests without it get 401.
+	APIKey string
+	// MaxConcurrent is the most generation requests handled at once
+	// (tokenizing, queued or running); beyond it they get 429. 0: no limit.
+	MaxConcurrent int
+	// RateLimit is the generation requests admitted per second, in bursts
+	// of up to RateBurst (default: RateLimit rounded up); beyond it they
+	// get 429 with Retry-After. 0: no limit.
+	RateLimit float64
+	RateBurst int
+	// RequestTimeout bounds a generation (queueing included): past it a
+	// request ends with 504 (an error event when streaming). 0: no limit.
+	RequestTimeout time.Duration
+	// Logger receives one line per request (nil: no logs).
+	Logger *slog.Logger
 }
 
 // Server serves one engine.
 type Server struct {
-	e       *engine.Engine
+	eng     atomic.Pointer[engine.Engine]
 	opt     Options
 	created int64
 	ids     atomic.Int64
-	mux     *http.ServeMux
+	routes  map[string]map[string]handler
+	keyHash [sha256.Size]byte
+	slots   chan struct{} // nil: no concurrency limit
+	bucket  *tokenBucket  // nil: no rate limit
+	m       *metrics
+	log     *slog.Logger
 }
 
-// New makes the HTTP handler of an engine.
+// handler is a route's handler; rs carries what the request's log line
+// and metrics need.
+type handler func(w http.ResponseWriter, r *http.Request, rs *reqState)
+
+// reqState is what a request leaves for its log line.
+type reqState struct {
+	id                             string
+	promptTokens, completionTokens int
+	err                            string
+}
+
+// New makes the HTTP handler of an engine. e may be nil: the server then
+// answers 503 "loading" until SetEngine hands it the engine.
 func New(e *engine.Engine, opt Options) *Server {
 	if opt.MaxBodyBytes <= 0 {
 		opt.MaxBodyBytes = 1 << 20
 	}
-	s := &Server{e: e, opt: opt, created: time.Now().Unix(), mux: http.NewServeMux()}
-	s.mux.HandleFunc("POST /v1/chat/completions", s.chatCompletions)
-	s.mux.HandleFunc("POST /v1/completions", s.completions)
-	s.mux.HandleFunc("GET /v1/models", s.models)
-	s.mux.HandleFunc("GET /health", s.health)
+	s := &Server{opt: opt, created: time.Now().Unix(), m: newMetrics(), log: opt.Logger}
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	if opt.APIKey != "" {
+		s.keyHash = sha256.Sum256([]byte(opt.APIKey))
+	}
+	if opt.MaxConcurrent > 0 {
+		s.slots = make(chan struct{}, opt.MaxConcurrent)
+	}
+	if opt.RateLimit > 0 {
+		burst := opt.RateBurst
+		if burst <= 0 {
+			burst = int(opt.RateLimit + 0.999)
+		}
+		s.bucket = newTokenBucket(opt.RateLimit, burst)
+	}
+	s.routes = map[string]map[string]handler{
+		"/v1/chat/completions": {http.MethodPost: s.chatCompletions},
+		"/v1/completions":      {http.MethodPost: s.completions},
+		"/v1/models":           {http.MethodGet: s.models, http.MethodHead: s.models},
+		"/health":              {http.MethodGet: s.health, http.MethodHead: s.health},
+		"/metrics":             {http.MethodGet: s.metricsPage, http.MethodHead: s.metricsPage},
+	}
+	if e != nil {
+		s.SetEngine(e)
+	}
 	return s
 }
 
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+// SetEngine hands the server its engine once the model is loaded: from
+// then on requests are served and /health answers "ok".
+func (s *Server) SetEngine(e *engine.Engine) { s.eng.Store(e) }
 
-// Serve runs the server on ln until ctx is cancelled, then shuts down
-// gracefully: it stops accepting connections and lets in-flight requests
-// (streams included) finish for up to grace, after which their
-// connections are closed, which cancels their generations.
-func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Duration) error {
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+func (s *Server) engine() *engine.Engine { return s.eng.Load() }
+
+var errLoading = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "model_loading", RetryAfter: 1,
+	Message: "the model is still loading; retry shortly (GET /health answers 200 once it is ready)"}
+
+// statusWriter records the status code and whether a body began.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *statusWriter) Flush() {
+	if f, ok := w.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+// Unwrap lets http.ResponseController reach the connection.
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func newRequestID() string {
+	var b [8]byte
+	rand.Read(b[:]) // never fails (crypto/rand panics rather)
+	return "req-" + hex.EncodeToString(b[:])
+}
+
+// ServeHTTP routes a request: an id, the route (404 and 405 in OpenAI's
+// shape), the API key, the handler; then its metrics and log line.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	rs := &reqState{id: newRequestID()}
+	sw := &statusWriter{ResponseWriter: w}
+	sw.Header().Set("X-Request-Id", rs.id)
+	route := "other" // unknown paths share one label: bounded cardinality
+	methods, known := s.routes[r.URL.Path]
+	switch {
+	case !known:
+		writeError(sw, rs, &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found",
+			Message: fmt.Sprintf("no route %.20s %.200s: this server answers POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health and GET /metrics", r.Method, r.URL.Path)})
+	case methods[r.Method] == nil:
+		route = r.URL.Path
+		allowed := slices.Sorted(maps.Keys(methods))
+		sw.Header().Set("Allow", strings.Join(allowed, ", "))
+		writeError(sw, rs, &apiError{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed",
+			Message: fmt.Sprintf("%s does not answer %.20s; use %s", r.URL.Path, r.Method, strings.Join(allowed, " or "))})
+	case r.URL.Path != "/health" && !s.authorized(r):
+		route = r.URL.Path
+		sw.Header().Set("WWW-Authenticate", `Bearer realm="llmq"`)
+		writeError(sw, rs, unauthorized(r))
+	default:
+		route = r.URL.Path
+		methods[r.Method](sw, r, rs)
+	}
+	status := sw.status
+	if status == 0 {
+		status = http.StatusOK
+	}
+	s.m.request(route, status)
+	level := slog.LevelInfo // client errors too: they are the client's
+	switch {
+	case status == http.StatusServiceUnavailable:
+		level = slog.LevelWarn // loading, a full queue, shutting down
+	case status >= 500:
+		level = slog.LevelError
+	}
+	attrs := []slog.Attr{
+		slog.String("request_id", rs.id), slog.String("method", r.Method), slog.String("path", r.URL.Path),
+		slog.Int("status", status), slog.Duration("duration", time.Since(start)), slog.String("remote", r.RemoteAddr),
+	}
+	if rs.promptTokens > 0 {
+		attrs = append(attrs, slog.Int("prompt_tokens", rs.promptTokens), slog.Int("completion_tokens", rs.completionTokens))
+	}
+	if rs.err != "" {
+		attrs = append(attrs, slog.String("error", rs.err))
+	}
+	s.log.LogAttrs(r.Context(), level, "request", attrs...)
+}
+
+// ServeOptions configure Serve: the HTTP server's timeouts and shutdown.
+type ServeOptions struct {
+	// Grace is how long in-flight requests may run on after shutdown
+	// begins (default 30 s).
+	Grace time.Duration
+	// ReadHeaderTimeout bounds reading a request's headers (default 10 s),
+	// ReadTimeout the whole request, body included (default 60 s; it does
+	// not bound the answer: a long generation streams on), IdleTimeout a
+	// kept-alive connection's wait for its next request (default 120 s).
+	// There is no write timeout: RequestTimeout (Options) bounds
+	// generations instead.
+	ReadHeaderTimeout, ReadTimeout, IdleTimeout time.Duration
+	// Logger receives the HTTP server's own errors (nil: discarded).
+	Logger *slog.Logger
+}
+
+func (o ServeOptions) withDefaults() ServeOptions {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&o.Grace, 30*time.Second)
+	def(&o.ReadHeaderTimeout, 10*time.Second)
+	def(&o.ReadTimeout, 60*time.Second)
+	def(&o.IdleTimeout, 120*time.Second)
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return o
+}
+
+// Serve runs h on ln until ctx is cancelled, then shuts down gracefully:
+// it stops accepting connections and lets in-flight requests (streams
+// included) finish for up to opt.Grace, after which their connections
+// are closed, which cancels their generations.
+func Serve(ctx context.Context, ln net.Listener, h http.Handler, opt ServeOptions) error {
+	opt = opt.withDefaults()
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: opt.ReadHeaderTimeout, ReadTimeout: opt.ReadTimeout,
+		IdleTimeout: opt.IdleTimeout, ErrorLog: slog.NewLogLogger(opt.Logger.Handler(), slog.LevelWarn)}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
@@ -73,53 +280,15 @@ func Serve(ctx context.Context, ln net.Listener, h http.Handler, grace time.Dura
 		return err
 	case <-ctx.Done():
 	}
-	sctx, cancel := context.WithTimeout(context.Background(), grace)
+	sctx, cancel := context.WithTimeout(context.Background(), opt.Grace)
 	defer cancel()
 	err := srv.Shutdown(sctx)
 	if errors.Is(err, context.DeadlineExceeded) {
 		srv.Close()
-		err = fmt.Errorf("shutdown: requests still running after %v were cut off", grace)
+		err = fmt.Errorf("shutdown: requests still running after %v were cut off", opt.Grace)
 	}
 	<-errc
 	return err
-}
-
-// apiError is an error with its HTTP status and OpenAI error fields.
-type apiError struct {
-	Status  int    `json:"-"`
-	Message string `json:"message"`
-	Type    string `json:"type"`
-	Param   string `json:"param,omitempty"`
-	Code    string `json:"code,omitempty"`
-}
-
-func (e *apiError) Error() string { return e.Message }
-
-func invalid(param, format string, args ...any) *apiError {
-	return &apiError{Status: http.StatusBadRequest, Message: fmt.Sprintf(format, args...), Type: "invalid_request_error", Param: param}
-}
-
-func writeError(w http.ResponseWriter, err error) {
-	var ae *apiError
-	switch {
-	case errors.As(err, &ae):
-	case errors.Is(err, engine.ErrInvalid):
-		ae = invalid("", "%s", err.Error())
-	case errors.Is(err, engine.ErrBusy):
-		w.Header().Set("Retry-After", "1")
-		ae = &apiError{Status: http.StatusServiceUnavailable, Message: "the server is busy: too many requests waiting; retry later", Type: "server_error", Code: "overloaded"}
-	case errors.Is(err, engine.ErrClosed):
-		ae = &apiError{Status: http.StatusServiceUnavailable, Message: "the server is shutting down", Type: "server_error"}
-	default:
-		ae = &apiError{Status: http.StatusInternalServerError, Message: err.Error(), Type: "server_error"}
-	}
-	writeJSON(w, ae.Status, map[string]any{"error": ae})
-}
-
-func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(v)
 }
 
 // params are the generation fields both endpoints share.
@@ -139,34 +308,55 @@ type params struct {
 }
 
 // decode reads a JSON body within the size limit.
+// A body whose Content-Length is over the limit is refused unread.
 func (s *Server) decode(w http.ResponseWriter, r *http.Request, v any) error {
+	tooLarge := &apiError{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error", Code: "request_too_large",
+		Message: fmt.Sprintf("request body larger than this server's limit of %d bytes", s.opt.MaxBodyBytes)}
+	if r.ContentLength > s.opt.MaxBodyBytes {
+		return tooLarge
+	}
 	body := http.MaxBytesReader(w, r.Body, s.opt.MaxBodyBytes)
 	if err := json.NewDecoder(body).Decode(v); err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
-			return &apiError{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error",
-				Message: fmt.Sprintf("request body larger than %d bytes", s.opt.MaxBodyBytes)}
+			return tooLarge
 		}
-		return invalid("", "malformed JSON body: %v", err)
+		return jsonError(err)
+	}
+	return nil
+}
+
+// maxPromptBytes is the prompt text limit (Options.MaxPromptBytes).
+func (s *Server) maxPromptBytes(e *engine.Engine) (limit int, why string) {
+	if s.opt.MaxPromptBytes > 0 {
+		return s.opt.MaxPromptBytes, "this server's limit"
+	}
+	ctx, tok := e.Backend.Config().MaxPositions, e.Tokenizer.MaxTokenBytes()
+	return ctx * tok, fmt.Sprintf("the model's context of %d tokens × %d bytes, its longest token", ctx, tok)
+}
+
+// checkPromptBytes refuses, before tokenizing, a prompt text too long to
+// be served.
+func (s *Server) checkPromptBytes(e *engine.Engine, param string, n int) error {
+	if limit, why := s.maxPromptBytes(e); n > limit {
+		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: param, Code: "context_length_exceeded",
+			Message: fmt.Sprintf("the prompt has %d bytes of text, more than the %d this server takes (%s)", n, limit, why)}
 	}
 	return nil
 }
 
 // request turns params and a prompt into an engine request, with OpenAI's
 // defaults: temperature 1, top_p 1, max_tokens up to the context's end.
-func (s *Server) request(p *params, prompt []int) (engine.Request, error) {
+func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam string) (engine.Request, error) {
 	req := engine.Request{Prompt: prompt, Sample: llm.SampleOptions{Temperature: 1, TopP: 1}}
-	if p.Model != s.opt.Model {
-		if p.Model == "" {
-			return req, invalid("model", "model is required (this server has %q)", s.opt.Model)
-		}
-		return req, &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Param: "model", Code: "model_not_found",
-			Message: fmt.Sprintf("the model %q does not exist; this server has %q", p.Model, s.opt.Model)}
-	}
 	if p.N != nil && *p.N != 1 {
 		return req, invalid("n", "n must be 1, got %d", *p.N)
 	}
-	ctxLen := s.e.Backend.Config().MaxPositions
+	ctxLen := e.Backend.Config().MaxPositions
+	if len(prompt) >= ctxLen {
+		return req, &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: promptParam, Code: "context_length_exceeded",
+			Message: fmt.Sprintf("the prompt has %d tokens, the model's context is %d (and leaves no room for an answer)", len(prompt), ctxLen)}
+	}
 	switch {
 	case p.MaxCompletionTokens != nil:
 		req.MaxTokens = *p.MaxCompletionTokens
@@ -194,10 +384,22 @@ func (s *Server) request(p *params, prompt []int) (engine.Request, error) {
 		return req, err
 	}
 	req.Stop = stop
-	if err := s.e.Validate(req); err != nil {
+	if err := e.Validate(req); err != nil {
 		return req, invalid("", "%s", err.Error())
 	}
 	return req, nil
+}
+
+// checkModel answers an unknown or missing model name.
+func (s *Server) checkModel(p *params) error {
+	if p.Model == s.opt.Model {
+		return nil
+	}
+	if p.Model == "" {
+		return invalid("model", "model is required (this server has %q)", s.opt.Model)
+	}
+	return &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Param: "model", Code: "model_not_found",
+		Message: fmt.Sprintf("the model %q does not exist; this server has %q", p.Model, s.opt.Model)}
 }
 
 // stopStrings reads "stop": null, a string, or a list of up to 4 strings.
@@ -231,11 +433,11 @@ func (c *content) UnmarshalJSON(b []byte) error {
 	}
 	var parts []struct{ Type, Text string }
 	if err := json.Unmarshal(b, &parts); err != nil {
-		return fmt.Errorf("content must be a string or a list of text parts")
+		return &fieldError{"messages", "a message's content must be a string or a list of text parts"}
 	}
 	for _, p := range parts {
 		if p.Type != "text" {
-			return fmt.Errorf("content part of type %q: only text is supported", p.Type)
+			return &fieldError{"messages", fmt.Sprintf("content part of type %q: only text is supported", p.Type)}
 		}
 		s += p.Text
 	}
@@ -256,44 +458,75 @@ type completionRequest struct {
 	Prompt json.RawMessage `json:"prompt"`
 }
 
-func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request) {
-	var cr chatRequest
-	if err := s.decode(w, r, &cr); err != nil {
-		writeError(w, err)
+// generation runs the steps every generation request shares: the model
+// must be loaded, the request within the rate and concurrency limits, its
+// body within the size limit; parse then reads the prompt's ids.
+func (s *Server) generation(w http.ResponseWriter, r *http.Request, rs *reqState, body any, p *params,
+	parse func(e *engine.Engine) ([]int, error), isChat bool) {
+	e := s.engine()
+	if e == nil {
+		writeError(w, rs, errLoading)
 		return
 	}
-	if len(cr.Messages) == 0 {
-		writeError(w, invalid("messages", "messages must hold at least one message"))
+	release, aerr := s.admit()
+	if aerr != nil {
+		writeError(w, rs, aerr)
 		return
 	}
-	msgs := make([]chat.Message, len(cr.Messages))
-	for i, m := range cr.Messages {
-		msgs[i] = chat.Message{Role: m.Role, Content: string(m.Content)}
+	defer release()
+	s.m.inFlight.Add(1)
+	defer s.m.inFlight.Add(-1)
+	if err := s.decode(w, r, body); err != nil {
+		writeError(w, rs, err)
+		return
 	}
-	prompt, err := s.e.EncodeChat(msgs)
+	if err := s.checkModel(p); err != nil {
+		writeError(w, rs, err)
+		return
+	}
+	prompt, err := parse(e)
 	if err != nil {
-		writeError(w, err)
+		writeError(w, rs, err)
 		return
 	}
-	s.run(w, r, &cr.params, prompt, true)
+	s.run(w, r, rs, e, p, prompt, isChat)
 }
 
-func (s *Server) completions(w http.ResponseWriter, r *http.Request) {
-	var cr completionRequest
-	if err := s.decode(w, r, &cr); err != nil {
-		writeError(w, err)
-		return
-	}
-	var text string
-	if err := json.Unmarshal(cr.Prompt, &text); err != nil {
-		var list []string
-		if json.Unmarshal(cr.Prompt, &list) != nil || len(list) != 1 {
-			writeError(w, invalid("prompt", "prompt must be a string (or a list of exactly one string)"))
-			return
+func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request, rs *reqState) {
+	var cr chatRequest
+	s.generation(w, r, rs, &cr, &cr.params, func(e *engine.Engine) ([]int, error) {
+		if len(cr.Messages) == 0 {
+			return nil, invalid("messages", "messages must hold at least one message")
 		}
-		text = list[0]
-	}
-	s.run(w, r, &cr.params, s.e.Encode(text), false)
+		n := 0
+		msgs := make([]chat.Message, len(cr.Messages))
+		for i, m := range cr.Messages {
+			msgs[i] = chat.Message{Role: m.Role, Content: string(m.Content)}
+			n += len(m.Role) + len(m.Content)
+		}
+		if err := s.checkPromptBytes(e, "messages", n); err != nil {
+			return nil, err
+		}
+		return e.EncodeChat(msgs)
+	}, true)
+}
+
+func (s *Server) completions(w http.ResponseWriter, r *http.Request, rs *reqState) {
+	var cr completionRequest
+	s.generation(w, r, rs, &cr, &cr.params, func(e *engine.Engine) ([]int, error) {
+		var text string
+		if err := json.Unmarshal(cr.Prompt, &text); err != nil {
+			var list []string
+			if json.Unmarshal(cr.Prompt, &list) != nil || len(list) != 1 {
+				return nil, invalid("prompt", "prompt must be a string (or a list of exactly one string)")
+			}
+			text = list[0]
+		}
+		if err := s.checkPromptBytes(e, "prompt", len(text)); err != nil {
+			return nil, err
+		}
+		return e.Encode(text), nil
+	}, false)
 }
 
 // usage is OpenAI's token accounting.
@@ -308,12 +541,43 @@ func usageOf(res *engine.Result) *usage {
 }
 
 // run generates and answers, streamed or whole.
-func (s *Server) run(w http.ResponseWriter, r *http.Request, p *params, prompt []int, isChat bool) {
-	req, err := s.request(p, prompt)
+func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *engine.Engine, p *params, prompt []int, isChat bool) {
+	start := time.Now()
+	req, err := s.request(e, p, prompt, map[bool]string{true: "messages", false: "prompt"}[isChat])
 	if err != nil {
-		writeError(w, err)
+		writeError(w, rs, err)
 		return
 	}
+	ctx := r.Context()
+	if s.opt.RequestTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, s.opt.RequestTimeout)
+		defer cancel()
+	}
+	// timedOut turns the deadline's cancellation into a 504.
+	timedOut := func(err error) error {
+		if errors.Is(err, context.DeadlineExceeded) && r.Context().Err() == nil {
+			return &apiError{Status: http.StatusGatewayTimeout, Type: "server_error", Code: "timeout",
+				Message: fmt.Sprintf("the generation did not finish within this server's request timeout of %v", s.opt.RequestTimeout)}
+		}
+		return err
+	}
+	account := func(res *engine.Result) {
+		if res == nil {
+			return
+		}
+		rs.promptTokens, rs.completionTokens = res.PromptTokens, res.CompletionTokens
+		s.m.promptTokens.Add(int64(res.PromptTokens))
+		s.m.completionTokens.Add(int64(res.CompletionTokens))
+	}
+	firstToken := true
+	ttft := func() {
+		if firstToken {
+			firstToken = false
+			s.m.observeTTFT(time.Since(start))
+		}
+	}
+
 	id := fmt.Sprintf("%s-%d", map[bool]string{true: "chatcmpl", false: "cmpl"}[isChat], s.ids.Add(1))
 	object := map[bool]string{true: "chat.completion", false: "text_completion"}[isChat]
 	head := map[string]any{"id": id, "object": object, "created": time.Now().Unix(), "model": s.opt.Model}
@@ -344,9 +608,10 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, p *params, prompt [
 	}
 
 	if !p.Stream {
-		res, err := s.e.Generate(r.Context(), req, nil)
+		res, err := e.Generate(ctx, req, func(string) error { ttft(); return nil })
+		account(res)
 		if err != nil {
-			writeError(w, err)
+			writeError(w, rs, timedOut(err))
 			return
 		}
 		writeJSON(w, http.StatusOK, with(map[string]any{"choices": []any{choice(res.Text, res.FinishReason, false)}, "usage": usageOf(res)}))
@@ -382,18 +647,23 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, p *params, prompt [
 		return nil
 	}
 	first := true // the first chunk also carries the assistant's role
-	res, err := s.e.Generate(r.Context(), req, func(text string) error {
+	res, err := e.Generate(ctx, req, func(text string) error {
+		ttft()
 		err := event(with(map[string]any{"choices": []any{choice(text, nil, first)}}))
 		first = false
 		return err
 	})
+	account(res)
 	if err != nil {
+		err = timedOut(err)
 		if !started {
-			writeError(w, err)
+			writeError(w, rs, err)
 			return
 		}
 		if r.Context().Err() == nil { // report a failure mid-stream in-band
-			event(map[string]any{"error": &apiError{Message: err.Error(), Type: "server_error"}})
+			ae := asAPIError(err)
+			rs.err = ae.Message
+			event(map[string]any{"error": ae})
 		}
 		return
 	}
@@ -408,13 +678,22 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, p *params, prompt [
 	event([]byte("[DONE]"))
 }
 
-func (s *Server) models(w http.ResponseWriter, r *http.Request) {
+func (s *Server) models(w http.ResponseWriter, r *http.Request, rs *reqState) {
 	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []any{
 		map[string]any{"id": s.opt.Model, "object": "model", "created": s.created, "owned_by": "llmq"},
 	}})
 }
 
-func (s *Server) health(w http.ResponseWriter, r *http.Request) {
-	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "model": s.opt.Model, "device": s.e.Backend.Name(),
-		"context": s.e.Backend.Config().MaxPositions, "stats": s.e.Stats()})
+// health answers 503 {"status": "loading"} until the model is loaded,
+// then 200 {"status": "ok"} with the engine's counters; keys are
+// snake_case throughout.
+func (s *Server) health(w http.ResponseWriter, r *http.Request, rs *reqState) {
+	e := s.engine()
+	if e == nil {
+		w.Header().Set("Retry-After", "1")
+		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"status": "loading", "model": s.opt.Model})
+		return
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"status": "ok", "model": s.opt.Model, "device": e.Backend.Name(),
+		"context": e.Backend.Config().MaxPositions, "stats": e.Stats()})
 }

@@ -306,7 +306,7 @@ func TestErrors(t *testing.T) {
 		{"/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}`, 400, "only text"},
 		{"/v1/completions", `{"model": "llama-tiny", "prompt": "x", "temperature": 3}`, 400, "temperature must be in [0, 2]"},
 		{"/v1/completions", `{"model": "llama-tiny", "prompt": "x", "stop": 7}`, 400, "stop must be a string"},
-		{"/v1/completions", `{"model": "llama-tiny", "prompt": "` + strings.Repeat("x", 40000) + `"}`, 413, "larger than 32768 bytes"},
+		{"/v1/completions", `{"model": "llama-tiny", "prompt": "` + strings.Repeat("x", 40000) + `"}`, 413, "limit of 32768 bytes"},
 	} {
 		resp, err := http.Post(ts.URL+c.path, "application/json", strings.NewReader(c.body))
 		if err != nil {
@@ -321,7 +321,8 @@ func TestErrors(t *testing.T) {
 	// The prompt past the context, through the client library.
 	_, err := client.CreateCompletion(context.Background(), openai.CompletionRequest{Model: "llama-tiny", Prompt: long, MaxTokens: 1})
 	var apiErr *openai.APIError
-	if !errors.As(err, &apiErr) || apiErr.HTTPStatusCode != 400 || !strings.Contains(apiErr.Message, "model's context is 2048") {
+	if !errors.As(err, &apiErr) || apiErr.HTTPStatusCode != 400 || !strings.Contains(apiErr.Message, "model's context is 2048") ||
+		apiErr.Code != "context_length_exceeded" || apiErr.Param == nil || *apiErr.Param != "prompt" {
 		t.Errorf("long prompt: %v", err)
 	}
 	if resp, err := http.Get(ts.URL + "/health"); err != nil || resp.StatusCode != 200 {
@@ -424,7 +425,9 @@ func TestGracefulShutdown(t *testing.T) {
 	}
 	ctx, stop := context.WithCancel(context.Background())
 	served := make(chan error, 1)
-	go func() { served <- Serve(ctx, ln, New(e, Options{Model: "llama-tiny"}), 30*time.Second) }()
+	go func() {
+		served <- Serve(ctx, ln, New(e, Options{Model: "llama-tiny"}), ServeOptions{Grace: 30 * time.Second})
+	}()
 	cfg := openai.DefaultConfig("none")
 	cfg.BaseURL = "http://" + ln.Addr().String() + "/v1"
 	stream, err := openai.NewClientWithConfig(cfg).CreateChatCompletionStream(context.Background(),

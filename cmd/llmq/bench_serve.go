@@ -48,7 +48,7 @@ goroutines are left behind after shutdown.`,
 			ctx, stop := context.WithCancel(cmd.Context())
 			served := make(chan error, 1)
 			go func() {
-				served <- server.Serve(ctx, ln, server.New(e, server.Options{Model: load.Model}), 10*time.Second)
+				served <- server.Serve(ctx, ln, server.New(e, server.Options{Model: load.Model}), server.ServeOptions{Grace: 10 * time.Second})
 			}()
 			res, lerr := evals.RunLoad(cmd.Context(), load)
 			stop()

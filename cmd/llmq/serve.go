@@ -1,65 +1,106 @@
 package main
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"os/signal"
 	"syscall"
 	"time"
 
+	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/server"
 	"github.com/spf13/cobra"
 )
 
 func newServe() *cobra.Command {
-	var addr, name, device string
+	var addr, name, device, logFormat string
 	var opt engine.Options
-	var grace time.Duration
-	var maxBody int64
+	var sopt server.Options
+	var tout server.ServeOptions
 	cmd := &cobra.Command{
 		Use:   "serve MODEL_DIR",
 		Short: "Serve a model with an OpenAI-compatible HTTP API (chat and completions, streaming)",
 		Long: `serve answers POST /v1/chat/completions and /v1/completions (streamed with
-server-sent events or whole), GET /v1/models and GET /health. Concurrent
-requests share forward passes (continuous batching); when --max-queue
-requests are already waiting, new ones get 503 with Retry-After. SIGTERM or
-Ctrl-C stops accepting connections and lets running requests finish for up
-to --grace.`,
+server-sent events or whole), GET /v1/models, GET /health and GET /metrics
+(Prometheus). The port is bound first and the model loaded after: until it
+is ready /health answers 503 {"status": "loading"} and the API 503 with
+Retry-After. Concurrent requests share forward passes (continuous
+batching); when --max-queue requests are already waiting, new ones get 503
+with Retry-After.
+
+Every error is answered in OpenAI's {"error": {...}} shape. With --api-key
+(or LLMQ_API_KEY, which keeps the key out of the process list) every route
+but /health needs "Authorization: Bearer KEY" (401 otherwise).
+--max-concurrent and --rate-limit answer 429 with Retry-After beyond them;
+bodies over --max-body get 413, prompts over --max-prompt-bytes 400 before
+they are tokenized. One log line per request (--log-format text|json, on
+stderr) carries its id, also sent back as X-Request-Id. SIGTERM or Ctrl-C
+stops accepting connections and lets running requests finish for up to
+--grace.`,
 		Example: `  llmq serve ../shared/models/llama-tiny --addr 127.0.0.1:8080
-  curl -N localhost:8080/v1/chat/completions -d '{"model":"llama-tiny","stream":true,"max_tokens":32,"messages":[{"role":"user","content":"Hi"}]}'`,
+  curl -N localhost:8080/v1/chat/completions -d '{"model":"llama-tiny","stream":true,"max_tokens":32,"messages":[{"role":"user","content":"Hi"}]}'
+  LLMQ_API_KEY=secret llmq serve ../shared/models/llama-tiny --addr 0.0.0.0:8080 --rate-limit 20 --max-concurrent 64
+  curl localhost:8080/metrics`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			m, err := loadModel(args[0], device)
-			if err != nil {
-				return err
+			var h slog.Handler
+			switch logFormat {
+			case "text":
+				h = slog.NewTextHandler(cmd.ErrOrStderr(), nil)
+			case "json":
+				h = slog.NewJSONHandler(cmd.ErrOrStderr(), nil)
+			default:
+				return fmt.Errorf("--log-format %q: want text or json", logFormat)
 			}
-			defer m.Close()
-			if m.Fallback != "" {
-				fmt.Fprintln(os.Stderr, "llmq:", m.Fallback)
+			logger := slog.New(h)
+			if !cmd.Flags().Changed("api-key") {
+				sopt.APIKey = os.Getenv("LLMQ_API_KEY")
 			}
-			e, err := engine.New(m, opt)
-			if err != nil {
-				return err
-			}
-			defer e.Close()
 			if name == "" {
 				name = modelName(args[0])
 			}
+			sopt.Model, sopt.Logger, tout.Logger = name, logger, logger
+
+			// Bind first, so that clients see "loading" rather than a
+			// refused connection while the model loads.
 			ln, err := net.Listen("tcp", addr)
 			if err != nil {
 				return fmt.Errorf("--addr: %w", err)
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
+			srv := server.New(nil, sopt)
+			served := make(chan error, 1)
+			go func() { served <- server.Serve(ctx, ln, srv, tout) }()
+			auth := "no API key"
+			if sopt.APIKey != "" {
+				auth = "API key required"
+			}
+			fmt.Fprintf(os.Stderr, "llmq: listening on http://%s (%s); loading %s\n", ln.Addr(), auth, args[0])
+
+			m, e, err := loadForServe(ctx, args[0], device, opt)
+			if err != nil {
+				stop()
+				<-served
+				return err
+			}
+			if m == nil { // interrupted while loading
+				return <-served
+			}
+			defer m.Close()
+			defer e.Close() // after Serve: in-flight requests finish first
+			srv.SetEngine(e)
 			chatNote := "chat template from tokenizer_config.json"
 			if e.Template == nil {
 				chatNote = "no chat template: /v1/chat/completions answers 400, use /v1/completions"
 			}
 			fmt.Fprintf(os.Stderr, "llmq: serving %q on http://%s (%s, batch ≤ %d, queue ≤ %d; %s)\n",
 				name, ln.Addr(), e.Backend.Name(), opt.MaxBatch, opt.MaxQueue, chatNote)
-			err = server.Serve(ctx, ln, server.New(e, server.Options{Model: name, MaxBodyBytes: maxBody}), grace)
+			err = <-served
 			fmt.Fprintln(os.Stderr, "llmq: server stopped")
 			return err
 		},
@@ -70,7 +111,49 @@ to --grace.`,
 	f.StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu or cuda")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot before 503")
-	f.DurationVar(&grace, "grace", 30*time.Second, "on SIGTERM, how long running requests may take to finish")
-	f.Int64Var(&maxBody, "max-body", 1<<20, "request body limit in bytes")
+	f.DurationVar(&tout.Grace, "grace", 30*time.Second, "on SIGTERM, how long running requests may take to finish")
+	f.Int64Var(&sopt.MaxBodyBytes, "max-body", 1<<20, "request body limit in bytes (413 beyond)")
+	f.IntVar(&sopt.MaxPromptBytes, "max-prompt-bytes", 0, "prompt text limit in bytes, checked before tokenizing (400 beyond; 0: context × longest token, the most that could fit)")
+	f.StringVar(&sopt.APIKey, "api-key", "", "require \"Authorization: Bearer KEY\" on every route but /health (default: $LLMQ_API_KEY; empty: no key)")
+	f.IntVar(&sopt.MaxConcurrent, "max-concurrent", 256, "most generation requests handled at once, queued ones included (429 beyond; 0: no limit)")
+	f.Float64Var(&sopt.RateLimit, "rate-limit", 0, "generation requests admitted per second, in bursts of as many (429 with Retry-After beyond; 0: no limit)")
+	f.DurationVar(&sopt.RequestTimeout, "request-timeout", 10*time.Minute, "longest a generation may take, queueing included (504 beyond; 0: no limit)")
+	f.DurationVar(&tout.ReadTimeout, "read-timeout", 60*time.Second, "longest the server waits for a request's headers and body")
+	f.DurationVar(&tout.IdleTimeout, "idle-timeout", 120*time.Second, "how long a kept-alive connection may wait for its next request")
+	f.StringVar(&logFormat, "log-format", "text", "request log on stderr: text or json")
 	return cmd
+}
+
+// loadForServe opens the model and starts its engine, giving up (nil, nil,
+// nil) when ctx ends first: a SIGTERM during a long load exits at once.
+func loadForServe(ctx context.Context, dir, device string, opt engine.Options) (*backend.Model, *engine.Engine, error) {
+	type loaded struct {
+		m   *backend.Model
+		e   *engine.Engine
+		err error
+	}
+	done := make(chan loaded, 1)
+	go func() {
+		m, err := loadModel(dir, device)
+		if err != nil {
+			done <- loaded{err: err}
+			return
+		}
+		if m.Fallback != "" {
+			fmt.Fprintln(os.Stderr, "llmq:", m.Fallback)
+		}
+		e, err := engine.New(m, opt)
+		if err != nil {
+			m.Close()
+			done <- loaded{err: fmt.Errorf("starting the engine: %w", err)}
+			return
+		}
+		done <- loaded{m: m, e: e}
+	}()
+	select {
+	case l := <-done:
+		return l.m, l.e, l.err
+	case <-ctx.Done():
+		return nil, nil, nil
+	}
 }

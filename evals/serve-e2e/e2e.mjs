@@ -1,6 +1,6 @@
 // End-to-end check of `llmq serve` with the official openai npm client:
 // starts the server on a free loopback port, runs a non-streaming chat,
-// a streaming chat, a completion, the model list and two error cases,
+// a streaming chat, a completion, the model list, error cases and /metrics,
 // then sends SIGTERM and checks that the server exits cleanly.
 //
 //   node e2e.mjs ../../build/llmq ../../../shared/models/llama-tiny
@@ -71,6 +71,20 @@ await check("unknown model is a 404", async () => {
 });
 await check("max_tokens past the context is a 400", async () => {
   await assert.rejects(client.completions.create({ model: name, prompt: "x", max_tokens: 100000 }), (e) => e.status === 400 && /too large/.test(e.message));
+});
+
+await check("an unknown route is a 404 in OpenAI's error shape", async () => {
+  const r = await fetch(base + "/v1/nothing");
+  assert.equal(r.status, 404);
+  const body = await r.json();
+  assert.deepEqual(Object.keys(body.error).sort(), ["code", "message", "param", "type"]);
+  assert.equal(body.error.code, "not_found");
+  assert.match(r.headers.get("x-request-id"), /^req-[0-9a-f]{16}$/);
+});
+await check("/metrics counts the requests", async () => {
+  const text = await (await fetch(base + "/metrics")).text();
+  assert.match(text, /^llmq_http_requests_total\{route="\/v1\/chat\/completions",status="200"\} 2$/m);
+  assert.match(text, /^llmq_completion_tokens_total \d+$/m);
 });
 
 server.kill("SIGTERM");

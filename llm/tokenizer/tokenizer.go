@@ -110,6 +110,20 @@ func Parse(data []byte) (*Tokenizer, error) {
 // VocabSize is one past the largest token id.
 func (t *Tokenizer) VocabSize() int { return t.bpe.size() }
 
+// MaxTokenBytes bounds the text one token stands for: the longest token
+// string in bytes (a token's string is never shorter than the text it
+// encodes: byte-level and "▁" spellings only lengthen it), and at least
+// utf8.UTFMax (an unknown character is one token). A text of n bytes
+// therefore needs at least n/MaxTokenBytes tokens, barring a normalizer
+// that shortens it.
+func (t *Tokenizer) MaxTokenBytes() int {
+	n := utf8.UTFMax
+	for _, tok := range t.bpe.tokens {
+		n = max(n, len(tok))
+	}
+	return n
+}
+
 // TokenID returns the id of a token string (e.g. "<|eot_id|>").
 func (t *Tokenizer) TokenID(tok string) (int, bool) {
 	id, ok := t.bpe.vocab[tok]
