@@ -29,7 +29,7 @@ import (
 
 // serveWith starts a server with opt (Model defaults to llama-tiny) for
 // llama-tiny on the CPU, its backend wrapped by wrap when not nil.
-func serveWith(t *testing.T, opt Options, eopt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *Server) {
+func serveWith(t testing.TB, opt Options, eopt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *Server) {
 	t.Helper()
 	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
 	if err != nil {
