@@ -59,7 +59,7 @@ test-full:
 # so plain go test replays them).
 FUZZTIME ?= 15s
 FUZZ_TARGETS = llm/checkpoint:FuzzHeader llm/checkpoint:FuzzParseConfig llm/tokenizer:FuzzParse \
-	llm/chat:FuzzRender pack:FuzzParseQuantConfig
+	llm/chat:FuzzRender pack:FuzzParseQuantConfig server:FuzzRequest
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \
 	  pkg=$${t%%:*}; name=$${t#*:}; echo "fuzz $$pkg $$name ($(FUZZTIME))"; \
