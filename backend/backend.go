@@ -62,13 +62,32 @@ func (m *Model) Parts() (llm.Backend, *tokenizer.Tokenizer, *chat.Template) {
 // layers stay 4-bit, the rest fp16), or "auto": the GPU when its library
 // and a device are there and the model fits, else the CPU, with the reason
 // in Model.Fallback.
-func Open(dir, device string) (*Model, error) {
+func Open(dir, device string) (*Model, error) { return OpenWith(dir, device, Options{}) }
+
+// Options adjust a model as it is opened.
+type Options struct {
+	// CPU, if set, runs on the CPU model before it is returned (e.g.
+	// actquant.Apply wrapping its layers). Only the CPU backend has one:
+	// with CPU set, device "auto" means the CPU and "cuda" is an error.
+	CPU func(*llm.Model) error
+}
+
+// OpenWith is Open with options.
+func OpenWith(dir, device string, opt Options) (*Model, error) {
+	if opt.CPU != nil {
+		switch device {
+		case "auto":
+			device = "cpu"
+		case "cuda":
+			return nil, fmt.Errorf("this option runs on the CPU backend only")
+		}
+	}
 	if device == "auto" {
-		m, err := Open(dir, "cuda")
+		m, err := OpenWith(dir, "cuda", opt)
 		if err == nil {
 			return m, nil
 		}
-		m, cerr := Open(dir, "cpu")
+		m, cerr := OpenWith(dir, "cpu", opt)
 		if cerr != nil { // not a GPU problem (a bad checkpoint, say)
 			return nil, cerr
 		}
@@ -103,6 +122,12 @@ func Open(dir, device string) (*Model, error) {
 	m, err := pack.OpenModel(dir)
 	if err != nil {
 		return nil, err
+	}
+	if opt.CPU != nil {
+		if err := opt.CPU(m.Model); err != nil {
+			m.Close()
+			return nil, err
+		}
 	}
 	return &Model{Dir: dir, Config: m.Checkpoint.Config, Backend: m.Model, Tokenizer: m.Tokenizer, Template: tmpl,
 		LoadTime: time.Since(start), close: m.Close}, nil

@@ -25,6 +25,7 @@ func newEval() *cobra.Command {
 func newEvalPPL() *cobra.Command {
 	var data, format, jsonOut, device string
 	var opt evals.PPLOptions
+	var act actFlags
 	cmd := &cobra.Command{
 		Use:   "ppl MODEL_DIR",
 		Short: "Perplexity on a text file (non-overlapping windows, no BOS)",
@@ -40,7 +41,11 @@ func newEvalPPL() *cobra.Command {
 				return fmt.Errorf("--data: %w", err)
 			}
 			fmt.Fprintf(os.Stderr, "llmq: loading %s\n", args[0])
-			m, err := openModel(args[0], device)
+			bopt, err := act.backendOptions(cmd)
+			if err != nil {
+				return err
+			}
+			m, err := openModelWith(args[0], device, bopt)
 			if err != nil {
 				return err
 			}
@@ -83,7 +88,11 @@ func newEvalPPL() *cobra.Command {
 			fmt.Fprintf(w, "tokens      %d in %d windows of %d (%d predicted)\n", res.Tokens, res.Windows, res.SeqLen, res.Predicted)
 			fmt.Fprintf(w, "speed       %.0f tokens/s on %s (%.1f s)\n", res.TokensPerSec, m.Backend.Name(), res.Seconds)
 			if jsonOut != "" {
-				rec := evals.NewRecord("ppl", map[string]any{"model": args[0], "data": data, "backend": m.Backend.Name(), "load_s": m.LoadTime.Seconds(), "result": res})
+				info := map[string]any{"model": args[0], "data": data, "backend": m.Backend.Name(), "load_s": m.LoadTime.Seconds(), "result": res}
+				if act.bits > 0 {
+					info["activations"] = act.describe()
+				}
+				rec := evals.NewRecord("ppl", info)
 				return writeJSON(jsonOut, rec)
 			}
 			return nil
@@ -94,6 +103,7 @@ func newEvalPPL() *cobra.Command {
 	cmd.Flags().IntVar(&opt.SeqLen, "seqlen", 2048, "window length in tokens")
 	cmd.Flags().IntVar(&opt.Windows, "windows", 0, "evaluate only the first N windows (0: all)")
 	cmd.Flags().StringVar(&jsonOut, "json", "", "also write the result as JSON to this file")
+	act.register(cmd)
 	cmd.Flags().StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu, or cuda (the GPU backend: logits stay on the GPU)")
 	return cmd
 }

@@ -312,3 +312,42 @@ func TestHelpHasExamples(t *testing.T) {
 	}
 	walk(newRoot())
 }
+
+// TestCalibrateAndActivationEval: llmq calibrate writes thresholds that eval
+// ppl --act-scheme per-tensor reads; INT8 activations (per token, per
+// tensor with KL thresholds, FP8) stay within 1% of the unquantized
+// perplexity on two windows, 4-bit activations do not; bad flags name the
+// flag.
+func TestCalibrateAndActivationEval(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	data := shared.Path(t, "data/wikitext2/wiki.test.raw")
+	scales := filepath.Join(t.TempDir(), "kl.json")
+	mustLLMQ(t, "calibrate", model, "--calib", shared.Path(t, "data/calib.txt"), "--nsamples", "4", "--seqlen", "128", "--method", "kl", "-o", scales)
+	ev := func(extra ...string) float64 {
+		return perplexity(t, mustLLMQ(t, append([]string{"eval", "ppl", model, "--data", data, "--seqlen", "256", "--windows", "2", "--device", "cpu"}, extra...)...))
+	}
+	fp := ev()
+	for _, a := range [][]string{{"--act-bits", "8"}, {"--act-bits", "8", "--act-scheme", "per-tensor", "--act-scales", scales}, {"--act-bits", "8", "--act-format", "fp8"}} {
+		if p := ev(a...); math.Abs(p/fp-1) > 0.01 {
+			t.Errorf("%v: perplexity %.3f vs %.3f unquantized", a, p, fp)
+		}
+	}
+	if p := ev("--act-bits", "4"); p < fp*1.05 {
+		t.Errorf("4-bit activations: perplexity %.3f vs %.3f unquantized", p, fp)
+	}
+	for args, want := range map[string]string{
+		"--act-bits 8 --act-scheme per-channel":  `--act-scheme "per-channel"`,
+		"--act-bits 8 --act-scheme per-tensor":   "--act-scheme per-tensor needs --act-scales",
+		"--act-bits 4 --act-format fp8":          "--act-bits 4 --act-format fp8",
+		"--act-scheme per-tensor":                "--act-scheme needs --act-bits",
+		"--act-bits 8 --act-scales /nonexistent": "--act-scales",
+	} {
+		_, err := llmq(t, append([]string{"eval", "ppl", model, "--data", data, "--windows", "1", "--device", "cpu"}, strings.Fields(args)...)...)
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want %q", args, err, want)
+		}
+	}
+	if _, err := llmq(t, "calibrate", model, "--calib", data, "--method", "mse", "-o", scales); err == nil || !strings.Contains(err.Error(), `--method "mse"`) {
+		t.Errorf("calibrate --method mse: %v", err)
+	}
+}

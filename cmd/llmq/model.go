@@ -12,7 +12,12 @@ import (
 // loadModel opens dir's checkpoint (packed or not), tokenizer and chat
 // template on a device: auto, cpu or cuda (the --device flag).
 func loadModel(dir, device string) (*backend.Model, error) {
-	m, err := backend.Open(dir, device)
+	return loadModelWith(dir, device, backend.Options{})
+}
+
+// loadModelWith is loadModel with backend options.
+func loadModelWith(dir, device string, opt backend.Options) (*backend.Model, error) {
+	m, err := backend.OpenWith(dir, device, opt)
 	if errors.Is(err, backend.ErrUnknownDevice) {
 		return nil, fmt.Errorf("--device %q: want auto, cpu or cuda", device)
 	}
@@ -22,7 +27,12 @@ func loadModel(dir, device string) (*backend.Model, error) {
 // openModel is loadModel that also says when auto falls back to the CPU
 // and, on the GPU, how long loading took.
 func openModel(dir, device string) (*backend.Model, error) {
-	m, err := loadModel(dir, device)
+	return openModelWith(dir, device, backend.Options{})
+}
+
+// openModelWith is openModel with backend options.
+func openModelWith(dir, device string, opt backend.Options) (*backend.Model, error) {
+	m, err := loadModelWith(dir, device, opt)
 	if err != nil {
 		return nil, err
 	}

@@ -1,0 +1,103 @@
+package main
+
+import (
+	"fmt"
+	"path/filepath"
+	"sort"
+
+	"github.com/llmq/llmq/actquant"
+	"github.com/llmq/llmq/backend"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/calib"
+	"github.com/llmq/llmq/llm/tokenizer"
+	"github.com/spf13/cobra"
+)
+
+func newCalibrate() *cobra.Command {
+	var act actFlags
+	var opt actquant.CalibrateOptions
+	var calibPath, out string
+	var nsamples, seqlen int
+	cmd := &cobra.Command{
+		Use:   "calibrate MODEL_DIR --calib FILE -o scales.json",
+		Short: "Calibrate static activation thresholds (min-max, percentile, KL) and SmoothQuant factors",
+		Long: `Runs the model on the first --nsamples windows of --seqlen tokens of --calib,
+observes the input of every linear layer of every block, and writes each
+input's clipping threshold as chosen by --method: minmax (the largest |x|),
+percentile (--percentile of |x|), or kl (TensorRT's entropy calibration: the
+threshold whose clipped, quantized histogram is closest in KL divergence).
+With --smooth α, SmoothQuant's per-channel factors are calibrated first and
+recorded too. llmq eval ppl --act-scales reads the file.`,
+		Example: `  llmq calibrate ../shared/models/llama-small --calib ../shared/data/calib.txt --method kl -o kl.json
+  llmq eval ppl ../shared/models/llama-small --data wiki.test.raw --act-bits 8 --act-scheme per-tensor --act-scales kl.json`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if out == "" {
+				return fmt.Errorf("-o FILE is required")
+			}
+			if calibPath == "" {
+				return fmt.Errorf("--calib FILE is required (calibration text or .i32 tokens)")
+			}
+			switch opt.Method {
+			case actquant.MinMax, actquant.Percentile, actquant.KL:
+			default:
+				return fmt.Errorf("--method %q: want minmax, percentile or kl", opt.Method)
+			}
+			if !(opt.Percentile > 0 && opt.Percentile <= 100) {
+				return fmt.Errorf("--percentile %v: want a value in (0, 100]", opt.Percentile)
+			}
+			if !(opt.Alpha >= 0 && opt.Alpha < 1) {
+				return fmt.Errorf("--smooth %v: want α in (0, 1), or 0 for none", opt.Alpha)
+			}
+			var err error
+			act.scheme = "per-tensor"
+			if opt.Scheme, err = act.parse(); err != nil {
+				return err
+			}
+			tok, err := tokenizer.Load(filepath.Join(args[0], "tokenizer.json"))
+			if err != nil {
+				return err
+			}
+			ids, err := calib.ReadTokens(calibPath, calib.FormatAuto, tok)
+			if err != nil {
+				return fmt.Errorf("--calib: %w", err)
+			}
+			windows, err := calib.Windows(ids, nsamples, seqlen)
+			if err != nil {
+				return fmt.Errorf("--calib %s with --nsamples %d --seqlen %d: %w", calibPath, nsamples, seqlen, err)
+			}
+			var sc *actquant.Scales
+			calibrate := func(m *llm.Model) error {
+				sc, err = actquant.Calibrate(cmd.Context(), m, windows, opt)
+				return err
+			}
+			m, err := loadModelWith(args[0], "cpu", backend.Options{CPU: calibrate})
+			if err != nil {
+				return err
+			}
+			m.Close()
+			names := make([]string, 0, len(sc.Layers))
+			for n := range sc.Layers {
+				names = append(names, n)
+			}
+			sort.Strings(names)
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "%-40s %10s %10s\n", "layer input", "threshold", "max |x|")
+			for _, n := range names {
+				fmt.Fprintf(w, "%-40s %10.4f %10.4f\n", n, sc.Layers[n].Threshold, sc.Layers[n].Amax)
+			}
+			return writeJSON(out, sc)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&calibPath, "calib", "", "calibration text file (or .i32 token file)")
+	f.IntVar(&nsamples, "nsamples", 32, "calibration windows")
+	f.IntVar(&seqlen, "seqlen", 512, "tokens per calibration window")
+	f.StringVar(&opt.Method, "method", "minmax", "minmax, percentile or kl")
+	f.Float64Var(&opt.Percentile, "percentile", 99.99, "for --method percentile: the percentile of |x| (0, 100]")
+	f.Float64Var(&opt.Alpha, "smooth", 0, "SmoothQuant migration strength α in (0, 1) (0: no smoothing)")
+	f.IntVar(&act.bits, "bits", 8, "activation bits the thresholds are for (KL's number of levels)")
+	f.StringVar(&act.format, "format", "int", "int or fp8")
+	f.StringVarP(&out, "output", "o", "", "write the thresholds here (JSON)")
+	return cmd
+}
