@@ -401,7 +401,7 @@ func TestWriterRefusesExistingOutput(t *testing.T) {
 // finishSrc is a source directory with the one file Finish needs.
 func finishSrc(t *testing.T) string {
 	src := t.TempDir()
-	if err := os.WriteFile(filepath.Join(src, "config.json"), []byte(`{"model_type": "llama"}`), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(src, "config.json"), []byte(`{"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8}`), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return src
@@ -573,4 +573,56 @@ func FuzzParseQuantConfig(f *testing.F) {
 			t.Fatalf("accepted %s with an invalid grid: %v", data, err)
 		}
 	})
+}
+
+// TestWriterV2SwitchInsideAPart: when a layer needing gptq_v2 comes after
+// layers of the same part were laid out in v1, those are rewritten too,
+// so every layer reads back as it was quantized (2-bit, group 32 hit this
+// in block 0: q/k/v/o read back wrong when gate_proj switched).
+func TestWriterV2SwitchInsideAPart(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "out")
+	w, err := NewWriter(out, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := Grid{Bits: 2, GroupSize: -1}
+	r := rand.New(rand.NewPCG(7, 8))
+	layer := func(zero uint8) *Linear {
+		l := &Linear{In: 16, Out: 16, Grid: g, Q: make([]uint8, 256), Scale: make([]float32, 16), Zero: make([]uint8, 16), GIdx: make([]int32, 16)}
+		for i := range l.Q {
+			l.Q[i] = uint8(r.IntN(4))
+		}
+		for i := range l.Scale {
+			l.Scale[i], l.Zero[i] = RoundF16(0.01*float32(i+1)), zero
+		}
+		return l
+	}
+	a, b := layer(1), layer(0) // b has a zero of 0: v1 cannot store it
+	tensors := map[string]checkpoint.Out{}
+	if err := w.AddGPTQ(tensors, "a", a); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.AddGPTQ(tensors, "b", b); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.WritePart(tensors); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Finish(finishSrc(t), &QuantConfig{QuantMethod: "gptq", Bits: 2, GroupSize: -1}); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := checkpoint.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	for name, l := range map[string]*Linear{"a": a, "b": b} {
+		back, err := ReadGPTQ(ck, name, 16, 16, g, FormatGPTQv2)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(back.Dequantize(), l.Dequantize()) {
+			t.Errorf("layer %s reads back different weights", name)
+		}
+	}
 }

@@ -1,6 +1,7 @@
 package pack
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/nlpodyssey/safetensors"
 )
 
 // Writer writes a checkpoint one part at a time (a decoder block's
@@ -115,12 +117,31 @@ func replaceable(dir string) error {
 }
 
 // AddGPTQ lays out a quantized layer in the current GPTQ format, switching
-// the whole checkpoint to gptq_v2 the first time a zero of 0 appears.
+// the whole checkpoint to gptq_v2 the first time a zero of 0 appears: the
+// parts already written and the layers already laid out in tensors (the
+// part being built) are rewritten with zeros as they are.
 func (w *Writer) AddGPTQ(tensors map[string]checkpoint.Out, prefix string, l *Linear) error {
 	w.bits = l.Grid.Bits
 	if w.Format == FormatGPTQ && l.NeedsV2() {
 		if err := w.convertToV2(); err != nil {
 			return fmt.Errorf("switching the checkpoint to gptq_v2: %w", err)
+		}
+		for n, t := range tensors {
+			if !strings.HasSuffix(n, ".qzeros") {
+				continue
+			}
+			if t.DType != safetensors.I32 || len(t.Data)%4 != 0 {
+				return fmt.Errorf("switching the checkpoint to gptq_v2: %s is %s, not I32", n, t.DType)
+			}
+			v := make([]int32, len(t.Data)/4)
+			for i := range v {
+				v[i] = int32(binary.LittleEndian.Uint32(t.Data[4*i:]))
+			}
+			v, err := shiftZeros(v, w.bits, 1)
+			if err != nil {
+				return fmt.Errorf("switching the checkpoint to gptq_v2: %s: %w", n, err)
+			}
+			tensors[n] = checkpoint.I32(v, t.Shape...)
 		}
 	}
 	t, err := l.GPTQTensors(prefix, w.Format)
