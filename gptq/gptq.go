@@ -82,7 +82,9 @@ type Options struct {
 	// weights as they were when the block began (the reference's
 	// find_params(W[:, j:j+group]) reads W, not the block's working copy
 	// W1); otherwise on the weights already updated by the block's earlier
-	// columns. The two differ only for groups smaller than BlockSize.
+	// columns. The two differ for every group that does not start at a
+	// block boundary (with blocks of 128: groups of 32 and 64, and e.g. the
+	// second group of 192).
 	GroupsFromBlockStart bool
 	// Log, if set, receives notes such as increased damping.
 	Log func(format string, args ...any)

@@ -31,10 +31,13 @@ type QuantConfig struct {
 type QuantMeta struct {
 	Quantizer string `json:"quantizer"`         // "llmq"
 	Version   string `json:"version,omitempty"` // the llmq commit that wrote it
-	Method    string `json:"method"`            // rtn, gptq, awq, awq+gptq
-	NSamples  int    `json:"nsamples,omitempty"`
-	SeqLen    int    `json:"seqlen,omitempty"`
-	Calib     string `json:"calibration,omitempty"`
+	// GroupsFromBlockStart records GPTQ's choice of which weights a group
+	// is fitted on (gptq.Options.GroupsFromBlockStart).
+	GroupsFromBlockStart bool   `json:"groups_from_block_start,omitempty"`
+	Method               string `json:"method"` // rtn, gptq, awq, awq+gptq
+	NSamples             int    `json:"nsamples,omitempty"`
+	SeqLen               int    `json:"seqlen,omitempty"`
+	Calib                string `json:"calibration,omitempty"`
 }
 
 // ParseQuantConfig reads quantization_config; nil raw means unquantized.
@@ -130,6 +133,9 @@ func Unexplained(ck *checkpoint.Checkpoint, name string) error {
 func Loader(cfg *checkpoint.Config) (llm.LinearLoader, error) {
 	q, err := ParseQuantConfig(cfg.Quantization)
 	if err != nil {
+		if cfg.QuantizationFile != "" { // settings from a legacy file
+			return nil, fmt.Errorf("%s: %w", cfg.QuantizationFile, err)
+		}
 		return nil, err
 	}
 	if q == nil {

@@ -626,3 +626,47 @@ func TestWriterV2SwitchInsideAPart(t *testing.T) {
 		}
 	}
 }
+
+// TestWriterForceEdgeCases: an output from before the marker existed (an
+// llmq quantization_config in its config.json) may be replaced; a
+// directory that became foreign between NewWriter and Finish is not, and
+// the finished output is then kept beside it and named, not deleted.
+func TestWriterForceEdgeCases(t *testing.T) {
+	tmp := t.TempDir()
+	old := filepath.Join(tmp, "old")
+	os.MkdirAll(old, 0o755)
+	os.WriteFile(filepath.Join(old, "config.json"), []byte(`{"quantization_config": {"quant_method": "gptq", "meta": {"quantizer": "llmq"}}}`), 0o644)
+	write := func(dir string, between func()) error {
+		w, err := NewWriter(dir, true)
+		if err != nil {
+			return err
+		}
+		defer w.Abort()
+		if err := w.WritePart(map[string]checkpoint.Out{"t": checkpoint.F32([]float32{1}, 1)}); err != nil {
+			return err
+		}
+		if between != nil {
+			between()
+		}
+		return w.Finish(finishSrc(t), nil)
+	}
+	if err := write(old, nil); err != nil {
+		t.Fatalf("replacing a pre-marker llmq output: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(old, Marker)); err != nil {
+		t.Errorf("the replacement has no marker: %v", err)
+	}
+	victim := filepath.Join(tmp, "victim")
+	os.MkdirAll(victim, 0o755)
+	err := write(victim, func() { os.WriteFile(filepath.Join(victim, "notes.txt"), []byte("mine"), 0o644) })
+	if err == nil || !strings.Contains(err.Error(), "not an llmq output") || !strings.Contains(err.Error(), "kept in") {
+		t.Fatalf("a directory that became foreign: %v", err)
+	}
+	kept := strings.TrimSpace(err.Error()[strings.LastIndex(err.Error(), "kept in ")+len("kept in "):])
+	if _, err := os.Stat(filepath.Join(kept, "model.safetensors")); err != nil {
+		t.Errorf("the finished output was not kept: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(victim, "notes.txt")); err != nil || string(b) != "mine" {
+		t.Errorf("the foreign directory was touched: %q %v", b, err)
+	}
+}

@@ -33,6 +33,7 @@ type Writer struct {
 	Bytes         int64  // bytes of tensor data written
 	// Card, if set, is written as the output's README.md (a model card).
 	Card string
+	kept bool // Finish kept tmp after failing to move it into place
 }
 
 // part is one WritePart call's file in the temporary directory.
@@ -347,24 +348,53 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 	if err := os.WriteFile(filepath.Join(w.tmp, Marker), []byte("written by llmq; llmq --force may replace this directory\n"), 0o644); err != nil {
 		return err
 	}
-	if w.force {
-		if _, err := os.Stat(w.final); err == nil {
-			if err := replaceable(w.final); err != nil { // it may have changed since NewWriter
-				return err
-			}
-			if err := os.RemoveAll(w.final); err != nil {
-				return err
-			}
+	return w.moveIntoPlace()
+}
+
+// moveIntoPlace renames the temporary directory to the destination. An
+// earlier output being replaced is first renamed aside and removed only
+// once the new one is in place, so a failure leaves the old output where
+// it was; when the new one cannot be put in place, it is kept and named in
+// the error rather than deleted.
+func (w *Writer) moveIntoPlace() error {
+	keep := func(err error) error {
+		w.kept = true
+		return fmt.Errorf("%w; the finished output is kept in %s", err, w.tmp)
+	}
+	var aside, backup string // the earlier output goes to aside/old
+	if _, err := os.Stat(w.final); err == nil && w.force {
+		if err := replaceable(w.final); err != nil { // it may have changed since NewWriter
+			return keep(err)
+		}
+		parent := filepath.Dir(filepath.Clean(w.final))
+		if aside, err = os.MkdirTemp(parent, "."+filepath.Base(w.final)+".old-"); err != nil {
+			return keep(err)
+		}
+		backup = filepath.Join(aside, "old")
+		if err := os.Rename(w.final, backup); err != nil {
+			os.Remove(aside)
+			return keep(fmt.Errorf("moving the earlier output aside: %w", err))
 		}
 	}
 	if err := os.Rename(w.tmp, w.final); err != nil {
-		return fmt.Errorf("moving the finished checkpoint into place: %w", err)
+		if backup != "" && os.Rename(backup, w.final) == nil {
+			os.Remove(aside)
+		}
+		return keep(fmt.Errorf("moving the finished checkpoint into place: %w", err))
+	}
+	if aside != "" {
+		return os.RemoveAll(aside)
 	}
 	return nil
 }
 
-// Abort removes everything written.
-func (w *Writer) Abort() { os.RemoveAll(w.tmp) }
+// Abort removes everything written, unless Finish kept a finished output
+// it could not put in place.
+func (w *Writer) Abort() {
+	if !w.kept {
+		os.RemoveAll(w.tmp)
+	}
+}
 
 func writeJSON(path string, v any) error {
 	data, err := json.MarshalIndent(v, "", "  ")

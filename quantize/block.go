@@ -21,6 +21,9 @@ var (
 
 // block quantizes decoder layer l and advances d.X past it.
 func (d *driver) block(ctx context.Context, l int) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	cfg := d.ck.Config
 	prefix := fmt.Sprintf("model.layers.%d.", l)
 	b, err := llm.LoadBlock(d.ck, l, llm.DenseLoader)
@@ -58,6 +61,9 @@ func (d *driver) block(ctx context.Context, l int) error {
 	// the statistics of their shared input.
 	quantize := func(names []string, s Stats) error {
 		for _, n := range names {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
 			t0 := time.Now()
 			dense := (*linears[n]).(*llm.Dense) // LoadBlock with DenseLoader
 			lin, loss, err := d.m.Quantize(Layer{Name: prefix + n, W: dense.W, Out: dense.Out(), In: dense.In()}, s)
@@ -80,6 +86,9 @@ func (d *driver) block(ctx context.Context, l int) error {
 			}
 		}
 		if next != nil {
+			if len(next) != len(d.X) {
+				return fmt.Errorf("method %s returned %d next inputs for %d windows", d.m.Name(), len(next), len(d.X))
+			}
 			copy(d.X, next)
 		} else if err := d.propagate(ctx, b, progress); err != nil {
 			return err
@@ -95,7 +104,10 @@ func (d *driver) block(ctx context.Context, l int) error {
 	if err != nil {
 		return err
 	}
-	if next != nil {
+	if next != nil { // the method's rule for the next block's input wins
+		if len(next) != len(d.X) {
+			return fmt.Errorf("method %s returned %d next inputs for %d windows", d.m.Name(), len(next), len(d.X))
+		}
 		copy(d.X, next)
 	}
 	return d.w.WritePart(tensors)

@@ -1,7 +1,9 @@
 package quantize
 
 import (
+	"encoding/json"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 
@@ -13,7 +15,7 @@ import (
 // and how to load it.
 func modelCard(opt Options, ck *checkpoint.Checkpoint, qc *pack.QuantConfig, rep *Report) string {
 	var b strings.Builder
-	base := filepath.Base(filepath.Clean(opt.Src))
+	base := baseModel(opt.Src)
 	g := qc.Grid()
 	group := fmt.Sprintf("groups of %d", g.GroupSize)
 	if g.GroupSize <= 0 {
@@ -27,11 +29,14 @@ func modelCard(opt Options, ck *checkpoint.Checkpoint, qc *pack.QuantConfig, rep
 	fmt.Fprintf(&b, "# %s, %d-bit %s\n\n", base, g.Bits, strings.ToUpper(rep.Method))
 	fmt.Fprintf(&b, "%s (%s, %d layers) with the linear layers of every decoder block quantized by llmq to %d bits, %s, %s, with %s. ",
 		base, ck.Config.Architecture, ck.Config.Layers, g.Bits, group, sym, methodName(rep.Method))
+	kept := "Embeddings, norms and lm_head keep their dtype"
 	if opt.QuantizeLMHead {
-		b.WriteString("lm_head is quantized too; embeddings and norms keep their dtype.\n\n")
-	} else {
-		b.WriteString("Embeddings, norms and lm_head keep their dtype.\n\n")
+		kept = "lm_head is quantized too; embeddings and norms keep their dtype"
 	}
+	if strings.HasPrefix(rep.Method, "awq") {
+		kept += " (norms that AWQ's scales were folded into are stored as F32)"
+	}
+	b.WriteString(kept + ".\n\n")
 	fmt.Fprintf(&b, "- layout: %s (`quant_method` %q", layoutName(qc), qc.QuantMethod)
 	if qc.CheckpointFormat != "" {
 		fmt.Fprintf(&b, ", `checkpoint_format` %q", qc.CheckpointFormat)
@@ -47,7 +52,11 @@ func modelCard(opt Options, ck *checkpoint.Checkpoint, qc *pack.QuantConfig, rep
 	if opt.CommandLine != "" {
 		fmt.Fprintf(&b, "\n```\n%s\n```\n", opt.CommandLine)
 	}
-	b.WriteString("\nIt loads in transformers and vLLM (the " + layoutName(qc) + " layout) and in llmq (`llmq generate DIR --prompt …`, `llmq serve DIR`).\n")
+	b.WriteString("\nllmq runs it (`llmq generate DIR --prompt …`, `llmq serve DIR`).")
+	if g.Bits == 4 && !opt.QuantizeLMHead && qc.CheckpointFormat != "gptq_v2" {
+		b.WriteString(" Engines that read the " + layoutName(qc) + " layout (transformers, vLLM) load it.")
+	}
+	b.WriteString("\n")
 	return b.String()
 }
 
@@ -70,4 +79,18 @@ func layoutName(qc *pack.QuantConfig) string {
 		return "AutoAWQ GEMM"
 	}
 	return "GPTQ"
+}
+
+// baseModel is the source's Hugging Face name (config.json's
+// _name_or_path when it is a hub name, not a local path), else the
+// directory's name.
+func baseModel(src string) string {
+	var cfg struct {
+		Name string `json:"_name_or_path"`
+	}
+	if data, err := os.ReadFile(filepath.Join(src, "config.json")); err == nil && json.Unmarshal(data, &cfg) == nil &&
+		cfg.Name != "" && !strings.HasPrefix(cfg.Name, "/") && !strings.HasPrefix(cfg.Name, ".") {
+		return cfg.Name
+	}
+	return filepath.Base(filepath.Clean(src))
 }

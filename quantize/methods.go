@@ -36,6 +36,9 @@ func (m GPTQ) NewStats(in int) Stats               { return &hessian{h: gptq.New
 
 func (m GPTQ) Describe(qc *pack.QuantConfig) {
 	qc.DescAct, qc.StaticGroups, qc.DampPercent = m.Opt.ActOrder, m.Opt.StaticGroups, m.Opt.Damp
+	if qc.Meta != nil {
+		qc.Meta.GroupsFromBlockStart = m.Opt.GroupsFromBlockStart
+	}
 }
 
 func (m GPTQ) Quantize(l Layer, s Stats) (*pack.Linear, float64, error) {
@@ -69,11 +72,12 @@ func (h *hessian) Add(x []float32, rows int) error { return h.h.Add(x, rows) }
 // AWQ searches each block's scales (and clipping thresholds) with package
 // awq on the unquantized block, folds them in, and rounds the scaled
 // weights to nearest on AWQ's grid. The next block reads the unquantized
-// block's outputs, as in the reference code. When Stats is non-nil, the
-// input statistics and search results of every block are appended to it.
+// block's outputs, as in the reference code. When Record is non-nil, the
+// input statistics and search results of every block are appended to it
+// (what --stats writes).
 type AWQ struct {
-	Opt   awq.Options
-	Stats *[]awq.LinearStats
+	Opt    awq.Options
+	Record *[]awq.LinearStats
 }
 
 func (m AWQ) Name() string               { return "awq" }
@@ -97,7 +101,7 @@ func (m AWQ) Prepare(b *Block) ([][]float32, error) {
 	// Input statistics come from the unscaled features (folding divides
 	// them by the scales).
 	var st []awq.LinearStats
-	if m.Stats != nil {
+	if m.Record != nil {
 		st = awq.BlockStats(b.Prefix, blk, f)
 	}
 	sc, err := scaleBlock(b, f, m.Opt)
@@ -109,16 +113,16 @@ func (m AWQ) Prepare(b *Block) ([][]float32, error) {
 		b.Progress("clip")
 		shrink = awq.ClipBlock(blk, f, m.Opt)
 	}
-	if m.Stats != nil {
+	if m.Record != nil {
 		awq.AddSearchResults(st, sc, shrink)
-		*m.Stats = append(*m.Stats, st...)
+		*m.Record = append(*m.Record, st...)
 	}
 	return f.Out, nil
 }
 
-// AWQGPTQ folds AWQ's scales (searched without clipping on up to 32
-// calibration windows) into each block, then quantizes the scaled weights
-// with GPTQ.
+// AWQGPTQ folds AWQ's scales (searched on up to 32 calibration windows)
+// into each block, then quantizes the scaled weights with GPTQ. There is
+// no clip search (GPTQ fits its own grid): Scales.Clip is ignored.
 type AWQGPTQ struct {
 	GPTQ
 	Scales awq.Options

@@ -12,7 +12,7 @@
 //	        for each layer reading it: Method.Quantize(W, stats) → packed layer
 //	        replace the layer by its dequantized weights
 //	    X = next, or the quantized block run on X
-//	    write the block's shard
+//	    hand the block's tensors to the writer (a part of a shard)
 //	write embeddings, final norm and lm_head, then config.json with
 //	quantization_config; rename the temporary directory into place.
 //
@@ -38,9 +38,10 @@ import (
 	"github.com/llmq/llmq/pack"
 )
 
-// ErrCalibration marks errors in the calibration data (an unreadable file,
-// fewer windows than asked for).
-var ErrCalibration = errors.New("calibration file")
+// ErrCalibration marks errors in the calibration data or its settings (an
+// unreadable file, fewer windows than asked for, windows longer than the
+// model's context).
+var ErrCalibration = errors.New("calibration data")
 
 // Options describe a whole-model quantization.
 type Options struct {
@@ -114,6 +115,24 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 			return nil, err
 		}
 	}
+	if !m.Calibrated() && m.NewStats(1) != nil {
+		return nil, fmt.Errorf("method %s gathers statistics but reads no calibration data", m.Name())
+	}
+	if m.Calibrated() {
+		if opt.NSamples <= 0 || opt.SeqLen <= 0 {
+			return nil, fmt.Errorf("%w: %d windows of %d tokens: want a positive number of each", ErrCalibration, opt.NSamples, opt.SeqLen)
+		}
+		if cfg.MaxPositions > 0 && opt.SeqLen > cfg.MaxPositions {
+			return nil, fmt.Errorf("%w: windows of %d tokens are longer than the model's %d positions", ErrCalibration, opt.SeqLen, cfg.MaxPositions)
+		}
+	}
+	if opt.QuantizeLMHead {
+		// The packed layouts store a layer's zeros as bit streams of its
+		// outputs (GPTQ) or 8 outputs a word (AWQ).
+		if opt.Format == "awq" && cfg.Vocab%8 != 0 || cfg.Vocab*grid.Bits%32 != 0 {
+			return nil, fmt.Errorf("lm_head's %d outputs cannot be packed at %d bits in the %s layout", cfg.Vocab, grid.Bits, opt.Format)
+		}
+	}
 	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk()}
 
 	w, err := pack.NewWriter(opt.Out, opt.Force)
@@ -146,12 +165,14 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	rep.BytesOut, rep.Format = w.Bytes, w.Format
 	if qc.QuantMethod == "gptq" {
 		qc.CheckpointFormat = w.Format // as Finish records it
+	} else {
+		rep.Format = "awq"
 	}
 	w.Card = modelCard(opt, ck, qc, rep)
 	if err := w.Finish(opt.Src, qc); err != nil {
 		return nil, err
 	}
-	rep.Format, rep.BytesOut, rep.Seconds = w.Format, w.Bytes, time.Since(start).Seconds()
+	rep.Seconds = time.Since(start).Seconds()
 	return rep, nil
 }
 
@@ -164,13 +185,17 @@ func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, error) {
 	}
 	ids, err := calib.ReadTokens(opt.Calib, calib.FormatAuto, tok)
 	if err != nil {
-		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
+		return nil, fmt.Errorf("%w: %w", ErrCalibration, err)
 	}
 	windows, err := calib.Windows(ids, opt.NSamples, opt.SeqLen)
 	if err != nil {
 		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
 	}
-	return calib.Embed(ck, windows)
+	X, err := calib.Embed(ck, windows)
+	if err != nil {
+		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
+	}
+	return X, nil
 }
 
 // quantConfig is the checkpoint's quantization_config.
@@ -204,8 +229,8 @@ type driver struct {
 	rep *Report
 }
 
-// emit adds a quantized layer to the shard in the run's format and to the
-// report.
+// emit adds a quantized layer to the part being built, in the run's
+// format, and to the report.
 func (d *driver) emit(tensors map[string]checkpoint.Out, name string, lin *pack.Linear, loss float64, t0 time.Time) error {
 	if d.opt.Format == "awq" {
 		t, err := lin.AWQTensors(name)
@@ -224,8 +249,11 @@ func (d *driver) emit(tensors map[string]checkpoint.Out, name string, lin *pack.
 
 // head writes the embeddings, the final norm and the LM head (quantized
 // only with QuantizeLMHead, its input being the final norm of the last
-// block's output) as the last shard.
+// block's output) as the last part.
 func (d *driver) head(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	cfg := d.ck.Config
 	tensors := map[string]checkpoint.Out{}
 	for _, n := range []string{"model.embed_tokens.weight", "model.norm.weight"} {

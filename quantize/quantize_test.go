@@ -2,7 +2,11 @@ package quantize
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -14,6 +18,7 @@ import (
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/llm/mat"
 	"github.com/llmq/llmq/pack"
 	"github.com/nlpodyssey/safetensors"
 )
@@ -39,17 +44,20 @@ func TestRunErrors(t *testing.T) {
 	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "96") {
 		t.Errorf("bad group: %v", err)
 	}
-	// A cancelled run (Ctrl-C) leaves neither output nor temp dir.
-	o = base
-	o.Out, o.Calib = filepath.Join(tmp, "c"), shared.Path(t, "data/calib.txt")
-	ctx, cancel := context.WithCancel(context.Background())
-	o.Progress = func(block, blocks int, stage string) {
-		if block == 2 {
-			cancel()
+	// A cancelled run (Ctrl-C) leaves neither output nor temp dir, with
+	// GPTQ and with RTN (which reads no calibration data).
+	for i, m := range []Method{GPTQ{Opt: gptqOpt}, RTN{G: gptqOpt.Grid}} {
+		o = base
+		o.Method, o.Out, o.Calib = m, filepath.Join(tmp, fmt.Sprint("c", i)), shared.Path(t, "data/calib.txt")
+		ctx, cancel := context.WithCancel(context.Background())
+		o.Progress = func(block, blocks int, stage string) {
+			if block == 2 {
+				cancel()
+			}
 		}
-	}
-	if _, err := Run(ctx, o); err == nil {
-		t.Error("cancelled run succeeded")
+		if _, err := Run(ctx, o); !errors.Is(err, context.Canceled) {
+			t.Errorf("%s cancelled: %v, want context.Canceled", m.Name(), err)
+		}
 	}
 	entries, _ := os.ReadDir(tmp)
 	for _, e := range entries {
@@ -57,12 +65,18 @@ func TestRunErrors(t *testing.T) {
 			t.Errorf("left behind: %s", e.Name())
 		}
 	}
+	// Windows longer than the model's context are refused before any work.
+	o = base
+	o.Out, o.Calib, o.SeqLen = filepath.Join(tmp, "d"), shared.Path(t, "data/calib.txt"), 4096
+	if _, err := Run(context.Background(), o); !errors.Is(err, ErrCalibration) || !strings.Contains(err.Error(), "longer than the model's 2048 positions") {
+		t.Errorf("seqlen 4096: %v", err)
+	}
 	// An existing output is refused without Force.
 	os.Mkdir(filepath.Join(tmp, "exists"), 0o755)
 	o = base
 	o.Method, o.Out = RTN{G: gptqOpt.Grid}, filepath.Join(tmp, "exists")
-	if _, err := Run(context.Background(), o); err == nil || !strings.Contains(err.Error(), "exists") {
-		t.Errorf("existing output: %v", err)
+	if _, err := Run(context.Background(), o); !errors.Is(err, fs.ErrExist) {
+		t.Errorf("existing output: %v, want fs.ErrExist", err)
 	}
 }
 
@@ -76,7 +90,7 @@ func TestExportsAgree(t *testing.T) {
 	var stats []awq.LinearStats
 	run := func(format string, st *[]awq.LinearStats) string {
 		out := filepath.Join(dir, format)
-		_, err := Run(context.Background(), Options{Src: src, Out: out, Method: AWQ{Opt: opt, Stats: st}, Format: format,
+		_, err := Run(context.Background(), Options{Src: src, Out: out, Method: AWQ{Opt: opt, Record: st}, Format: format,
 			Calib: shared.Path(t, "data/calib.txt"), NSamples: 4, SeqLen: 64})
 		if err != nil {
 			t.Fatal(err)
@@ -345,5 +359,64 @@ func TestModelCard(t *testing.T) {
 	q, err := pack.ParseQuantConfig(ck.Config.Quantization)
 	if err != nil || q.Meta == nil || q.Meta.Quantizer != "llmq" || q.Meta.Version != "abc123" || q.Meta.Method != "gptq" {
 		t.Errorf("meta %+v, %v", q.Meta, err)
+	}
+}
+
+// goldenCPU is the processor the BLAS-dependent digests below were taken
+// on (with OpenBLAS): GPTQ and AWQ sum in BLAS kernels, whose rounding
+// differs between BLAS builds and instruction sets.
+const goldenCPU = "AMD EPYC"
+
+// TestDigestsMatchPreRefactor pins the driver to what the code before it
+// (commit 197d88f) wrote: the SHA-256 of every tensor (name, dtype, shape,
+// bytes) of llama-tiny quantized by that binary, per method. RTN involves
+// no BLAS and is checked everywhere; the calibrated methods where the
+// digests were taken (OpenBLAS on goldenCPU).
+func TestDigestsMatchPreRefactor(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	calib := shared.Path(t, "data/calib.txt")
+	cpuinfo, _ := os.ReadFile("/proc/cpuinfo")
+	sameBLAS := mat.Backend == "openblas" && strings.Contains(string(cpuinfo), "model name\t: "+goldenCPU+"\n")
+	g4 := pack.Grid{Bits: 4, GroupSize: 128}
+	awqOpt := awq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}, Clip: true}
+	gopt := gptq.Options{Grid: g4, Damp: 0.01}
+	act := gptq.Options{Grid: pack.Grid{Bits: 3, GroupSize: 64, Sym: true}, Damp: 0.01, ActOrder: true}
+	for _, c := range []struct {
+		name    string
+		m       Method
+		n, T    int
+		digest  string
+		useBLAS bool
+	}{
+		{"rtn w4 g128", RTN{G: g4}, 0, 0, "c2bd48913d6bf5016f504861d79b1b934ab153dad57060db2ae2b97d78106f86", false},
+		{"gptq w4 g128", GPTQ{Opt: gopt}, 4, 128, "e43da004b7eb13c2c3d6eb145025ca3ed5796977b4c170da864c758445cc79d2", true},
+		{"gptq w3 g64 act-order sym", GPTQ{Opt: act}, 4, 128, "d09610ba91ee8951390d5e09813519fec121de22ee077d7a9b54e5426876e853", true},
+		{"awq w4 g128", AWQ{Opt: awqOpt}, 4, 64, "c7370ed490b9db223bd75bbdc26a46f7efa0ee0362b796a35345d74bff224089", true},
+		{"awq+gptq w4 g128", AWQGPTQ{GPTQ: GPTQ{Opt: gopt}, Scales: awqOpt}, 4, 128, "5306bffb3095b4aed4a360ac3dde2092002f45bb26cce4cb10aced5013eb69bf", true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if c.useBLAS && !sameBLAS {
+				t.Skipf("digest taken with OpenBLAS on %s; this is %s", goldenCPU, mat.Backend)
+			}
+			out := filepath.Join(t.TempDir(), "out")
+			if _, err := Run(context.Background(), Options{Src: src, Out: out, Method: c.m, TrueSequential: true,
+				Calib: calib, NSamples: c.n, SeqLen: c.T}); err != nil {
+				t.Fatal(err)
+			}
+			ck, err := checkpoint.Open(out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ck.Close()
+			h := sha256.New()
+			for _, n := range ck.Names() {
+				tn, _ := ck.Tensor(n)
+				fmt.Fprintf(h, "%s %s %v\n", n, tn.DType, tn.Shape)
+				h.Write(tn.Data)
+			}
+			if got := fmt.Sprintf("%x", h.Sum(nil)); got != c.digest {
+				t.Errorf("tensors digest %s, the pre-refactor code wrote %s", got, c.digest)
+			}
+		})
 	}
 }

@@ -71,7 +71,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			case "awq":
 				m := quantize.AWQ{Opt: awqOpt}
 				if statsPath != "" {
-					m.Stats = &stats
+					m.Record = &stats
 				}
 				opt.Method = m
 				// AWQ's default calibration: 128 windows of 512 tokens.
@@ -91,10 +91,12 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
+			go func() { <-ctx.Done(); stop() }() // a second Ctrl-C kills at once
 			var bar *progress.Bar
-			opt.Progress = func(block, blocks int, stage string) {
+			blocks := 0
+			opt.Progress = func(block, n int, stage string) {
 				if bar == nil {
-					bar = progress.New(method, blocks)
+					bar, blocks = progress.New(method, n), n
 				}
 				bar.Set(block, fmt.Sprintf("block %d %s", block, stage))
 			}
@@ -110,7 +112,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				return quantizeFlagError(err, opt)
 			}
 			if bar != nil {
-				bar.Set(len(rep.Layers)/7, "done")
+				bar.Set(blocks, "done")
 			}
 			printReport(cmd, rep)
 			if statsPath != "" {
@@ -136,7 +138,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
 	f.BoolVar(&gopt.ActOrder, "act-order", false, "GPTQ: quantize columns by decreasing Hessian diagonal (desc_act)")
 	f.BoolVar(&gopt.StaticGroups, "static-groups", false, "GPTQ: fit all group scales before quantizing")
-	f.BoolVar(&gopt.GroupsFromBlockStart, "groups-from-block-start", false, "GPTQ, groups smaller than 128: fit a group on the weights as its 128-column block began (the reference code's W), not as already updated")
+	f.BoolVar(&gopt.GroupsFromBlockStart, "groups-from-block-start", false, "GPTQ: fit a group that starts inside a 128-column block on the weights as the block began (the reference code's W), not as already updated (matters for groups of 32, 64, …)")
 	f.Float64Var(&gopt.Damp, "damp", 0.01, "GPTQ: dampening as a fraction of mean(diag H)")
 	f.BoolVar(&opt.TrueSequential, "true-sequential", true, "GPTQ: quantize [q,k,v]→[o]→[gate,up]→[down] sequentially")
 	f.StringVar(&opt.Calib, "calib", "", "calibration text file (or .i32 token file)")
@@ -165,14 +167,14 @@ func quantizeFlagError(err error, opt quantize.Options) error {
 		return fmt.Errorf("--calib %s with --nsamples %d --seqlen %d: %w; %s", opt.Calib, opt.NSamples, opt.SeqLen, short, hint)
 	}
 	if errors.Is(err, quantize.ErrCalibration) {
-		return fmt.Errorf("--calib %s: %w", opt.Calib, err)
+		return fmt.Errorf("--calib/--nsamples/--seqlen: %w", err)
 	}
 	return err
 }
 
 func printReport(cmd *cobra.Command, rep *quantize.Report) {
 	w := cmd.OutOrStdout()
-	if rep.Method == "gptq" {
+	if rep.Method == "gptq" || rep.Method == "awq+gptq" {
 		fmt.Fprintf(w, "%-36s %12s %8s\n", "layer", "gptq loss", "seconds")
 		for _, l := range rep.Layers {
 			fmt.Fprintf(w, "%-36s %12.4f %8.2f\n", l.Name, l.Loss, l.Seconds)

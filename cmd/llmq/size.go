@@ -24,7 +24,7 @@ func parseSize(s string) (int64, error) {
 		}
 	}
 	v, err := strconv.ParseFloat(t, 64)
-	if err != nil || v <= 0 || v*mult < 1 || v*mult > 1<<62 {
+	if err != nil || !(v > 0) || !(v*mult >= 1 && v*mult <= 1<<62) { // !(…) also refuses NaN
 		return 0, fmt.Errorf("%q: want a positive size such as 5GB, 500MB or 2GiB", s)
 	}
 	return int64(v * mult), nil

@@ -8,7 +8,7 @@ func TestParseSize(t *testing.T) {
 			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
 		}
 	}
-	for _, bad := range []string{"", "GB", "-1GB", "0", "five", "1XB", "0.1B"} {
+	for _, bad := range []string{"", "GB", "-1GB", "0", "five", "1XB", "0.1B", "NaN", "NaNGB", "Inf"} {
 		if got, err := parseSize(bad); err == nil {
 			t.Errorf("parseSize(%q) = %d, want an error", bad, got)
 		}

@@ -115,7 +115,7 @@ func Embed(ck *checkpoint.Checkpoint, windows [][]int) ([][]float32, error) {
 		x := make([]float32, len(ids)*c.Hidden)
 		for i, id := range ids {
 			if id < 0 || id >= c.Vocab {
-				return nil, fmt.Errorf("calibration token %d outside the vocabulary [0, %d)", id, c.Vocab)
+				return nil, fmt.Errorf("token id %d (window %d, position %d) is outside the vocabulary [0, %d)", id, w, i, c.Vocab)
 			}
 			copy(x[i*c.Hidden:], E[id*c.Hidden:(id+1)*c.Hidden])
 		}
