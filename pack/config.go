@@ -12,19 +12,22 @@ import (
 // QuantConfig is the quantization_config entry of config.json, in the
 // spelling transformers, vLLM and GPTQModel read (GPTQ) or AutoAWQ (AWQ).
 type QuantConfig struct {
-	QuantMethod      string     `json:"quant_method"`
-	Bits             int        `json:"bits"`
-	GroupSize        int        `json:"group_size"`
-	DescAct          bool       `json:"desc_act,omitempty"`
-	Sym              *bool      `json:"sym,omitempty"`
-	StaticGroups     bool       `json:"static_groups,omitempty"`
-	DampPercent      float64    `json:"damp_percent,omitempty"`
-	TrueSequential   bool       `json:"true_sequential,omitempty"`
-	CheckpointFormat string     `json:"checkpoint_format,omitempty"`
-	LMHead           bool       `json:"lm_head,omitempty"`
-	ZeroPoint        *bool      `json:"zero_point,omitempty"` // AWQ
-	Version          string     `json:"version,omitempty"`    // AWQ: "gemm"
-	Meta             *QuantMeta `json:"meta,omitempty"`
+	QuantMethod      string  `json:"quant_method"`
+	Bits             int     `json:"bits"`
+	GroupSize        int     `json:"group_size"`
+	DescAct          bool    `json:"desc_act,omitempty"`
+	Sym              *bool   `json:"sym,omitempty"`
+	StaticGroups     bool    `json:"static_groups,omitempty"`
+	DampPercent      float64 `json:"damp_percent,omitempty"`
+	TrueSequential   bool    `json:"true_sequential,omitempty"`
+	CheckpointFormat string  `json:"checkpoint_format,omitempty"`
+	LMHead           bool    `json:"lm_head,omitempty"`
+	ZeroPoint        *bool   `json:"zero_point,omitempty"` // AWQ
+	Version          string  `json:"version,omitempty"`    // AWQ: "gemm"
+	// Dynamic is a mixed-precision plan: per-module bits and group sizes,
+	// and modules left unquantized (GPTQModel's "dynamic").
+	Dynamic Dynamic    `json:"dynamic,omitempty"`
+	Meta    *QuantMeta `json:"meta,omitempty"`
 }
 
 // QuantMeta records how llmq made the checkpoint.
@@ -101,10 +104,21 @@ func (q *QuantConfig) Grid() Grid {
 	return Grid{Bits: q.Bits, GroupSize: q.GroupSize, Sym: sym}
 }
 
+// GridFor is the grid of one module (its dynamic rule's, else the
+// config's), and whether it is quantized at all.
+func (q *QuantConfig) GridFor(name string) (Grid, bool) { return q.Dynamic.For(name, q.Grid()) }
+
 // Read reads one quantized layer in the checkpoint's layout.
 func (q *QuantConfig) Read(ck *checkpoint.Checkpoint, prefix string, in, out int) (*Linear, error) {
+	g, ok := q.GridFor(prefix)
+	if !ok {
+		return nil, fmt.Errorf("%s is packed, but quantization_config's dynamic rules leave it unquantized", prefix)
+	}
+	if err := g.Validate(in); err != nil {
+		return nil, fmt.Errorf("%s: %w", prefix, err)
+	}
 	if q.QuantMethod == "awq" {
-		return ReadAWQ(ck, prefix, in, out, q.Grid())
+		return ReadAWQ(ck, prefix, in, out, g)
 	}
 	format := q.CheckpointFormat
 	if format == "" {
@@ -113,7 +127,7 @@ func (q *QuantConfig) Read(ck *checkpoint.Checkpoint, prefix string, in, out int
 	if format != FormatGPTQ && format != FormatGPTQv2 {
 		return nil, fmt.Errorf("checkpoint_format %q is not supported (gptq, gptq_v2)", format)
 	}
-	return ReadGPTQ(ck, prefix, in, out, q.Grid(), format)
+	return ReadGPTQ(ck, prefix, in, out, g, format)
 }
 
 // Unexplained is the error for a layer stored packed (name.qweight) in a

@@ -670,3 +670,41 @@ func TestWriterForceEdgeCases(t *testing.T) {
 		t.Errorf("the foreign directory was touched: %q %v", b, err)
 	}
 }
+
+// TestDynamicRules: GPTQModel's "dynamic" object reads and writes in its
+// key order, the first matching rule wins, "-:" skips, unset values keep
+// the config's, and patterns match from the start of the name.
+func TestDynamicRules(t *testing.T) {
+	raw := `{"-:model\\.layers\\.3\\.mlp\\.up_proj": {}, "+:.*\\.down_proj": {"bits": 8, "group_size": 64}, "model\\.layers\\.0\\.": {"bits": 3, "sym": true}, "+:.*": {"bits": 2}}`
+	var d Dynamic
+	if err := json.Unmarshal([]byte(raw), &d); err != nil {
+		t.Fatal(err)
+	}
+	base := Grid{Bits: 4, GroupSize: 128}
+	for name, want := range map[string]struct {
+		g  Grid
+		ok bool
+	}{
+		"model.layers.3.mlp.up_proj":       {Grid{}, false},
+		"model.layers.0.mlp.down_proj":     {Grid{Bits: 8, GroupSize: 64}, true}, // down_proj's rule comes first
+		"model.layers.0.self_attn.q_proj":  {Grid{Bits: 3, GroupSize: 128, Sym: true}, true},
+		"model.layers.1.self_attn.k_proj":  {Grid{Bits: 2, GroupSize: 128}, true},
+		"xmodel.layers.0.self_attn.q_proj": {Grid{Bits: 2, GroupSize: 128}, true}, // matched from the start only
+		"model.layers.10.self_attn.q_proj": {Grid{Bits: 2, GroupSize: 128}, true}, // the dot after 0 is escaped
+	} {
+		if g, ok := d.For(name, base); g != want.g || ok != want.ok {
+			t.Errorf("%s: %+v %v, want %+v %v", name, g, ok, want.g, want.ok)
+		}
+	}
+	out, err := json.Marshal(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"-:model\\.layers\\.3\\.mlp\\.up_proj":{},"+:.*\\.down_proj":{"bits":8,"group_size":64},"+:model\\.layers\\.0\\.":{"bits":3,"sym":true},"+:.*":{"bits":2}}`
+	if string(out) != want {
+		t.Errorf("written as\n%s\nwant\n%s", out, want)
+	}
+	if err := json.Unmarshal([]byte(`{"+:(": {}}`), &d); err == nil || !strings.Contains(err.Error(), `"("`) {
+		t.Errorf("bad pattern: %v", err)
+	}
+}

@@ -28,9 +28,9 @@ type Writer struct {
 	// of its own.
 	MaxShardBytes int64
 	parts         []part
-	Format        string // GPTQ checkpoint format of the layers written so far
-	bits          int    // bit width of the layers written
-	Bytes         int64  // bytes of tensor data written
+	Format        string         // GPTQ checkpoint format of the layers written so far
+	zbits         map[string]int // bit width of each .qzeros laid out, for the v2 switch
+	Bytes         int64          // bytes of tensor data written
 	// Card, if set, is written as the output's README.md (a model card).
 	Card string
 	kept bool // Finish kept tmp after failing to move it into place
@@ -122,7 +122,10 @@ func replaceable(dir string) error {
 // parts already written and the layers already laid out in tensors (the
 // part being built) are rewritten with zeros as they are.
 func (w *Writer) AddGPTQ(tensors map[string]checkpoint.Out, prefix string, l *Linear) error {
-	w.bits = l.Grid.Bits
+	if w.zbits == nil {
+		w.zbits = map[string]int{}
+	}
+	w.zbits[prefix+".qzeros"] = l.Grid.Bits
 	if w.Format == FormatGPTQ && l.NeedsV2() {
 		if err := w.convertToV2(); err != nil {
 			return fmt.Errorf("switching the checkpoint to gptq_v2: %w", err)
@@ -138,7 +141,7 @@ func (w *Writer) AddGPTQ(tensors map[string]checkpoint.Out, prefix string, l *Li
 			for i := range v {
 				v[i] = int32(binary.LittleEndian.Uint32(t.Data[4*i:]))
 			}
-			v, err := shiftZeros(v, w.bits, 1)
+			v, err := shiftZeros(v, w.zbits[n], 1)
 			if err != nil {
 				return fmt.Errorf("switching the checkpoint to gptq_v2: %s: %w", n, err)
 			}
@@ -162,7 +165,7 @@ func (w *Writer) AddGPTQ(tensors map[string]checkpoint.Out, prefix string, l *Li
 func (w *Writer) convertToV2() error {
 	for _, pt := range w.parts {
 		p := filepath.Join(w.tmp, pt.file)
-		if err := rewriteZeros(p, w.bits); err != nil {
+		if err := rewriteZeros(p, w.zbits); err != nil {
 			return fmt.Errorf("%s: %w", pt.file, err)
 		}
 	}
@@ -170,7 +173,7 @@ func (w *Writer) convertToV2() error {
 	return nil
 }
 
-func rewriteZeros(path string, bits int) error {
+func rewriteZeros(path string, bits map[string]int) error {
 	f, err := checkpoint.OpenFile(path)
 	if err != nil {
 		return err
@@ -188,7 +191,11 @@ func rewriteZeros(path string, bits int) error {
 			if err != nil {
 				return fmt.Errorf("%s: %w", n, err)
 			}
-			if v, err = shiftZeros(v, bits, 1); err != nil {
+			b, ok := bits[n]
+			if !ok {
+				return fmt.Errorf("%s: bit width unknown", n)
+			}
+			if v, err = shiftZeros(v, b, 1); err != nil {
 				return fmt.Errorf("%s: %w", n, err)
 			}
 			data = checkpoint.I32(v, t.Shape...).Data

@@ -3,6 +3,7 @@ package quantize
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/llmq/llmq/llm"
@@ -66,7 +67,14 @@ func (d *driver) block(ctx context.Context, l int) error {
 			}
 			t0 := time.Now()
 			dense := (*linears[n]).(*llm.Dense) // LoadBlock with DenseLoader
-			lin, loss, err := d.m.Quantize(Layer{Name: prefix + n, W: dense.W, Out: dense.Out(), In: dense.In()}, s)
+			g, quantized := d.opt.Plan.For(prefix+n, d.m.Grid())
+			if !quantized {
+				if err := d.keep(tensors, prefix+n, dense); err != nil {
+					return err
+				}
+				continue
+			}
+			lin, loss, err := d.m.Quantize(Layer{Name: prefix + n, W: dense.W, Out: dense.Out(), In: dense.In(), Grid: g}, s)
 			if err != nil {
 				return fmt.Errorf("%s%s: %w", prefix, n, err)
 			}
@@ -230,5 +238,26 @@ func firstErr(errs ...error) error {
 			return e
 		}
 	}
+	return nil
+}
+
+// keep writes a layer the plan leaves unquantized: as the source stored it
+// when the method left its weights alone, else (AWQ folded scales into
+// them) in float32.
+func (d *driver) keep(tensors map[string]checkpoint.Out, name string, l *llm.Dense) error {
+	src, err := d.ck.Float32(name+".weight", l.Out(), l.In())
+	if err != nil {
+		return err
+	}
+	if slices.Equal(src, l.W) {
+		t, err := d.ck.Tensor(name + ".weight")
+		if err != nil {
+			return err
+		}
+		tensors[name+".weight"] = pack.Raw(t)
+	} else {
+		tensors[name+".weight"] = checkpoint.F32(l.W, l.Out(), l.In())
+	}
+	d.rep.Layers = append(d.rep.Layers, LayerReport{Name: name})
 	return nil
 }

@@ -53,6 +53,9 @@ type Layer struct {
 	Name    string    // checkpoint name, e.g. "model.layers.3.mlp.down_proj"
 	W       []float32 // [Out][In]; Quantize must not modify it
 	Out, In int
+	// Grid is the layer's grid: the method's, or a mixed-precision plan's
+	// for this layer (Options.Plan).
+	Grid pack.Grid
 }
 
 // Block is the decoder block a Method prepares.

@@ -19,7 +19,7 @@ func (m RTN) Prepare(*Block) ([][]float32, error) { return nil, nil }
 func (m RTN) NewStats(int) Stats                  { return nil }
 func (m RTN) Describe(*pack.QuantConfig)          {}
 func (m RTN) Quantize(l Layer, _ Stats) (*pack.Linear, float64, error) {
-	lin, err := pack.RTN(l.W, l.Out, l.In, m.G)
+	lin, err := pack.RTN(l.W, l.Out, l.In, l.Grid)
 	return lin, 0, err
 }
 
@@ -53,7 +53,9 @@ func (m GPTQ) Quantize(l Layer, s Stats) (*pack.Linear, float64, error) {
 		}
 		h.prep = p
 	}
-	res, err := gptq.Quantize(l.W, l.Out, l.In, h.prep, m.Opt)
+	opt := m.Opt
+	opt.Grid = l.Grid
+	res, err := gptq.Quantize(l.W, l.Out, l.In, h.prep, opt)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -87,7 +89,7 @@ func (m AWQ) NewStats(int) Stats         { return nil }
 func (m AWQ) Describe(*pack.QuantConfig) {}
 
 func (m AWQ) Quantize(l Layer, _ Stats) (*pack.Linear, float64, error) {
-	lin, err := pack.RTN(l.W, l.Out, l.In, m.Opt.Grid)
+	lin, err := pack.RTN(l.W, l.Out, l.In, l.Grid)
 	return lin, 0, err
 }
 

@@ -57,6 +57,9 @@ type Options struct {
 	SeqLen         int    // tokens per window
 	QuantizeLMHead bool
 	Force          bool // replace Out if it exists (and is an llmq output)
+	// Plan, if set, is a mixed-precision plan: per-layer bits and group
+	// sizes, and layers kept unquantized (written as GPTQModel's "dynamic").
+	Plan pack.Dynamic
 	// MaxShardBytes bounds a shard of the output
 	// (pack.DefaultMaxShardBytes when 0).
 	MaxShardBytes int64
@@ -70,6 +73,7 @@ type Options struct {
 // LayerReport is one quantized linear layer.
 type LayerReport struct {
 	Name    string  `json:"name"`
+	Bits    int     `json:"bits"`                // 0: kept unquantized (the plan skips it)
 	Loss    float64 `json:"gptq_loss,omitempty"` // Σ (w−q)²/(2·Hinv_jj²); 0 but for GPTQ
 	Seconds float64 `json:"seconds"`
 }
@@ -208,10 +212,10 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	if opt.Format == "awq" {
 		zp := !g.Sym
 		return &pack.QuantConfig{QuantMethod: "awq", Bits: g.Bits, GroupSize: g.GroupSize,
-			ZeroPoint: &zp, Version: "gemm", Meta: meta}
+			ZeroPoint: &zp, Version: "gemm", Dynamic: opt.Plan, Meta: meta}
 	}
 	qc := &pack.QuantConfig{QuantMethod: "gptq", Bits: g.Bits, GroupSize: g.GroupSize, Sym: &g.Sym,
-		LMHead: opt.QuantizeLMHead, Meta: meta}
+		LMHead: opt.QuantizeLMHead, Dynamic: opt.Plan, Meta: meta}
 	// true_sequential describes how statistics were gathered: only methods
 	// that gather them have the setting.
 	qc.TrueSequential = opt.TrueSequential && d.m.NewStats(1) != nil
@@ -243,7 +247,7 @@ func (d *driver) emit(tensors map[string]checkpoint.Out, name string, lin *pack.
 	} else if err := d.w.AddGPTQ(tensors, name, lin); err != nil {
 		return err
 	}
-	d.rep.Layers = append(d.rep.Layers, LayerReport{Name: name, Loss: loss, Seconds: time.Since(t0).Seconds()})
+	d.rep.Layers = append(d.rep.Layers, LayerReport{Name: name, Bits: lin.Grid.Bits, Loss: loss, Seconds: time.Since(t0).Seconds()})
 	return nil
 }
 
@@ -297,7 +301,11 @@ func (d *driver) head(ctx context.Context) error {
 			}
 		}
 	}
-	lin, loss, err := d.m.Quantize(Layer{Name: "lm_head", W: W, Out: cfg.Vocab, In: cfg.Hidden}, s)
+	g, ok := d.opt.Plan.For("lm_head", d.m.Grid())
+	if !ok {
+		return fmt.Errorf("lm_head: asked to quantize it, but the plan skips it")
+	}
+	lin, loss, err := d.m.Quantize(Layer{Name: "lm_head", W: W, Out: cfg.Vocab, In: cfg.Hidden, Grid: g}, s)
 	if err != nil {
 		return fmt.Errorf("lm_head: %w", err)
 	}

@@ -9,6 +9,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -419,4 +420,77 @@ func TestDigestsMatchPreRefactor(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestMixedPrecisionPlan: with a plan, each layer is quantized on its
+// rule's grid (8-bit block 0, 8-bit g64 down_proj, an 8-bit lm_head), a
+// skipped layer is written exactly as the source holds it, the checkpoint
+// carries the plan as GPTQModel's "dynamic", and every layer reads back as
+// round-to-nearest on its grid computed here from the source weights.
+func TestMixedPrecisionPlan(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	out := filepath.Join(t.TempDir(), "mixed")
+	rule := func(p string, skip bool, bits, group int) pack.Rule {
+		return pack.Rule{Pattern: p, Skip: skip, Bits: bits, GroupSize: group}
+	}
+	plan := pack.Dynamic{rule(`model\.layers\.3\.mlp\.up_proj$`, true, 0, 0), rule(`model\.layers\.0\.`, false, 8, 0),
+		rule(`.*\.down_proj$`, false, 8, 64), rule(`lm_head$`, false, 8, 0)}
+	base := pack.Grid{Bits: 4, GroupSize: 128}
+	rep, err := Run(context.Background(), Options{Src: src, Out: out, Method: RTN{G: base}, Plan: plan, QuantizeLMHead: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bits := map[string]int{}
+	for _, l := range rep.Layers {
+		bits[l.Name] = l.Bits
+	}
+	orig, _ := checkpoint.Open(src)
+	defer orig.Close()
+	ck, err := checkpoint.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	q, err := pack.ParseQuantConfig(ck.Config.Quantization)
+	if err != nil || len(q.Dynamic) != 4 {
+		t.Fatalf("quantization_config %s: %v", ck.Config.Quantization, err)
+	}
+	for _, c := range []struct {
+		name    string
+		in, out int
+		g       pack.Grid
+		skip    bool
+	}{
+		{"model.layers.0.self_attn.q_proj", 256, 256, pack.Grid{Bits: 8, GroupSize: 128}, false},
+		{"model.layers.1.self_attn.q_proj", 256, 256, base, false},
+		{"model.layers.2.mlp.down_proj", 768, 256, pack.Grid{Bits: 8, GroupSize: 64}, false},
+		{"model.layers.0.mlp.down_proj", 768, 256, pack.Grid{Bits: 8, GroupSize: 128}, false}, // block 0's rule comes first
+		{"model.layers.3.mlp.up_proj", 256, 768, pack.Grid{}, true},
+		{"lm_head", 256, 8192, pack.Grid{Bits: 8, GroupSize: 128}, false},
+	} {
+		w, err := orig.Float32(c.name+".weight", c.out, c.in)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.skip {
+			got, err := ck.Float32(c.name+".weight", c.out, c.in)
+			if err != nil || !slices.Equal(got, w) || bits[c.name] != 0 {
+				t.Errorf("%s: kept weights differ from the source (%v), report bits %d", c.name, err, bits[c.name])
+			}
+			continue
+		}
+		l, err := q.Read(ck, c.name, c.in, c.out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, _ := pack.RTN(w, c.out, c.in, c.g)
+		if l.Grid != c.g || !slices.Equal(l.Dequantize(), want.Dequantize()) || bits[c.name] != c.g.Bits {
+			t.Errorf("%s: read with grid %+v (report %d bits), want RTN on %+v", c.name, l.Grid, bits[c.name], c.g)
+		}
+	}
+	m, err := pack.OpenModel(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
 }

@@ -351,3 +351,45 @@ func TestCalibrateAndActivationEval(t *testing.T) {
 		t.Errorf("calibrate --method mse: %v", err)
 	}
 }
+
+// TestMixedPrecisionFlags: --override and --skip globs become the
+// checkpoint's dynamic rules in flag order (an lm_head override quantizes
+// lm_head), the model runs, and a pattern matching nothing, bad bits or a
+// bad group name the flag.
+func TestMixedPrecisionFlags(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	out := filepath.Join(t.TempDir(), "mixed")
+	mustLLMQ(t, "quantize", model, "--method", "rtn", "--override", "layers.0.*=8", "--skip", "layers.3.mlp.up_proj",
+		"--override", "re:.*down_proj=8:64", "--override", "lm_head=8", "-o", out)
+	raw, err := os.ReadFile(filepath.Join(out, "config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cfg struct {
+		Q struct {
+			LMHead  bool            `json:"lm_head"`
+			Dynamic json.RawMessage `json:"dynamic"`
+		} `json:"quantization_config"`
+	}
+	json.Unmarshal(raw, &cfg)
+	want := `{"+:(?:model\\.)?layers\\.0\\..*$":{"bits":8},"-:(?:model\\.)?layers\\.3\\.mlp\\.up_proj$":{},"+:.*down_proj":{"bits":8,"group_size":64},"+:(?:model\\.)?lm_head$":{"bits":8}}`
+	var compact bytes.Buffer
+	json.Compact(&compact, cfg.Q.Dynamic)
+	if compact.String() != want || !cfg.Q.LMHead {
+		t.Errorf("dynamic %s (lm_head %v), want %s", compact.String(), cfg.Q.LMHead, want)
+	}
+	mustLLMQ(t, "generate", out, "--prompt", "Once upon a time", "--max-tokens", "4", "--device", "cpu")
+	for args, msg := range map[string]string{
+		"--override layers.9.*=8":   `--override "layers.9.*" matches no module`,
+		"--skip *.gate":             `--skip "*.gate" matches no module`,
+		"--override layers.0.*=5":   `bits "5": want 2, 3, 4 or 8`,
+		"--override layers.0.*=8:0": `group "0"`,
+		"--override layers.0.*":     "want PATTERN=BITS",
+		"--override re:(=8":         `--override "re:("`,
+	} {
+		_, err := llmq(t, append([]string{"quantize", model, "--method", "rtn", "-o", filepath.Join(t.TempDir(), "x")}, strings.Fields(args)...)...)
+		if err == nil || !strings.Contains(err.Error(), msg) {
+			t.Errorf("%s: %v, want %q", args, err, msg)
+		}
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/progress"
 	"github.com/llmq/llmq/llm/calib"
+	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
 	"github.com/llmq/llmq/quantize"
 	"github.com/spf13/cobra"
@@ -25,6 +26,7 @@ func newQuantize() *cobra.Command {
 	var bits, group int
 	var sym, duo, noClip bool
 	var reportPath, statsPath, shardSize string
+	var plan planFlags
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
 		Short: "Quantize a checkpoint to INT4 (GPTQ, AWQ, RTN) and write a packed checkpoint",
@@ -89,6 +91,17 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			if statsPath != "" && method != "awq" {
 				return fmt.Errorf("--stats is written by --method awq")
 			}
+			if len(plan.rules) > 0 {
+				cfg, err := checkpoint.LoadConfig(opt.Src)
+				if err != nil {
+					return err
+				}
+				var head bool
+				if opt.Plan, head, err = plan.build(cfg); err != nil {
+					return err
+				}
+				opt.QuantizeLMHead = opt.QuantizeLMHead || head
+			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			go func() { <-ctx.Done(); stop() }() // a second Ctrl-C kills at once
@@ -146,6 +159,8 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window (AWQ default 512)")
 	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
 	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
+	f.Var(ruleFlag{p: &plan}, "override", "mixed precision: quantize modules matching a glob (* any characters; re:EXPR for a regular expression) with other bits and group, e.g. 'layers.0.*=8', '*.down_proj=8:64', 'lm_head=8'; repeatable, the first match wins")
+	f.Var(ruleFlag{p: &plan, skip: true}, "skip", "mixed precision: keep modules matching a glob (or re:EXPR) unquantized, e.g. 'layers.31.mlp.down_proj'; repeatable")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")
 	return cmd
