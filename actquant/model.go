@@ -85,6 +85,9 @@ type CalibrateOptions struct {
 	// strength α: s_j = max|X_j|^α / max|W_j|^(1−α) per input channel of
 	// each norm-fed group, folded into m before the thresholds are taken.
 	Alpha float64
+	// Observed, if set, is given every layer input's final observer (for
+	// plots of its histogram and channel maxima).
+	Observed func(name string, o *Observer)
 }
 
 // Calibrate runs m on the calibration windows (each from an empty cache)
@@ -146,6 +149,9 @@ func Calibrate(ctx context.Context, m *llm.Model, windows [][]int, opt Calibrate
 		}
 	}
 	for name, o := range obs {
+		if opt.Observed != nil {
+			opt.Observed(name, o)
+		}
 		t, err := o.Threshold(opt.Method, opt.Percentile, opt.Scheme)
 		if err != nil {
 			return nil, err

@@ -494,3 +494,73 @@ func TestMixedPrecisionPlan(t *testing.T) {
 	}
 	m.Close()
 }
+
+// TestProposePlanByHand: layers are raised by cost per weight while the
+// average stays within the target: with 4 → 8 bits and a 4.5 target, the
+// budget is one eighth of the weights at 8 bits.
+func TestProposePlanByHand(t *testing.T) {
+	costs := []LayerCost{
+		{Name: "model.layers.0.self_attn.q_proj", Params: 100, Delta: 0.01}, // 1e-4 per weight
+		{Name: "model.layers.0.mlp.down_proj", Params: 300, Delta: 0.06},    // 2e-4
+		{Name: "model.layers.1.mlp.down_proj", Params: 300, Delta: 0.03},    // 1e-4
+		{Name: "model.layers.1.self_attn.k_proj", Params: 100, Delta: 0.05}, // 5e-4
+		{Name: "mlp.up_proj", Params: 800, Delta: -0.01},                    // helps: never raised
+	}
+	// 1600 weights: 4.5 bits allows 200 weights raised by 4 bits.
+	p, err := ProposePlan(costs, 4, 8, 4.5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// k_proj (5e-4) fits (100 weights); down_proj 0 (300) would exceed; q_proj (100) fits.
+	if !slices.Equal(p.Raised, []string{"model.layers.1.self_attn.k_proj", "model.layers.0.self_attn.q_proj"}) || p.AverageBits != 4.5 {
+		t.Errorf("raised %v, average %.3f bits", p.Raised, p.AverageBits)
+	}
+	if g, ok := p.Dynamic.For("model.layers.1.self_attn.k_proj", pack.Grid{Bits: 4, GroupSize: 128}); !ok || g.Bits != 8 {
+		t.Errorf("plan gives k_proj %+v", g)
+	}
+	if g, _ := p.Dynamic.For("model.layers.1.self_attn.q_proj", pack.Grid{Bits: 4, GroupSize: 128}); g.Bits != 4 {
+		t.Errorf("plan gives block 1's q_proj %+v", g)
+	}
+	if _, err := ProposePlan(costs, 4, 4, 5); err == nil {
+		t.Error("high bits = base bits accepted")
+	}
+}
+
+// TestSensitivityOnLlamaTiny: every layer's cost is measured (28 layers),
+// costs are real (quantizing a layer to 2 bits raises the NLL of most),
+// and the model is restored after each one.
+func TestSensitivityOnLlamaTiny(t *testing.T) {
+	ck, err := checkpoint.Open(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	m, err := llm.Load(ck, llm.DenseLoader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+	windows := [][]int{ids[:128], ids[128:256]}
+	before, _ := meanNLL(context.Background(), m, windows)
+	costs, base, err := Sensitivity(context.Background(), m, windows, pack.Grid{Bits: 2, GroupSize: 128}, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after, _ := meanNLL(context.Background(), m, windows)
+	if len(costs) != 28 || base != before || after != before {
+		t.Fatalf("%d costs; NLL %v before, %v as base, %v after", len(costs), before, base, after)
+	}
+	worse := 0
+	for _, c := range costs {
+		if c.Delta > 0 {
+			worse++
+		}
+	}
+	if worse < 20 {
+		t.Errorf("only %d of 28 layers cost anything at 2 bits", worse)
+	}
+	types, _, err := Sensitivity(context.Background(), m, windows, pack.Grid{Bits: 2, GroupSize: 128}, true, nil)
+	if err != nil || len(types) != 7 || types[6].Name != "mlp.down_proj" || types[6].Params != 4*768*256 {
+		t.Errorf("by type: %+v, %v", types, err)
+	}
+}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/backend"
+	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/calib"
 	"github.com/llmq/llmq/llm/tokenizer"
@@ -16,7 +17,7 @@ import (
 func newCalibrate() *cobra.Command {
 	var act actFlags
 	var opt actquant.CalibrateOptions
-	var calibPath, out string
+	var calibPath, out, plotPath, channelsPath, plotLayer string
 	var nsamples, seqlen int
 	cmd := &cobra.Command{
 		Use:   "calibrate MODEL_DIR --calib FILE -o scales.json",
@@ -67,6 +68,8 @@ recorded too. llmq eval ppl --act-scales reads the file.`,
 				return fmt.Errorf("--calib %s with --nsamples %d --seqlen %d: %w", calibPath, nsamples, seqlen, err)
 			}
 			var sc *actquant.Scales
+			observers := map[string]*actquant.Observer{}
+			opt.Observed = func(name string, o *actquant.Observer) { observers[name] = o }
 			calibrate := func(m *llm.Model) error {
 				sc, err = actquant.Calibrate(cmd.Context(), m, windows, opt)
 				return err
@@ -86,7 +89,48 @@ recorded too. llmq eval ppl --act-scales reads the file.`,
 			for _, n := range names {
 				fmt.Fprintf(w, "%-40s %10.4f %10.4f\n", n, sc.Layers[n].Threshold, sc.Layers[n].Amax)
 			}
-			return writeJSON(out, sc)
+			if err := writeJSON(out, sc); err != nil {
+				return err
+			}
+			if plotPath == "" && channelsPath == "" {
+				return nil
+			}
+			layer := plotLayer
+			if layer == "" { // the input with the largest |x|: where outliers are
+				for n, o := range observers {
+					if layer == "" || o.Amax > observers[layer].Amax || o.Amax == observers[layer].Amax && n < layer {
+						layer = n
+					}
+				}
+			}
+			o, ok := observers[layer]
+			if !ok {
+				return fmt.Errorf("--plot-layer %q: no such layer input (names as printed above)", plotLayer)
+			}
+			if plotPath != "" {
+				th := map[string]float64{}
+				for _, m := range []string{actquant.MinMax, actquant.Percentile, actquant.KL} {
+					t, err := o.Threshold(m, opt.Percentile, opt.Scheme)
+					if err != nil {
+						return err
+					}
+					th[m] = float64(t)
+				}
+				counts, width := o.Histogram()
+				if err := evals.Histogram(plotPath, "|x| entering "+layer, "|x|", counts, width, th); err != nil {
+					return fmt.Errorf("--plot: %w", err)
+				}
+			}
+			if channelsPath != "" {
+				labels, values := make([]string, len(o.ChannelMax)), make([]float64, len(o.ChannelMax))
+				for i, v := range o.ChannelMax {
+					labels[i], values[i] = fmt.Sprint(i), float64(v)
+				}
+				if err := evals.Bars(channelsPath, "max |x| per input channel of "+layer, "max |x|", labels, values); err != nil {
+					return fmt.Errorf("--plot-channels: %w", err)
+				}
+			}
+			return nil
 		},
 	}
 	f := cmd.Flags()
@@ -99,5 +143,8 @@ recorded too. llmq eval ppl --act-scales reads the file.`,
 	f.IntVar(&act.bits, "bits", 8, "activation bits the thresholds are for (KL's number of levels)")
 	f.StringVar(&act.format, "format", "int", "int or fp8")
 	f.StringVarP(&out, "output", "o", "", "write the thresholds here (JSON)")
+	f.StringVar(&plotPath, "plot", "", "draw one layer input's |x| histogram with the min-max, percentile and KL thresholds (.png or .svg)")
+	f.StringVar(&channelsPath, "plot-channels", "", "draw one layer input's max |x| per channel: its outlier channels (.png or .svg)")
+	f.StringVar(&plotLayer, "plot-layer", "", "the layer input the plots show (default: the one with the largest |x|)")
 	return cmd
 }

@@ -55,7 +55,7 @@ benchmarks.`,
 			stopProfile()
 		}
 	}
-	root.AddCommand(newInspect(), newTokenize(), withFlagErrors(newQuantize(), flagNames{"bits": "--bits", "group size": "--group"}), newEval(), newGenerate(), newServe(), newCalibrate(),
+	root.AddCommand(newInspect(), newTokenize(), withFlagErrors(newQuantize(), flagNames{"bits": "--bits", "group size": "--group"}), newEval(), newGenerate(), newServe(), newCalibrate(), newSensitivity(),
 		withFlagErrors(newSynth(), flagNames{"Preset": "--preset", "Bits": "--bits", "Group": "--group", "Tokenizer": "--tokenizer"}), newBench())
 	return root
 }

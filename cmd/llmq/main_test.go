@@ -14,6 +14,8 @@ import (
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/pack"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 )
@@ -322,7 +324,15 @@ func TestCalibrateAndActivationEval(t *testing.T) {
 	model := shared.Path(t, "models/llama-tiny")
 	data := shared.Path(t, "data/wikitext2/wiki.test.raw")
 	scales := filepath.Join(t.TempDir(), "kl.json")
-	mustLLMQ(t, "calibrate", model, "--calib", shared.Path(t, "data/calib.txt"), "--nsamples", "4", "--seqlen", "128", "--method", "kl", "-o", scales)
+	hist, channels := filepath.Join(t.TempDir(), "hist.svg"), filepath.Join(t.TempDir(), "ch.png")
+	mustLLMQ(t, "calibrate", model, "--calib", shared.Path(t, "data/calib.txt"), "--nsamples", "4", "--seqlen", "128", "--method", "kl", "-o", scales,
+		"--plot", hist, "--plot-channels", channels)
+	if svg, _ := os.ReadFile(hist); !bytes.Contains(svg, []byte("<svg")) || !bytes.Contains(svg, []byte("percentile")) {
+		t.Errorf("--plot wrote no SVG with the thresholds' legend")
+	}
+	if png, _ := os.ReadFile(channels); !bytes.HasPrefix(png, []byte("\x89PNG")) {
+		t.Errorf("--plot-channels wrote no PNG")
+	}
 	ev := func(extra ...string) float64 {
 		return perplexity(t, mustLLMQ(t, append([]string{"eval", "ppl", model, "--data", data, "--seqlen", "256", "--windows", "2", "--device", "cpu"}, extra...)...))
 	}
@@ -391,5 +401,45 @@ func TestMixedPrecisionFlags(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), msg) {
 			t.Errorf("%s: %v, want %q", args, err, msg)
 		}
+	}
+}
+
+// TestSensitivityPlan: llmq sensitivity ranks every layer, writes a plan
+// within the target average and a PNG chart; quantize --plan applies the
+// plan's rules (the raised layers are 8-bit in the output's dynamic).
+func TestSensitivityPlan(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	dir := t.TempDir()
+	plan, chart := filepath.Join(dir, "plan.json"), filepath.Join(dir, "cost.png")
+	out := mustLLMQ(t, "sensitivity", model, "--data", shared.Path(t, "data/calib.txt"), "--windows", "1", "--seqlen", "128",
+		"--target-bits", "4.25", "-o", plan, "--plot", chart)
+	if n := strings.Count(out, "model.layers."); n != 28 {
+		t.Errorf("%d layers ranked, want 28:\n%s", n, out)
+	}
+	var p struct {
+		AverageBits float64         `json:"average_bits"`
+		Raised      []string        `json:"raised"`
+		Dynamic     json.RawMessage `json:"dynamic"`
+	}
+	raw, _ := os.ReadFile(plan)
+	if err := json.Unmarshal(raw, &p); err != nil || p.AverageBits > 4.25 || len(p.Raised) == 0 {
+		t.Fatalf("plan %s: %v", raw, err)
+	}
+	if png, _ := os.ReadFile(chart); !bytes.HasPrefix(png, []byte("\x89PNG")) {
+		t.Errorf("--plot wrote no PNG")
+	}
+	q := filepath.Join(dir, "q")
+	mustLLMQ(t, "quantize", model, "--method", "rtn", "--plan", plan, "-o", q)
+	ck, err := checkpoint.Open(q)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	qc, _ := pack.ParseQuantConfig(ck.Config.Quantization)
+	if g, _ := qc.GridFor(p.Raised[0]); g.Bits != 8 {
+		t.Errorf("%s quantized with %+v, the plan raises it to 8 bits", p.Raised[0], g)
+	}
+	if _, err := llmq(t, "sensitivity", model, "--data", shared.Path(t, "data/calib.txt"), "--by", "block"); err == nil || !strings.Contains(err.Error(), `--by "block"`) {
+		t.Errorf("--by block: %v", err)
 	}
 }

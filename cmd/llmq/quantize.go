@@ -27,6 +27,7 @@ func newQuantize() *cobra.Command {
 	var sym, duo, noClip bool
 	var reportPath, statsPath, shardSize string
 	var plan planFlags
+	var planPath string
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
 		Short: "Quantize a checkpoint to INT4 (GPTQ, AWQ, RTN) and write a packed checkpoint",
@@ -91,15 +92,23 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			if statsPath != "" && method != "awq" {
 				return fmt.Errorf("--stats is written by --method awq")
 			}
+			if planPath != "" {
+				rules, err := readPlan(planPath)
+				if err != nil {
+					return fmt.Errorf("--plan: %w", err)
+				}
+				opt.Plan = append(opt.Plan, rules...)
+			}
 			if len(plan.rules) > 0 {
 				cfg, err := checkpoint.LoadConfig(opt.Src)
 				if err != nil {
 					return err
 				}
-				var head bool
-				if opt.Plan, head, err = plan.build(cfg); err != nil {
+				rules, head, err := plan.build(cfg)
+				if err != nil {
 					return err
 				}
+				opt.Plan = append(rules, opt.Plan...) // flags before --plan: they win
 				opt.QuantizeLMHead = opt.QuantizeLMHead || head
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -160,6 +169,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
 	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
 	f.Var(ruleFlag{p: &plan}, "override", "mixed precision: quantize modules matching a glob (* any characters; re:EXPR for a regular expression) with other bits and group, e.g. 'layers.0.*=8', '*.down_proj=8:64', 'lm_head=8'; repeatable, the first match wins")
+	f.StringVar(&planPath, "plan", "", "mixed-precision plan from llmq sensitivity -o (its rules come after --override/--skip)")
 	f.Var(ruleFlag{p: &plan, skip: true}, "skip", "mixed precision: keep modules matching a glob (or re:EXPR) unquantized, e.g. 'layers.31.mlp.down_proj'; repeatable")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")
