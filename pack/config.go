@@ -41,6 +41,7 @@ type QuantMeta struct {
 	NSamples             int    `json:"nsamples,omitempty"`
 	SeqLen               int    `json:"seqlen,omitempty"`
 	Calib                string `json:"calibration,omitempty"`
+	Seed                 uint64 `json:"seed,omitempty"` // windows sampled at random offsets with this seed
 }
 
 // ParseQuantConfig reads quantization_config; nil raw means unquantized.

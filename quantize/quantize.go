@@ -52,9 +52,12 @@ type Options struct {
 	// TrueSequential takes each input's statistics from a block whose
 	// earlier layers are already quantized.
 	TrueSequential bool
-	Calib          string // text file, or .i32 token file
+	Calib          string // text, JSON Lines (.jsonl, "text" fields) or .i32 token file
 	NSamples       int    // calibration windows
 	SeqLen         int    // tokens per window
+	// Seed, when not 0, samples the windows at random offsets (the GPTQ
+	// reference's way); 0 takes the first NSamples non-overlapping ones.
+	Seed           uint64
 	QuantizeLMHead bool
 	Force          bool // replace Out if it exists (and is an llmq output)
 	// Plan, if set, is a mixed-precision plan: per-layer bits and group
@@ -87,6 +90,8 @@ type Report struct {
 	BytesOut    int64         `json:"bytes_out"`
 	Format      string        `json:"checkpoint_format"`
 	CalibTokens int           `json:"calibration_tokens"`
+	// CalibSourceTokens is how many tokens the calibration file holds.
+	CalibSourceTokens int `json:"calibration_source_tokens,omitempty"`
 }
 
 // Run quantizes the checkpoint in opt.Src and writes opt.Out. Output goes
@@ -150,7 +155,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if opt.Progress != nil {
 			opt.Progress(0, cfg.Layers, "reading the calibration data")
 		}
-		if X, err = calibration(ck, opt); err != nil {
+		if X, rep.CalibSourceTokens, err = calibration(ck, opt); err != nil {
 			return nil, err
 		}
 		rep.CalibTokens = len(X) * opt.SeqLen
@@ -180,26 +185,27 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	return rep, nil
 }
 
-// calibration embeds the first NSamples windows of SeqLen tokens of the
-// calibration file.
-func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, error) {
+// calibration embeds the calibration windows (the first NSamples of
+// SeqLen tokens, or with a Seed at random offsets) and says how many tokens
+// the file held.
+func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, int, error) {
 	tok, err := tokenizer.Load(filepath.Join(opt.Src, "tokenizer.json"))
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	ids, err := calib.ReadTokens(opt.Calib, calib.FormatAuto, tok)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrCalibration, err)
+		return nil, 0, fmt.Errorf("%w: %w", ErrCalibration, err)
 	}
-	windows, err := calib.Windows(ids, opt.NSamples, opt.SeqLen)
+	windows, err := calib.Sample(ids, opt.NSamples, opt.SeqLen, opt.Seed)
 	if err != nil {
-		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
+		return nil, 0, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
 	}
 	X, err := calib.Embed(ck, windows)
 	if err != nil {
-		return nil, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
+		return nil, 0, fmt.Errorf("%w %s: %w", ErrCalibration, opt.Calib, err)
 	}
-	return X, nil
+	return X, len(ids), nil
 }
 
 // quantConfig is the checkpoint's quantization_config.
@@ -207,7 +213,7 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	opt, g := d.opt, d.m.Grid()
 	meta := &pack.QuantMeta{Quantizer: "llmq", Version: d.opt.Version, Method: d.m.Name()}
 	if d.m.Calibrated() {
-		meta.NSamples, meta.SeqLen, meta.Calib = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib)
+		meta.NSamples, meta.SeqLen, meta.Calib, meta.Seed = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib), opt.Seed
 	}
 	if opt.Format == "awq" {
 		zp := !g.Sym

@@ -163,8 +163,9 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&gopt.GroupsFromBlockStart, "groups-from-block-start", false, "GPTQ: fit a group that starts inside a 128-column block on the weights as the block began (the reference code's W), not as already updated (matters for groups of 32, 64, …)")
 	f.Float64Var(&gopt.Damp, "damp", 0.01, "GPTQ: dampening as a fraction of mean(diag H)")
 	f.BoolVar(&opt.TrueSequential, "true-sequential", true, "GPTQ: quantize [q,k,v]→[o]→[gate,up]→[down] sequentially")
-	f.StringVar(&opt.Calib, "calib", "", "calibration text file (or .i32 token file)")
+	f.StringVar(&opt.Calib, "calib", "", "calibration data: a text file, JSON Lines with a \"text\" field per line (.jsonl), or int32 token ids (.i32)")
 	f.IntVar(&opt.NSamples, "nsamples", 128, "calibration windows")
+	f.Uint64Var(&opt.Seed, "seed", 0, "sample the windows at random offsets with this seed (0: the first --nsamples non-overlapping windows)")
 	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window (AWQ default 512)")
 	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
 	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
@@ -205,7 +206,11 @@ func printReport(cmd *cobra.Command, rep *quantize.Report) {
 			fmt.Fprintf(w, "%-36s %12.4f %8.2f\n", l.Name, l.Loss, l.Seconds)
 		}
 	}
-	fmt.Fprintf(w, "method %s, format %s, %d calibration tokens\n", rep.Method, rep.Format, rep.CalibTokens)
+	fmt.Fprintf(w, "method %s, format %s", rep.Method, rep.Format)
+	if rep.CalibTokens > 0 {
+		fmt.Fprintf(w, ", %d calibration tokens (of the %d in the file)", rep.CalibTokens, rep.CalibSourceTokens)
+	}
+	fmt.Fprintln(w)
 	fmt.Fprintf(w, "size %s → %s, wall time %.1f s\n", human(float64(rep.BytesIn), "B"), human(float64(rep.BytesOut), "B"), rep.Seconds)
 }
 

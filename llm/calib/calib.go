@@ -1,14 +1,19 @@
 // Package calib prepares calibration data for the quantizers, shared by
-// GPTQ and AWQ: the text is tokenized without BOS and the first n
-// non-overlapping windows of seqlen tokens are taken — deterministic, so a
-// quantization run is reproducible — and embedded for the first block.
+// GPTQ and AWQ: the text (a plain file, or JSON Lines with a "text" field
+// per line, the way calibration sets are shipped) is tokenized without
+// BOS, and n windows of seqlen tokens are taken — the first n
+// non-overlapping ones, or with a seed n at random offsets as the GPTQ
+// reference samples them; both reproducible — and embedded for the first
+// block.
 package calib
 
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"strings"
 	"unicode/utf8"
@@ -19,9 +24,10 @@ import (
 
 // Formats of a token file (ReadTokens).
 const (
-	FormatAuto = "auto" // ids when the name ends in .i32, else text
-	FormatText = "text" // UTF-8 text, encoded with the tokenizer
-	FormatIDs  = "ids"  // little-endian int32 token ids
+	FormatAuto  = "auto"  // by the name: .i32 ids, .jsonl JSON Lines, else text
+	FormatText  = "text"  // UTF-8 text, encoded with the tokenizer
+	FormatIDs   = "ids"   // little-endian int32 token ids
+	FormatJSONL = "jsonl" // one JSON object a line; their "text" fields, joined by blank lines
 )
 
 // ReadTokens reads a file of tokens in a format (FormatAuto when empty):
@@ -37,12 +43,22 @@ func ReadTokens(path, format string, tok *tokenizer.Tokenizer) ([]int, error) {
 	switch format {
 	case "", FormatAuto:
 		format = FormatText
-		if strings.HasSuffix(path, ".i32") {
+		switch {
+		case strings.HasSuffix(path, ".i32"):
 			format = FormatIDs
+		case strings.HasSuffix(path, ".jsonl"):
+			format = FormatJSONL
 		}
-	case FormatText, FormatIDs:
+	case FormatText, FormatIDs, FormatJSONL:
 	default:
-		return nil, fmt.Errorf("token file format %q: want %s, %s or %s", format, FormatAuto, FormatText, FormatIDs)
+		return nil, fmt.Errorf("token file format %q: want %s, %s, %s or %s", format, FormatAuto, FormatText, FormatIDs, FormatJSONL)
+	}
+	if format == FormatJSONL {
+		text, err := jsonlText(path, data)
+		if err != nil {
+			return nil, err
+		}
+		return tok.Encode(text, false), nil
 	}
 	if format == FormatText {
 		head := data[:min(len(data), 64<<10)]
@@ -59,6 +75,33 @@ func ReadTokens(path, format string, tok *tokenizer.Tokenizer) ([]int, error) {
 		ids[i] = int(int32(binary.LittleEndian.Uint32(data[4*i:])))
 	}
 	return ids, nil
+}
+
+// jsonlText joins the "text" fields of a JSON Lines file with blank lines.
+func jsonlText(path string, data []byte) (string, error) {
+	var b strings.Builder
+	for i, line := range bytes.Split(data, []byte("\n")) {
+		if len(bytes.TrimSpace(line)) == 0 {
+			continue
+		}
+		var rec struct {
+			Text *string `json:"text"`
+		}
+		if err := json.Unmarshal(line, &rec); err != nil {
+			return "", fmt.Errorf("%s line %d: %w", path, i+1, err)
+		}
+		if rec.Text == nil {
+			return "", fmt.Errorf("%s line %d: no \"text\" field", path, i+1)
+		}
+		if b.Len() > 0 {
+			b.WriteString("\n\n")
+		}
+		b.WriteString(*rec.Text)
+	}
+	if b.Len() == 0 {
+		return "", fmt.Errorf("%s: no lines with text", path)
+	}
+	return b.String(), nil
 }
 
 // ErrNotText is ReadTokens' error for a binary file read as text.
@@ -86,6 +129,29 @@ type ShortError struct {
 func (e *ShortError) Error() string {
 	return fmt.Sprintf("calibration data has %d tokens, %d windows of %d; %d windows need %d tokens",
 		e.Tokens, e.Tokens/e.SeqLen, e.SeqLen, e.N, e.N*e.SeqLen)
+}
+
+// Sample returns n windows of seqlen tokens: with seed 0 the first n
+// non-overlapping ones (Windows), else n windows at offsets drawn
+// uniformly from the whole text with a PCG generator seeded by seed, as
+// the GPTQ reference draws its calibration samples (they may overlap).
+func Sample(ids []int, n, seqlen int, seed uint64) ([][]int, error) {
+	if seed == 0 {
+		return Windows(ids, n, seqlen)
+	}
+	if n <= 0 || seqlen <= 0 {
+		return nil, fmt.Errorf("%d calibration windows of %d tokens: want a positive number of windows and tokens", n, seqlen)
+	}
+	if len(ids) < seqlen {
+		return nil, &ShortError{Tokens: len(ids), N: n, SeqLen: seqlen}
+	}
+	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+	out := make([][]int, n)
+	for i := range out {
+		at := r.IntN(len(ids) - seqlen + 1)
+		out[i] = ids[at : at+seqlen]
+	}
+	return out, nil
 }
 
 // Windows returns the first n non-overlapping windows of seqlen tokens.

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -99,4 +100,43 @@ func testTokenizer(t *testing.T) *tokenizer.Tokenizer {
 		t.Fatal(err)
 	}
 	return tok
+}
+
+// TestJSONLAndSampling: JSON Lines calibration files give their "text"
+// fields joined by blank lines (a line without one is an error naming the
+// line); seeded sampling is reproducible, differs between seeds, stays in
+// the text, and seed 0 is the first non-overlapping windows.
+func TestJSONLAndSampling(t *testing.T) {
+	tok := testTokenizer(t)
+	dir := t.TempDir()
+	good := filepath.Join(dir, "c.jsonl")
+	os.WriteFile(good, []byte("{\"text\": \"The cat sat.\", \"id\": 1}\n\n{\"text\": \"A dog ran.\"}\n"), 0o644)
+	got, err := ReadTokens(good, FormatAuto, tok)
+	if err != nil || !slices.Equal(got, tok.Encode("The cat sat.\n\nA dog ran.", false)) {
+		t.Errorf("jsonl: %v, %v", got, err)
+	}
+	bad := filepath.Join(dir, "bad.jsonl")
+	os.WriteFile(bad, []byte("{\"text\": \"ok\"}\n{\"content\": \"no text\"}\n"), 0o644)
+	if _, err := ReadTokens(bad, FormatAuto, tok); err == nil || !strings.Contains(err.Error(), "line 2") {
+		t.Errorf("a line without text: %v", err)
+	}
+	ids := make([]int, 1000)
+	for i := range ids {
+		ids[i] = i
+	}
+	a, _ := Sample(ids, 8, 100, 7)
+	b, _ := Sample(ids, 8, 100, 7)
+	c, _ := Sample(ids, 8, 100, 8)
+	if !reflect.DeepEqual(a, b) || reflect.DeepEqual(a, c) {
+		t.Errorf("seed 7 twice: equal %v; seeds 7 and 8: equal %v", reflect.DeepEqual(a, b), reflect.DeepEqual(a, c))
+	}
+	for _, w := range a {
+		if len(w) != 100 || w[99]-w[0] != 99 || w[99] >= 1000 {
+			t.Errorf("window %v… is not 100 consecutive tokens of the text", w[:3])
+		}
+	}
+	first, _ := Sample(ids, 3, 100, 0)
+	if want, _ := Windows(ids, 3, 100); !reflect.DeepEqual(first, want) {
+		t.Error("seed 0 is not the first windows")
+	}
 }
