@@ -33,7 +33,7 @@ type Writer struct {
 	Bytes         int64          // bytes of tensor data written
 	// Card, if set, is written as the output's README.md (a model card).
 	Card string
-	kept bool // Finish kept tmp after failing to move it into place
+	kept bool // Abort leaves tmp: Finish could not move it into place, or Keep was called
 }
 
 // part is one WritePart call's file in the temporary directory.
@@ -57,7 +57,9 @@ var ErrNoOutput = errors.New("no output directory given")
 // NewWriter prepares to write a checkpoint to dir. An existing dir is an
 // error (wrapping fs.ErrExist) unless force is set; even then only an
 // empty directory or an earlier llmq output is replaced (at Finish), never
-// anything else.
+// anything else. The parts go to PartialDir(dir); one left there by an
+// interrupted run is an error (ErrPartial) unless force is set, which
+// starts over.
 func NewWriter(dir string, force bool) (*Writer, error) {
 	if dir == "" {
 		return nil, ErrNoOutput
@@ -73,19 +75,119 @@ func NewWriter(dir string, force bool) (*Writer, error) {
 			return nil, err
 		}
 	}
-	parent := filepath.Dir(filepath.Clean(dir))
-	if err := os.MkdirAll(parent, 0o755); err != nil {
-		return nil, err
+	tmp := PartialDir(dir)
+	if _, err := os.Stat(tmp); err == nil {
+		if !force {
+			return nil, fmt.Errorf("%s holds an interrupted run's parts: %w", tmp, ErrPartial)
+		}
+		if err := os.RemoveAll(tmp); err != nil {
+			return nil, err
+		}
 	}
-	tmp, err := os.MkdirTemp(parent, "."+filepath.Base(dir)+".tmp-")
-	if err != nil {
-		return nil, err
-	}
-	if err := os.Chmod(tmp, 0o755); err != nil {
-		os.RemoveAll(tmp)
+	if err := os.MkdirAll(tmp, 0o755); err != nil {
 		return nil, err
 	}
 	return &Writer{final: dir, tmp: tmp, force: force, Format: FormatGPTQ}, nil
+}
+
+// ErrPartial is NewWriter's error when an interrupted run's parts are
+// waiting to be resumed.
+var ErrPartial = errors.New("an interrupted run can be resumed")
+
+// PartialDir is where the parts of dir are written until Finish renames it
+// into place: a hidden directory beside it.
+func PartialDir(dir string) string {
+	clean := filepath.Clean(dir)
+	return filepath.Join(filepath.Dir(clean), "."+filepath.Base(clean)+".partial")
+}
+
+// writerState is what Save records in the partial directory.
+type writerState struct {
+	Parts  []savedPart     `json:"parts"`
+	Format string          `json:"format"`
+	ZBits  map[string]int  `json:"zero_bits,omitempty"`
+	Bytes  int64           `json:"bytes"`
+	Caller json.RawMessage `json:"progress"`
+}
+
+type savedPart struct {
+	File  string `json:"file"`
+	Bytes int64  `json:"bytes"`
+}
+
+const stateFile = ".llmq-partial.json"
+
+// Save records the writer's state and the caller's progress in the
+// partial directory (atomically), so that ResumeWriter can continue after
+// the parts written so far.
+func (w *Writer) Save(progress any) error {
+	raw, err := json.Marshal(progress)
+	if err != nil {
+		return err
+	}
+	st := writerState{Format: w.Format, ZBits: w.zbits, Bytes: w.Bytes, Caller: raw}
+	for _, p := range w.parts {
+		st.Parts = append(st.Parts, savedPart{File: p.file, Bytes: p.bytes})
+	}
+	data, err := json.Marshal(st)
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(w.tmp, stateFile+".tmp")
+	if err := os.WriteFile(tmp, data, 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(w.tmp, stateFile))
+}
+
+// Keep makes Abort leave the partial directory for a later ResumeWriter
+// (an interrupted run).
+func (w *Writer) Keep() { w.kept = true }
+
+// ResumeWriter reopens the partial directory of dir left by an
+// interrupted run and decodes the progress its caller saved into
+// progress. The parts written after the last Save are dropped.
+func ResumeWriter(dir string, force bool, progress any) (*Writer, error) {
+	tmp := PartialDir(dir)
+	data, err := os.ReadFile(filepath.Join(tmp, stateFile))
+	if err != nil {
+		return nil, fmt.Errorf("nothing to resume for %s: %w", dir, err)
+	}
+	var st writerState
+	if err := json.Unmarshal(data, &st); err != nil {
+		return nil, fmt.Errorf("%s: %w", filepath.Join(tmp, stateFile), err)
+	}
+	if err := json.Unmarshal(st.Caller, progress); err != nil {
+		return nil, fmt.Errorf("%s: progress: %w", filepath.Join(tmp, stateFile), err)
+	}
+	if _, err := os.Stat(dir); err == nil && !force {
+		return nil, fmt.Errorf("output directory %s: %w", dir, fs.ErrExist)
+	}
+	w := &Writer{final: dir, tmp: tmp, force: force, Format: st.Format, zbits: st.ZBits, Bytes: st.Bytes}
+	known := map[string]bool{}
+	for _, p := range st.Parts {
+		if _, err := os.Stat(filepath.Join(tmp, p.File)); err != nil {
+			return nil, fmt.Errorf("resuming %s: %w", dir, err)
+		}
+		w.parts = append(w.parts, part{file: p.File, bytes: p.Bytes})
+		known[p.File] = true
+	}
+	entries, _ := os.ReadDir(tmp)
+	for _, e := range entries { // a part written after the last Save
+		if strings.HasPrefix(e.Name(), ".part-") && !known[e.Name()] {
+			os.Remove(filepath.Join(tmp, e.Name()))
+		}
+	}
+	return w, nil
+}
+
+// PartPath is the file of part i (for a resumed run to read back what
+// it had written).
+func (w *Writer) PartPath(i int) (string, error) {
+	if i < 0 || i >= len(w.parts) {
+		return "", fmt.Errorf("part %d of %d", i, len(w.parts))
+	}
+	return filepath.Join(w.tmp, w.parts[i].file), nil
 }
 
 // replaceable says whether an existing directory may be deleted to make
@@ -351,6 +453,9 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 		if err := os.WriteFile(filepath.Join(w.tmp, "README.md"), []byte(w.Card), 0o644); err != nil {
 			return err
 		}
+	}
+	if err := os.Remove(filepath.Join(w.tmp, stateFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
 	}
 	if err := os.WriteFile(filepath.Join(w.tmp, Marker), []byte("written by llmq; llmq --force may replace this directory\n"), 0o644); err != nil {
 		return err

@@ -59,7 +59,10 @@ type Options struct {
 	// reference's way); 0 takes the first NSamples non-overlapping ones.
 	Seed           uint64
 	QuantizeLMHead bool
-	Force          bool // replace Out if it exists (and is an llmq output)
+	Force          bool // replace Out if it exists (and is an llmq output); start over an interrupted run
+	// Resume continues an interrupted run with the same settings from its
+	// last finished block (its parts are kept in pack.PartialDir(Out)).
+	Resume bool
 	// Plan, if set, is a mixed-precision plan: per-layer bits and group
 	// sizes, and layers kept unquantized (written as GPTQModel's "dynamic").
 	Plan pack.Dynamic
@@ -92,6 +95,9 @@ type Report struct {
 	CalibTokens int           `json:"calibration_tokens"`
 	// CalibSourceTokens is how many tokens the calibration file holds.
 	CalibSourceTokens int `json:"calibration_source_tokens,omitempty"`
+	// ResumedAt is the first block this run quantized when it continued
+	// an interrupted one (the report's layers start there).
+	ResumedAt int `json:"resumed_at_block,omitempty"`
 }
 
 // Run quantizes the checkpoint in opt.Src and writes opt.Out. Output goes
@@ -144,12 +150,27 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}
 	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk()}
 
-	w, err := pack.NewWriter(opt.Out, opt.Force)
+	d := &driver{opt: opt, m: m, ck: ck, st: llm.NewStages(cfg), rep: rep}
+	fp, err := d.fingerprint()
 	if err != nil {
 		return nil, err
 	}
+	var w *pack.Writer
+	var done progress
+	if opt.Resume {
+		if w, err = pack.ResumeWriter(opt.Out, opt.Force, &done); err != nil {
+			return nil, err
+		}
+		if done.Fingerprint != fp {
+			return nil, fmt.Errorf("the interrupted run of %s used other settings (method, grid, calibration, format or plan); start over with --force", opt.Out)
+		}
+		rep.ResumedAt = done.Blocks
+	} else if w, err = pack.NewWriter(opt.Out, opt.Force); err != nil {
+		return nil, err
+	}
 	w.MaxShardBytes = opt.MaxShardBytes
-	defer w.Abort() // a no-op once Finish has moved the directory
+	d.w = w
+	defer w.Abort() // a no-op once Finish has moved the directory, or after Keep
 	var X [][]float32
 	if m.Calibrated() {
 		if opt.Progress != nil {
@@ -161,14 +182,24 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		rep.CalibTokens = len(X) * opt.SeqLen
 	}
 
-	d := &driver{opt: opt, m: m, ck: ck, st: llm.NewStages(cfg), X: X, w: w, rep: rep}
+	d.X = X
 	for l := 0; l < cfg.Layers; l++ {
+		if l < done.Blocks {
+			if err := d.replay(ctx, l); err != nil {
+				return nil, d.stopped(ctx, fmt.Errorf("block %d (replayed): %w", l, err), done.Blocks)
+			}
+			continue
+		}
 		if err := d.block(ctx, l); err != nil {
-			return nil, fmt.Errorf("block %d: %w", l, err)
+			return nil, d.stopped(ctx, fmt.Errorf("block %d: %w", l, err), done.Blocks)
+		}
+		done = progress{Fingerprint: fp, Blocks: l + 1}
+		if err := w.Save(done); err != nil {
+			return nil, err
 		}
 	}
 	if err := d.head(ctx); err != nil {
-		return nil, err
+		return nil, d.stopped(ctx, err, done.Blocks)
 	}
 	qc := d.quantConfig()
 	rep.BytesOut, rep.Format = w.Bytes, w.Format
@@ -227,6 +258,20 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	qc.TrueSequential = opt.TrueSequential && d.m.NewStats(1) != nil
 	d.m.Describe(qc)
 	return qc
+}
+
+// ErrInterrupted marks a run stopped by its context; its finished blocks
+// are kept for Options.Resume.
+var ErrInterrupted = errors.New("interrupted")
+
+// stopped keeps the finished blocks of a run whose context ended, for a
+// later Resume, and says so; other errors discard them.
+func (d *driver) stopped(ctx context.Context, err error, blocks int) error {
+	if ctx.Err() == nil {
+		return err
+	}
+	d.w.Keep()
+	return fmt.Errorf("%w after %d finished blocks (kept in %s for a resumed run): %w", ErrInterrupted, blocks, pack.PartialDir(d.opt.Out), err)
 }
 
 type driver struct {

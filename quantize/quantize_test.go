@@ -1,6 +1,7 @@
 package quantize
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
@@ -56,13 +57,14 @@ func TestRunErrors(t *testing.T) {
 				cancel()
 			}
 		}
-		if _, err := Run(ctx, o); !errors.Is(err, context.Canceled) {
-			t.Errorf("%s cancelled: %v, want context.Canceled", m.Name(), err)
+		if _, err := Run(ctx, o); !errors.Is(err, context.Canceled) || !errors.Is(err, ErrInterrupted) {
+			t.Errorf("%s cancelled: %v, want context.Canceled and ErrInterrupted", m.Name(), err)
 		}
 	}
+	// It leaves no output, only the finished blocks for --resume.
 	entries, _ := os.ReadDir(tmp)
 	for _, e := range entries {
-		if e.Name() != "short.txt" {
+		if e.Name() != "short.txt" && e.Name() != ".c0.partial" && e.Name() != ".c1.partial" {
 			t.Errorf("left behind: %s", e.Name())
 		}
 	}
@@ -594,5 +596,72 @@ func TestSeededCalibration(t *testing.T) {
 	defer ck.Close()
 	if q, _ := pack.ParseQuantConfig(ck.Config.Quantization); q.Meta.Seed != 7 {
 		t.Errorf("meta %+v", q.Meta)
+	}
+}
+
+// TestResume: a run interrupted after two blocks and resumed writes the
+// same checkpoint, file for file, as an uninterrupted run — for GPTQ
+// (the next block reads the quantized block, rebuilt from what was
+// written) and AWQ (it reads the unquantized block); a resume with other
+// settings is refused, and a fresh run refuses to overwrite the parts.
+func TestResume(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	calib := shared.Path(t, "data/calib.txt")
+	for _, c := range []struct {
+		name string
+		m    Method
+		T    int
+	}{
+		{"gptq", GPTQ{Opt: gptq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128}, Damp: 0.01}}, 128},
+		{"awq", AWQ{Opt: awq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}, Clip: true}}, 64},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			opt := Options{Src: src, Method: c.m, TrueSequential: true, Calib: calib, NSamples: 3, SeqLen: c.T, QuantizeLMHead: true}
+			whole := opt
+			whole.Out = filepath.Join(dir, "whole")
+			if _, err := Run(context.Background(), whole); err != nil {
+				t.Fatal(err)
+			}
+			cut := opt
+			cut.Out = filepath.Join(dir, "cut")
+			ctx, cancel := context.WithCancel(context.Background())
+			cut.Progress = func(block, blocks int, stage string) {
+				if block == 2 {
+					cancel()
+				}
+			}
+			if _, err := Run(ctx, cut); !errors.Is(err, ErrInterrupted) {
+				t.Fatalf("interrupted run: %v", err)
+			}
+			cut.Progress = nil
+			if _, err := Run(context.Background(), cut); !errors.Is(err, pack.ErrPartial) {
+				t.Errorf("a fresh run over the parts: %v, want ErrPartial", err)
+			}
+			other := cut
+			other.NSamples, other.Resume = 2, true
+			if _, err := Run(context.Background(), other); err == nil || !strings.Contains(err.Error(), "other settings") {
+				t.Errorf("resume with other settings: %v", err)
+			}
+			cut.Resume = true
+			rep, err := Run(context.Background(), cut)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rep.ResumedAt != 2 {
+				t.Errorf("resumed at block %d, want 2", rep.ResumedAt)
+			}
+			entries, _ := os.ReadDir(whole.Out)
+			for _, e := range entries {
+				a, _ := os.ReadFile(filepath.Join(whole.Out, e.Name()))
+				b, err := os.ReadFile(filepath.Join(cut.Out, e.Name()))
+				if err != nil || !bytes.Equal(a, b) {
+					t.Errorf("%s differs between the whole and the resumed run (%v)", e.Name(), err)
+				}
+			}
+			if _, err := os.Stat(pack.PartialDir(cut.Out)); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("the parts were left after finishing: %v", err)
+			}
+		})
 	}
 }

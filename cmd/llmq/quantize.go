@@ -128,10 +128,13 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			}
 			rep, err := quantize.Run(ctx, opt)
 			if err != nil {
-				if ctx.Err() != nil {
-					return fmt.Errorf("interrupted; nothing was written to %s", opt.Out)
+				if errors.Is(err, quantize.ErrInterrupted) {
+					return fmt.Errorf("%w; nothing was written to %s; the same command with --resume continues", err, opt.Out)
 				}
 				return quantizeFlagError(err, opt)
+			}
+			if rep.ResumedAt > 0 {
+				fmt.Fprintf(cmd.OutOrStdout(), "resumed: blocks 0–%d were kept from the interrupted run\n", rep.ResumedAt-1)
 			}
 			if bar != nil {
 				bar.Set(blocks, "done")
@@ -168,6 +171,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.Uint64Var(&opt.Seed, "seed", 0, "sample the windows at random offsets with this seed (0: the first --nsamples non-overlapping windows)")
 	f.IntVar(&opt.SeqLen, "seqlen", 2048, "tokens per calibration window (AWQ default 512)")
 	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "also quantize lm_head")
+	f.BoolVar(&opt.Resume, "resume", false, "continue an interrupted run (same command and settings) from its last finished block")
 	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
 	f.Var(ruleFlag{p: &plan}, "override", "mixed precision: quantize modules matching a glob (* any characters; re:EXPR for a regular expression) with other bits and group, e.g. 'layers.0.*=8', '*.down_proj=8:64', 'lm_head=8'; repeatable, the first match wins")
 	f.StringVar(&planPath, "plan", "", "mixed-precision plan from llmq sensitivity -o (its rules come after --override/--skip)")
@@ -180,6 +184,9 @@ windows of --seqlen tokens of --calib (deterministic).`,
 // quantizeFlagError names the flags behind a library error where there
 // are some.
 func quantizeFlagError(err error, opt quantize.Options) error {
+	if errors.Is(err, pack.ErrPartial) {
+		return fmt.Errorf("%w: --resume continues it, --force starts over", err)
+	}
 	var short *calib.ShortError
 	if errors.As(err, &short) {
 		fit := short.Tokens / short.SeqLen

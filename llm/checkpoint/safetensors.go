@@ -380,3 +380,21 @@ func (c *Checkpoint) Close() error {
 	c.files = nil
 	return first
 }
+
+// OpenFiles maps the given safetensors files as one checkpoint with the
+// given config (a part of one, e.g. a quantization run's finished block).
+func OpenFiles(cfg *Config, paths ...string) (*Checkpoint, error) {
+	c := &Checkpoint{Dir: filepath.Dir(paths[0]), Config: cfg, byName: map[string]*File{}}
+	for _, p := range paths {
+		f, err := OpenFile(p)
+		if err != nil {
+			c.Close()
+			return nil, err
+		}
+		c.files = append(c.files, f)
+		for _, n := range f.st.Names() {
+			c.byName[n] = f
+		}
+	}
+	return c, nil
+}
