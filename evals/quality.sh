@@ -7,6 +7,8 @@
 #
 #   evals/quality.sh ../shared/models/llama-small [config ...]
 #
+# WINDOWS=N evaluates only the first N windows of WikiText-2 (results get a
+# -wN suffix), for quicker comparisons between variants.
 # configs: fp32 rtn-w4 gptq-w4 gptq-w4-act rtn-w3 gptq-w3 gptq-w3-act awq-w4 awq-w3 awq-gptq-w4
 #          gptq-wB-gG (group G), gptq-wB-gG-bs (--groups-from-block-start)
 set -euo pipefail
@@ -35,6 +37,10 @@ for c in "${configs[@]}"; do
     awq-gptq-w?)  $LLMQ quantize "$MODEL" --method awq+gptq --bits "${c#awq-gptq-w}" --group 128 --calib "$CALIB" --nsamples 128 --seqlen 2048 -o "$dir" --force --report "$RES/quantize-$NAME-$c.json" ;;
     *) echo "unknown config $c" >&2; exit 2 ;;
   esac
+  if [ -n "${WINDOWS:-}" ]; then # a quicker comparison: the first WINDOWS windows only
+    $LLMQ eval ppl "$dir" --data "$WIKI" --seqlen 2048 --windows "$WINDOWS" --json "$RES/ppl-$NAME-$c-wikitext2-w$WINDOWS.json"
+    continue
+  fi
   $LLMQ eval ppl "$dir" --data "$WIKI" --seqlen 2048 --json "$RES/ppl-$NAME-$c-wikitext2.json"
   $LLMQ eval ppl "$dir" --data "$OTHER" --seqlen 2048 --windows 16 --json "$RES/ppl-$NAME-$c-gospec.json"
 done
