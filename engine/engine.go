@@ -203,10 +203,40 @@ func kvUsage(active []*sequence) (tokens, bytes int64, known bool) {
 
 // Request is one generation.
 type Request struct {
-	Prompt    []int // token ids (see Encode and EncodeChat)
-	MaxTokens int   // new tokens at most (> 0)
+	Prompt []int // token ids (see Encode and EncodeChat)
+	// MaxTokens is the most new tokens (> 0; 0 is allowed with
+	// PromptLogprobs: the prompt is scored and nothing generated).
+	MaxTokens int
 	Sample    llm.SampleOptions
 	Stop      []string // text that ends the generation (not returned)
+
+	// Logprobs asks for each generated token's log-probability under the
+	// model (before temperature and top-p), in Result.Logprobs and, when
+	// streaming, in each Chunk. It costs one pass over the vocabulary per
+	// token, in the scheduler; requests without it pay nothing.
+	Logprobs bool
+	// TopLogprobs is how many of the most likely tokens to report at each
+	// position with Logprobs or PromptLogprobs (0 to MaxTopLogprobs).
+	TopLogprobs int
+	// PromptLogprobs asks for the log-probability of every prompt token
+	// after the first, given the tokens before it (Result.PromptLogprobs):
+	// what loglikelihood evaluations score. The prefill then keeps the
+	// logits of every prompt position (len(Prompt)×vocab float32s), and the
+	// log-softmax is computed in the caller's goroutine, not the
+	// scheduler's.
+	PromptLogprobs bool
+}
+
+// MaxTopLogprobs bounds Request.TopLogprobs.
+const MaxTopLogprobs = 20
+
+// TokenLogprob is one token with its log-probability and, when asked
+// for, the most likely tokens at its position (most likely first; the
+// token itself may or may not be among them).
+type TokenLogprob struct {
+	ID      int
+	Logprob float64
+	Top     []llm.Logprob
 }
 
 // Result is a finished generation.
@@ -218,6 +248,25 @@ type Result struct {
 	// FinishReason is "stop" (an EOS token or a stop string) or "length"
 	// (MaxTokens or the model's context).
 	FinishReason string
+	// Logprobs (with Request.Logprobs) has one entry per token of Tokens,
+	// followed by the end-of-sequence token when one ended the generation
+	// (it is not in Tokens: it has no text), as OpenAI-compatible servers
+	// report it.
+	Logprobs []TokenLogprob
+	// PromptLogprobs (with Request.PromptLogprobs) has len(Prompt)−1
+	// entries: entry i is Prompt[i+1] given Prompt[:i+1]. The first
+	// prompt token has no log-probability: nothing comes before it.
+	PromptLogprobs []TokenLogprob
+}
+
+// Chunk is a piece of a streamed generation: new text, and (with
+// Request.Logprobs) the tokens taken since the previous chunk. A token
+// whose text is held back (an incomplete character, a possible stop
+// string) travels with the chunk that carries its text; the last chunk
+// may have logprobs and no text.
+type Chunk struct {
+	Text     string
+	Logprobs []TokenLogprob
 }
 
 // Encode tokenizes a plain-text prompt, adding the tokenizer's special
@@ -244,8 +293,10 @@ func (e *Engine) Validate(req Request) error {
 	switch {
 	case len(req.Prompt) == 0:
 		return fmt.Errorf("%w: empty prompt", ErrInvalid)
-	case req.MaxTokens <= 0:
-		return fmt.Errorf("%w: max_tokens must be positive, got %d", ErrInvalid, req.MaxTokens)
+	case req.MaxTokens < 0 || (req.MaxTokens == 0 && !req.PromptLogprobs):
+		return fmt.Errorf("%w: max_tokens must be positive, got %d (0 only when scoring the prompt)", ErrInvalid, req.MaxTokens)
+	case req.TopLogprobs < 0 || req.TopLogprobs > MaxTopLogprobs:
+		return fmt.Errorf("%w: top logprobs must be in [0, %d], got %d", ErrInvalid, MaxTopLogprobs, req.TopLogprobs)
 	case len(req.Prompt) >= ctxLen:
 		return fmt.Errorf("%w: the prompt has %d tokens, the model's context is %d", ErrInvalid, len(req.Prompt), ctxLen)
 	case len(req.Prompt)+req.MaxTokens > ctxLen:
@@ -273,12 +324,27 @@ func (e *Engine) Validate(req Request) error {
 // ctx is cancelled, or emit returns an error. It fails at once with
 // ErrBusy when MaxQueue requests are already waiting.
 func (e *Engine) Generate(ctx context.Context, req Request, emit func(text string) error) (*Result, error) {
+	var f func(Chunk) error
+	if emit != nil {
+		f = func(c Chunk) error {
+			if c.Text == "" {
+				return nil
+			}
+			return emit(c.Text)
+		}
+	}
+	return e.GenerateChunks(ctx, req, f)
+}
+
+// GenerateChunks is Generate with the tokens' log-probabilities streamed
+// alongside the text (see Chunk), for requests with Logprobs.
+func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chunk) error) (*Result, error) {
 	if err := e.Validate(req); err != nil {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // tells the scheduler to drop the sequence if it runs on
-	s := &sequence{ctx: ctx, req: req, tokens: make(chan int, req.MaxTokens+1)}
+	s := &sequence{ctx: ctx, req: req, tokens: make(chan token, req.MaxTokens+1)}
 	if err := e.submit(s); err != nil {
 		return nil, err
 	}
@@ -287,22 +353,35 @@ func (e *Engine) Generate(ctx context.Context, req Request, emit func(text strin
 	var all strings.Builder
 	defer func() { res.Text = all.String() }()
 	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
-	send := func(piece string) error {
-		if piece == "" {
+	var pending []TokenLogprob // logprobs not yet sent with a chunk
+	send := func(piece string, last bool) error {
+		if piece == "" && (!last || len(pending) == 0) {
 			return nil
 		}
 		all.WriteString(piece)
+		c := Chunk{Text: piece, Logprobs: pending}
+		pending = nil
 		if emit != nil {
-			return emit(piece)
+			return emit(c)
 		}
 		return nil
 	}
+	// The prompt's logits are the scheduler's until it sends the first
+	// token or ends the sequence.
+	scored := false
+	scorePrompt := func() {
+		if !scored && s.promptLogits != nil {
+			res.PromptLogprobs = promptLogprobs(s.promptLogits, req.Prompt, e.Backend.Config().Vocab, req.TopLogprobs)
+			s.promptLogits = nil
+		}
+		scored = true
+	}
 tokens:
 	for {
-		var id int
+		var t token
 		var ok bool
 		select {
-		case id, ok = <-s.tokens:
+		case t, ok = <-s.tokens:
 		case <-ctx.Done():
 			// Cancelled or past its deadline, perhaps still queued behind
 			// a full batch: answer now; the scheduler drops the sequence
@@ -310,12 +389,20 @@ tokens:
 			res.CompletionTokens = len(res.Tokens)
 			return res, ctx.Err()
 		}
+		scorePrompt()
 		if !ok {
 			break
 		}
-		res.Tokens = append(res.Tokens, id)
-		piece, stopped := text.add(id)
-		if err := send(piece); err != nil {
+		if t.lp != nil {
+			res.Logprobs = append(res.Logprobs, *t.lp)
+			pending = append(pending, *t.lp)
+		}
+		if t.eos { // only sent with logprobs: no text
+			continue
+		}
+		res.Tokens = append(res.Tokens, t.id)
+		piece, stopped := text.add(t.id)
+		if err := send(piece, stopped); err != nil {
 			return res, err
 		}
 		if stopped {
@@ -332,12 +419,24 @@ tokens:
 		if s.eos || stopped {
 			res.FinishReason = "stop"
 		}
-		if err := send(piece); err != nil {
+		if err := send(piece, true); err != nil {
 			return res, err
 		}
 	}
 	res.CompletionTokens = len(res.Tokens)
 	return res, nil
+}
+
+// promptLogprobs scores prompt tokens 1… from the prefill's logits (one
+// row of vocab values per prompt position).
+func promptLogprobs(logits []float32, prompt []int, vocab, top int) []TokenLogprob {
+	out := make([]TokenLogprob, len(prompt)-1)
+	for i := range out {
+		id := prompt[i+1]
+		lp, alts := llm.Logprobs(logits[i*vocab:(i+1)*vocab], id, top)
+		out[i] = TokenLogprob{ID: id, Logprob: lp, Top: alts}
+	}
+	return out
 }
 
 // submit queues a sequence unless the engine is closed or MaxQueue
@@ -364,20 +463,33 @@ func (e *Engine) submit(s *sequence) error {
 
 // sequence is a request inside the scheduler. The scheduler sends each
 // new token on tokens and closes it at the end, after setting err (a
-// failure or cancellation) or eos; the channel holds MaxTokens+1 ids, so
-// sending never blocks.
+// failure or cancellation) or eos; the channel holds MaxTokens+1 tokens
+// (the last can be the end-of-sequence token, sent with logprobs), so
+// sending never blocks. With PromptLogprobs the scheduler sets
+// promptLogits, the prefill's logits, before it first sends or closes.
 type sequence struct {
 	ctx    context.Context
 	req    Request
-	tokens chan int
+	tokens chan token
 
-	cache   llm.Cache
-	sampler *llm.Sampler
-	logits  []float32
-	next    []int
-	n       int
-	eos     bool
-	err     error
+	cache        llm.Cache
+	sampler      *llm.Sampler
+	logits       []float32
+	promptLogits []float32
+	scoring      bool // this step is the prefill of a PromptLogprobs request
+	next         []int
+	n            int
+	eos          bool
+	err          error
+}
+
+// token is one sampled token as the scheduler hands it over; lp is set
+// with Request.Logprobs, and eos marks the end-of-sequence token (sent
+// only then, for its logprob).
+type token struct {
+	id  int
+	lp  *TokenLogprob
+	eos bool
 }
 
 func (s *sequence) finish(err error) {
@@ -476,6 +588,13 @@ func (e *Engine) run() {
 					continue
 				}
 				s.cache, s.sampler, s.next = c, llm.NewSampler(s.req.Sample), s.req.Prompt
+				if s.req.PromptLogprobs { // every prompt position's logits, this step only
+					s.logits = make([]float32, len(s.req.Prompt)*cfg.Vocab)
+					s.scoring = true
+					live = append(live, s)
+					steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits})
+					continue
+				}
 				s.logits = make([]float32, cfg.Vocab)
 			}
 			live = append(live, s)
@@ -496,13 +615,32 @@ func (e *Engine) run() {
 		// One new token for each sequence.
 		live = active[:0]
 		for _, s := range active {
-			id := s.sampler.Sample(s.logits)
+			row := s.logits
+			if s.scoring { // a scored prefill: hand its logits over
+				s.scoring = false
+				s.promptLogits = row
+				row = row[len(row)-cfg.Vocab:]
+				s.logits = make([]float32, cfg.Vocab)
+				if s.req.MaxTokens == 0 {
+					s.finish(nil)
+					continue
+				}
+			}
+			id := s.sampler.Sample(row)
+			var lp *TokenLogprob
+			if s.req.Logprobs {
+				v, top := llm.Logprobs(row, id, s.req.TopLogprobs)
+				lp = &TokenLogprob{ID: id, Logprob: v, Top: top}
+			}
 			if slices.Contains(e.Stop, id) {
+				if lp != nil {
+					s.tokens <- token{id: id, lp: lp, eos: true}
+				}
 				s.eos = true
 				s.finish(nil)
 				continue
 			}
-			s.tokens <- id
+			s.tokens <- token{id: id, lp: lp}
 			s.n++
 			e.generated.Add(1)
 			if s.n >= s.req.MaxTokens {
