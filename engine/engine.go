@@ -264,9 +264,13 @@ type Result struct {
 // whose text is held back (an incomplete character, a possible stop
 // string) travels with the chunk that carries its text; the last chunk
 // may have logprobs and no text.
+//
+// With Request.PromptLogprobs, the first chunk also carries
+// PromptLogprobs (as Result.PromptLogprobs), even when it has no text.
 type Chunk struct {
-	Text     string
-	Logprobs []TokenLogprob
+	Text           string
+	Logprobs       []TokenLogprob
+	PromptLogprobs []TokenLogprob
 }
 
 // Encode tokenizes a plain-text prompt, adding the tokenizer's special
@@ -354,12 +358,19 @@ func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chun
 	defer func() { res.Text = all.String() }()
 	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
 	var pending []TokenLogprob // logprobs not yet sent with a chunk
+	promptSent := !req.PromptLogprobs
 	send := func(piece string, last bool) error {
-		if piece == "" && (!last || len(pending) == 0) {
+		if piece == "" && promptSent && (!last || len(pending) == 0) {
 			return nil
 		}
 		all.WriteString(piece)
 		c := Chunk{Text: piece, Logprobs: pending}
+		if !promptSent {
+			c.PromptLogprobs, promptSent = res.PromptLogprobs, true
+			if c.PromptLogprobs == nil { // a one-token prompt: nothing to score
+				c.PromptLogprobs = []TokenLogprob{}
+			}
+		}
 		pending = nil
 		if emit != nil {
 			return emit(c)
