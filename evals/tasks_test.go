@@ -145,14 +145,20 @@ func TestReadTasks(t *testing.T) {
 	}
 }
 
-// On llama-tiny, a choice's log-likelihood is the sum of log-softmax of
-// transformers' reference logits over its tokens: the reference input
-// (BOS and 63 WikiText ids) cut into a context and a continuation at a
-// word boundary.
+// On llama-tiny and llama-small, a choice's log-likelihood is the sum of
+// log-softmax of transformers' reference logits over its tokens: the
+// reference input (BOS and 63 WikiText ids) cut into a context and a
+// continuation at a word boundary.
 func TestScoreTasksMatchesReference(t *testing.T) {
-	ids := shared.Int32s(t, "reference/llama-tiny.logits.input.i32")
-	ref := shared.Float32s(t, "reference/llama-tiny.logits.f32")
-	m, err := pack.OpenModel(shared.Path(t, "models/llama-tiny"))
+	for _, model := range []string{"llama-tiny", "llama-small"} {
+		t.Run(model, func(t *testing.T) { scoreMatchesReference(t, model) })
+	}
+}
+
+func scoreMatchesReference(t *testing.T, model string) {
+	ids := shared.Int32s(t, "reference/"+model+".logits.input.i32")
+	ref := shared.Float32s(t, "reference/"+model+".logits.f32")
+	m, err := pack.OpenModel(shared.Path(t, "models/"+model))
 	if err != nil {
 		t.Fatal(err)
 	}
