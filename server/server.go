@@ -9,6 +9,13 @@
 // Requests follow the OpenAI schema (model, messages or prompt,
 // max_tokens / max_completion_tokens, temperature, top_p, stop, seed,
 // stream, stream_options.include_usage) and answers carry usage counts.
+// Log-probabilities come in each API's shape: on /v1/completions,
+// logprobs (0–5) and echo in the legacy form {tokens, token_logprobs,
+// top_logprobs, text_offset}, echo with max_tokens 0 scoring the prompt
+// alone, and prompts as text, token ids or a list of either (one choice
+// each) — what evaluation harnesses send; on /v1/chat/completions,
+// logprobs true with top_logprobs (0–20). Streamed chunks carry their
+// tokens' log-probabilities.
 //
 // Every error, whatever the route, is answered in OpenAI's shape
 // {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON
