@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
 )
 
 // refLogSoftmax is log-softmax of one row of transformers' reference
@@ -151,5 +152,48 @@ func TestValidateLogprobs(t *testing.T) {
 	res, err := e.Generate(context.Background(), Request{Prompt: []int{0}, PromptLogprobs: true}, nil)
 	if err != nil || len(res.PromptLogprobs) != 0 || len(res.Tokens) != 0 {
 		t.Errorf("one-token prompt: %v, %+v", err, res)
+	}
+}
+
+// eosFirst makes the end-of-sequence token the most likely everywhere.
+type eosFirst struct{ llm.Backend }
+
+func (b eosFirst) Forward(ctx context.Context, steps []llm.Step) error {
+	if err := b.Backend.Forward(ctx, steps); err != nil {
+		return err
+	}
+	V, eos := b.Config().Vocab, b.Config().EOS[0]
+	for _, s := range steps {
+		for r := 0; r < len(s.Logits)/V; r++ {
+			s.Logits[r*V+eos] = 100
+		}
+	}
+	return nil
+}
+
+// A generation ended by the end-of-sequence token lists that token in
+// Logprobs (not in Tokens): a client that drops the last entry of
+// prompt+1 tokens, as lm-evaluation-harness does, still drops the right
+// one. Streamed, it comes in the last chunk.
+func TestEOSInLogprobs(t *testing.T) {
+	m := openTiny(t)
+	e := start(t, NewModel(eosFirst{m.Backend}, m.Tokenizer, m.Template), Options{})
+	eos := m.Backend.Config().EOS[0]
+	var chunks []Chunk
+	res, err := e.GenerateChunks(context.Background(), Request{Prompt: []int{0, 791, 3925}, MaxTokens: 1, Logprobs: true, TopLogprobs: 1, PromptLogprobs: true},
+		func(c Chunk) error { chunks = append(chunks, c); return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Tokens) != 0 || res.FinishReason != "stop" || len(res.Logprobs) != 1 || res.Logprobs[0].ID != eos || res.Logprobs[0].Top[0].ID != eos || len(res.PromptLogprobs) != 2 {
+		t.Fatalf("tokens %v, finish %q, logprobs %+v, %d prompt logprobs", res.Tokens, res.FinishReason, res.Logprobs, len(res.PromptLogprobs))
+	}
+	if len(chunks) != 1 || chunks[0].Text != "" || len(chunks[0].Logprobs) != 1 || len(chunks[0].PromptLogprobs) != 2 {
+		t.Errorf("chunks %+v", chunks)
+	}
+	// Without Logprobs nothing is sent for it.
+	res, err = e.Generate(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 3}, nil)
+	if err != nil || len(res.Tokens) != 0 || res.Logprobs != nil || res.FinishReason != "stop" {
+		t.Errorf("%v, %+v", err, res)
 	}
 }
