@@ -71,6 +71,12 @@ type Options struct {
 	// MaxQueue is the most requests waiting for a batch slot; beyond it
 	// Generate fails at once with ErrBusy (default 64).
 	MaxQueue int
+	// MaxScoreLogits bounds the logits a scored prompt (PromptLogprobs)
+	// keeps at once, in positions × vocabulary values (default 1<<26:
+	// 256 MiB of float32). A longer prompt is prefilled in chunks of
+	// MaxScoreLogits/vocab positions over successive iterations, so a
+	// long prompt on a large vocabulary cannot exhaust memory.
+	MaxScoreLogits int
 }
 
 func (o Options) withDefaults() Options {
@@ -79,6 +85,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxQueue <= 0 {
 		o.MaxQueue = 64
+	}
+	if o.MaxScoreLogits <= 0 {
+		o.MaxScoreLogits = 1 << 26
 	}
 	return o
 }
@@ -221,9 +230,9 @@ type Request struct {
 	// PromptLogprobs asks for the log-probability of every prompt token
 	// after the first, given the tokens before it (Result.PromptLogprobs):
 	// what loglikelihood evaluations score. The prefill then keeps the
-	// logits of every prompt position (len(Prompt)×vocab float32s), and the
-	// log-softmax is computed in the caller's goroutine, not the
-	// scheduler's.
+	// logits of every prompt position, in chunks of at most
+	// Options.MaxScoreLogits values, and the log-softmax is computed in
+	// the caller's goroutine, not the scheduler's.
 	PromptLogprobs bool
 }
 
@@ -348,12 +357,20 @@ func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chun
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // tells the scheduler to drop the sequence if it runs on
-	s := &sequence{ctx: ctx, req: req, tokens: make(chan token, req.MaxTokens+1)}
+	capacity := req.MaxTokens + 1
+	if req.PromptLogprobs { // one more for each chunk of prompt logits
+		chunk := e.scoreChunk()
+		capacity += (len(req.Prompt) + chunk - 1) / chunk
+	}
+	s := &sequence{ctx: ctx, req: req, tokens: make(chan token, capacity)}
 	if err := e.submit(s); err != nil {
 		return nil, err
 	}
 
 	res := &Result{PromptTokens: len(req.Prompt), FinishReason: "length"}
+	if req.PromptLogprobs {
+		res.PromptLogprobs = make([]TokenLogprob, 0, len(req.Prompt)-1)
+	}
 	var all strings.Builder
 	defer func() { res.Text = all.String() }()
 	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
@@ -367,25 +384,12 @@ func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chun
 		c := Chunk{Text: piece, Logprobs: pending}
 		if !promptSent {
 			c.PromptLogprobs, promptSent = res.PromptLogprobs, true
-			if c.PromptLogprobs == nil { // a one-token prompt: nothing to score
-				c.PromptLogprobs = []TokenLogprob{}
-			}
 		}
 		pending = nil
 		if emit != nil {
 			return emit(c)
 		}
 		return nil
-	}
-	// The prompt's logits are the scheduler's until it sends the first
-	// token or ends the sequence.
-	scored := false
-	scorePrompt := func() {
-		if !scored && s.promptLogits != nil {
-			res.PromptLogprobs = promptLogprobs(s.promptLogits, req.Prompt, e.Backend.Config().Vocab, req.TopLogprobs)
-			s.promptLogits = nil
-		}
-		scored = true
 	}
 tokens:
 	for {
@@ -400,9 +404,12 @@ tokens:
 			res.CompletionTokens = len(res.Tokens)
 			return res, ctx.Err()
 		}
-		scorePrompt()
 		if !ok {
 			break
+		}
+		if t.logits != nil { // a chunk of the prompt's logits: score it
+			res.PromptLogprobs = appendPromptLogprobs(res.PromptLogprobs, t.logits, t.from, req.Prompt, e.Backend.Config().Vocab, req.TopLogprobs)
+			continue
 		}
 		if t.lp != nil {
 			res.Logprobs = append(res.Logprobs, *t.lp)
@@ -438,17 +445,24 @@ tokens:
 	return res, nil
 }
 
-// promptLogprobs scores prompt tokens 1… from the prefill's logits (one
-// row of vocab values per prompt position).
-func promptLogprobs(logits []float32, prompt []int, vocab, top int) []TokenLogprob {
-	out := make([]TokenLogprob, len(prompt)-1)
-	for i := range out {
-		id := prompt[i+1]
-		lp, alts := llm.Logprobs(logits[i*vocab:(i+1)*vocab], id, top)
-		out[i] = TokenLogprob{ID: id, Logprob: lp, Top: alts}
+// appendPromptLogprobs scores the prompt tokens that a chunk of the
+// prefill's logits predicts: its rows are positions from, from+1, …, and
+// the row of position j gives the log-probability of prompt[j+1].
+func appendPromptLogprobs(out []TokenLogprob, logits []float32, from int, prompt []int, vocab, top int) []TokenLogprob {
+	for r := 0; r < len(logits)/vocab; r++ {
+		j := from + r
+		if j+1 >= len(prompt) {
+			break
+		}
+		id := prompt[j+1]
+		lp, alts := llm.Logprobs(logits[r*vocab:(r+1)*vocab], id, top)
+		out = append(out, TokenLogprob{ID: id, Logprob: lp, Top: alts})
 	}
 	return out
 }
+
+// scoreChunk is how many prompt positions a scored prefill runs at once.
+func (e *Engine) scoreChunk() int { return max(1, e.opt.MaxScoreLogits/e.Backend.Config().Vocab) }
 
 // submit queues a sequence unless the engine is closed or MaxQueue
 // sequences are waiting already.
@@ -476,31 +490,36 @@ func (e *Engine) submit(s *sequence) error {
 // new token on tokens and closes it at the end, after setting err (a
 // failure or cancellation) or eos; the channel holds MaxTokens+1 tokens
 // (the last can be the end-of-sequence token, sent with logprobs), so
-// sending never blocks. With PromptLogprobs the scheduler sets
-// promptLogits, the prefill's logits, before it first sends or closes.
+// sending never blocks. With PromptLogprobs the prompt is prefilled in
+// chunks (scoreChunk positions), and each chunk's logits are sent before
+// any token, one more slot each.
 type sequence struct {
 	ctx    context.Context
 	req    Request
 	tokens chan token
 
-	cache        llm.Cache
-	sampler      *llm.Sampler
-	logits       []float32
-	promptLogits []float32
-	scoring      bool // this step is the prefill of a PromptLogprobs request
-	next         []int
-	n            int
-	eos          bool
-	err          error
+	cache   llm.Cache
+	sampler *llm.Sampler
+	logits  []float32
+	scoring bool // the prefill of a PromptLogprobs request is running
+	scored  int  // prompt positions prefilled so far, when scoring
+	next    []int
+	n       int
+	eos     bool
+	err     error
 }
 
 // token is one sampled token as the scheduler hands it over; lp is set
 // with Request.Logprobs, and eos marks the end-of-sequence token (sent
-// only then, for its logprob).
+// only then, for its logprob). With logits set it is no token but a
+// chunk of a scored prompt's logits, rows for positions from, from+1, …:
+// the caller's from then on.
 type token struct {
-	id  int
-	lp  *TokenLogprob
-	eos bool
+	id     int
+	lp     *TokenLogprob
+	eos    bool
+	logits []float32
+	from   int
 }
 
 func (s *sequence) finish(err error) {
@@ -599,16 +618,18 @@ func (e *Engine) run() {
 					continue
 				}
 				s.cache, s.sampler, s.next = c, llm.NewSampler(s.req.Sample), s.req.Prompt
-				if s.req.PromptLogprobs { // every prompt position's logits, this step only
-					s.logits = make([]float32, len(s.req.Prompt)*cfg.Vocab)
-					s.scoring = true
-					live = append(live, s)
-					steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits})
-					continue
-				}
 				s.logits = make([]float32, cfg.Vocab)
+				if s.req.PromptLogprobs {
+					s.scoring = true
+					s.next = s.req.Prompt[:min(e.scoreChunk(), len(s.req.Prompt))]
+				}
 			}
 			live = append(live, s)
+			if s.scoring { // every position's logits, in a buffer the caller will own
+				s.logits = make([]float32, len(s.next)*cfg.Vocab)
+				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits})
+				continue
+			}
 			steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits, LastOnly: true})
 		}
 		active = live
@@ -627,10 +648,16 @@ func (e *Engine) run() {
 		live = active[:0]
 		for _, s := range active {
 			row := s.logits
-			if s.scoring { // a scored prefill: hand its logits over
+			if s.scoring { // a chunk of a scored prefill: hand its logits over
+				s.tokens <- token{logits: row, from: s.scored}
+				s.scored += len(s.next)
+				if p := s.req.Prompt; s.scored < len(p) {
+					s.next = p[s.scored:min(s.scored+e.scoreChunk(), len(p))]
+					live = append(live, s)
+					continue
+				}
 				s.scoring = false
-				s.promptLogits = row
-				row = row[len(row)-cfg.Vocab:]
+				row = row[len(row)-cfg.Vocab:] // read-only from here on, on both sides
 				s.logits = make([]float32, cfg.Vocab)
 				if s.req.MaxTokens == 0 {
 					s.finish(nil)

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"sync"
 	"testing"
@@ -31,10 +32,22 @@ func refLogSoftmax(row []float32) []float64 {
 // The prompt's logprobs (max_tokens 0) and the first generated token's
 // equal log-softmax of transformers' fp32 logits for the same ids, within
 // 1e-4, and the top alternatives are the reference's most likely tokens.
+//
+// Also with the prompt prefilled in chunks of 5 positions (MaxScoreLogits
+// 5×vocab): the KV cache carries each chunk into the next.
 func TestPromptLogprobsMatchReference(t *testing.T) {
+	m := openTiny(t)
+	V := m.Backend.Config().Vocab
+	for _, opt := range []Options{{}, {MaxScoreLogits: 5 * V}} {
+		t.Run(fmt.Sprintf("chunk %d", max(1, opt.withDefaults().MaxScoreLogits/V)), func(t *testing.T) {
+			promptLogprobsMatchReference(t, start(t, m, opt))
+		})
+	}
+}
+
+func promptLogprobsMatchReference(t *testing.T, e *Engine) {
 	ids := shared.Int32s(t, "reference/llama-tiny.logits.input.i32")
 	ref := shared.Float32s(t, "reference/llama-tiny.logits.f32")
-	e := tiny(t, Options{})
 	V := e.Backend.Config().Vocab
 	if len(ref) != len(ids)*V {
 		t.Fatalf("reference holds %d logits, want %d×%d", len(ref), len(ids), V)
