@@ -3,6 +3,7 @@ package server
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"math"
@@ -11,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/llmq/llmq/engine"
+	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/internal/shared"
 )
 
@@ -348,6 +350,58 @@ func TestLogprobsErrors(t *testing.T) {
 		e := checkErrorShape(t, c.body, resp, body, 400, c.want)
 		if c.param != "" && e["param"] != c.param {
 			t.Errorf("%s: param %v, want %q", c.body, e["param"], c.param)
+		}
+	}
+}
+
+// lm-evaluation-harness's loglikelihood request, parsed as its
+// local-completions model parses it — per prompt, the sum of
+// token_logprobs[ctxlen:-1] and whether each was the largest of its
+// top_logprobs — gives what evals.ScoreTasks computes for the same
+// context and choices in-process.
+func TestHarnessRequestMatchesScoreTasks(t *testing.T) {
+	ts, e, _ := serve(t, engine.Options{}, nil)
+	item := evals.TaskItem{Context: "The sun rises in the", Choices: []string{" east", " west", " morning"}, Answer: 0}
+	// And the model's own greedy continuation, whose tokens are all greedy.
+	res, err := e.Generate(context.Background(), engine.Request{Prompt: e.Encode(item.Context), MaxTokens: 2}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	item.Choices = append(item.Choices, res.Text)
+	want, err := evals.ScoreTasks(context.Background(), e.Backend, e.Tokenizer, []evals.TaskItem{item}, evals.TaskOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var prompts [][]int
+	var ctxlens []int
+	for _, c := range item.Choices {
+		ctx := e.Tokenizer.Encode(item.Context, true)
+		whole := e.Tokenizer.Encode(item.Context+c, true)
+		prompts = append(prompts, append(append([]int{}, ctx...), whole[len(ctx):]...))
+		ctxlens = append(ctxlens, len(ctx))
+	}
+	status, out := post(t, ts.URL+"/v1/completions", map[string]any{"model": "llama-tiny", "prompt": prompts,
+		"temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": true})
+	if status != 200 {
+		t.Fatalf("status %d: %v", status, out)
+	}
+	choices := out["choices"].([]any)
+	for i, c := range choices {
+		lp := decodeLogprobs(t, c)
+		var sum float64
+		greedy := true
+		for k := ctxlens[i]; k < len(lp.TokenLogprobs)-1; k++ {
+			sum += *lp.TokenLogprobs[k]
+			best := math.Inf(-1)
+			for _, v := range lp.TopLogprobs[k] {
+				best = math.Max(best, *v)
+			}
+			greedy = greedy && *lp.TokenLogprobs[k] == best
+		}
+		t.Logf("%q: server %.6f greedy %v; ScoreTasks %.6f greedy %v", item.Choices[i], sum, greedy, want.PerItem[0].Loglik[i], want.PerItem[0].Greedy[i])
+		if d := math.Abs(sum - want.PerItem[0].Loglik[i]); d > 1e-4 || greedy != want.PerItem[0].Greedy[i] {
+			t.Errorf("choice %q: server %v (greedy %v), ScoreTasks %v (greedy %v)", item.Choices[i], sum, greedy,
+				want.PerItem[0].Loglik[i], want.PerItem[0].Greedy[i])
 		}
 	}
 }
