@@ -10,6 +10,7 @@
 #   bash cuda/device-model.sh tiny+synth   (or small+synth) both in one call
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
+#   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
 #
 # Results go to $OUT (the device tool's folder) or build/out.
 set -uo pipefail
@@ -54,6 +55,14 @@ case "$1" in
     $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-h200.json" 2>&1 | tail -5
     timeout 200 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestGreedy|TestKernelError' > "$OUT/cuda-model-memcheck-tiny.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-tiny.log" | tail -1)"
+    ;;
+  tasks) # multiple-choice scoring and the server's echoed logprobs on the GPU (llama-tiny)
+    D=$LLMQ_SHARED/models/llama-tiny
+    $L eval tasks "$D" --tasks evals/tasks/llmq-facts.jsonl --device cuda --json "$OUT/tasks-llmq-facts-llama-tiny-h200.json" 2>&1 | grep -E "^(acc|items|time)|rror"
+    $L serve "$D" --device cuda --addr 127.0.0.1:18080 2> "$OUT/serve-tasks.log" & pid=$!
+    for i in $(seq 300); do curl -sf 127.0.0.1:18080/health > /dev/null && break; sleep 0.2; done
+    python3 evals/echo-logprobs.py http://127.0.0.1:18080 "$LLMQ_SHARED" llama-tiny | tee "$OUT/echo-logprobs-llama-tiny-h200.txt"
+    kill $pid; wait $pid
     ;;
   load) # load time of a W4 llama3-8b, and --device auto picking the GPU
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/w4 --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1

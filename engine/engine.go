@@ -71,6 +71,12 @@ type Options struct {
 	// MaxQueue is the most requests waiting for a batch slot; beyond it
 	// Generate fails at once with ErrBusy (default 64).
 	MaxQueue int
+	// MaxScoreLogits bounds the logits a scored prompt (PromptLogprobs)
+	// keeps at once, in positions × vocabulary values (default 1<<26:
+	// 256 MiB of float32). A longer prompt is prefilled in chunks of
+	// MaxScoreLogits/vocab positions over successive iterations, so a
+	// long prompt on a large vocabulary cannot exhaust memory.
+	MaxScoreLogits int
 }
 
 func (o Options) withDefaults() Options {
@@ -79,6 +85,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxQueue <= 0 {
 		o.MaxQueue = 64
+	}
+	if o.MaxScoreLogits <= 0 {
+		o.MaxScoreLogits = 1 << 26
 	}
 	return o
 }
@@ -203,10 +212,40 @@ func kvUsage(active []*sequence) (tokens, bytes int64, known bool) {
 
 // Request is one generation.
 type Request struct {
-	Prompt    []int // token ids (see Encode and EncodeChat)
-	MaxTokens int   // new tokens at most (> 0)
+	Prompt []int // token ids (see Encode and EncodeChat)
+	// MaxTokens is the most new tokens (> 0; 0 is allowed with
+	// PromptLogprobs: the prompt is scored and nothing generated).
+	MaxTokens int
 	Sample    llm.SampleOptions
 	Stop      []string // text that ends the generation (not returned)
+
+	// Logprobs asks for each generated token's log-probability under the
+	// model (before temperature and top-p), in Result.Logprobs and, when
+	// streaming, in each Chunk. It costs one pass over the vocabulary per
+	// token, in the scheduler; requests without it pay nothing.
+	Logprobs bool
+	// TopLogprobs is how many of the most likely tokens to report at each
+	// position with Logprobs or PromptLogprobs (0 to MaxTopLogprobs).
+	TopLogprobs int
+	// PromptLogprobs asks for the log-probability of every prompt token
+	// after the first, given the tokens before it (Result.PromptLogprobs):
+	// what loglikelihood evaluations score. The prefill then keeps the
+	// logits of every prompt position, in chunks of at most
+	// Options.MaxScoreLogits values, and the log-softmax is computed in
+	// the caller's goroutine, not the scheduler's.
+	PromptLogprobs bool
+}
+
+// MaxTopLogprobs bounds Request.TopLogprobs.
+const MaxTopLogprobs = 20
+
+// TokenLogprob is one token with its log-probability and, when asked
+// for, the most likely tokens at its position (most likely first; the
+// token itself may or may not be among them).
+type TokenLogprob struct {
+	ID      int
+	Logprob float64
+	Top     []llm.Logprob
 }
 
 // Result is a finished generation.
@@ -218,6 +257,29 @@ type Result struct {
 	// FinishReason is "stop" (an EOS token or a stop string) or "length"
 	// (MaxTokens or the model's context).
 	FinishReason string
+	// Logprobs (with Request.Logprobs) has one entry per token of Tokens,
+	// followed by the end-of-sequence token when one ended the generation
+	// (it is not in Tokens: it has no text), as OpenAI-compatible servers
+	// report it.
+	Logprobs []TokenLogprob
+	// PromptLogprobs (with Request.PromptLogprobs) has len(Prompt)−1
+	// entries: entry i is Prompt[i+1] given Prompt[:i+1]. The first
+	// prompt token has no log-probability: nothing comes before it.
+	PromptLogprobs []TokenLogprob
+}
+
+// Chunk is a piece of a streamed generation: new text, and (with
+// Request.Logprobs) the tokens taken since the previous chunk. A token
+// whose text is held back (an incomplete character, a possible stop
+// string) travels with the chunk that carries its text; the last chunk
+// may have logprobs and no text.
+//
+// With Request.PromptLogprobs, the first chunk also carries
+// PromptLogprobs (as Result.PromptLogprobs), even when it has no text.
+type Chunk struct {
+	Text           string
+	Logprobs       []TokenLogprob
+	PromptLogprobs []TokenLogprob
 }
 
 // Encode tokenizes a plain-text prompt, adding the tokenizer's special
@@ -244,8 +306,10 @@ func (e *Engine) Validate(req Request) error {
 	switch {
 	case len(req.Prompt) == 0:
 		return fmt.Errorf("%w: empty prompt", ErrInvalid)
-	case req.MaxTokens <= 0:
-		return fmt.Errorf("%w: max_tokens must be positive, got %d", ErrInvalid, req.MaxTokens)
+	case req.MaxTokens < 0 || (req.MaxTokens == 0 && !req.PromptLogprobs):
+		return fmt.Errorf("%w: max_tokens must be positive, got %d (0 only when scoring the prompt)", ErrInvalid, req.MaxTokens)
+	case req.TopLogprobs < 0 || req.TopLogprobs > MaxTopLogprobs:
+		return fmt.Errorf("%w: top logprobs must be in [0, %d], got %d", ErrInvalid, MaxTopLogprobs, req.TopLogprobs)
 	case len(req.Prompt) >= ctxLen:
 		return fmt.Errorf("%w: the prompt has %d tokens, the model's context is %d", ErrInvalid, len(req.Prompt), ctxLen)
 	case len(req.Prompt)+req.MaxTokens > ctxLen:
@@ -273,36 +337,66 @@ func (e *Engine) Validate(req Request) error {
 // ctx is cancelled, or emit returns an error. It fails at once with
 // ErrBusy when MaxQueue requests are already waiting.
 func (e *Engine) Generate(ctx context.Context, req Request, emit func(text string) error) (*Result, error) {
+	var f func(Chunk) error
+	if emit != nil {
+		f = func(c Chunk) error {
+			if c.Text == "" {
+				return nil
+			}
+			return emit(c.Text)
+		}
+	}
+	return e.GenerateChunks(ctx, req, f)
+}
+
+// GenerateChunks is Generate with the tokens' log-probabilities streamed
+// alongside the text (see Chunk), for requests with Logprobs.
+func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chunk) error) (*Result, error) {
 	if err := e.Validate(req); err != nil {
 		return nil, err
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // tells the scheduler to drop the sequence if it runs on
-	s := &sequence{ctx: ctx, req: req, tokens: make(chan int, req.MaxTokens+1)}
+	capacity := req.MaxTokens + 1
+	if req.PromptLogprobs { // one more for each chunk of prompt logits
+		chunk := e.scoreChunk()
+		capacity += (len(req.Prompt) + chunk - 1) / chunk
+	}
+	s := &sequence{ctx: ctx, req: req, tokens: make(chan token, capacity)}
 	if err := e.submit(s); err != nil {
 		return nil, err
 	}
 
 	res := &Result{PromptTokens: len(req.Prompt), FinishReason: "length"}
+	if req.PromptLogprobs {
+		res.PromptLogprobs = make([]TokenLogprob, 0, len(req.Prompt)-1)
+	}
 	var all strings.Builder
 	defer func() { res.Text = all.String() }()
 	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
-	send := func(piece string) error {
-		if piece == "" {
+	var pending []TokenLogprob // logprobs not yet sent with a chunk
+	promptSent := !req.PromptLogprobs
+	send := func(piece string, last bool) error {
+		if piece == "" && promptSent && (!last || len(pending) == 0) {
 			return nil
 		}
 		all.WriteString(piece)
+		c := Chunk{Text: piece, Logprobs: pending}
+		if !promptSent {
+			c.PromptLogprobs, promptSent = res.PromptLogprobs, true
+		}
+		pending = nil
 		if emit != nil {
-			return emit(piece)
+			return emit(c)
 		}
 		return nil
 	}
 tokens:
 	for {
-		var id int
+		var t token
 		var ok bool
 		select {
-		case id, ok = <-s.tokens:
+		case t, ok = <-s.tokens:
 		case <-ctx.Done():
 			// Cancelled or past its deadline, perhaps still queued behind
 			// a full batch: answer now; the scheduler drops the sequence
@@ -313,9 +407,20 @@ tokens:
 		if !ok {
 			break
 		}
-		res.Tokens = append(res.Tokens, id)
-		piece, stopped := text.add(id)
-		if err := send(piece); err != nil {
+		if t.logits != nil { // a chunk of the prompt's logits: score it
+			res.PromptLogprobs = appendPromptLogprobs(res.PromptLogprobs, t.logits, t.from, req.Prompt, e.Backend.Config().Vocab, req.TopLogprobs)
+			continue
+		}
+		if t.lp != nil {
+			res.Logprobs = append(res.Logprobs, *t.lp)
+			pending = append(pending, *t.lp)
+		}
+		if t.eos { // only sent with logprobs: no text
+			continue
+		}
+		res.Tokens = append(res.Tokens, t.id)
+		piece, stopped := text.add(t.id)
+		if err := send(piece, stopped); err != nil {
 			return res, err
 		}
 		if stopped {
@@ -332,13 +437,32 @@ tokens:
 		if s.eos || stopped {
 			res.FinishReason = "stop"
 		}
-		if err := send(piece); err != nil {
+		if err := send(piece, true); err != nil {
 			return res, err
 		}
 	}
 	res.CompletionTokens = len(res.Tokens)
 	return res, nil
 }
+
+// appendPromptLogprobs scores the prompt tokens that a chunk of the
+// prefill's logits predicts: its rows are positions from, from+1, …, and
+// the row of position j gives the log-probability of prompt[j+1].
+func appendPromptLogprobs(out []TokenLogprob, logits []float32, from int, prompt []int, vocab, top int) []TokenLogprob {
+	for r := 0; r < len(logits)/vocab; r++ {
+		j := from + r
+		if j+1 >= len(prompt) {
+			break
+		}
+		id := prompt[j+1]
+		lp, alts := llm.Logprobs(logits[r*vocab:(r+1)*vocab], id, top)
+		out = append(out, TokenLogprob{ID: id, Logprob: lp, Top: alts})
+	}
+	return out
+}
+
+// scoreChunk is how many prompt positions a scored prefill runs at once.
+func (e *Engine) scoreChunk() int { return max(1, e.opt.MaxScoreLogits/e.Backend.Config().Vocab) }
 
 // submit queues a sequence unless the engine is closed or MaxQueue
 // sequences are waiting already.
@@ -364,20 +488,38 @@ func (e *Engine) submit(s *sequence) error {
 
 // sequence is a request inside the scheduler. The scheduler sends each
 // new token on tokens and closes it at the end, after setting err (a
-// failure or cancellation) or eos; the channel holds MaxTokens+1 ids, so
-// sending never blocks.
+// failure or cancellation) or eos; the channel holds MaxTokens+1 tokens
+// (the last can be the end-of-sequence token, sent with logprobs), so
+// sending never blocks. With PromptLogprobs the prompt is prefilled in
+// chunks (scoreChunk positions), and each chunk's logits are sent before
+// any token, one more slot each.
 type sequence struct {
 	ctx    context.Context
 	req    Request
-	tokens chan int
+	tokens chan token
 
 	cache   llm.Cache
 	sampler *llm.Sampler
 	logits  []float32
+	scoring bool // the prefill of a PromptLogprobs request is running
+	scored  int  // prompt positions prefilled so far, when scoring
 	next    []int
 	n       int
 	eos     bool
 	err     error
+}
+
+// token is one sampled token as the scheduler hands it over; lp is set
+// with Request.Logprobs, and eos marks the end-of-sequence token (sent
+// only then, for its logprob). With logits set it is no token but a
+// chunk of a scored prompt's logits, rows for positions from, from+1, …:
+// the caller's from then on.
+type token struct {
+	id     int
+	lp     *TokenLogprob
+	eos    bool
+	logits []float32
+	from   int
 }
 
 func (s *sequence) finish(err error) {
@@ -477,8 +619,17 @@ func (e *Engine) run() {
 				}
 				s.cache, s.sampler, s.next = c, llm.NewSampler(s.req.Sample), s.req.Prompt
 				s.logits = make([]float32, cfg.Vocab)
+				if s.req.PromptLogprobs {
+					s.scoring = true
+					s.next = s.req.Prompt[:min(e.scoreChunk(), len(s.req.Prompt))]
+				}
 			}
 			live = append(live, s)
+			if s.scoring { // every position's logits, in a buffer the caller will own
+				s.logits = make([]float32, len(s.next)*cfg.Vocab)
+				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits})
+				continue
+			}
 			steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits, LastOnly: true})
 		}
 		active = live
@@ -496,13 +647,38 @@ func (e *Engine) run() {
 		// One new token for each sequence.
 		live = active[:0]
 		for _, s := range active {
-			id := s.sampler.Sample(s.logits)
+			row := s.logits
+			if s.scoring { // a chunk of a scored prefill: hand its logits over
+				s.tokens <- token{logits: row, from: s.scored}
+				s.scored += len(s.next)
+				if p := s.req.Prompt; s.scored < len(p) {
+					s.next = p[s.scored:min(s.scored+e.scoreChunk(), len(p))]
+					live = append(live, s)
+					continue
+				}
+				s.scoring = false
+				row = row[len(row)-cfg.Vocab:] // read-only from here on, on both sides
+				s.logits = make([]float32, cfg.Vocab)
+				if s.req.MaxTokens == 0 {
+					s.finish(nil)
+					continue
+				}
+			}
+			id := s.sampler.Sample(row)
+			var lp *TokenLogprob
+			if s.req.Logprobs {
+				v, top := llm.Logprobs(row, id, s.req.TopLogprobs)
+				lp = &TokenLogprob{ID: id, Logprob: v, Top: top}
+			}
 			if slices.Contains(e.Stop, id) {
+				if lp != nil {
+					s.tokens <- token{id: id, lp: lp, eos: true}
+				}
 				s.eos = true
 				s.finish(nil)
 				continue
 			}
-			s.tokens <- id
+			s.tokens <- token{id: id, lp: lp}
 			s.n++
 			e.generated.Add(1)
 			if s.n >= s.req.MaxTokens {

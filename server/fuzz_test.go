@@ -55,6 +55,9 @@ func FuzzRequest(f *testing.F) {
 	f.Add("/v1/completions", `{"model": "llama-tiny", "prompt": ["a", "b"], "n": 2}`)
 	f.Add("/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}`)
 	f.Add("/v1/completions", `{"model": "llama-tiny", "prompt": "x", "max_tokens": -1, "temperature": 1e308}`)
+	f.Add("/v1/completions", `{"model": "llama-tiny", "prompt": [[0, 5], [7]], "echo": true, "logprobs": 5, "max_tokens": 0}`)
+	f.Add("/v1/completions", `{"model": "llama-tiny", "prompt": [0], "echo": true, "logprobs": 1, "max_tokens": 1, "stream": true}`)
+	f.Add("/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": "Hi"}], "logprobs": true, "top_logprobs": 20, "stream": true}`)
 	f.Fuzz(func(t *testing.T, path, body string) {
 		if path != "/v1/chat/completions" {
 			path = "/v1/completions"

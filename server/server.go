@@ -9,6 +9,13 @@
 // Requests follow the OpenAI schema (model, messages or prompt,
 // max_tokens / max_completion_tokens, temperature, top_p, stop, seed,
 // stream, stream_options.include_usage) and answers carry usage counts.
+// Log-probabilities come in each API's shape: on /v1/completions,
+// logprobs (0–5) and echo in the legacy form {tokens, token_logprobs,
+// top_logprobs, text_offset}, echo with max_tokens 0 scoring the prompt
+// alone, and prompts as text, token ids or a list of either (one choice
+// each) — what evaluation harnesses send; on /v1/chat/completions,
+// logprobs true with top_logprobs (0–20). Streamed chunks carry their
+// tokens' log-probabilities.
 //
 // Every error, whatever the route, is answered in OpenAI's shape
 // {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON
@@ -40,6 +47,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -305,6 +313,59 @@ type params struct {
 	StreamOptions       *struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
+	// Logprobs is an integer (0–5) on /v1/completions, a boolean on
+	// /v1/chat/completions (with TopLogprobs, 0–20): read per route.
+	Logprobs    json.RawMessage `json:"logprobs"`
+	TopLogprobs *int            `json:"top_logprobs"`
+}
+
+// maxCompletionLogprobs is the legacy completions API's limit on
+// logprobs (the alternatives reported at each position).
+const maxCompletionLogprobs = 5
+
+// logprobOptions are what a request asks for: per-token logprobs with
+// top alternatives, the prompt's too (echo), or neither.
+type logprobOptions struct {
+	want bool // logprobs were asked for
+	top  int  // alternatives at each position
+	echo bool // completions: return the prompt (and its logprobs) too
+}
+
+// completionLogprobs reads a completion's "logprobs": null or an integer
+// from 0 to 5.
+func completionLogprobs(raw json.RawMessage) (logprobOptions, error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return logprobOptions{}, nil
+	}
+	var n int
+	if err := json.Unmarshal(raw, &n); err != nil {
+		return logprobOptions{}, invalid("logprobs", "logprobs must be an integer from 0 to %d (the alternatives reported at each token) or null on /v1/completions", maxCompletionLogprobs)
+	}
+	if n < 0 || n > maxCompletionLogprobs {
+		return logprobOptions{}, invalid("logprobs", "logprobs must be from 0 to %d, got %d", maxCompletionLogprobs, n)
+	}
+	return logprobOptions{want: true, top: n}, nil
+}
+
+// chatLogprobs reads a chat's "logprobs" (a boolean) and "top_logprobs"
+// (0–20, only with logprobs true), as OpenAI's chat API has them.
+func chatLogprobs(raw json.RawMessage, top *int) (logprobOptions, error) {
+	var want bool
+	if len(raw) != 0 && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &want); err != nil {
+			return logprobOptions{}, invalid("logprobs", "logprobs must be a boolean on /v1/chat/completions (ask for alternatives with top_logprobs, 0 to %d); the integer form is the legacy /v1/completions API's", engine.MaxTopLogprobs)
+		}
+	}
+	if top == nil {
+		return logprobOptions{want: want}, nil
+	}
+	switch {
+	case *top < 0 || *top > engine.MaxTopLogprobs:
+		return logprobOptions{}, invalid("top_logprobs", "top_logprobs must be from 0 to %d, got %d", engine.MaxTopLogprobs, *top)
+	case !want && *top > 0:
+		return logprobOptions{}, invalid("top_logprobs", "top_logprobs needs logprobs: true")
+	}
+	return logprobOptions{want: want, top: *top}, nil
 }
 
 // decode reads a JSON body within the size limit.
@@ -347,8 +408,9 @@ func (s *Server) checkPromptBytes(e *engine.Engine, param string, n int) error {
 
 // request turns params and a prompt into an engine request, with OpenAI's
 // defaults: temperature 1, top_p 1, max_tokens up to the context's end.
-func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam string) (engine.Request, error) {
-	req := engine.Request{Prompt: prompt, Sample: llm.SampleOptions{Temperature: 1, TopP: 1}}
+func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam string, lo logprobOptions) (engine.Request, error) {
+	req := engine.Request{Prompt: prompt, Sample: llm.SampleOptions{Temperature: 1, TopP: 1},
+		Logprobs: lo.want, TopLogprobs: lo.top, PromptLogprobs: lo.echo && lo.want}
 	if p.N != nil && *p.N != 1 {
 		return req, invalid("n", "n must be 1, got %d", *p.N)
 	}
@@ -364,6 +426,13 @@ func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam 
 		req.MaxTokens = *p.MaxTokens
 	default:
 		req.MaxTokens = max(ctxLen-len(prompt), 1)
+	}
+	if req.MaxTokens == 0 && lo.echo {
+		// The prompt alone, as loglikelihood evaluations ask: scoring
+		// it is what lets the engine run no generation step.
+		req.PromptLogprobs = true
+	} else if req.MaxTokens <= 0 {
+		return req, invalid("max_tokens", "max_tokens must be positive, got %d (0 only with echo: the prompt scored, nothing generated)", req.MaxTokens)
 	}
 	if p.Temperature != nil {
 		if *p.Temperature < 0 || *p.Temperature > 2 {
@@ -456,13 +525,30 @@ type chatRequest struct {
 type completionRequest struct {
 	params
 	Prompt json.RawMessage `json:"prompt"`
+	Echo   bool            `json:"echo"`
 }
+
+// prompt is one prompt to complete: its ids, and its text (what echo
+// returns: the text sent, or a prompt of token ids decoded).
+type prompt struct {
+	ids  []int
+	text string
+}
+
+// maxPrompts bounds the prompts of one completion request (a batch, as
+// evaluation harnesses send), and maxParallel how many of them run at
+// once.
+const (
+	maxPrompts  = 256
+	maxParallel = 8
+)
 
 // generation runs the steps every generation request shares: the model
 // must be loaded, the request within the rate and concurrency limits, its
-// body within the size limit; parse then reads the prompt's ids.
+// body within the size limit; parse then reads the prompts and what the
+// request asks of logprobs.
 func (s *Server) generation(w http.ResponseWriter, r *http.Request, rs *reqState, body any, p *params,
-	parse func(e *engine.Engine) ([]int, error), isChat bool) {
+	parse func(e *engine.Engine) ([]prompt, logprobOptions, error), isChat bool) {
 	e := s.engine()
 	if e == nil {
 		writeError(w, rs, errLoading)
@@ -484,19 +570,27 @@ func (s *Server) generation(w http.ResponseWriter, r *http.Request, rs *reqState
 		writeError(w, rs, err)
 		return
 	}
-	prompt, err := parse(e)
+	prompts, lo, err := parse(e)
 	if err != nil {
 		writeError(w, rs, err)
 		return
 	}
-	s.run(w, r, rs, e, p, prompt, isChat)
+	if len(prompts) > 1 {
+		s.runMany(w, r, rs, e, p, prompts, lo)
+		return
+	}
+	s.run(w, r, rs, e, p, prompts[0], isChat, lo)
 }
 
 func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request, rs *reqState) {
 	var cr chatRequest
-	s.generation(w, r, rs, &cr, &cr.params, func(e *engine.Engine) ([]int, error) {
+	s.generation(w, r, rs, &cr, &cr.params, func(e *engine.Engine) ([]prompt, logprobOptions, error) {
+		lo, err := chatLogprobs(cr.Logprobs, cr.TopLogprobs)
+		if err != nil {
+			return nil, lo, err
+		}
 		if len(cr.Messages) == 0 {
-			return nil, invalid("messages", "messages must hold at least one message")
+			return nil, lo, invalid("messages", "messages must hold at least one message")
 		}
 		n := 0
 		msgs := make([]chat.Message, len(cr.Messages))
@@ -505,28 +599,80 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request, rs *req
 			n += len(m.Role) + len(m.Content)
 		}
 		if err := s.checkPromptBytes(e, "messages", n); err != nil {
-			return nil, err
+			return nil, lo, err
 		}
-		return e.EncodeChat(msgs)
+		ids, err := e.EncodeChat(msgs)
+		return []prompt{{ids: ids}}, lo, err
 	}, true)
 }
 
 func (s *Server) completions(w http.ResponseWriter, r *http.Request, rs *reqState) {
 	var cr completionRequest
-	s.generation(w, r, rs, &cr, &cr.params, func(e *engine.Engine) ([]int, error) {
-		var text string
-		if err := json.Unmarshal(cr.Prompt, &text); err != nil {
-			var list []string
-			if json.Unmarshal(cr.Prompt, &list) != nil || len(list) != 1 {
-				return nil, invalid("prompt", "prompt must be a string (or a list of exactly one string)")
-			}
-			text = list[0]
+	s.generation(w, r, rs, &cr, &cr.params, func(e *engine.Engine) ([]prompt, logprobOptions, error) {
+		lo, err := completionLogprobs(cr.Logprobs)
+		if err != nil {
+			return nil, lo, err
 		}
+		if cr.TopLogprobs != nil {
+			return nil, lo, invalid("top_logprobs", "top_logprobs belongs to /v1/chat/completions; on /v1/completions logprobs (0 to %d) is the number of alternatives", maxCompletionLogprobs)
+		}
+		lo.echo = cr.Echo
+		prompts, err := s.completionPrompts(e, cr.Prompt)
+		if err == nil && len(prompts) > 1 && cr.Stream {
+			err = invalid("stream", "streaming answers one prompt at a time; send %d prompts without stream", len(prompts))
+		}
+		return prompts, lo, err
+	}, false)
+}
+
+// completionPrompts reads a completion's prompt in any of the API's
+// forms: a string, a list of strings, a list of token ids, or a list of
+// lists of token ids. Text gets the tokenizer's special tokens (BOS);
+// token ids are taken as they are, as evaluation harnesses that
+// tokenize themselves expect.
+func (s *Server) completionPrompts(e *engine.Engine, raw json.RawMessage) ([]prompt, error) {
+	const want = "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+	var text string
+	if json.Unmarshal(raw, &text) == nil {
 		if err := s.checkPromptBytes(e, "prompt", len(text)); err != nil {
 			return nil, err
 		}
-		return e.Encode(text), nil
-	}, false)
+		return []prompt{{ids: e.Encode(text), text: text}}, nil
+	}
+	var list []json.RawMessage
+	if err := json.Unmarshal(raw, &list); err != nil || len(list) == 0 {
+		return nil, invalid("prompt", "%s", want)
+	}
+	if len(list) > maxPrompts {
+		return nil, invalid("prompt", "at most %d prompts in one request, got %d", maxPrompts, len(list))
+	}
+	var ids []int
+	if json.Unmarshal(raw, &ids) == nil { // one prompt of token ids
+		return []prompt{{ids: ids, text: e.Tokenizer.Decode(ids, true)}}, nil
+	}
+	out := make([]prompt, len(list))
+	n := 0
+	for i, item := range list {
+		if json.Unmarshal(item, &text) == nil {
+			n += len(text)
+			out[i] = prompt{text: text}
+			continue
+		}
+		var ids []int
+		if json.Unmarshal(item, &ids) != nil {
+			return nil, invalid("prompt", "%s (item %d is neither)", want, i)
+		}
+		out[i] = prompt{ids: ids, text: e.Tokenizer.Decode(ids, true)}
+	}
+	if err := s.checkPromptBytes(e, "prompt", n); err != nil {
+		return nil, err
+	}
+	for i := range out {
+		if out[i].ids == nil {
+			out[i].ids = e.Encode(out[i].text)
+		}
+	}
+	return out, nil
 }
 
 // usage is OpenAI's token accounting.
@@ -541,9 +687,9 @@ func usageOf(res *engine.Result) *usage {
 }
 
 // run generates and answers, streamed or whole.
-func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *engine.Engine, p *params, prompt []int, isChat bool) {
+func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *engine.Engine, p *params, pr prompt, isChat bool, lo logprobOptions) {
 	start := time.Now()
-	req, err := s.request(e, p, prompt, map[bool]string{true: "messages", false: "prompt"}[isChat])
+	req, err := s.request(e, p, pr.ids, map[bool]string{true: "messages", false: "prompt"}[isChat], lo)
 	if err != nil {
 		writeError(w, rs, err)
 		return
@@ -581,12 +727,11 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 	id := fmt.Sprintf("%s-%d", map[bool]string{true: "chatcmpl", false: "cmpl"}[isChat], s.ids.Add(1))
 	object := map[bool]string{true: "chat.completion", false: "text_completion"}[isChat]
 	head := map[string]any{"id": id, "object": object, "created": time.Now().Unix(), "model": s.opt.Model}
-	choice := func(text string, finish any, first bool) map[string]any {
-		c := map[string]any{"index": 0, "finish_reason": finish}
+	choice := func(text string, finish any, first bool, logprobs any) map[string]any {
+		c := map[string]any{"index": 0, "finish_reason": finish, "logprobs": logprobs}
 		switch {
 		case !isChat:
 			c["text"] = text
-			c["logprobs"] = nil
 		case p.Stream && first:
 			c["delta"] = map[string]any{"role": "assistant", "content": text}
 		case p.Stream:
@@ -606,6 +751,11 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 		}
 		return out
 	}
+	echo := !isChat && lo.echo
+	var lw *logprobWriter
+	if lo.want {
+		lw = newLogprobWriter(e, pr, echo, isChat)
+	}
 
 	if !p.Stream {
 		res, err := e.Generate(ctx, req, func(string) error { ttft(); return nil })
@@ -614,7 +764,15 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 			writeError(w, rs, timedOut(err))
 			return
 		}
-		writeJSON(w, http.StatusOK, with(map[string]any{"choices": []any{choice(res.Text, res.FinishReason, false)}, "usage": usageOf(res)}))
+		text := res.Text
+		if echo {
+			text = pr.text + text
+		}
+		var logprobs any
+		if lw != nil {
+			logprobs = lw.add(res.PromptLogprobs, res.Logprobs)
+		}
+		writeJSON(w, http.StatusOK, with(map[string]any{"choices": []any{choice(text, res.FinishReason, false, logprobs)}, "usage": usageOf(res)}))
 		return
 	}
 
@@ -646,10 +804,21 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 		}
 		return nil
 	}
-	first := true // the first chunk also carries the assistant's role
-	res, err := e.Generate(ctx, req, func(text string) error {
+	first := true // the first chunk also carries the assistant's role, or the echoed prompt
+	res, err := e.GenerateChunks(ctx, req, func(c engine.Chunk) error {
+		if c.Text == "" && len(c.Logprobs) == 0 && c.PromptLogprobs == nil {
+			return nil
+		}
 		ttft()
-		err := event(with(map[string]any{"choices": []any{choice(text, nil, first)}}))
+		text := c.Text
+		if echo && first {
+			text = pr.text + text
+		}
+		var logprobs any
+		if lw != nil {
+			logprobs = lw.add(c.PromptLogprobs, c.Logprobs)
+		}
+		err := event(with(map[string]any{"choices": []any{choice(text, nil, first, logprobs)}}))
 		first = false
 		return err
 	})
@@ -667,7 +836,11 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 		}
 		return
 	}
-	if err := event(with(map[string]any{"choices": []any{choice("", res.FinishReason, first)}})); err != nil {
+	last := ""
+	if echo && first { // nothing was streamed: the prompt still is the answer's start
+		last = pr.text
+	}
+	if err := event(with(map[string]any{"choices": []any{choice(last, res.FinishReason, first, nil)}})); err != nil {
 		return
 	}
 	if p.StreamOptions != nil && p.StreamOptions.IncludeUsage {
@@ -676,6 +849,91 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 		}
 	}
 	event([]byte("[DONE]"))
+}
+
+// runMany answers a completion request of several prompts (not
+// streamed): one choice each, index in the order sent, usage summed. The
+// prompts run as concurrent engine requests, at most maxParallel at once,
+// so they share forward passes with each other and with other clients.
+func (s *Server) runMany(w http.ResponseWriter, r *http.Request, rs *reqState, e *engine.Engine, p *params, prompts []prompt, lo logprobOptions) {
+	reqs := make([]engine.Request, len(prompts))
+	for i, pr := range prompts {
+		req, err := s.request(e, p, pr.ids, "prompt", lo)
+		if err != nil {
+			if ae, ok := err.(*apiError); ok {
+				ae.Message = fmt.Sprintf("prompt %d: %s", i, ae.Message)
+			}
+			writeError(w, rs, err)
+			return
+		}
+		reqs[i] = req
+	}
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	if s.opt.RequestTimeout > 0 {
+		ctx, cancel = context.WithTimeout(ctx, s.opt.RequestTimeout)
+		defer cancel()
+	}
+	results := make([]*engine.Result, len(prompts))
+	errs := make([]error, len(prompts))
+	sem := make(chan struct{}, maxParallel)
+	var wg sync.WaitGroup
+	for i := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			if ctx.Err() != nil {
+				errs[i] = ctx.Err()
+				return
+			}
+			results[i], errs[i] = e.Generate(ctx, reqs[i], nil)
+			if errs[i] != nil {
+				cancel()
+			}
+		}()
+	}
+	wg.Wait()
+	total := &usage{}
+	for _, res := range results {
+		if res != nil {
+			total.PromptTokens += res.PromptTokens
+			total.CompletionTokens += res.CompletionTokens
+		}
+	}
+	total.TotalTokens = total.PromptTokens + total.CompletionTokens
+	rs.promptTokens, rs.completionTokens = total.PromptTokens, total.CompletionTokens
+	s.m.promptTokens.Add(int64(total.PromptTokens))
+	s.m.completionTokens.Add(int64(total.CompletionTokens))
+	for _, err := range errs { // the first cause, not the cancellations it caused
+		if err != nil && !errors.Is(err, context.Canceled) {
+			if errors.Is(err, context.DeadlineExceeded) && r.Context().Err() == nil {
+				err = &apiError{Status: http.StatusGatewayTimeout, Type: "server_error", Code: "timeout",
+					Message: fmt.Sprintf("the generation did not finish within this server's request timeout of %v", s.opt.RequestTimeout)}
+			}
+			writeError(w, rs, err)
+			return
+		}
+	}
+	if err := r.Context().Err(); err != nil {
+		writeError(w, rs, err)
+		return
+	}
+	choices := make([]any, len(prompts))
+	for i, res := range results {
+		text := res.Text
+		if lo.echo {
+			text = prompts[i].text + text
+		}
+		var logprobs any
+		if lo.want {
+			logprobs = newLogprobWriter(e, prompts[i], lo.echo, false).add(res.PromptLogprobs, res.Logprobs)
+		}
+		choices[i] = map[string]any{"index": i, "text": text, "logprobs": logprobs, "finish_reason": res.FinishReason}
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"id": fmt.Sprintf("cmpl-%d", s.ids.Add(1)), "object": "text_completion",
+		"created": time.Now().Unix(), "model": s.opt.Model, "choices": choices, "usage": total})
 }
 
 func (s *Server) models(w http.ResponseWriter, r *http.Request, rs *reqState) {

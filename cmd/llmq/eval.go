@@ -14,11 +14,12 @@ import (
 
 func newEval() *cobra.Command {
 	cmd := &cobra.Command{
-		Use:     "eval",
-		Short:   "Evaluate a model",
-		Example: `  llmq eval ppl ../shared/models/llama-tiny --data ../shared/data/wikitext2/wiki.test.raw --windows 8`,
+		Use:   "eval",
+		Short: "Evaluate a model",
+		Example: `  llmq eval ppl ../shared/models/llama-tiny --data ../shared/data/wikitext2/wiki.test.raw --windows 8
+  llmq eval tasks ../shared/models/llama-tiny --tasks evals/tasks/llmq-facts.jsonl`,
 	}
-	cmd.AddCommand(newEvalPPL())
+	cmd.AddCommand(newEvalPPL(), newEvalTasks())
 	return cmd
 }
 
@@ -119,4 +120,64 @@ func writeJSON(path string, v any) error {
 		return err
 	}
 	return os.Rename(tmp, path)
+}
+
+func newEvalTasks() *cobra.Command {
+	var tasks, jsonOut, device string
+	cmd := &cobra.Command{
+		Use:   "tasks MODEL_DIR --tasks FILE.jsonl",
+		Short: "Multiple-choice accuracy (acc and lm-eval's length-normalised acc_norm)",
+		Long: `Scores multiple-choice items the way lm-evaluation-harness scores its
+loglikelihood tasks. Each line of --tasks is one item:
+
+  {"context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0}
+
+For each choice, the log-likelihood of its tokens after the context (the
+context and context+choice are encoded, with BOS, and the choice's tokens
+are the extra ones; whitespace ending the context moves to the choice).
+acc: the answer is the choice of highest log-likelihood; acc_norm: of
+highest log-likelihood per byte of the choice. Both with standard errors.
+Run it on a model and its quantized versions to compare them item by item
+(--json keeps every item's scores).`,
+		Example: `  llmq eval tasks ../shared/models/llama-small --tasks evals/tasks/llmq-facts.jsonl
+  llmq eval tasks out/llama-small-gptq --tasks evals/tasks/llmq-facts.jsonl --device cuda --json tasks.json`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if tasks == "" {
+				return fmt.Errorf("--tasks FILE.jsonl is required (one {\"context\", \"choices\", \"answer\"} item a line)")
+			}
+			items, err := evals.ReadTasks(tasks)
+			if err != nil {
+				return fmt.Errorf("--tasks: %w", err)
+			}
+			fmt.Fprintf(os.Stderr, "llmq: loading %s\n", args[0])
+			m, err := openModel(args[0], device)
+			if err != nil {
+				return err
+			}
+			defer m.Close()
+			bar := progress.New("tasks", len(items))
+			bar.Set(0, "")
+			res, err := evals.ScoreTasks(cmd.Context(), m.Backend, m.Tokenizer, items, evals.TaskOptions{
+				Progress: func(done, total int) { bar.Set(done, "") }})
+			if err != nil {
+				return fmt.Errorf("--tasks %s: %w", tasks, err)
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "acc         %.4f ± %.4f\n", res.Acc, res.AccStderr)
+			fmt.Fprintf(w, "acc_norm    %.4f ± %.4f\n", res.AccNorm, res.AccNormStderr)
+			fmt.Fprintf(w, "items       %d (%d choices, %d tokens run)\n", res.Items, res.Choices, res.Tokens)
+			fmt.Fprintf(w, "time        %.1f s on %s\n", res.Seconds, m.Backend.Name())
+			if jsonOut != "" {
+				rec := evals.NewRecord("tasks", map[string]any{"model": args[0], "tasks": tasks, "backend": m.Backend.Name(),
+					"load_s": m.LoadTime.Seconds(), "result": res})
+				return writeJSON(jsonOut, rec)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&tasks, "tasks", "", "JSON Lines file of multiple-choice items (required)")
+	cmd.Flags().StringVar(&jsonOut, "json", "", "also write the result, with every item's scores, as JSON to this file")
+	cmd.Flags().StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu, or cuda")
+	return cmd
 }

@@ -87,6 +87,38 @@ await check("/metrics counts the requests", async () => {
   assert.match(text, /^llmq_completion_tokens_total \d+$/m);
 });
 
+// Logprobs, after /metrics (which counts the requests above).
+await check("echo with logprobs and max_tokens 0 (lm-evaluation-harness's loglikelihood request)", async () => {
+  const prompt = "The history of the";
+  const r = await client.completions.create({ model: name, prompt, echo: true, logprobs: 1, max_tokens: 0, temperature: 0 });
+  const lp = r.choices[0].logprobs;
+  assert.equal(r.choices[0].text, prompt);
+  assert.deepEqual(Object.keys(lp).sort(), ["text_offset", "token_logprobs", "tokens", "top_logprobs"]);
+  const n = lp.tokens.length;
+  assert.equal(n, r.usage.prompt_tokens);
+  for (const k of ["token_logprobs", "top_logprobs", "text_offset"]) assert.equal(lp[k].length, n, k);
+  assert.equal(lp.token_logprobs[0], null);
+  assert.equal(lp.top_logprobs[0], null);
+  assert.equal(lp.tokens.slice(1).join(""), prompt);
+  for (let i = 1; i < n; i++) {
+    assert.ok(lp.token_logprobs[i] < 0, `logprob ${lp.token_logprobs[i]}`);
+    assert.equal(lp.top_logprobs[i][lp.tokens[i]], lp.token_logprobs[i]);
+    assert.equal(lp.text_offset[i], lp.tokens.slice(1, i).join("").length);
+  }
+});
+await check("chat logprobs, whole and streamed", async () => {
+  const req = { model: name, messages, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 2 };
+  const r = await client.chat.completions.create(req);
+  const content = r.choices[0].logprobs.content;
+  assert.equal(content.length, 8);
+  assert.equal(content.map((c) => c.token).join(""), r.choices[0].message.content);
+  for (const c of content) { assert.equal(c.top_logprobs.length, 2); assert.ok(c.logprob <= c.top_logprobs[0].logprob); }
+  const stream = await client.chat.completions.create({ ...req, stream: true });
+  const streamed = [];
+  for await (const c of stream) if (c.choices.length && c.choices[0].logprobs) streamed.push(...c.choices[0].logprobs.content);
+  assert.deepEqual(streamed.map((c) => c.token), content.map((c) => c.token));
+});
+
 server.kill("SIGTERM");
 const { code, signal } = await exited;
 await check("SIGTERM stops the server cleanly", async () => assert.equal(code, 0, `exit code ${code}, signal ${signal}`));
