@@ -735,3 +735,24 @@ func TestRequestTimeoutWhileQueued(t *testing.T) {
 		t.Errorf("sequences left behind: %+v", st)
 	}
 }
+
+// TestDefaultMaxTokens: a request that names no max_tokens generates at
+// most the server's default (here 5), not to the end of the context.
+func TestDefaultMaxTokens(t *testing.T) {
+	ts, _, _ := serveWith(t, Options{DefaultMaxTokens: 5}, engine.Options{}, nil)
+	resp, body := do(t, "POST", ts.URL+"/v1/completions", `{"model": "llama-tiny", "prompt": "The history of the", "temperature": 0}`)
+	var out struct {
+		Usage struct {
+			CompletionTokens int `json:"completion_tokens"`
+		}
+		Choices []struct {
+			FinishReason string `json:"finish_reason"`
+		}
+	}
+	if err := json.Unmarshal(body, &out); err != nil || resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	if out.Usage.CompletionTokens != 5 || out.Choices[0].FinishReason != "length" {
+		t.Errorf("%d tokens, finish %q; want 5 and length", out.Usage.CompletionTokens, out.Choices[0].FinishReason)
+	}
+}

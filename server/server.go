@@ -61,6 +61,11 @@ import (
 type Options struct {
 	Model        string // the model's name in requests and /v1/models
 	MaxBodyBytes int64  // request body limit (default 1 MiB): 413 beyond it
+	// DefaultMaxTokens bounds a request that names no max_tokens
+	// (DefaultMaxTokensValue when 0), and the room left in the context
+	// bounds it again: without it, a request would generate to the end of
+	// the context (131,072 tokens for Llama-3.1).
+	DefaultMaxTokens int
 	// MaxPromptBytes limits a prompt's text (a completion's prompt, or the
 	// sum of a chat's message roles and contents) before it is tokenized: 400
 	// beyond it. By default it is the longest prompt that could fit the
@@ -406,8 +411,12 @@ func (s *Server) checkPromptBytes(e *engine.Engine, param string, n int) error {
 	return nil
 }
 
+// DefaultMaxTokensValue is max_tokens for a request that sets none.
+const DefaultMaxTokensValue = 1024
+
 // request turns params and a prompt into an engine request, with OpenAI's
-// defaults: temperature 1, top_p 1, max_tokens up to the context's end.
+// defaults (temperature 1, top_p 1) and max_tokens DefaultMaxTokens, at
+// most what the context has room for.
 func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam string, lo logprobOptions) (engine.Request, error) {
 	req := engine.Request{Prompt: prompt, Sample: llm.SampleOptions{Temperature: 1, TopP: 1},
 		Logprobs: lo.want, TopLogprobs: lo.top, PromptLogprobs: lo.echo && lo.want}
@@ -425,7 +434,11 @@ func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam 
 	case p.MaxTokens != nil:
 		req.MaxTokens = *p.MaxTokens
 	default:
-		req.MaxTokens = max(ctxLen-len(prompt), 1)
+		def := s.opt.DefaultMaxTokens
+		if def <= 0 {
+			def = DefaultMaxTokensValue
+		}
+		req.MaxTokens = max(min(def, ctxLen-len(prompt)), 1)
 	}
 	if req.MaxTokens == 0 && lo.echo {
 		// The prompt alone, as loglikelihood evaluations ask: scoring

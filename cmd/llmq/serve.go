@@ -113,6 +113,7 @@ stops accepting connections and lets running requests finish for up to
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot before 503")
 	f.DurationVar(&tout.Grace, "grace", 30*time.Second, "on SIGTERM, how long running requests may take to finish")
 	f.Int64Var(&sopt.MaxBodyBytes, "max-body", 1<<20, "request body limit in bytes (413 beyond)")
+	f.IntVar(&sopt.DefaultMaxTokens, "default-max-tokens", server.DefaultMaxTokensValue, "max_tokens of a request that sets none (bounded by the room left in the context)")
 	f.IntVar(&sopt.MaxPromptBytes, "max-prompt-bytes", 0, "prompt text limit in bytes, checked before tokenizing (400 beyond; 0: context × longest token, the most that could fit)")
 	f.StringVar(&sopt.APIKey, "api-key", "", "require \"Authorization: Bearer KEY\" on every route but /health (default: $LLMQ_API_KEY; empty: no key)")
 	f.IntVar(&sopt.MaxConcurrent, "max-concurrent", 256, "most generation requests handled at once, queued ones included (429 beyond; 0: no limit)")
