@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"math"
 	"os"
@@ -464,5 +465,19 @@ func TestInt8Weights(t *testing.T) {
 		if g := mustLLMQ(t, "generate", out, "--prompt", "Once upon a time", "--max-tokens", "4", "--device", "cpu"); !strings.HasPrefix(g, "Once upon a time") {
 			t.Errorf("8-bit, group %s: generate printed %q", group, g)
 		}
+	}
+}
+
+// TestQuantizeEval: --eval measures the written checkpoint's perplexity —
+// the figure eval ppl gives for it — and adds it to the model card.
+func TestQuantizeEval(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	data := shared.Path(t, "data/wikitext2/wiki.test.raw")
+	out := filepath.Join(t.TempDir(), "q")
+	mustLLMQ(t, "quantize", model, "--method", "rtn", "-o", out, "--eval", data, "--eval-windows", "2", "--eval-seqlen", "256", "--eval-device", "cpu")
+	want := perplexity(t, mustLLMQ(t, "eval", "ppl", out, "--data", data, "--windows", "2", "--seqlen", "256", "--device", "cpu"))
+	card, _ := os.ReadFile(filepath.Join(out, "README.md"))
+	if !strings.Contains(string(card), fmt.Sprintf("Perplexity %.4f on wiki.test.raw: 2 windows of 256 tokens", want)) {
+		t.Errorf("model card lacks the perplexity %.4f:\n%s", want, card)
 	}
 }

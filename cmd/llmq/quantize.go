@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 
@@ -27,7 +28,8 @@ func newQuantize() *cobra.Command {
 	var sym, duo, noClip bool
 	var reportPath, statsPath, shardSize string
 	var plan planFlags
-	var planPath string
+	var planPath, evalData, evalDevice string
+	var evalWindows, evalSeqLen int
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
 		Short: "Quantize a checkpoint to INT4 (GPTQ, AWQ, RTN) and write a packed checkpoint",
@@ -140,13 +142,23 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				bar.Set(blocks, "done")
 			}
 			printReport(cmd, rep)
+			var ppl *evals.PPLResult
+			if evalData != "" {
+				if ppl, err = evalOutput(cmd, opt.Out, evalData, evalDevice, evals.PPLOptions{SeqLen: evalSeqLen, Windows: evalWindows}); err != nil {
+					return fmt.Errorf("--eval: %w (the checkpoint was written to %s)", err, opt.Out)
+				}
+			}
 			if statsPath != "" {
 				if err := writeJSON(statsPath, map[string]any{"model": opt.Src, "layers": stats}); err != nil {
 					return err
 				}
 			}
 			if reportPath != "" {
-				return writeJSON(reportPath, evals.NewRecord("quantize", map[string]any{"model": opt.Src, "out": opt.Out, "report": rep}))
+				info := map[string]any{"model": opt.Src, "out": opt.Out, "report": rep}
+				if ppl != nil {
+					info["eval"] = map[string]any{"data": evalData, "result": ppl}
+				}
+				return writeJSON(reportPath, evals.NewRecord("quantize", info))
 			}
 			return nil
 		},
@@ -174,6 +186,10 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.BoolVar(&opt.Resume, "resume", false, "continue an interrupted run (same command and settings) from its last finished block")
 	f.BoolVar(&opt.Force, "force", false, "replace OUT if it exists and is empty or an earlier llmq output")
 	f.Var(ruleFlag{p: &plan}, "override", "mixed precision: quantize modules matching a glob (* any characters; re:EXPR for a regular expression) with other bits and group, e.g. 'layers.0.*=8', '*.down_proj=8:64', 'lm_head=8'; repeatable, the first match wins")
+	f.StringVar(&evalData, "eval", "", "after writing, measure the checkpoint's perplexity on this text (as eval ppl does) and add it to its model card")
+	f.IntVar(&evalWindows, "eval-windows", 0, "--eval: only the first N windows (0: all)")
+	f.IntVar(&evalSeqLen, "eval-seqlen", 2048, "--eval: window length in tokens")
+	f.StringVar(&evalDevice, "eval-device", "auto", "--eval: auto, cpu or cuda")
 	f.StringVar(&planPath, "plan", "", "mixed-precision plan from llmq sensitivity -o (its rules come after --override/--skip)")
 	f.Var(ruleFlag{p: &plan, skip: true}, "skip", "mixed precision: keep modules matching a glob (or re:EXPR) unquantized, e.g. 'layers.31.mlp.down_proj'; repeatable")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
@@ -234,4 +250,35 @@ func commandLine(cmd *cobra.Command) string {
 		parts = append(parts[:1], parts[2:]...) // CommandPath already holds it
 	}
 	return strings.Join(parts, " ")
+}
+
+// evalOutput measures a written checkpoint's perplexity on data and adds
+// it to the checkpoint's model card.
+func evalOutput(cmd *cobra.Command, dir, data, device string, opt evals.PPLOptions) (*evals.PPLResult, error) {
+	m, err := openModel(dir, device)
+	if err != nil {
+		return nil, err
+	}
+	defer m.Close()
+	ids, err := calib.ReadTokens(data, calib.FormatAuto, m.Tokenizer)
+	if err != nil {
+		return nil, err
+	}
+	res, err := evals.Perplexity(cmd.Context(), m.Backend, ids, opt)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "perplexity %.4f on %d windows of %d tokens of %s\n", res.Perplexity, res.Windows, res.SeqLen, data)
+	section := fmt.Sprintf("\n## Evaluation\n\nPerplexity %.4f on %s: %d windows of %d tokens (%d predicted), without BOS, each from an empty context, as `llmq eval ppl` measures it (%s).\n",
+		res.Perplexity, filepath.Base(data), res.Windows, res.SeqLen, res.Predicted, m.Backend.Name())
+	card := filepath.Join(dir, "README.md")
+	old, err := os.ReadFile(card)
+	if err != nil {
+		return nil, err
+	}
+	tmp := card + ".tmp"
+	if err := os.WriteFile(tmp, append(old, section...), 0o644); err != nil {
+		return nil, err
+	}
+	return &res, os.Rename(tmp, card)
 }
