@@ -72,11 +72,18 @@ import (
 // MinMax selects AWQ's variant (llm-awq pseudo_quantize_tensor): the range
 // is the group's own [min, max] (not stretched to hold 0), clamped to at
 // least 1e-5, and zero = clamp(−round(min/scale), 0, maxq).
+//
+// FP8 selects FP8 E4M3 codes instead of integers (compressed-tensors'
+// float-quantized format): Bits 8, symmetric, GroupSize −1 (a scale per
+// output channel) or PerTensor (one scale for the layer); a Linear then
+// holds E4M3 bytes in Q and w = Scale·e4m3(Q).
 type Grid struct {
 	Bits      int
 	GroupSize int
 	Sym       bool
 	MinMax    bool
+	FP8       bool
+	PerTensor bool
 }
 
 // A GridError is a grid parameter that cannot be used: which one ("bits"
@@ -95,6 +102,15 @@ func (e *GridError) Error() string { return fmt.Sprintf("%s %d: want %s", e.Fiel
 // their loaders read); the group size is −1 (one group per row) or any
 // size dividing the input width: GPTQ and AWQ checkpoints use 32 to 256.
 func (g Grid) Validate(in int) error {
+	if g.FP8 {
+		if g.Bits != 8 || g.GroupSize != -1 || !g.Sym || g.MinMax {
+			return fmt.Errorf("an FP8 grid is 8 bits, symmetric, per channel or per tensor (have bits %d, group %d, sym %v)", g.Bits, g.GroupSize, g.Sym)
+		}
+		return nil
+	}
+	if g.PerTensor {
+		return fmt.Errorf("a per-tensor scale is only supported for FP8 weights")
+	}
 	switch g.Bits {
 	case 2, 3, 4, 8:
 	default:
@@ -181,3 +197,11 @@ func Dequantize(q int, scale float32, zero int) float32 {
 
 // RoundF16 rounds a float32 to the nearest float16 value.
 func RoundF16(x float32) float32 { return float16.Fromfloat32(x).Float32() }
+
+// Describe names the grid's number format: "4 bits", "FP8 E4M3".
+func (g Grid) Describe() string {
+	if g.FP8 {
+		return "FP8 E4M3"
+	}
+	return fmt.Sprintf("%d bits", g.Bits)
+}
