@@ -1,52 +1,5 @@
 package pack
 
-// # compressed-tensors (quant_method "compressed-tensors")
-//
-// The format llm-compressor writes and vLLM loads natively (Neural Magic /
-// Red Hat, github.com/neuralmagic/compressed-tensors). quantization_config
-// holds config_groups, each a scheme {targets, weights, input_activations,
-// output_activations, format}: targets are class names ("Linear"), module
-// names, or "re:"-prefixed regular expressions matched from the start of
-// the name; "ignore" lists the modules left unquantized (same syntax). A
-// module takes the scheme of the group whose target matches it best (an
-// exact name before a regular expression before a class name). weights is
-// a QuantizationArgs: num_bits, type ("int" or "float"), symmetric,
-// strategy ("tensor", "channel", "group", …; inferred from group_size when
-// absent: none → tensor, −1 → channel, > 0 → group), group_size, actorder,
-// dynamic. format (of the config, or of a group under "mixed-precision")
-// says how the weights are stored. llmq reads and writes two formats.
-//
-// pack-quantized (integer weights, group or channel strategy), for a layer
-// of out outputs, in inputs, b bits, p = ⌊32/b⌋ values a word and G groups
-// (G = 1 for channel):
-//
-//	weight_packed      int32 [out, ⌈in/p⌉]  value k of row o at bits b·(k mod p) of word k/p
-//	weight_scale       float [out, G]       (the model's float dtype; llmq writes F16)
-//	weight_zero_point  int32 [⌈out/p⌉, G]   asymmetric only: zeros packed the same way along out
-//	weight_shape       int   [2]            (out, in)
-//	weight_g_idx       int32 [in]           act-order only: the group of each input
-//
-// The quantized values are signed, q ∈ [−2^(b−1), 2^(b−1)−1], with
-// w = scale·(q − zero), and zero = 0 when symmetric (no zero tensor is
-// stored). Packing adds 2^(b−1) to every value and zero, so the stored
-// fields are exactly GPTQ's unsigned codes and zeros: with llmq's grid
-// (codes in [0, 2^b−1], symmetric zero 2^(b−1)) the stored numbers are
-// Linear.Q and Linear.Zero as they are. Unlike GPTQ's bit stream, words
-// never straddle: for b = 3 a word holds 10 values and 2 bits of padding,
-// and rows are padded to whole words. Older writers stored an asymmetric
-// zero point unpacked, int8 [out, G], signed; llmq reads both.
-//
-// float-quantized (FP8 E4M3 weights, tensor or channel strategy):
-//
-//	weight        F8_E4M3 [out, in]       the codes, float8_e4m3fn
-//	weight_scale  float   [1] or [out, 1] one scale, or one per output
-//
-// with w = scale·e4m3(code). llm-compressor's FP8_DYNAMIC scheme stores
-// scales per channel and quantizes activations per token at run time;
-// its FP8 scheme scales weights per tensor with static activation scales
-// (input_scale). llmq's CPU loader dequantizes the weights; activation
-// quantization is simulated separately (eval --act-bits 8 --act-format fp8).
-
 import (
 	"encoding/json"
 	"fmt"
