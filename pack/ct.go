@@ -526,8 +526,23 @@ func ReadCTFloat(ck *checkpoint.Checkpoint, prefix string, in, out int, grid Gri
 			return nil, fmt.Errorf("tensor %q in %s: scale %v at %d: want a positive finite scale", st.Name, st.File, v, i)
 		}
 	}
-	return &Linear{In: in, Out: out, Grid: grid, Q: append([]uint8(nil), t.Data...), Scale: s,
-		Zero: make([]uint8, out), GIdx: make([]int32, in)}, nil
+	l := &Linear{In: in, Out: out, Grid: grid, Q: append([]uint8(nil), t.Data...), Scale: s,
+		Zero: make([]uint8, out), GIdx: make([]int32, in)}
+	if ck.Has(prefix + ".input_scale") {
+		it, _ := ck.Tensor(prefix + ".input_scale")
+		if it.Numel() != 1 || len(it.Shape) > 1 {
+			return nil, fmt.Errorf("tensor %q in %s: shape %v, expected one static input scale", it.Name, it.File, it.Shape)
+		}
+		v, err := ck.Float32(it.Name, it.Shape...)
+		if err != nil {
+			return nil, err
+		}
+		if !(v[0] > 0) {
+			return nil, fmt.Errorf("tensor %q in %s: input scale %v: want a positive finite scale", it.Name, it.File, v[0])
+		}
+		l.InputScale = v[0]
+	}
+	return l, nil
 }
 
 // CTTensors lays the layer out in compressed-tensors' format for its grid:
@@ -541,6 +556,9 @@ func (l *Linear) CTTensors(prefix string) (map[string]checkpoint.Out, error) {
 			t[prefix+".weight_scale"] = checkpoint.F32(l.Scale[:1], 1)
 		} else {
 			t[prefix+".weight_scale"] = checkpoint.F32(l.Scale, l.Out, 1)
+		}
+		if l.InputScale > 0 {
+			t[prefix+".input_scale"] = checkpoint.F32([]float32{l.InputScale}, 1)
 		}
 		return t, nil
 	}

@@ -67,6 +67,9 @@ func TestCTFixture(t *testing.T) {
 	if g, ok := q.GridFor("layers.f"); !ok || !g.FP8 || g.PerTensor {
 		t.Errorf("layers.f: grid %+v, %v; want FP8 per channel", g, ok)
 	}
+	if l, err := q.Read(ck, "layers.g", 4, 2); err != nil || l.InputScale != 0.75 {
+		t.Errorf("layers.g: input scale %v (%v), the fixture says 0.75", l.InputScale, err)
+	}
 	if g, ok := q.GridFor("layers.a"); !ok || g != (Grid{Bits: 4, GroupSize: 8}) {
 		t.Errorf("layers.a: grid %+v, %v; want 4 bits, groups of 8, asymmetric", g, ok)
 	}

@@ -21,6 +21,11 @@ type Linear struct {
 	Scale   []float32 // [groups][out], float16 values (FP8: float32)
 	Zero    []uint8   // [groups][out]
 	GIdx    []int32   // [in] the group of each input channel
+	// InputScale is the static scale of the layer's input activations
+	// (llm-compressor's FP8 scheme: x is run as e4m3(x / InputScale)),
+	// 0 when they are quantized dynamically or not at all. Loaders record
+	// it; they do not apply it.
+	InputScale float32
 }
 
 // Groups is the number of quantization groups along the input dimension.

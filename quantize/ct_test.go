@@ -106,7 +106,10 @@ func TestFP8Checkpoint(t *testing.T) {
 	for _, perTensor := range []bool{false, true} {
 		out := filepath.Join(dir, map[bool]string{false: "channel", true: "tensor"}[perTensor])
 		plan := pack.Dynamic{{Pattern: `model\.layers\.3\.self_attn\.o_proj$`, Skip: true}}
-		if _, err := Run(context.Background(), Options{Src: src, Out: out, Method: FP8{PerTensor: perTensor}, Plan: plan}); err != nil {
+		// Per tensor: llm-compressor's FP8 scheme, static activation scales.
+		meth := FP8{PerTensor: perTensor, StaticActivations: perTensor}
+		if _, err := Run(context.Background(), Options{Src: src, Out: out, Method: meth, Plan: plan,
+			Calib: shared.Path(t, "data/calib.txt"), NSamples: 4, SeqLen: 64}); err != nil {
 			t.Fatal(err)
 		}
 		m, err := pack.OpenModel(out)
@@ -122,8 +125,27 @@ func TestFP8Checkpoint(t *testing.T) {
 			t.Errorf("config: format %q, ignore %v", q.CT.Format, q.CT.Ignore)
 		}
 		s := q.CT.ConfigGroups["group_0"]
-		if ia := s.InputActivations; ia == nil || ia.Strategy != "token" || ia.Dynamic != true || ia.Type != "float" {
-			t.Errorf("input_activations %+v: want FP8 per token, dynamic", ia)
+		wantAct, wantDynamic := "token", true
+		if perTensor {
+			wantAct, wantDynamic = "tensor", false
+		}
+		if ia := s.InputActivations; ia == nil || ia.Strategy != wantAct || ia.Dynamic != wantDynamic || ia.Type != "float" {
+			t.Errorf("input_activations %+v: want FP8 %s, dynamic %v", ia, wantAct, wantDynamic)
+		}
+		// Static scales: one per layer input, shared by the layers that
+		// read it (q, k, v), absent when dynamic.
+		var scales []float32
+		for _, n := range []string{"q_proj", "k_proj", "v_proj", "o_proj"} {
+			outs := map[string]int{"q_proj": 256, "k_proj": 128, "v_proj": 128, "o_proj": 256} // 2 KV heads of 64
+			l, err := q.Read(ck, "model.layers.0.self_attn."+n, 256, outs[n])
+			if err != nil {
+				t.Fatal(err)
+			}
+			scales = append(scales, l.InputScale)
+		}
+		if perTensor && (scales[0] <= 0 || scales[0] != scales[1] || scales[1] != scales[2] || scales[3] <= 0 || scales[3] == scales[0]) ||
+			!perTensor && slices.ContainsFunc(scales, func(s float32) bool { return s != 0 }) {
+			t.Errorf("per-tensor %v: input scales of q, k, v, o: %v", perTensor, scales)
 		}
 		wt, _ := ck.Tensor(name + ".weight")
 		st, _ := ck.Tensor(name + ".weight_scale")

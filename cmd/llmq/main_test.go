@@ -200,7 +200,9 @@ func TestCommandLineErrors(t *testing.T) {
 		{"unknown method", []string{"quantize", model, "--method", "int4", "-o", out}, []string{"--method", `"int4"`, "gptq, awq, awq+gptq, rtn or fp8"}, nil},
 		{"unknown format", []string{"quantize", model, "--method", "rtn", "--format", "gguf", "-o", out}, []string{"--format", `"gguf"`, "compressed-tensors"}, nil},
 		{"bad --fp8-scale", []string{"quantize", model, "--method", "fp8", "--fp8-scale", "per-group", "-o", out}, []string{"--fp8-scale", `"per-group"`, "per-channel or per-tensor"}, nil},
-		{"--fp8-scale without fp8", []string{"quantize", model, "--method", "rtn", "--fp8-scale", "per-tensor", "-o", out}, []string{"--fp8-scale applies to --method fp8"}, nil},
+		{"--fp8-scale without fp8", []string{"quantize", model, "--method", "rtn", "--fp8-scale", "per-tensor", "-o", out}, []string{"--fp8-scale and --fp8-act apply to --method fp8"}, nil},
+		{"bad --fp8-act", []string{"quantize", model, "--method", "fp8", "--fp8-act", "token", "-o", out}, []string{"--fp8-act", `"token"`, "dynamic or static"}, nil},
+		{"static fp8 without --calib", []string{"quantize", model, "--method", "fp8", "--fp8-act", "static", "-o", out}, []string{"--calib"}, nil},
 		{"fp8 with --bits", []string{"quantize", model, "--method", "fp8", "--bits", "4", "-o", out}, []string{"--bits does not apply to --method fp8"}, nil},
 		{"fp8 as gptq", []string{"quantize", model, "--method", "fp8", "--format", "gptq", "-o", out}, []string{"--method fp8 writes --format compressed-tensors", `"gptq"`}, nil},
 		{"bits 5", []string{"quantize", model, "--method", "rtn", "--bits", "5", "-o", out}, []string{"--bits 5: want 2, 3, 4 or 8"}, nil},
@@ -474,7 +476,8 @@ func TestInt8Weights(t *testing.T) {
 
 // TestCompressedTensorsAndFP8 (issue 19 point 2, issue 17 point 3): RTN
 // written as compressed-tensors evaluates to the very perplexity of the
-// GPTQ layout; FP8 checkpoints (per channel and per tensor) are F8_E4M3 on
+// GPTQ layout; FP8 checkpoints (per channel and per tensor, dynamic or
+// static activations) are F8_E4M3 on
 // disk, evaluate within 1% of the unquantized model, with simulated FP8
 // activations too, and generate.
 func TestCompressedTensorsAndFP8(t *testing.T) {
@@ -491,9 +494,11 @@ func TestCompressedTensorsAndFP8(t *testing.T) {
 		t.Errorf("RTN: perplexity %v in the GPTQ layout, %v as compressed-tensors", a, b)
 	}
 	fp := perplexity(t, ev(model))
-	for _, scale := range []string{"per-channel", "per-tensor"} {
-		out := filepath.Join(dir, "fp8-"+scale)
-		mustLLMQ(t, "quantize", model, "--method", "fp8", "--fp8-scale", scale, "-o", out)
+	for _, c := range [][2]string{{"per-channel", "dynamic"}, {"per-tensor", "dynamic"}, {"per-tensor", "static"}} {
+		scale := c[0] + " " + c[1]
+		out := filepath.Join(dir, "fp8-"+c[0]+"-"+c[1])
+		mustLLMQ(t, "quantize", model, "--method", "fp8", "--fp8-scale", c[0], "--fp8-act", c[1],
+			"--calib", shared.Path(t, "data/calib.txt"), "--nsamples", "4", "--seqlen", "128", "-o", out)
 		if in := mustLLMQ(t, "inspect", out); !strings.Contains(in, "F8_E4M3×28") || !strings.Contains(in, "float-quantized") {
 			t.Errorf("%s: inspect says\n%s", scale, in)
 		}

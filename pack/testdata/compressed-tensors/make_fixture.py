@@ -217,10 +217,12 @@ add("layers.f", *fp8_layer("layers.f", codes, [0.5, 2.0 ** -10], False, scale_dt
     {"weights": args(8, "float", True, "channel"), "format": "float-quantized",
      "input_activations": dict(args(8, "float", True, "token"), dynamic=True, observer=None)})
 
-# FP8 per tensor.
+# FP8 per tensor, with a static input scale (llm-compressor's FP8 scheme).
 codes = [[0x3C, 0x44, 0xBC, 0x4F], [0x5A, 0x02, 0x86, 0x70]]
-add("layers.g", *fp8_layer("layers.g", codes, 0.0625, True),
-    {"weights": args(8, "float", True, "tensor"), "format": "float-quantized"})
+t, w = fp8_layer("layers.g", codes, 0.0625, True)
+t["layers.g.input_scale"] = ("F32", [1], f32([0.75]))
+add("layers.g", t, w, {"weights": args(8, "float", True, "tensor"), "format": "float-quantized",
+                       "input_activations": args(8, "float", True, "tensor")})
 
 for g in groups.values():
     g.setdefault("input_activations", None)
