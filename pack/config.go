@@ -186,11 +186,19 @@ func (q *QuantConfig) Read(ck *checkpoint.Checkpoint, prefix string, in, out int
 // checkpoint without quantization settings, nil otherwise: without it the
 // loader would only say that name.weight is missing.
 func Unexplained(ck *checkpoint.Checkpoint, name string) error {
-	if !ck.Has(name+".qweight") || ck.Has(name+".weight") {
+	packed := ""
+	switch {
+	case ck.Has(name+".qweight") && !ck.Has(name+".weight"):
+		packed = name + ".qweight"
+	case ck.Has(name + ".weight_packed"):
+		packed = name + ".weight_packed (compressed-tensors)"
+	case ck.Has(name + ".weight_scale"):
+		packed = name + ".weight_scale (compressed-tensors)"
+	default:
 		return nil
 	}
-	return fmt.Errorf("%s holds %s.qweight, a packed layer, but no quantization settings: config.json has no quantization_config and there is no %s",
-		ck.Dir, name, strings.Join(checkpoint.LegacyQuantConfigs, " or "))
+	return fmt.Errorf("%s holds %s, a packed layer, but no quantization settings: config.json has no quantization_config and there is no %s",
+		ck.Dir, packed, strings.Join(checkpoint.LegacyQuantConfigs, " or "))
 }
 
 // Loader returns the LinearLoader for a checkpoint: packed layers (those

@@ -18,6 +18,7 @@ const (
 	MethodCT         = "compressed-tensors"
 	CTPackQuantized  = "pack-quantized"
 	CTFloatQuantized = "float-quantized"
+	CTIntQuantized   = "int-quantized"
 	CTMixed          = "mixed-precision"
 )
 
@@ -170,6 +171,15 @@ func (a *CTArgs) grid(field, format string) (Grid, error) {
 			return Grid{}, fmt.Errorf("%s: %w", field, err)
 		}
 		return g, nil
+	case CTIntQuantized:
+		if a.Type != "int" || a.bits() != 8 {
+			return Grid{}, fmt.Errorf("%s: type %q, num_bits %d: format %s holds int8 (type int, num_bits 8) weights", field, a.Type, a.bits(), format)
+		}
+		if a.Strategy != "channel" && a.Strategy != "tensor" {
+			return Grid{}, fmt.Errorf("%s.strategy %q: llmq reads %s weights per tensor or per channel", field, a.Strategy, format)
+		}
+		// A per-tensor scale is read as the same scale for every channel.
+		return Grid{Bits: 8, GroupSize: -1, Sym: a.sym()}, nil
 	case CTFloatQuantized:
 		if a.Type != "float" || a.bits() != 8 {
 			return Grid{}, fmt.Errorf("%s: type %q, num_bits %d: format %s holds FP8 (type float, num_bits 8) weights", field, a.Type, a.bits(), format)
@@ -185,7 +195,7 @@ func (a *CTArgs) grid(field, format string) (Grid, error) {
 		}
 		return Grid{}, fmt.Errorf("%s.strategy %q: llmq reads FP8 weights per tensor or per channel", field, a.Strategy)
 	}
-	return Grid{}, fmt.Errorf("format %q is not supported (%s, %s)", format, CTPackQuantized, CTFloatQuantized)
+	return Grid{}, fmt.Errorf("format %q is not supported (%s, %s, %s)", format, CTPackQuantized, CTFloatQuantized, CTIntQuantized)
 }
 
 // parseCT reads and checks a compressed-tensors quantization_config.
@@ -306,6 +316,8 @@ func (c *CTConfig) Read(ck *checkpoint.Checkpoint, prefix string, in, out int) (
 		return ReadCTPacked(ck, prefix, in, out, g)
 	case CTFloatQuantized:
 		return ReadCTFloat(ck, prefix, in, out, g)
+	case CTIntQuantized:
+		return ReadCTInt8(ck, prefix, in, out, g)
 	}
 	return nil, fmt.Errorf("%s: config_groups.%s: format %q is not supported", prefix, group, format)
 }
@@ -480,6 +492,77 @@ func transpose(v []float32, rows, cols int) []float32 {
 		}
 	}
 	return t
+}
+
+// ReadCTInt8 reads an int8 layer in compressed-tensors' int-quantized
+// format (llm-compressor's W8A8 INT8): weight int8 [out, in] holding the
+// signed values, weight_scale [out, 1] (or one scale), and when asymmetric
+// weight_zero_point int8 of the same shape. Values and zeros are shifted by
+// 128 into llmq's unsigned codes.
+func ReadCTInt8(ck *checkpoint.Checkpoint, prefix string, in, out int, grid Grid) (*Linear, error) {
+	name := prefix + ".weight"
+	t, err := ck.Tensor(name)
+	if err != nil {
+		return nil, err
+	}
+	if t.DType != safetensors.I8 {
+		return nil, fmt.Errorf("tensor %q in %s: dtype %s, expected I8", name, t.File, t.DTypeName())
+	}
+	if err := t.CheckShape(out, in); err != nil {
+		return nil, err
+	}
+	l := &Linear{In: in, Out: out, Grid: grid, Q: make([]uint8, out*in), Zero: make([]uint8, out), GIdx: make([]int32, in)}
+	for i, b := range t.Data {
+		l.Q[i] = b ^ 0x80 // int8 v → v + 128
+	}
+	if l.Scale, err = perOutput(ck, prefix+".weight_scale", out); err != nil {
+		return nil, err
+	}
+	for i := range l.Zero {
+		l.Zero[i] = 128
+	}
+	if !grid.Sym {
+		zt, err := ck.Tensor(prefix + ".weight_zero_point")
+		if err != nil {
+			return nil, fmt.Errorf("asymmetric weights need their zero points: %w", err)
+		}
+		if zt.DType != safetensors.I8 || (zt.Numel() != out && zt.Numel() != 1) {
+			return nil, fmt.Errorf("tensor %q in %s: %s %v, expected I8 with one zero point per output (or one)", zt.Name, zt.File, zt.DTypeName(), zt.Shape)
+		}
+		for o := range l.Zero {
+			l.Zero[o] = zt.Data[o%zt.Numel()] ^ 0x80
+		}
+	}
+	for i, v := range l.Scale {
+		if !(v > 0) || math.IsInf(float64(v), 0) {
+			return nil, fmt.Errorf("tensor %q: scale %v at %d: want a positive finite scale", prefix+".weight_scale", v, i)
+		}
+	}
+	return l, nil
+}
+
+// perOutput reads a scale tensor holding one value per output ([out, 1] or
+// [out]) or one for the layer ([1] or a scalar), as a value per output.
+func perOutput(ck *checkpoint.Checkpoint, name string, out int) ([]float32, error) {
+	t, err := ck.Tensor(name)
+	if err != nil {
+		return nil, err
+	}
+	if t.Numel() != out && t.Numel() != 1 || len(t.Shape) > 2 {
+		return nil, fmt.Errorf("tensor %q in %s: shape %v, expected [%d, 1] or one value", name, t.File, t.Shape, out)
+	}
+	v, err := ck.Float32(name, t.Shape...)
+	if err != nil {
+		return nil, err
+	}
+	if len(v) == out {
+		return v, nil
+	}
+	s := make([]float32, out)
+	for i := range s {
+		s[i] = v[0]
+	}
+	return s, nil
 }
 
 // ReadCTFloat reads an FP8 layer in compressed-tensors' float-quantized

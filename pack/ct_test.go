@@ -18,7 +18,9 @@ import (
 // script computed from its hand-chosen values: W4 asymmetric groups with
 // packed zero points padded along the outputs, W8 per channel with bf16
 // scales and an I32 weight_shape, W3 (10 values a word), act-order g_idx,
-// unpacked int8 zero points, FP8 per channel and per tensor.
+// unpacked int8 zero points, FP8 per channel and per tensor (with a
+// static input_scale), and int-quantized int8 per channel and per tensor
+// (asymmetric).
 func TestCTFixture(t *testing.T) {
 	dir := filepath.Join("testdata", "compressed-tensors")
 	ck, err := checkpoint.Open(dir)
@@ -41,8 +43,8 @@ func TestCTFixture(t *testing.T) {
 	if err := json.Unmarshal(raw, &expected); err != nil {
 		t.Fatal(err)
 	}
-	if len(expected) != 7 {
-		t.Fatalf("%d layers in expected.json, want 7", len(expected))
+	if len(expected) != 9 {
+		t.Fatalf("%d layers in expected.json, want 9", len(expected))
 	}
 	for name, e := range expected {
 		if !q.Stored(ck, name) {
@@ -229,6 +231,8 @@ func TestCTConfigErrors(t *testing.T) {
 	w4 := `{"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 128}`
 	for _, c := range []struct{ cfg, want string }{
 		{base(w4, "marlin-24"), `format "marlin-24"`},
+		{base(w4, "int-quantized"), `config_groups.group_0.weights: type "int", num_bits 4: format int-quantized holds int8`},
+		{base(`{"num_bits": 8, "type": "int", "strategy": "group", "group_size": 64}`, "int-quantized"), `config_groups.group_0.weights.strategy "group"`},
 		{base(w4, "bitmask"), `format "bitmask"`},
 		{base(`{"num_bits": 5, "type": "int", "strategy": "channel"}`, "pack-quantized"), "config_groups.group_0.weights.num_bits 5"},
 		{base(`{"num_bits": 4, "type": "int", "strategy": "block", "block_structure": [128, 128]}`, "pack-quantized"), `config_groups.group_0.weights.strategy "block"`},

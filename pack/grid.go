@@ -99,7 +99,9 @@
 //	weight        F8_E4M3 [out, in]       the codes, float8_e4m3fn
 //	weight_scale  float   [1] or [out, 1] one scale, or one per output
 //
-// with w = scale·e4m3(code). llm-compressor's FP8_DYNAMIC scheme stores
+// with w = scale·e4m3(code). int-quantized (llm-compressor's W8A8 INT8) is
+// read too: weight int8 [out, in] as it is, weight_scale [out, 1] or [1],
+// and int8 zero points when asymmetric. llm-compressor's FP8_DYNAMIC scheme stores
 // scales per channel and quantizes activations per token at run time;
 // its FP8 scheme scales weights per tensor with static activation scales
 // (input_scale). llmq's CPU loader dequantizes the weights; activation

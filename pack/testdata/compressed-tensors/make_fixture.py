@@ -13,6 +13,11 @@ library only. Output, committed beside this script:
   expected.json      each layer's shape and its weights w[o][i], computed
                      here as scale * (q - zero) (or scale * e4m3(code))
 
+Layers: pack-quantized W4/W8/W3 (groups, channels, act-order g_idx,
+packed and unpacked zero points), float-quantized FP8 (per channel, per
+tensor with a static input_scale) and int-quantized int8 (per channel
+symmetric, per tensor asymmetric).
+
 Run: python3 make_fixture.py (in this directory).
 """
 import json
@@ -223,6 +228,26 @@ t, w = fp8_layer("layers.g", codes, 0.0625, True)
 t["layers.g.input_scale"] = ("F32", [1], f32([0.75]))
 add("layers.g", t, w, {"weights": args(8, "float", True, "tensor"), "format": "float-quantized",
                        "input_activations": args(8, "float", True, "tensor")})
+
+# int-quantized (W8A8 INT8): signed int8 weights as they are.
+def int8_layer(name, q, scale, zero=None):
+    out, inn = len(q), len(q[0])
+    t = {name + ".weight": ("I8", [out, inn], i8([v for r in q for v in r]))}
+    per_tensor = not isinstance(scale, list)
+    t[name + ".weight_scale"] = ("F32", [1] if per_tensor else [out, 1], f32([scale] if per_tensor else scale))
+    if zero is not None:
+        t[name + ".weight_zero_point"] = ("I8", [1], i8([zero]))
+    w = [[(scale if per_tensor else scale[o]) * (q[o][i] - (zero or 0)) for i in range(inn)] for o in range(out)]
+    return t, w
+
+
+int8_act = dict(args(8, "int", True, "token"), dynamic=True, observer=None)
+# symmetric, per channel
+add("layers.h", *int8_layer("layers.h", [[-128, 127, 3, -3], [0, 1, -1, 64]], [0.5, 2.0 ** -7]),
+    {"weights": args(8, "int", True, "channel", -1), "format": "int-quantized", "input_activations": int8_act})
+# asymmetric, per tensor
+add("layers.i", *int8_layer("layers.i", [[-128, 127, 3, -3], [0, 1, -1, 64]], 0.25, zero=-5),
+    {"weights": args(8, "int", False, "tensor"), "format": "int-quantized", "input_activations": int8_act})
 
 for g in groups.values():
     g.setdefault("input_activations", None)
