@@ -220,10 +220,18 @@ func (m *Model) upload16(v []float32) (Buf, error) {
 func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, name string, in, out int, bias bool) (llm.Linear, error) {
 	l := &gpuLinear{in: in, out: out}
 	var err error
-	if q != nil && ck.Has(name+".qweight") {
+	if q != nil && q.Stored(ck, name) {
 		pl, err := q.Read(ck, name, in, out)
 		if err != nil {
 			return nil, err
+		}
+		if pl.Grid.Bits != 4 || pl.Grid.FP8 {
+			// The kernel runs 4-bit integer weights; others (FP8, 8-bit)
+			// run dequantized, in fp16.
+			if l.w, err = m.upload16(pl.Dequantize()); err != nil {
+				return nil, fmt.Errorf("%s: %w", name, err)
+			}
+			return m.finishLinear(ck, l, name, out, bias)
 		}
 		gw, err := pl.GPULayout()
 		if err != nil {
@@ -247,6 +255,14 @@ func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, name 
 			return nil, fmt.Errorf("%s: %w", name, err)
 		}
 	}
+	if err != nil {
+		return nil, err
+	}
+	return m.finishLinear(ck, l, name, out, bias)
+}
+
+// finishLinear uploads the layer's bias, if it has one.
+func (m *Model) finishLinear(ck *checkpoint.Checkpoint, l *gpuLinear, name string, out int, bias bool) (llm.Linear, error) {
 	if bias {
 		b, err := llm.ReadBias(ck, name, out, true)
 		if err != nil {
@@ -256,7 +272,7 @@ func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, name 
 			return nil, err
 		}
 	}
-	return l, err
+	return l, nil
 }
 
 // In and Out make gpuLinear an llm.Linear while the model is assembled.

@@ -28,6 +28,21 @@ type QuantConfig struct {
 	// and modules left unquantized (GPTQModel's "dynamic").
 	Dynamic Dynamic    `json:"dynamic,omitempty"`
 	Meta    *QuantMeta `json:"meta,omitempty"`
+	// CT is the whole config of a compressed-tensors checkpoint
+	// (QuantMethod MethodCT), which is written as it is.
+	CT *CTConfig `json:"-"`
+}
+
+// MarshalJSON writes the config: a compressed-tensors one in its own
+// spelling, the others with the fields above.
+func (q *QuantConfig) MarshalJSON() ([]byte, error) {
+	if q.CT != nil {
+		ct := *q.CT
+		ct.QuantMethod, ct.Meta = MethodCT, q.Meta
+		return json.Marshal(&ct)
+	}
+	type plain QuantConfig
+	return json.Marshal((*plain)(q))
 }
 
 // QuantMeta records how llmq made the checkpoint.
@@ -52,6 +67,19 @@ type QuantMeta struct {
 func ParseQuantConfig(raw json.RawMessage) (*QuantConfig, error) {
 	if len(raw) == 0 {
 		return nil, nil
+	}
+	var method struct {
+		QuantMethod string `json:"quant_method"`
+	}
+	if err := json.Unmarshal(raw, &method); err != nil {
+		return nil, fmt.Errorf("quantization_config: %w", err)
+	}
+	if strings.ToLower(method.QuantMethod) == MethodCT {
+		ct, err := parseCT(raw)
+		if err != nil {
+			return nil, fmt.Errorf("quantization_config (compressed-tensors): %w", err)
+		}
+		return &QuantConfig{QuantMethod: MethodCT, CT: ct, Meta: ct.Meta}, nil
 	}
 	var q QuantConfig
 	if err := json.Unmarshal(raw, &q); err != nil {
@@ -82,7 +110,7 @@ func ParseQuantConfig(raw json.RawMessage) (*QuantConfig, error) {
 	switch q.QuantMethod {
 	case "gptq", "awq":
 	default:
-		return nil, fmt.Errorf("quantization_config: quant_method %q is not supported (gptq, awq)", q.QuantMethod)
+		return nil, fmt.Errorf("quantization_config: quant_method %q is not supported (gptq, awq, compressed-tensors)", q.QuantMethod)
 	}
 	if q.GroupSize == 0 {
 		q.GroupSize = -1
@@ -96,8 +124,12 @@ func ParseQuantConfig(raw json.RawMessage) (*QuantConfig, error) {
 	return &q, nil
 }
 
-// Grid is the grid the config describes.
+// Grid is the grid the config describes (the zero Grid for a
+// compressed-tensors config: see GridFor).
 func (q *QuantConfig) Grid() Grid {
+	if q.CT != nil {
+		return Grid{}
+	}
 	sym := q.Sym != nil && *q.Sym
 	if q.QuantMethod == "awq" {
 		sym = q.ZeroPoint != nil && !*q.ZeroPoint
@@ -106,11 +138,31 @@ func (q *QuantConfig) Grid() Grid {
 }
 
 // GridFor is the grid of one module (its dynamic rule's, else the
-// config's), and whether it is quantized at all.
-func (q *QuantConfig) GridFor(name string) (Grid, bool) { return q.Dynamic.For(name, q.Grid()) }
+// config's; a compressed-tensors config's group's), and whether it is
+// quantized at all.
+func (q *QuantConfig) GridFor(name string) (Grid, bool) {
+	if q.CT != nil {
+		_, g, _, ok := q.CT.scheme(name)
+		return g, ok
+	}
+	return q.Dynamic.For(name, q.Grid())
+}
+
+// Stored reports whether the checkpoint holds the layer quantized
+// (prefix.qweight; compressed-tensors: prefix.weight_packed or a
+// prefix.weight_scale), rather than as a plain prefix.weight.
+func (q *QuantConfig) Stored(ck *checkpoint.Checkpoint, prefix string) bool {
+	if q.CT != nil {
+		return ctStored(ck, prefix)
+	}
+	return ck.Has(prefix + ".qweight")
+}
 
 // Read reads one quantized layer in the checkpoint's layout.
 func (q *QuantConfig) Read(ck *checkpoint.Checkpoint, prefix string, in, out int) (*Linear, error) {
+	if q.CT != nil {
+		return q.CT.Read(ck, prefix, in, out)
+	}
 	g, ok := q.GridFor(prefix)
 	if !ok {
 		return nil, fmt.Errorf("%s is packed, but quantization_config's dynamic rules leave it unquantized", prefix)
@@ -135,11 +187,19 @@ func (q *QuantConfig) Read(ck *checkpoint.Checkpoint, prefix string, in, out int
 // checkpoint without quantization settings, nil otherwise: without it the
 // loader would only say that name.weight is missing.
 func Unexplained(ck *checkpoint.Checkpoint, name string) error {
-	if !ck.Has(name+".qweight") || ck.Has(name+".weight") {
+	packed := ""
+	switch {
+	case ck.Has(name+".qweight") && !ck.Has(name+".weight"):
+		packed = name + ".qweight"
+	case ck.Has(name + ".weight_packed"):
+		packed = name + ".weight_packed (compressed-tensors)"
+	case ck.Has(name + ".weight_scale"):
+		packed = name + ".weight_scale (compressed-tensors)"
+	default:
 		return nil
 	}
-	return fmt.Errorf("%s holds %s.qweight, a packed layer, but no quantization settings: config.json has no quantization_config and there is no %s",
-		ck.Dir, name, strings.Join(checkpoint.LegacyQuantConfigs, " or "))
+	return fmt.Errorf("%s holds %s, a packed layer, but no quantization settings: config.json has no quantization_config and there is no %s",
+		ck.Dir, packed, strings.Join(checkpoint.LegacyQuantConfigs, " or "))
 }
 
 // Loader returns the LinearLoader for a checkpoint: packed layers (those
@@ -162,7 +222,7 @@ func Loader(cfg *checkpoint.Config) (llm.LinearLoader, error) {
 		}, nil
 	}
 	return func(ck *checkpoint.Checkpoint, name string, in, out int, bias bool) (llm.Linear, error) {
-		if !ck.Has(name + ".qweight") {
+		if !q.Stored(ck, name) {
 			return llm.DenseLoader(ck, name, in, out, bias)
 		}
 		l, err := q.Read(ck, name, in, out)

@@ -37,8 +37,8 @@ type GPUWeights struct {
 // GPULayout repacks a 4-bit layer for the kernel.
 func (l *Linear) GPULayout() (*GPUWeights, error) {
 	K, N := l.In, l.Out
-	if l.Grid.Bits != 4 {
-		return nil, fmt.Errorf("the GPU kernel runs 4-bit weights, this layer has %d bits", l.Grid.Bits)
+	if l.Grid.Bits != 4 || l.Grid.FP8 {
+		return nil, fmt.Errorf("the GPU kernel runs 4-bit integer weights, this layer has %s", l.Grid.Describe())
 	}
 	group := l.Grid.Group(K)
 	if N%64 != 0 || K%16 != 0 || group%16 != 0 || K%group != 0 {

@@ -1,7 +1,7 @@
 // Package pack holds what every quantization method shares: the integer
-// grid weights are rounded to, the bit packing of checkpoints, the GPTQ and
-// AWQ tensor layouts, and the loader that turns packed tensors back into
-// weights.
+// grid weights are rounded to, the bit packing of checkpoints, the GPTQ,
+// AWQ and compressed-tensors layouts (FP8 weights included), and the
+// loader that turns packed tensors back into weights.
 //
 // # The grid
 //
@@ -57,6 +57,55 @@
 //
 // with w[o, i] = scales[i/group, o] · (q[o, i] − zero[i/group, o]), zeros
 // stored as they are, 4 bits only.
+//
+// # compressed-tensors (quant_method "compressed-tensors")
+//
+// The format llm-compressor writes and vLLM loads natively (Neural Magic /
+// Red Hat, github.com/neuralmagic/compressed-tensors). quantization_config
+// holds config_groups, each a scheme {targets, weights, input_activations,
+// output_activations, format}: targets are class names ("Linear"), module
+// names, or "re:"-prefixed regular expressions matched from the start of
+// the name; "ignore" lists the modules left unquantized (same syntax). A
+// module takes the scheme of the group whose target matches it best (an
+// exact name before a regular expression before a class name). weights is
+// a QuantizationArgs: num_bits, type ("int" or "float"), symmetric,
+// strategy ("tensor", "channel", "group", …; inferred from group_size when
+// absent: none → tensor, −1 → channel, > 0 → group), group_size, actorder,
+// dynamic. format (of the config, or of a group under "mixed-precision")
+// says how the weights are stored. llmq reads and writes two formats.
+//
+// pack-quantized (integer weights, group or channel strategy), for a layer
+// of out outputs, in inputs, b bits, p = ⌊32/b⌋ values a word and G groups
+// (G = 1 for channel):
+//
+//	weight_packed      int32 [out, ⌈in/p⌉]  value k of row o at bits b·(k mod p) of word k/p
+//	weight_scale       float [out, G]       (the model's float dtype; llmq writes F16)
+//	weight_zero_point  int32 [⌈out/p⌉, G]   asymmetric only: zeros packed the same way along out
+//	weight_shape       int   [2]            (out, in)
+//	weight_g_idx       int32 [in]           act-order only: the group of each input
+//
+// The quantized values are signed, q ∈ [−2^(b−1), 2^(b−1)−1], with
+// w = scale·(q − zero), and zero = 0 when symmetric (no zero tensor is
+// stored). Packing adds 2^(b−1) to every value and zero, so the stored
+// fields are exactly GPTQ's unsigned codes and zeros: with llmq's grid
+// (codes in [0, 2^b−1], symmetric zero 2^(b−1)) the stored numbers are
+// Linear.Q and Linear.Zero as they are. Unlike GPTQ's bit stream, words
+// never straddle: for b = 3 a word holds 10 values and 2 bits of padding,
+// and rows are padded to whole words. Older writers stored an asymmetric
+// zero point unpacked, int8 [out, G], signed; llmq reads both.
+//
+// float-quantized (FP8 E4M3 weights, tensor or channel strategy):
+//
+//	weight        F8_E4M3 [out, in]       the codes, float8_e4m3fn
+//	weight_scale  float   [1] or [out, 1] one scale, or one per output
+//
+// with w = scale·e4m3(code). int-quantized (llm-compressor's W8A8 INT8) is
+// read too: weight int8 [out, in] as it is, weight_scale [out, 1] or [1],
+// and int8 zero points when asymmetric. llm-compressor's FP8_DYNAMIC scheme stores
+// scales per channel and quantizes activations per token at run time;
+// its FP8 scheme scales weights per tensor with static activation scales
+// (input_scale). llmq's CPU loader dequantizes the weights; activation
+// quantization is simulated separately (eval --act-bits 8 --act-format fp8).
 package pack
 
 import (
@@ -72,11 +121,18 @@ import (
 // MinMax selects AWQ's variant (llm-awq pseudo_quantize_tensor): the range
 // is the group's own [min, max] (not stretched to hold 0), clamped to at
 // least 1e-5, and zero = clamp(−round(min/scale), 0, maxq).
+//
+// FP8 selects FP8 E4M3 codes instead of integers (compressed-tensors'
+// float-quantized format): Bits 8, symmetric, GroupSize −1 (a scale per
+// output channel) or PerTensor (one scale for the layer); a Linear then
+// holds E4M3 bytes in Q and w = Scale·e4m3(Q).
 type Grid struct {
 	Bits      int
 	GroupSize int
 	Sym       bool
 	MinMax    bool
+	FP8       bool
+	PerTensor bool
 }
 
 // A GridError is a grid parameter that cannot be used: which one ("bits"
@@ -95,6 +151,15 @@ func (e *GridError) Error() string { return fmt.Sprintf("%s %d: want %s", e.Fiel
 // their loaders read); the group size is −1 (one group per row) or any
 // size dividing the input width: GPTQ and AWQ checkpoints use 32 to 256.
 func (g Grid) Validate(in int) error {
+	if g.FP8 {
+		if g.Bits != 8 || g.GroupSize != -1 || !g.Sym || g.MinMax {
+			return fmt.Errorf("an FP8 grid is 8 bits, symmetric, per channel or per tensor (have bits %d, group %d, sym %v)", g.Bits, g.GroupSize, g.Sym)
+		}
+		return nil
+	}
+	if g.PerTensor {
+		return fmt.Errorf("a per-tensor scale is only supported for FP8 weights")
+	}
 	switch g.Bits {
 	case 2, 3, 4, 8:
 	default:
@@ -181,3 +246,11 @@ func Dequantize(q int, scale float32, zero int) float32 {
 
 // RoundF16 rounds a float32 to the nearest float16 value.
 func RoundF16(x float32) float32 { return float16.Fromfloat32(x).Float32() }
+
+// Describe names the grid's number format: "4 bits", "FP8 E4M3".
+func (g Grid) Describe() string {
+	if g.FP8 {
+		return "FP8 E4M3"
+	}
+	return fmt.Sprintf("%d bits", g.Bits)
+}

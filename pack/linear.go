@@ -3,19 +3,29 @@ package pack
 import (
 	"fmt"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/mat"
 )
 
 // Linear is a quantized linear layer in llmq's canonical in-memory form,
 // from which every on-disk and on-GPU layout is derived.
+//
+// With an FP8 grid, Q holds E4M3 codes, Scale is float32 [1][out] (the
+// same value throughout when the grid is PerTensor), Zero is all 0 and
+// GIdx all 0.
 type Linear struct {
 	In, Out int
 	Grid    Grid
-	Q       []uint8   // [out][in] grid indices
-	Scale   []float32 // [groups][out], float16 values
+	Q       []uint8   // [out][in] grid indices (FP8: E4M3 codes)
+	Scale   []float32 // [groups][out], float16 values (FP8: float32)
 	Zero    []uint8   // [groups][out]
 	GIdx    []int32   // [in] the group of each input channel
+	// InputScale is the static scale of the layer's input activations
+	// (llm-compressor's FP8 scheme: x is run as e4m3(x / InputScale)),
+	// 0 when they are quantized dynamically or not at all. Loaders record
+	// it; they do not apply it.
+	InputScale float32
 }
 
 // Groups is the number of quantization groups along the input dimension.
@@ -24,6 +34,19 @@ func (l *Linear) Groups() int { return l.In / l.Grid.Group(l.In) }
 // Dequantize returns the weights [out][in] the layer stands for.
 func (l *Linear) Dequantize() []float32 {
 	w := make([]float32, l.Out*l.In)
+	if l.Grid.FP8 {
+		var dec [256]float32
+		for c := range dec {
+			dec[c] = actquant.DecodeE4M3(byte(c))
+		}
+		for o := 0; o < l.Out; o++ {
+			s := l.Scale[o]
+			for i := 0; i < l.In; i++ {
+				w[o*l.In+i] = s * dec[l.Q[o*l.In+i]]
+			}
+		}
+		return w
+	}
 	for o := 0; o < l.Out; o++ {
 		for i := 0; i < l.In; i++ {
 			g := int(l.GIdx[i])
@@ -53,6 +76,9 @@ const (
 // GPTQTensors lays the layer out as prefix.qweight, .qzeros, .scales and
 // .g_idx in the given GPTQ format.
 func (l *Linear) GPTQTensors(prefix, format string) (map[string]checkpoint.Out, error) {
+	if l.Grid.FP8 {
+		return nil, fmt.Errorf("%s: FP8 weights have no GPTQ layout (write them as compressed-tensors)", prefix)
+	}
 	b := l.Grid.Bits
 	if l.In*b%32 != 0 || l.Out*b%32 != 0 {
 		return nil, fmt.Errorf("%s: %d×%d does not pack into 32-bit words at %d bits", prefix, l.Out, l.In, b)
@@ -168,7 +194,7 @@ var awqOrder = [8]int{0, 2, 4, 6, 1, 3, 5, 7}
 // AWQTensors lays a 4-bit layer out in AutoAWQ's GEMM layout. Act-order
 // (a non-sequential g_idx) has no AWQ representation.
 func (l *Linear) AWQTensors(prefix string) (map[string]checkpoint.Out, error) {
-	if l.Grid.Bits != 4 || l.Out%8 != 0 {
+	if l.Grid.FP8 || l.Grid.Bits != 4 || l.Out%8 != 0 {
 		return nil, fmt.Errorf("%s: the AWQ layout holds 4-bit weights with out %% 8 == 0 (have %d bits, out %d)", prefix, l.Grid.Bits, l.Out)
 	}
 	group := l.Grid.Group(l.In)

@@ -564,9 +564,24 @@ func FuzzParseQuantConfig(f *testing.F) {
 	f.Add([]byte(`{"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": true, "sym": false, "checkpoint_format": "gptq_v2"}`))
 	f.Add([]byte(`{"quant_method": "awq", "bits": 4, "group_size": 256, "zero_point": true, "version": "gemm"}`))
 	f.Add([]byte(`{"quant_method": "gptq", "bits": 3, "group_size": -1}`))
+	f.Add([]byte(`{"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head", "re:.*down_proj"],
+		"config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": false, "strategy": "group", "group_size": 128}}}}`))
+	f.Add([]byte(`{"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {
+		"a": {"targets": ["re:.*q_proj"], "format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+		"b": {"targets": ["Linear"], "format": "int-quantized", "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		q, err := ParseQuantConfig(data)
 		if err != nil || q == nil {
+			return
+		}
+		if q.CT != nil {
+			for _, name := range []string{"model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"} {
+				if g, ok := q.GridFor(name); ok {
+					if err := g.Validate(0); err != nil {
+						t.Fatalf("accepted %s with an invalid grid for %s: %v", data, name, err)
+					}
+				}
+			}
 			return
 		}
 		if err := q.Grid().Validate(0); err != nil {

@@ -302,7 +302,7 @@ func rewriteZeros(path string, bits map[string]int) error {
 			}
 			data = checkpoint.I32(v, t.Shape...).Data
 		}
-		out[n] = checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: data}
+		out[n] = checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: data, Float8: t.Float8}
 	}
 	return checkpoint.WriteFile(path, out, map[string]string{"format": "pt"})
 }
@@ -398,7 +398,7 @@ func (w *Writer) merge(g []part, name string, weightMap map[string]string) error
 			if _, dup := tensors[n]; dup {
 				return fmt.Errorf("tensor %q written twice", n)
 			}
-			tensors[n] = checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: t.Data}
+			tensors[n] = checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: t.Data, Float8: t.Float8}
 			weightMap[n] = name
 		}
 	}
@@ -423,7 +423,7 @@ func (w *Writer) Finish(srcDir string, qc *QuantConfig) error {
 	}
 	if qc != nil {
 		qc.CheckpointFormat = w.Format
-		if qc.QuantMethod == "awq" {
+		if qc.QuantMethod == "awq" || qc.CT != nil {
 			qc.CheckpointFormat = ""
 		}
 	}
@@ -535,5 +535,5 @@ func copyFile(src, dst string) error {
 
 // Raw copies a source tensor unchanged (norms, embeddings, biases).
 func Raw(t checkpoint.Tensor) checkpoint.Out {
-	return checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: t.Data}
+	return checkpoint.Out{DType: t.DType, Shape: t.Shape, Data: t.Data, Float8: t.Float8}
 }

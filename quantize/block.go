@@ -259,5 +259,6 @@ func (d *driver) keep(tensors map[string]checkpoint.Out, name string, l *llm.Den
 		tensors[name+".weight"] = checkpoint.F32(l.W, l.Out(), l.In())
 	}
 	d.rep.Layers = append(d.rep.Layers, LayerReport{Name: name})
+	d.skipped = append(d.skipped, name)
 	return nil
 }

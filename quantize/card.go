@@ -17,6 +17,9 @@ func modelCard(opt Options, ck *checkpoint.Checkpoint, qc *pack.QuantConfig, rep
 	var b strings.Builder
 	base := baseModel(opt.Src)
 	g := qc.Grid()
+	if qc.CT != nil {
+		g = opt.Method.Grid()
+	}
 	group := fmt.Sprintf("groups of %d", g.GroupSize)
 	if g.GroupSize <= 0 {
 		group = "one group per output channel"
@@ -24,6 +27,12 @@ func modelCard(opt Options, ck *checkpoint.Checkpoint, qc *pack.QuantConfig, rep
 	sym := "asymmetric (a zero point per group)"
 	if g.Sym {
 		sym = "symmetric"
+	}
+	if g.FP8 {
+		group, sym = "FP8 E4M3 with a scale per output channel", "symmetric"
+		if g.PerTensor {
+			group = "FP8 E4M3 with one scale per layer"
+		}
 	}
 	fmt.Fprintf(&b, "---\nbase_model: %s\ntags:\n- llmq\n- %s\n- %d-bit\n---\n\n", base, rep.Method, g.Bits)
 	fmt.Fprintf(&b, "# %s, %d-bit %s\n\n", base, g.Bits, strings.ToUpper(rep.Method))
@@ -53,7 +62,7 @@ func modelCard(opt Options, ck *checkpoint.Checkpoint, qc *pack.QuantConfig, rep
 		fmt.Fprintf(&b, "\n```\n%s\n```\n", opt.CommandLine)
 	}
 	b.WriteString("\nllmq runs it (`llmq generate DIR --prompt …`, `llmq serve DIR`).")
-	if g.Bits == 4 && !opt.QuantizeLMHead && qc.CheckpointFormat != "gptq_v2" {
+	if (g.Bits == 4 || qc.CT != nil) && !opt.QuantizeLMHead && qc.CheckpointFormat != "gptq_v2" {
 		b.WriteString(" Engines that read the " + layoutName(qc) + " layout (transformers, vLLM) load it.")
 	}
 	b.WriteString("\n")
@@ -75,6 +84,9 @@ func methodName(m string) string {
 }
 
 func layoutName(qc *pack.QuantConfig) string {
+	if qc.CT != nil {
+		return "compressed-tensors " + qc.CT.Format
+	}
 	if qc.QuantMethod == "awq" {
 		return "AutoAWQ GEMM"
 	}

@@ -47,7 +47,8 @@ var ErrCalibration = errors.New("calibration data")
 type Options struct {
 	Src, Out string
 	Method   Method
-	// Format is the checkpoint layout: "gptq" (default) or "awq".
+	// Format is the checkpoint layout: "gptq" (default), "awq" or
+	// "compressed-tensors" (FP8 methods: only that).
 	Format string
 	// TrueSequential takes each input's statistics from a block whose
 	// earlier layers are already quantized.
@@ -111,9 +112,15 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}
 	if opt.Format == "" {
 		opt.Format = "gptq"
+		if m.Grid().FP8 {
+			opt.Format = pack.MethodCT
+		}
 	}
-	if opt.Format != "gptq" && opt.Format != "awq" {
-		return nil, fmt.Errorf("checkpoint format %q: want gptq or awq", opt.Format)
+	if opt.Format != "gptq" && opt.Format != "awq" && opt.Format != pack.MethodCT {
+		return nil, fmt.Errorf("checkpoint format %q: want gptq, awq or %s", opt.Format, pack.MethodCT)
+	}
+	if m.Grid().FP8 && opt.Format != pack.MethodCT {
+		return nil, fmt.Errorf("checkpoint format %q: FP8 weights are written as %s", opt.Format, pack.MethodCT)
 	}
 	ck, err := checkpoint.Open(opt.Src)
 	if err != nil {
@@ -144,7 +151,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if opt.QuantizeLMHead {
 		// The packed layouts store a layer's zeros as bit streams of its
 		// outputs (GPTQ) or 8 outputs a word (AWQ).
-		if opt.Format == "awq" && cfg.Vocab%8 != 0 || cfg.Vocab*grid.Bits%32 != 0 {
+		if opt.Format == "awq" && cfg.Vocab%8 != 0 || opt.Format == "gptq" && cfg.Vocab*grid.Bits%32 != 0 {
 			return nil, fmt.Errorf("lm_head's %d outputs cannot be packed at %d bits in the %s layout", cfg.Vocab, grid.Bits, opt.Format)
 		}
 	}
@@ -203,9 +210,12 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}
 	qc := d.quantConfig()
 	rep.BytesOut, rep.Format = w.Bytes, w.Format
-	if qc.QuantMethod == "gptq" {
+	switch qc.QuantMethod {
+	case "gptq":
 		qc.CheckpointFormat = w.Format // as Finish records it
-	} else {
+	case pack.MethodCT:
+		rep.Format = qc.CT.Format
+	default:
 		rep.Format = "awq"
 	}
 	w.Card = modelCard(opt, ck, qc, rep)
@@ -246,6 +256,9 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	if d.m.Calibrated() {
 		meta.NSamples, meta.SeqLen, meta.Calib, meta.Seed = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib), opt.Seed
 	}
+	if opt.Format == pack.MethodCT {
+		return d.ctConfig(meta)
+	}
 	if opt.Format == "awq" {
 		zp := !g.Sym
 		return &pack.QuantConfig{QuantMethod: "awq", Bits: g.Bits, GroupSize: g.GroupSize,
@@ -282,12 +295,30 @@ type driver struct {
 	X   [][]float32 // calibration activations entering the current block
 	w   *pack.Writer
 	rep *Report
+	// grids records each quantized layer's grid, and skipped those
+	// kept unquantized (for the compressed-tensors config).
+	grids   []layerGrid
+	skipped []string
+}
+
+type layerGrid struct {
+	name string
+	grid pack.Grid
 }
 
 // emit adds a quantized layer to the part being built, in the run's
 // format, and to the report.
 func (d *driver) emit(tensors map[string]checkpoint.Out, name string, lin *pack.Linear, loss float64, t0 time.Time) error {
-	if d.opt.Format == "awq" {
+	d.grids = append(d.grids, layerGrid{name, lin.Grid})
+	if d.opt.Format == pack.MethodCT {
+		t, err := lin.CTTensors(name)
+		if err != nil {
+			return err
+		}
+		for k, v := range t {
+			tensors[k] = v
+		}
+	} else if d.opt.Format == "awq" {
 		t, err := lin.AWQTensors(name)
 		if err != nil {
 			return err

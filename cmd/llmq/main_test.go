@@ -198,7 +198,14 @@ func TestCommandLineErrors(t *testing.T) {
 		{"unknown flag", []string{"quantize", model, "--bogus", "-o", out}, []string{"unknown flag: --bogus"}, nil},
 		{"no model argument", []string{"inspect"}, []string{"accepts 1 arg(s), received 0"}, nil},
 		{"bad flag value", []string{"quantize", model, "--bits", "four", "-o", out}, []string{`invalid argument "four" for "--bits"`}, nil},
-		{"unknown method", []string{"quantize", model, "--method", "int4", "-o", out}, []string{"--method", `"int4"`, "gptq, awq, awq+gptq or rtn"}, nil},
+		{"unknown method", []string{"quantize", model, "--method", "int4", "-o", out}, []string{"--method", `"int4"`, "gptq, awq, awq+gptq, rtn or fp8"}, nil},
+		{"unknown format", []string{"quantize", model, "--method", "rtn", "--format", "gguf", "-o", out}, []string{"--format", `"gguf"`, "compressed-tensors"}, nil},
+		{"bad --fp8-scale", []string{"quantize", model, "--method", "fp8", "--fp8-scale", "per-group", "-o", out}, []string{"--fp8-scale", `"per-group"`, "per-channel or per-tensor"}, nil},
+		{"--fp8-scale without fp8", []string{"quantize", model, "--method", "rtn", "--fp8-scale", "per-tensor", "-o", out}, []string{"--fp8-scale and --fp8-act apply to --method fp8"}, nil},
+		{"bad --fp8-act", []string{"quantize", model, "--method", "fp8", "--fp8-act", "token", "-o", out}, []string{"--fp8-act", `"token"`, "dynamic or static"}, nil},
+		{"static fp8 without --calib", []string{"quantize", model, "--method", "fp8", "--fp8-act", "static", "-o", out}, []string{"--calib"}, nil},
+		{"fp8 with --bits", []string{"quantize", model, "--method", "fp8", "--bits", "4", "-o", out}, []string{"--bits does not apply to --method fp8"}, nil},
+		{"fp8 as gptq", []string{"quantize", model, "--method", "fp8", "--format", "gptq", "-o", out}, []string{"--method fp8 writes --format compressed-tensors", `"gptq"`}, nil},
 		{"bits 5", []string{"quantize", model, "--method", "rtn", "--bits", "5", "-o", out}, []string{"--bits 5: want 2, 3, 4 or 8"}, nil},
 		{"group 0", []string{"quantize", model, "--method", "rtn", "--group", "0", "-o", out}, []string{"--group 0: want a positive size, or -1"}, nil},
 		{"group not dividing", []string{"quantize", model, "--method", "rtn", "--group", "100", "-o", out}, []string{"--group 100: want a size dividing the layer's 256 input features"}, nil},
@@ -479,5 +486,44 @@ func TestQuantizeEval(t *testing.T) {
 	card, _ := os.ReadFile(filepath.Join(out, "README.md"))
 	if !strings.Contains(string(card), fmt.Sprintf("Perplexity %.4f on wiki.test.raw: 2 windows of 256 tokens", want)) {
 		t.Errorf("model card lacks the perplexity %.4f:\n%s", want, card)
+	}
+}
+
+// TestCompressedTensorsAndFP8 (issue 19 point 2, issue 17 point 3): RTN
+// written as compressed-tensors evaluates to the very perplexity of the
+// GPTQ layout; FP8 checkpoints (per channel and per tensor, dynamic or
+// static activations) are F8_E4M3 on
+// disk, evaluate within 1% of the unquantized model, with simulated FP8
+// activations too, and generate.
+func TestCompressedTensorsAndFP8(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	data := shared.Path(t, "data/wikitext2/wiki.test.raw")
+	ev := func(dir string, extra ...string) string {
+		return mustLLMQ(t, append([]string{"eval", "ppl", dir, "--data", data, "--seqlen", "256", "--windows", "2", "--device", "cpu"}, extra...)...)
+	}
+	dir := t.TempDir()
+	gq, ct := filepath.Join(dir, "gptq"), filepath.Join(dir, "ct")
+	mustLLMQ(t, "quantize", model, "--method", "rtn", "-o", gq)
+	mustLLMQ(t, "quantize", model, "--method", "rtn", "--format", "compressed-tensors", "-o", ct)
+	if a, b := perplexity(t, ev(gq)), perplexity(t, ev(ct)); a != b {
+		t.Errorf("RTN: perplexity %v in the GPTQ layout, %v as compressed-tensors", a, b)
+	}
+	fp := perplexity(t, ev(model))
+	for _, c := range [][2]string{{"per-channel", "dynamic"}, {"per-tensor", "dynamic"}, {"per-tensor", "static"}} {
+		scale := c[0] + " " + c[1]
+		out := filepath.Join(dir, "fp8-"+c[0]+"-"+c[1])
+		mustLLMQ(t, "quantize", model, "--method", "fp8", "--fp8-scale", c[0], "--fp8-act", c[1],
+			"--calib", shared.Path(t, "data/calib.txt"), "--nsamples", "4", "--seqlen", "128", "-o", out)
+		if in := mustLLMQ(t, "inspect", out); !strings.Contains(in, "F8_E4M3×28") || !strings.Contains(in, "float-quantized") {
+			t.Errorf("%s: inspect says\n%s", scale, in)
+		}
+		for _, act := range [][]string{nil, {"--act-bits", "8", "--act-format", "fp8"}} {
+			if p := perplexity(t, ev(out, act...)); math.Abs(p/fp-1) > 0.01 {
+				t.Errorf("FP8 %s %v: perplexity %.3f vs %.3f unquantized", scale, act, p, fp)
+			}
+		}
+		if g := mustLLMQ(t, "generate", out, "--prompt", "Once upon a time", "--max-tokens", "4", "--device", "cpu"); !strings.HasPrefix(g, "Once upon a time") {
+			t.Errorf("FP8 %s: generate printed %q", scale, g)
+		}
 	}
 }

@@ -26,7 +26,7 @@ func newQuantize() *cobra.Command {
 	var gopt gptq.Options
 	var bits, group int
 	var sym, duo, noClip bool
-	var reportPath, statsPath, shardSize string
+	var reportPath, statsPath, shardSize, fp8Scale, fp8Act string
 	var plan planFlags
 	var planPath, evalData, evalDevice string
 	var evalWindows, evalSeqLen int
@@ -42,7 +42,12 @@ windows of --seqlen tokens of --calib (deterministic).`,
       --calib ../shared/data/calib.txt -o out/llama-small-gptq-w4g128
   llmq quantize ../shared/models/llama-small --method awq --calib ../shared/data/calib.txt \
       --stats out/awq-stats.json -o out/llama-small-awq
-  llmq quantize ../shared/models/llama-small --method rtn --bits 4 --group 128 -o out/llama-small-rtn`,
+  llmq quantize ../shared/models/llama-small --method rtn --bits 4 --group 128 -o out/llama-small-rtn
+  llmq quantize ../shared/models/llama-small --method gptq --calib ../shared/data/calib.txt \
+      --format compressed-tensors -o out/llama-small-gptq-ct
+  llmq quantize ../shared/models/llama-small --method fp8 -o out/llama-small-fp8
+  llmq quantize ../shared/models/llama-small --method fp8 --fp8-scale per-tensor --fp8-act static \
+      --calib ../shared/data/calib.txt -o out/llama-small-fp8-static`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			opt.Src = args[0]
@@ -53,8 +58,27 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			if opt.MaxShardBytes, err = parseSize(shardSize); err != nil {
 				return fmt.Errorf("--max-shard-size: %w", err)
 			}
-			if opt.Format != "gptq" && opt.Format != "awq" {
-				return fmt.Errorf("--format must be gptq or awq, got %q", opt.Format)
+			if opt.Format != "gptq" && opt.Format != "awq" && opt.Format != pack.MethodCT {
+				return fmt.Errorf("--format must be gptq, awq or %s, got %q", pack.MethodCT, opt.Format)
+			}
+			if fp8Scale != "per-channel" && fp8Scale != "per-tensor" {
+				return fmt.Errorf("--fp8-scale must be per-channel or per-tensor, got %q", fp8Scale)
+			}
+			if fp8Act != "dynamic" && fp8Act != "static" {
+				return fmt.Errorf("--fp8-act must be dynamic or static, got %q", fp8Act)
+			}
+			if method == "fp8" {
+				if cmd.Flags().Changed("format") && opt.Format != pack.MethodCT {
+					return fmt.Errorf("--method fp8 writes --format %s, got %q", pack.MethodCT, opt.Format)
+				}
+				opt.Format = pack.MethodCT
+				for _, fl := range []string{"bits", "group", "sym", "override", "plan"} {
+					if cmd.Flags().Changed(fl) {
+						return fmt.Errorf("--%s does not apply to --method fp8 (FP8 E4M3, symmetric, --fp8-scale per-channel or per-tensor)", fl)
+					}
+				}
+			} else if cmd.Flags().Changed("fp8-scale") || cmd.Flags().Changed("fp8-act") {
+				return fmt.Errorf("--fp8-scale and --fp8-act apply to --method fp8")
 			}
 			grid := pack.Grid{Bits: bits, GroupSize: group, Sym: sym}
 			if err := grid.Validate(0); err != nil {
@@ -85,8 +109,10 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				}
 			case "awq+gptq":
 				opt.Method = quantize.AWQGPTQ{GPTQ: quantize.GPTQ{Opt: gopt}, Scales: awqOpt}
+			case "fp8":
+				opt.Method = quantize.FP8{PerTensor: fp8Scale == "per-tensor", StaticActivations: fp8Act == "static"}
 			default:
-				return fmt.Errorf("--method must be gptq, awq, awq+gptq or rtn, got %q", method)
+				return fmt.Errorf("--method must be gptq, awq, awq+gptq, rtn or fp8, got %q", method)
 			}
 			if opt.Method.Calibrated() && opt.Calib == "" {
 				return fmt.Errorf("--method %s needs --calib FILE (calibration text or .i32 tokens)", method)
@@ -165,8 +191,10 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	}
 	f := cmd.Flags()
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory (required; written atomically)")
-	f.StringVar(&method, "method", "gptq", "gptq, awq, awq+gptq (AWQ scales folded, then GPTQ) or rtn")
-	f.StringVar(&opt.Format, "format", "gptq", "checkpoint layout: gptq, or awq (AutoAWQ GEMM; 4-bit, no act-order)")
+	f.StringVar(&method, "method", "gptq", "gptq, awq, awq+gptq (AWQ scales folded, then GPTQ), rtn, or fp8 (FP8 E4M3 weights, scale max|W|/448; written as compressed-tensors)")
+	f.StringVar(&opt.Format, "format", "gptq", "checkpoint layout: gptq, awq (AutoAWQ GEMM; 4-bit, no act-order) or compressed-tensors (llm-compressor's, that vLLM loads: pack-quantized; FP8: float-quantized)")
+	f.StringVar(&fp8Act, "fp8-act", "dynamic", "--method fp8: the activation scheme recorded: dynamic (FP8 per token) or static (one FP8 scale per layer input, max|x|/448 over --calib; written as input_scale)")
+	f.StringVar(&fp8Scale, "fp8-scale", "per-channel", "--method fp8: per-channel (a scale per output channel, llm-compressor's FP8_DYNAMIC) or per-tensor (one scale per layer)")
 	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency, outlier tokens) and search results (α and its loss curve, clip shrinks) as JSON")
 	f.BoolVar(&duo, "duo", false, "AWQ: duo scaling x̄^α / w̄^(1−α) (AutoAWQ) instead of x̄^α (llm-awq)")
 	f.BoolVar(&noClip, "no-clip", false, "AWQ: skip the clip search")

@@ -209,6 +209,9 @@ func FuzzHeader(f *testing.F) {
 	WriteFile(p, map[string]Out{"w": F32([]float32{1, 2}, 2), "b": BF16([]float32{3}, 1)}, map[string]string{"format": "pt"})
 	seed, _ := os.ReadFile(p)
 	f.Add(seed)
+	WriteFile(p, map[string]Out{"w": F8E4M3([]byte{1, 2, 3}, 3), "s": F32([]float32{1}, 1)}, nil)
+	seed8, _ := os.ReadFile(p)
+	f.Add(seed8)
 	f.Add([]byte{8, 0, 0, 0, 0, 0, 0, 0, '{', '}', ' ', ' ', ' ', ' ', ' ', ' '})
 	f.Fuzz(func(t *testing.T, data []byte) {
 		p := filepath.Join(t.TempDir(), "f.safetensors")

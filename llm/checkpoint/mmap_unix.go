@@ -12,6 +12,16 @@ import (
 type mapping struct{ data []byte }
 
 func mapFile(path string) (*mapping, error) {
+	return mapWith(path, syscall.PROT_READ, syscall.MAP_SHARED)
+}
+
+// mapFilePrivate maps the file copy-on-write: writes change this process's
+// copy of the touched pages, never the file.
+func mapFilePrivate(path string) (*mapping, error) {
+	return mapWith(path, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE)
+}
+
+func mapWith(path string, prot, flags int) (*mapping, error) {
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("opening weights: %w", err)
@@ -24,7 +34,7 @@ func mapFile(path string) (*mapping, error) {
 	if fi.Size() == 0 {
 		return &mapping{}, nil
 	}
-	data, err := syscall.Mmap(int(f.Fd()), 0, int(fi.Size()), syscall.PROT_READ, syscall.MAP_SHARED)
+	data, err := syscall.Mmap(int(f.Fd()), 0, int(fi.Size()), prot, flags)
 	if err != nil {
 		return nil, fmt.Errorf("mapping %s: %w", path, err)
 	}

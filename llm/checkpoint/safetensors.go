@@ -1,6 +1,7 @@
 package checkpoint
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -22,7 +23,22 @@ type Tensor struct {
 	DType safetensors.DType
 	Shape []int
 	Data  []byte // little-endian, row-major; aliases the mapping
+	// Float8 marks a tensor stored as "F8_E4M3" (PyTorch's float8_e4m3fn:
+	// one byte an element, decoded by the reader that knows its scale).
+	// The safetensors library has no such dtype: DType is then U8.
+	Float8 bool
 }
+
+// DTypeName is the dtype as the file names it ("F8_E4M3" for Float8).
+func (t Tensor) DTypeName() string {
+	if t.Float8 {
+		return DTypeF8E4M3
+	}
+	return t.DType.String()
+}
+
+// DTypeF8E4M3 is safetensors' name for FP8 E4M3 (float8_e4m3fn).
+const DTypeF8E4M3 = "F8_E4M3"
 
 // Numel is the number of elements.
 func (t Tensor) Numel() int {
@@ -38,6 +54,7 @@ type File struct {
 	Path string
 	st   safetensors.SafeTensors
 	m    *mapping
+	f8   map[string]bool // tensors stored as F8_E4M3
 }
 
 // OpenFile maps a safetensors file and validates its header: header length
@@ -48,32 +65,65 @@ func OpenFile(path string) (*File, error) {
 	if err != nil {
 		return nil, err
 	}
-	buf := m.data
-	if err := checkHeader(buf); err != nil {
+	f8, err := checkHeader(m.data)
+	if err != nil {
 		m.close()
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	st, err := safetensors.Deserialize(buf)
+	if len(f8) > 0 {
+		// The library refuses F8_E4M3: map the file copy-on-write and
+		// rename those dtypes U8 in the private copy of the header (same
+		// length, padded with JSON spaces); the file is not touched.
+		m.close()
+		if m, err = mapFilePrivate(path); err != nil {
+			return nil, err
+		}
+		patchF8(m.data)
+	}
+	st, err := safetensors.Deserialize(m.data)
 	if err != nil {
 		m.close()
 		return nil, fmt.Errorf("%s: invalid safetensors file: %w", path, err)
 	}
-	return &File{Path: path, st: st, m: m}, nil
+	return &File{Path: path, st: st, m: m, f8: f8}, nil
+}
+
+// f8Field and u8Field have the same length, so that replacing one by the
+// other in a header keeps every offset.
+var (
+	f8Field = []byte(`"F8_E4M3"`)
+	u8Field = []byte(`"U8"     `)
+)
+
+// patchF8 renames every "F8_E4M3" dtype of the header in buf to U8. (The
+// string can only occur as a dtype value: a tensor name holding it is
+// refused by checkHeader.)
+func patchF8(buf []byte) {
+	n := binary.LittleEndian.Uint64(buf[:8])
+	hdr := buf[8 : 8+n]
+	for i := bytes.Index(hdr, f8Field); i >= 0; i = bytes.Index(hdr, f8Field) {
+		copy(hdr[i:], u8Field)
+	}
 }
 
 // checkHeader gives precise messages for the common ways a file is broken
 // (truncated downloads above all) before the library's generic validation.
-func checkHeader(buf []byte) error {
+// It returns the set of tensors stored as F8_E4M3.
+func checkHeader(buf []byte) (map[string]bool, error) {
 	if len(buf) < 8 {
-		return fmt.Errorf("file is %d bytes, too short for a safetensors header (8-byte length + JSON)", len(buf))
+		return nil, fmt.Errorf("file is %d bytes, too short for a safetensors header (8-byte length + JSON)", len(buf))
 	}
 	n := binary.LittleEndian.Uint64(buf[:8])
 	if n > uint64(len(buf)-8) {
-		return fmt.Errorf("header length %d runs past the end of the file (%d bytes): truncated or not a safetensors file", n, len(buf))
+		return nil, fmt.Errorf("header length %d runs past the end of the file (%d bytes): truncated or not a safetensors file", n, len(buf))
 	}
 	var hdr map[string]json.RawMessage
 	if err := json.Unmarshal(buf[8:8+n], &hdr); err != nil {
-		return fmt.Errorf("header is not valid JSON: %w", err)
+		return nil, fmt.Errorf("header is not valid JSON: %w", err)
+	}
+	var f8 map[string]bool
+	if bytes.Contains(buf[8:8+n], f8Field) {
+		f8 = map[string]bool{}
 	}
 	var end uint64
 	for name, raw := range hdr {
@@ -85,18 +135,28 @@ func checkHeader(buf []byte) error {
 			DataOffsets [2]uint64 `json:"data_offsets"`
 		}
 		if err := json.Unmarshal(raw, &info); err != nil {
-			return fmt.Errorf("tensor %q: malformed header entry: %w", name, err)
+			return nil, fmt.Errorf("tensor %q: malformed header entry: %w", name, err)
 		}
-		if _, err := safetensors.ParseDType(info.DType); err != nil {
-			return fmt.Errorf("tensor %q: unsupported dtype %q", name, info.DType)
+		if name == DTypeF8E4M3 && f8 != nil {
+			return nil, fmt.Errorf("tensor %q: a name holding %q is not supported in a file with FP8 tensors", name, DTypeF8E4M3)
+		}
+		if info.DType == DTypeF8E4M3 {
+			f8[name] = true
+		} else if _, err := safetensors.ParseDType(info.DType); err != nil {
+			return nil, fmt.Errorf("tensor %q: unsupported dtype %q", name, info.DType)
 		}
 		end = max(end, info.DataOffsets[1])
 	}
+	if f8 != nil {
+		if raw, ok := hdr["__metadata__"]; ok && bytes.Contains(raw, f8Field) {
+			return nil, fmt.Errorf("__metadata__ holding %q is not supported in a file with FP8 tensors", DTypeF8E4M3)
+		}
+	}
 	have := uint64(len(buf)) - 8 - n
 	if end > have {
-		return fmt.Errorf("truncated: tensors need %d bytes of data, the file has %d", end, have)
+		return nil, fmt.Errorf("truncated: tensors need %d bytes of data, the file has %d", end, have)
 	}
-	return nil
+	return f8, nil
 }
 
 // Names lists the tensors in the file, sorted.
@@ -116,7 +176,7 @@ func (f *File) Tensor(name string) (Tensor, bool) {
 	for i, d := range v.Shape() {
 		shape[i] = int(d)
 	}
-	return Tensor{Name: name, File: f.Path, DType: v.DType(), Shape: shape, Data: v.Data()}, true
+	return Tensor{Name: name, File: f.Path, DType: v.DType(), Shape: shape, Data: v.Data(), Float8: f.f8[name]}, true
 }
 
 // Close unmaps the file; tensors taken from it must not be used afterwards.
@@ -127,6 +187,9 @@ func (t Tensor) ToFloat32(dst []float32) error {
 	n := t.Numel()
 	if len(dst) != n {
 		return fmt.Errorf("tensor %q in %s: destination has %d elements, tensor %d", t.Name, t.File, len(dst), n)
+	}
+	if t.Float8 {
+		return fmt.Errorf("tensor %q in %s: dtype %s holds FP8 codes that need their weight_scale (read it through its quantization_config)", t.Name, t.File, DTypeF8E4M3)
 	}
 	switch t.DType {
 	case safetensors.BF16:
@@ -364,7 +427,7 @@ func (c *Checkpoint) DTypes() map[string]int {
 	out := map[string]int{}
 	for n, f := range c.byName {
 		t, _ := f.Tensor(n)
-		out[t.DType.String()]++
+		out[t.DTypeName()]++
 	}
 	return out
 }
