@@ -51,9 +51,9 @@ case "$1" in
   check)
     build/device/cuda.test -test.v -test.run . > "$OUT/cuda-tests.log" 2>&1
     echo "cuda tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic" "$OUT/cuda-tests.log" | head -60
-    timeout 240 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-memcheck.log" 2>&1
+    timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-memcheck.log" 2>&1
     echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
-    timeout 300 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel' > "$OUT/cuda-model-memcheck.log" 2>&1
+    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel' > "$OUT/cuda-model-memcheck.log" 2>&1
     echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"
     ;;
   gemm)
