@@ -156,8 +156,9 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 		if g.mlpNorm, err = m.upload32(mlp); err != nil {
 			return err
 		}
+		specs := llm.BlockLinears(c, i) // q, k, v, o, gate, up, down
 		for j, dst := range []**gpuLinear{&g.q, &g.k, &g.v, &g.o, &g.gate, &g.up, &g.down} {
-			if *dst, err = m.loadLinear(ck, q, llm.BlockLinears(c, i)[j]); err != nil {
+			if *dst, err = m.loadLinear(ck, q, specs[j]); err != nil {
 				return err
 			}
 		}
