@@ -93,7 +93,7 @@ cuda: build/libllmqcuda.so
 
 build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 	@mkdir -p build
-	$(NVCC) $(NVCC_FLAGS) --shared -Xcompiler -fPIC $(CUDA_ARCH) -lcublas -o $@ $(filter %.cu,$^)
+	$(NVCC) $(NVCC_FLAGS) --shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -lcublas -o $@ $(filter %.cu,$^)
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

@@ -1,30 +1,87 @@
-// Shared helpers of the llmq CUDA library: error reporting and the stream.
+// Shared definitions of the llmq CUDA library: the context every entry
+// point works on, error reporting, and the entry points of each file that
+// runtime.cu gathers into the API table.
 #pragma once
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
+#include <unordered_map>
+#include <unordered_set>
 #include "llmq.h"
 
+// llmq_ctx owns a stream and everything issued on it (see llmq.h).
+struct llmq_ctx {
+  int device = 0;
+  int sms = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+  void* cublas_ws = nullptr;
+  size_t cublas_ws_bytes = 0;
+  // Device memory allocated through the context: pointer → bytes.
+  std::unordered_map<void*, size_t> allocs;
+  size_t live_bytes = 0, peak_bytes = 0;
+  std::unordered_set<void*> graphs, events;
+  // Tuning: the forced W4A16 path (0 automatic), the largest M of the
+  // fused kernel in automatic mode, each fused instantiation's resident
+  // CTAs per SM (queried on first use), the attention kernel's raised
+  // dynamic shared memory limit.
+  int w4_path = 0;
+  int fused_max_m = 64;
+  int resident[4] = {0, 0, 0, 0};
+  size_t attn_smem = 48 << 10;
+  char err[1024] = {0};
+};
+
 namespace llmq {
-void set_error(const char* fmt, ...);
-cudaStream_t stream();
+// set_error records a message on c, or in the calling thread's error when
+// c is null (calls without a context).
+void set_error(llmq_ctx* c, const char* fmt, ...);
 }  // namespace llmq
 
-// CK turns a failed CUDA runtime call into an error naming it.
-#define CK(call)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      llmq::set_error("%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_), __FILE__, __LINE__); \
-      return 1;                                                                          \
-    }                                                                                    \
+// CK turns a failed CUDA runtime call into an error naming it, recorded on
+// the context `c` in scope.
+#define CK(call)                                                                                     \
+  do {                                                                                               \
+    cudaError_t e_ = (call);                                                                         \
+    if (e_ != cudaSuccess) {                                                                         \
+      llmq::set_error(c, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+      return 1;                                                                                      \
+    }                                                                                                \
   } while (0)
 
 // CK_LAUNCH checks a kernel launch.
-#define CK_LAUNCH(name)                                                                  \
-  do {                                                                                   \
-    cudaError_t e_ = cudaGetLastError();                                                 \
-    if (e_ != cudaSuccess) {                                                             \
-      llmq::set_error("kernel %s: %s", name, cudaGetErrorString(e_));                    \
-      return 1;                                                                          \
-    }                                                                                    \
+#define CK_LAUNCH(name)                                                   \
+  do {                                                                    \
+    cudaError_t e_ = cudaGetLastError();                                  \
+    if (e_ != cudaSuccess) {                                              \
+      llmq::set_error(c, "kernel %s: %s", name, cudaGetErrorString(e_)); \
+      return 1;                                                           \
+    }                                                                     \
   } while (0)
+
+// Entry points, by file; llmq.h documents each.
+namespace llmq {
+// w4a16.cu
+size_t w4a16_workspace_bytes(int M, int N);
+int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
+               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group);
+int w4a16_set_path(llmq_ctx* c, int path);
+int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
+int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
+// model.cu
+int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H);
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H,
+            float eps);
+int add(llmq_ctx* c, float* x, const void* delta, size_t n);
+int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
+int rope(llmq_ctx* c, void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd);
+int kv_store(llmq_ctx* c, const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos,
+             const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int kv_dim);
+size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
+int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
+              const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
+              int hd, int max_keys);
+int silu_mul(llmq_ctx* c, void* g, const void* u, size_t n);
+int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
+int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
+}  // namespace llmq

@@ -7,10 +7,13 @@
 #   bash cuda/device-model.sh tiny    # tests + ppl of llama-tiny fp/RTN/GPTQ
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
-#   bash cuda/device-model.sh tiny+synth   (or small+synth) both in one call
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
+#   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
+#                                     # memcheck with leak checking over kernels and model
+#   bash cuda/device-model.sh gemm    # llmq bench gemm (gemm-h200.json)
+#   Modes join with +, run in order: check+gemm+tiny, synth, ...
 #
 # Results go to $OUT (the device tool's folder) or build/out.
 set -uo pipefail
@@ -18,24 +21,51 @@ OUT=${OUT:-build/out}
 mkdir -p "$OUT"
 # Archives under .carry hold repository-relative paths (.carry/shared/...,
 # build/device/...): compressed, more fits in one carry.
-for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.')" "$f"; done
+[ -n "${SKIP_BUILD:-}" ] || for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.')" "$f"; done
 export LLMQ_COMMIT=$(tr -d '\n' < build/device/COMMIT)
 export LLMQ_SHARED=$PWD/.carry/shared
 L=build/device/llmq
-nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
-t0=$(date +%s)
-make cuda > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-cp build/libllmqcuda.so build/device/
-echo "build $(( $(date +%s) - t0 ))s"
+[ -n "${SKIP_BUILD:-}" ] || nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+if [ -z "${SKIP_BUILD:-}" ]; then
+  t0=$(date +%s)
+  make cuda > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  cp build/libllmqcuda.so build/device/
+  echo "build $(( $(date +%s) - t0 ))s"
+fi
 WIKI=$LLMQ_SHARED/data/wikitext2/wiki.test.raw
 ppl() { # name dir
   $L eval ppl "$2" --data "$WIKI" --device cuda --json "$OUT/ppl-$1-wikitext2-cuda.json" 2>&1 | grep -v "^ppl " | tr '\r' '\n' | grep -E "perplexity|speed|loaded|error|Error"
 }
+# Joined modes run one after another in this call.
 case "$1" in
-  tiny|small|small+synth|tiny+synth)
-    M=llama-${1%+synth}
-    build/device/cuda.test -test.v -test.run 'TestModel|TestGreedy|TestBatched|TestWindowNLL|TestKernelError|TestCheckFits' > "$OUT/cuda-model-tests-${1/+/-}.log" 2>&1
-    echo "model tests rc=$?"; grep -E "^(=== RUN|--- |ok|FAIL|PASS)|Δlogit|window|difference|panic" "$OUT/cuda-model-tests-${1/+/-}.log" | grep -v "=== RUN" | head -40
+  *+*)
+    rc=0
+    IFS=+ read -ra modes <<< "$1"
+    for m in "${modes[@]}"; do
+      [ -n "$m" ] || continue
+      echo "===== $m"; SKIP_BUILD=1 bash "$0" "$m" "${@:2}" || rc=1
+    done
+    exit $rc
+    ;;
+esac
+case "$1" in
+  check)
+    build/device/cuda.test -test.v -test.run . > "$OUT/cuda-tests.log" 2>&1
+    echo "cuda tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic" "$OUT/cuda-tests.log" | head -60
+    timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-memcheck.log" 2>&1
+    echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
+    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel' > "$OUT/cuda-model-memcheck.log" 2>&1
+    echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"
+    ;;
+  gemm)
+    $L bench gemm --json "$OUT/gemm-h200.json" 2>&1 | tail -60
+    ;;
+  tiny|small)
+    M=llama-$1
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      build/device/cuda.test -test.v -test.run 'TestModel|TestGreedy|TestBatched|TestWindowNLL|TestKernelError|TestCheckFits|TestLoadUnload|TestConcurrent|TestClosed' > "$OUT/cuda-model-tests-$1.log" 2>&1
+      echo "model tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|Δlogit|window|difference|panic" "$OUT/cuda-model-tests-$1.log" | head -40
+    fi
     # RTN is deterministic, so quantizing here gives the weights whose CPU
     # perplexity is committed; GPTQ/AWQ checkpoints come made on the CPU
     # machine (.carry/q) for the same reason.
@@ -47,9 +77,10 @@ case "$1" in
       echo "== $M $c"; ppl $M-$c "$dir"
       $L generate "$dir" --device cuda --prompt "The history of the" --max-tokens 32 2>&1 | tail -1
     done
-    case $1 in *+synth) exec bash "$0" synth "$M" ;; esac
-    timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-${1/+/-}.log" 2>&1
-    echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-${1/+/-}.log" | tail -1)"
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 300 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestBatched' > "$OUT/cuda-model-memcheck-$1.log" 2>&1
+      echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-$1.log" | tail -1)"
+    fi
     ;;
   serve) # the engine on the GPU under load, and the current kernels under the sanitizer
     $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-h200.json" 2>&1 | tail -5
@@ -71,7 +102,8 @@ case "$1" in
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}
-    if command -v nsys > /dev/null; then  # where a decode step's time goes
+    [ -d "$TOK" ] || TOK=$LLMQ_SHARED/models/llama-tiny
+    if [ -z "${NO_NSYS:-}" ] && command -v nsys > /dev/null; then  # where a decode step's time goes
       $L synth --preset llama3-8b --bits 4 --layers 8 -o /tmp/p8 --force --tokenizer $TOK > /dev/null 2>&1
       timeout 240 nsys profile -o /tmp/decode --force-overwrite true $L bench decode /tmp/p8 --device cuda --context 2048 --batch 1 --steps 32 --prefill 0 > /dev/null 2>&1
       nsys stats --report cuda_gpu_kern_sum /tmp/decode.nsys-rep > "$OUT/nsys-decode-llama3-8b-8layers.txt" 2>&1

@@ -25,6 +25,22 @@ func openLib(t testing.TB) *Lib {
 	return l
 }
 
+// openContext makes a context for a test, closed (and checked to have
+// released everything) when the test ends.
+func openContext(t testing.TB) *Context {
+	t.Helper()
+	x, err := openLib(t).NewContext()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := x.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return x
+}
+
 // randomLayer makes a 4-bit layer with random grid indices, scales and
 // zeros (or zero 8 when sym), and a random act-order g_idx if asked.
 func randomLayer(r *rand.Rand, K, N, group int, sym, actOrder bool) *pack.Linear {
@@ -89,7 +105,7 @@ type gemmCase struct {
 	path           int
 }
 
-func runCase(t *testing.T, l *Lib, r *rand.Rand, c gemmCase) {
+func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 	t.Helper()
 	layer := randomLayer(r, c.K, c.N, c.group, c.sym, c.act)
 	g, err := layer.GPULayout()
@@ -106,7 +122,7 @@ func runCase(t *testing.T, l *Lib, r *rand.Rand, c gemmCase) {
 	defer l.Free(A)
 	C, _ := l.Alloc(c.M * c.N * 2)
 	defer l.Free(C)
-	ws, _ := l.Alloc(l.WorkspaceBytes(c.M, c.N))
+	ws, _ := l.Alloc(l.Lib().WorkspaceBytes(c.M, c.N))
 	defer l.Free(ws)
 	l.Memset(ws, 0, ws.Bytes)
 	scratch, _ := l.Alloc(c.K * c.N * 2)
@@ -117,7 +133,9 @@ func runCase(t *testing.T, l *Lib, r *rand.Rand, c gemmCase) {
 		defer l.Free(aperm)
 	}
 	ref := reference(avals, g.Dequantize(), g.Perm, c.M, c.K, c.N)
-	l.SetPath(c.path)
+	if err := l.SetPath(c.path); err != nil {
+		t.Fatal(err)
+	}
 	defer l.SetPath(PathAuto)
 	for run := 0; run < 2; run++ { // twice: the workspace must come back zeroed
 		if err := l.Memset(C, 0xff, C.Bytes); err != nil { // poison: 0xffff is NaN
@@ -153,7 +171,7 @@ func runCase(t *testing.T, l *Lib, r *rand.Rand, c gemmCase) {
 // TestW4A16MatchesReference checks the kernel against a float64 CPU
 // reference over many shapes, groups, sym/asym and act-order, on both paths.
 func TestW4A16MatchesReference(t *testing.T) {
-	l := openLib(t)
+	l := openContext(t)
 	r := rand.New(rand.NewPCG(uint64(rand.Int64()), 7))
 	for _, M := range []int{1, 3, 16, 17, 64, 100, 256, 1000, 4096} {
 		K, N := 1024, 192
@@ -181,7 +199,7 @@ func TestW4A16MatchesReference(t *testing.T) {
 // TestDequantMatchesCPU: the GPU dequantizer equals the CPU decoder of the
 // same layout bit for bit.
 func TestDequantMatchesCPU(t *testing.T) {
-	l := openLib(t)
+	l := openContext(t)
 	r := rand.New(rand.NewPCG(3, 3))
 	layer := randomLayer(r, 512, 256, 128, false, false)
 	g, _ := layer.GPULayout()
@@ -207,7 +225,7 @@ func TestDequantMatchesCPU(t *testing.T) {
 }
 
 func TestBadShapeIsAnError(t *testing.T) {
-	l := openLib(t)
+	l := openContext(t)
 	w := &W4{K: 100, N: 64, Group: 100}
 	if err := l.GemmW4(Buf{}, Buf{}, w, 1, Buf{}, Buf{}, Buf{}); err == nil {
 		t.Fatal("K=100 accepted")
@@ -220,7 +238,7 @@ func TestBadShapeIsAnError(t *testing.T) {
 // racecheck): both paths, act-order, and a K deep enough to split across
 // CTAs so the workspace and last-CTA counter logic runs.
 func TestSmallForSanitizer(t *testing.T) {
-	l := openLib(t)
+	l := openContext(t)
 	r := rand.New(rand.NewPCG(9, 9))
 	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, path: PathFused})

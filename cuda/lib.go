@@ -1,155 +1,207 @@
 //go:build cgo
 
-// Package cuda runs llmq's CUDA kernels from Go. The kernels live in a
-// shared library built by nvcc (`make cuda` → build/libllmqcuda.so); this
-// package loads it at run time with dlopen, so llmq builds with plain
-// `go build` anywhere and reports plainly when no GPU library is present.
+// Package cuda runs llmq's models and kernels on an NVIDIA GPU. The
+// kernels live in a shared library built by nvcc (`make cuda` →
+// build/libllmqcuda.so); this package loads it at run time with dlopen, so
+// llmq builds with plain `go build` anywhere and reports plainly when no
+// GPU library is present.
+//
+// Three layers:
+//
+//   - Lib is the loaded library: its C API (llmq.h) is one table of typed
+//     function pointers, resolved once by Open and checked against the
+//     version this package was built for. Lib holds no GPU state.
+//   - Context is what the library calls a context (llmq_ctx): one CUDA
+//     stream, a cuBLAS handle bound to it, and everything allocated or
+//     captured through it (buffers, graphs, events), which Close releases.
+//     Kernels, copies and graphs of a context run in order on its stream.
+//     A Context is not safe for concurrent use; Model serialises.
+//   - Model (model.go) is the GPU backend of llm.Backend: a checkpoint's
+//     weights in its own Context, forward passes, perplexity windows and a
+//     memory report, behind one mutex.
+//
 // Every CUDA error comes back as a Go error naming the call that failed.
 // Device pointers travel as integers, never as Go pointers.
 package cuda
 
 /*
+#cgo CFLAGS: -I${SRCDIR}
 #cgo LDFLAGS: -ldl
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include "llmq.h"
 
 typedef uintptr_t P;
+typedef const llmq_api* A;
 static void* lib_open(const char* path) { return dlopen(path, RTLD_NOW | RTLD_LOCAL); }
 static const char* lib_error(void) { const char* e = dlerror(); return e ? e : "unknown dlopen error"; }
-static void* lib_sym(void* h, const char* name) { return dlsym(h, name); }
+static A lib_api(void* h) {
+	void* f = dlsym(h, "llmq_api_get");
+	return f ? ((A (*)(void))f)() : 0;
+}
+static int api_version(A a) { return a->version; }
+static size_t api_size(A a) { return a->size; }
 
-static const char* c_str(void* f) { return ((const char* (*)(void))f)(); }
-static int c_i(void* f) { return ((int (*)(void))f)(); }
-static int c_i_i(void* f, int a) { return ((int (*)(int))f)(a); }
-static int c_info(void* f, char* name, int n, size_t* fr, size_t* tot, int* sms) {
-	return ((int (*)(char*, int, size_t*, size_t*, int*))f)(name, n, fr, tot, sms);
+// Calls without a context report through a thread-local message, copied
+// here in the same C call (a goroutine may change threads between calls).
+static void copy_err(A a, char* err, int n) { strncpy(err, a->last_error(), n - 1); err[n - 1] = 0; }
+static int c_info(A a, char* name, int n, size_t* fr, size_t* tot, int* sms, char* err, int en) {
+	int r = a->device_info(name, n, fr, tot, sms);
+	if (r) copy_err(a, err, en);
+	return r;
 }
-static int c_malloc(void* f, P* p, size_t n) { void* v = 0; int r = ((int (*)(void**, size_t))f)(&v, n); *p = (P)v; return r; }
-static int c_p(void* f, P a) { return ((int (*)(void*))f)((void*)a); }
-static int c_pp_n(void* f, P a, P b, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)a, (const void*)b, n); }
-static int c_h2d(void* f, P dst, const void* src, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)dst, src, n); }
-static int c_d2h(void* f, void* dst, P src, size_t n) { return ((int (*)(void*, const void*, size_t))f)(dst, (const void*)src, n); }
-static int c_memset(void* f, P a, int v, size_t n) { return ((int (*)(void*, int, size_t))f)((void*)a, v, n); }
-// c_out_ptr calls an int f(void** out) and returns *out as an integer
-// (event creation, graph instantiation).
-static int c_out_ptr(void* f, P* p) { void* v = 0; int r = ((int (*)(void**))f)(&v); *p = (P)v; return r; }
-static int c_elapsed(void* f, P a, P b, float* ms) { return ((int (*)(void*, void*, float*))f)((void*)a, (void*)b, ms); }
-static size_t c_ws(void* f, int m, int n) { return ((size_t (*)(int, int))f)(m, n); }
-static int c_gemm_w4(void* f, P A, P B, P S, P Z, P perm, P aperm, P C, P ws, P scratch, int M, int N, int K, int g) {
-	return ((int (*)(const void*, const void*, const void*, const void*, const int32_t*, void*, void*, void*, void*, int, int, int, int))f)(
-		(const void*)A, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm, (void*)aperm, (void*)C, (void*)ws, (void*)scratch, M, N, K, g);
+static int c_ctx_create(A a, llmq_ctx** c, char* err, int en) {
+	int r = a->ctx_create(0, c);
+	if (r) copy_err(a, err, en);
+	return r;
 }
-static int c_dequant(void* f, P B, P S, P Z, P W, int N, int K, int g) {
-	return ((int (*)(const void*, const void*, const void*, void*, int, int, int))f)((const void*)B, (const void*)S, (const void*)Z, (void*)W, N, K, g);
+static int c_ctx_destroy(A a, llmq_ctx* c, char* err, int en) {
+	int r = a->ctx_destroy(c);
+	if (r) copy_err(a, err, en);
+	return r;
 }
-static int c_probe(void* f, P p, size_t n, P out) { return ((int (*)(const void*, size_t, void*))f)((const void*)p, n, (void*)out); }
-static int c_gemm_f16(void* f, P A, P W, P C, int M, int N, int K) {
-	return ((int (*)(const void*, const void*, void*, int, int, int))f)((const void*)A, (const void*)W, (void*)C, M, N, K);
+static const char* c_ctx_error(A a, llmq_ctx* c) { return a->ctx_error(c); }
+static int c_memory(A a, llmq_ctx* c, llmq_memory* m) { return a->ctx_memory(c, m); }
+
+static int c_malloc(A a, llmq_ctx* c, P* p, size_t n) { void* v = 0; int r = a->mem_alloc(c, &v, n); *p = (P)v; return r; }
+static int c_free(A a, llmq_ctx* c, P p) { return a->mem_free(c, (void*)p); }
+static int c_h2d(A a, llmq_ctx* c, P dst, const void* src, size_t n) { return a->memcpy_h2d(c, (void*)dst, src, n); }
+static int c_d2h(A a, llmq_ctx* c, void* dst, P src, size_t n) { return a->memcpy_d2h(c, dst, (const void*)src, n); }
+static int c_d2d(A a, llmq_ctx* c, P dst, P src, size_t n) { return a->memcpy_d2d(c, (void*)dst, (const void*)src, n); }
+static int c_memset(A a, llmq_ctx* c, P p, int v, size_t n) { return a->mem_set(c, (void*)p, v, n); }
+static int c_sync(A a, llmq_ctx* c) { return a->sync(c); }
+static int c_capture_begin(A a, llmq_ctx* c) { return a->capture_begin(c); }
+static int c_capture_end(A a, llmq_ctx* c, P* g) { void* v = 0; int r = a->capture_end(c, &v); *g = (P)v; return r; }
+static int c_graph_launch(A a, llmq_ctx* c, P g) { return a->graph_launch(c, (void*)g); }
+static int c_graph_destroy(A a, llmq_ctx* c, P g) { return a->graph_destroy(c, (void*)g); }
+static int c_event_create(A a, llmq_ctx* c, P* e) { void* v = 0; int r = a->event_create(c, &v); *e = (P)v; return r; }
+static int c_event_destroy(A a, llmq_ctx* c, P e) { return a->event_destroy(c, (void*)e); }
+static int c_event_record(A a, llmq_ctx* c, P e) { return a->event_record(c, (void*)e); }
+static int c_event_elapsed(A a, llmq_ctx* c, P s, P e, float* ms) { return a->event_elapsed(c, (void*)s, (void*)e, ms); }
+
+static size_t c_ws(A a, int m, int n) { return a->w4a16_workspace_bytes(m, n); }
+static int c_gemm_w4(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P C, P ws, P scratch, int M, int N, int K, int g) {
+	return a->w4a16_gemm(c, (const void*)A_, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm, (void*)aperm,
+		(void*)C, (void*)ws, (void*)scratch, M, N, K, g);
 }
-static int c_embed(void* f, P ids, P E, P x, int T, int H) {
-	return ((int (*)(const int32_t*, const void*, float*, int, int))f)((const int32_t*)ids, (const void*)E, (float*)x, T, H);
+static int c_set_path(A a, llmq_ctx* c, int p) { return a->w4a16_set_path(c, p); }
+static int c_dequant(A a, llmq_ctx* c, P B, P S, P Z, P W, int N, int K, int g) {
+	return a->w4_dequant(c, (const void*)B, (const void*)S, (const void*)Z, (void*)W, N, K, g);
 }
-static int c_rmsnorm(void* f, P x, P d, P rows, P w, P out, int n, int H, float eps) {
-	return ((int (*)(float*, const void*, const int32_t*, const float*, void*, int, int, float))f)(
-		(float*)x, (const void*)d, (const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
+static int c_gemm_f16(A a, llmq_ctx* c, P A_, P W, P C, int M, int N, int K) {
+	return a->gemm_f16(c, (const void*)A_, (const void*)W, (void*)C, M, N, K);
 }
-static int c_add(void* f, P x, P d, size_t n) { return ((int (*)(float*, const void*, size_t))f)((float*)x, (const void*)d, n); }
-static int c_bias(void* f, P y, P b, int T, int N) { return ((int (*)(void*, const void*, int, int))f)((void*)y, (const void*)b, T, N); }
-static int c_rope(void* f, P x, P pos, P cs, P sn, int T, int heads, int hd) {
-	return ((int (*)(void*, const int32_t*, const float*, const float*, int, int, int))f)((void*)x, (const int32_t*)pos, (const float*)cs, (const float*)sn, T, heads, hd);
+static int c_probe(A a, llmq_ctx* c, P p, size_t n, P out) { return a->read_probe(c, (const void*)p, n, (void*)out); }
+static int c_embed(A a, llmq_ctx* c, P ids, P E, P x, int T, int H) {
+	return a->embed(c, (const int32_t*)ids, (const void*)E, (float*)x, T, H);
 }
-static int c_kv_store(void* f, P k, P v, P rs, P rp, P base, P cap, int layer, int layers, int T, int kvdim) {
-	return ((int (*)(const void*, const void*, const int32_t*, const int32_t*, const uint64_t*, const int32_t*, int, int, int, int))f)(
-		(const void*)k, (const void*)v, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, layer, layers, T, kvdim);
+static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P rows, P w, P out, int n, int H, float eps) {
+	return a->rmsnorm(c, (float*)x, (const void*)d, (const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
 }
-static int c_attention(void* f, P q, P out, P ws, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads, int kvh, int hd, int maxk) {
-	return ((int (*)(const void*, void*, void*, const int32_t*, const int32_t*, const uint64_t*, const int32_t*, int, int, int, int, int, int, int))f)(
-		(const void*)q, (void*)out, (void*)ws, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk);
+static int c_add(A a, llmq_ctx* c, P x, P d, size_t n) { return a->add(c, (float*)x, (const void*)d, n); }
+static int c_bias(A a, llmq_ctx* c, P y, P b, int T, int N) { return a->add_bias(c, (void*)y, (const void*)b, T, N); }
+static int c_rope(A a, llmq_ctx* c, P x, P pos, P cs, P sn, int T, int heads, int hd) {
+	return a->rope(c, (void*)x, (const int32_t*)pos, (const float*)cs, (const float*)sn, T, heads, hd);
 }
-static size_t c_attn_ws(void* f, int T, int heads, int hd, int maxk) { return ((size_t (*)(int, int, int, int))f)(T, heads, hd, maxk); }
-static int c_silu_mul(void* f, P g, P u, size_t n) { return ((int (*)(void*, const void*, size_t))f)((void*)g, (const void*)u, n); }
-static int c_nll(void* f, P logits, P targets, P nll, int T, int V) {
-	return ((int (*)(const float*, const int32_t*, float*, int, int))f)((const float*)logits, (const int32_t*)targets, (float*)nll, T, V);
+static int c_kv_store(A a, llmq_ctx* c, P k, P v, P rs, P rp, P base, P cap, int layer, int layers, int T, int kvdim) {
+	return a->kv_store(c, (const void*)k, (const void*)v, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base,
+		(const int32_t*)cap, layer, layers, T, kvdim);
 }
-static int c_gemm_nt(void* f, P A, P W, P C, int M, int N, int K, int c32) {
-	return ((int (*)(const void*, const void*, void*, int, int, int, int))f)((const void*)A, (const void*)W, (void*)C, M, N, K, c32);
+static size_t c_attn_ws(A a, int T, int heads, int hd, int maxk) { return a->attention_workspace_bytes(T, heads, hd, maxk); }
+static int c_attention(A a, llmq_ctx* c, P q, P out, P ws, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads,
+		int kvh, int hd, int maxk) {
+	return a->attention(c, (const void*)q, (void*)out, (void*)ws, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base,
+		(const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk);
+}
+static int c_silu_mul(A a, llmq_ctx* c, P g, P u, size_t n) { return a->silu_mul(c, (void*)g, (const void*)u, n); }
+static int c_nll(A a, llmq_ctx* c, P logits, P targets, P nll, int T, int V) {
+	return a->nll(c, (const float*)logits, (const int32_t*)targets, (float*)nll, T, V);
+}
+static int c_gemm_nt(A a, llmq_ctx* c, P A_, P W, P C, int M, int N, int K, int c32) {
+	return a->gemm_nt(c, (const void*)A_, (const void*)W, (void*)C, M, N, K, c32);
 }
 */
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"unsafe"
 )
 
-// Lib is a loaded llmq CUDA library.
+// Lib is a loaded llmq CUDA library: its API table, resolved once.
 type Lib struct {
 	path string
-	f    map[string]unsafe.Pointer
+	api  C.A
 }
 
-var symbols = []string{
-	"llmq_last_error", "llmq_version", "llmq_device_info", "llmq_malloc", "llmq_free",
-	"llmq_memcpy_h2d", "llmq_memcpy_d2h", "llmq_memcpy_d2d", "llmq_memset", "llmq_sync",
-	"llmq_event_create", "llmq_event_destroy", "llmq_event_record", "llmq_event_elapsed",
-	"llmq_w4a16_workspace_bytes", "llmq_w4a16_gemm", "llmq_w4a16_set_path", "llmq_w4_dequant", "llmq_gemm_f16", "llmq_read_probe",
-	"llmq_capture_begin", "llmq_capture_end", "llmq_graph_launch", "llmq_graph_destroy",
-	"llmq_embed", "llmq_rmsnorm", "llmq_add", "llmq_add_bias", "llmq_rope", "llmq_kv_store", "llmq_attention", "llmq_attention_workspace_bytes",
-	"llmq_silu_mul", "llmq_nll", "llmq_gemm_nt",
-}
-
-// DefaultPath is $LLMQ_CUDA_LIB, else build/libllmqcuda.so beside the
-// executable's directory (build/llmq → build/libllmqcuda.so), else in the
-// working directory.
-func DefaultPath() string {
+// Candidates are the absolute paths Open("") tries, in order:
+// $LLMQ_CUDA_LIB, libllmqcuda.so beside the executable (build/llmq →
+// build/libllmqcuda.so), and build/libllmqcuda.so under the working
+// directory.
+func Candidates() []string {
+	var out []string
+	add := func(p string) {
+		if abs, err := filepath.Abs(p); err == nil && !slices.Contains(out, abs) {
+			out = append(out, abs)
+		}
+	}
 	if p := os.Getenv("LLMQ_CUDA_LIB"); p != "" {
-		return p
+		add(p)
 	}
 	if exe, err := os.Executable(); err == nil {
-		p := filepath.Join(filepath.Dir(exe), "libllmqcuda.so")
+		add(filepath.Join(filepath.Dir(exe), "libllmqcuda.so"))
+	}
+	add(filepath.Join("build", "libllmqcuda.so"))
+	return out
+}
+
+// DefaultPath is the first of Candidates that exists ("" when none does).
+func DefaultPath() string {
+	for _, p := range Candidates() {
 		if _, err := os.Stat(p); err == nil {
 			return p
 		}
 	}
-	return filepath.Join("build", "libllmqcuda.so")
+	return ""
 }
 
-// Open loads the library at path ("" for DefaultPath).
+// Open loads the library at path ("" for DefaultPath) and resolves its
+// API table. The library stays loaded for the life of the process (dlopen
+// counts references: opening it again is cheap).
 func Open(path string) (*Lib, error) {
 	if path == "" {
-		path = DefaultPath()
+		if path = DefaultPath(); path == "" {
+			return nil, fmt.Errorf("GPU unavailable: no llmq CUDA library (tried %s; `make cuda` builds it)", strings.Join(Candidates(), ", "))
+		}
 	}
 	cp := C.CString(path)
 	defer C.free(unsafe.Pointer(cp))
 	h := C.lib_open(cp)
 	if h == nil {
-		return nil, fmt.Errorf("GPU unavailable: cannot load the llmq CUDA library %s (%s); build it with `make cuda` on a machine with nvcc, or point LLMQ_CUDA_LIB at it", path, C.GoString(C.lib_error()))
+		return nil, fmt.Errorf("GPU unavailable: cannot load %s: %s", path, C.GoString(C.lib_error()))
 	}
-	l := &Lib{path: path, f: map[string]unsafe.Pointer{}}
-	for _, s := range symbols {
-		cs := C.CString(s)
-		p := C.lib_sym(h, cs)
-		C.free(unsafe.Pointer(cs))
-		if p == nil {
-			return nil, fmt.Errorf("%s is not a matching llmq CUDA library: symbol %s missing; rebuild with `make cuda`", path, s)
-		}
-		l.f[s] = p
+	api := C.lib_api(h)
+	if api == nil {
+		return nil, fmt.Errorf("%s is not a matching llmq CUDA library: no llmq_api_get symbol; rebuild it with `make cuda`", path)
 	}
-	return l, nil
+	if v, n := int(C.api_version(api)), uintptr(C.api_size(api)); v != C.LLMQ_API_VERSION || n != unsafe.Sizeof(C.llmq_api{}) {
+		return nil, fmt.Errorf("%s has API version %d (%d bytes), this llmq needs version %d (%d bytes); rebuild it with `make cuda`",
+			path, v, n, C.LLMQ_API_VERSION, unsafe.Sizeof(C.llmq_api{}))
+	}
+	return &Lib{path: path, api: api}, nil
 }
 
 // Path is where the library was loaded from.
 func (l *Lib) Path() string { return l.path }
 
-func (l *Lib) check(call string, rc C.int) error {
-	if rc == 0 {
-		return nil
-	}
-	return fmt.Errorf("%s: %s", call, C.GoString(C.c_str(l.f["llmq_last_error"])))
-}
+const errLen = 1024
 
 // Device describes the GPU.
 type Device struct {
@@ -160,15 +212,97 @@ type Device struct {
 	LibraryPath string
 }
 
-// Device queries GPU 0.
+// Device queries GPU 0 (its free memory counts every process's use).
 func (l *Lib) Device() (Device, error) {
 	var name [256]C.char
+	var msg [errLen]C.char
 	var fr, tot C.size_t
 	var sms C.int
-	if err := l.check("llmq_device_info", C.c_info(l.f["llmq_device_info"], &name[0], 256, &fr, &tot, &sms)); err != nil {
-		return Device{}, err
+	if C.c_info(l.api, &name[0], 256, &fr, &tot, &sms, &msg[0], errLen) != 0 {
+		return Device{}, fmt.Errorf("llmq device_info: %s", C.GoString(&msg[0]))
 	}
 	return Device{Name: C.GoString(&name[0]), FreeBytes: uint64(fr), TotalBytes: uint64(tot), SMs: int(sms), LibraryPath: l.path}, nil
+}
+
+// Context is a library context on GPU 0: a stream, a cuBLAS handle and
+// everything allocated, captured or created through it. Not safe for
+// concurrent use.
+type Context struct {
+	lib *Lib
+	c   *C.llmq_ctx
+}
+
+var errClosed = errors.New("the GPU context is closed")
+
+// NewContext creates a context; Close releases it.
+func (l *Lib) NewContext() (*Context, error) {
+	var c *C.llmq_ctx
+	var msg [errLen]C.char
+	if C.c_ctx_create(l.api, &c, &msg[0], errLen) != 0 {
+		return nil, fmt.Errorf("creating a GPU context (llmq ctx_create): %s", C.GoString(&msg[0]))
+	}
+	return &Context{lib: l, c: c}, nil
+}
+
+// Lib is the library the context belongs to.
+func (x *Context) Lib() *Lib { return x.lib }
+
+// Close waits for the context's stream and frees everything it holds:
+// buffers, graphs, events, the cuBLAS handle and the stream. Closing twice
+// is harmless.
+func (x *Context) Close() error {
+	if x.c == nil {
+		return nil
+	}
+	var msg [errLen]C.char
+	rc := C.c_ctx_destroy(x.lib.api, x.c, &msg[0], errLen)
+	x.c = nil
+	if rc != 0 {
+		return fmt.Errorf("llmq ctx_destroy: %s", C.GoString(&msg[0]))
+	}
+	return nil
+}
+
+// do runs f, a call of the library on the context, and turns a nonzero
+// return code into an error naming call with the context's message; on a
+// closed context it returns an error without calling f.
+func (x *Context) do(call string, f func() C.int) error {
+	if err := x.live(); err != nil {
+		return fmt.Errorf("llmq %s: %w", call, err)
+	}
+	if f() == 0 {
+		return nil
+	}
+	return fmt.Errorf("llmq %s: %s", call, C.GoString(C.c_ctx_error(x.lib.api, x.c)))
+}
+
+// live reports a closed context as an error.
+func (x *Context) live() error {
+	if x == nil || x.c == nil {
+		return errClosed
+	}
+	return nil
+}
+
+// ContextMemory is what a context holds on the device.
+type ContextMemory struct {
+	LiveBytes, PeakBytes int64 // allocated through the context (cuBLAS workspace included)
+	CuBLASBytes          int64 // the cuBLAS workspace
+	Allocations          int
+	Graphs, Events       int
+}
+
+// Memory reports the context's allocations, graphs and events.
+func (x *Context) Memory() (ContextMemory, error) {
+	if err := x.live(); err != nil {
+		return ContextMemory{}, err
+	}
+	var m C.llmq_memory
+	if err := x.do("ctx_memory", func() C.int { return C.c_memory(x.lib.api, x.c, &m) }); err != nil {
+		return ContextMemory{}, err
+	}
+	return ContextMemory{LiveBytes: int64(m.live_bytes), PeakBytes: int64(m.peak_bytes), CuBLASBytes: int64(m.cublas_bytes),
+		Allocations: int(m.live_allocations), Graphs: int(m.graphs), Events: int(m.events)}, nil
 }
 
 // Buf is device memory.
@@ -177,21 +311,28 @@ type Buf struct {
 	Bytes int
 }
 
-// Alloc allocates device memory (cudaMalloc).
-func (l *Lib) Alloc(bytes int) (Buf, error) {
+// Alloc allocates device memory (cudaMalloc) owned by the context.
+func (x *Context) Alloc(bytes int) (Buf, error) {
+	if err := x.live(); err != nil {
+		return Buf{}, err
+	}
 	var p C.P
-	if err := l.check("llmq_malloc", C.c_malloc(l.f["llmq_malloc"], &p, C.size_t(bytes))); err != nil {
+	if err := x.do("malloc", func() C.int { return C.c_malloc(x.lib.api, x.c, &p, C.size_t(bytes)) }); err != nil {
 		return Buf{}, fmt.Errorf("allocating %d bytes on the GPU: %w", bytes, err)
 	}
 	return Buf{p: p, Bytes: bytes}, nil
 }
 
-// Free releases device memory.
-func (l *Lib) Free(b Buf) error {
+// Free releases device memory allocated through the context; freeing an
+// unset Buf does nothing.
+func (x *Context) Free(b Buf) error {
 	if b.p == 0 {
 		return nil
 	}
-	return l.check("llmq_free", C.c_p(l.f["llmq_free"], b.p))
+	if err := x.live(); err != nil {
+		return err
+	}
+	return x.do("free", func() C.int { return C.c_free(x.lib.api, x.c, b.p) })
 }
 
 // Offset returns a view of b starting bytes in.
@@ -200,84 +341,101 @@ func (b Buf) Offset(bytes int) Buf { return Buf{p: b.p + C.P(bytes), Bytes: b.By
 // Nil reports whether b is unset.
 func (b Buf) Nil() bool { return b.p == 0 }
 
-// Upload copies a host slice into device memory.
-func Upload[T any](l *Lib, dst Buf, src []T) error {
+// Ptr is the device address of b, for arrays of pointers.
+func (b Buf) Ptr() uint64 { return uint64(b.p) }
+
+// Upload copies a host slice into device memory and waits for the copy.
+func Upload[T any](x *Context, dst Buf, src []T) error {
 	if len(src) == 0 {
 		return nil
+	}
+	if err := x.live(); err != nil {
+		return err
 	}
 	n := len(src) * int(unsafe.Sizeof(src[0]))
 	if n > dst.Bytes {
 		return fmt.Errorf("upload of %d bytes into a %d-byte buffer", n, dst.Bytes)
 	}
-	return l.check("llmq_memcpy_h2d", C.c_h2d(l.f["llmq_memcpy_h2d"], dst.p, unsafe.Pointer(&src[0]), C.size_t(n)))
+	return x.do("memcpy_h2d", func() C.int { return C.c_h2d(x.lib.api, x.c, dst.p, unsafe.Pointer(&src[0]), C.size_t(n)) })
 }
 
-// Download copies device memory into a host slice.
-func Download[T any](l *Lib, dst []T, src Buf) error {
+// Download copies device memory into a host slice, after the work queued
+// before it.
+func Download[T any](x *Context, dst []T, src Buf) error {
 	if len(dst) == 0 {
 		return nil
+	}
+	if err := x.live(); err != nil {
+		return err
 	}
 	n := len(dst) * int(unsafe.Sizeof(dst[0]))
 	if n > src.Bytes {
 		return fmt.Errorf("download of %d bytes from a %d-byte buffer", n, src.Bytes)
 	}
-	return l.check("llmq_memcpy_d2h", C.c_d2h(l.f["llmq_memcpy_d2h"], unsafe.Pointer(&dst[0]), src.p, C.size_t(n)))
+	return x.do("memcpy_d2h", func() C.int { return C.c_d2h(x.lib.api, x.c, unsafe.Pointer(&dst[0]), src.p, C.size_t(n)) })
 }
 
 // AllocFrom allocates a buffer holding a copy of src.
-func AllocFrom[T any](l *Lib, src []T) (Buf, error) {
+func AllocFrom[T any](x *Context, src []T) (Buf, error) {
 	var zero T
-	b, err := l.Alloc(max(1, len(src)) * int(unsafe.Sizeof(zero)))
+	b, err := x.Alloc(max(1, len(src)) * int(unsafe.Sizeof(zero)))
 	if err != nil {
 		return b, err
 	}
-	return b, Upload(l, b, src)
+	if err := Upload(x, b, src); err != nil {
+		x.Free(b)
+		return Buf{}, err
+	}
+	return b, nil
 }
 
 // Copy copies n bytes between device buffers.
-func (l *Lib) Copy(dst, src Buf, n int) error {
-	return l.check("llmq_memcpy_d2d", C.c_pp_n(l.f["llmq_memcpy_d2d"], dst.p, src.p, C.size_t(n)))
+func (x *Context) Copy(dst, src Buf, n int) error {
+	return x.do("memcpy_d2d", func() C.int { return C.c_d2d(x.lib.api, x.c, dst.p, src.p, C.size_t(n)) })
 }
 
 // Memset fills n bytes with v.
-func (l *Lib) Memset(b Buf, v byte, n int) error {
-	return l.check("llmq_memset", C.c_memset(l.f["llmq_memset"], b.p, C.int(v), C.size_t(n)))
+func (x *Context) Memset(b Buf, v byte, n int) error {
+	return x.do("memset", func() C.int { return C.c_memset(x.lib.api, x.c, b.p, C.int(v), C.size_t(n)) })
 }
 
 // Sync waits for queued work and reports any asynchronous error.
-func (l *Lib) Sync() error { return l.check("llmq_sync", C.c_i(l.f["llmq_sync"])) }
+func (x *Context) Sync() error {
+	if err := x.live(); err != nil {
+		return err
+	}
+	return x.do("sync", func() C.int { return C.c_sync(x.lib.api, x.c) })
+}
 
-// Event is a CUDA event for timing.
+// Event is a CUDA event for timing, owned by its context.
 type Event struct{ p C.P }
 
 // NewEvent creates an event.
-func (l *Lib) NewEvent() (Event, error) {
+func (x *Context) NewEvent() (Event, error) {
 	var p C.P
-	err := l.check("llmq_event_create", C.c_out_ptr(l.f["llmq_event_create"], &p))
+	err := x.do("event_create", func() C.int { return C.c_event_create(x.lib.api, x.c, &p) })
 	return Event{p}, err
 }
 
-// Record records e on the library's stream.
-func (l *Lib) Record(e Event) error {
-	return l.check("llmq_event_record", C.c_p(l.f["llmq_event_record"], e.p))
+// Record records e on the context's stream.
+func (x *Context) Record(e Event) error {
+	return x.do("event_record", func() C.int { return C.c_event_record(x.lib.api, x.c, e.p) })
 }
 
 // Elapsed returns milliseconds between two recorded events.
-func (l *Lib) Elapsed(a, b Event) (float64, error) {
+func (x *Context) Elapsed(a, b Event) (float64, error) {
 	var ms C.float
-	err := l.check("llmq_event_elapsed", C.c_elapsed(l.f["llmq_event_elapsed"], a.p, b.p, &ms))
+	err := x.do("event_elapsed", func() C.int { return C.c_event_elapsed(x.lib.api, x.c, a.p, b.p, &ms) })
 	return float64(ms), err
 }
 
 // DestroyEvent releases an event.
-func (l *Lib) DestroyEvent(e Event) error {
-	return l.check("llmq_event_destroy", C.c_p(l.f["llmq_event_destroy"], e.p))
+func (x *Context) DestroyEvent(e Event) error {
+	return x.do("event_destroy", func() C.int { return C.c_event_destroy(x.lib.api, x.c, e.p) })
 }
 
 // WorkspaceBytes is the zeroed workspace GemmW4 needs for M×N.
-func (l *Lib) WorkspaceBytes(M, N int) int {
-	return int(C.c_ws(l.f["llmq_w4a16_workspace_bytes"], C.int(M), C.int(N)))
-}
+func (l *Lib) WorkspaceBytes(M, N int) int { return int(C.c_ws(l.api, C.int(M), C.int(N))) }
 
 // Path values for SetPath.
 const (
@@ -286,127 +444,147 @@ const (
 	PathCuBLAS = 2
 )
 
-// SetPath forces the W4A16 path (tests and benchmarks).
-func (l *Lib) SetPath(p int) { C.c_i_i(l.f["llmq_w4a16_set_path"], C.int(p)) }
+// SetPath forces the context's W4A16 path (tests and benchmarks).
+func (x *Context) SetPath(p int) error {
+	return x.do("w4a16_set_path", func() C.int { return C.c_set_path(x.lib.api, x.c, C.int(p)) })
+}
 
 // GemmW4 computes C[M,N] = A[M,K]·dequant(w) in fp16. ws must hold
 // WorkspaceBytes(M, N) zeroed bytes; scratch (K·N fp16) enables the
 // cuBLAS path for large M; aperm (M·K fp16) is needed for act-order.
-func (l *Lib) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error {
-	return l.check("llmq_w4a16_gemm", C.c_gemm_w4(l.f["llmq_w4a16_gemm"], A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, C_.p, ws.p, scratch.p,
-		C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group)))
+func (x *Context) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error {
+	return x.do("w4a16_gemm", func() C.int {
+		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, C_.p, ws.p, scratch.p,
+			C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group))
+	})
 }
 
 // Dequant writes W[K,N] fp16 = dequant(w).
-func (l *Lib) Dequant(w *W4, W Buf) error {
-	return l.check("llmq_w4_dequant", C.c_dequant(l.f["llmq_w4_dequant"], w.B.p, w.S.p, w.Z.p, W.p, C.int(w.N), C.int(w.K), C.int(w.Group)))
+func (x *Context) Dequant(w *W4, W Buf) error {
+	return x.do("w4_dequant", func() C.int {
+		return C.c_dequant(x.lib.api, x.c, w.B.p, w.S.p, w.Z.p, W.p, C.int(w.N), C.int(w.K), C.int(w.Group))
+	})
 }
 
 // GemmF16 computes C[M,N] = A[M,K]·W[K,N] with cuBLAS (fp16, fp32 accumulation).
-func (l *Lib) GemmF16(A, W, C_ Buf, M, N, K int) error {
-	return l.check("llmq_gemm_f16", C.c_gemm_f16(l.f["llmq_gemm_f16"], A.p, W.p, C_.p, C.int(M), C.int(N), C.int(K)))
+func (x *Context) GemmF16(A, W, C_ Buf, M, N, K int) error {
+	return x.do("gemm_f16", func() C.int { return C.c_gemm_f16(x.lib.api, x.c, A.p, W.p, C_.p, C.int(M), C.int(N), C.int(K)) })
 }
 
 // ReadProbe reads n bytes of b once; out is 4 bytes of scratch.
-func (l *Lib) ReadProbe(b Buf, n int, out Buf) error {
-	return l.check("llmq_read_probe", C.c_probe(l.f["llmq_read_probe"], b.p, C.size_t(n), out.p))
+func (x *Context) ReadProbe(b Buf, n int, out Buf) error {
+	return x.do("read_probe", func() C.int { return C.c_probe(x.lib.api, x.c, b.p, C.size_t(n), out.p) })
 }
 
-// Graph is an instantiated CUDA graph.
+// Graph is an instantiated CUDA graph, owned by its context.
 type Graph struct{ p C.P }
 
-// Capture records the GPU work fn issues into a graph instead of running it.
-func (l *Lib) Capture(fn func() error) (Graph, error) {
-	if err := l.check("llmq_capture_begin", C.c_i(l.f["llmq_capture_begin"])); err != nil {
+// Capture records the GPU work fn issues on the context into a graph
+// instead of running it.
+func (x *Context) Capture(fn func() error) (Graph, error) {
+	if err := x.live(); err != nil {
+		return Graph{}, err
+	}
+	if err := x.do("capture_begin", func() C.int { return C.c_capture_begin(x.lib.api, x.c) }); err != nil {
 		return Graph{}, err
 	}
 	ferr := fn()
 	var p C.P
-	err := l.check("llmq_capture_end", C.c_out_ptr(l.f["llmq_capture_end"], &p))
+	err := x.do("capture_end", func() C.int { return C.c_capture_end(x.lib.api, x.c, &p) })
 	if ferr != nil {
+		if p != 0 {
+			x.DestroyGraph(Graph{p})
+		}
 		return Graph{}, ferr
 	}
 	return Graph{p}, err
 }
 
 // Launch replays a graph.
-func (l *Lib) Launch(g Graph) error {
-	return l.check("llmq_graph_launch", C.c_p(l.f["llmq_graph_launch"], g.p))
+func (x *Context) Launch(g Graph) error {
+	return x.do("graph_launch", func() C.int { return C.c_graph_launch(x.lib.api, x.c, g.p) })
 }
 
 // DestroyGraph releases a graph.
-func (l *Lib) DestroyGraph(g Graph) error {
-	return l.check("llmq_graph_destroy", C.c_p(l.f["llmq_graph_destroy"], g.p))
+func (x *Context) DestroyGraph(g Graph) error {
+	return x.do("graph_destroy", func() C.int { return C.c_graph_destroy(x.lib.api, x.c, g.p) })
 }
 
 // The model kernels (model.cu); see llmq.h for their contracts.
 
 // Embed gathers fp16 embedding rows E[ids[t]] into the fp32 rows x.
-func (l *Lib) Embed(ids, E, x Buf, T, H int) error {
-	return l.check("llmq_embed", C.c_embed(l.f["llmq_embed"], ids.p, E.p, x.p, C.int(T), C.int(H)))
+func (x *Context) Embed(ids, E, xs Buf, T, H int) error {
+	return x.do("embed", func() C.int { return C.c_embed(x.lib.api, x.c, ids.p, E.p, xs.p, C.int(T), C.int(H)) })
 }
 
 // RMSNorm: with rows unset, x += delta (when set) and out = RMSNorm(x)·w
 // over n rows; with rows, out row i = RMSNorm(x[rows[i]])·w.
-func (l *Lib) RMSNorm(x, delta, rows, w, out Buf, n, H int, eps float32) error {
-	return l.check("llmq_rmsnorm", C.c_rmsnorm(l.f["llmq_rmsnorm"], x.p, delta.p, rows.p, w.p, out.p, C.int(n), C.int(H), C.float(eps)))
+func (x *Context) RMSNorm(xs, delta, rows, w, out Buf, n, H int, eps float32) error {
+	return x.do("rmsnorm", func() C.int {
+		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, rows.p, w.p, out.p, C.int(n), C.int(H), C.float(eps))
+	})
 }
 
 // Add does x += delta over n values (fp32 += fp16).
-func (l *Lib) Add(x, delta Buf, n int) error {
-	return l.check("llmq_add", C.c_add(l.f["llmq_add"], x.p, delta.p, C.size_t(n)))
+func (x *Context) Add(xs, delta Buf, n int) error {
+	return x.do("add", func() C.int { return C.c_add(x.lib.api, x.c, xs.p, delta.p, C.size_t(n)) })
 }
 
 // AddBias adds b [N] to each of T rows of y.
-func (l *Lib) AddBias(y, b Buf, T, N int) error {
-	return l.check("llmq_add_bias", C.c_bias(l.f["llmq_add_bias"], y.p, b.p, C.int(T), C.int(N)))
+func (x *Context) AddBias(y, b Buf, T, N int) error {
+	return x.do("add_bias", func() C.int { return C.c_bias(x.lib.api, x.c, y.p, b.p, C.int(T), C.int(N)) })
 }
 
-// RoPE rotates every head of x [T][heads·hd] by its row's position, with
+// RoPE rotates every head of xs [T][heads·hd] by its row's position, with
 // the rotary tables cos and sin [positions][hd/2].
-func (l *Lib) RoPE(x, pos, cos, sin Buf, T, heads, hd int) error {
-	return l.check("llmq_rope", C.c_rope(l.f["llmq_rope"], x.p, pos.p, cos.p, sin.p, C.int(T), C.int(heads), C.int(hd)))
+func (x *Context) RoPE(xs, pos, cos, sin Buf, T, heads, hd int) error {
+	return x.do("rope", func() C.int {
+		return C.c_rope(x.lib.api, x.c, xs.p, pos.p, cos.p, sin.p, C.int(T), C.int(heads), C.int(hd))
+	})
 }
 
 // RowMeta are the per-row and per-sequence arrays of a forward pass.
 type RowMeta struct{ RowSeq, RowPos, KVBase, KVCap Buf }
 
 // KVStore writes rows of k and v into their sequences' caches.
-func (l *Lib) KVStore(k, v Buf, m RowMeta, layer, layers, T, kvDim int) error {
-	return l.check("llmq_kv_store", C.c_kv_store(l.f["llmq_kv_store"], k.p, v.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
-		C.int(layer), C.int(layers), C.int(T), C.int(kvDim)))
+func (x *Context) KVStore(k, v Buf, m RowMeta, layer, layers, T, kvDim int) error {
+	return x.do("kv_store", func() C.int {
+		return C.c_kv_store(x.lib.api, x.c, k.p, v.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
+			C.int(layer), C.int(layers), C.int(T), C.int(kvDim))
+	})
 }
 
 // AttentionWorkspaceBytes is the scratch Attention needs.
 func (l *Lib) AttentionWorkspaceBytes(T, heads, hd, maxKeys int) int {
-	return int(C.c_attn_ws(l.f["llmq_attention_workspace_bytes"], C.int(T), C.int(heads), C.int(hd), C.int(maxKeys)))
+	return int(C.c_attn_ws(l.api, C.int(T), C.int(heads), C.int(hd), C.int(maxKeys)))
 }
 
 // Attention writes causal attention over each row's cache to out; ws
 // holds AttentionWorkspaceBytes bytes.
-func (l *Lib) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, kvHeads, hd, maxKeys int) error {
-	return l.check("llmq_attention", C.c_attention(l.f["llmq_attention"], q.p, out.p, ws.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
-		C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys)))
+func (x *Context) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, kvHeads, hd, maxKeys int) error {
+	return x.do("attention", func() C.int {
+		return C.c_attention(x.lib.api, x.c, q.p, out.p, ws.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
+			C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys))
+	})
 }
 
 // SiLUMul does g = SiLU(g)·u over n fp16 values.
-func (l *Lib) SiLUMul(g, u Buf, n int) error {
-	return l.check("llmq_silu_mul", C.c_silu_mul(l.f["llmq_silu_mul"], g.p, u.p, C.size_t(n)))
+func (x *Context) SiLUMul(g, u Buf, n int) error {
+	return x.do("silu_mul", func() C.int { return C.c_silu_mul(x.lib.api, x.c, g.p, u.p, C.size_t(n)) })
 }
 
 // NLL writes −log softmax(logits row t)[targets[t]] for T fp32 rows of V.
-func (l *Lib) NLL(logits, targets, nll Buf, T, V int) error {
-	return l.check("llmq_nll", C.c_nll(l.f["llmq_nll"], logits.p, targets.p, nll.p, C.int(T), C.int(V)))
+func (x *Context) NLL(logits, targets, nll Buf, T, V int) error {
+	return x.do("nll", func() C.int { return C.c_nll(x.lib.api, x.c, logits.p, targets.p, nll.p, C.int(T), C.int(V)) })
 }
 
 // GemmNT computes C[M,N] = A[M,K]·W[N,K]ᵀ with cuBLAS; C is fp32 when f32.
-func (l *Lib) GemmNT(A, W, C_ Buf, M, N, K int, f32 bool) error {
+func (x *Context) GemmNT(A, W, C_ Buf, M, N, K int, f32 bool) error {
 	c32 := 0
 	if f32 {
 		c32 = 1
 	}
-	return l.check("llmq_gemm_nt", C.c_gemm_nt(l.f["llmq_gemm_nt"], A.p, W.p, C_.p, C.int(M), C.int(N), C.int(K), C.int(c32)))
+	return x.do("gemm_nt", func() C.int {
+		return C.c_gemm_nt(x.lib.api, x.c, A.p, W.p, C_.p, C.int(M), C.int(N), C.int(K), C.int(c32))
+	})
 }
-
-// Ptr is the device address of b, for arrays of pointers.
-func (b Buf) Ptr() uint64 { return uint64(b.p) }

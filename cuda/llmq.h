@@ -1,7 +1,25 @@
 /* llmq CUDA library: the C API the Go package cuda loads at run time with
- * dlopen. Every function returns 0 on success, or a nonzero code with a
- * message (naming the CUDA call that failed) available from
- * llmq_last_error(). Device pointers are plain void*.
+ * dlopen.
+ *
+ * State. Everything the library holds lives in a context (llmq_ctx), made
+ * by llmq_ctx_create and released by llmq_ctx_destroy: its CUDA stream
+ * (every kernel, copy and graph of the context runs on it, in order), its
+ * cuBLAS handle and that handle's workspace, the device memory allocated
+ * through it, its CUDA graphs and events, and the tuning it caches
+ * (occupancy, the forced W4A16 path). Destroying a context waits for its
+ * stream and frees all of that, whatever the caller forgot. The library
+ * has no other mutable state. A context is not thread-safe: its caller
+ * serialises the calls on one context (package cuda's Model holds a mutex);
+ * two contexts may be used from two threads at once.
+ *
+ * Symbols. The library exports one function, llmq_api_get, returning a
+ * table of typed function pointers (llmq_api) that the caller resolves
+ * once at load and checks against LLMQ_API_VERSION.
+ *
+ * Errors. Every int function returns 0 on success, or nonzero with a
+ * message naming the CUDA call that failed: llmq_ctx_error(ctx) for calls
+ * on a context, llmq_last_error() (thread-local) for the calls without one
+ * (ctx_create, device_info).
  *
  * W4A16 GEMM: C[M,N] = A[M,K] · dequant(B)[K,N], A and C fp16 row-major,
  * B 4-bit in the tile-interleaved layout pack.GPULayout writes:
@@ -11,6 +29,11 @@
  *   scales fp16 [G][N/64][8][8]: scales[g][nt][gid][j] = s[g][nt·64 + j·8 + gid]
  *   zeros  u32  [G][N/64][8]:    nibble j = z[g][nt·64 + j·8 + gid]
  * with G = K/group groups of `group` consecutive rows of K.
+ *
+ * Model kernels (model.cu): residual stream x fp32, activations fp16.
+ * Row t of a forward pass belongs to sequence row_seq[t] at position
+ * row_pos[t]; sequence s's cache is fp16 [2][layers][kv_cap[s]][kv_dim]
+ * at kv_base[s] (keys, then values). All these arrays are device memory.
  */
 #ifndef LLMQ_H
 #define LLMQ_H
@@ -20,81 +43,101 @@
 extern "C" {
 #endif
 
-const char* llmq_last_error(void);
-int llmq_version(void);
-int llmq_device_info(char* name, int name_len, size_t* free_bytes, size_t* total_bytes, int* sms);
+#define LLMQ_API_VERSION 2
 
-int llmq_malloc(void** ptr, size_t bytes);
-int llmq_free(void* ptr);
-int llmq_memcpy_h2d(void* dst, const void* src, size_t bytes);
-int llmq_memcpy_d2h(void* dst, const void* src, size_t bytes);
-int llmq_memcpy_d2d(void* dst, const void* src, size_t bytes);
-int llmq_memset(void* dst, int value, size_t bytes);
-int llmq_sync(void);
+typedef struct llmq_ctx llmq_ctx;
 
-/* CUDA graphs: calls between begin and end are captured, not run; the
- * graph then replays them with one launch. */
-int llmq_capture_begin(void);
-int llmq_capture_end(void** graph_exec);
-int llmq_graph_launch(void* graph_exec);
-int llmq_graph_destroy(void* graph_exec);
+/* What a context holds on the device. */
+typedef struct {
+  size_t live_bytes;     /* allocated through the context and not freed (cuBLAS workspace included) */
+  size_t peak_bytes;     /* the most live_bytes has been */
+  size_t cublas_bytes;   /* the cuBLAS workspace's share of live_bytes */
+  int live_allocations;
+  int graphs;            /* instantiated graphs not destroyed */
+  int events;
+} llmq_memory;
 
-/* Timing with CUDA events on the library's stream. */
-int llmq_event_create(void** ev);
-int llmq_event_destroy(void* ev);
-int llmq_event_record(void* ev);
-int llmq_event_elapsed(void* start, void* stop, float* ms);
+typedef struct {
+  int version; /* LLMQ_API_VERSION */
+  size_t size; /* sizeof(llmq_api) */
 
-/* Workspace the W4A16 kernel needs for M rows and N columns: an fp32
- * buffer of M·N and counters; both must start zeroed (llmq_memset) and are
- * left zeroed by every call. */
-size_t llmq_w4a16_workspace_bytes(int M, int N);
+  const char* (*last_error)(void);
+  int (*device_info)(char* name, int name_len, size_t* free_bytes, size_t* total_bytes, int* sms);
 
-/* C = A·dequant(B). perm (may be NULL): act-order checkpoints, A's columns
- * are gathered through perm into a_perm (M·K fp16 scratch) first.
- * scratch (may be NULL): K·N fp16, used for large M, where B is
- * dequantized once and multiplied by cuBLAS. */
-int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void* zeros,
-                    const int32_t* perm, void* a_perm, void* C, void* workspace, void* scratch,
-                    int M, int N, int K, int group);
+  /* device: the CUDA device ordinal (0). */
+  int (*ctx_create)(int device, llmq_ctx** out);
+  int (*ctx_destroy)(llmq_ctx* c);
+  const char* (*ctx_error)(llmq_ctx* c);
+  int (*ctx_memory)(llmq_ctx* c, llmq_memory* out);
 
-/* Force a path, for tests and benchmarks: 0 automatic, 1 fused kernel,
- * 2 dequantize + cuBLAS. */
-int llmq_w4a16_set_path(int path);
+  int (*mem_alloc)(llmq_ctx* c, void** ptr, size_t bytes);
+  /* Frees memory allocated through c; a pointer c did not allocate is an error. */
+  int (*mem_free)(llmq_ctx* c, void* ptr);
+  /* h2d and d2h wait for the stream (the host buffer is free or filled on return). */
+  int (*memcpy_h2d)(llmq_ctx* c, void* dst, const void* src, size_t bytes);
+  int (*memcpy_d2h)(llmq_ctx* c, void* dst, const void* src, size_t bytes);
+  int (*memcpy_d2d)(llmq_ctx* c, void* dst, const void* src, size_t bytes);
+  int (*mem_set)(llmq_ctx* c, void* dst, int value, size_t bytes);
+  int (*sync)(llmq_ctx* c);
 
-/* Reads bytes of p once (bandwidth probe); out is a 4-byte scratch. */
-int llmq_read_probe(const void* p, size_t bytes, void* out);
+  /* CUDA graphs: calls on c between begin and end are captured, not run;
+   * the graph then replays them with one launch. */
+  int (*capture_begin)(llmq_ctx* c);
+  int (*capture_end)(llmq_ctx* c, void** graph_exec);
+  int (*graph_launch)(llmq_ctx* c, void* graph_exec);
+  int (*graph_destroy)(llmq_ctx* c, void* graph_exec);
 
-/* W[K,N] fp16 = dequant(B). */
-int llmq_w4_dequant(const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
+  /* Timing with CUDA events on the context's stream. */
+  int (*event_create)(llmq_ctx* c, void** ev);
+  int (*event_destroy)(llmq_ctx* c, void* ev);
+  int (*event_record)(llmq_ctx* c, void* ev);
+  int (*event_elapsed)(llmq_ctx* c, void* start, void* stop, float* ms);
 
-/* cuBLAS fp16 baseline: C[M,N] = A[M,K] · W[K,N], fp32 accumulation. */
-int llmq_gemm_f16(const void* A, const void* W, void* C, int M, int N, int K);
+  /* Workspace the W4A16 kernel needs for M rows and N columns: an fp32
+   * buffer of M·N and counters; both must start zeroed (memset) and are
+   * left zeroed by every call. */
+  size_t (*w4a16_workspace_bytes)(int M, int N);
+  /* C = A·dequant(B). perm (may be NULL): act-order checkpoints, A's
+   * columns are gathered through perm into a_perm (M·K fp16 scratch)
+   * first. scratch (may be NULL): K·N fp16, used for large M, where B is
+   * dequantized once and multiplied by cuBLAS. */
+  int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
+                    void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group);
+  /* Force a path on c, for tests and benchmarks: 0 automatic, 1 fused
+   * kernel, 2 dequantize + cuBLAS. */
+  int (*w4a16_set_path)(llmq_ctx* c, int path);
+  /* W[K,N] fp16 = dequant(B). */
+  int (*w4_dequant)(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
+  /* cuBLAS fp16 baseline: C[M,N] = A[M,K] · W[K,N], fp32 accumulation. */
+  int (*gemm_f16)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
+  /* Reads bytes of p once (bandwidth probe); out is a 4-byte scratch. */
+  int (*read_probe)(llmq_ctx* c, const void* p, size_t bytes, void* out);
 
-/* Model kernels (model.cu): residual stream x fp32, activations fp16.
- * Row t of a forward pass belongs to sequence row_seq[t] at position
- * row_pos[t]; sequence s's cache is fp16 [2][layers][kv_cap[s]][kv_dim]
- * at kv_base[s] (keys, then values). All these arrays are device memory. */
-int llmq_embed(const int32_t* ids, const void* E, float* x, int T, int H);
-/* rows NULL: x += delta (if not NULL), out = RMSNorm(x)·w over n rows;
- * otherwise out row i = RMSNorm(x[rows[i]])·w. */
-int llmq_rmsnorm(float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
-int llmq_add(float* x, const void* delta, size_t n);
-int llmq_add_bias(void* y, const void* b, int T, int N);
-/* cos_t, sin_t: [positions][hd/2] fp32 rotary tables. */
-int llmq_rope(void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd);
-int llmq_kv_store(const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
-                  const int32_t* kv_cap, int layer, int layers, int T, int kv_dim);
-/* max_keys bounds row_pos+1 over the rows; workspace holds
- * llmq_attention_workspace_bytes(T, heads, hd, max_keys) bytes. */
-size_t llmq_attention_workspace_bytes(int T, int heads, int hd, int max_keys);
-int llmq_attention(const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
+  int (*embed)(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H);
+  /* rows NULL: x += delta (if not NULL), out = RMSNorm(x)·w over n rows;
+   * otherwise out row i = RMSNorm(x[rows[i]])·w. */
+  int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H,
+                 float eps);
+  int (*add)(llmq_ctx* c, float* x, const void* delta, size_t n);
+  int (*add_bias)(llmq_ctx* c, void* y, const void* b, int T, int N);
+  /* cos_t, sin_t: [positions][hd/2] fp32 rotary tables. */
+  int (*rope)(llmq_ctx* c, void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd);
+  int (*kv_store)(llmq_ctx* c, const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos,
+                  const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int kv_dim);
+  /* max_keys bounds row_pos+1 over the rows; workspace holds
+   * attention_workspace_bytes(T, heads, hd, max_keys) bytes. */
+  size_t (*attention_workspace_bytes)(int T, int heads, int hd, int max_keys);
+  int (*attention)(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
                    int hd, int max_keys);
-int llmq_silu_mul(void* g, const void* u, size_t n);
-int llmq_nll(const float* logits, const int32_t* targets, float* nll, int T, int V);
-/* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
-int llmq_gemm_nt(const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
+  int (*silu_mul)(llmq_ctx* c, void* g, const void* u, size_t n);
+  int (*nll)(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
+  /* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
+  int (*gemm_nt)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
+} llmq_api;
+
+/* The library's one exported symbol. */
+const llmq_api* llmq_api_get(void);
 
 #ifdef __cplusplus
 }

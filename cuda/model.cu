@@ -17,10 +17,6 @@
 #include <math.h>
 #include "common.cuh"
 
-namespace llmq {
-int cublas(cublasHandle_t* h);
-}
-
 namespace {
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -282,57 +278,57 @@ inline unsigned blocks(size_t n, int per) { return (unsigned)((n + per - 1) / pe
 
 }  // namespace
 
-extern "C" {
+namespace llmq {
 
-int llmq_embed(const int32_t* ids, const void* E, float* x, int T, int H) {
-  embed_kernel<<<T, 256, 0, llmq::stream()>>>(ids, (const half*)E, x, H);
+int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H) {
+  embed_kernel<<<T, 256, 0, c->stream>>>(ids, (const half*)E, x, H);
   CK_LAUNCH("embed_kernel");
   return 0;
 }
 
-int llmq_rmsnorm(float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
-  rmsnorm_kernel<<<n, 256, 0, llmq::stream()>>>(x, (const half*)delta, rows, w, (half*)out, H, eps);
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
+  rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, (const half*)delta, rows, w, (half*)out, H, eps);
   CK_LAUNCH("rmsnorm_kernel");
   return 0;
 }
 
-int llmq_add(float* x, const void* delta, size_t n) {
-  add_kernel<<<blocks(n, 256), 256, 0, llmq::stream()>>>(x, (const half*)delta, n);
+int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
+  add_kernel<<<blocks(n, 256), 256, 0, c->stream>>>(x, (const half*)delta, n);
   CK_LAUNCH("add_kernel");
   return 0;
 }
 
-int llmq_add_bias(void* y, const void* b, int T, int N) {
+int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N) {
   const size_t n = (size_t)T * N;
-  bias_kernel<<<blocks(n, 256), 256, 0, llmq::stream()>>>((half*)y, (const half*)b, N, n);
+  bias_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)y, (const half*)b, N, n);
   CK_LAUNCH("bias_kernel");
   return 0;
 }
 
-int llmq_rope(void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd) {
-  rope_kernel<<<dim3(T, heads), 64, 0, llmq::stream()>>>((half*)x, pos, cos_t, sin_t, heads, hd);
+int rope(llmq_ctx* c, void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd) {
+  rope_kernel<<<dim3(T, heads), 64, 0, c->stream>>>((half*)x, pos, cos_t, sin_t, heads, hd);
   CK_LAUNCH("rope_kernel");
   return 0;
 }
 
-int llmq_kv_store(const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+int kv_store(llmq_ctx* c, const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
                   const int32_t* kv_cap, int layer, int layers, int T, int kv_dim) {
-  kv_store_kernel<<<T, 128, 0, llmq::stream()>>>((const half*)k, (const half*)v, row_seq, row_pos, kv_base, kv_cap, layer,
+  kv_store_kernel<<<T, 128, 0, c->stream>>>((const half*)k, (const half*)v, row_seq, row_pos, kv_base, kv_cap, layer,
                                                  layers, kv_dim);
   CK_LAUNCH("kv_store_kernel");
   return 0;
 }
 
-size_t llmq_attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
+size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
   const int chunk = T <= 64 ? kDecodeChunk : max_keys;
   return (size_t)T * heads * ((max_keys + chunk - 1) / chunk) * (hd + 2) * sizeof(float);
 }
 
-int llmq_attention(const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
+int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
                    int hd, int max_keys) {
   if (heads % kv_heads || hd % 32 || hd > 32 * kMaxDimsPerLane) {
-    llmq::set_error("attention: heads %d must be a multiple of kv_heads %d, head_dim %d a multiple of 32 up to %d", heads,
+    set_error(c, "attention: heads %d must be a multiple of kv_heads %d, head_dim %d a multiple of 32 up to %d", heads,
                     kv_heads, hd, 32 * kMaxDimsPerLane);
     return 1;
   }
@@ -341,46 +337,43 @@ int llmq_attention(const void* q, void* out, void* workspace, const int32_t* row
   const int chunk = T <= 64 ? kDecodeChunk : max_keys;
   const int chunks = (max_keys + chunk - 1) / chunk;
   const size_t smem = (size_t)(hd + chunk + 4 * hd) * sizeof(float);
-  static size_t raised = 48 << 10;
-  if (smem > raised) {
+  if (smem > c->attn_smem) {
     CK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    raised = smem;
+    c->attn_smem = smem;
   }
-  attention_kernel<<<dim3(T, heads, chunks), 128, smem, llmq::stream()>>>(
+  attention_kernel<<<dim3(T, heads, chunks), 128, smem, c->stream>>>(
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
       1.f / sqrtf((float)hd), chunk);
   CK_LAUNCH("attention_kernel");
-  attention_combine<<<dim3(T, heads), 128, 0, llmq::stream()>>>((const float*)workspace, (half*)out, heads, hd, chunks);
+  attention_combine<<<dim3(T, heads), 128, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
   CK_LAUNCH("attention_combine");
   return 0;
 }
 
-int llmq_silu_mul(void* g, const void* u, size_t n) {
-  silu_mul_kernel<<<blocks(n, 256), 256, 0, llmq::stream()>>>((half*)g, (const half*)u, n);
+int silu_mul(llmq_ctx* c, void* g, const void* u, size_t n) {
+  silu_mul_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)g, (const half*)u, n);
   CK_LAUNCH("silu_mul_kernel");
   return 0;
 }
 
-int llmq_nll(const float* logits, const int32_t* targets, float* nll, int T, int V) {
-  nll_kernel<<<T, 1024, 0, llmq::stream()>>>(logits, targets, nll, V);
+int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V) {
+  nll_kernel<<<T, 1024, 0, c->stream>>>(logits, targets, nll, V);
   CK_LAUNCH("nll_kernel");
   return 0;
 }
 
 // C[M,N] = A[M,K]·W[N,K]ᵀ with W in PyTorch's [out][in] layout, fp32
 // accumulation; C is fp16, or fp32 when c_fp32 (logits).
-int llmq_gemm_nt(const void* A, const void* W, void* C, int M, int N, int K, int c_fp32) {
-  cublasHandle_t h;
-  if (llmq::cublas(&h)) return 1;
+int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32) {
   const float alpha = 1.f, beta = 0.f;
   // Row-major C = A·Wᵀ is column-major Cᵀ = W·Aᵀ, W being column-major [K][N]ᵀ.
-  cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, K, A, CUDA_R_16F, K, &beta,
+  cublasStatus_t s = cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, K, A, CUDA_R_16F, K, &beta,
                                   C, c_fp32 ? CUDA_R_32F : CUDA_R_16F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS) {
-    llmq::set_error("cublasGemmEx (gemm_nt) failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
+    set_error(c, "cublasGemmEx (gemm_nt) failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
     return 1;
   }
   return 0;
 }
 
-}  // extern "C"
+}  // namespace llmq

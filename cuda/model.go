@@ -4,9 +4,11 @@ package cuda
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strings"
+	"sync"
 
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -16,14 +18,28 @@ import (
 	"github.com/x448/float16"
 )
 
-// Model is the GPU Backend: the network of package llm with its weights
-// resident on the GPU — packed 4-bit linears in the W4A16 kernel's layout,
-// unquantized linears, embeddings and lm_head in fp16 through cuBLAS — an
-// fp32 residual stream and fp16 activations. Decode steps (every sequence
-// adding one token) replay a CUDA graph captured per batch size; other
-// passes launch their kernels one by one.
+// Model is the GPU backend (llm.Backend): the network of package llm with
+// its weights resident on the GPU — packed 4-bit linears in the W4A16
+// kernel's layout, unquantized linears, embeddings and lm_head in fp16
+// through cuBLAS — an fp32 residual stream and fp16 activations. Decode
+// steps (every sequence adding one token) replay a CUDA graph captured per
+// batch size and key bound; other passes launch their kernels one by one.
+//
+// Ownership: everything the model puts on the GPU — weights, caches,
+// activation buffers, graphs, the cuBLAS handle and its workspace — is
+// allocated through the model's own Context, so Close (which destroys the
+// context) releases all of it, and Memory accounts for every byte of it.
+//
+// Concurrency: a Model is safe for use from several goroutines. Every
+// method that touches the GPU (Forward, WindowNLL, NewCache, a cache's
+// Close, Memory, Close) holds mu for its whole duration, so passes run one
+// at a time, in call order, on the context's one stream; a pass's host
+// bookkeeping (cache lengths, the graph table) is under the same lock.
 type Model struct {
-	lib       *Lib
+	mu  sync.Mutex
+	lib *Lib
+	x   *Context // nil once closed
+
 	cfg       *checkpoint.Config
 	dev       Device
 	blocks    []*gpuBlock
@@ -35,13 +51,23 @@ type Model struct {
 	maxN      int // widest linear (workspace sizing)
 	maxPermK  int // widest act-order input (a_perm sizing)
 	quantized bool
-	weights   int64 // bytes of weights on the GPU
+
+	weights int64 // bytes of weights (and rotary tables) on the GPU
+	caches  int64 // bytes of open caches
 
 	eager  *acts
 	attnWS Buf // the eager passes' attention scratch
-	graphs map[[2]int]*decodeGraph
-	owned  []Buf
+	// Decode graphs, keyed by batch size and key bound; graphs of one
+	// batch size share its activation buffers (batchActs). At most
+	// maxGraphs are kept: the least recently used is destroyed first.
+	graphs    map[graphKey]*decodeGraph
+	batchActs map[int]*acts
+	tick      uint64
 }
+
+// maxGraphs bounds the decode graphs a model keeps (batch sizes × key
+// bounds a server meets); each holds its attention scratch.
+const maxGraphs = 48
 
 type gpuBlock struct {
 	attnNorm, mlpNorm          Buf
@@ -56,10 +82,14 @@ type gpuLinear struct {
 	w, b    Buf
 }
 
-// Load uploads a checkpoint (packed or unquantized) to the GPU of lib. It
-// first checks that the weights fit in the GPU's free memory.
+// Load uploads a checkpoint (packed or unquantized) to the GPU of lib, in
+// a new context. It first checks that the weights fit in the GPU's free
+// memory.
 func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
 	c := ck.Config
+	if err := Supports(c); err != nil {
+		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
+	}
 	dev, err := lib.Device()
 	if err != nil {
 		return nil, err
@@ -71,54 +101,69 @@ func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
 	}
-	m := &Model{lib: lib, cfg: c, dev: dev, quantized: q != nil, graphs: map[[2]int]*decodeGraph{}}
-	ok := false
-	defer func() {
-		if !ok {
-			m.Close()
-		}
-	}()
-	load := func(ck *checkpoint.Checkpoint, name string, in, out int, bias bool) (llm.Linear, error) {
-		return m.loadLinear(ck, q, name, in, out, bias)
-	}
-	embed, norm, head, err := llm.LoadEmbeddings(ck, load)
+	x, err := lib.NewContext()
 	if err != nil {
 		return nil, err
 	}
+	m := &Model{lib: lib, x: x, cfg: c, dev: dev, quantized: q != nil,
+		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}}
+	if err := m.load(ck, q); err != nil {
+		m.Close()
+		return nil, fmt.Errorf("loading %s on the GPU: %w", ck.Dir, err)
+	}
+	return m, nil
+}
+
+func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
+	c := m.cfg
+	embed, norm, err := llm.ReadEmbeddings(ck)
+	if err != nil {
+		return err
+	}
 	if m.embed, err = m.upload16(embed); err != nil {
-		return nil, err
+		return err
 	}
 	if m.norm, err = m.upload32(norm); err != nil {
-		return nil, err
+		return err
 	}
-	switch h := head.(type) {
-	case *gpuLinear:
-		if h.w4 != nil {
-			return nil, fmt.Errorf("%s: a 4-bit lm_head is not supported by the GPU backend yet (it runs checkpoints whose lm_head is unquantized)", ck.Dir)
-		}
-		m.lmHead = h
-	default: // tied: the LM head is the embedding matrix
+	spec, tied, err := llm.HeadLinear(ck)
+	switch {
+	case err != nil:
+		return err
+	case tied: // the LM head is the embedding matrix
 		m.lmHead = &gpuLinear{in: c.Hidden, out: c.Vocab, w: m.embed}
+	default:
+		if m.lmHead, err = m.loadLinear(ck, q, spec); err != nil {
+			return err
+		}
+		if m.lmHead.w4 != nil {
+			return fmt.Errorf("%s: a 4-bit lm_head is not supported by the GPU backend yet (it runs checkpoints whose lm_head is unquantized)", ck.Dir)
+		}
 	}
 	cos, sin := llm.RopeTables(c, c.MaxPositions)
 	if m.cos, err = m.upload32(cos); err != nil {
-		return nil, err
+		return err
 	}
 	if m.sin, err = m.upload32(sin); err != nil {
-		return nil, err
+		return err
 	}
 	for i := 0; i < c.Layers; i++ {
-		b, err := llm.LoadBlock(ck, i, load)
+		g := &gpuBlock{}
+		attn, mlp, err := llm.ReadBlockNorms(ck, i)
 		if err != nil {
-			return nil, err
+			return err
 		}
-		g := &gpuBlock{q: b.Q.(*gpuLinear), k: b.K.(*gpuLinear), v: b.V.(*gpuLinear), o: b.O.(*gpuLinear),
-			gate: b.Gate.(*gpuLinear), up: b.Up.(*gpuLinear), down: b.Down.(*gpuLinear)}
-		if g.attnNorm, err = m.upload32(b.AttnNorm); err != nil {
-			return nil, err
+		if g.attnNorm, err = m.upload32(attn); err != nil {
+			return err
 		}
-		if g.mlpNorm, err = m.upload32(b.MLPNorm); err != nil {
-			return nil, err
+		if g.mlpNorm, err = m.upload32(mlp); err != nil {
+			return err
+		}
+		specs := llm.BlockLinears(c, i) // q, k, v, o, gate, up, down
+		for j, dst := range []**gpuLinear{&g.q, &g.k, &g.v, &g.o, &g.gate, &g.up, &g.down} {
+			if *dst, err = m.loadLinear(ck, q, specs[j]); err != nil {
+				return err
+			}
 		}
 		m.blocks = append(m.blocks, g)
 	}
@@ -135,12 +180,11 @@ func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
 		}
 	}
 	if maxKN > 0 {
-		if m.scratch, err = m.alloc(maxKN * 2); err != nil {
-			return nil, err
+		if m.scratch, err = m.x.Alloc(maxKN * 2); err != nil {
+			return fmt.Errorf("the dequantize scratch: %w", err)
 		}
 	}
-	ok = true
-	return m, nil
+	return nil
 }
 
 // checkFits refuses, before anything is allocated, a model that needs
@@ -151,12 +195,6 @@ func checkFits(dir string, need int64, dev Device) error {
 			dir, gib(need), dev.Name, gib(int64(dev.FreeBytes)), gib(int64(dev.TotalBytes)))
 	}
 	return nil
-}
-
-// MemoryUsed is the GPU memory in use (by every process), in bytes.
-func (m *Model) MemoryUsed() (int64, error) {
-	d, err := m.lib.Device()
-	return int64(d.TotalBytes) - int64(d.FreeBytes), err
 }
 
 func gib(b int64) float64 { return float64(b) / (1 << 30) }
@@ -182,22 +220,12 @@ func estimateBytes(ck *checkpoint.Checkpoint) int64 {
 	return n + n/20 + 512<<20
 }
 
-func (m *Model) alloc(bytes int) (Buf, error) {
-	b, err := m.lib.Alloc(bytes)
-	if err != nil {
-		return b, err
-	}
-	m.owned = append(m.owned, b)
-	return b, nil
-}
-
 func (m *Model) upload32(v []float32) (Buf, error) {
-	b, err := m.alloc(max(1, len(v)) * 4)
-	if err != nil {
-		return b, err
+	b, err := AllocFrom(m.x, v)
+	if err == nil {
+		m.weights += int64(b.Bytes)
 	}
-	m.weights += int64(len(v)) * 4
-	return b, Upload(m.lib, b, v)
+	return b, err
 }
 
 // upload16 converts to fp16 (in parallel: embeddings of large models have
@@ -209,91 +237,72 @@ func (m *Model) upload16(v []float32) (Buf, error) {
 			h[i] = uint16(float16.Fromfloat32(v[i]))
 		}
 	})
-	b, err := m.alloc(max(1, len(h)) * 2)
-	if err != nil {
-		return b, err
+	b, err := AllocFrom(m.x, h)
+	if err == nil {
+		m.weights += int64(b.Bytes)
 	}
-	m.weights += int64(len(h)) * 2
-	return b, Upload(m.lib, b, h)
+	return b, err
 }
 
-func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, name string, in, out int, bias bool) (llm.Linear, error) {
-	l := &gpuLinear{in: in, out: out}
-	var err error
-	if q != nil && q.Stored(ck, name) {
-		pl, err := q.Read(ck, name, in, out)
+// loadLinear uploads the layer s names: packed 4-bit when the checkpoint
+// stores it quantized with 4-bit integers (the W4A16 kernel's weights),
+// other stored quantizations (8-bit, FP8) dequantized to fp16, else its
+// fp16 weight matrix.
+func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm.LinearSpec) (*gpuLinear, error) {
+	l := &gpuLinear{in: s.In, out: s.Out}
+	if q != nil && q.Stored(ck, s.Name) {
+		pl, err := q.Read(ck, s.Name, s.In, s.Out)
 		if err != nil {
 			return nil, err
 		}
 		if pl.Grid.Bits != 4 || pl.Grid.FP8 {
-			// The kernel runs 4-bit integer weights; others (FP8, 8-bit)
-			// run dequantized, in fp16.
 			if l.w, err = m.upload16(pl.Dequantize()); err != nil {
-				return nil, fmt.Errorf("%s: %w", name, err)
+				return nil, fmt.Errorf("%s: %w", s.Name, err)
 			}
-			return m.finishLinear(ck, l, name, out, bias)
-		}
-		gw, err := pl.GPULayout()
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", name, err)
-		}
-		if l.w4, err = m.lib.UploadW4(gw); err != nil {
-			return nil, fmt.Errorf("%s: %w", name, err)
-		}
-		for _, b := range []Buf{l.w4.B, l.w4.S, l.w4.Z, l.w4.Perm} {
-			if !b.Nil() {
-				m.owned = append(m.owned, b)
-				m.weights += int64(b.Bytes)
+		} else {
+			gw, err := pl.GPULayout()
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", s.Name, err)
 			}
+			if l.w4, err = m.x.UploadW4(gw); err != nil {
+				return nil, fmt.Errorf("%s: %w", s.Name, err)
+			}
+			m.weights += l.w4.Bytes()
 		}
 	} else {
-		d, err := llm.DenseLoader(ck, name, in, out, false)
+		if err := pack.Unexplained(ck, s.Name); err != nil {
+			return nil, err
+		}
+		w, err := ck.Float32(s.Name+".weight", s.Out, s.In)
 		if err != nil {
 			return nil, err
 		}
-		if l.w, err = m.upload16(d.(*llm.Dense).W); err != nil {
-			return nil, fmt.Errorf("%s: %w", name, err)
+		if l.w, err = m.upload16(w); err != nil {
+			return nil, fmt.Errorf("%s: %w", s.Name, err)
 		}
 	}
-	if err != nil {
-		return nil, err
-	}
-	return m.finishLinear(ck, l, name, out, bias)
-}
-
-// finishLinear uploads the layer's bias, if it has one.
-func (m *Model) finishLinear(ck *checkpoint.Checkpoint, l *gpuLinear, name string, out int, bias bool) (llm.Linear, error) {
-	if bias {
-		b, err := llm.ReadBias(ck, name, out, true)
+	if s.Bias {
+		b, err := llm.ReadBias(ck, s.Name, s.Out, true)
 		if err != nil {
 			return nil, err
 		}
 		if l.b, err = m.upload16(b); err != nil {
-			return nil, err
+			return nil, fmt.Errorf("%s bias: %w", s.Name, err)
 		}
 	}
 	return l, nil
-}
-
-// In and Out make gpuLinear an llm.Linear while the model is assembled.
-func (l *gpuLinear) In() int  { return l.in }
-func (l *gpuLinear) Out() int { return l.out }
-
-// Forward is never called: the GPU model runs its layers itself.
-func (l *gpuLinear) Forward(y, x []float32, rows int) {
-	panic("cuda: a GPU linear layer has no CPU forward pass")
 }
 
 // run computes C = A·Wᵀ (+ b) for M rows on the GPU.
 func (m *Model) run(l *gpuLinear, A, C Buf, M int, a *acts, f32 bool) error {
 	var err error
 	if l.w4 != nil {
-		err = m.lib.GemmW4(A, C, l.w4, M, a.ws, m.scratch, a.aperm)
+		err = m.x.GemmW4(A, C, l.w4, M, a.ws, m.scratch, a.aperm)
 	} else {
-		err = m.lib.GemmNT(A, l.w, C, M, l.out, l.in, f32)
+		err = m.x.GemmNT(A, l.w, C, M, l.out, l.in, f32)
 	}
 	if err == nil && !l.b.Nil() {
-		err = m.lib.AddBias(C, l.b, M, l.out)
+		err = m.x.AddBias(C, l.b, M, l.out)
 	}
 	return err
 }
@@ -306,6 +315,7 @@ type acts struct {
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
 	meta                                     RowMeta
 	bufs                                     []Buf
+	bytes                                    int64
 }
 
 func (m *Model) newActs(rows int) (*acts, error) {
@@ -327,30 +337,40 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		if s.bytes == 0 {
 			continue
 		}
-		b, err := m.lib.Alloc(s.bytes)
-		if err != nil {
-			a.free(m.lib)
+		if err := a.alloc(m.x, s.b, s.bytes); err != nil {
+			a.free(m.x)
 			return nil, fmt.Errorf("activations for %d rows: %w", rows, err)
 		}
-		*s.b = b
-		a.bufs = append(a.bufs, b)
 	}
-	if err := m.lib.Memset(a.ws, 0, a.ws.Bytes); err != nil {
-		a.free(m.lib)
+	if err := m.x.Memset(a.ws, 0, a.ws.Bytes); err != nil {
+		a.free(m.x)
 		return nil, err
 	}
 	return a, nil
 }
 
-func (a *acts) free(l *Lib) {
-	for _, b := range a.bufs {
-		l.Free(b)
+// alloc allocates one of a's buffers (or one a owns, such as a graph's
+// attention scratch) and counts it.
+func (a *acts) alloc(x *Context, b *Buf, bytes int) error {
+	buf, err := x.Alloc(bytes)
+	if err != nil {
+		return err
 	}
-	a.bufs = nil
+	*b = buf
+	a.bufs = append(a.bufs, buf)
+	a.bytes += int64(bytes)
+	return nil
+}
+
+func (a *acts) free(x *Context) {
+	for _, b := range a.bufs {
+		x.Free(b)
+	}
+	a.bufs, a.bytes = nil, 0
 }
 
 // Cache is a sequence's key/value cache on the GPU: fp16
-// [2][layers][cap][kv_dim]. Close frees it.
+// [2][layers][cap][kv_dim], allocated through its model's context.
 type Cache struct {
 	m      *Model
 	buf    Buf
@@ -365,24 +385,50 @@ func (c *Cache) Truncate(n int) {
 	}
 }
 
-// Close releases the cache's GPU memory.
+// Close implements llm.Cache: it frees the cache's GPU memory (nothing
+// when its model is closed already: the context freed it).
 func (c *Cache) Close() error {
-	err := c.m.lib.Free(c.buf)
-	c.buf = Buf{}
-	return err
+	m := c.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if c.buf.Nil() {
+		return nil
+	}
+	b := c.buf
+	c.buf, c.n, c.cap = Buf{}, 0, 0
+	if m.x == nil {
+		return nil
+	}
+	m.caches -= int64(b.Bytes)
+	if err := m.x.Free(b); err != nil {
+		return fmt.Errorf("closing a GPU cache: %w", err)
+	}
+	return nil
 }
+
+var errModelClosed = errors.New("cuda: the model is closed")
 
 // NewCache implements llm.Backend.
 func (m *Model) NewCache(capacity int) (llm.Cache, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.newCache(capacity)
+}
+
+func (m *Model) newCache(capacity int) (*Cache, error) {
+	if m.x == nil {
+		return nil, errModelClosed
+	}
 	c := m.cfg
 	if capacity <= 0 || capacity > c.MaxPositions {
 		return nil, fmt.Errorf("cache capacity %d outside 1..%d (max_position_embeddings)", capacity, c.MaxPositions)
 	}
 	bytes := 2 * c.Layers * capacity * c.KVHeads * c.HeadDim * 2
-	b, err := m.lib.Alloc(bytes)
+	b, err := m.x.Alloc(bytes)
 	if err != nil {
 		return nil, fmt.Errorf("key/value cache of %d tokens (%.2f GiB): %w", capacity, gib(int64(bytes)), err)
 	}
+	m.caches += int64(bytes)
 	return &Cache{m: m, buf: b, cap: capacity}, nil
 }
 
@@ -401,23 +447,55 @@ func (m *Model) Name() string {
 // WeightBytes is the GPU memory the weights take.
 func (m *Model) WeightBytes() int64 { return m.weights }
 
-// Close frees everything the model holds on the GPU.
-func (m *Model) Close() error {
-	for _, g := range m.graphs {
-		m.lib.DestroyGraph(g.g)
-		g.a.free(m.lib)
+// Memory implements llm.Backend. Weights, Caches, Activations and
+// Workspace together are every byte the model's context holds (the
+// context's own count is checked against them); DeviceUsed is the whole
+// GPU's use, the CUDA context and other processes included.
+func (m *Model) Memory() (llm.Memory, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.x == nil {
+		return llm.Memory{}, errModelClosed
 	}
-	m.graphs = nil
+	cm, err := m.x.Memory()
+	if err != nil {
+		return llm.Memory{}, err
+	}
+	var act int64
 	if m.eager != nil {
-		m.eager.free(m.lib)
-		m.eager = nil
+		act += m.eager.bytes
 	}
-	m.lib.Free(m.attnWS)
-	m.attnWS = Buf{}
-	for _, b := range m.owned {
-		m.lib.Free(b)
+	act += int64(m.attnWS.Bytes)
+	for _, a := range m.batchActs {
+		act += a.bytes
 	}
-	m.owned = nil
+	r := llm.Memory{Weights: m.weights, Caches: m.caches, Activations: act,
+		Workspace: int64(m.scratch.Bytes) + cm.CuBLASBytes, Graphs: cm.Graphs}
+	if r.Total() != cm.LiveBytes {
+		return r, fmt.Errorf("cuda: memory accounting is off: the categories add up to %d bytes, the context holds %d", r.Total(), cm.LiveBytes)
+	}
+	if d, err := m.lib.Device(); err == nil {
+		r.DeviceUsed, r.DeviceTotal = int64(d.TotalBytes-d.FreeBytes), int64(d.TotalBytes)
+	}
+	return r, nil
+}
+
+// Close implements llm.Backend: it destroys the model's context, which
+// waits for the GPU and frees everything the model holds — weights,
+// caches still open, activations, graphs, the cuBLAS handle, the stream.
+func (m *Model) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.x == nil {
+		return nil
+	}
+	err := m.x.Close()
+	m.x = nil
+	m.graphs, m.batchActs, m.eager = nil, nil, nil
+	m.blocks, m.lmHead = nil, nil
+	if err != nil {
+		return fmt.Errorf("closing the GPU model: %w", err)
+	}
 	return nil
 }
 
@@ -436,6 +514,9 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		c, ok := s.Cache.(*Cache)
 		if !ok || c.m != m {
 			return nil, nil, fmt.Errorf("step %d: cache %T does not belong to this GPU model", i, s.Cache)
+		}
+		if c.buf.Nil() {
+			return nil, nil, fmt.Errorf("step %d: the cache is closed", i)
 		}
 		if c.n+len(s.Tokens) > c.cap {
 			return nil, nil, fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, c.n, len(s.Tokens), c.cap)
@@ -461,21 +542,21 @@ func (m *Model) upload(a *acts, p *pass) error {
 		dst Buf
 		src []int32
 	}{{a.ids, p.ids}, {a.meta.RowSeq, p.rowSeq}, {a.meta.RowPos, p.rowPos}, {a.meta.KVCap, p.kvCap}} {
-		if err := Upload(m.lib, u.dst, u.src); err != nil {
+		if err := Upload(m.x, u.dst, u.src); err != nil {
 			return err
 		}
 	}
-	return Upload(m.lib, a.meta.KVBase, p.kvBase)
+	return Upload(m.x, a.meta.KVBase, p.kvBase)
 }
 
 // layers queues the embedding and every decoder block for T rows, leaving
 // the final residual stream in a.x. attnWS is the attention scratch for T
 // rows and maxKeys keys.
 func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys int) error {
-	c, lib := m.cfg, m.lib
+	c, x := m.cfg, m.x
 	H, hd, L := c.Hidden, c.HeadDim, c.Layers
 	eps := float32(c.RMSNormEps)
-	if err := lib.Embed(a.ids, m.embed, a.x, T, H); err != nil {
+	if err := x.Embed(a.ids, m.embed, a.x, T, H); err != nil {
 		return err
 	}
 	for l, b := range m.blocks {
@@ -489,21 +570,21 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys int)
 			delta = Buf{}
 		}
 		steps := []func() error{
-			func() error { return lib.RMSNorm(a.x, delta, Buf{}, b.attnNorm, a.h, T, H, eps) },
+			func() error { return x.RMSNorm(a.x, delta, Buf{}, b.attnNorm, a.h, T, H, eps) },
 			func() error { return m.run(b.q, a.h, a.q, T, a, false) },
 			func() error { return m.run(b.k, a.h, a.k, T, a, false) },
 			func() error { return m.run(b.v, a.h, a.v, T, a, false) },
-			func() error { return lib.RoPE(a.q, a.meta.RowPos, m.cos, m.sin, T, c.Heads, hd) },
-			func() error { return lib.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
-			func() error { return lib.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
+			func() error { return x.RoPE(a.q, a.meta.RowPos, m.cos, m.sin, T, c.Heads, hd) },
+			func() error { return x.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
+			func() error { return x.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
 			func() error {
-				return lib.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys)
+				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys)
 			},
 			func() error { return m.run(b.o, a.att, a.delta, T, a, false) },
-			func() error { return lib.RMSNorm(a.x, a.delta, Buf{}, b.mlpNorm, a.h, T, H, eps) },
+			func() error { return x.RMSNorm(a.x, a.delta, Buf{}, b.mlpNorm, a.h, T, H, eps) },
 			func() error { return m.run(b.gate, a.h, a.g, T, a, false) },
 			func() error { return m.run(b.up, a.h, a.u, T, a, false) },
-			func() error { return lib.SiLUMul(a.g, a.u, T*c.Intermediate) },
+			func() error { return x.SiLUMul(a.g, a.u, T*c.Intermediate) },
 			func() error { return m.run(b.down, a.g, a.delta, T, a, false) },
 		}
 		for _, f := range steps {
@@ -512,13 +593,13 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys int)
 			}
 		}
 	}
-	return lib.Add(a.x, a.delta, T*H)
+	return x.Add(a.x, a.delta, T*H)
 }
 
 // head queues the final norm of the rows a.rowIdx[:n] and the LM head,
 // leaving n rows of fp32 logits in a.logits.
 func (m *Model) head(a *acts, n int) error {
-	if err := m.lib.RMSNorm(a.x, Buf{}, a.rowIdx, m.norm, a.h, n, m.cfg.Hidden, float32(m.cfg.RMSNormEps)); err != nil {
+	if err := m.x.RMSNorm(a.x, Buf{}, a.rowIdx, m.norm, a.h, n, m.cfg.Hidden, float32(m.cfg.RMSNormEps)); err != nil {
 		return err
 	}
 	return m.run(m.lmHead, a.h, a.logits, n, a, true)
@@ -530,11 +611,9 @@ func (m *Model) eagerActs(rows int) (*acts, error) {
 		return m.eager, nil
 	}
 	if m.eager != nil {
-		m.eager.free(m.lib)
+		m.eager.free(m.x)
 		m.eager = nil
 	}
-	m.lib.Free(m.attnWS)
-	m.attnWS = Buf{}
 	a, err := m.newActs(max(rows, 16))
 	if err != nil {
 		return nil, err
@@ -549,9 +628,11 @@ func (m *Model) eagerAttnWS(T, maxKeys int) (Buf, error) {
 	if m.attnWS.Bytes >= need {
 		return m.attnWS, nil
 	}
-	m.lib.Free(m.attnWS)
+	if err := m.x.Free(m.attnWS); err != nil {
+		return Buf{}, err
+	}
 	m.attnWS = Buf{}
-	b, err := m.lib.Alloc(need)
+	b, err := m.x.Alloc(need)
 	if err != nil {
 		return b, fmt.Errorf("attention scratch for %d rows: %w", T, err)
 	}
@@ -561,6 +642,11 @@ func (m *Model) eagerAttnWS(T, maxKeys int) (Buf, error) {
 
 // Forward implements llm.Backend.
 func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.x == nil {
+		return errModelClosed
+	}
 	p, caches, err := m.prepare(steps)
 	if err != nil || len(p.ids) == 0 {
 		return err
@@ -600,7 +686,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		if err := m.upload(a, p); err != nil {
 			return err
 		}
-		if err := Upload(m.lib, a.rowIdx, out); err != nil {
+		if err := Upload(m.x, a.rowIdx, out); err != nil {
 			return err
 		}
 		ws, err := m.eagerAttnWS(T, p.maxKeys)
@@ -615,7 +701,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		}
 	}
 	logits := make([]float32, len(out)*V)
-	if err := Download(m.lib, logits, a.logits); err != nil {
+	if err := Download(m.x, logits, a.logits); err != nil {
 		return err
 	}
 	r = 0
@@ -631,15 +717,19 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	return nil
 }
 
-// decodeGraph is a captured decode step for a batch size and a bound on
-// the keys attended (the attention kernel's shared memory).
+// graphKey is a decode graph's batch size and bound on the keys attended
+// (which sizes the attention kernel's chunks and scratch).
+type graphKey struct{ batch, keys int }
+
+// decodeGraph is a captured decode step.
 type decodeGraph struct {
-	a *acts
-	g Graph
+	g    Graph
+	ws   Buf // its attention scratch
+	used uint64
 }
 
 // decode runs a step where each sequence adds one token, through the
-// CUDA graph for its batch size (captured on first use).
+// CUDA graph for its batch size and key bound (captured on first use).
 func (m *Model) decode(p *pass) (*acts, error) {
 	B := len(p.ids)
 	keys := 256
@@ -647,61 +737,142 @@ func (m *Model) decode(p *pass) (*acts, error) {
 		keys *= 2
 	}
 	keys = min(keys, m.cfg.MaxPositions)
-	key := [2]int{B, keys}
+	key := graphKey{B, keys}
 	dg, ok := m.graphs[key]
 	if !ok {
-		a, err := m.newActs(B)
-		if err != nil {
+		var err error
+		if dg, err = m.capture(key); err != nil {
+			return nil, fmt.Errorf("capturing the decode step for batch %d: %w", B, err)
+		}
+	}
+	m.tick++
+	dg.used = m.tick
+	a := m.batchActs[B]
+	if err := m.upload(a, p); err != nil {
+		return nil, err
+	}
+	if err := m.x.Launch(dg.g); err != nil {
+		return nil, err
+	}
+	return a, nil
+}
+
+// capture records the decode graph for key, making room first when
+// maxGraphs are held, and the batch size's buffers when it has none.
+func (m *Model) capture(key graphKey) (*decodeGraph, error) {
+	if len(m.graphs) >= maxGraphs {
+		if err := m.evictGraph(); err != nil {
+			return nil, err
+		}
+	}
+	B := key.batch
+	a := m.batchActs[B]
+	if a == nil {
+		var err error
+		if a, err = m.newActs(B); err != nil {
 			return nil, err
 		}
 		idx := make([]int32, B)
 		for i := range idx {
 			idx[i] = int32(i)
 		}
-		if err := Upload(m.lib, a.rowIdx, idx); err != nil {
-			a.free(m.lib)
+		if err := Upload(m.x, a.rowIdx, idx); err != nil {
+			a.free(m.x)
 			return nil, err
 		}
-		ws, err := m.lib.Alloc(m.lib.AttentionWorkspaceBytes(B, m.cfg.Heads, m.cfg.HeadDim, keys))
-		if err != nil {
-			a.free(m.lib)
-			return nil, err
-		}
-		a.bufs = append(a.bufs, ws)
-		g, err := m.lib.Capture(func() error {
-			if err := m.layers(nil, a, ws, B, keys); err != nil {
-				return err
-			}
-			return m.head(a, B)
-		})
-		if err != nil {
-			a.free(m.lib)
-			return nil, fmt.Errorf("capturing the decode step for batch %d: %w", B, err)
-		}
-		dg = &decodeGraph{a: a, g: g}
-		m.graphs[key] = dg
+		m.batchActs[B] = a
 	}
-	if err := m.upload(dg.a, p); err != nil {
+	dg := &decodeGraph{}
+	if err := a.alloc(m.x, &dg.ws, m.lib.AttentionWorkspaceBytes(B, m.cfg.Heads, m.cfg.HeadDim, key.keys)); err != nil {
+		m.dropBatchActs(B)
 		return nil, err
 	}
-	if err := m.lib.Launch(dg.g); err != nil {
+	g, err := m.x.Capture(func() error {
+		if err := m.layers(nil, a, dg.ws, B, key.keys); err != nil {
+			return err
+		}
+		return m.head(a, B)
+	})
+	if err != nil {
+		m.freeFrom(a, dg.ws)
+		m.dropBatchActs(B)
 		return nil, err
 	}
-	return dg.a, nil
+	dg.g = g
+	m.graphs[key] = dg
+	return dg, nil
 }
 
-// WindowNLL implements evals.NLLScorer: one window from an empty cache,
-// with log-softmax and the NLL computed on the GPU, so only one float per
+// evictGraph destroys the least recently used decode graph and its
+// scratch (and its batch size's buffers when no other graph uses them).
+func (m *Model) evictGraph() error {
+	var old graphKey
+	var oldest *decodeGraph
+	for k, g := range m.graphs {
+		if oldest == nil || g.used < oldest.used {
+			old, oldest = k, g
+		}
+	}
+	if oldest == nil {
+		return nil
+	}
+	delete(m.graphs, old)
+	err := m.x.DestroyGraph(oldest.g)
+	m.freeFrom(m.batchActs[old.batch], oldest.ws)
+	m.dropBatchActs(old.batch)
+	return err
+}
+
+// freeFrom frees b, one of the buffers a owns.
+func (m *Model) freeFrom(a *acts, b Buf) {
+	for i, o := range a.bufs {
+		if o == b {
+			a.bufs = append(a.bufs[:i], a.bufs[i+1:]...)
+			a.bytes -= int64(b.Bytes)
+			m.x.Free(b)
+			return
+		}
+	}
+}
+
+// dropBatchActs frees batch size B's buffers when no graph uses them.
+func (m *Model) dropBatchActs(B int) {
+	for k := range m.graphs {
+		if k.batch == B {
+			return
+		}
+	}
+	if a := m.batchActs[B]; a != nil {
+		a.free(m.x)
+		delete(m.batchActs, B)
+	}
+}
+
+// WindowNLL implements llm.Backend: one window from an empty cache, with
+// log-softmax and the NLL computed on the GPU, so only one float per
 // token comes back.
 func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) {
 	if len(ids) < 2 {
 		return 0, 0, fmt.Errorf("a window needs at least 2 tokens, got %d", len(ids))
 	}
-	cache, err := m.NewCache(len(ids))
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	cache, err := m.newCache(len(ids))
 	if err != nil {
 		return 0, 0, err
 	}
-	defer cache.(*Cache).Close()
+	defer func() {
+		m.caches -= int64(cache.buf.Bytes)
+		m.x.Free(cache.buf)
+	}()
+	sum, n, err := m.windowNLL(ctx, cache, ids)
+	if err != nil {
+		return 0, 0, fmt.Errorf("window NLL on the GPU: %w", err)
+	}
+	return sum, n, nil
+}
+
+func (m *Model) windowNLL(ctx context.Context, cache *Cache, ids []int) (float64, int, error) {
 	p, _, err := m.prepare([]llm.Step{{Cache: cache, Tokens: ids}})
 	if err != nil {
 		return 0, 0, err
@@ -718,10 +889,10 @@ func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) 
 	if err := m.upload(a, p); err != nil {
 		return 0, 0, err
 	}
-	if err := Upload(m.lib, a.rowIdx, rows); err != nil {
+	if err := Upload(m.x, a.rowIdx, rows); err != nil {
 		return 0, 0, err
 	}
-	if err := Upload(m.lib, a.targets, targets); err != nil {
+	if err := Upload(m.x, a.targets, targets); err != nil {
 		return 0, 0, err
 	}
 	ws, err := m.eagerAttnWS(T, p.maxKeys)
@@ -734,11 +905,11 @@ func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) 
 	if err := m.head(a, n); err != nil {
 		return 0, 0, err
 	}
-	if err := m.lib.NLL(a.logits, a.targets, a.nll, n, m.cfg.Vocab); err != nil {
+	if err := m.x.NLL(a.logits, a.targets, a.nll, n, m.cfg.Vocab); err != nil {
 		return 0, 0, err
 	}
 	nll := make([]float32, n)
-	if err := Download(m.lib, nll, a.nll); err != nil {
+	if err := Download(m.x, nll, a.nll); err != nil {
 		return 0, 0, err
 	}
 	var sum float64
@@ -746,16 +917,30 @@ func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) 
 		sum += float64(v)
 	}
 	if math.IsNaN(sum) || math.IsInf(sum, 0) {
-		return 0, 0, fmt.Errorf("non-finite NLL on the GPU (fp16 overflow in the activations?)")
+		return 0, 0, fmt.Errorf("non-finite NLL (fp16 overflow in the activations?)")
 	}
 	return sum, n, nil
 }
 
-// OpenModel loads the CUDA library (DefaultPath) and uploads a checkpoint.
+// OpenModel loads the CUDA library (DefaultPath) and uploads a checkpoint
+// in a context of its own; Close releases everything.
 func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) {
+	if err := Supports(ck.Config); err != nil {
+		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
+	}
 	lib, err := Open("")
 	if err != nil {
 		return nil, err
 	}
 	return Load(lib, ck)
+}
+
+// Supports refuses, by name, what the GPU backend does not run yet
+// rather than running it wrongly: Mistral's sliding-window attention (the
+// CPU backend runs it).
+func Supports(c *checkpoint.Config) error {
+	if c.SlidingWindow > 0 {
+		return fmt.Errorf("sliding_window %d: the GPU backend runs full attention only (--device cpu runs the window)", c.SlidingWindow)
+	}
+	return nil
 }

@@ -4,8 +4,10 @@ package cuda
 
 import (
 	"context"
+	"fmt"
 	"math"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
@@ -51,7 +53,7 @@ func TestModelLogits(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer cache.(*Cache).Close()
+			defer cache.Close()
 			got := make([]float32, len(ids)*V)
 			if err := gpu.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: got}}); err != nil {
 				t.Fatal(err)
@@ -123,7 +125,7 @@ func TestBatchedSteps(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer c.(*Cache).Close()
+		defer c.Close()
 		caches[i], logits[i] = c, make([]float32, V)
 	}
 	// Sequence 0 prefills alone first, so the next pass mixes its decode
@@ -197,7 +199,7 @@ func TestWindowNLL(t *testing.T) {
 // working afterwards.
 func TestKernelErrorIsRecoverable(t *testing.T) {
 	_, gpu := loadBoth(t, "llama-tiny")
-	err := gpu.lib.Embed(Buf{}, gpu.embed, Buf{}, 0, gpu.cfg.Hidden) // a grid of 0 blocks
+	err := gpu.x.Embed(Buf{}, gpu.embed, Buf{}, 0, gpu.cfg.Hidden) // a grid of 0 blocks
 	if err == nil || !strings.Contains(err.Error(), "embed_kernel") {
 		t.Fatalf("launch with 0 blocks: %v, want an error naming embed_kernel", err)
 	}
@@ -217,5 +219,170 @@ func TestCheckFits(t *testing.T) {
 	err := checkFits("llama3-70b", 141<<30, dev)
 	if err == nil || !strings.Contains(err.Error(), "needs about 141.0 GiB") || !strings.Contains(err.Error(), "has 10.0 GiB free") {
 		t.Errorf("too large: %v", err)
+	}
+}
+
+// use runs what a server does with a model: a prefill, batched decode
+// steps (graphs for batch 1 and 2), a perplexity window, and a memory
+// report that must account for every byte of the context.
+func use(t *testing.T, gpu *Model) llm.Memory {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := llm.Generate(ctx, gpu, []int{0, 462, 2347, 286}, llm.GenerateOptions{MaxTokens: 6}, nil); err != nil {
+		t.Fatal(err)
+	}
+	V := gpu.Config().Vocab
+	var steps []llm.Step
+	for i := 0; i < 2; i++ {
+		c, err := gpu.NewCache(32)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		steps = append(steps, llm.Step{Cache: c, Tokens: []int{0, 5 + i}, Logits: make([]float32, V), LastOnly: true})
+	}
+	for s := 0; s < 3; s++ {
+		if err := gpu.Forward(ctx, steps); err != nil {
+			t.Fatal(err)
+		}
+		for i := range steps {
+			steps[i].Tokens = []int{llm.Argmax(steps[i].Logits)}
+		}
+	}
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")[:256]
+	if _, _, err := gpu.WindowNLL(ctx, ids); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := gpu.Memory() // fails when the categories miss a byte of the context
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := int64(2 * 2 * gpu.cfg.Layers * 32 * gpu.cfg.KVHeads * gpu.cfg.HeadDim * 2)
+	if mem.Caches != want || mem.Graphs < 2 || mem.Weights != gpu.WeightBytes() || mem.Activations == 0 {
+		t.Errorf("memory while in use: %+v; want %d bytes of caches (two open) and ≥ 2 graphs", mem, want)
+	}
+	return mem
+}
+
+// Loading, using and closing llama-tiny again and again leaves the GPU's
+// free memory where it was: Close releases the weights, the caches left
+// open, the activations, the decode graphs, the cuBLAS handle and its
+// workspace, and the stream. The baseline is taken after one round, once
+// the CUDA context exists and the kernels' modules are loaded (both stay
+// for the life of the process).
+func TestLoadUnloadReleasesMemory(t *testing.T) {
+	lib := openLib(t)
+	dir := shared.Path(t, "models/llama-tiny")
+	ck, err := checkpoint.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	free := func() int64 {
+		d, err := lib.Device()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return int64(d.FreeBytes)
+	}
+	var base int64
+	for round := 0; round < 6; round++ {
+		gpu, err := Load(lib, ck)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mem := use(t, gpu)
+		leak, err := gpu.NewCache(64) // left open: Close must free it
+		if err != nil {
+			t.Fatal(err)
+		}
+		held := base - free()
+		if err := gpu.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := leak.Close(); err != nil { // after the model: harmless
+			t.Fatal(err)
+		}
+		after := free()
+		if round == 0 {
+			base = after
+			t.Logf("round 0: the model held %.1f MiB (weights %.1f, caches %.1f, activations %.1f, workspace %.1f, %d graphs); baseline free %.1f MiB",
+				mib(mem.Total()), mib(mem.Weights), mib(mem.Caches), mib(mem.Activations), mib(mem.Workspace), mem.Graphs, mib(base))
+			continue
+		}
+		t.Logf("round %d: %.1f MiB in use while loaded, free memory after Close %+d bytes from the baseline", round, mib(held), after-base)
+		// cudaMemGetInfo moves in 2 MiB pages; anything left behind by a
+		// round would show as a whole page at least.
+		if after != base {
+			t.Errorf("round %d: free memory %d bytes after Close, %d at the start", round, after, base)
+		}
+	}
+}
+
+func mib(b int64) float64 { return float64(b) / (1 << 20) }
+
+// Several goroutines generating at once on one model (as a server without
+// the engine's scheduler would) each get transformers' greedy tokens: the
+// model's mutex keeps their passes apart on its one stream.
+func TestConcurrentGenerate(t *testing.T) {
+	_, gpu := loadBoth(t, "llama-tiny")
+	refs := shared.GreedyRefs(t, "llama-tiny")
+	var wg sync.WaitGroup
+	errs := make(chan error, 4*len(refs))
+	for g := 0; g < 4; g++ {
+		for prompt, r := range refs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				out, err := llm.Generate(context.Background(), gpu, r.PromptIDs, llm.GenerateOptions{MaxTokens: len(r.GreedyIDs)}, nil)
+				if err != nil {
+					errs <- err
+					return
+				}
+				for i := range r.GreedyIDs {
+					if i >= len(out) || out[i] != r.GreedyIDs[i] {
+						errs <- fmt.Errorf("%q: first difference at token %d: got %v, want %v", prompt, i, out, r.GreedyIDs)
+						return
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+// A closed model answers every call with an error, and closing it again,
+// or closing its caches afterwards, is harmless.
+func TestClosedModel(t *testing.T) {
+	_, gpu := loadBoth(t, "llama-tiny")
+	c, err := gpu.NewCache(8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := gpu.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := gpu.Close(); err != nil {
+		t.Error(err)
+	}
+	if err := c.Close(); err != nil {
+		t.Error(err)
+	}
+	V := gpu.Config().Vocab
+	if err := gpu.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: []int{1}, Logits: make([]float32, V)}}); err == nil {
+		t.Error("Forward on a closed model succeeded")
+	}
+	if _, err := gpu.NewCache(8); err == nil {
+		t.Error("NewCache on a closed model succeeded")
+	}
+	if _, _, err := gpu.WindowNLL(context.Background(), []int{1, 2, 3}); err == nil {
+		t.Error("WindowNLL on a closed model succeeded")
+	}
+	if _, err := gpu.Memory(); err == nil {
+		t.Error("Memory on a closed model succeeded")
 	}
 }

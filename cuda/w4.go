@@ -12,29 +12,29 @@ type W4 struct {
 }
 
 // UploadW4 copies a repacked layer to the GPU.
-func (l *Lib) UploadW4(g *pack.GPUWeights) (*W4, error) {
+func (x *Context) UploadW4(g *pack.GPUWeights) (*W4, error) {
 	w := &W4{K: g.K, N: g.N, Group: g.Group}
 	var err error
-	if w.B, err = AllocFrom(l, g.B); err != nil {
-		return nil, err
-	}
-	if w.S, err = AllocFrom(l, g.Scales); err != nil {
-		return nil, err
-	}
-	if w.Z, err = AllocFrom(l, g.Zeros); err != nil {
-		return nil, err
-	}
-	if g.Perm != nil {
-		if w.Perm, err = AllocFrom(l, g.Perm); err != nil {
-			return nil, err
+	if w.B, err = AllocFrom(x, g.B); err == nil {
+		if w.S, err = AllocFrom(x, g.Scales); err == nil {
+			if w.Z, err = AllocFrom(x, g.Zeros); err == nil && g.Perm != nil {
+				w.Perm, err = AllocFrom(x, g.Perm)
+			}
 		}
+	}
+	if err != nil {
+		w.Free(x)
+		return nil, err
 	}
 	return w, nil
 }
 
+// Bytes is the device memory the layer takes.
+func (w *W4) Bytes() int64 { return int64(w.B.Bytes + w.S.Bytes + w.Z.Bytes + w.Perm.Bytes) }
+
 // Free releases the layer's device memory.
-func (w *W4) Free(l *Lib) {
+func (w *W4) Free(x *Context) {
 	for _, b := range []Buf{w.B, w.S, w.Z, w.Perm} {
-		l.Free(b)
+		x.Free(b)
 	}
 }

@@ -19,7 +19,6 @@
 // cuBLAS; the extra K·N·2 bytes are small next to the arithmetic there.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
-#include <stdlib.h>
 #include "common.cuh"
 
 namespace {
@@ -347,43 +346,22 @@ __global__ void gather_cols(const half* __restrict__ A, const int32_t* __restric
   out[i] = A[m * K + perm[i % K]];
 }
 
-int g_path = 0;
-int g_sms = 0;
-cublasHandle_t g_cublas = nullptr;
-
-int cublas_handle(cublasHandle_t* h) {
-  if (!g_cublas) {
-    cublasStatus_t s = cublasCreate(&g_cublas);
-    if (s != CUBLAS_STATUS_SUCCESS) {
-      llmq::set_error("cublasCreate failed: status %d", (int)s);
-      return 1;
-    }
-    cublasSetStream(g_cublas, llmq::stream());
-    // An explicit workspace lets cuBLAS calls be captured in CUDA graphs.
-    void* ws = nullptr;
-    const size_t bytes = 64u << 20;
-    CK(cudaMalloc(&ws, bytes));
-    cublasSetWorkspace(g_cublas, ws, bytes);
-  }
-  *h = g_cublas;
-  return 0;
-}
-
-int check_shape(int M, int N, int K, int group) {
+int check_shape(llmq_ctx* c, int M, int N, int K, int group) {
   if (M < 1 || N < 64 || N % 64 || K < 16 || K % 16 || group < 16 || group % 16 || K % group) {
-    llmq::set_error("unsupported W4A16 shape M=%d N=%d K=%d group=%d (need N %% 64 == 0, group %% 16 == 0, K %% group == 0)",
+    llmq::set_error(c, "unsupported W4A16 shape M=%d N=%d K=%d group=%d (need N %% 64 == 0, group %% 16 == 0, K %% group == 0)",
                     M, N, K, group);
     return 1;
   }
   return 0;
 }
 
+// launch_fused runs one instantiation of the fused kernel; variant indexes
+// the context's cache of that instantiation's resident CTAs per SM.
 template <int MB, int U, int STAGES, int MINB>
-int launch_fused(const half* A, const void* B, const void* S, const void* Z, half* C, void* workspace, int M, int N,
-                 int K, int group) {
-  static int resident = 0;  // CTAs of this instantiation per SM
+int launch_fused(llmq_ctx* c, int variant, const half* A, const void* B, const void* S, const void* Z, half* C,
+                 void* workspace, int M, int N, int K, int group) {
   constexpr size_t smem = fused_smem_bytes<MB, U, STAGES>();
-  if (!g_sms) CK(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, 0));
+  int& resident = c->resident[variant];
   if (!resident) {
     CK(cudaFuncSetAttribute(w4a16_fused<MB, U, STAGES, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, U, STAGES, MINB>, kWarps * 32, smem));
@@ -392,7 +370,7 @@ int launch_fused(const half* A, const void* B, const void* S, const void* Z, hal
   // One full wave: as many K splits as fill the resident CTA slots, each
   // warp keeping at least two stages of steps; fewer splits as M grows
   // (the cross-CTA reduction costs M·N·splits atomics).
-  int splits = max(1, (g_sms * max(resident, 1)) / (NT * mblocks));
+  int splits = max(1, (c->sms * max(resident, 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * U)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   float* ws = (float*)workspace;
@@ -402,93 +380,76 @@ int launch_fused(const half* A, const void* B, const void* S, const void* Z, hal
     gshift = 0;
     while ((16 << gshift) < group) ++gshift;
   }
-  w4a16_fused<MB, U, STAGES, MINB><<<dim3(NT, splits, mblocks), kWarps * 32, smem, llmq::stream()>>>(
+  w4a16_fused<MB, U, STAGES, MINB><<<dim3(NT, splits, mblocks), kWarps * 32, smem, c->stream>>>(
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, gshift, splits);
   CK_LAUNCH("w4a16_fused");
   return 0;
 }
 
-// fused_max_m is the largest M the fused kernel takes in automatic mode
-// ($LLMQ_W4_FUSED_MAX_M overrides, for tuning).
-int fused_max_m() {
-  static int v = -1;
-  if (v < 0) {
-    const char* e = getenv("LLMQ_W4_FUSED_MAX_M");
-    v = e ? atoi(e) : 64;
-  }
-  return v;
-}
-
 }  // namespace
 
 namespace llmq {
-// cublas gives the other kernels' files the library's cuBLAS handle.
-int cublas(cublasHandle_t* h) { return cublas_handle(h); }
-}  // namespace llmq
 
-extern "C" {
-
-size_t llmq_w4a16_workspace_bytes(int M, int N) {
+size_t w4a16_workspace_bytes(int M, int N) {
   return (size_t)M * N * sizeof(float) + (size_t)((M + 15) / 16) * (N / 64) * sizeof(int);
 }
 
-int llmq_w4a16_set_path(int path) {
-  g_path = path;
+int w4a16_set_path(llmq_ctx* c, int path) {
+  c->w4_path = path;
   return 0;
 }
 
-int llmq_w4_dequant(const void* B, const void* S, const void* Z, void* W, int N, int K, int group) {
-  if (check_shape(1, N, K, group)) return 1;
+int w4_dequant(llmq_ctx* c, const void* B, const void* S, const void* Z, void* W, int N, int K, int group) {
+  if (check_shape(c, 1, N, K, group)) return 1;
   const size_t chunks = (size_t)(N / 64) * (K / 16);
-  dequant_kernel<<<(unsigned)((chunks + 7) / 8), 256, 0, llmq::stream()>>>(
+  dequant_kernel<<<(unsigned)((chunks + 7) / 8), 256, 0, c->stream>>>(
       (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, (half*)W, N, K, group);
   CK_LAUNCH("dequant_kernel");
   return 0;
 }
 
-int llmq_gemm_f16(const void* A, const void* W, void* C, int M, int N, int K) {
-  cublasHandle_t h;
-  if (cublas_handle(&h)) return 1;
+int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K) {
   const float alpha = 1.f, beta = 0.f;
   // Row-major C = A·W is column-major Cᵀ = Wᵀ·Aᵀ.
-  cublasStatus_t s = cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, N, A, CUDA_R_16F, K,
-                                  &beta, C, CUDA_R_16F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  cublasStatus_t s = cublasGemmEx(c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, N, A, CUDA_R_16F,
+                                  K, &beta, C, CUDA_R_16F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS) {
-    llmq::set_error("cublasGemmEx failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
+    set_error(c, "cublasGemmEx failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
     return 1;
   }
   return 0;
 }
 
-int llmq_w4a16_gemm(const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-                    void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group) {
-  if (check_shape(M, N, K, group)) return 1;
+int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
+               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group) {
+  if (check_shape(c, M, N, K, group)) return 1;
   const half* a = (const half*)A;
   if (perm) {
     if (!a_perm) {
-      llmq::set_error("act-order weights need an a_perm scratch of M·K fp16");
+      set_error(c, "act-order weights need an a_perm scratch of M·K fp16");
       return 1;
     }
     const size_t n = (size_t)M * K;
-    gather_cols<<<(unsigned)((n + 255) / 256), 256, 0, llmq::stream()>>>(a, perm, (half*)a_perm, M, K);
+    gather_cols<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(a, perm, (half*)a_perm, M, K);
     CK_LAUNCH("gather_cols");
     a = (const half*)a_perm;
   }
-  int path = g_path ? g_path : (M <= fused_max_m() || !scratch ? 1 : 2);
+  int path = c->w4_path ? c->w4_path : (M <= c->fused_max_m || !scratch ? 1 : 2);
   if (path == 2) {
     if (!scratch) {
-      llmq::set_error("the dequantize+cuBLAS path needs a K·N fp16 scratch");
+      set_error(c, "the dequantize+cuBLAS path needs a K·N fp16 scratch");
       return 1;
     }
-    if (llmq_w4_dequant(B, scales, zeros, scratch, N, K, group)) return 1;
-    return llmq_gemm_f16(a, scratch, C, M, N, K);
+    if (w4_dequant(c, B, scales, zeros, scratch, N, K, group)) return 1;
+    return gemm_f16(c, a, scratch, C, M, N, K);
   }
   if (group < K && (group & (group - 1))) {
-    llmq::set_error("the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", group);
+    set_error(c, "the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", group);
     return 1;
   }
-  if (M <= 16) return launch_fused<1, 2, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  if (M <= 32) return launch_fused<2, 2, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  return launch_fused<4, 1, 4, 1>(a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (M <= 16) return launch_fused<1, 2, 4, 1>(c, 0, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (M <= 32) return launch_fused<2, 2, 4, 1>(c, 1, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  return launch_fused<4, 1, 4, 1>(c, 2, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
 }
-}
+
+}  // namespace llmq

@@ -31,7 +31,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"slices"
 	"strings"
 	"sync"
@@ -194,20 +193,16 @@ func (e *Engine) Stats() Stats {
 		KVTokens: e.kvTokens.Load(), KVBytes: e.kvBytes.Load(), KVBytesKnown: e.kvBytesKnown.Load()}
 }
 
-// kvUsage sums what the active sequences' caches hold and reserve; known
-// tells whether any cache reported its size.
-func kvUsage(active []*sequence) (tokens, bytes int64, known bool) {
+// kvUsage is the tokens the active sequences' caches hold, and the bytes
+// of key/value cache the backend accounts for (Backend.Memory).
+func (e *Engine) kvUsage(active []*sequence) (tokens, bytes int64, known bool) {
 	for _, s := range active {
-		if s.cache == nil {
-			continue
-		}
-		tokens += int64(s.cache.Len())
-		if b, ok := s.cache.(interface{ Bytes() int64 }); ok {
-			bytes += b.Bytes()
-			known = true
+		if s.cache != nil {
+			tokens += int64(s.cache.Len())
 		}
 	}
-	return tokens, bytes, known
+	mem, err := e.Backend.Memory()
+	return tokens, mem.Caches, err == nil
 }
 
 // Request is one generation.
@@ -523,8 +518,8 @@ type token struct {
 }
 
 func (s *sequence) finish(err error) {
-	if c, ok := s.cache.(io.Closer); ok { // a GPU cache holds device memory
-		c.Close()
+	if s.cache != nil { // a GPU cache holds device memory
+		s.cache.Close()
 	}
 	s.err = err
 	close(s.tokens)
@@ -558,7 +553,7 @@ func (e *Engine) run() {
 	var steps []llm.Step
 	for {
 		e.active.Store(int64(len(active)))
-		kvt, kvb, known := kvUsage(active)
+		kvt, kvb, known := e.kvUsage(active)
 		e.kvTokens.Store(kvt)
 		e.kvBytes.Store(kvb)
 		if known {

@@ -44,7 +44,7 @@ type GemmResult struct {
 // calls captured in CUDA graphs, rotating among enough copies of the
 // weights that L2 (60 MB on the H200) cannot serve them.
 type GemmBench struct {
-	Lib   *cuda.Lib
+	GPU   *cuda.Context // the context the weights and timings live in
 	Iters int
 	// ReadBW is the measured read bandwidth in bytes/s (MeasureReadBW).
 	ReadBW float64
@@ -53,15 +53,15 @@ type GemmBench struct {
 // MeasureReadBW reads a 2 GiB buffer once per run and returns bytes/s.
 func (b *GemmBench) MeasureReadBW() (float64, error) {
 	const n = 2 << 30
-	buf, err := b.Lib.Alloc(n)
+	buf, err := b.GPU.Alloc(n)
 	if err != nil {
 		return 0, err
 	}
-	defer b.Lib.Free(buf)
-	out, _ := b.Lib.Alloc(16)
-	defer b.Lib.Free(out)
-	b.Lib.Memset(buf, 1, n)
-	ms, err := b.median(func(int) error { return b.Lib.ReadProbe(buf, n, out) }, 100)
+	defer b.GPU.Free(buf)
+	out, _ := b.GPU.Alloc(16)
+	defer b.GPU.Free(out)
+	b.GPU.Memset(buf, 1, n)
+	ms, err := b.median(func(int) error { return b.GPU.ReadProbe(buf, n, out) }, 100)
 	if err != nil {
 		return 0, err
 	}
@@ -77,7 +77,7 @@ const perCall = 20
 // returns the median milliseconds per call: launch latency is amortised,
 // as it is when a model's decode step runs as one graph.
 func (b *GemmBench) median(fn func(i int) error, iters int) (float64, error) {
-	l := b.Lib
+	l := b.GPU
 	g, err := l.Capture(func() error {
 		for i := 0; i < perCall; i++ {
 			if err := fn(i); err != nil {
@@ -136,7 +136,7 @@ func randomGPUWeights(r *rand.Rand, K, N int) (*pack.GPUWeights, error) {
 
 // Run measures one shape at each M.
 func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
-	l := b.Lib
+	l := b.GPU
 	r := rand.New(rand.NewPCG(uint64(s.K), uint64(s.N)))
 	g, err := randomGPUWeights(r, s.K, s.N)
 	if err != nil {
@@ -181,7 +181,7 @@ func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 	defer l.Free(A)
 	C, _ := l.Alloc(maxM * s.N * 2)
 	defer l.Free(C)
-	ws, err := l.Alloc(l.WorkspaceBytes(maxM, s.N))
+	ws, err := l.Alloc(l.Lib().WorkspaceBytes(maxM, s.N))
 	if err != nil {
 		return nil, err
 	}

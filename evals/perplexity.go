@@ -39,12 +39,6 @@ type PPLResult struct {
 	TokensPerSec float64 `json:"tokens_per_second"`
 }
 
-// NLLScorer is implemented by backends that can sum a window's negative
-// log-likelihood without handing logits back (the GPU keeps them on device).
-type NLLScorer interface {
-	WindowNLL(ctx context.Context, ids []int) (sum float64, count int, err error)
-}
-
 // Perplexity evaluates b on the token ids.
 func Perplexity(ctx context.Context, b llm.Backend, ids []int, opt PPLOptions) (PPLResult, error) {
 	if opt.SeqLen == 0 {
@@ -87,23 +81,8 @@ func Perplexity(ctx context.Context, b llm.Backend, ids []int, opt PPLOptions) (
 }
 
 // WindowNLL runs one window from an empty context and returns the summed
-// −log p of tokens 1..len−1 and how many there are.
+// −log p of tokens 1..len−1 and how many there are (the backend's
+// WindowNLL: on the GPU the logits never leave the device).
 func WindowNLL(ctx context.Context, b llm.Backend, win []int) (float64, int, error) {
-	if s, ok := b.(NLLScorer); ok {
-		return s.WindowNLL(ctx, win)
-	}
-	V := b.Config().Vocab
-	cache, err := b.NewCache(len(win))
-	if err != nil {
-		return 0, 0, err
-	}
-	logits := make([]float32, len(win)*V)
-	if err := b.Forward(ctx, []llm.Step{{Cache: cache, Tokens: win, Logits: logits}}); err != nil {
-		return 0, 0, err
-	}
-	var sum float64
-	for i := 0; i+1 < len(win); i++ {
-		sum += llm.NLL(logits[i*V:(i+1)*V], win[i+1])
-	}
-	return sum, len(win) - 1, nil
+	return b.WindowNLL(ctx, win)
 }

@@ -121,6 +121,13 @@ type countingCache struct{ n, cap int }
 func (c *countingCache) Len() int       { return c.n }
 func (c *countingCache) Cap() int       { return c.cap }
 func (c *countingCache) Truncate(n int) { c.n = n }
+func (c *countingCache) Close() error   { return nil }
+
+func (m *countingModel) Close() error                { return nil }
+func (m *countingModel) Memory() (llm.Memory, error) { return llm.Memory{}, nil }
+func (m *countingModel) WindowNLL(ctx context.Context, ids []int) (float64, int, error) {
+	return llm.LogitsNLL(ctx, m, ids)
+}
 
 func (m *countingModel) Config() *checkpoint.Config { return &m.cfg }
 func (m *countingModel) Name() string               { return "counting" }

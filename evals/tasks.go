@@ -217,9 +217,7 @@ func scoreItem(ctx context.Context, b llm.Backend, tok Encoder, it TaskItem) (It
 		if err != nil {
 			return sc, 0, fmt.Errorf("choice %d: %w", c, err)
 		}
-		if cl, ok := cache.(interface{ Close() error }); ok { // a GPU cache holds device memory
-			defer cl.Close()
-		}
+		defer cache.Close() // a GPU cache holds device memory
 		steps[c] = llm.Step{Cache: cache, Tokens: in, Logits: make([]float32, len(in)*V)}
 		conts[c], ctxLens[c] = cont, len(ctxIDs)
 		run += len(in)

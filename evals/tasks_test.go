@@ -45,6 +45,13 @@ type fakeCache struct{ n, cap int }
 func (c *fakeCache) Len() int       { return c.n }
 func (c *fakeCache) Cap() int       { return c.cap }
 func (c *fakeCache) Truncate(n int) { c.n = n }
+func (c *fakeCache) Close() error   { return nil }
+
+func (b *nextByteBackend) Close() error                { return nil }
+func (b *nextByteBackend) Memory() (llm.Memory, error) { return llm.Memory{}, nil }
+func (b *nextByteBackend) WindowNLL(ctx context.Context, ids []int) (float64, int, error) {
+	return llm.LogitsNLL(ctx, b, ids)
+}
 
 func (b *nextByteBackend) Config() *checkpoint.Config { return &b.cfg }
 func (b *nextByteBackend) Name() string               { return "next-byte" }

@@ -11,7 +11,11 @@
 // A Backend runs that network; the CPU backend (Model) computes in float32
 // with weights converted on load, and quantized checkpoints are dequantized
 // to float32 ("fake quantization", what a correct W4A16 kernel computes).
-// The CUDA backend in package cuda satisfies the same interface.
+// The CUDA backend in package cuda satisfies the same interface: callers
+// (generation, perplexity, the engine, benchmarks) use Backend alone and
+// never ask which implementation they hold. A backend loads its layers
+// from the table of names and shapes that BlockLinears and HeadLinear give
+// (LoadBlock and LoadEmbeddings build the CPU's Linear layers from it).
 package llm
 
 import (
@@ -24,13 +28,24 @@ import (
 type Backend interface {
 	// Config is the architecture being run.
 	Config() *checkpoint.Config
-	// NewCache makes an empty cache for one sequence of up to capacity tokens.
+	// NewCache makes an empty cache for one sequence of up to capacity
+	// tokens; the caller closes it.
 	NewCache(capacity int) (Cache, error)
 	// Forward appends each step's tokens to its cache and writes logits.
 	// Steps are independent sequences processed together.
 	Forward(ctx context.Context, steps []Step) error
+	// WindowNLL runs ids as one sequence from an empty context and returns
+	// Σ_{i=1}^{len−1} −log p(ids[i] | ids[:i]) and the number of terms,
+	// len(ids)−1: the unit of work of perplexity. The CPU computes it from
+	// the window's logits with NLL; the GPU computes it on the device.
+	WindowNLL(ctx context.Context, ids []int) (sum float64, count int, err error)
+	// Memory reports what the backend holds.
+	Memory() (Memory, error)
 	// Name says what runs the model, e.g. "cpu (openblas)".
 	Name() string
+	// Close releases what the backend holds (GPU memory); caches still
+	// open are released with it. The backend is unusable afterwards.
+	Close() error
 }
 
 // Cache holds the keys and values of the tokens a sequence has seen.
@@ -38,7 +53,27 @@ type Cache interface {
 	Len() int       // tokens stored
 	Cap() int       // tokens it can hold
 	Truncate(n int) // forget everything after the first n tokens
+	// Close releases the cache's memory; closing twice is harmless.
+	Close() error
 }
+
+// Memory is what a backend holds, in bytes. Weights, Caches, Activations
+// and Workspace are the backend's own accounting and add up to Total; on
+// the GPU they are every byte allocated through the model's context.
+type Memory struct {
+	Weights     int64 `json:"weights_bytes"`
+	Caches      int64 `json:"caches_bytes"`      // key/value caches not yet closed
+	Activations int64 `json:"activations_bytes"` // buffers kept between forward passes, decode graphs' included
+	Workspace   int64 `json:"workspace_bytes"`   // library scratch (cuBLAS workspace, dequantize scratch)
+	Graphs      int   `json:"graphs"`            // captured decode graphs held
+	// DeviceUsed and DeviceTotal are the whole device's memory (every
+	// process, the CUDA context included); zero on the CPU.
+	DeviceUsed  int64 `json:"device_used_bytes,omitempty"`
+	DeviceTotal int64 `json:"device_total_bytes,omitempty"`
+}
+
+// Total is the memory the backend accounts for.
+func (m Memory) Total() int64 { return m.Weights + m.Caches + m.Activations + m.Workspace }
 
 // Step is one sequence's share of a batched forward pass.
 type Step struct {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"sync/atomic"
 
 	"github.com/llmq/llmq/llm/mat"
 )
@@ -15,6 +16,8 @@ type KVCache struct {
 	k, v    [][]float32
 	n, cap  int
 	kvh, hd int
+	open    *atomic.Int64 // the model's count of open cache bytes
+	bytes   int64
 }
 
 // NewCache implements Backend.
@@ -28,8 +31,73 @@ func (m *Model) NewCache(capacity int) (Cache, error) {
 		kc.k = append(kc.k, make([]float32, c.KVHeads*capacity*c.HeadDim))
 		kc.v = append(kc.v, make([]float32, c.KVHeads*capacity*c.HeadDim))
 	}
+	kc.bytes = int64(2*c.Layers*c.KVHeads*capacity*c.HeadDim) * 4
+	kc.open = &m.caches
+	kc.open.Add(kc.bytes)
 	return kc, nil
 }
+
+// Close implements Cache: it drops the keys and values (the garbage
+// collector reclaims them) and stops counting them in Memory.
+func (c *KVCache) Close() error {
+	if c.open != nil {
+		c.open.Add(-c.bytes)
+		c.open = nil
+	}
+	c.k, c.v, c.n, c.cap = nil, nil, 0, 0
+	return nil
+}
+
+// WindowNLL implements Backend with LogitsNLL.
+func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) {
+	return LogitsNLL(ctx, m, ids)
+}
+
+// LogitsNLL is WindowNLL for any backend that brings logits back: one
+// forward pass over the window from an empty cache with every position's
+// logits, then NLL of each next token.
+func LogitsNLL(ctx context.Context, b Backend, ids []int) (float64, int, error) {
+	if len(ids) < 2 {
+		return 0, 0, fmt.Errorf("a window needs at least 2 tokens, got %d", len(ids))
+	}
+	V := b.Config().Vocab
+	cache, err := b.NewCache(len(ids))
+	if err != nil {
+		return 0, 0, err
+	}
+	defer cache.Close()
+	logits := make([]float32, len(ids)*V)
+	if err := b.Forward(ctx, []Step{{Cache: cache, Tokens: ids, Logits: logits}}); err != nil {
+		return 0, 0, err
+	}
+	var sum float64
+	for i := 0; i+1 < len(ids); i++ {
+		sum += NLL(logits[i*V:(i+1)*V], ids[i+1])
+	}
+	return sum, len(ids) - 1, nil
+}
+
+// Memory implements Backend: the float32 weights as loaded (quantized
+// layers dequantized) and the open caches; a forward pass's activations
+// are allocated per call and not kept.
+func (m *Model) Memory() (Memory, error) {
+	n := int64(len(m.Embed) + len(m.Norm))
+	for _, b := range m.Blocks {
+		n += int64(len(b.AttnNorm) + len(b.MLPNorm))
+		for _, l := range b.Linears() {
+			n += int64((*l.L).In()) * int64((*l.L).Out())
+		}
+	}
+	if m.LMHead != nil && !m.TiedHead {
+		n += int64(m.LMHead.In()) * int64(m.LMHead.Out())
+	}
+	return Memory{Weights: 4 * n, Caches: m.caches.Load()}, nil
+}
+
+// Close implements Backend. The CPU model's memory belongs to the garbage
+// collector (and its mapped checkpoint to whoever opened it), so there is
+// nothing to release.
+func (m *Model) Close() error { return nil }
 
 func (c *KVCache) Len() int { return c.n }
 func (c *KVCache) Cap() int { return c.cap }
@@ -53,6 +121,9 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		kc, ok := s.Cache.(*KVCache)
 		if !ok {
 			return fmt.Errorf("step %d: cache is %T, not a CPU KVCache", i, s.Cache)
+		}
+		if kc.open == nil && kc.k == nil {
+			return fmt.Errorf("step %d: the cache is closed", i)
 		}
 		if kc.n+len(s.Tokens) > kc.cap {
 			return fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, kc.n, len(s.Tokens), kc.cap)

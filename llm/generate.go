@@ -144,6 +144,7 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 	if err != nil {
 		return nil, err
 	}
+	defer cache.Close()
 	stop := map[int]bool{}
 	for _, id := range opt.Stop {
 		stop[id] = true

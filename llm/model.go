@@ -3,6 +3,7 @@ package llm
 import (
 	"fmt"
 	"math"
+	"sync/atomic"
 
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/mat"
@@ -71,7 +72,10 @@ type Model struct {
 	Blocks []*Block
 	Norm   []float32
 	LMHead Linear
-	rope   *rope
+	// TiedHead says LMHead reuses Embed (its weights are not counted twice).
+	TiedHead bool
+	rope     *rope
+	caches   atomic.Int64 // bytes of open caches
 }
 
 // Config implements Backend.
@@ -106,64 +110,105 @@ func ReadBias(ck *checkpoint.Checkpoint, name string, out int, bias bool) ([]flo
 	return ck.Float32(name+".bias", out)
 }
 
+// LinearSpec names one linear layer of the network and gives its shape:
+// the table every backend loads its layers from.
+type LinearSpec struct {
+	Name    string // checkpoint prefix, e.g. "model.layers.0.mlp.up_proj"
+	In, Out int
+	Bias    bool
+}
+
+// BlockLinears lists decoder layer i's linear layers in execution order:
+// q, k, v, o, gate, up, down (the order of Block.Linears).
+func BlockLinears(c *checkpoint.Config, i int) []LinearSpec {
+	p := fmt.Sprintf("model.layers.%d.", i)
+	q, kv := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
+	return []LinearSpec{
+		{p + "self_attn.q_proj", c.Hidden, q, c.QKVBias},
+		{p + "self_attn.k_proj", c.Hidden, kv, c.QKVBias},
+		{p + "self_attn.v_proj", c.Hidden, kv, c.QKVBias},
+		{p + "self_attn.o_proj", q, c.Hidden, false},
+		{p + "mlp.gate_proj", c.Hidden, c.Intermediate, false},
+		{p + "mlp.up_proj", c.Hidden, c.Intermediate, false},
+		{p + "mlp.down_proj", c.Intermediate, c.Hidden, false},
+	}
+}
+
+// ReadBlockNorms reads decoder layer i's two RMSNorm weights.
+func ReadBlockNorms(ck *checkpoint.Checkpoint, i int) (attn, mlp []float32, err error) {
+	c := ck.Config
+	p := fmt.Sprintf("model.layers.%d.", i)
+	if attn, err = ck.Float32(p+"input_layernorm.weight", c.Hidden); err != nil {
+		return nil, nil, err
+	}
+	if mlp, err = ck.Float32(p+"post_attention_layernorm.weight", c.Hidden); err != nil {
+		return nil, nil, err
+	}
+	return attn, mlp, nil
+}
+
 // LoadBlock reads decoder layer i. Quantization tools use it to stream a
 // model one block at a time.
 func LoadBlock(ck *checkpoint.Checkpoint, i int, load LinearLoader) (*Block, error) {
-	c := ck.Config
-	p := fmt.Sprintf("model.layers.%d.", i)
 	b := &Block{}
 	var err error
-	if b.AttnNorm, err = ck.Float32(p+"input_layernorm.weight", c.Hidden); err != nil {
+	if b.AttnNorm, b.MLPNorm, err = ReadBlockNorms(ck, i); err != nil {
 		return nil, err
 	}
-	if b.MLPNorm, err = ck.Float32(p+"post_attention_layernorm.weight", c.Hidden); err != nil {
-		return nil, err
-	}
-	q, kv := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
-	shapes := map[string][3]int{ // in, out, bias
-		"self_attn.q_proj": {c.Hidden, q, b2i(c.QKVBias)},
-		"self_attn.k_proj": {c.Hidden, kv, b2i(c.QKVBias)},
-		"self_attn.v_proj": {c.Hidden, kv, b2i(c.QKVBias)},
-		"self_attn.o_proj": {q, c.Hidden, 0},
-		"mlp.gate_proj":    {c.Hidden, c.Intermediate, 0},
-		"mlp.up_proj":      {c.Hidden, c.Intermediate, 0},
-		"mlp.down_proj":    {c.Intermediate, c.Hidden, 0},
-	}
-	for _, nl := range b.Linears() {
-		s := shapes[nl.Name]
-		if *nl.L, err = load(ck, p+nl.Name, s[0], s[1], s[2] == 1); err != nil {
+	specs := BlockLinears(ck.Config, i)
+	for j, nl := range b.Linears() {
+		s := specs[j]
+		if *nl.L, err = load(ck, s.Name, s.In, s.Out, s.Bias); err != nil {
 			return nil, err
 		}
 	}
 	return b, nil
 }
 
-func b2i(b bool) int {
-	if b {
-		return 1
+// ReadEmbeddings reads the token embeddings [vocab][hidden] and the final
+// norm.
+func ReadEmbeddings(ck *checkpoint.Checkpoint) (embed, norm []float32, err error) {
+	c := ck.Config
+	if embed, err = ck.Float32("model.embed_tokens.weight", c.Vocab, c.Hidden); err != nil {
+		return nil, nil, err
 	}
-	return 0
+	if norm, err = ck.Float32("model.norm.weight", c.Hidden); err != nil {
+		return nil, nil, err
+	}
+	return embed, norm, nil
+}
+
+// HeadLinear is the LM head's spec, or tied when the head reuses the
+// embeddings (tie_word_embeddings and no lm_head in the checkpoint).
+func HeadLinear(ck *checkpoint.Checkpoint) (s LinearSpec, tied bool, err error) {
+	c := ck.Config
+	switch {
+	case ck.Has("lm_head.weight") || ck.Has("lm_head.qweight"):
+		return LinearSpec{Name: "lm_head", In: c.Hidden, Out: c.Vocab}, false, nil
+	case c.TieEmbeddings:
+		return LinearSpec{}, true, nil
+	}
+	return LinearSpec{}, false, fmt.Errorf("%s: no lm_head.weight and tie_word_embeddings is false", ck.Dir)
 }
 
 // LoadEmbeddings reads the token embeddings, the final norm and the LM head
 // (which reuses the embeddings when they are tied).
 func LoadEmbeddings(ck *checkpoint.Checkpoint, load LinearLoader) (embed, norm []float32, head Linear, err error) {
-	c := ck.Config
-	if embed, err = ck.Float32("model.embed_tokens.weight", c.Vocab, c.Hidden); err != nil {
-		return
+	if embed, norm, err = ReadEmbeddings(ck); err != nil {
+		return nil, nil, nil, err
 	}
-	if norm, err = ck.Float32("model.norm.weight", c.Hidden); err != nil {
-		return
-	}
+	s, tied, err := HeadLinear(ck)
 	switch {
-	case ck.Has("lm_head.weight") || ck.Has("lm_head.qweight"):
-		head, err = load(ck, "lm_head", c.Hidden, c.Vocab, false)
-	case c.TieEmbeddings:
-		head = NewDense(embed, nil, c.Hidden, c.Vocab)
+	case err != nil:
+		return nil, nil, nil, err
+	case tied:
+		head = NewDense(embed, nil, ck.Config.Hidden, ck.Config.Vocab)
 	default:
-		err = fmt.Errorf("%s: no lm_head.weight and tie_word_embeddings is false", ck.Dir)
+		if head, err = load(ck, s.Name, s.In, s.Out, s.Bias); err != nil {
+			return nil, nil, nil, err
+		}
 	}
-	return
+	return embed, norm, head, nil
 }
 
 // Load reads a whole model for the CPU backend. load may be nil for
@@ -175,6 +220,9 @@ func Load(ck *checkpoint.Checkpoint, load LinearLoader) (*Model, error) {
 	m := &Model{Cfg: ck.Config, rope: newRope(ck.Config)}
 	var err error
 	if m.Embed, m.Norm, m.LMHead, err = LoadEmbeddings(ck, load); err != nil {
+		return nil, err
+	}
+	if _, m.TiedHead, err = HeadLinear(ck); err != nil {
 		return nil, err
 	}
 	for i := 0; i < ck.Config.Layers; i++ {

@@ -3,10 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
 	"time"
 
-	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/llm"
 	"github.com/spf13/cobra"
@@ -46,11 +44,10 @@ graphs; the memory in use on the GPU is reported.`,
 			fmt.Fprintf(w, "%s on %s (loaded in %.1f s)\n", args[0], b.Name(), m.LoadTime.Seconds())
 			var results []map[string]any
 			peak := int64(0)
+			var most llm.Memory // the backend's report when the device was fullest
 			gpuUsed := func() {
-				if g, ok := b.(interface{ MemoryUsed() (int64, error) }); ok {
-					if u, err := g.MemoryUsed(); err == nil {
-						peak = max(peak, u)
-					}
+				if u, err := b.Memory(); err == nil && u.DeviceUsed >= peak {
+					peak, most = u.DeviceUsed, u
 				}
 			}
 			if prefill > 0 {
@@ -77,14 +74,12 @@ graphs; the memory in use on the GPU is reported.`,
 				}
 			}
 			data := map[string]any{"model": args[0], "backend": b.Name(), "load_s": m.LoadTime.Seconds(), "steps": steps, "results": results}
-			if cb, ok := b.(cuda.Backend); ok {
-				data["weight_bytes"] = cb.WeightBytes()
-				fmt.Fprintf(w, "GPU memory: weights %.2f GiB", float64(cb.WeightBytes())/(1<<30))
-				if peak > 0 {
-					data["gpu_memory_used_bytes"] = peak
-					fmt.Fprintf(w, ", in use at most %.2f GiB (weights, caches, activations, graphs, CUDA context)", float64(peak)/(1<<30))
-				}
-				fmt.Fprintln(w)
+			if peak > 0 { // a device with its own memory
+				data["weight_bytes"] = most.Weights
+				data["gpu_memory_used_bytes"] = peak
+				data["memory"] = most
+				fmt.Fprintf(w, "GPU memory: weights %.2f GiB; at most %.2f GiB held by the model (caches %.2f, activations and %d graphs %.2f, workspace %.2f), %.2f GiB in use on the device (CUDA context and other processes included)\n",
+					gibf(most.Weights), gibf(most.Total()), gibf(most.Caches), most.Graphs, gibf(most.Activations), gibf(most.Workspace), gibf(peak))
 			}
 			if jsonOut != "" {
 				return writeJSON(jsonOut, evals.NewRecord("bench-decode", data))
@@ -113,11 +108,7 @@ func tokens(n, vocab int, salt int) []int {
 	return ids
 }
 
-func closeCache(c llm.Cache) {
-	if cl, ok := c.(io.Closer); ok {
-		cl.Close()
-	}
-}
+func gibf(b int64) float64 { return float64(b) / (1 << 30) }
 
 // timePrefill times one prefill of n tokens from an empty cache.
 func timePrefill(ctx context.Context, b llm.Backend, n int) (float64, error) {
@@ -125,7 +116,7 @@ func timePrefill(ctx context.Context, b llm.Backend, n int) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
-	defer closeCache(c)
+	defer c.Close()
 	logits := make([]float32, b.Config().Vocab)
 	start := time.Now()
 	if err := b.Forward(ctx, []llm.Step{{Cache: c, Tokens: tokens(n, b.Config().Vocab, 0), Logits: logits, LastOnly: true}}); err != nil {
@@ -145,7 +136,7 @@ func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, sample func
 		if err != nil {
 			return 0, err
 		}
-		defer closeCache(c)
+		defer c.Close()
 		caches[i], logits[i] = c, make([]float32, V)
 		if err := b.Forward(ctx, []llm.Step{{Cache: c, Tokens: tokens(n, V, i), Logits: logits[i], LastOnly: true}}); err != nil {
 			return 0, err

@@ -33,7 +33,12 @@ func newBenchGemm() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			b := &evals.GemmBench{Lib: lib, Iters: iters}
+			gpu, err := lib.NewContext()
+			if err != nil {
+				return err
+			}
+			defer gpu.Close()
+			b := &evals.GemmBench{GPU: gpu, Iters: iters}
 			bw, err := b.MeasureReadBW()
 			if err != nil {
 				return err
