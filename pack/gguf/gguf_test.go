@@ -448,3 +448,79 @@ func checkMetadata(t *testing.T, f *File, dir string, c *checkpoint.Config) {
 		t.Errorf("chat template %q", tmpl)
 	}
 }
+
+// TestExportZoo exports the architecture zoo's Qwen2 (no permutation:
+// llama.cpp runs qwen2 with rotate-half RoPE; q/k/v biases; tied
+// embeddings), Mistral (head_dim ≠ hidden/heads) and Llama-3.1 (rope_freqs)
+// checkpoints and checks what each needs.
+func TestExportZoo(t *testing.T) {
+	for _, name := range []string{"qwen2-rand", "mistral-rand", "llama31-rand"} {
+		t.Run(name, func(t *testing.T) {
+			dir := shared.Path(t, "models/archzoo/"+name)
+			path := filepath.Join(t.TempDir(), name+".gguf")
+			if _, err := Export(dir, path, Options{}); err != nil {
+				t.Fatal(err)
+			}
+			f, err := Read(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ck, err := checkpoint.Open(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ck.Close()
+			c := ck.Config
+			arch, _ := f.KV["general.architecture"].(string)
+			q, _ := ck.Float32("model.layers.0.self_attn.q_proj.weight", c.Heads*c.HeadDim, c.Hidden)
+			_, data, err := f.Tensor("blk.0.attn_q.weight")
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, _ := Dequantize(data, F16, len(q))
+			want := make([]float32, len(q))
+			for i, v := range q {
+				want[i] = RoundF16Exact(v)
+			}
+			switch name {
+			case "qwen2-rand":
+				if arch != "qwen2" {
+					t.Errorf("architecture %q", arch)
+				}
+				if _, _, err := f.Tensor("output.weight"); err == nil {
+					t.Error("tied embeddings written as output.weight")
+				}
+				for _, b := range []string{"attn_q", "attn_k", "attn_v"} {
+					if ti, _, err := f.Tensor("blk.1." + b + ".bias"); err != nil || ti.Type != F32 {
+						t.Errorf("%s.bias: %v %v", b, ti, err)
+					}
+				}
+			case "mistral-rand":
+				if f.KV["llama.attention.key_length"] != uint32(c.HeadDim) || f.KV["llama.attention.value_length"] != uint32(c.HeadDim) {
+					t.Errorf("key/value length %v %v, head_dim %d", f.KV["llama.attention.key_length"], f.KV["llama.attention.value_length"], c.HeadDim)
+				}
+				want = permuteRows(want, c.Heads*c.HeadDim, c.Hidden, c.Heads)
+			case "llama31-rand":
+				want = permuteRows(want, c.Heads*c.HeadDim, c.Hidden, c.Heads)
+				ti, data, err := f.Tensor("rope_freqs.weight")
+				if err != nil || ti.Type != F32 || ti.Dims[0] != uint64(c.HeadDim/2) {
+					t.Fatalf("rope_freqs: %v %v", ti, err)
+				}
+				fr, _ := Dequantize(data, F32, c.HeadDim/2)
+				// The highest frequencies are kept (factor 1), the lowest
+				// divided by the full factor, monotone between.
+				if fr[0] != 1 || fr[len(fr)-1] != float32(c.Rope.Factor) {
+					t.Errorf("rope_freqs %v", fr)
+				}
+				for i := 1; i < len(fr); i++ {
+					if fr[i] < fr[i-1] {
+						t.Errorf("rope_freqs not monotone: %v", fr)
+					}
+				}
+			}
+			if !reflect.DeepEqual(got, want) {
+				t.Error("blk.0.attn_q.weight is not the checkpoint's q_proj (permuted for llama)")
+			}
+		})
+	}
+}
