@@ -6,6 +6,7 @@
 #   make test-full  the full wikitext-2 perplexities against the references
 #   make fuzz    every parser of outside input, FUZZTIME (15s) each
 #   make e2e     drive llmq serve with the official openai npm package
+#   make gguf-check  llmq export gguf read back by @huggingface/gguf (npm)
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
 
 MODEL ?= ../shared/models/llama-tiny
@@ -30,7 +31,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test test-full fuzz e2e demo cuda bench clean fmt device
+.PHONY: build test test-full fuzz e2e gguf-check demo cuda bench clean fmt device
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
 # build/device/COMMIT is for the scripts there that record results of
@@ -48,6 +49,7 @@ test:
 	go vet $(GOFLAGS_TAGS) ./...
 	go test $(GOFLAGS_TAGS) -timeout 60m ./...
 	$(MAKE) e2e
+	$(MAKE) gguf-check
 
 # The opt-in tests that take minutes: the full wikitext-2 perplexity of
 # llama-tiny and llama-small against REFERENCE.md's figures.
@@ -74,6 +76,28 @@ e2e:
 	  echo "e2e: skipped (no node/npm)"; exit 0; fi; \
 	go build $(GOFLAGS_TAGS) $(LDFLAGS) -o build/e2e/llmq ./cmd/llmq && \
 	cd evals/serve-e2e && npm ci --no-audit --no-fund --loglevel=error && node e2e.mjs ../../build/e2e/llmq $(abspath $(MODEL))
+
+# llmq export gguf of llama-tiny (F16, and RTN-packed 4-bit sym/asym and
+# 8-bit: Q4_0, Q4_1, Q8_0) parsed by a GGUF reader llmq did not write
+# (@huggingface/gguf): metadata against config.json and tokenizer.json,
+# tensor names, shapes, types and extents. Skipped without Node.js unless
+# LLMQ_REQUIRE_SHARED=1 (CI).
+GG = build/gguf-check
+gguf-check:
+	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+	  if [ "$$LLMQ_REQUIRE_SHARED" = 1 ]; then echo "gguf-check: node and npm are required"; exit 1; fi; \
+	  echo "gguf-check: skipped (no node/npm)"; exit 0; fi; \
+	set -e; mkdir -p $(GG); \
+	go build $(GOFLAGS_TAGS) $(LDFLAGS) -o $(GG)/llmq ./cmd/llmq; \
+	(cd evals/gguf-check && npm ci --no-audit --no-fund --loglevel=error); \
+	$(GG)/llmq export gguf $(MODEL) -o $(GG)/f16.gguf --force; \
+	node evals/gguf-check/check.mjs $(GG)/f16.gguf $(MODEL) F16; \
+	for q in "q4_0 --bits 4 --group 32 --sym" "q4_1 --bits 4 --group 128" "q8_0 --bits 8 --group 64 --sym"; do \
+	  set -- $$q; name=$$1; shift; \
+	  $(GG)/llmq quantize $(MODEL) --method rtn $$* --calib $(CALIB) -o $(GG)/$$name --force >/dev/null; \
+	  $(GG)/llmq export gguf $(GG)/$$name -o $(GG)/$$name.gguf --force; \
+	  node evals/gguf-check/check.mjs $(GG)/$$name.gguf $(GG)/$$name $$(echo $$name | tr a-z A-Z); \
+	done
 
 # The main job on a checkpoint: inspect it, quantize it with GPTQ (a short
 # calibration, to keep the demo quick), compare perplexities, and generate

@@ -56,6 +56,6 @@ benchmarks.`,
 		}
 	}
 	root.AddCommand(newInspect(), newTokenize(), withFlagErrors(newQuantize(), flagNames{"bits": "--bits", "group size": "--group"}), newEval(), newGenerate(), newServe(), newCalibrate(), newSensitivity(),
-		withFlagErrors(newSynth(), flagNames{"Preset": "--preset", "Bits": "--bits", "Group": "--group", "Tokenizer": "--tokenizer"}), newBench())
+		withFlagErrors(newSynth(), flagNames{"Preset": "--preset", "Bits": "--bits", "Group": "--group", "Tokenizer": "--tokenizer"}), newBench(), newExport())
 	return root
 }
