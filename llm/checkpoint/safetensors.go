@@ -265,18 +265,11 @@ func Open(dir string) (*Checkpoint, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Checkpoint{Dir: dir, Config: cfg, byName: map[string]*File{}}
-	for _, p := range paths {
-		f, err := OpenFile(p)
-		if err != nil {
-			c.Close()
-			return nil, err
-		}
-		c.files = append(c.files, f)
-		for _, n := range f.st.Names() {
-			c.byName[n] = f
-		}
+	c, err := OpenFiles(cfg, paths...)
+	if err != nil {
+		return nil, err
 	}
+	c.Dir = dir
 	return c, nil
 }
 
