@@ -49,6 +49,12 @@ func NewSampler(opt SampleOptions) *Sampler {
 // NLL is −log softmax(logits)[target], computed stably in float64: the
 // per-token loss that perplexity averages.
 func NLL(logits []float32, target int) float64 {
+	return logSumExp(logits) - float64(logits[target])
+}
+
+// logSumExp is log Σ exp(logits), with the maximum subtracted first so
+// that no term overflows.
+func logSumExp(logits []float32) float64 {
 	mx := float64(logits[0])
 	for _, v := range logits {
 		mx = math.Max(mx, float64(v))
@@ -57,7 +63,7 @@ func NLL(logits []float32, target int) float64 {
 	for _, v := range logits {
 		s += math.Exp(float64(v) - mx)
 	}
-	return mx + math.Log(s) - float64(logits[target])
+	return mx + math.Log(s)
 }
 
 // Argmax is the index of the largest value (the first on ties).

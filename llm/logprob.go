@@ -20,15 +20,7 @@ func Logprobs(logits []float32, id, k int) (float64, []Logprob) {
 	if len(logits) == 0 {
 		return math.NaN(), nil
 	}
-	mx := float64(logits[0])
-	for _, v := range logits {
-		mx = math.Max(mx, float64(v))
-	}
-	var s float64
-	for _, v := range logits {
-		s += math.Exp(float64(v) - mx)
-	}
-	lse := mx + math.Log(s)
+	lse := logSumExp(logits)
 	lp := math.NaN()
 	if id >= 0 && id < len(logits) {
 		lp = float64(logits[id]) - lse

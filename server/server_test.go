@@ -27,24 +27,8 @@ import (
 // template) on a loopback port; wrap wraps the backend when not nil.
 func serve(t *testing.T, opt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *openai.Client) {
 	t.Helper()
-	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := m.Backend
-	if wrap != nil {
-		b = wrap(b)
-	}
-	e, err := engine.New(engine.NewModel(b, m.Tokenizer, m.Template), opt)
-	if err != nil {
-		m.Close()
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(New(e, Options{Model: "llama-tiny", MaxBodyBytes: 32 << 10}))
-	t.Cleanup(func() { ts.Close(); e.Close(); m.Close() })
-	cfg := openai.DefaultConfig("none")
-	cfg.BaseURL = ts.URL + "/v1"
-	return ts, e, openai.NewClientWithConfig(cfg)
+	ts, e, _ := serveWith(t, Options{MaxBodyBytes: 32 << 10}, opt, wrap)
+	return ts, e, clientFor(ts.URL, "none")
 }
 
 // answer is what a client reads from /v1/completions, whole or streamed.
