@@ -27,17 +27,11 @@ func tinyModel(t *testing.T) *llm.Model {
 // meanNLL of one window of ids under m.
 func meanNLL(t *testing.T, m *llm.Model, ids []int) float64 {
 	t.Helper()
-	c, _ := m.NewCache(len(ids))
-	V := m.Cfg.Vocab
-	logits := make([]float32, len(ids)*V)
-	if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: ids, Logits: logits}}); err != nil {
+	sum, n, err := m.WindowNLL(context.Background(), ids)
+	if err != nil {
 		t.Fatal(err)
 	}
-	var s float64
-	for i := 0; i+1 < len(ids); i++ {
-		s += llm.NLL(logits[i*V:(i+1)*V], ids[i+1])
-	}
-	return s / float64(len(ids)-1)
+	return sum / float64(n)
 }
 
 // TestActivationQuantizationOnLlamaTiny: on llama-tiny, INT8 and FP8

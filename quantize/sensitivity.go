@@ -85,20 +85,12 @@ func Sensitivity(ctx context.Context, m *llm.Model, windows [][]int, grid pack.G
 func meanNLL(ctx context.Context, m *llm.Model, windows [][]int) (float64, error) {
 	var sum float64
 	n := 0
-	V := m.Cfg.Vocab
 	for _, w := range windows {
-		c, err := m.NewCache(len(w))
+		s, c, err := m.WindowNLL(ctx, w)
 		if err != nil {
 			return 0, err
 		}
-		logits := make([]float32, len(w)*V)
-		if err := m.Forward(ctx, []llm.Step{{Cache: c, Tokens: w, Logits: logits}}); err != nil {
-			return 0, err
-		}
-		for i := 0; i+1 < len(w); i++ {
-			sum += llm.NLL(logits[i*V:(i+1)*V], w[i+1])
-			n++
-		}
+		sum, n = sum+s, n+c
 	}
 	if n == 0 {
 		return 0, fmt.Errorf("no tokens to score")
