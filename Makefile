@@ -40,6 +40,7 @@ device:
 	@mkdir -p build/device
 	go build $(LDFLAGS) -o build/device/llmq ./cmd/llmq
 	go test -c $(LDFLAGS) -o build/device/cuda.test ./cuda
+	go test -c $(LDFLAGS) -o build/device/quantize.test ./quantize
 	echo "$(REVISION)" > build/device/COMMIT
 
 build:
@@ -117,7 +118,7 @@ cuda: build/libllmqcuda.so
 
 build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 	@mkdir -p build
-	$(NVCC) $(NVCC_FLAGS) --shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -lcublas -o $@ $(filter %.cu,$^)
+	$(NVCC) $(NVCC_FLAGS) --shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -lcublas -lcusolver -o $@ $(filter %.cu,$^)
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

@@ -29,6 +29,11 @@ struct llmq_ctx {
   int fused_max_m = 64;
   int resident[4] = {0, 0, 0, 0};
   size_t attn_smem = 48 << 10;
+  // quant.cu: the cuSOLVER handle (made on first use) and its workspace
+  // (an allocation of the context).
+  void* cusolver = nullptr;
+  void* solver_ws = nullptr;
+  size_t solver_ws_bytes = 0;
   char err[1024] = {0};
 };
 
@@ -84,4 +89,14 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
 int silu_mul(llmq_ctx* c, void* g, const void* u, size_t n);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
+// quant.cu
+int hessian_add(llmq_ctx* c, const void* X, float* H, int rows, int n);
+int hessian_diag(llmq_ctx* c, const float* H, float* d, int n);
+size_t gptq_factor_workspace_bytes(int n);
+int gptq_factor(llmq_ctx* c, const float* Hsum, double s, const int32_t* perm, double lambda, float* U, void* workspace,
+                int n, int* ok);
+int gptq_quantize(llmq_ctx* c, float* W, const float* Hinv, uint8_t* Q, float* scale, uint8_t* zero, const int32_t* group_of,
+                  float* err1, double* loss, int out, int in, int group, int bits, int sym, int fit_groups,
+                  int from_start);
+void destroy_cusolver(llmq_ctx* c);
 }  // namespace llmq

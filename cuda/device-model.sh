@@ -13,6 +13,10 @@
 #   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
 #                                     # memcheck with leak checking over kernels and model
 #   bash cuda/device-model.sh gemm    # llmq bench gemm (gemm-h200.json)
+#   bash cuda/device-model.sh quant   # GPTQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
+#                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act) quantized
+#                                     # with --device cuda and evaluated on the GPU
+#   bash cuda/device-model.sh quant8b # GPTQ of a synthetic bf16 llama3-8b on the GPU, timed
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
 #
 # Results go to $OUT (the device tool's folder) or build/out.
@@ -94,6 +98,36 @@ case "$1" in
     for i in $(seq 300); do curl -sf 127.0.0.1:18080/health > /dev/null && break; sleep 0.2; done
     python3 evals/echo-logprobs.py http://127.0.0.1:18080 "$LLMQ_SHARED" llama-tiny | tee "$OUT/echo-logprobs-llama-tiny-h200.txt"
     kill $pid; wait $pid
+    ;;
+  quant)
+    build/device/cuda.test -test.v -test.run TestGPTQOnGPU > "$OUT/cuda-gptq-tests.log" 2>&1
+    echo "cuda gptq tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|codes equal|ΔU|panic|Error" "$OUT/cuda-gptq-tests.log" | head -30
+    build/device/quantize.test -test.v -test.run TestGPUMatchesCPU > "$OUT/quantize-gpu-tests.log" 2>&1
+    echo "quantize gpu tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|perplexity|panic|Error" "$OUT/quantize-gpu-tests.log" | head -30
+    CALIB=$LLMQ_SHARED/data/calib.txt
+    for M in ${QMODELS:-llama-tiny llama-small}; do
+      for c in ${QCONFIGS:-gptq-w4}; do
+        b=${c#gptq-w}; b=${b%%-*}; extra=()
+        g=128; [[ $c == *-g* ]] && { g=${c#*-g}; g=${g%-bs}; }
+        [[ $c == *-bs ]] && extra+=(--groups-from-block-start)
+        [[ $c == *-act ]] && extra+=(--act-order)
+        t0=$(date +%s.%N)
+        $L quantize "$LLMQ_SHARED/models/$M" --method gptq --bits "$b" --group "$g" "${extra[@]}" --calib "$CALIB" --nsamples 128 --seqlen 2048 \
+          -o build/q/$M-$c --force --device cuda --report "$OUT/quantize-$M-$c-h200.json" 2>&1 | grep -E "wall time|^time|rror"
+        echo "== $M $c (quantize $(python3 -c "import time;print(round(time.time()-$t0,1))") s)"; ppl $M-$c build/q/$M-$c
+      done
+    done
+    ;;
+  quant8b)
+    TOK=$LLMQ_SHARED/models/llama-small
+    t0=$(date +%s)
+    $L synth --preset ${PRESET:-llama3-8b} --bits 16 ${SYNTH_ARGS:-} -o /tmp/b16 --force --tokenizer $TOK 2>&1 | tail -1
+    echo "synth $(( $(date +%s) - t0 ))s; $(du -sh /tmp/b16 | cut -f1)"
+    sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
+    /usr/bin/time -v $L quantize /tmp/b16 --method ${METHOD:-gptq} --bits 4 --group 128 --calib $LLMQ_SHARED/data/calib.txt --nsamples ${NSAMPLES:-128} --seqlen 2048 \
+      -o /tmp/q --force --device cuda --report "$OUT/quantize-h200-${PRESET:-llama3-8b}-${METHOD:-gptq}.json" > "$OUT/quant8b.log" 2>&1
+    echo "quantize rc=$?"; grep -E "wall time|^time|rror|Maximum resident|Elapsed" "$OUT/quant8b.log"
+    rm -rf /tmp/q /tmp/b16
     ;;
   load) # load time of a W4 llama3-8b, and --device auto picking the GPU
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/w4 --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1

@@ -122,6 +122,17 @@ static int c_nll(A a, llmq_ctx* c, P logits, P targets, P nll, int T, int V) {
 static int c_gemm_nt(A a, llmq_ctx* c, P A_, P W, P C, int M, int N, int K, int c32) {
 	return a->gemm_nt(c, (const void*)A_, (const void*)W, (void*)C, M, N, K, c32);
 }
+static int c_hessian_add(A a, llmq_ctx* c, P X, P H, int rows, int n) { return a->hessian_add(c, (const void*)X, (float*)H, rows, n); }
+static int c_hessian_diag(A a, llmq_ctx* c, P H, P d, int n) { return a->hessian_diag(c, (const float*)H, (float*)d, n); }
+static size_t c_factor_ws(A a, int n) { return a->gptq_factor_workspace_bytes(n); }
+static int c_gptq_factor(A a, llmq_ctx* c, P H, double s, P perm, double lambda, P U, P ws, int n, int* ok) {
+	return a->gptq_factor(c, (const float*)H, s, (const int32_t*)perm, lambda, (float*)U, (void*)ws, n, ok);
+}
+static int c_gptq_quantize(A a, llmq_ctx* c, P W, P Hinv, P Q, P scale, P zero, P gof, P err1, P loss, int out, int in, int group,
+		int bits, int sym, int fit, int from_start) {
+	return a->gptq_quantize(c, (float*)W, (const float*)Hinv, (uint8_t*)Q, (float*)scale, (uint8_t*)zero, (const int32_t*)gof,
+		(float*)err1, (double*)loss, out, in, group, bits, sym, fit, from_start);
+}
 */
 import "C"
 
@@ -586,5 +597,48 @@ func (x *Context) GemmNT(A, W, C_ Buf, M, N, K int, f32 bool) error {
 	}
 	return x.do("gemm_nt", func() C.int {
 		return C.c_gemm_nt(x.lib.api, x.c, A.p, W.p, C_.p, C.int(M), C.int(N), C.int(K), C.int(c32))
+	})
+}
+
+// The GPTQ kernels (quant.cu); see llmq.h for their contracts.
+
+// HessianAdd does H [n][n] fp32 += Xᵀ·X for rows of X [rows][n] fp16.
+func (x *Context) HessianAdd(X, H Buf, rows, n int) error {
+	return x.do("hessian_add", func() C.int { return C.c_hessian_add(x.lib.api, x.c, X.p, H.p, C.int(rows), C.int(n)) })
+}
+
+// HessianDiag writes d[i] = H[i][i] (fp32).
+func (x *Context) HessianDiag(H, d Buf, n int) error {
+	return x.do("hessian_diag", func() C.int { return C.c_hessian_diag(x.lib.api, x.c, H.p, d.p, C.int(n)) })
+}
+
+// FactorWorkspaceBytes is the scratch GPTQFactor needs for n inputs.
+func (l *Lib) FactorWorkspaceBytes(n int) int { return int(C.c_factor_ws(l.api, C.int(n))) }
+
+// GPTQFactor writes U, the upper Cholesky factor of (P·(s·Hsum)·Pᵀ + λI)⁻¹
+// in the column order perm; ok is false when the damped matrix is not
+// positive definite.
+func (x *Context) GPTQFactor(Hsum Buf, s float64, perm Buf, lambda float64, U, ws Buf, n int) (ok bool, err error) {
+	var cok C.int
+	err = x.do("gptq_factor", func() C.int {
+		return C.c_gptq_factor(x.lib.api, x.c, Hsum.p, C.double(s), perm.p, C.double(lambda), U.p, ws.p, C.int(n), &cok)
+	})
+	return cok != 0, err
+}
+
+// GPTQQuantize runs GPTQ's column updates on W [out][in] (column order,
+// overwritten), writing codes Q, group scales and zeros [G][out] (fitted
+// when fit, else read; fromStart: gptq.Options.GroupsFromBlockStart) and
+// per-row losses.
+func (x *Context) GPTQQuantize(W, Hinv, Q, scale, zero, groupOf, err1, loss Buf, out, in, group, bits int, sym, fit, fromStart bool) error {
+	b := func(v bool) C.int {
+		if v {
+			return 1
+		}
+		return 0
+	}
+	return x.do("gptq_quantize", func() C.int {
+		return C.c_gptq_quantize(x.lib.api, x.c, W.p, Hinv.p, Q.p, scale.p, zero.p, groupOf.p, err1.p, loss.p, C.int(out), C.int(in),
+			C.int(group), C.int(bits), b(sym), b(fit), b(fromStart))
 	})
 }

@@ -43,7 +43,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 2
+#define LLMQ_API_VERSION 3
 
 typedef struct llmq_ctx llmq_ctx;
 
@@ -134,6 +134,28 @@ typedef struct {
   int (*nll)(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
   /* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
   int (*gemm_nt)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
+
+  /* GPTQ (quant.cu). H [n][n] fp32 += Xᵀ·X for X [rows][n] fp16. */
+  int (*hessian_add)(llmq_ctx* c, const void* X, float* H, int rows, int n);
+  /* d[i] = H[i][i]. */
+  int (*hessian_diag)(llmq_ctx* c, const float* H, float* d, int n);
+  size_t (*gptq_factor_workspace_bytes)(int n);
+  /* U [n][n] fp32 row-major = the upper Cholesky factor of (P·(s·Hsum)·Pᵀ + λI)⁻¹,
+   * P the column order perm (Hp[i][j] = s·Hsum[perm[i]][perm[j]]), zero
+   * diagonal entries of Hsum taken as 1 before damping. *ok = 0 (and U
+   * unset) when the damped matrix is not positive definite. workspace holds
+   * gptq_factor_workspace_bytes(n) bytes. Waits for the stream. */
+  int (*gptq_factor)(llmq_ctx* c, const float* Hsum, double s, const int32_t* perm, double lambda, float* U, void* workspace,
+                     int n, int* ok);
+  /* GPTQ's blocked column updates (blocks of 128) on W [out][in] fp32 in
+   * column order (overwritten): codes Q [out][in] (column order), per-group
+   * scale fp32 / zero u8 [G][out] (fitted at each group's first column on
+   * the current weights when fit_groups, else read), group_of [in] (the
+   * group of each position), err1 [out][128] fp32 scratch, loss [out]
+   * fp64 = Σ (w−q)²/(2·U_jj²). from_start: a group starting inside a
+   * block is fitted on the block's weights as the block began. */
+  int (*gptq_quantize)(llmq_ctx* c, float* W, const float* Hinv, uint8_t* Q, float* scale, uint8_t* zero, const int32_t* group_of,
+                       float* err1, double* loss, int out, int in, int group, int bits, int sym, int fit_groups, int from_start);
 } llmq_api;
 
 /* The library's one exported symbol. */

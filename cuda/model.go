@@ -228,16 +228,21 @@ func (m *Model) upload32(v []float32) (Buf, error) {
 	return b, err
 }
 
-// upload16 converts to fp16 (in parallel: embeddings of large models have
-// half a billion values) and uploads.
-func (m *Model) upload16(v []float32) (Buf, error) {
+// toF16 converts to fp16 bits, in parallel.
+func toF16(v []float32) []uint16 {
 	h := make([]uint16, len(v))
 	mat.ParallelFor(len(v), 1<<16, func(lo, hi int) {
 		for i := lo; i < hi; i++ {
 			h[i] = uint16(float16.Fromfloat32(v[i]))
 		}
 	})
-	b, err := AllocFrom(m.x, h)
+	return h
+}
+
+// upload16 converts to fp16 (in parallel: embeddings of large models have
+// half a billion values) and uploads.
+func (m *Model) upload16(v []float32) (Buf, error) {
+	b, err := AllocFrom(m.x, toF16(v))
 	if err == nil {
 		m.weights += int64(b.Bytes)
 	}

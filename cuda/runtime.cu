@@ -115,6 +115,7 @@ int ctx_destroy(llmq_ctx* c) {
   if (c->stream) note(cudaStreamSynchronize(c->stream), "cudaStreamSynchronize");
   for (void* g : c->graphs) note(cudaGraphExecDestroy((cudaGraphExec_t)g), "cudaGraphExecDestroy");
   for (void* e : c->events) note(cudaEventDestroy((cudaEvent_t)e), "cudaEventDestroy");
+  destroy_cusolver(c);
   if (c->cublas && cublasDestroy(c->cublas) != CUBLAS_STATUS_SUCCESS && rc == 0) {
     set_error(nullptr, "cublasDestroy failed");
     rc = 1;
@@ -271,6 +272,11 @@ const llmq_api kAPI = {
     silu_mul,
     nll,
     gemm_nt,
+    hessian_add,
+    hessian_diag,
+    gptq_factor_workspace_bytes,
+    gptq_factor,
+    gptq_quantize,
 };
 }  // namespace
 }  // namespace llmq

@@ -111,39 +111,74 @@ func Prepare(H []float64, in int, opt Options) (*Prepared, error) {
 	if len(H) != in*in {
 		return nil, fmt.Errorf("Hessian has %d entries, want %d×%d", len(H), in, in)
 	}
-	H = append([]float64(nil), H...)
-	p := &Prepared{In: in, Perm: make([]int, in), Dead: make([]bool, in)}
-	var mean float64
-	for i := 0; i < in; i++ {
-		if H[i*in+i] == 0 {
-			p.Dead[i] = true
-			H[i*in+i] = 1
-		}
-		mean += H[i*in+i]
-		p.Perm[i] = i
+	diag := make([]float64, in)
+	for i := range diag {
+		diag[i] = H[i*in+i]
 	}
-	mean /= float64(in)
-	if opt.ActOrder {
-		sort.SliceStable(p.Perm, func(a, b int) bool { return H[p.Perm[a]*in+p.Perm[a]] > H[p.Perm[b]*in+p.Perm[b]] })
-	}
+	p, mean := Order(diag, opt.ActOrder)
 	hp := gmat.NewSymDense(in, nil)
 	for i := 0; i < in; i++ {
 		for j := i; j < in; j++ {
-			hp.SetSym(i, j, H[p.Perm[i]*in+p.Perm[j]])
+			v := H[p.Perm[i]*in+p.Perm[j]]
+			if i == j && p.Dead[p.Perm[i]] {
+				v = 1
+			}
+			hp.SetSym(i, j, v)
 		}
 	}
+	err := Damp(mean, opt, func(lambda float64) (bool, error) {
+		U, ok := inverseCholesky(hp, lambda)
+		p.Hinv = U
+		return ok, nil
+	}, &p.Damp)
+	if err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Order starts a Prepared from diag(H): dead inputs (H_jj = 0, taken as
+// 1 from here on) and the column order (decreasing H_jj with act-order,
+// else the identity). It returns the mean of the diagonal, the unit of
+// damping.
+func Order(diag []float64, actOrder bool) (p *Prepared, mean float64) {
+	in := len(diag)
+	p = &Prepared{In: in, Perm: make([]int, in), Dead: make([]bool, in)}
+	d := append([]float64(nil), diag...)
+	for i := range d {
+		if d[i] == 0 {
+			p.Dead[i] = true
+			d[i] = 1
+		}
+		mean += d[i]
+		p.Perm[i] = i
+	}
+	mean /= float64(max(in, 1))
+	if actOrder {
+		sort.SliceStable(p.Perm, func(a, b int) bool { return d[p.Perm[a]] > d[p.Perm[b]] })
+	}
+	return p, mean
+}
+
+// Damp runs factor(λ) with λ = damp·mean (damp from opt, 0.01 by default),
+// and again with damp ×10 each time the factorization fails, up to four
+// tries; it stores the damp that worked.
+func Damp(mean float64, opt Options, factor func(lambda float64) (bool, error), used *float64) error {
 	damp := opt.Damp
 	if damp <= 0 {
 		damp = 0.01
 	}
 	for try := 0; ; try++ {
-		U, ok := inverseCholesky(hp, damp*mean)
+		ok, err := factor(damp * mean)
+		if err != nil {
+			return err
+		}
 		if ok {
-			p.Hinv, p.Damp = U, damp
-			return p, nil
+			*used = damp
+			return nil
 		}
 		if try == 3 {
-			return nil, fmt.Errorf("Hessian is not positive definite even with damping %g·mean(diag H): the calibration inputs are degenerate", damp)
+			return fmt.Errorf("Hessian is not positive definite even with damping %g·mean(diag H): the calibration inputs are degenerate", damp)
 		}
 		if opt.Log != nil {
 			opt.Log("Cholesky failed with damp %g; retrying with %g", damp, damp*10)
@@ -193,8 +228,23 @@ type Result struct {
 	Loss   float64
 }
 
-// Quantize runs GPTQ on w [out][in] (not modified) with a prepared Hessian.
-func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, error) {
+// Layout is a layer arranged for GPTQ's column loop: W in the Hessian's
+// column order with dead columns zeroed, the Linear to fill (its scales
+// and zeros set already unless Fit), and the group of each position.
+type Layout struct {
+	W       []float32 // [out][in], Perm order
+	Linear  *pack.Linear
+	GroupOf []int32 // group of the column at each position of Perm order
+	// Fit says that each group's scale and zero are fitted when the loop
+	// reaches its first column (not static groups, and groups are on).
+	Fit  bool
+	perm []int
+}
+
+// NewLayout checks w [out][in] against p and lays it out. Without groups
+// the single group is fitted first, on the original weights, as the
+// reference does; with static groups every group is.
+func NewLayout(w []float32, out, in int, p *Prepared, opt Options) (*Layout, error) {
 	grid := opt.Grid
 	if err := grid.Validate(in); err != nil {
 		return nil, err
@@ -205,16 +255,9 @@ func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, erro
 	if err := pack.CheckFinite(w); err != nil {
 		return nil, fmt.Errorf("weights: %w", err)
 	}
-	bs := opt.BlockSize
-	if bs <= 0 {
-		bs = 128
-	}
 	group := grid.Group(in)
 	G := in / group
 	perGroup := opt.Grid.GroupSize > 0
-
-	// W in Perm order, dead columns zeroed. Without groups the single
-	// group is fitted first, on the original weights, as the reference does.
 	W := make([]float32, out*in)
 	l := &pack.Linear{In: in, Out: out, Grid: grid, Q: make([]uint8, out*in),
 		Scale: make([]float32, G*out), Zero: make([]uint8, G*out), GIdx: make([]int32, in)}
@@ -243,19 +286,48 @@ func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, erro
 			}
 		}
 	}
-	// groupOf[j] is the group of the column at position j of Perm order.
-	groupOf := make([]int, in)
+	lay := &Layout{W: W, Linear: l, GroupOf: make([]int32, in), Fit: perGroup && !opt.StaticGroups, perm: p.Perm}
 	for j, src := range p.Perm {
 		switch {
 		case !perGroup:
-			groupOf[j] = 0
+			lay.GroupOf[j] = 0
 		case opt.StaticGroups:
-			groupOf[j] = src / group
+			lay.GroupOf[j] = int32(src / group)
 		default:
-			groupOf[j] = j / group
+			lay.GroupOf[j] = int32(j / group)
 		}
-		l.GIdx[src] = int32(groupOf[j])
+		l.GIdx[src] = lay.GroupOf[j]
 	}
+	return lay, nil
+}
+
+// Finish stores the codes q [out][in], found in Perm order, in the
+// Linear's input order and returns it.
+func (lay *Layout) Finish(q []uint8) *pack.Linear {
+	l := lay.Linear
+	in := l.In
+	for o := 0; o < l.Out; o++ {
+		for j, src := range lay.perm {
+			l.Q[o*in+src] = q[o*in+j]
+		}
+	}
+	return l
+}
+
+// Quantize runs GPTQ on w [out][in] (not modified) with a prepared Hessian.
+func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, error) {
+	lay, err := NewLayout(w, out, in, p, opt)
+	if err != nil {
+		return nil, err
+	}
+	grid, l, W := opt.Grid, lay.Linear, lay.W
+	bs := opt.BlockSize
+	if bs <= 0 {
+		bs = 128
+	}
+	group := grid.Group(in)
+	perGroup := opt.Grid.GroupSize > 0
+	groupOf := lay.GroupOf
 
 	// The blocked column update of the reference's fasterquant: for each
 	// block of bs columns [i1, i2), quantize its columns one by one, each
@@ -278,7 +350,7 @@ func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, erro
 				W1 := W[o*in : (o+1)*in] // this row; the block is W1[i1:i2]
 				copy(start, W1[i1:i2])
 				for j := i1; j < i2; j++ {
-					g := groupOf[j]
+					g := int(groupOf[j])
 					if perGroup && !opt.StaticGroups && j%group == 0 {
 						fit := W1[j : j+group]
 						if start != nil && j > i1 {
@@ -310,14 +382,9 @@ func Quantize(w []float32, out, in int, p *Prepared, opt Options) (*Result, erro
 			mat.Gemm(false, false, out, in-i2, nb, -1, Err1, bs, Hinv[i1*in+i2:], in, 1, W[i2:], in)
 		}
 	}
-	for o := 0; o < out; o++ {
-		for j, src := range p.Perm {
-			l.Q[o*in+src] = Q[o*in+j]
-		}
-	}
 	var loss float64
 	for _, v := range losses {
 		loss += v
 	}
-	return &Result{Linear: l, Loss: loss}, nil
+	return &Result{Linear: lay.Finish(Q), Loss: loss}, nil
 }

@@ -27,10 +27,12 @@ func (d *driver) block(ctx context.Context, l int) error {
 	}
 	cfg := d.ck.Config
 	prefix := fmt.Sprintf("model.layers.%d.", l)
+	t0 := time.Now()
 	b, err := llm.LoadBlock(d.ck, l, llm.DenseLoader)
 	if err != nil {
 		return err
 	}
+	d.rep.Timing["load"] += time.Since(t0).Seconds()
 	tensors := map[string]checkpoint.Out{}
 	raw := []string{"input_layernorm.weight", "post_attention_layernorm.weight"}
 	if cfg.QKVBias {
@@ -54,6 +56,9 @@ func (d *driver) block(ctx context.Context, l int) error {
 	if err != nil {
 		return err
 	}
+	if d.opt.GPU != nil {
+		return d.gpuBlock(ctx, bl)
+	}
 	linears := map[string]*llm.Linear{}
 	for _, nl := range b.Linears() {
 		linears[nl.Name] = nl.L
@@ -65,23 +70,14 @@ func (d *driver) block(ctx context.Context, l int) error {
 			if err := ctx.Err(); err != nil {
 				return err
 			}
-			t0 := time.Now()
 			dense := (*linears[n]).(*llm.Dense) // LoadBlock with DenseLoader
-			g, quantized := d.opt.Plan.For(prefix+n, d.m.Grid())
-			if !quantized {
-				if err := d.keep(tensors, prefix+n, dense); err != nil {
-					return err
-				}
-				continue
-			}
-			lin, loss, err := d.m.Quantize(Layer{Name: prefix + n, W: dense.W, Out: dense.Out(), In: dense.In(), Grid: g}, s)
+			lin, err := d.layer(tensors, prefix+n, dense, func(l Layer) (*pack.Linear, float64, error) { return d.m.Quantize(l, s) })
 			if err != nil {
-				return fmt.Errorf("%s%s: %w", prefix, n, err)
-			}
-			if err := d.emit(tensors, prefix+n, lin, loss, t0); err != nil {
 				return err
 			}
-			*linears[n] = llm.NewDense(lin.Dequantize(), dense.B, dense.In(), dense.Out())
+			if lin != nil {
+				*linears[n] = llm.NewDense(lin.Dequantize(), dense.B, dense.In(), dense.Out())
+			}
 		}
 		return nil
 	}
@@ -101,7 +97,7 @@ func (d *driver) block(ctx context.Context, l int) error {
 		} else if err := d.propagate(ctx, b, progress); err != nil {
 			return err
 		}
-		return d.w.WritePart(tensors)
+		return d.writePart(tensors)
 	}
 
 	if d.opt.TrueSequential {
@@ -118,7 +114,7 @@ func (d *driver) block(ctx context.Context, l int) error {
 		}
 		copy(d.X, next)
 	}
-	return d.w.WritePart(tensors)
+	return d.writePart(tensors)
 }
 
 // each calls fn on every calibration window, checking for cancellation.
@@ -232,6 +228,21 @@ func (d *driver) sequential(ctx context.Context, b *llm.Block, quantize func([]s
 	})
 }
 
+// layer quantizes one layer with q, or keeps it unquantized when the plan
+// says so (returning nil), and adds it to the block's tensors.
+func (d *driver) layer(tensors map[string]checkpoint.Out, name string, dense *llm.Dense, q func(Layer) (*pack.Linear, float64, error)) (*pack.Linear, error) {
+	t0 := time.Now()
+	g, quantized := d.opt.Plan.For(name, d.m.Grid())
+	if !quantized {
+		return nil, d.keep(tensors, name, dense)
+	}
+	lin, loss, err := q(Layer{Name: name, W: dense.W, Out: dense.Out(), In: dense.In(), Grid: g})
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	return lin, d.emit(tensors, name, lin, loss, t0)
+}
+
 func firstErr(errs ...error) error {
 	for _, e := range errs {
 		if e != nil {
@@ -261,4 +272,12 @@ func (d *driver) keep(tensors map[string]checkpoint.Out, name string, l *llm.Den
 	d.rep.Layers = append(d.rep.Layers, LayerReport{Name: name})
 	d.skipped = append(d.skipped, name)
 	return nil
+}
+
+// writePart hands a block's tensors to the writer, timing it.
+func (d *driver) writePart(tensors map[string]checkpoint.Out) error {
+	t0 := time.Now()
+	err := d.w.WritePart(tensors)
+	d.rep.Timing["write"] += time.Since(t0).Seconds()
+	return err
 }

@@ -31,6 +31,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/calib"
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -73,6 +74,9 @@ type Options struct {
 	// CommandLine and Version, if set, are recorded in the model card and
 	// the config's meta (how the checkpoint was made, by which llmq).
 	CommandLine, Version string
+	// GPU, if set, runs the calibration forward passes, the statistics
+	// and the method on that GPU (methods for which RunsOnGPU is true).
+	GPU *cuda.Lib
 	// Progress, if set, is told when each block starts a stage.
 	Progress func(block, blocks int, stage string)
 }
@@ -99,6 +103,16 @@ type Report struct {
 	// ResumedAt is the first block this run quantized when it continued
 	// an interrupted one (the report's layers start there).
 	ResumedAt int `json:"resumed_at_block,omitempty"`
+	// Device is where the calibration ran: "cpu", or the GPU's name.
+	Device string `json:"device"`
+	// Timing splits the run's seconds: "load" (reading blocks), "write"
+	// (packing and writing), "calibration" (embedding the windows); on
+	// the GPU also "upload" (weights to the GPU), "statistics" (forward
+	// passes taking Hessians), "forward" (passes advancing X), "factor"
+	// (Cholesky and inverse), "solve" (GPTQ's column updates).
+	Timing map[string]float64 `json:"timing_s"`
+	// PeakGPUBytes is the most GPU memory the run held at once.
+	PeakGPUBytes int64 `json:"peak_gpu_bytes,omitempty"`
 }
 
 // Run quantizes the checkpoint in opt.Src and writes opt.Out. Output goes
@@ -155,7 +169,20 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 			return nil, fmt.Errorf("lm_head's %d outputs cannot be packed at %d bits in the %s layout", cfg.Vocab, grid.Bits, opt.Format)
 		}
 	}
-	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk()}
+	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk(), Device: "cpu", Timing: map[string]float64{}}
+	if opt.GPU != nil {
+		if !RunsOnGPU(m) {
+			return nil, fmt.Errorf("method %s does not run on the GPU yet: use --device cpu", m.Name())
+		}
+		if !m.Calibrated() || opt.NSamples <= 0 {
+			return nil, fmt.Errorf("the GPU path needs calibration windows")
+		}
+		dev, err := opt.GPU.Device()
+		if err != nil {
+			return nil, err
+		}
+		rep.Device = dev.Name
+	}
 
 	d := &driver{opt: opt, m: m, ck: ck, st: llm.NewStages(cfg), rep: rep}
 	fp, err := d.fingerprint()
@@ -183,13 +210,16 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if opt.Progress != nil {
 			opt.Progress(0, cfg.Layers, "reading the calibration data")
 		}
+		t0 := time.Now()
 		if X, rep.CalibSourceTokens, err = calibration(ck, opt); err != nil {
 			return nil, err
 		}
+		rep.Timing["calibration"] = time.Since(t0).Seconds()
 		rep.CalibTokens = len(X) * opt.SeqLen
 	}
 
 	d.X = X
+	defer d.closeGPU()
 	for l := 0; l < cfg.Layers; l++ {
 		if l < done.Blocks {
 			if err := d.replay(ctx, l); err != nil {
@@ -204,6 +234,14 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if err := w.Save(done); err != nil {
 			return nil, err
 		}
+	}
+	if d.cal != nil && opt.QuantizeLMHead { // lm_head reads the last block's output
+		if d.X, err = d.cal.Download(); err != nil {
+			return nil, err
+		}
+	}
+	if err := d.closeGPU(); err != nil {
+		return nil, err
 	}
 	if err := d.head(ctx); err != nil {
 		return nil, d.stopped(ctx, err, done.Blocks)
@@ -288,6 +326,7 @@ func (d *driver) stopped(ctx context.Context, err error, blocks int) error {
 }
 
 type driver struct {
+	cal *cuda.Calibrator // the GPU path's, from the first block it quantizes
 	opt Options
 	m   Method
 	ck  *checkpoint.Checkpoint
@@ -299,6 +338,23 @@ type driver struct {
 	// kept unquantized (for the compressed-tensors config).
 	grids   []layerGrid
 	skipped []string
+}
+
+// closeGPU records the GPU's timing and peak memory and frees it.
+func (d *driver) closeGPU() error {
+	if d.cal == nil {
+		return nil
+	}
+	for k, v := range d.cal.Busy {
+		d.rep.Timing[k] += v
+	}
+	peak, err := d.cal.PeakBytes()
+	d.rep.PeakGPUBytes = max(d.rep.PeakGPUBytes, peak)
+	if cerr := d.cal.Close(); err == nil {
+		err = cerr
+	}
+	d.cal = nil
+	return err
 }
 
 type layerGrid struct {

@@ -6,10 +6,12 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"sort"
 	"strings"
 	"syscall"
 
 	"github.com/llmq/llmq/awq"
+	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/progress"
@@ -28,7 +30,7 @@ func newQuantize() *cobra.Command {
 	var sym, duo, noClip bool
 	var reportPath, statsPath, shardSize, fp8Scale, fp8Act string
 	var plan planFlags
-	var planPath, evalData, evalDevice string
+	var planPath, evalData, evalDevice, device string
 	var evalWindows, evalSeqLen int
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
@@ -139,6 +141,9 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				opt.Plan = append(rules, opt.Plan...) // flags before --plan: they win
 				opt.QuantizeLMHead = opt.QuantizeLMHead || head
 			}
+			if opt.GPU, err = quantizeDevice(device, opt.Method); err != nil {
+				return err
+			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
 			go func() { <-ctx.Done(); stop() }() // a second Ctrl-C kills at once
@@ -221,8 +226,39 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.StringVar(&planPath, "plan", "", "mixed-precision plan from llmq sensitivity -o (its rules come after --override/--skip)")
 	f.Var(ruleFlag{p: &plan, skip: true}, "skip", "mixed precision: keep modules matching a glob (or re:EXPR) unquantized, e.g. 'layers.31.mlp.down_proj'; repeatable")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
+	f.StringVar(&device, "device", "auto", "where GPTQ calibrates and solves: auto (the GPU when its library and a device are there), cpu, or cuda; other methods run on the CPU")
 	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")
 	return cmd
+}
+
+// quantizeDevice opens the GPU for --device cuda, and for auto when the
+// method runs there and a GPU is available (saying once why not, if not).
+func quantizeDevice(device string, m quantize.Method) (*cuda.Lib, error) {
+	switch device {
+	case "cpu":
+		return nil, nil
+	case "auto", "cuda":
+	default:
+		return nil, fmt.Errorf("--device must be auto, cpu or cuda, got %q", device)
+	}
+	if !quantize.RunsOnGPU(m) {
+		if device == "cuda" {
+			return nil, fmt.Errorf("--device cuda: --method %s runs on the CPU only for now (GPTQ runs on the GPU)", m.Name())
+		}
+		return nil, nil
+	}
+	lib, err := cuda.Open("")
+	if err == nil {
+		_, err = lib.Device()
+	}
+	if err != nil {
+		if device == "cuda" {
+			return nil, fmt.Errorf("--device cuda: %w", err)
+		}
+		fmt.Fprintf(os.Stderr, "llmq: quantizing on the CPU (%v)\n", err)
+		return nil, nil
+	}
+	return lib, nil
 }
 
 // quantizeFlagError names the flags behind a library error where there
@@ -262,7 +298,22 @@ func printReport(cmd *cobra.Command, rep *quantize.Report) {
 		fmt.Fprintf(w, ", %d calibration tokens (of the %d in the file)", rep.CalibTokens, rep.CalibSourceTokens)
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintf(w, "size %s → %s, wall time %.1f s\n", human(float64(rep.BytesIn), "B"), human(float64(rep.BytesOut), "B"), rep.Seconds)
+	fmt.Fprintf(w, "size %s → %s, wall time %.1f s on %s", human(float64(rep.BytesIn), "B"), human(float64(rep.BytesOut), "B"), rep.Seconds, rep.Device)
+	if rep.PeakGPUBytes > 0 {
+		fmt.Fprintf(w, " (peak GPU memory %s)", human(float64(rep.PeakGPUBytes), "B"))
+	}
+	fmt.Fprintln(w)
+	var kinds []string
+	for k := range rep.Timing {
+		kinds = append(kinds, k)
+	}
+	sort.Strings(kinds)
+	for i, k := range kinds {
+		kinds[i] = fmt.Sprintf("%s %.1f s", k, rep.Timing[k])
+	}
+	if len(kinds) > 0 {
+		fmt.Fprintf(w, "time: %s\n", strings.Join(kinds, ", "))
+	}
 }
 
 // commandLine is the command as a shell would take it back.
