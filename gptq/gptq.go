@@ -261,22 +261,24 @@ func NewLayout(w []float32, out, in int, p *Prepared, opt Options) (*Layout, err
 	W := make([]float32, out*in)
 	l := &pack.Linear{In: in, Out: out, Grid: grid, Q: make([]uint8, out*in),
 		Scale: make([]float32, G*out), Zero: make([]uint8, G*out), GIdx: make([]int32, in)}
-	for o := 0; o < out; o++ {
-		if !perGroup {
-			s, z := grid.Params(w[o*in : (o+1)*in])
-			l.Scale[o], l.Zero[o] = s, uint8(z)
-		}
-		for j, src := range p.Perm {
-			if !p.Dead[src] {
-				W[o*in+j] = w[o*in+src]
+	mat.ParallelFor(out, 8, func(lo, hi int) {
+		seg := make([]float32, group)
+		for o := lo; o < hi; o++ {
+			if !perGroup {
+				s, z := grid.Params(w[o*in : (o+1)*in])
+				l.Scale[o], l.Zero[o] = s, uint8(z)
 			}
-		}
-	}
-	if perGroup && opt.StaticGroups {
-		for o := 0; o < out; o++ {
+			for j, src := range p.Perm {
+				if !p.Dead[src] {
+					W[o*in+j] = w[o*in+src]
+				}
+			}
+			if !perGroup || !opt.StaticGroups {
+				continue
+			}
 			for g := 0; g < G; g++ {
-				seg := make([]float32, group)
 				for i := range seg {
+					seg[i] = 0
 					if src := g*group + i; !p.Dead[src] {
 						seg[i] = w[o*in+src]
 					}
@@ -285,7 +287,7 @@ func NewLayout(w []float32, out, in int, p *Prepared, opt Options) (*Layout, err
 				l.Scale[g*out+o], l.Zero[g*out+o] = s, uint8(z)
 			}
 		}
-	}
+	})
 	lay := &Layout{W: W, Linear: l, GroupOf: make([]int32, in), Fit: perGroup && !opt.StaticGroups, perm: p.Perm}
 	for j, src := range p.Perm {
 		switch {
@@ -306,11 +308,13 @@ func NewLayout(w []float32, out, in int, p *Prepared, opt Options) (*Layout, err
 func (lay *Layout) Finish(q []uint8) *pack.Linear {
 	l := lay.Linear
 	in := l.In
-	for o := 0; o < l.Out; o++ {
-		for j, src := range lay.perm {
-			l.Q[o*in+src] = q[o*in+j]
+	mat.ParallelFor(l.Out, 8, func(lo, hi int) {
+		for o := lo; o < hi; o++ {
+			for j, src := range lay.perm {
+				l.Q[o*in+src] = q[o*in+j]
+			}
 		}
-	}
+	})
 	return l
 }
 

@@ -1,6 +1,7 @@
 package pack
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/llmq/llmq/actquant"
@@ -47,12 +48,14 @@ func (l *Linear) Dequantize() []float32 {
 		}
 		return w
 	}
-	for o := 0; o < l.Out; o++ {
-		for i := 0; i < l.In; i++ {
-			g := int(l.GIdx[i])
-			w[o*l.In+i] = Dequantize(int(l.Q[o*l.In+i]), l.Scale[g*l.Out+o], int(l.Zero[g*l.Out+o]))
+	mat.ParallelFor(l.Out, 16, func(lo, hi int) {
+		for o := lo; o < hi; o++ {
+			for i := 0; i < l.In; i++ {
+				g := int(l.GIdx[i])
+				w[o*l.In+i] = Dequantize(int(l.Q[o*l.In+i]), l.Scale[g*l.Out+o], int(l.Zero[g*l.Out+o]))
+			}
 		}
-	}
+	})
 	return w
 }
 
@@ -85,14 +88,21 @@ func (l *Linear) GPTQTensors(prefix, format string) (map[string]checkpoint.Out, 
 	}
 	rows := l.In * b / 32
 	qweight := make([]int32, rows*l.Out)
-	for o := 0; o < l.Out; o++ {
-		words, err := PackBits(l.Q[o*l.In:(o+1)*l.In], b)
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", prefix, err)
+	errs := make([]error, l.Out)
+	mat.ParallelFor(l.Out, 16, func(lo, hi int) {
+		for o := lo; o < hi; o++ {
+			words, err := PackBits(l.Q[o*l.In:(o+1)*l.In], b)
+			if err != nil {
+				errs[o] = err
+				return
+			}
+			for r, w := range words {
+				qweight[r*l.Out+o] = w
+			}
 		}
-		for r, w := range words {
-			qweight[r*l.Out+o] = w
-		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("%s: %w", prefix, err)
 	}
 	G := l.Groups()
 	zcols := l.Out * b / 32

@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/llmq/llmq/llm/mat"
 	"github.com/nlpodyssey/safetensors"
 	"github.com/x448/float16"
 )
@@ -191,22 +192,30 @@ func (t Tensor) ToFloat32(dst []float32) error {
 	if t.Float8 {
 		return fmt.Errorf("tensor %q in %s: dtype %s holds FP8 codes that need their weight_scale (read it through its quantization_config)", t.Name, t.File, DTypeF8E4M3)
 	}
+	var convert func(lo, hi int)
 	switch t.DType {
 	case safetensors.BF16:
-		for i := range dst {
-			dst[i] = math.Float32frombits(uint32(binary.LittleEndian.Uint16(t.Data[2*i:])) << 16)
+		convert = func(lo, hi int) {
+			for i := lo; i < hi; i++ {
+				dst[i] = math.Float32frombits(uint32(binary.LittleEndian.Uint16(t.Data[2*i:])) << 16)
+			}
 		}
 	case safetensors.F16:
-		for i := range dst {
-			dst[i] = float16.Frombits(binary.LittleEndian.Uint16(t.Data[2*i:])).Float32()
+		convert = func(lo, hi int) {
+			for i := lo; i < hi; i++ {
+				dst[i] = float16.Frombits(binary.LittleEndian.Uint16(t.Data[2*i:])).Float32()
+			}
 		}
 	case safetensors.F32:
-		for i := range dst {
-			dst[i] = math.Float32frombits(binary.LittleEndian.Uint32(t.Data[4*i:]))
+		convert = func(lo, hi int) {
+			for i := lo; i < hi; i++ {
+				dst[i] = math.Float32frombits(binary.LittleEndian.Uint32(t.Data[4*i:]))
+			}
 		}
 	default:
 		return fmt.Errorf("tensor %q in %s: dtype %s is not supported for weights (BF16, F16, F32)", t.Name, t.File, t.DType)
 	}
+	mat.ParallelFor(len(dst), 1<<16, convert) // large tensors are read in parallel
 	return nil
 }
 
@@ -398,8 +407,21 @@ func (c *Checkpoint) Float32(name string, shape ...int) ([]float32, error) {
 // NonFinite is the index of the first NaN or ±Inf in x, or −1. (A bf16 or
 // fp16 value that overflowed is stored as Inf, so this catches it.)
 func NonFinite(x []float32) int {
-	for i, v := range x {
-		if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+	const chunk = 1 << 16
+	first := make([]int, (len(x)+chunk-1)/chunk)
+	mat.ParallelFor(len(first), 1, func(lo, hi int) {
+		for c := lo; c < hi; c++ {
+			first[c] = -1
+			for i, v := range x[c*chunk : min(len(x), (c+1)*chunk)] {
+				if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+					first[c] = c*chunk + i
+					break
+				}
+			}
+		}
+	})
+	for _, i := range first {
+		if i >= 0 {
 			return i
 		}
 	}
