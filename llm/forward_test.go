@@ -40,9 +40,12 @@ const batchTol = 2e-5
 
 // TestLogitsMatchTransformers compares full-sequence logits with the fp32
 // logits transformers computed for the same ids, on the trained models and
-// on the architecture zoo (Qwen2 biases, Mistral head_dim, Llama-3.1 RoPE).
+// on the architecture zoo (Qwen2 biases, Mistral head_dim and sliding
+// window, Llama-3.1 RoPE, Qwen3 q/k norm, the Qwen3-MoE and Mixtral
+// mixtures of experts, Gemma 3).
 func TestLogitsMatchTransformers(t *testing.T) {
-	for _, name := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-rand", "archzoo/mistral-swa-rand", "archzoo/llama31-rand"} {
+	for _, name := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-rand", "archzoo/mistral-swa-rand", "archzoo/llama31-rand",
+		"archzoo/qwen3-rand", "archzoo/qwen3moe-rand", "archzoo/mixtral-rand", "archzoo/gemma3-rand"} {
 		t.Run(name, func(t *testing.T) {
 			base := name
 			if i := len("archzoo/"); len(name) > i && name[:i] == "archzoo/" {
@@ -66,7 +69,7 @@ func TestLogitsMatchTransformers(t *testing.T) {
 					worst, at = d, i
 				}
 			}
-			t.Logf("max |diff| = %.2e at position %d", worst, at/V)
+			t.Logf("%s: max |diff| = %.2e at position %d", name, worst, at/V)
 			if !(worst <= refTol) {
 				t.Fatalf("max |logit diff| %.3e at position %d token %d exceeds %.0e", worst, at/V, at%V, refTol)
 			}
