@@ -3,6 +3,8 @@ package llm_test
 import (
 	"context"
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -260,4 +262,57 @@ func TestMoEBlockLinears(t *testing.T) {
 			t.Errorf("%s: Memory counts %d weight bytes, want %d (every parameter in float32)", tc.name, mem.Weights, want)
 		}
 	}
+}
+
+// TestGemma3ConditionalGeneration: gemma3-rand rewritten as
+// Gemma3ForConditionalGeneration (its config as text_config, its tensors
+// under language_model.model., a vision tensor beside them) gives the
+// same logits as Gemma3ForCausalLM.
+func TestGemma3ConditionalGeneration(t *testing.T) {
+	src := shared.Path(t, "models/archzoo/gemma3-rand")
+	ck, err := checkpoint.Open(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	tensors := map[string]checkpoint.Out{"vision_tower.probe.weight": checkpoint.F32([]float32{1, 2}, 2)}
+	for _, n := range ck.Names() {
+		tn, _ := ck.Tensor(n)
+		tensors["language_model."+n] = checkpoint.Out{DType: tn.DType, Shape: tn.Shape, Data: tn.Data}
+	}
+	dir := t.TempDir()
+	if err := checkpoint.WriteFile(filepath.Join(dir, "model.safetensors"), tensors, nil); err != nil {
+		t.Fatal(err)
+	}
+	text, err := os.ReadFile(filepath.Join(src, "config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := `{"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "torch_dtype": "bfloat16", "text_config": ` + string(text) + `}`
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	want := loadModel(t, "models/archzoo/gemma3-rand")
+	mm, err := checkpoint.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mm.Close()
+	got, err := llm.Load(mm, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := shared.Int32s(t, "reference/gemma3-rand.logits.input.i32")[:80]
+	V := want.Cfg.Vocab
+	a, b := make([]float32, len(ids)*V), make([]float32, len(ids)*V)
+	for _, x := range []struct {
+		m   *llm.Model
+		out []float32
+	}{{want, a}, {got, b}} {
+		c, _ := x.m.NewCache(len(ids))
+		if err := x.m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: ids, Logits: x.out}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	assertClose(t, b, a, 0, "Gemma3ForConditionalGeneration vs Gemma3ForCausalLM")
 }
