@@ -210,6 +210,9 @@ func applySmoothing(b *llm.Block, f SmoothFor) error {
 		}
 		return nil
 	}
+	if b.MoE != nil {
+		return fmt.Errorf("smoothing a mixture of experts is not supported")
+	}
 	if err := fold(b.AttnNorm, f.Attn, b.Q, b.K, b.V); err != nil {
 		return err
 	}

@@ -941,9 +941,15 @@ func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) {
 }
 
 // Supports refuses, by name, what the GPU backend does not run yet
-// rather than running it wrongly: Mistral's sliding-window attention (the
-// CPU backend runs it).
+// rather than running it wrongly: Mistral's sliding-window attention, and
+// the Qwen3, Qwen3-MoE, Mixtral and Gemma 3 architectures (q/k norms,
+// mixtures of experts, Gemma's norms, scales and per-layer windows); the
+// CPU backend runs them all.
 func Supports(c *checkpoint.Config) error {
+	switch c.Architecture {
+	case "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration":
+		return fmt.Errorf("%s: the GPU backend does not run this architecture yet (--device cpu runs it)", c.Architecture)
+	}
 	if c.SlidingWindow > 0 {
 		return fmt.Errorf("sliding_window %d: the GPU backend runs full attention only (--device cpu runs the window)", c.SlidingWindow)
 	}

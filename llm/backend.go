@@ -1,4 +1,5 @@
-// Package llm loads Llama-family checkpoints (Llama, Mistral, Qwen2) and runs
+// Package llm loads Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3,
+// Gemma 3, and the mixtures of experts Mixtral and Qwen3-MoE) and runs
 // them: the decoder-only transformer of Touvron et al. 2023 with RMSNorm,
 // rotary position embeddings (Su et al. 2021), grouped-query attention
 // (Ainslie et al. 2023) and a SwiGLU MLP (Shazeer 2020):
@@ -7,6 +8,23 @@
 //	for each block:  h = x + Wo·Attn(RoPE(Wq·n), RoPE(Wk·n), Wv·n),  n = RMSNorm(x)
 //	                 x = h + Wdown·(SiLU(Wgate·m) ⊙ Wup·m),          m = RMSNorm(h)
 //	logits = Wlm·RMSNorm(x)
+//
+// The later families change pieces of it:
+//
+//   - Qwen3 (and Qwen3-MoE, Gemma 3) norm each head of the queries and
+//     keys before RoPE: q_h = RMSNorm(q_h)·w_q, k_h = RMSNorm(k_h)·w_k.
+//   - Mixtral and Qwen3-MoE replace the MLP by a mixture of experts (MoE):
+//     a router picks the top-k experts of each token by softmax
+//     probability and sums their SwiGLU outputs weighted by it.
+//   - Gemma 3 scales x₀ by √hidden, applies norms as x̂·(1+w), norms the
+//     attention and MLP outputs before each residual add
+//     (h = x + RMSNorm(Wo·Attn(…)), x = h + RMSNorm(MLP(RMSNorm(h)))),
+//     uses GELU (tanh) in place of SiLU, scales scores by
+//     query_pre_attn_scalar^-½, and alternates sliding-window layers (with
+//     their own RoPE base) with full-attention ones.
+//   - Mistral's sliding window W (every layer) and Gemma's sliding layers
+//     let the query at position p see only keys p−W+1 … p; their KV cache
+//     keeps a ring of the last W positions.
 //
 // A Backend runs that network; the CPU backend (Model) computes in float32
 // with weights converted on load, and quantized checkpoints are dequantized

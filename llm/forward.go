@@ -6,21 +6,33 @@ import (
 	"math"
 	"sync/atomic"
 
+	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/mat"
 )
 
 // KVCache is the CPU backend's cache: per layer, keys and values stored
-// [kv_heads][capacity][head_dim] so each head's keys are one contiguous
-// matrix for the attention products.
+// [kv_heads][slots][head_dim] so each head's keys are one contiguous
+// matrix for the attention products. A layer attending to every earlier
+// position has a slot per position (the capacity); a sliding-window layer
+// whose window W is smaller than that keeps only the last W positions,
+// position p in slot p mod W (a ring), since no query will look further
+// back.
 type KVCache struct {
 	k, v    [][]float32
+	slots   []int // per layer: cap, or the window of a ring
 	n, cap  int
 	kvh, hd int
+	// written is the number of positions whose keys went into the rings
+	// since they were last known whole: Truncate can go back only as far
+	// as the rings still hold the window before the new end.
+	written int
 	open    *atomic.Int64 // the model's count of open cache bytes
 	bytes   int64
 }
 
-// NewCache implements Backend.
+// NewCache implements Backend. Layers with a sliding window get a ring
+// of min(window, capacity) slots, so the cache of a sliding layer never
+// outgrows its window; Bytes and Memory count what is allocated.
 func (m *Model) NewCache(capacity int) (Cache, error) {
 	c := m.Cfg
 	if capacity <= 0 {
@@ -28,10 +40,15 @@ func (m *Model) NewCache(capacity int) (Cache, error) {
 	}
 	kc := &KVCache{cap: capacity, kvh: c.KVHeads, hd: c.HeadDim}
 	for l := 0; l < c.Layers; l++ {
-		kc.k = append(kc.k, make([]float32, c.KVHeads*capacity*c.HeadDim))
-		kc.v = append(kc.v, make([]float32, c.KVHeads*capacity*c.HeadDim))
+		s := capacity
+		if w := c.Window(l); w > 0 {
+			s = min(w, capacity)
+		}
+		kc.slots = append(kc.slots, s)
+		kc.k = append(kc.k, make([]float32, c.KVHeads*s*c.HeadDim))
+		kc.v = append(kc.v, make([]float32, c.KVHeads*s*c.HeadDim))
 	}
-	kc.bytes = int64(2*c.Layers*c.KVHeads*capacity*c.HeadDim) * 4
+	kc.bytes = kc.Bytes()
 	kc.open = &m.caches
 	kc.open.Add(kc.bytes)
 	return kc, nil
@@ -44,7 +61,7 @@ func (c *KVCache) Close() error {
 		c.open.Add(-c.bytes)
 		c.open = nil
 	}
-	c.k, c.v, c.n, c.cap = nil, nil, 0, 0
+	c.k, c.v, c.slots, c.n, c.cap = nil, nil, nil, 0, 0
 	return nil
 }
 
@@ -83,9 +100,12 @@ func LogitsNLL(ctx context.Context, b Backend, ids []int) (float64, int, error) 
 func (m *Model) Memory() (Memory, error) {
 	n := int64(len(m.Embed) + len(m.Norm))
 	for _, b := range m.Blocks {
-		n += int64(len(b.AttnNorm) + len(b.MLPNorm))
+		n += int64(len(b.AttnNorm) + len(b.MLPNorm) + len(b.QNorm) + len(b.KNorm) + len(b.PostAttnNorm) + len(b.PostMLPNorm))
 		for _, l := range b.Linears() {
 			n += int64((*l.L).In()) * int64((*l.L).Out())
+		}
+		if b.MoE != nil {
+			n += int64(len(b.MoE.Router.W))
 		}
 	}
 	if m.LMHead != nil && !m.TiedHead {
@@ -102,12 +122,36 @@ func (m *Model) Close() error { return nil }
 func (c *KVCache) Len() int { return c.n }
 func (c *KVCache) Cap() int { return c.cap }
 
-// Bytes is the memory the cache reserves (keys and values, all layers).
-func (c *KVCache) Bytes() int64 { return int64(2*len(c.k)*c.kvh*c.cap*c.hd) * 4 }
+// Bytes is the memory the cache reserves (keys and values, all layers; a
+// sliding layer's ring counts its window, not the capacity).
+func (c *KVCache) Bytes() int64 {
+	var n int64
+	for _, s := range c.slots {
+		n += int64(2*c.kvh*s*c.hd) * 4
+	}
+	return n
+}
+
+// Truncate forgets everything after the first n tokens. A sliding
+// layer's ring has overwritten what lay a window before the tokens it
+// forgets, so with rings the next Forward fails if more than one token
+// was dropped past the window (its error says so); full layers can go
+// back anywhere.
 func (c *KVCache) Truncate(n int) {
 	if n >= 0 && n < c.n {
 		c.n = n
 	}
+}
+
+// ringsLost reports whether a ring no longer holds the window before
+// position c.n (Truncate went back too far).
+func (c *KVCache) ringsLost() error {
+	for l, s := range c.slots {
+		if s < c.cap && c.written > max(s, c.n+1) {
+			return fmt.Errorf("layer %d keeps only the last %d positions (its sliding window) and the cache was truncated from %d to %d tokens: start a new cache", l, s, c.written, c.n)
+		}
+	}
+	return nil
 }
 
 // Forward implements Backend: the whole network for a batch of sequences.
@@ -124,6 +168,9 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		}
 		if kc.open == nil && kc.k == nil {
 			return fmt.Errorf("step %d: the cache is closed", i)
+		}
+		if err := kc.ringsLost(); err != nil {
+			return fmt.Errorf("step %d: %w", i, err)
 		}
 		if kc.n+len(s.Tokens) > kc.cap {
 			return fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, kc.n, len(s.Tokens), kc.cap)
@@ -157,16 +204,31 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 	g := make([]float32, rows*c.Intermediate)
 	u := make([]float32, rows*c.Intermediate)
 
-	// Embeddings and rotary tables, row by row of the batch.
+	// Embeddings (scaled by √hidden in Gemma) and each rotary
+	// embedding's tables, row by row of the batch.
 	half := hd / 2
-	cos, sin := make([]float32, rows*half), make([]float32, rows*half)
+	tables := map[*rope]*ropeTable{}
+	for _, rp := range m.ropes {
+		if tables[rp] == nil {
+			tables[rp] = &ropeTable{make([]float32, rows*half), make([]float32, rows*half)}
+		}
+	}
+	scale := float32(c.EmbedScale)
 	r := 0
 	for i, s := range steps {
-		cs, sn := m.rope.table(caches[i].n, len(s.Tokens))
-		copy(cos[r*half:], cs)
-		copy(sin[r*half:], sn)
+		for rp, t := range tables {
+			cs, sn := rp.table(caches[i].n, len(s.Tokens))
+			copy(t.cos[r*half:], cs)
+			copy(t.sin[r*half:], sn)
+		}
 		for _, t := range s.Tokens {
-			copy(x[r*H:(r+1)*H], m.Embed[t*H:(t+1)*H])
+			xr := x[r*H : (r+1)*H]
+			copy(xr, m.Embed[t*H:(t+1)*H])
+			if scale != 0 {
+				for j := range xr {
+					xr[j] *= scale
+				}
+			}
 			r++
 		}
 	}
@@ -175,20 +237,32 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 	for i, s := range steps {
 		lens[i] = len(s.Tokens)
 	}
+	eps := c.RMSNormEps
 	for l, b := range m.Blocks {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		RMSNorm(h, x, b.AttnNorm, rows, c.RMSNormEps)
-		m.selfAttention(att, b, h, l, lens, caches, cos, sin, q, k, v)
+		RMSNorm(h, x, b.AttnNorm, rows, eps)
+		t := tables[m.ropes[l]]
+		m.selfAttention(att, b, h, l, lens, caches, t.cos, t.sin, q, k, v)
 		b.O.Forward(tmp, att, rows)
+		if b.PostAttnNorm != nil {
+			RMSNorm(tmp, tmp, b.PostAttnNorm, rows, eps)
+		}
 		add(x, tmp)
 
-		RMSNorm(h, x, b.MLPNorm, rows, c.RMSNormEps)
-		b.Gate.Forward(g, h, rows)
-		b.Up.Forward(u, h, rows)
-		SwiGLU(g, u)
-		b.Down.Forward(tmp, g, rows)
+		RMSNorm(h, x, b.MLPNorm, rows, eps)
+		if b.MoE != nil {
+			b.MoE.Forward(tmp, h, rows)
+		} else {
+			b.Gate.Forward(g, h, rows)
+			b.Up.Forward(u, h, rows)
+			GatedAct(c.Act, g, u)
+			b.Down.Forward(tmp, g, rows)
+		}
+		if b.PostMLPNorm != nil {
+			RMSNorm(tmp, tmp, b.PostMLPNorm, rows, eps)
+		}
 		add(x, tmp)
 	}
 
@@ -196,22 +270,28 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 	for i, s := range steps {
 		n := len(s.Tokens)
 		caches[i].n += n
+		caches[i].written = caches[i].n
 		first := r
 		if s.LastOnly {
 			first = r + n - 1
 		}
 		cnt := r + n - first
-		RMSNorm(h, x[first*H:(r+n)*H], m.Norm, cnt, c.RMSNormEps)
+		RMSNorm(h, x[first*H:(r+n)*H], m.Norm, cnt, eps)
 		m.LMHead.Forward(s.Logits, h, cnt)
 		r += n
 	}
 	return nil
 }
 
+// ropeTable is one rotary embedding's cos and sin for the rows of a batch.
+type ropeTable struct{ cos, sin []float32 }
+
 // selfAttention projects the normed rows h to queries, keys and values,
-// rotates them, appends keys and values to each sequence's cache (layer l)
-// and writes the attention output (before o_proj) to att. lens[i] rows of
-// h belong to sequence i; cos and sin are the rotary tables of the rows.
+// norms each head of the queries and keys (QKNorm), rotates them, appends
+// keys and values to each sequence's cache (layer l) and writes the
+// attention output (before o_proj) to att. lens[i] rows of h belong to
+// sequence i; cos and sin are the rotary tables of the rows for this
+// layer's rotary embedding.
 func (m *Model) selfAttention(att []float32, b *Block, h []float32, l int, lens []int, caches []*KVCache, cos, sin, q, k, v []float32) {
 	c := m.Cfg
 	hd, nH, nKV := c.HeadDim, c.Heads, c.KVHeads
@@ -222,23 +302,52 @@ func (m *Model) selfAttention(att []float32, b *Block, h []float32, l int, lens 
 	b.Q.Forward(q, h, rows)
 	b.K.Forward(k, h, rows)
 	b.V.Forward(v, h, rows)
-	m.rope.apply(q, rows, nH, hd, cos, sin)
-	m.rope.apply(k, rows, nKV, hd, cos, sin)
+	if b.QNorm != nil {
+		RMSNorm(q, q, b.QNorm, rows*nH, c.RMSNormEps)
+		RMSNorm(k, k, b.KNorm, rows*nKV, c.RMSNormEps)
+	}
+	rp := m.ropes[b.Layer]
+	rp.apply(q, rows, nH, hd, cos, sin)
+	rp.apply(k, rows, nKV, hd, cos, sin)
+	window := c.Window(b.Layer)
+	scale := attnScale(c)
 	r0 := 0
 	for i, n := range lens {
 		kc := caches[i]
-		kc.store(l, k[r0*nKV*hd:], v[r0*nKV*hd:], n)
-		attention(att[r0*nH*hd:], q[r0*nH*hd:], kc, l, n, nH, c.SlidingWindow)
+		ko, vo, qo, out := k[r0*nKV*hd:], v[r0*nKV*hd:], q[r0*nH*hd:], att[r0*nH*hd:]
+		if s := kc.slots[l]; s < kc.cap {
+			// A ring: the window's earlier keys in position order, then
+			// the new ones.
+			K, V, base := kc.window(l, ko, vo, n)
+			attention(out, qo, K, V, (kc.n-base+n)*hd, base, kc.n, n, nH, nKV, hd, scale, window)
+			kc.store(l, ko, vo, n)
+		} else {
+			kc.store(l, ko, vo, n)
+			attention(out, qo, kc.k[l], kc.v[l], s*hd, 0, kc.n, n, nH, nKV, hd, scale, window)
+		}
 		r0 += n
 	}
 }
 
-// store writes n new rows of keys and values ([n][kv_heads×hd]) at the end
-// of layer l's cache.
+// attnScale is the factor of q·kᵀ: head_dim^-½, or Gemma's
+// query_pre_attn_scalar^-½.
+func attnScale(c *checkpoint.Config) float32 {
+	d := float64(c.HeadDim)
+	if c.QueryPreAttnScalar > 0 {
+		d = c.QueryPreAttnScalar
+	}
+	return float32(1 / math.Sqrt(d))
+}
+
+// store writes n new rows of keys and values ([n][kv_heads×hd]) for the
+// positions after the kc.n cached ones into layer l, each in its slot
+// (only the last ring-size rows of a ring, the others being overwritten).
 func (c *KVCache) store(l int, k, v []float32, n int) {
-	for t := 0; t < n; t++ {
+	s := c.slots[l]
+	for t := max(0, n-s); t < n; t++ {
+		slot := (c.n + t) % s
 		for j := 0; j < c.kvh; j++ {
-			dst := (j*c.cap + c.n + t) * c.hd
+			dst := (j*s + slot) * c.hd
 			src := (t*c.kvh + j) * c.hd
 			copy(c.k[l][dst:dst+c.hd], k[src:src+c.hd])
 			copy(c.v[l][dst:dst+c.hd], v[src:src+c.hd])
@@ -246,33 +355,65 @@ func (c *KVCache) store(l int, k, v []float32, n int) {
 	}
 }
 
+// window gathers what n new queries of ring layer l attend to: the keys
+// and values of the last min(kc.n, slots−1) cached positions from the
+// ring, then the n new rows k and v ([n][kv_heads×hd]), per kv head
+// contiguous in position order. base is the position of the first.
+func (c *KVCache) window(l int, k, v []float32, n int) (K, V []float32, base int) {
+	s, hd := c.slots[l], c.hd
+	prev := min(c.n, s-1)
+	base = c.n - prev
+	S := prev + n
+	K, V = make([]float32, c.kvh*S*hd), make([]float32, c.kvh*S*hd)
+	for j := 0; j < c.kvh; j++ {
+		for t := 0; t < prev; t++ {
+			src := (j*s + (base+t)%s) * hd
+			dst := (j*S + t) * hd
+			copy(K[dst:dst+hd], c.k[l][src:src+hd])
+			copy(V[dst:dst+hd], c.v[l][src:src+hd])
+		}
+		for t := 0; t < n; t++ {
+			src := (t*c.kvh + j) * hd
+			dst := (j*S + prev + t) * hd
+			copy(K[dst:dst+hd], k[src:src+hd])
+			copy(V[dst:dst+hd], v[src:src+hd])
+		}
+	}
+	return K, V, base
+}
+
 // attnBlock is how many query rows share one scores buffer: causal
 // attention then only computes keys up to the block's last row, which
 // halves the work of a long prefill.
 const attnBlock = 256
 
-// attention computes softmax(q·kᵀ/√hd + causal mask)·v for n new query rows
-// of one sequence, whose keys and values (layer l) are already in the cache
-// after the kc.n earlier ones. q and out are [n][heads×hd]. With a sliding
-// window W > 0 the row at position p sees only keys p−W+1 … p.
-func attention(out, q []float32, kc *KVCache, l, n, heads, window int) {
-	hd, pos0 := kc.hd, kc.n
-	group := heads / kc.kvh
+// attention computes softmax(scale·q·kᵀ + causal mask)·v for n new query
+// rows of one sequence at positions pos0 … pos0+n−1. K and V hold, for
+// each kv head (stride values apart), the keys and values of positions
+// base, base+1, … up to pos0+n−1, [position][hd]. q and out are
+// [n][heads×hd]. With a sliding window W > 0 the row at position p sees
+// only keys p−W+1 … p (and a block of rows computes only the keys its
+// rows can see).
+func attention(out, q, K, V []float32, stride, base, pos0, n, heads, kvh, hd int, scale float32, window int) {
+	group := heads / kvh
 	ld := heads * hd
-	scale := float32(1 / math.Sqrt(float64(hd)))
 	mat.ParallelFor(heads, 1, func(h0, h1 int) {
-		scores := make([]float32, min(n, attnBlock)*(pos0+n))
+		scores := make([]float32, min(n, attnBlock)*(pos0-base+n))
 		for h := h0; h < h1; h++ {
 			kv := h / group
-			K := kc.k[l][kv*kc.cap*hd:]
-			V := kc.v[l][kv*kc.cap*hd:]
+			Kh, Vh := K[kv*stride:], V[kv*stride:]
 			for r0 := 0; r0 < n; r0 += attnBlock {
 				nb := min(attnBlock, n-r0)
-				S := pos0 + r0 + nb // keys visible to the block's last row
-				mat.GemmSerial(false, true, nb, S, hd, scale, q[r0*ld+h*hd:], ld, K, hd, 0, scores, S)
+				S := pos0 - base + r0 + nb // keys visible to the block's last row
+				lo := 0                    // the first key its first row sees
+				if window > 0 {
+					lo = max(0, pos0-base+r0+1-window)
+				}
+				L := S - lo
+				mat.GemmSerial(false, true, nb, L, hd, scale, q[r0*ld+h*hd:], ld, Kh[lo*hd:], hd, 0, scores, L)
 				for i := 0; i < nb; i++ {
-					row := scores[i*S : (i+1)*S]
-					visible := pos0 + r0 + i + 1
+					row := scores[i*L : (i+1)*L]
+					visible := pos0 - base + r0 + i + 1 - lo
 					first := 0
 					if window > 0 {
 						first = max(0, visible-window)
@@ -281,7 +422,7 @@ func attention(out, q []float32, kc *KVCache, l, n, heads, window int) {
 					clear(row[:first])
 					clear(row[visible:])
 				}
-				mat.GemmSerial(false, false, nb, hd, S, 1, scores, S, V, hd, 0, out[r0*ld+h*hd:], ld)
+				mat.GemmSerial(false, false, nb, hd, L, 1, scores, L, Vh[lo*hd:], hd, 0, out[r0*ld+h*hd:], ld)
 			}
 		}
 	})

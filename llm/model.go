@@ -42,21 +42,45 @@ func (d *Dense) Forward(y, x []float32, rows int) {
 	}
 }
 
-// Block is one decoder layer.
+// Block is one decoder layer. Gate, Up and Down are its MLP, or nil when
+// MoE replaces it; QNorm and KNorm, PostAttnNorm and PostMLPNorm are nil
+// in the families without them.
 type Block struct {
 	AttnNorm, MLPNorm []float32
 	Q, K, V, O        Linear
 	Gate, Up, Down    Linear
+	// QNorm and KNorm [head_dim] norm each head of the queries and keys
+	// before RoPE (Qwen3, Gemma 3).
+	QNorm, KNorm []float32
+	// PostAttnNorm and PostMLPNorm norm the attention and MLP outputs
+	// before they are added to the residual stream (Gemma 3); MLPNorm is
+	// then Gemma's pre_feedforward_layernorm.
+	PostAttnNorm, PostMLPNorm []float32
+	// MoE is the mixture of experts of a sparse layer (Mixtral, Qwen3-MoE).
+	MoE *MoE
+	// Layer is the block's index in the model: it selects the layer's
+	// sliding window and rotary embedding (Config.Window, LayerRope).
+	Layer int
 }
 
 // Linears lists the block's layers with their checkpoint names
-// (relative to model.layers.N.), in execution order.
+// (relative to model.layers.N.), in execution order: q, k, v, o, then
+// gate, up, down, or each expert's gate, up and down in expert order. A
+// mixture's router is not among them: it stays in float32 (MoE.Router).
 func (b *Block) Linears() []NamedLinear {
-	return []NamedLinear{
+	ls := []NamedLinear{
 		{"self_attn.q_proj", &b.Q}, {"self_attn.k_proj", &b.K}, {"self_attn.v_proj", &b.V},
-		{"self_attn.o_proj", &b.O}, {"mlp.gate_proj", &b.Gate}, {"mlp.up_proj", &b.Up},
-		{"mlp.down_proj", &b.Down},
+		{"self_attn.o_proj", &b.O},
 	}
+	if b.MoE == nil {
+		return append(ls, NamedLinear{"mlp.gate_proj", &b.Gate}, NamedLinear{"mlp.up_proj", &b.Up}, NamedLinear{"mlp.down_proj", &b.Down})
+	}
+	for e := range b.MoE.Experts {
+		x := &b.MoE.Experts[e]
+		n := b.MoE.names.expert(e)
+		ls = append(ls, NamedLinear{n[0], &x.Gate}, NamedLinear{n[1], &x.Up}, NamedLinear{n[2], &x.Down})
+	}
+	return ls
 }
 
 // NamedLinear points at one of a block's layers.
@@ -74,7 +98,7 @@ type Model struct {
 	LMHead Linear
 	// TiedHead says LMHead reuses Embed (its weights are not counted twice).
 	TiedHead bool
-	rope     *rope
+	ropes    []*rope      // per layer (Gemma's sliding layers have their own)
 	caches   atomic.Int64 // bytes of open caches
 }
 
@@ -119,22 +143,36 @@ type LinearSpec struct {
 }
 
 // BlockLinears lists decoder layer i's linear layers in execution order:
-// q, k, v, o, gate, up, down (the order of Block.Linears).
+// q, k, v, o, gate, up, down, with the experts' gate, up, down in place of
+// the MLP's in a sparse layer (the order of Block.Linears).
 func BlockLinears(c *checkpoint.Config, i int) []LinearSpec {
 	p := fmt.Sprintf("model.layers.%d.", i)
 	q, kv := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
-	return []LinearSpec{
+	specs := []LinearSpec{
 		{p + "self_attn.q_proj", c.Hidden, q, c.QKVBias},
 		{p + "self_attn.k_proj", c.Hidden, kv, c.QKVBias},
 		{p + "self_attn.v_proj", c.Hidden, kv, c.QKVBias},
 		{p + "self_attn.o_proj", q, c.Hidden, false},
-		{p + "mlp.gate_proj", c.Hidden, c.Intermediate, false},
-		{p + "mlp.up_proj", c.Hidden, c.Intermediate, false},
-		{p + "mlp.down_proj", c.Intermediate, c.Hidden, false},
 	}
+	if !c.Sparse(i) {
+		return append(specs,
+			LinearSpec{p + "mlp.gate_proj", c.Hidden, c.Intermediate, false},
+			LinearSpec{p + "mlp.up_proj", c.Hidden, c.Intermediate, false},
+			LinearSpec{p + "mlp.down_proj", c.Intermediate, c.Hidden, false})
+	}
+	names, I := moeNamesFor(c), c.MoE.Intermediate
+	for e := 0; e < c.MoE.Experts; e++ {
+		n := names.expert(e)
+		specs = append(specs,
+			LinearSpec{p + n[0], c.Hidden, I, false},
+			LinearSpec{p + n[1], c.Hidden, I, false},
+			LinearSpec{p + n[2], I, c.Hidden, false})
+	}
+	return specs
 }
 
-// ReadBlockNorms reads decoder layer i's two RMSNorm weights.
+// ReadBlockNorms reads decoder layer i's two RMSNorm weights (Llama's
+// input_layernorm and post_attention_layernorm).
 func ReadBlockNorms(ck *checkpoint.Checkpoint, i int) (attn, mlp []float32, err error) {
 	c := ck.Config
 	p := fmt.Sprintf("model.layers.%d.", i)
@@ -147,15 +185,72 @@ func ReadBlockNorms(ck *checkpoint.Checkpoint, i int) (attn, mlp []float32, err 
 	return attn, mlp, nil
 }
 
-// LoadBlock reads decoder layer i. Quantization tools use it to stream a
-// model one block at a time.
-func LoadBlock(ck *checkpoint.Checkpoint, i int, load LinearLoader) (*Block, error) {
-	b := &Block{}
-	var err error
-	if b.AttnNorm, b.MLPNorm, err = ReadBlockNorms(ck, i); err != nil {
+// readNorms reads every norm of decoder layer i into b. Gemma 3's
+// weights are stored as w and applied as (1+w): b holds 1+w, computed in
+// float32 as transformers does, so RMSNorm is the same function for all.
+func readNorms(ck *checkpoint.Checkpoint, i int, b *Block) error {
+	c := ck.Config
+	p := fmt.Sprintf("model.layers.%d.", i)
+	type norm struct {
+		dst  *[]float32
+		name string
+		n    int
+	}
+	var ns []norm
+	if c.SandwichNorm {
+		ns = []norm{{&b.AttnNorm, "input_layernorm", c.Hidden}, {&b.PostAttnNorm, "post_attention_layernorm", c.Hidden},
+			{&b.MLPNorm, "pre_feedforward_layernorm", c.Hidden}, {&b.PostMLPNorm, "post_feedforward_layernorm", c.Hidden}}
+	} else {
+		ns = []norm{{&b.AttnNorm, "input_layernorm", c.Hidden}, {&b.MLPNorm, "post_attention_layernorm", c.Hidden}}
+	}
+	if c.QKNorm {
+		ns = append(ns, norm{&b.QNorm, "self_attn.q_norm", c.HeadDim}, norm{&b.KNorm, "self_attn.k_norm", c.HeadDim})
+	}
+	for _, n := range ns {
+		w, err := readNorm(ck, p+n.name+".weight", n.n)
+		if err != nil {
+			return err
+		}
+		*n.dst = w
+	}
+	return nil
+}
+
+// readNorm reads one RMSNorm weight, as 1+w where the config says so.
+func readNorm(ck *checkpoint.Checkpoint, name string, n int) ([]float32, error) {
+	w, err := ck.Float32(name, n)
+	if err != nil {
 		return nil, err
 	}
-	specs := BlockLinears(ck.Config, i)
+	if ck.Config.NormPlusOne {
+		for i := range w {
+			w[i] += 1
+		}
+	}
+	return w, nil
+}
+
+// LoadBlock reads decoder layer i. Quantization tools use it to stream a
+// model one block at a time. A mixture's router is read in float32
+// whatever load does.
+func LoadBlock(ck *checkpoint.Checkpoint, i int, load LinearLoader) (*Block, error) {
+	c := ck.Config
+	b := &Block{Layer: i}
+	if err := readNorms(ck, i, b); err != nil {
+		return nil, err
+	}
+	if c.Sparse(i) {
+		names := moeNamesFor(c)
+		name := fmt.Sprintf("model.layers.%d.%s", i, names.router)
+		w, err := ck.Float32(name+".weight", c.MoE.Experts, c.Hidden)
+		if err != nil {
+			return nil, err
+		}
+		b.MoE = &MoE{Router: NewDense(w, nil, c.Hidden, c.MoE.Experts), Experts: make([]Expert, c.MoE.Experts),
+			TopK: c.MoE.TopK, NormTopK: c.MoE.NormTopK, Act: c.Act, names: names}
+	}
+	specs := BlockLinears(c, i)
+	var err error
 	for j, nl := range b.Linears() {
 		s := specs[j]
 		if *nl.L, err = load(ck, s.Name, s.In, s.Out, s.Bias); err != nil {
@@ -166,13 +261,13 @@ func LoadBlock(ck *checkpoint.Checkpoint, i int, load LinearLoader) (*Block, err
 }
 
 // ReadEmbeddings reads the token embeddings [vocab][hidden] and the final
-// norm.
+// norm (as 1+w for Gemma 3).
 func ReadEmbeddings(ck *checkpoint.Checkpoint) (embed, norm []float32, err error) {
 	c := ck.Config
 	if embed, err = ck.Float32("model.embed_tokens.weight", c.Vocab, c.Hidden); err != nil {
 		return nil, nil, err
 	}
-	if norm, err = ck.Float32("model.norm.weight", c.Hidden); err != nil {
+	if norm, err = readNorm(ck, "model.norm.weight", c.Hidden); err != nil {
 		return nil, nil, err
 	}
 	return embed, norm, nil
@@ -217,7 +312,7 @@ func Load(ck *checkpoint.Checkpoint, load LinearLoader) (*Model, error) {
 	if load == nil {
 		load = DenseLoader
 	}
-	m := &Model{Cfg: ck.Config, rope: newRope(ck.Config)}
+	m := &Model{Cfg: ck.Config, ropes: newRopes(ck.Config)}
 	var err error
 	if m.Embed, m.Norm, m.LMHead, err = LoadEmbeddings(ck, load); err != nil {
 		return nil, err
@@ -241,23 +336,37 @@ type rope struct {
 	invFreq []float32 // [head_dim/2]
 }
 
-func newRope(c *checkpoint.Config) *rope {
-	half := c.HeadDim / 2
+// newRopes gives each layer its rotary embedding: one shared by all, or
+// (Gemma 3) one for the full-attention layers and one for the sliding.
+func newRopes(c *checkpoint.Config) []*rope {
+	byParams := map[checkpoint.Rope]*rope{}
+	out := make([]*rope, c.Layers)
+	for l := range out {
+		p := c.LayerRope(l)
+		if byParams[p] == nil {
+			byParams[p] = newRope(p, c.HeadDim)
+		}
+		out[l] = byParams[p]
+	}
+	return out
+}
+
+func newRope(r checkpoint.Rope, hd int) *rope {
+	half := hd / 2
 	inv := make([]float32, half)
 	for i := range inv {
-		e := float32(2*i) / float32(c.HeadDim)
-		inv[i] = 1 / float32(math.Pow(c.Rope.Theta, float64(e)))
+		e := float32(2*i) / float32(hd)
+		inv[i] = 1 / float32(math.Pow(r.Theta, float64(e)))
 	}
-	switch c.Rope.Type {
+	switch r.Type {
 	case "linear":
 		for i := range inv {
-			inv[i] /= float32(c.Rope.Factor)
+			inv[i] /= float32(r.Factor)
 		}
 	case "llama3":
 		// Wavelengths shorter than the original context/high_freq_factor
 		// are kept, longer than context/low_freq_factor divided by factor,
 		// and those between interpolated smoothly.
-		r := c.Rope
 		old := float64(r.OriginalMaxPositions)
 		lowWave, highWave := old/r.LowFreqFactor, old/r.HighFreqFactor
 		for i, f := range inv {
@@ -278,7 +387,9 @@ func newRope(c *checkpoint.Config) *rope {
 // RopeTables returns the rotary tables cos and sin [n][head_dim/2] for
 // positions 0..n-1, as the CPU backend computes them, for backends that
 // rotate on their own.
-func RopeTables(c *checkpoint.Config, n int) (cos, sin []float32) { return newRope(c).table(0, n) }
+func RopeTables(c *checkpoint.Config, n int) (cos, sin []float32) {
+	return newRope(c.Rope, c.HeadDim).table(0, n)
+}
 
 // table fills cos and sin [n][half] for positions pos0..pos0+n-1.
 func (r *rope) table(pos0, n int) (cos, sin []float32) {

@@ -12,7 +12,7 @@ type Stages struct {
 
 // NewStages prepares stages for an architecture.
 func NewStages(cfg *checkpoint.Config) *Stages {
-	return &Stages{m: &Model{Cfg: cfg, rope: newRope(cfg)}}
+	return &Stages{m: &Model{Cfg: cfg, ropes: newRopes(cfg)}}
 }
 
 // Norm returns RMSNorm(x)·w for T rows.
@@ -27,9 +27,9 @@ func (s *Stages) Norm(w, x []float32, T int) []float32 {
 func (s *Stages) Attention(b *Block, n []float32, T int) []float32 {
 	c := s.m.Cfg
 	hd := c.HeadDim
-	kc := &KVCache{cap: T, kvh: c.KVHeads, hd: hd,
+	kc := &KVCache{cap: T, kvh: c.KVHeads, hd: hd, slots: []int{T},
 		k: [][]float32{make([]float32, c.KVHeads*T*hd)}, v: [][]float32{make([]float32, c.KVHeads*T*hd)}}
-	cos, sin := s.m.rope.table(0, T)
+	cos, sin := s.m.ropes[b.Layer].table(0, T)
 	att := make([]float32, T*c.Heads*hd)
 	q := make([]float32, T*c.Heads*hd)
 	k := make([]float32, T*c.KVHeads*hd)
@@ -38,29 +38,49 @@ func (s *Stages) Attention(b *Block, n []float32, T int) []float32 {
 	return att
 }
 
-// MLPAct returns SiLU(gate·m) ⊙ up·m, the input of down_proj, for the
-// normed rows m (the input of gate/up_proj).
+// MLPAct returns act(gate·m) ⊙ up·m, the input of down_proj, for the
+// normed rows m (the input of gate/up_proj) of a block with a dense MLP.
 func (s *Stages) MLPAct(b *Block, m []float32, T int) []float32 {
 	I := s.m.Cfg.Intermediate
 	g, u := make([]float32, T*I), make([]float32, T*I)
 	b.Gate.Forward(g, m, T)
 	b.Up.Forward(u, m, T)
-	SwiGLU(g, u)
+	GatedAct(s.m.Cfg.Act, g, u)
 	return g
 }
 
 // AddLinear sets x += L(in) for T rows.
 func (s *Stages) AddLinear(x []float32, l Linear, in []float32, T int) {
-	out := make([]float32, T*l.Out())
-	l.Forward(out, in, T)
-	add(x, out)
+	add(x, s.linear(l, in, T))
 }
 
-// Block runs the whole block on x (T rows) and returns the new x.
+func (s *Stages) linear(l Linear, in []float32, T int) []float32 {
+	out := make([]float32, T*l.Out())
+	l.Forward(out, in, T)
+	return out
+}
+
+// Block runs the whole block on x (T rows) and returns the new x: the
+// forward pass's computation, Gemma's output norms and mixtures of
+// experts included.
 func (s *Stages) Block(b *Block, x []float32, T int) []float32 {
 	h := append([]float32(nil), x...)
-	s.AddLinear(h, b.O, s.Attention(b, s.Norm(b.AttnNorm, x, T), T), T)
+	a := s.linear(b.O, s.Attention(b, s.Norm(b.AttnNorm, x, T), T), T)
+	if b.PostAttnNorm != nil {
+		a = s.Norm(b.PostAttnNorm, a, T)
+	}
+	add(h, a)
 	m := s.Norm(b.MLPNorm, h, T)
-	s.AddLinear(h, b.Down, s.MLPAct(b, m, T), T)
+	var y []float32
+	if b.MoE != nil {
+		y = make([]float32, len(h))
+		b.MoE.Forward(y, m, T)
+	} else {
+		y = s.linear(b.Down, s.MLPAct(b, m, T), T)
+	}
+	if b.PostMLPNorm != nil {
+		y = s.Norm(b.PostMLPNorm, y, T)
+	}
+	add(h, y)
 	return h
 }

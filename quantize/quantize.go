@@ -145,6 +145,11 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if cfg.Quantization != nil {
 		return nil, fmt.Errorf("%s is already quantized", opt.Src)
 	}
+	// The driver knows Llama's block (two norms, q/k/v/o, gate/up/down);
+	// q/k norms, Gemma's four norms and experts are not written yet.
+	if cfg.QKNorm || cfg.SandwichNorm || cfg.MoE != nil {
+		return nil, fmt.Errorf("%s: quantizing %s is not supported yet (Llama, Mistral and Qwen2 are)", opt.Src, cfg.Architecture)
+	}
 	grid := m.Grid()
 	for _, in := range []int{cfg.Hidden, cfg.Heads * cfg.HeadDim, cfg.Intermediate} {
 		if err := grid.Validate(in); err != nil {

@@ -7,8 +7,16 @@
 //
 // Rendering uses github.com/ardanlabs/jinja, a Jinja engine written for
 // chat templates and checked byte for byte against jinja2; this package's
-// tests compare its renderings of the Llama-3, Mistral and Qwen2 templates
-// with jinja2's (testdata/*.golden.json, made by testdata/render.py).
+// tests compare its renderings of the Llama-3, Mistral, Qwen2, Qwen3 and
+// Gemma 3 templates with jinja2's (testdata/golden.json, made by
+// testdata/render.py).
+//
+// Qwen3's template reads two things beyond roles and contents: an
+// assistant message's reasoning (Message.ReasoningContent, or a
+// "<think>…</think>" prefix of its content), rendered in <think> tags for
+// the turns after the last user message and dropped from earlier ones,
+// and the enable_thinking variable (RenderWith), false putting an empty
+// think block after the generation prompt.
 //
 // The rendered text already holds the template's special tokens (usually
 // the BOS token too), so it is tokenized without adding special tokens.
@@ -28,6 +36,9 @@ import (
 type Message struct {
 	Role    string `json:"role"` // system, user, assistant, tool
 	Content string `json:"content"`
+	// ReasoningContent is an assistant turn's thinking, for templates
+	// that render it (Qwen3's reasoning_content); passed only when set.
+	ReasoningContent string `json:"reasoning_content,omitempty"`
 }
 
 // Template is a compiled chat template with the special tokens it refers to.
@@ -137,6 +148,14 @@ func tokenContent(raw json.RawMessage) (string, error) {
 // Render renders the conversation; addGenerationPrompt appends the
 // header of the assistant's turn, what a model continues from.
 func (t *Template) Render(messages []Message, addGenerationPrompt bool) (string, error) {
+	return t.RenderWith(messages, addGenerationPrompt, nil)
+}
+
+// RenderWith is Render with further template variables, as
+// apply_chat_template passes its extra keyword arguments (e.g. Qwen3's
+// {"enable_thinking": false}). They cannot replace the variables Render
+// sets.
+func (t *Template) RenderWith(messages []Message, addGenerationPrompt bool, vars map[string]any) (string, error) {
 	if len(messages) == 0 {
 		return "", fmt.Errorf("chat template: no messages")
 	}
@@ -145,14 +164,28 @@ func (t *Template) Render(messages []Message, addGenerationPrompt bool) (string,
 		if m.Role == "" {
 			return "", fmt.Errorf("chat template: message %d has no role", i)
 		}
-		ms[i] = map[string]any{"role": m.Role, "content": m.Content}
+		msg := map[string]any{"role": m.Role, "content": m.Content}
+		if m.ReasoningContent != "" {
+			msg["reasoning_content"] = m.ReasoningContent
+		}
+		ms[i] = msg
 	}
-	out, err := t.tmpl.Render(map[string]any{
+	ctx := map[string]any{}
+	for k, v := range vars {
+		ctx[k] = v
+	}
+	for k, v := range map[string]any{
 		"messages":              ms,
 		"add_generation_prompt": addGenerationPrompt,
 		"bos_token":             t.BOSToken,
 		"eos_token":             t.EOSToken,
-	})
+	} {
+		if _, ok := ctx[k]; ok {
+			return "", fmt.Errorf("chat template: variable %q is set by the renderer", k)
+		}
+		ctx[k] = v
+	}
+	out, err := t.tmpl.Render(ctx)
 	if err != nil {
 		return "", fmt.Errorf("chat template: %w", err)
 	}

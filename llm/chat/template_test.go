@@ -11,21 +11,24 @@ import (
 	"github.com/llmq/llmq/internal/shared"
 )
 
-// TestTemplatesMatchJinja2 renders the Llama-3, Llama-3.1, Mistral and
-// Qwen2 templates on each case of testdata/cases.json and compares with
-// jinja2's renderings (testdata/golden.json, from testdata/render.py).
+// TestTemplatesMatchJinja2 renders the Llama-3, Llama-3.1, Mistral,
+// Qwen2, Qwen3 and Gemma 3 templates on each case of testdata/cases.json
+// and compares with jinja2's renderings (testdata/golden.json, from
+// testdata/render.py).
 func TestTemplatesMatchJinja2(t *testing.T) {
 	var cases []struct {
 		Name                string
 		AddGenerationPrompt bool `json:"add_generation_prompt"`
 		Messages            []Message
+		Vars                map[string]any
 	}
 	read(t, "testdata/cases.json", &cases)
 	var golden map[string]string
 	read(t, "testdata/golden.json", &golden)
 	tokens := map[string][2]string{
 		"llama3": {"<|begin_of_text|>", "<|eot_id|>"}, "llama31": {"<|begin_of_text|>", "<|eot_id|>"},
-		"mistral": {"<s>", "</s>"}, "qwen2": {"", "<|im_end|>"},
+		"mistral": {"<s>", "</s>"}, "qwen2": {"", "<|im_end|>"}, "qwen3": {"", "<|im_end|>"},
+		"gemma3": {"<bos>", "<eos>"},
 	}
 	n := 0
 	for name, tok := range tokens {
@@ -43,7 +46,7 @@ func TestTemplatesMatchJinja2(t *testing.T) {
 			if !ok {
 				t.Fatalf("golden.json has no %s: rerun testdata/render.py", key)
 			}
-			got, err := tmpl.Render(c.Messages, c.AddGenerationPrompt)
+			got, err := tmpl.RenderWith(c.Messages, c.AddGenerationPrompt, c.Vars)
 			if err != nil {
 				got = "ERROR: " + strings.TrimPrefix(err.Error(), "chat template: ")
 			}
@@ -125,11 +128,11 @@ func TestParseForms(t *testing.T) {
 
 // FuzzRender: whatever a client sends as roles and contents, the
 // published templates render without panicking, and a message's content
-// reaches the prompt (the Llama-3 and Qwen2 templates insert it verbatim
-// or trimmed) unless the template refuses the conversation.
+// reaches the prompt (the Llama-3, Qwen2 and Gemma 3 templates insert it
+// verbatim or trimmed) unless the template refuses the conversation.
 func FuzzRender(f *testing.F) {
 	var tmpls []*Template
-	for _, name := range []string{"llama3", "qwen2", "mistral"} {
+	for _, name := range []string{"llama3", "qwen2", "mistral", "gemma3"} {
 		src, err := os.ReadFile(filepath.Join("testdata", name+".jinja"))
 		if err != nil {
 			f.Fatal(err)
@@ -156,4 +159,53 @@ func FuzzRender(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestQwen3AndGemma3Turns spells out what the published Qwen3 and Gemma 3
+// templates (testdata/qwen3.jinja, gemma3.jinja: the zoo checkpoints carry
+// no tokenizer_config.json) make of one conversation, as transformers'
+// apply_chat_template renders it: Qwen3 drops the thinking of turns before
+// the last user message, shows it in <think> tags after it, and with
+// enable_thinking false opens the answer with an empty think block; Gemma
+// 3 folds the system prompt into the first user turn and calls the
+// assistant "model".
+func TestQwen3AndGemma3Turns(t *testing.T) {
+	load := func(name, bos, eos string) *Template {
+		src, err := os.ReadFile(filepath.Join("testdata", name+".jinja"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tmpl, err := New(strings.TrimSuffix(string(src), "\n"), bos, eos)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tmpl
+	}
+	qwen3, gemma3 := load("qwen3", "", "<|im_end|>"), load("gemma3", "<bos>", "<eos>")
+	conv := []Message{{Role: "system", Content: "Be brief."}, {Role: "user", Content: "2+2?"},
+		{Role: "assistant", Content: "<think>\nAdd.\n</think>\n\n4"}, {Role: "user", Content: "3+3?"}}
+	q := "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n" +
+		"<|im_start|>user\n3+3?<|im_end|>\n"
+	for _, c := range []struct {
+		tmpl *Template
+		msgs []Message
+		gen  bool
+		vars map[string]any
+		want string
+	}{
+		{qwen3, conv, true, nil, q + "<|im_start|>assistant\n"},
+		{qwen3, conv, true, map[string]any{"enable_thinking": false}, q + "<|im_start|>assistant\n<think>\n\n</think>\n\n"},
+		{qwen3, append(conv[:4:4], Message{Role: "assistant", Content: "6", ReasoningContent: "Add again."}), false, nil,
+			q + "<|im_start|>assistant\n<think>\nAdd again.\n</think>\n\n6<|im_end|>\n"},
+		{gemma3, conv, true, nil, "<bos><start_of_turn>user\nBe brief.\n\n2+2?<end_of_turn>\n<start_of_turn>model\n<think>\nAdd.\n</think>\n\n4<end_of_turn>\n" +
+			"<start_of_turn>user\n3+3?<end_of_turn>\n<start_of_turn>model\n"},
+	} {
+		got, err := c.tmpl.RenderWith(c.msgs, c.gen, c.vars)
+		if err != nil || got != c.want {
+			t.Errorf("got %q, %v\nwant %q", got, err, c.want)
+		}
+	}
+	if _, err := qwen3.RenderWith(conv, true, map[string]any{"messages": nil}); err == nil {
+		t.Error("a variable overriding messages was accepted")
+	}
 }

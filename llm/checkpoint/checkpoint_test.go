@@ -280,7 +280,8 @@ func TestNonFiniteWeightsNamed(t *testing.T) {
 // and a config it accepts describes a runnable shape (positive sizes,
 // heads dividing evenly, a sliding window only when positive).
 func FuzzParseConfig(f *testing.F) {
-	for _, m := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-swa-rand", "archzoo/llama31-rand"} {
+	for _, m := range []string{"llama-tiny", "llama-small", "archzoo/qwen2-rand", "archzoo/mistral-swa-rand", "archzoo/llama31-rand",
+		"archzoo/qwen3-rand", "archzoo/qwen3moe-rand", "archzoo/mixtral-rand", "archzoo/gemma3-rand"} {
 		if data, err := os.ReadFile(filepath.Join(shared.Root(), "models", m, "config.json")); err == nil {
 			f.Add(data)
 		}

@@ -252,6 +252,9 @@ type Checkpoint struct {
 	Config *Config
 	files  []*File
 	byName map[string]*File
+	// alias maps the language model's usual names to those a multimodal
+	// checkpoint stores them under (Gemma3ForConditionalGeneration).
+	alias map[string]string
 }
 
 // ErrNoTensor is wrapped by Checkpoint.Tensor when a tensor is absent.
@@ -363,7 +366,36 @@ func WeightFiles(dir string) ([]string, error) {
 }
 
 // Has reports whether the checkpoint holds the named tensor.
-func (c *Checkpoint) Has(name string) bool { _, ok := c.byName[name]; return ok }
+func (c *Checkpoint) Has(name string) bool { _, ok := c.byName[c.stored(name)]; return ok }
+
+// stored is the name a tensor is stored under: name itself, or where a
+// multimodal checkpoint keeps its language model's tensors.
+func (c *Checkpoint) stored(name string) string {
+	if s, ok := c.alias[name]; ok {
+		return s
+	}
+	return name
+}
+
+// textPrefixes are where Gemma3ForConditionalGeneration checkpoints keep
+// the language model's "model." tensors (transformers 4 and 5 layouts)
+// and its lm_head.
+var textPrefixes = []struct{ stored, as string }{
+	{"language_model.model.", "model."}, {"model.language_model.", "model."}, {"language_model.lm_head.", "lm_head."},
+}
+
+// aliasText lets the language model of a multimodal checkpoint be read
+// under the text model's names; the vision tower's tensors stay unread.
+func (c *Checkpoint) aliasText() {
+	c.alias = map[string]string{}
+	for n := range c.byName {
+		for _, p := range textPrefixes {
+			if strings.HasPrefix(n, p.stored) {
+				c.alias[p.as+n[len(p.stored):]] = n
+			}
+		}
+	}
+}
 
 // Names lists every tensor in the checkpoint, sorted.
 func (c *Checkpoint) Names() []string {
@@ -377,11 +409,11 @@ func (c *Checkpoint) Names() []string {
 
 // Tensor finds a tensor in whichever shard holds it.
 func (c *Checkpoint) Tensor(name string) (Tensor, error) {
-	f, ok := c.byName[name]
+	f, ok := c.byName[c.stored(name)]
 	if !ok {
 		return Tensor{}, fmt.Errorf("%s: %w: %q", c.Dir, ErrNoTensor, name)
 	}
-	t, _ := f.Tensor(name)
+	t, _ := f.Tensor(c.stored(name))
 	return t, nil
 }
 
@@ -473,6 +505,9 @@ func OpenFiles(cfg *Config, paths ...string) (*Checkpoint, error) {
 		for _, n := range f.st.Names() {
 			c.byName[n] = f
 		}
+	}
+	if cfg != nil && cfg.Architecture == "Gemma3ForConditionalGeneration" {
+		c.aliasText()
 	}
 	return c, nil
 }

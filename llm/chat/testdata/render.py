@@ -12,6 +12,8 @@ TOKENS = {  # template: (bos_token, eos_token) of the model it comes from
     "llama31": ("<|begin_of_text|>", "<|eot_id|>"),
     "mistral": ("<s>", "</s>"),
     "qwen2": ("", "<|im_end|>"),
+    "qwen3": ("", "<|im_end|>"),  # Qwen/Qwen3-* (the revision with `reasoning_content is string`)
+    "gemma3": ("<bos>", "<eos>"),  # google/gemma-3-*-it
 }
 CASES = json.loads(Path("cases.json").read_text())
 
@@ -29,8 +31,9 @@ for name, (bos, eos) in TOKENS.items():
     for case in CASES:
         key = name + "/" + case["name"]
         try:
+            # a case's "vars" are apply_chat_template's extra keyword arguments
             out[key] = tmpl.render(messages=case["messages"], add_generation_prompt=case["add_generation_prompt"],
-                                   bos_token=bos, eos_token=eos)
+                                   bos_token=bos, eos_token=eos, **case.get("vars", {}))
         except jinja2.exceptions.TemplateError as e:
             out[key] = "ERROR: " + str(e)
 Path("golden.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
