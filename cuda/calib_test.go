@@ -3,12 +3,15 @@
 package cuda
 
 import (
+	"context"
 	"math"
 	"math/rand/v2"
 	"testing"
 
 	"github.com/llmq/llmq/gptq"
 	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/calib"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
 )
@@ -146,5 +149,117 @@ func TestGPTQOnGPUMatchesCPU(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestCalibratorMatchesStages runs llama-tiny's first block over four
+// windows of WikiText-2 on the GPU (Calibrator) and on the CPU (package
+// llm's Stages, what the CPU quantize path runs): the four inputs'
+// Hessians agree to within fp16 rounding of the activations, and so does
+// the block's output, in both the one-pass and the true-sequential stages.
+func TestCalibratorMatchesStages(t *testing.T) {
+	lib := openLib(t)
+	ck, err := checkpoint.Open(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	cfg := ck.Config
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+	const T, N = 256, 4
+	windows := make([][]int, N)
+	for w := range windows {
+		windows[w] = ids[w*T : (w+1)*T]
+	}
+	X, err := calib.Embed(ck, windows)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := llm.LoadBlock(ck, 0, llm.DenseLoader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := llm.NewStages(cfg)
+	qd := cfg.Heads * cfg.HeadDim
+	cpu := [4]*gptq.Hessian{gptq.NewHessian(cfg.Hidden), gptq.NewHessian(qd), gptq.NewHessian(cfg.Hidden), gptq.NewHessian(cfg.Intermediate)}
+	var next [][]float32
+	for _, x := range X {
+		n := st.Norm(b.AttnNorm, x, T)
+		att := st.Attention(b, n, T)
+		h := append([]float32(nil), x...)
+		st.AddLinear(h, b.O, att, T)
+		m := st.Norm(b.MLPNorm, h, T)
+		for i, in := range [][]float32{n, att, m, st.MLPAct(b, m, T)} {
+			if err := cpu[i].Add(in, T); err != nil {
+				t.Fatal(err)
+			}
+		}
+		next = append(next, st.Block(b, x, T))
+	}
+	rel := func(got, want []float32) float64 {
+		var d, n float64
+		for i := range want {
+			d += float64(got[i]-want[i]) * float64(got[i]-want[i])
+			n += float64(want[i]) * float64(want[i])
+		}
+		return math.Sqrt(d / n)
+	}
+	for _, sequential := range []bool{false, true} {
+		c, err := NewCalibrator(lib, cfg, X, T)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.SetBlock(b); err != nil {
+			t.Fatal(err)
+		}
+		var hs [4]*Hessian
+		for i, h := range cpu {
+			if hs[i], err = c.NewHessian(h.In); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ctx := context.Background()
+		if sequential {
+			for i, f := range []func(context.Context, *Hessian) error{c.AttentionInput, c.AttentionOutput, c.MLPInput, c.MLPAct} {
+				if err := f(ctx, hs[i]); err != nil {
+					t.Fatal(err)
+				}
+			}
+			err = c.Outputs(ctx)
+		} else if err = c.Statistics(ctx, Stats{hs[0], hs[1], hs[2], hs[3]}); err == nil {
+			err = c.Propagate(ctx)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, h := range hs {
+			got := make([]float32, h.In*h.In)
+			if err := Download(c.x, got, h.Sum); err != nil {
+				t.Fatal(err)
+			}
+			want := cpu[i].Matrix()
+			w32 := make([]float32, len(want))
+			s := float64(h.Rows) / 2
+			for j, v := range want {
+				w32[j] = float32(v * s) // back to Σ x·xᵀ
+			}
+			e := rel(got, w32)
+			t.Logf("sequential %v: Hessian %d (%d inputs, %d rows): relative difference %.2e", sequential, i, h.In, h.Rows, e)
+			if h.Rows != N*T || e > 5e-3 {
+				t.Errorf("Hessian %d: %d rows, relative difference %.2e from the CPU's", i, h.Rows, e)
+			}
+		}
+		out, err := c.Download()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for w := range out {
+			if e := rel(out[w], next[w]); e > 5e-3 {
+				t.Errorf("sequential %v: window %d: block output differs from the CPU's by %.2e", sequential, w, e)
+			}
+		}
+		if err := c.Close(); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
