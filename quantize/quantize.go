@@ -22,6 +22,12 @@
 // statistics after the layers before it are quantized: [q,k,v] → [o] →
 // [gate,up] → [down]; otherwise all four come from the unquantized block
 // in one pass.
+//
+// With Options.GPU (gpu.go) the same loop keeps X on the GPU
+// (cuda.Calibrator): the block's forward passes, the Hessians and GPTQ's
+// factorization and column updates run there, and only weights, codes,
+// scales and zeros cross to the host, where package gptq lays each layer
+// out and package pack writes it.
 package quantize
 
 import (
