@@ -103,7 +103,7 @@ case "$1" in
     ;;
   quant)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      build/device/cuda.test -test.v -test.run TestGPTQOnGPU > "$OUT/cuda-gptq-tests.log" 2>&1
+      build/device/cuda.test -test.v -test.run 'TestGPTQOnGPU|TestCalibrator' > "$OUT/cuda-gptq-tests.log" 2>&1
       echo "cuda gptq tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|codes equal|ΔU|panic|Error" "$OUT/cuda-gptq-tests.log" | head -30
       build/device/quantize.test -test.v -test.run TestGPUMatchesCPU > "$OUT/quantize-gpu-tests.log" 2>&1
       echo "quantize gpu tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|perplexity|panic|Error" "$OUT/quantize-gpu-tests.log" | head -30

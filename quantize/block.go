@@ -27,12 +27,10 @@ func (d *driver) block(ctx context.Context, l int) error {
 	}
 	cfg := d.ck.Config
 	prefix := fmt.Sprintf("model.layers.%d.", l)
-	t0 := time.Now()
-	b, err := llm.LoadBlock(d.ck, l, llm.DenseLoader)
+	b, err := d.loadBlock(l)
 	if err != nil {
 		return err
 	}
-	d.rep.Timing["load"] += time.Since(t0).Seconds()
 	tensors := map[string]checkpoint.Out{}
 	raw := []string{"input_layernorm.weight", "post_attention_layernorm.weight"}
 	if cfg.QKVBias {

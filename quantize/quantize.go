@@ -196,6 +196,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}
 
 	d := &driver{opt: opt, m: m, ck: ck, st: llm.NewStages(cfg), rep: rep}
+	defer d.waitPrefetch() // before ck.Close unmaps the files it reads
 	fp, err := d.fingerprint()
 	if err != nil {
 		return nil, err
@@ -338,6 +339,9 @@ func (d *driver) stopped(ctx context.Context, err error, blocks int) error {
 
 type driver struct {
 	cal *cuda.Calibrator // the GPU path's, from the first block it quantizes
+	// pre delivers block preBlock, read in the background (prefetch.go).
+	pre      chan loadedBlock
+	preBlock int
 	opt Options
 	m   Method
 	ck  *checkpoint.Checkpoint
