@@ -342,13 +342,13 @@ type driver struct {
 	// pre delivers block preBlock, read in the background (prefetch.go).
 	pre      chan loadedBlock
 	preBlock int
-	opt Options
-	m   Method
-	ck  *checkpoint.Checkpoint
-	st  *llm.Stages
-	X   [][]float32 // calibration activations entering the current block
-	w   *pack.Writer
-	rep *Report
+	opt      Options
+	m        Method
+	ck       *checkpoint.Checkpoint
+	st       *llm.Stages
+	X        [][]float32 // calibration activations entering the current block
+	w        *pack.Writer
+	rep      *Report
 	// grids records each quantized layer's grid, and skipped those
 	// kept unquantized (for the compressed-tensors config).
 	grids   []layerGrid
