@@ -114,14 +114,14 @@ func TestFoldIntoLinearRows(t *testing.T) {
 // plain round-to-nearest (α = 0).
 func TestScaleSearchMatchesDefinition(t *testing.T) {
 	st, b, X, T := tinyBlock(t)
-	f, err := Collect(context.Background(), st, b, X, T)
+	f, err := Collect(context.Background(), st, b, X, T, llm.ExpertCalib{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	opt := Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}}
 	down := dense(b.Down)
 	out, in := down.Out(), down.In()
-	c, err := searchLinear(down, f.Act, f.orgM, T, opt)
+	c, err := searchLinear(down, f.Act, f.orgM, opt)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -79,6 +79,14 @@ type Options struct {
 	GPU *cuda.Lib
 	// Progress, if set, is told when each block starts a stage.
 	Progress func(block, blocks int, stage string)
+	// MoECalib is how the experts of a mixture gather calibration
+	// statistics: "routed" (the default, "" too) from the tokens the
+	// router sends each, or "all": every token through every expert, for
+	// the statistics only (see moe.go).
+	MoECalib string
+	// MoEMinTokens: an expert routed fewer calibration tokens is
+	// calibrated on all of them, and reported (0: the hidden size).
+	MoEMinTokens int
 }
 
 // LayerReport is one quantized linear layer.
@@ -113,6 +121,9 @@ type Report struct {
 	Timing map[string]float64 `json:"timing_s"`
 	// PeakGPUBytes is the most GPU memory the run held at once.
 	PeakGPUBytes int64 `json:"peak_gpu_bytes,omitempty"`
+	// Experts lists each expert of the sparse blocks with the calibration
+	// tokens it received (calibrated methods).
+	Experts []ExpertReport `json:"experts,omitempty"`
 }
 
 // Run quantizes the checkpoint in opt.Src and writes opt.Out. Output goes
@@ -145,13 +156,15 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if cfg.Quantization != nil {
 		return nil, fmt.Errorf("%s is already quantized", opt.Src)
 	}
-	// The driver knows Llama's block (two norms, q/k/v/o, gate/up/down);
-	// q/k norms, Gemma's four norms and experts are not written yet.
-	if cfg.QKNorm || cfg.SandwichNorm || cfg.MoE != nil {
-		return nil, fmt.Errorf("%s: quantizing %s is not supported yet (Llama, Mistral and Qwen2 are)", opt.Src, cfg.Architecture)
+	if err := validMoE(opt); err != nil {
+		return nil, err
 	}
 	grid := m.Grid()
-	for _, in := range []int{cfg.Hidden, cfg.Heads * cfg.HeadDim, cfg.Intermediate} {
+	ins := []int{cfg.Hidden, cfg.Heads * cfg.HeadDim, cfg.Intermediate}
+	if cfg.MoE != nil {
+		ins = append(ins, cfg.MoE.Intermediate)
+	}
+	for _, in := range ins {
 		if err := grid.Validate(in); err != nil {
 			return nil, err
 		}
@@ -431,7 +444,7 @@ func (d *driver) head(ctx context.Context) error {
 	}
 	s := d.m.NewStats(cfg.Hidden)
 	if s != nil {
-		norm, err := d.ck.Float32("model.norm.weight", cfg.Hidden)
+		norm, err := llm.ReadNorm(d.ck, "model.norm.weight", cfg.Hidden)
 		if err != nil {
 			return err
 		}
