@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/pack"
 )
 
 // Mixtures of experts (Mixtral, Qwen3-MoE). Each expert's gate, up and
@@ -228,4 +229,70 @@ func (f *ffn) quantize(quantize func([]string, Stats) error, down bool) error {
 		}
 	}
 	return nil
+}
+
+// routers are the checkpoint names of the mixtures' routers (kept
+// unquantized), e.g. "model.layers.0.mlp.gate".
+func (d *driver) routers() []string {
+	cfg := d.ck.Config
+	var names []string
+	for l := 0; l < cfg.Layers; l++ {
+		if cfg.Sparse(l) {
+			names = append(names, llm.RouterName(cfg, l))
+		}
+	}
+	return names
+}
+
+// modulesInBlock lists, for a model with mixtures, the linear layers of a
+// block by input (relative names: q, k, v; o; every gate and up; every
+// down), as GPTQ checkpoints of mixtures on the hub spell
+// modules_in_block_to_quantize; nil for dense models.
+func (d *driver) modulesInBlock() [][]string {
+	cfg := d.ck.Config
+	if cfg.MoE == nil {
+		return nil
+	}
+	groups := [][]string{qkvLayers, oLayers, nil, nil}
+	seen := map[string]bool{}
+	for l := 0; l < cfg.Layers; l++ { // dense and sparse layers alike
+		p := fmt.Sprintf("model.layers.%d.", l)
+		specs := llm.BlockLinears(cfg, l)[4:]
+		for i, s := range specs {
+			n := strings.TrimPrefix(s.Name, p)
+			if !seen[n] {
+				seen[n] = true
+				g := 2
+				if i%3 == 2 {
+					g = 3
+				}
+				groups[g] = append(groups[g], n)
+			}
+		}
+	}
+	return groups
+}
+
+// moeMeta records the experts' calibration in the checkpoint's meta (nil
+// for dense models).
+func (d *driver) moeMeta() *pack.MoEMeta {
+	if d.ck.Config.MoE == nil {
+		return nil
+	}
+	mode := d.opt.MoECalib
+	if mode == "" {
+		mode = MoECalibRouted
+	}
+	m := &pack.MoEMeta{Calib: mode, MinTokens: d.expertCalib().MinTokens}
+	for _, e := range d.rep.Experts {
+		if len(m.Layers) == 0 || m.Layers[len(m.Layers)-1].Layer != e.Layer {
+			m.Layers = append(m.Layers, pack.MoELayer{Layer: e.Layer})
+		}
+		ml := &m.Layers[len(m.Layers)-1]
+		ml.Routed = append(ml.Routed, e.Routed)
+		if e.AllTokens {
+			ml.AllTokens = append(ml.AllTokens, e.Expert)
+		}
+	}
+	return m
 }

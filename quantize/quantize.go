@@ -216,7 +216,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if done.Fingerprint != fp {
 			return nil, fmt.Errorf("the interrupted run of %s used other settings (method, grid, calibration, format or plan); start over with --force", opt.Out)
 		}
-		rep.ResumedAt = done.Blocks
+		rep.ResumedAt, rep.Experts = done.Blocks, done.Experts
 	} else if w, err = pack.NewWriter(opt.Out, opt.Force); err != nil {
 		return nil, err
 	}
@@ -248,7 +248,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if err := d.block(ctx, l); err != nil {
 			return nil, d.stopped(ctx, fmt.Errorf("block %d: %w", l, err), done.Blocks)
 		}
-		done = progress{Fingerprint: fp, Blocks: l + 1}
+		done = progress{Fingerprint: fp, Blocks: l + 1, Experts: rep.Experts}
 		if err := w.Save(done); err != nil {
 			return nil, err
 		}
@@ -311,6 +311,7 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	meta := &pack.QuantMeta{Quantizer: "llmq", Version: d.opt.Version, Method: d.m.Name()}
 	if d.m.Calibrated() {
 		meta.NSamples, meta.SeqLen, meta.Calib, meta.Seed = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib), opt.Seed
+		meta.MoE = d.moeMeta()
 	}
 	if opt.Format == pack.MethodCT {
 		return d.ctConfig(meta)
@@ -318,10 +319,10 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	if opt.Format == "awq" {
 		zp := !g.Sym
 		return &pack.QuantConfig{QuantMethod: "awq", Bits: g.Bits, GroupSize: g.GroupSize,
-			ZeroPoint: &zp, Version: "gemm", Dynamic: opt.Plan, Meta: meta}
+			ZeroPoint: &zp, Version: "gemm", Dynamic: opt.Plan, ModulesToNotConvert: d.routers(), Meta: meta}
 	}
 	qc := &pack.QuantConfig{QuantMethod: "gptq", Bits: g.Bits, GroupSize: g.GroupSize, Sym: &g.Sym,
-		LMHead: opt.QuantizeLMHead, Dynamic: opt.Plan, Meta: meta}
+		LMHead: opt.QuantizeLMHead, Dynamic: opt.Plan, ModulesInBlockToQuantize: d.modulesInBlock(), Meta: meta}
 	// true_sequential describes how statistics were gathered: only methods
 	// that gather them have the setting.
 	qc.TrueSequential = opt.TrueSequential && d.m.NewStats(1) != nil
