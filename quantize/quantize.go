@@ -21,7 +21,11 @@
 // True-sequential order (the GPTQ reference's option) takes each input's
 // statistics after the layers before it are quantized: [q,k,v] → [o] →
 // [gate,up] → [down]; otherwise all four come from the unquantized block
-// in one pass.
+// in one pass. The later families run through the same stages (llm.Stages
+// applies q/k norms, Gemma's post-norms and sliding windows); their norms
+// and routers are copied, not quantized. In a mixture of experts each
+// expert's gate/up and down inputs are gathered on its own calibration
+// rows (moe.go).
 package quantize
 
 import (
