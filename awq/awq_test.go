@@ -114,14 +114,14 @@ func TestFoldIntoLinearRows(t *testing.T) {
 // plain round-to-nearest (α = 0).
 func TestScaleSearchMatchesDefinition(t *testing.T) {
 	st, b, X, T := tinyBlock(t)
-	f, err := Collect(context.Background(), st, b, X, T)
+	f, err := Collect(context.Background(), st, b, X, T, llm.ExpertCalib{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	opt := Options{Grid: pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}}
 	down := dense(b.Down)
 	out, in := down.Out(), down.In()
-	c, err := searchLinear(down, f.Act, f.orgM, T, opt)
+	c, err := searchLinear(down, f.Act, f.orgM, opt)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,6 +272,62 @@ func TestClipMatchesDefinition(t *testing.T) {
 		}
 		if diff > 0 {
 			t.Errorf("%d bits: %d of %d clipped weights differ from the definition", bits, diff, len(got))
+		}
+	}
+}
+
+// TestFoldingPreservesFunctionZoo: in Qwen3-MoE's and Mixtral's sparse
+// blocks (one gate/up scale for every expert, compensated in the router;
+// a down scale per expert) and Gemma 3's (norms held as 1+w), folding
+// random positive scales leaves the fp32 block output unchanged (1e-5
+// relative): the router's columns must carry the scale, or routing and
+// weights would follow the scaled input.
+func TestFoldingPreservesFunctionZoo(t *testing.T) {
+	for _, name := range []string{"qwen3moe-rand", "mixtral-rand", "gemma3-rand"} {
+		ck, err := checkpoint.Open(shared.Path(t, "models/archzoo/"+name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ck.Close()
+		c := ck.Config
+		b, err := llm.LoadBlock(ck, 1, llm.DenseLoader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := llm.NewStages(c)
+		const T = 48
+		r := rand.New(rand.NewPCG(5, 6))
+		x := make([]float32, T*c.Hidden)
+		for i := range x {
+			x[i] = float32(r.NormFloat64())
+		}
+		want := st.Block(b, x, T)
+		randScales := func(n int) []float32 {
+			s := make([]float32, n)
+			for i := range s {
+				s[i] = float32(math.Exp(0.5 * r.NormFloat64()))
+			}
+			return s
+		}
+		sc := &Scales{QKV: Choice{Scales: randScales(c.Hidden)}, GateUp: Choice{Scales: randScales(c.Hidden)}}
+		if b.MoE != nil {
+			for range b.MoE.Experts {
+				sc.ExpertDown = append(sc.ExpertDown, Choice{Scales: randScales(c.MoE.Intermediate)})
+			}
+		} else {
+			sc.Down = Choice{Scales: randScales(c.Intermediate)}
+		}
+		if n := Apply(b, sc, nil); n != 0 {
+			t.Fatalf("%s: %d values clamped", name, n)
+		}
+		got := st.Block(b, x, T)
+		var num, den float64
+		for i := range want {
+			num += float64(got[i]-want[i]) * float64(got[i]-want[i])
+			den += float64(want[i]) * float64(want[i])
+		}
+		if rel := math.Sqrt(num / den); rel > 1e-5 {
+			t.Errorf("%s: block output changed by %.2e relative after folding", name, rel)
 		}
 	}
 }

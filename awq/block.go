@@ -3,26 +3,35 @@ package awq
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/llmq/llmq/llm"
 )
 
 // Features are the inputs of a block's linear layers on the calibration
 // windows, computed with the unquantized block, and the block's outputs.
+// In a sparse block M is the input of the router and of every expert's
+// gate and up, Act is nil, and each expert's rows of M (Rows) and their
+// gated activations are taken when needed (ExpertIn): holding every
+// expert's would cost the experts' count times a dense block's.
 type Features struct {
 	T    int
 	N    [][]float32 // RMSNorm(x): input of q, k, v
 	Att  [][]float32 // attention output: input of o
 	M    [][]float32 // RMSNorm(h): input of gate, up
-	Act  [][]float32 // SiLU(gate)·up: input of down
+	Act  [][]float32 // SiLU(gate)·up: input of down (dense blocks)
 	Out  [][]float32 // the block's output
 	orgA [][]float32 // o(att): what the q/k/v search inspects
-	orgM [][]float32 // down(act): what the gate/up search inspects
+	orgM [][]float32 // the MLP's (the mixture's) output before any post-norm: what the gate/up search inspects
+	// Rows says which rows of M calibrate each expert of a sparse block.
+	Rows *llm.ExpertRows
 }
 
 // Collect runs the block on the calibration windows X ([w][T·hidden]).
-func Collect(ctx context.Context, st *llm.Stages, b *llm.Block, X [][]float32, T int) (*Features, error) {
+// experts picks each expert's calibration rows in a sparse block.
+func Collect(ctx context.Context, st *llm.Stages, b *llm.Block, X [][]float32, T int, experts llm.ExpertCalib) (*Features, error) {
 	f := &Features{T: T}
+	var routes []*llm.Routing
 	for _, x := range X {
 		if err := ctx.Err(); err != nil {
 			return nil, err
@@ -32,17 +41,60 @@ func Collect(ctx context.Context, st *llm.Stages, b *llm.Block, X [][]float32, T
 		oa := make([]float32, T*b.O.Out())
 		b.O.Forward(oa, att, T)
 		h := append([]float32(nil), x...)
-		add(h, oa)
+		add(h, postNorm(st, b.PostAttnNorm, oa, T))
 		m := st.Norm(b.MLPNorm, h, T)
-		act := st.MLPAct(b, m, T)
-		dm := make([]float32, T*b.Down.Out())
-		b.Down.Forward(dm, act, T)
+		var act, dm []float32
+		if b.MoE != nil {
+			routes = append(routes, b.MoE.Route(m, T))
+			dm = make([]float32, len(h))
+			b.MoE.Forward(dm, m, T)
+		} else {
+			act = st.MLPAct(b, m, T)
+			dm = make([]float32, T*b.Down.Out())
+			b.Down.Forward(dm, act, T)
+			f.Act = append(f.Act, act)
+		}
 		out := append([]float32(nil), h...)
-		add(out, dm)
-		f.N, f.Att, f.M, f.Act, f.Out = append(f.N, n), append(f.Att, att), append(f.M, m), append(f.Act, act), append(f.Out, out)
+		add(out, postNorm(st, b.PostMLPNorm, dm, T))
+		f.N, f.Att, f.M, f.Out = append(f.N, n), append(f.Att, att), append(f.M, m), append(f.Out, out)
 		f.orgA, f.orgM = append(f.orgA, oa), append(f.orgM, dm)
 	}
+	if b.MoE != nil {
+		f.Rows = llm.NewExpertRows(routes, len(b.MoE.Experts), experts)
+	}
 	return f, nil
+}
+
+// postNorm is RMSNorm(y)·w, or y when the block has no such norm.
+func postNorm(st *llm.Stages, w, y []float32, T int) []float32 {
+	if w == nil {
+		return y
+	}
+	return st.Norm(w, y, T)
+}
+
+// ExpertIn returns the rows of M that calibrate expert e, pooled over the
+// windows, and how many there are.
+func (f *Features) ExpertIn(e int) ([]float32, int) {
+	var in []float32
+	rows := 0
+	for w, m := range f.M {
+		r := f.Rows.Rows(e, w)
+		if r == nil {
+			rows += f.T
+		} else {
+			rows += len(r)
+		}
+		in = append(in, llm.Gather(m, r, len(m)/f.T)...)
+	}
+	return in, rows
+}
+
+// expertAct returns an expert's gated activation (its down_proj's input)
+// on its calibration rows, with its weights as they are now.
+func expertAct(st *llm.Stages, x llm.Expert, f *Features, e int) []float32 {
+	in, rows := f.ExpertIn(e)
+	return st.GatedAct(x.Gate, x.Up, in, rows)
 }
 
 func add(x, y []float32) {
@@ -52,9 +104,13 @@ func add(x, y []float32) {
 }
 
 // Scales are the search results of a block's four AWQ groups (VO's Scales
-// are nil when the group does not apply).
+// are nil when the group does not apply). In a sparse block GateUp is one
+// scale shared by every expert's gate and up (they and the router read
+// one norm's output), and ExpertDown replaces Down: each expert's up_proj
+// → down_proj.
 type Scales struct {
 	QKV, VO, GateUp, Down Choice
+	ExpertDown            []Choice
 }
 
 func dense(l llm.Linear) *llm.Dense { return l.(*llm.Dense) }
@@ -64,7 +120,6 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 	T := f.T
 	sc := &Scales{}
 	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
-	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
 	var err error
 
 	// input_layernorm → q, k, v, inspecting o(attention(·)).
@@ -87,11 +142,15 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 
 	// v_proj → o_proj, only when their weights have the same shape (no GQA).
 	if v.Out() == o.In() && v.In() == o.Out() {
-		sc.VO, err = searchLinear(o, f.Att, f.orgA, T, opt)
+		sc.VO, err = searchLinear(o, f.Att, f.orgA, opt)
 		if err != nil {
 			return nil, fmt.Errorf("v/o scales: %w", err)
 		}
 	}
+	if b.MoE != nil {
+		return sc, searchMixture(ctx, st, b, f, sc, opt)
+	}
+	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
 
 	// post_attention_layernorm → gate, up, inspecting the MLP output.
 	sc.GateUp, err = Search([][]float32{gate.W, up.W}, gate.In(), ChannelMean(f.M, gate.In()), func(qw [][]float32) (float64, error) {
@@ -112,22 +171,74 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 	}
 
 	// up_proj → down_proj.
-	sc.Down, err = searchLinear(down, f.Act, f.orgM, T, opt)
+	sc.Down, err = searchLinear(down, f.Act, f.orgM, opt)
 	if err != nil {
 		return nil, fmt.Errorf("up/down scales: %w", err)
 	}
 	return sc, nil
 }
 
+// searchMixture searches a sparse block's MLP scales as AutoAWQ does for
+// Mixtral and Qwen3-MoE: one scale for the norm → every expert's gate and
+// up, inspecting the whole mixture's output with the real routing (the
+// router, kept unquantized, reads the unscaled input during the search;
+// Apply compensates it when the scale is folded), then each expert's
+// up_proj → down_proj on its calibration rows (Features.Rows).
+func searchMixture(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features, sc *Scales, opt Options) error {
+	T, moe := f.T, b.MoE
+	var ws [][]float32
+	for _, x := range moe.Experts {
+		ws = append(ws, dense(x.Gate).W, dense(x.Up).W)
+	}
+	H := moe.Router.In()
+	var err error
+	sc.GateUp, err = Search(ws, H, ChannelMean(f.M, H), func(qw [][]float32) (float64, error) {
+		tm := *moe
+		tm.Experts = append([]llm.Expert(nil), moe.Experts...)
+		for e := range tm.Experts {
+			g, u := tm.Experts[e].Gate, tm.Experts[e].Up
+			tm.Experts[e].Gate = llm.NewDense(qw[2*e], nil, g.In(), g.Out())
+			tm.Experts[e].Up = llm.NewDense(qw[2*e+1], nil, u.In(), u.Out())
+		}
+		outs := make([][]float32, len(f.M))
+		for w, m := range f.M {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			outs[w] = make([]float32, T*H)
+			tm.Forward(outs[w], m, T)
+		}
+		return meanMSE(outs, f.orgM), nil
+	}, opt)
+	if err != nil {
+		return fmt.Errorf("experts' gate/up scales: %w", err)
+	}
+	sc.ExpertDown = make([]Choice, len(moe.Experts))
+	for e, x := range moe.Experts {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		act := expertAct(st, x, f, e)
+		down := dense(x.Down)
+		org := make([]float32, len(act)/down.In()*down.Out())
+		down.Forward(org, act, len(act)/down.In())
+		if sc.ExpertDown[e], err = searchLinear(down, [][]float32{act}, [][]float32{org}, opt); err != nil {
+			return fmt.Errorf("expert %d up/down scales: %w", e, err)
+		}
+	}
+	return nil
+}
+
 // searchLinear searches the scales of one linear layer whose own output is
 // inspected (v_proj → o_proj and up_proj → down_proj).
-func searchLinear(l *llm.Dense, inputs, org [][]float32, T int, opt Options) (Choice, error) {
+func searchLinear(l *llm.Dense, inputs, org [][]float32, opt Options) (Choice, error) {
 	return Search([][]float32{l.W}, l.In(), ChannelMean(inputs, l.In()), func(qw [][]float32) (float64, error) {
 		ql := llm.NewDense(qw[0], nil, l.In(), l.Out())
 		outs := make([][]float32, len(inputs))
 		for w, a := range inputs {
-			outs[w] = make([]float32, T*l.Out())
-			ql.Forward(outs[w], a, T)
+			rows := len(a) / l.In()
+			outs[w] = make([]float32, rows*l.Out())
+			ql.Forward(outs[w], a, rows)
 		}
 		return meanMSE(outs, org), nil
 	}, opt)
@@ -144,9 +255,11 @@ func meanMSE(got, want [][]float32) float64 {
 
 // Apply folds the scales into the block: each group's weight columns are
 // multiplied by s and whatever produces their input (a norm's weight or a
-// linear's rows) divided by s, leaving the block's function unchanged. The
-// cached features are divided too, for the clip search. It returns how
-// many folded values were clamped to the float16 range.
+// linear's rows) divided by s, leaving the block's function unchanged. In
+// a sparse block the router's columns are multiplied by the gate/up scale
+// too: it reads the same norm, and stays unquantized. The cached features
+// are divided too, for the clip search. It returns how many folded values
+// were clamped to the float16 range.
 func Apply(b *llm.Block, sc *Scales, f *Features) int {
 	clamped := 0
 	divide := func(xs [][]float32, s []float32) {
@@ -161,7 +274,6 @@ func Apply(b *llm.Block, sc *Scales, f *Features) int {
 		}
 	}
 	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
-	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
 	if s := sc.QKV.Scales; s != nil {
 		clamped += DivideVector(b.AttnNorm, s)
 		for _, l := range []*llm.Dense{q, k, v} {
@@ -180,12 +292,28 @@ func Apply(b *llm.Block, sc *Scales, f *Features) int {
 	}
 	if s := sc.GateUp.Scales; s != nil {
 		clamped += DivideVector(b.MLPNorm, s)
-		ScaleColumns(gate.W, gate.In(), s)
-		ScaleColumns(up.W, up.In(), s)
+		for _, l := range gateUps(b) {
+			ScaleColumns(l.W, l.In(), s)
+		}
+		if b.MoE != nil {
+			ScaleColumns(b.MoE.Router.W, b.MoE.Router.In(), s)
+		}
 		if f != nil {
 			divide(f.M, s)
 		}
 	}
+	if b.MoE != nil { // the experts' activations are computed when needed
+		for e, c := range sc.ExpertDown {
+			if s := c.Scales; s != nil {
+				x := b.MoE.Experts[e]
+				up, down := dense(x.Up), dense(x.Down)
+				clamped += DivideRows(up.W, nil, up.In(), s)
+				ScaleColumns(down.W, down.In(), s)
+			}
+		}
+		return clamped
+	}
+	up, down := dense(b.Up), dense(b.Down)
 	if s := sc.Down.Scales; s != nil {
 		clamped += DivideRows(up.W, nil, up.In(), s)
 		ScaleColumns(down.W, down.In(), s)
@@ -196,29 +324,65 @@ func Apply(b *llm.Block, sc *Scales, f *Features) int {
 	return clamped
 }
 
+// gateUps are the layers reading the MLP's normed input: gate and up, or
+// every expert's.
+func gateUps(b *llm.Block) []*llm.Dense {
+	if b.MoE == nil {
+		return []*llm.Dense{dense(b.Gate), dense(b.Up)}
+	}
+	var ls []*llm.Dense
+	for _, x := range b.MoE.Experts {
+		ls = append(ls, dense(x.Gate), dense(x.Up))
+	}
+	return ls
+}
+
 // inputs are the block's four linear inputs, in the order of the AWQ
 // groups that scale them: q/k/v, o, gate/up, down.
 func (f *Features) inputs() [4][][]float32 { return [4][][]float32{f.N, f.Att, f.M, f.Act} }
 
 // ClipBlock runs the clip search on v, o, gate, up and down (q and k are
 // skipped: their errors are amplified by the softmax in ways the
-// per-channel output error does not see). It returns the mean shrink of
-// each layer, by the input it reads (the order of Features.inputs).
-func ClipBlock(b *llm.Block, f *Features, opt Options) [4]map[string]float64 {
-	var out [4]map[string]float64
+// per-channel output error does not see), each expert's gate, up and down
+// on the expert's calibration rows in a sparse block. It returns the mean
+// shrink of each layer, by the input it reads (the order of
+// Features.inputs: every expert's gate and up under the third, their
+// downs under the fourth).
+func ClipBlock(st *llm.Stages, b *llm.Block, f *Features, opt Options) [4]map[string]float64 {
+	out := [4]map[string]float64{{}, {}, {}, {}}
 	in := f.inputs()
-	for _, c := range []struct {
-		name  string
-		l     llm.Linear
-		input int
-	}{{"self_attn.v_proj", b.V, 0}, {"self_attn.o_proj", b.O, 1}, {"mlp.gate_proj", b.Gate, 2}, {"mlp.up_proj", b.Up, 2}, {"mlp.down_proj", b.Down, 3}} {
-		d := dense(c.l)
-		if out[c.input] == nil {
-			out[c.input] = map[string]float64{}
-		}
-		out[c.input][c.name] = Clip(d.W, d.Out(), d.In(), in[c.input], opt)
+	clip := func(name string, l llm.Linear, input int, xs [][]float32) {
+		d := dense(l)
+		out[input][name] = Clip(d.W, d.Out(), d.In(), xs, opt)
+	}
+	clip("self_attn.v_proj", b.V, 0, in[0])
+	clip("self_attn.o_proj", b.O, 1, in[1])
+	if b.MoE == nil {
+		clip("mlp.gate_proj", b.Gate, 2, in[2])
+		clip("mlp.up_proj", b.Up, 2, in[2])
+		clip("mlp.down_proj", b.Down, 3, in[3])
+		return out
+	}
+	names := expertNames(b)
+	for e, x := range b.MoE.Experts {
+		act := expertAct(st, x, f, e) // before its gate and up are clipped, as the cached features of a dense block
+		xin, _ := f.ExpertIn(e)
+		clip(names[e][0], x.Gate, 2, [][]float32{xin})
+		clip(names[e][1], x.Up, 2, [][]float32{xin})
+		clip(names[e][2], x.Down, 3, [][]float32{act})
 	}
 	return out
+}
+
+// expertNames are each expert's gate, up and down names (relative to the
+// block's prefix).
+func expertNames(b *llm.Block) [][3]string {
+	ls := b.Linears()[4:] // after q, k, v, o: the experts' gate, up, down
+	names := make([][3]string, len(ls)/3)
+	for i, l := range ls {
+		names[i/3][i%3] = l.Name
+	}
+	return names
 }
 
 // VBias is the block's v_proj bias (nil without one): folding v→o scales
@@ -226,23 +390,48 @@ func ClipBlock(b *llm.Block, f *Features, opt Options) [4]map[string]float64 {
 func VBias(b *llm.Block) []float32 { return dense(b.V).B }
 
 // BlockStats are the input statistics of the block's q, o, gate and down
-// layers (the four inputs AWQ scales), from unscaled features.
-func BlockStats(prefix string, b *llm.Block, f *Features) []LinearStats {
-	dims := [4]int{b.Q.In(), b.O.In(), b.Gate.In(), b.Down.In()}
-	var st []LinearStats
-	for i, name := range []string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"} {
-		st = append(st, Stats(prefix+name, f.inputs()[i], dims[i]))
+// layers (the four inputs AWQ scales), from unscaled features; in a
+// sparse block, of q, o, the mixture's input (named after expert 0's
+// gate: every expert's gate and up and the router read it) and each
+// expert's down on its calibration rows.
+func BlockStats(st *llm.Stages, prefix string, b *llm.Block, f *Features) []LinearStats {
+	if b.MoE == nil {
+		dims := [4]int{b.Q.In(), b.O.In(), b.Gate.In(), b.Down.In()}
+		var ls []LinearStats
+		for i, name := range []string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"} {
+			ls = append(ls, Stats(prefix+name, f.inputs()[i], dims[i]))
+		}
+		return ls
 	}
-	return st
+	names := expertNames(b)
+	ls := []LinearStats{Stats(prefix+"self_attn.q_proj", f.N, b.Q.In()), Stats(prefix+"self_attn.o_proj", f.Att, b.O.In()),
+		Stats(prefix+names[0][0], f.M, b.MoE.Router.In())}
+	for e, x := range b.MoE.Experts {
+		ls = append(ls, Stats(prefix+names[e][2], [][]float32{expertAct(st, x, f, e)}, x.Down.In()))
+	}
+	return ls
 }
 
 // AddSearchResults records in a block's statistics (BlockStats) the α each
 // group chose with the loss of every α, and the clip shrinks of ClipBlock.
 func AddSearchResults(st []LinearStats, sc *Scales, shrink [4]map[string]float64) {
-	for i, c := range []Choice{sc.QKV, sc.VO, sc.GateUp, sc.Down} {
+	choices := []Choice{sc.QKV, sc.VO, sc.GateUp, sc.Down}
+	if sc.ExpertDown != nil {
+		choices = append(choices[:3], sc.ExpertDown...)
+	}
+	for i, c := range choices {
 		if c.Scales != nil {
 			st[i].Alpha, st[i].AlphaLoss = &c.Alpha, c.Loss
 		}
-		st[i].ClipShrink = shrink[i]
+		switch {
+		case i < 3 || sc.ExpertDown == nil:
+			st[i].ClipShrink = shrink[i]
+		case len(shrink[3]) > 0: // one expert's down
+			for name, v := range shrink[3] {
+				if strings.HasSuffix(st[i].Layer, "."+name) {
+					st[i].ClipShrink = map[string]float64{name: v}
+				}
+			}
+		}
 	}
 }

@@ -62,3 +62,6 @@ func (*Calibrator) GPTQFactor(*Hessian, []int, float64) (bool, error) { return f
 func (*Calibrator) GPTQ(*Hessian, []float32, int, int, []int32, []float32, []uint8, pack.Grid, bool, bool) ([]uint8, float64, error) {
 	return nil, 0, errNoCgo
 }
+
+// Supports always fails without cgo: nothing runs on the GPU.
+func Supports(c *checkpoint.Config) error { return errNoCgo }

@@ -185,39 +185,62 @@ func ReadBlockNorms(ck *checkpoint.Checkpoint, i int) (attn, mlp []float32, err 
 	return attn, mlp, nil
 }
 
+// NamedNorm points at one of a block's RMSNorm weights.
+type NamedNorm struct {
+	Name string // relative to model.layers.N., e.g. "input_layernorm.weight"
+	W    *[]float32
+	N    int // its length
+}
+
+// Norms lists the block's RMSNorm weights with their checkpoint names:
+// the two of Llama (AttnNorm is input_layernorm, MLPNorm
+// post_attention_layernorm), or Gemma 3's four (MLPNorm is then
+// pre_feedforward_layernorm, PostAttnNorm post_attention_layernorm), and
+// q_norm and k_norm where the family has them.
+func (b *Block) Norms(c *checkpoint.Config) []NamedNorm {
+	var ns []NamedNorm
+	if c.SandwichNorm {
+		ns = []NamedNorm{{"input_layernorm.weight", &b.AttnNorm, c.Hidden}, {"post_attention_layernorm.weight", &b.PostAttnNorm, c.Hidden},
+			{"pre_feedforward_layernorm.weight", &b.MLPNorm, c.Hidden}, {"post_feedforward_layernorm.weight", &b.PostMLPNorm, c.Hidden}}
+	} else {
+		ns = []NamedNorm{{"input_layernorm.weight", &b.AttnNorm, c.Hidden}, {"post_attention_layernorm.weight", &b.MLPNorm, c.Hidden}}
+	}
+	if c.QKNorm {
+		ns = append(ns, NamedNorm{"self_attn.q_norm.weight", &b.QNorm, c.HeadDim}, NamedNorm{"self_attn.k_norm.weight", &b.KNorm, c.HeadDim})
+	}
+	return ns
+}
+
 // readNorms reads every norm of decoder layer i into b. Gemma 3's
 // weights are stored as w and applied as (1+w): b holds 1+w, computed in
 // float32 as transformers does, so RMSNorm is the same function for all.
 func readNorms(ck *checkpoint.Checkpoint, i int, b *Block) error {
-	c := ck.Config
 	p := fmt.Sprintf("model.layers.%d.", i)
-	type norm struct {
-		dst  *[]float32
-		name string
-		n    int
-	}
-	var ns []norm
-	if c.SandwichNorm {
-		ns = []norm{{&b.AttnNorm, "input_layernorm", c.Hidden}, {&b.PostAttnNorm, "post_attention_layernorm", c.Hidden},
-			{&b.MLPNorm, "pre_feedforward_layernorm", c.Hidden}, {&b.PostMLPNorm, "post_feedforward_layernorm", c.Hidden}}
-	} else {
-		ns = []norm{{&b.AttnNorm, "input_layernorm", c.Hidden}, {&b.MLPNorm, "post_attention_layernorm", c.Hidden}}
-	}
-	if c.QKNorm {
-		ns = append(ns, norm{&b.QNorm, "self_attn.q_norm", c.HeadDim}, norm{&b.KNorm, "self_attn.k_norm", c.HeadDim})
-	}
-	for _, n := range ns {
-		w, err := readNorm(ck, p+n.name+".weight", n.n)
+	for _, n := range b.Norms(ck.Config) {
+		w, err := ReadNorm(ck, p+n.Name, n.N)
 		if err != nil {
 			return err
 		}
-		*n.dst = w
+		*n.W = w
 	}
 	return nil
 }
 
-// readNorm reads one RMSNorm weight, as 1+w where the config says so.
-func readNorm(ck *checkpoint.Checkpoint, name string, n int) ([]float32, error) {
+// StoredNorm is the checkpoint's spelling of a norm weight as a block
+// holds it: w itself, or w−1 where the config stores (1+w)'s w.
+func StoredNorm(c *checkpoint.Config, w []float32) []float32 {
+	if !c.NormPlusOne {
+		return w
+	}
+	out := make([]float32, len(w))
+	for i, v := range w {
+		out[i] = v - 1
+	}
+	return out
+}
+
+// ReadNorm reads one RMSNorm weight, as 1+w where the config says so.
+func ReadNorm(ck *checkpoint.Checkpoint, name string, n int) ([]float32, error) {
 	w, err := ck.Float32(name, n)
 	if err != nil {
 		return nil, err
@@ -267,7 +290,7 @@ func ReadEmbeddings(ck *checkpoint.Checkpoint) (embed, norm []float32, err error
 	if embed, err = ck.Float32("model.embed_tokens.weight", c.Vocab, c.Hidden); err != nil {
 		return nil, nil, err
 	}
-	if norm, err = readNorm(ck, "model.norm.weight", c.Hidden); err != nil {
+	if norm, err = ReadNorm(ck, "model.norm.weight", c.Hidden); err != nil {
 		return nil, nil, err
 	}
 	return embed, norm, nil

@@ -191,3 +191,68 @@ func GeGLU(g, u []float32) {
 		}
 	})
 }
+
+// ExpertRows says which calibration rows calibrate each expert of a
+// mixture: those the router sends it (Routing.Assigned) or, for an expert
+// calibrated on all rows, every row. Statistics only: the mixture's
+// outputs always follow the real routing.
+type ExpertRows struct {
+	// Routed is how many rows the router sent to each expert over all
+	// windows.
+	Routed []int
+	// All marks the experts calibrated on every row of every window.
+	All    []bool
+	routes []*Routing
+}
+
+// ExpertCalib is how a quantizer picks the calibration rows of each
+// expert: All sends every row through every expert (for statistics only);
+// otherwise each expert sees the rows routed to it, but an expert routed
+// fewer than MinTokens rows over the calibration set is calibrated on all
+// rows (too few rows make a poor estimate: fewer than its input width
+// leave a Hessian singular, none leave nothing to fit).
+type ExpertCalib struct {
+	All       bool
+	MinTokens int
+}
+
+// NewExpertRows decides from each window's routing which rows calibrate
+// each of the experts.
+func NewExpertRows(routes []*Routing, experts int, c ExpertCalib) *ExpertRows {
+	r := &ExpertRows{Routed: make([]int, experts), All: make([]bool, experts), routes: routes}
+	for _, rt := range routes {
+		for _, e := range rt.Expert {
+			r.Routed[e]++
+		}
+	}
+	for e := range r.All {
+		r.All[e] = c.All || r.Routed[e] < c.MinTokens
+	}
+	return r
+}
+
+// Rows lists the rows of window w that calibrate expert e, or returns nil
+// when the expert is calibrated on all rows.
+func (r *ExpertRows) Rows(e, w int) []int {
+	if r.All[e] {
+		return nil
+	}
+	rows, _ := r.routes[w].Assigned(e)
+	if rows == nil {
+		rows = []int{}
+	}
+	return rows
+}
+
+// Gather returns the rows of x ([rows][width]) listed, in order; nil rows
+// means all of x.
+func Gather(x []float32, rows []int, width int) []float32 {
+	if rows == nil {
+		return x
+	}
+	out := make([]float32, len(rows)*width)
+	for j, r := range rows {
+		copy(out[j*width:(j+1)*width], x[r*width:(r+1)*width])
+	}
+	return out
+}

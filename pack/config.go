@@ -26,8 +26,16 @@ type QuantConfig struct {
 	Version          string  `json:"version,omitempty"`    // AWQ: "gemm"
 	// Dynamic is a mixed-precision plan: per-module bits and group sizes,
 	// and modules left unquantized (GPTQModel's "dynamic").
-	Dynamic Dynamic    `json:"dynamic,omitempty"`
-	Meta    *QuantMeta `json:"meta,omitempty"`
+	Dynamic Dynamic `json:"dynamic,omitempty"`
+	// ModulesInBlockToQuantize lists the linear layers of a block that
+	// are quantized (names relative to the block), grouped by input, as
+	// transformers' GPTQ integration and vLLM read it: written for
+	// mixtures of experts, whose routers stay unquantized.
+	ModulesInBlockToQuantize [][]string `json:"modules_in_block_to_quantize,omitempty"`
+	// ModulesToNotConvert names modules an AWQ checkpoint keeps
+	// unquantized (matched as substrings of module names): the routers.
+	ModulesToNotConvert []string   `json:"modules_to_not_convert,omitempty"`
+	Meta                *QuantMeta `json:"meta,omitempty"`
 	// CT is the whole config of a compressed-tensors checkpoint
 	// (QuantMethod MethodCT), which is written as it is.
 	CT *CTConfig `json:"-"`
@@ -57,6 +65,28 @@ type QuantMeta struct {
 	SeqLen               int    `json:"seqlen,omitempty"`
 	Calib                string `json:"calibration,omitempty"`
 	Seed                 uint64 `json:"seed,omitempty"` // windows sampled at random offsets with this seed
+	// MoE records how a mixture's experts were calibrated and how many
+	// calibration tokens each received.
+	MoE *MoEMeta `json:"moe,omitempty"`
+}
+
+// MoEMeta is how the experts of a mixture were calibrated.
+type MoEMeta struct {
+	Calib     string `json:"calibration"` // "routed" or "all"
+	MinTokens int    `json:"min_tokens"`  // experts routed fewer were calibrated on all tokens
+	// Layers are the sparse layers, with the calibration tokens the
+	// router sent each expert.
+	Layers []MoELayer `json:"layers,omitempty"`
+}
+
+// MoELayer is one sparse layer's experts.
+type MoELayer struct {
+	Layer int `json:"layer"`
+	// Routed[e] is how many calibration tokens the router sent expert e.
+	Routed []int `json:"routed_tokens"`
+	// AllTokens lists the experts calibrated on every token (all of them
+	// with calibration "all"; else those routed fewer than min_tokens).
+	AllTokens []int `json:"all_tokens,omitempty"`
 }
 
 // ParseQuantConfig reads quantization_config; nil raw means unquantized.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/llmq/llmq/llm"
@@ -32,11 +33,7 @@ func (d *driver) block(ctx context.Context, l int) error {
 		return err
 	}
 	tensors := map[string]checkpoint.Out{}
-	raw := []string{"input_layernorm.weight", "post_attention_layernorm.weight"}
-	if cfg.QKVBias {
-		raw = append(raw, "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-	}
-	for _, n := range raw {
+	for _, n := range rawNames(cfg, b) {
 		t, err := d.ck.Tensor(prefix + n)
 		if err != nil {
 			return err
@@ -49,7 +46,7 @@ func (d *driver) block(ctx context.Context, l int) error {
 		}
 	}
 	bl := &Block{Ctx: ctx, Index: l, Prefix: prefix, Block: b, Stages: d.st, X: d.X, SeqLen: d.opt.SeqLen,
-		Progress: progress, tensors: tensors}
+		Progress: progress, Experts: d.expertCalib(), tensors: tensors}
 	next, err := d.m.Prepare(bl)
 	if err != nil {
 		return err
@@ -82,8 +79,8 @@ func (d *driver) block(ctx context.Context, l int) error {
 
 	if d.m.NewStats(1) == nil { // RTN, AWQ: no statistics
 		progress("quantize")
-		for _, names := range [][]string{qkvLayers, oLayers, gateUpLayers, downLayers} {
-			if err := quantize(names, nil); err != nil {
+		for _, nl := range b.Linears() {
+			if err := quantize([]string{nl.Name}, nil); err != nil {
 				return err
 			}
 		}
@@ -95,13 +92,14 @@ func (d *driver) block(ctx context.Context, l int) error {
 		} else if err := d.propagate(ctx, b, progress); err != nil {
 			return err
 		}
+		d.reportExperts(bl)
 		return d.writePart(tensors)
 	}
 
 	if d.opt.TrueSequential {
-		err = d.sequential(ctx, b, quantize, progress)
+		err = d.sequential(ctx, bl, quantize, progress)
 	} else {
-		err = d.together(ctx, b, quantize, progress)
+		err = d.together(ctx, bl, quantize, progress)
 	}
 	if err != nil {
 		return err
@@ -112,7 +110,26 @@ func (d *driver) block(ctx context.Context, l int) error {
 		}
 		copy(d.X, next)
 	}
+	d.reportExperts(bl)
 	return d.writePart(tensors)
+}
+
+// rawNames are the tensors of a block written as the source stores them
+// (relative to its prefix): its norms (Gemma's four, q_norm and k_norm
+// included), q/k/v biases, and a mixture's router. A method that changes
+// one (AWQ's folded scales) replaces it with Block.SetFloat32.
+func rawNames(cfg *checkpoint.Config, b *llm.Block) []string {
+	var names []string
+	for _, n := range b.Norms(cfg) {
+		names = append(names, n.Name)
+	}
+	if cfg.QKVBias {
+		names = append(names, "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+	}
+	if b.MoE != nil {
+		names = append(names, strings.TrimPrefix(llm.RouterName(cfg, b.Layer), fmt.Sprintf("model.layers.%d.", b.Layer))+".weight")
+	}
+	return names
 }
 
 // each calls fn on every calibration window, checking for cancellation.
@@ -143,41 +160,64 @@ func (d *driver) propagate(ctx context.Context, b *llm.Block, progress func(stri
 
 // together takes the four inputs' statistics from the unquantized block in
 // one pass, quantizes every layer, then runs the quantized block to get
-// the next block's input.
-func (d *driver) together(ctx context.Context, b *llm.Block, quantize func([]string, Stats) error, progress func(string)) error {
-	cfg, T, st := d.ck.Config, d.opt.SeqLen, d.st
+// the next block's input. A sparse block keeps its MLP inputs until every
+// window is routed: the experts' calibration rows depend on the routing
+// of all of them (MoEMinTokens).
+func (d *driver) together(ctx context.Context, bl *Block, quantize func([]string, Stats) error, progress func(string)) error {
+	cfg, T, st, b := d.ck.Config, d.opt.SeqLen, d.st, bl.Block
 	sQKV, sO := d.m.NewStats(cfg.Hidden), d.m.NewStats(cfg.Heads*cfg.HeadDim)
-	sUp, sDown := d.m.NewStats(cfg.Hidden), d.m.NewStats(cfg.Intermediate)
+	f := d.newFFN(bl)
+	var ms [][]float32 // a sparse block's MLP inputs
+	if b.MoE == nil {
+		f.start()
+	}
 	progress("statistics")
 	if err := d.each(ctx, func(w int) error {
 		n := st.Norm(b.AttnNorm, d.X[w], T)
 		att := st.Attention(b, n, T)
 		h := append([]float32(nil), d.X[w]...)
-		st.AddLinear(h, b.O, att, T)
+		st.AddAttention(b, h, att, T)
 		m := st.Norm(b.MLPNorm, h, T)
-		return firstErr(sQKV.Add(n, T), sO.Add(att, T), sUp.Add(m, T), sDown.Add(st.MLPAct(b, m, T), T))
+		if b.MoE != nil {
+			ms = append(ms, m)
+			return firstErr(sQKV.Add(n, T), sO.Add(att, T))
+		}
+		return firstErr(sQKV.Add(n, T), sO.Add(att, T), f.addGateUp(w, m), f.addDown(w, m))
 	}); err != nil {
 		return err
 	}
-	progress("quantize")
-	for _, g := range []struct {
-		names []string
-		s     Stats
-	}{{qkvLayers, sQKV}, {oLayers, sO}, {gateUpLayers, sUp}, {downLayers, sDown}} {
-		if err := quantize(g.names, g.s); err != nil {
+	if b.MoE != nil {
+		mlpIn := func(w int) []float32 { return ms[w] }
+		if err := f.route(ctx, mlpIn); err != nil {
 			return err
 		}
+		f.start()
+		if err := d.each(ctx, func(w int) error { return firstErr(f.addGateUp(w, ms[w]), f.addDown(w, ms[w])) }); err != nil {
+			return err
+		}
+		ms = nil
+	}
+	progress("quantize")
+	if err := firstErr(quantize(qkvLayers, sQKV), quantize(oLayers, sO)); err != nil {
+		return err
+	}
+	if err := f.quantize(quantize, false); err != nil {
+		return err
+	}
+	if err := f.quantize(quantize, true); err != nil {
+		return err
 	}
 	return d.propagate(ctx, b, progress)
 }
 
-// sequential quantizes [q,k,v] → [o] → [gate,up] → [down], each input's
-// statistics taken with the layers before it already quantized; X is
-// advanced through the quantized block as it goes.
-func (d *driver) sequential(ctx context.Context, b *llm.Block, quantize func([]string, Stats) error, progress func(string)) error {
-	cfg, T, st := d.ck.Config, d.opt.SeqLen, d.st
+// sequential quantizes [q,k,v] → [o] → [gate,up] → [down] (each expert's
+// in a sparse block), each input's statistics taken with the layers
+// before it already quantized; X is advanced through the quantized block
+// as it goes.
+func (d *driver) sequential(ctx context.Context, bl *Block, quantize func([]string, Stats) error, progress func(string)) error {
+	cfg, T, st, b := d.ck.Config, d.opt.SeqLen, d.st, bl.Block
 	attnIn := func(w int) []float32 { return st.Norm(b.AttnNorm, d.X[w], T) }
-	mlpIn := func(x []float32) []float32 { return st.Norm(b.MLPNorm, x, T) }
+	mlpIn := func(w int) []float32 { return st.Norm(b.MLPNorm, d.X[w], T) }
 	att := make([][]float32, len(d.X))
 
 	progress("q,k,v")
@@ -200,28 +240,34 @@ func (d *driver) sequential(ctx context.Context, b *llm.Block, quantize func([]s
 		return err
 	}
 	progress("gate,up")
-	s = d.m.NewStats(cfg.Hidden)
 	if err := d.each(ctx, func(w int) error {
-		st.AddLinear(d.X[w], b.O, att[w], T) // X now holds the attention residual
+		st.AddAttention(b, d.X[w], att[w], T) // X now holds the attention residual
 		att[w] = nil
-		return s.Add(mlpIn(d.X[w]), T)
+		return nil
 	}); err != nil {
 		return err
 	}
-	if err := quantize(gateUpLayers, s); err != nil {
+	f := d.newFFN(bl)
+	if err := f.route(ctx, mlpIn); err != nil {
+		return err
+	}
+	f.start()
+	if err := d.each(ctx, func(w int) error { return f.addGateUp(w, mlpIn(w)) }); err != nil {
+		return err
+	}
+	if err := f.quantize(quantize, false); err != nil {
 		return err
 	}
 	progress("down")
-	s = d.m.NewStats(cfg.Intermediate)
-	if err := d.each(ctx, func(w int) error { return s.Add(st.MLPAct(b, mlpIn(d.X[w]), T), T) }); err != nil {
+	if err := d.each(ctx, func(w int) error { return f.addDown(w, mlpIn(w)) }); err != nil {
 		return err
 	}
-	if err := quantize(downLayers, s); err != nil {
+	if err := f.quantize(quantize, true); err != nil {
 		return err
 	}
 	progress("outputs")
 	return d.each(ctx, func(w int) error {
-		st.AddLinear(d.X[w], b.Down, st.MLPAct(b, mlpIn(d.X[w]), T), T)
+		st.AddMLP(b, d.X[w], mlpIn(w), T)
 		return nil
 	})
 }

@@ -74,7 +74,8 @@ func (a *absMax) Add(x []float32, rows int) error {
 // written: the method's grid is config group "group_0", targeting every
 // Linear; each other grid a plan gave is a group targeting its layers by
 // name (names win over the class in the format's matching); layers kept
-// unquantized, and lm_head unless it was quantized, are ignored.
+// unquantized, mixtures' routers, and lm_head unless it was quantized,
+// are ignored.
 func (d *driver) ctConfig(meta *pack.QuantMeta) *pack.QuantConfig {
 	base := d.m.Grid()
 	f, _ := d.m.(FP8)
@@ -112,6 +113,7 @@ func (d *driver) ctConfig(meta *pack.QuantMeta) *pack.QuantConfig {
 		ct.Ignore = append(ct.Ignore, "lm_head")
 	}
 	ct.Ignore = append(ct.Ignore, d.skipped...)
+	ct.Ignore = append(ct.Ignore, d.routers()...)
 	if len(formats) == 1 {
 		for _, s := range ct.ConfigGroups {
 			ct.Format, s.Format = s.Format, ""

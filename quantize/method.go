@@ -71,12 +71,23 @@ type Block struct {
 	SeqLen int
 	// Progress names the stage the block is in.
 	Progress func(stage string)
-	tensors  map[string]checkpoint.Out
+	// Experts says how a sparse block's experts pick their calibration
+	// rows (Options.MoECalib, MoEMinTokens).
+	Experts llm.ExpertCalib
+	// Rows, set by a Prepare that routed the calibration rows of a sparse
+	// block, is reported unless the driver routes them again for its own
+	// statistics.
+	Rows    *llm.ExpertRows
+	tensors map[string]checkpoint.Out
 }
 
-// SetFloat32 stores a changed vector of the block (a norm weight AWQ has
-// divided by its scales, a bias) in the output as F32, so that folded
-// scales are kept exactly. name is relative to the block's prefix.
-func (b *Block) SetFloat32(name string, v []float32) {
-	b.tensors[b.Prefix+name] = checkpoint.F32(v, len(v))
+// SetFloat32 stores a changed tensor of the block (a norm weight AWQ has
+// divided by its scales, a bias, a router whose columns it multiplied) in
+// the output as F32, so that folded scales are kept exactly. name is
+// relative to the block's prefix; shape defaults to v's length.
+func (b *Block) SetFloat32(name string, v []float32, shape ...int) {
+	if shape == nil {
+		shape = []int{len(v)}
+	}
+	b.tensors[b.Prefix+name] = checkpoint.F32(v, shape...)
 }

@@ -2,9 +2,11 @@ package quantize
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/gptq"
+	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/pack"
 )
 
@@ -96,15 +98,16 @@ func (m AWQ) Quantize(l Layer, _ Stats) (*pack.Linear, float64, error) {
 func (m AWQ) Prepare(b *Block) ([][]float32, error) {
 	blk := b.Block
 	b.Progress("features")
-	f, err := awq.Collect(b.Ctx, b.Stages, blk, b.X, b.SeqLen)
+	f, err := awq.Collect(b.Ctx, b.Stages, blk, b.X, b.SeqLen, b.Experts)
 	if err != nil {
 		return nil, err
 	}
+	b.Rows = f.Rows
 	// Input statistics come from the unscaled features (folding divides
 	// them by the scales).
 	var st []awq.LinearStats
 	if m.Record != nil {
-		st = awq.BlockStats(b.Prefix, blk, f)
+		st = awq.BlockStats(b.Stages, b.Prefix, blk, f)
 	}
 	sc, err := scaleBlock(b, f, m.Opt)
 	if err != nil {
@@ -113,7 +116,7 @@ func (m AWQ) Prepare(b *Block) ([][]float32, error) {
 	var shrink [4]map[string]float64
 	if m.Opt.Clip {
 		b.Progress("clip")
-		shrink = awq.ClipBlock(blk, f, m.Opt)
+		shrink = awq.ClipBlock(b.Stages, blk, f, m.Opt)
 	}
 	if m.Record != nil {
 		awq.AddSearchResults(st, sc, shrink)
@@ -134,7 +137,7 @@ func (m AWQGPTQ) Name() string { return "awq+gptq" }
 
 func (m AWQGPTQ) Prepare(b *Block) ([][]float32, error) {
 	b.Progress("awq features")
-	f, err := awq.Collect(b.Ctx, b.Stages, b.Block, b.X[:min(32, len(b.X))], b.SeqLen)
+	f, err := awq.Collect(b.Ctx, b.Stages, b.Block, b.X[:min(32, len(b.X))], b.SeqLen, b.Experts)
 	if err != nil {
 		return nil, err
 	}
@@ -154,10 +157,17 @@ func scaleBlock(b *Block, f *awq.Features, opt awq.Options) (*awq.Scales, error)
 	if n := awq.Apply(blk, sc, f); n > 0 && opt.Log != nil {
 		opt.Log("%s: %d folded values clamped to the float16 range ±65504", b.Prefix, n)
 	}
-	b.SetFloat32("input_layernorm.weight", blk.AttnNorm)
-	b.SetFloat32("post_attention_layernorm.weight", blk.MLPNorm)
+	cfg := b.Stages.Config()
+	for _, n := range blk.Norms(cfg) {
+		if n.W == &blk.AttnNorm || n.W == &blk.MLPNorm { // the two norms AWQ folds into
+			b.SetFloat32(n.Name, llm.StoredNorm(cfg, *n.W))
+		}
+	}
 	if bias := awq.VBias(blk); bias != nil && sc.VO.Scales != nil {
 		b.SetFloat32("self_attn.v_proj.bias", bias)
+	}
+	if r := blk.MoE; r != nil && sc.GateUp.Scales != nil { // its columns carry the gate/up scale
+		b.SetFloat32(strings.TrimPrefix(llm.RouterName(cfg, b.Index), b.Prefix)+".weight", r.Router.W, r.Router.Out(), r.Router.In())
 	}
 	return sc, nil
 }

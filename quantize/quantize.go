@@ -21,13 +21,18 @@
 // True-sequential order (the GPTQ reference's option) takes each input's
 // statistics after the layers before it are quantized: [q,k,v] → [o] →
 // [gate,up] → [down]; otherwise all four come from the unquantized block
-// in one pass.
+// in one pass. The later families run through the same stages (llm.Stages
+// applies q/k norms, Gemma's post-norms and sliding windows); their norms
+// and routers are copied, not quantized. In a mixture of experts each
+// expert's gate/up and down inputs are gathered on its own calibration
+// rows (moe.go).
 //
 // With Options.GPU (gpu.go) the same loop keeps X on the GPU
 // (cuda.Calibrator): the block's forward passes, the Hessians and GPTQ's
 // factorization and column updates run there, and only weights, codes,
 // scales and zeros cross to the host, where package gptq lays each layer
-// out and package pack writes it.
+// out and package pack writes it. The GPU path takes dense Llama-style
+// blocks (cuda.Supports).
 package quantize
 
 import (
@@ -85,6 +90,14 @@ type Options struct {
 	GPU *cuda.Lib
 	// Progress, if set, is told when each block starts a stage.
 	Progress func(block, blocks int, stage string)
+	// MoECalib is how the experts of a mixture gather calibration
+	// statistics: "routed" (the default, "" too) from the tokens the
+	// router sends each, or "all": every token through every expert, for
+	// the statistics only (see moe.go).
+	MoECalib string
+	// MoEMinTokens: an expert routed fewer calibration tokens is
+	// calibrated on all of them, and reported (0: the hidden size).
+	MoEMinTokens int
 }
 
 // LayerReport is one quantized linear layer.
@@ -119,6 +132,9 @@ type Report struct {
 	Timing map[string]float64 `json:"timing_s"`
 	// PeakGPUBytes is the most GPU memory the run held at once.
 	PeakGPUBytes int64 `json:"peak_gpu_bytes,omitempty"`
+	// Experts lists each expert of the sparse blocks with the calibration
+	// tokens it received (calibrated methods).
+	Experts []ExpertReport `json:"experts,omitempty"`
 }
 
 // Run quantizes the checkpoint in opt.Src and writes opt.Out. Output goes
@@ -151,13 +167,15 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if cfg.Quantization != nil {
 		return nil, fmt.Errorf("%s is already quantized", opt.Src)
 	}
-	// The driver knows Llama's block (two norms, q/k/v/o, gate/up/down);
-	// q/k norms, Gemma's four norms and experts are not written yet.
-	if cfg.QKNorm || cfg.SandwichNorm || cfg.MoE != nil {
-		return nil, fmt.Errorf("%s: quantizing %s is not supported yet (Llama, Mistral and Qwen2 are)", opt.Src, cfg.Architecture)
+	if err := validMoE(opt); err != nil {
+		return nil, err
 	}
 	grid := m.Grid()
-	for _, in := range []int{cfg.Hidden, cfg.Heads * cfg.HeadDim, cfg.Intermediate} {
+	ins := []int{cfg.Hidden, cfg.Heads * cfg.HeadDim, cfg.Intermediate}
+	if cfg.MoE != nil {
+		ins = append(ins, cfg.MoE.Intermediate)
+	}
+	for _, in := range ins {
 		if err := grid.Validate(in); err != nil {
 			return nil, err
 		}
@@ -210,7 +228,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if done.Fingerprint != fp {
 			return nil, fmt.Errorf("the interrupted run of %s used other settings (method, grid, calibration, format or plan); start over with --force", opt.Out)
 		}
-		rep.ResumedAt = done.Blocks
+		rep.ResumedAt, rep.Experts = done.Blocks, done.Experts
 	} else if w, err = pack.NewWriter(opt.Out, opt.Force); err != nil {
 		return nil, err
 	}
@@ -242,7 +260,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if err := d.block(ctx, l); err != nil {
 			return nil, d.stopped(ctx, fmt.Errorf("block %d: %w", l, err), done.Blocks)
 		}
-		done = progress{Fingerprint: fp, Blocks: l + 1}
+		done = progress{Fingerprint: fp, Blocks: l + 1, Experts: rep.Experts}
 		if err := w.Save(done); err != nil {
 			return nil, err
 		}
@@ -305,6 +323,7 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	meta := &pack.QuantMeta{Quantizer: "llmq", Version: d.opt.Version, Method: d.m.Name()}
 	if d.m.Calibrated() {
 		meta.NSamples, meta.SeqLen, meta.Calib, meta.Seed = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib), opt.Seed
+		meta.MoE = d.moeMeta()
 	}
 	if opt.Format == pack.MethodCT {
 		return d.ctConfig(meta)
@@ -312,10 +331,10 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 	if opt.Format == "awq" {
 		zp := !g.Sym
 		return &pack.QuantConfig{QuantMethod: "awq", Bits: g.Bits, GroupSize: g.GroupSize,
-			ZeroPoint: &zp, Version: "gemm", Dynamic: opt.Plan, Meta: meta}
+			ZeroPoint: &zp, Version: "gemm", Dynamic: opt.Plan, ModulesToNotConvert: d.routers(), Meta: meta}
 	}
 	qc := &pack.QuantConfig{QuantMethod: "gptq", Bits: g.Bits, GroupSize: g.GroupSize, Sym: &g.Sym,
-		LMHead: opt.QuantizeLMHead, Dynamic: opt.Plan, Meta: meta}
+		LMHead: opt.QuantizeLMHead, Dynamic: opt.Plan, ModulesInBlockToQuantize: d.modulesInBlock(), Meta: meta}
 	// true_sequential describes how statistics were gathered: only methods
 	// that gather them have the setting.
 	qc.TrueSequential = opt.TrueSequential && d.m.NewStats(1) != nil
@@ -441,7 +460,7 @@ func (d *driver) head(ctx context.Context) error {
 	}
 	s := d.m.NewStats(cfg.Hidden)
 	if s != nil {
-		norm, err := d.ck.Float32("model.norm.weight", cfg.Hidden)
+		norm, err := llm.ReadNorm(d.ck, "model.norm.weight", cfg.Hidden)
 		if err != nil {
 			return err
 		}

@@ -24,6 +24,9 @@ import (
 type progress struct {
 	Fingerprint string `json:"fingerprint"` // of every setting that decides the output
 	Blocks      int    `json:"blocks"`      // finished blocks
+	// Experts are the finished blocks' experts, for the report and the
+	// checkpoint's meta.
+	Experts []ExpertReport `json:"experts,omitempty"`
 }
 
 // unquantizedNext is implemented by methods whose next block reads the
@@ -82,64 +85,49 @@ func (d *driver) replay(ctx context.Context, l int) error {
 	if d.X == nil {
 		return nil
 	}
-	b, err := llm.LoadBlock(d.ck, l, llm.DenseLoader)
+	var b *llm.Block
+	var err error
+	if u, ok := d.m.(unquantizedNext); ok && u.NextFromUnquantized() {
+		b, err = llm.LoadBlock(d.ck, l, llm.DenseLoader)
+	} else if b, err = d.asWritten(l); err != nil {
+		err = fmt.Errorf("reading back block %d: %w", l, err)
+	}
 	if err != nil {
 		return err
-	}
-	if u, ok := d.m.(unquantizedNext); !ok || !u.NextFromUnquantized() {
-		if err := d.asWritten(l, b); err != nil {
-			return fmt.Errorf("reading back block %d: %w", l, err)
-		}
 	}
 	return d.propagate(ctx, b, func(string) {})
 }
 
-// asWritten replaces b's norms, biases and layers by what part l holds.
-func (d *driver) asWritten(l int, b *llm.Block) error {
+// asWritten reads block l as part l holds it: its norms, biases and
+// router as written, its layers dequantized.
+func (d *driver) asWritten(l int) (*llm.Block, error) {
 	path, err := d.w.PartPath(l)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	cfg := d.ck.Config
-	part, err := checkpoint.OpenFiles(cfg, path)
+	part, err := checkpoint.OpenFiles(d.ck.Config, path)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer part.Close()
-	prefix := fmt.Sprintf("model.layers.%d.", l)
-	if b.AttnNorm, err = part.Float32(prefix+"input_layernorm.weight", cfg.Hidden); err != nil {
-		return err
-	}
-	if b.MLPNorm, err = part.Float32(prefix+"post_attention_layernorm.weight", cfg.Hidden); err != nil {
-		return err
-	}
-	for _, nl := range b.Linears() {
-		name := prefix + nl.Name
-		in, out := (*nl.L).In(), (*nl.L).Out()
-		qkv := nl.Name == "self_attn.q_proj" || nl.Name == "self_attn.k_proj" || nl.Name == "self_attn.v_proj"
-		bias, err := llm.ReadBias(part, name, out, cfg.QKVBias && qkv)
-		if err != nil {
-			return err
-		}
+	return llm.LoadBlock(part, l, func(ck *checkpoint.Checkpoint, name string, in, out int, bias bool) (llm.Linear, error) {
 		g, quantized := d.opt.Plan.For(name, d.m.Grid())
 		if !quantized {
-			w, err := part.Float32(name+".weight", out, in)
-			if err != nil {
-				return err
-			}
-			*nl.L = llm.NewDense(w, bias, in, out)
-			continue
+			return llm.DenseLoader(ck, name, in, out, bias)
+		}
+		b, err := llm.ReadBias(ck, name, out, bias)
+		if err != nil {
+			return nil, err
 		}
 		var lin *pack.Linear
 		if d.opt.Format == "awq" {
-			lin, err = pack.ReadAWQ(part, name, in, out, g)
+			lin, err = pack.ReadAWQ(ck, name, in, out, g)
 		} else {
-			lin, err = pack.ReadGPTQ(part, name, in, out, g, d.w.Format)
+			lin, err = pack.ReadGPTQ(ck, name, in, out, g, d.w.Format)
 		}
 		if err != nil {
-			return err
+			return nil, err
 		}
-		*nl.L = llm.NewDense(lin.Dequantize(), bias, in, out)
-	}
-	return nil
+		return llm.NewDense(lin.Dequantize(), b, in, out), nil
+	})
 }

@@ -3,10 +3,12 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"sort"
 	"strings"
 
 	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/pack"
 	"github.com/spf13/cobra"
 )
 
@@ -32,6 +34,9 @@ func newInspect() *cobra.Command {
 			fmt.Fprintf(w, "vocab          %d (embeddings tied: %v)\n", c.Vocab, c.TieEmbeddings)
 			fmt.Fprintf(w, "context        %d, rope %s θ=%g\n", c.MaxPositions, c.Rope.Type, c.Rope.Theta)
 			fmt.Fprintf(w, "parameters     %s\n", human(float64(c.Params()), ""))
+			if c.MoE != nil {
+				fmt.Fprintf(w, "experts        %d per sparse layer, top %d, intermediate %d\n", c.MoE.Experts, c.MoE.TopK, c.MoE.Intermediate)
+			}
 			var dts []string
 			for d, n := range ck.DTypes() {
 				dts = append(dts, fmt.Sprintf("%s×%d", d, n))
@@ -44,6 +49,9 @@ func newInspect() *cobra.Command {
 			} else {
 				var q map[string]any
 				_ = json.Unmarshal(c.Quantization, &q)
+				if meta, ok := q["meta"].(map[string]any); ok {
+					delete(meta, "moe") // listed below
+				}
 				keys := make([]string, 0, len(q))
 				for k := range q {
 					keys = append(keys, k)
@@ -54,6 +62,9 @@ func newInspect() *cobra.Command {
 					parts = append(parts, fmt.Sprintf("%s=%v", k, q[k]))
 				}
 				fmt.Fprintf(w, "quantization   %s\n", strings.Join(parts, " "))
+				if qc, err := pack.ParseQuantConfig(c.Quantization); err == nil && qc.Meta != nil && qc.Meta.MoE != nil {
+					printMoEMeta(w, qc.Meta.MoE)
+				}
 			}
 			return nil
 		},
@@ -69,4 +80,24 @@ func human(v float64, unit string) string {
 		v /= 1000
 	}
 	return fmt.Sprintf("%.2fP%s", v, unit)
+}
+
+// printMoEMeta lists the calibration tokens each expert received.
+func printMoEMeta(w io.Writer, m *pack.MoEMeta) {
+	fmt.Fprintf(w, "expert calibration  %s (experts routed fewer than %d tokens calibrated on all, marked *)\n", m.Calib, m.MinTokens)
+	for _, l := range m.Layers {
+		all := map[int]bool{}
+		for _, e := range l.AllTokens {
+			all[e] = true
+		}
+		var parts []string
+		for e, n := range l.Routed {
+			mark := ""
+			if all[e] {
+				mark = "*"
+			}
+			parts = append(parts, fmt.Sprintf("%d:%d%s", e, n, mark))
+		}
+		fmt.Fprintf(w, "  layer %-3d routed tokens per expert  %s\n", l.Layer, strings.Join(parts, " "))
+	}
 }

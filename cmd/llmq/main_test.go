@@ -201,6 +201,8 @@ func TestCommandLineErrors(t *testing.T) {
 		{"unknown method", []string{"quantize", model, "--method", "int4", "-o", out}, []string{"--method", `"int4"`, "gptq, awq, awq+gptq, rtn or fp8"}, nil},
 		{"unknown format", []string{"quantize", model, "--method", "rtn", "--format", "gguf", "-o", out}, []string{"--format", `"gguf"`, "compressed-tensors"}, nil},
 		{"bad --fp8-scale", []string{"quantize", model, "--method", "fp8", "--fp8-scale", "per-group", "-o", out}, []string{"--fp8-scale", `"per-group"`, "per-channel or per-tensor"}, nil},
+		{"bad --moe-calib", []string{"quantize", model, "--method", "rtn", "--moe-calib", "sometimes", "-o", out}, []string{"--moe-calib", `"sometimes"`, "routed or all"}, nil},
+		{"negative --moe-min-tokens", []string{"quantize", model, "--method", "rtn", "--moe-min-tokens", "-5", "-o", out}, []string{"--moe-min-tokens", "-5", "positive number of tokens"}, nil},
 		{"--fp8-scale without fp8", []string{"quantize", model, "--method", "rtn", "--fp8-scale", "per-tensor", "-o", out}, []string{"--fp8-scale and --fp8-act apply to --method fp8"}, nil},
 		{"bad --fp8-act", []string{"quantize", model, "--method", "fp8", "--fp8-act", "token", "-o", out}, []string{"--fp8-act", `"token"`, "dynamic or static"}, nil},
 		{"static fp8 without --calib", []string{"quantize", model, "--method", "fp8", "--fp8-act", "static", "-o", out}, []string{"--calib"}, nil},
@@ -524,6 +526,43 @@ func TestCompressedTensorsAndFP8(t *testing.T) {
 		}
 		if g := mustLLMQ(t, "generate", out, "--prompt", "Once upon a time", "--max-tokens", "4", "--device", "cpu"); !strings.HasPrefix(g, "Once upon a time") {
 			t.Errorf("FP8 %s: generate printed %q", scale, g)
+		}
+	}
+}
+
+// TestQuantizeMixtureListsExperts: quantizing Mixtral prints each
+// expert's routed calibration tokens, --report carries them, and llmq
+// inspect lists them from the checkpoint (* marks all-token experts).
+func TestQuantizeMixtureListsExperts(t *testing.T) {
+	model := shared.Path(t, "models/archzoo/mixtral-rand")
+	dir := t.TempDir()
+	out, report := filepath.Join(dir, "q"), filepath.Join(dir, "report.json")
+	printed := mustLLMQ(t, "quantize", model, "--method", "gptq", "--group", "32", "--calib", shared.Path(t, "data/calib.txt"),
+		"--nsamples", "4", "--seqlen", "64", "--moe-min-tokens", "120", "--device", "cpu", "--report", report, "-o", out)
+	if !strings.Contains(printed, "layer 1 experts, routed calibration tokens: 0:") {
+		t.Errorf("quantize printed no experts:\n%s", printed)
+	}
+	var rec struct {
+		Data struct {
+			Report struct {
+				Experts []map[string]any `json:"experts"`
+			} `json:"report"`
+		} `json:"data"`
+	}
+	b, err := os.ReadFile(report)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &rec); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(rec.Data.Report.Experts); n != 8 {
+		t.Errorf("--report lists %d experts, want 8:\n%s", n, b)
+	}
+	ins := mustLLMQ(t, "inspect", out)
+	for _, want := range []string{"experts        4 per sparse layer, top 2", "expert calibration  routed", "layer 0   routed tokens per expert  0:"} {
+		if !strings.Contains(ins, want) {
+			t.Errorf("inspect does not say %q:\n%s", want, ins)
 		}
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -141,7 +142,15 @@ windows of --seqlen tokens of --calib (deterministic).`,
 				opt.Plan = append(rules, opt.Plan...) // flags before --plan: they win
 				opt.QuantizeLMHead = opt.QuantizeLMHead || head
 			}
-			if opt.GPU, err = quantizeDevice(device, opt.Method); err != nil {
+			switch opt.MoECalib {
+			case quantize.MoECalibRouted, quantize.MoECalibAll:
+			default:
+				return fmt.Errorf("--moe-calib must be %s or %s, got %q", quantize.MoECalibRouted, quantize.MoECalibAll, opt.MoECalib)
+			}
+			if opt.MoEMinTokens < 0 {
+				return fmt.Errorf("--moe-min-tokens must be 0 (the hidden size) or a positive number of tokens, got %d", opt.MoEMinTokens)
+			}
+			if opt.GPU, err = quantizeDevice(device, opt.Method, opt.Src); err != nil {
 				return err
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -227,13 +236,16 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.Var(ruleFlag{p: &plan, skip: true}, "skip", "mixed precision: keep modules matching a glob (or re:EXPR) unquantized, e.g. 'layers.31.mlp.down_proj'; repeatable")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.StringVar(&device, "device", "auto", "where GPTQ calibrates and solves: auto (the GPU when its library and a device are there), cpu, or cuda; other methods run on the CPU")
-	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings) as JSON here")
+	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings, each expert's calibration tokens) as JSON here")
+	f.StringVar(&opt.MoECalib, "moe-calib", quantize.MoECalibRouted, "mixtures of experts: each expert's statistics from the calibration tokens the router sends it (routed), or from every token sent through every expert (all; statistics only, outputs follow the real routing)")
+	f.IntVar(&opt.MoEMinTokens, "moe-min-tokens", 0, "mixtures of experts: an expert routed fewer calibration tokens is calibrated on all tokens instead, and reported (0: the model's hidden size)")
 	return cmd
 }
 
 // quantizeDevice opens the GPU for --device cuda, and for auto when the
-// method runs there and a GPU is available (saying once why not, if not).
-func quantizeDevice(device string, m quantize.Method) (*cuda.Lib, error) {
+// method and the model's architecture run there and a GPU is available
+// (saying once why not, if not).
+func quantizeDevice(device string, m quantize.Method, src string) (*cuda.Lib, error) {
 	switch device {
 	case "cpu":
 		return nil, nil
@@ -246,6 +258,15 @@ func quantizeDevice(device string, m quantize.Method) (*cuda.Lib, error) {
 			return nil, fmt.Errorf("--device cuda: --method %s runs on the CPU only for now (GPTQ runs on the GPU)", m.Name())
 		}
 		return nil, nil
+	}
+	if cfg, err := checkpoint.LoadConfig(src); err == nil {
+		if err := cuda.Supports(cfg); err != nil {
+			if device == "cuda" {
+				return nil, fmt.Errorf("--device cuda: %w", err)
+			}
+			fmt.Fprintf(os.Stderr, "llmq: quantizing on the CPU (%v)\n", err)
+			return nil, nil
+		}
 	}
 	lib, err := cuda.Open("")
 	if err == nil {
@@ -293,6 +314,7 @@ func printReport(cmd *cobra.Command, rep *quantize.Report) {
 			fmt.Fprintf(w, "%-36s %12.4f %8.2f\n", l.Name, l.Loss, l.Seconds)
 		}
 	}
+	printExperts(w, rep.Experts)
 	fmt.Fprintf(w, "method %s, format %s", rep.Method, rep.Format)
 	if rep.CalibTokens > 0 {
 		fmt.Fprintf(w, ", %d calibration tokens (of the %d in the file)", rep.CalibTokens, rep.CalibSourceTokens)
@@ -360,4 +382,38 @@ func evalOutput(cmd *cobra.Command, dir, data, device string, opt evals.PPLOptio
 		return nil, err
 	}
 	return &res, os.Rename(tmp, card)
+}
+
+// printExperts lists each sparse layer's experts with the calibration
+// tokens the router sent them; * marks an expert calibrated on all tokens
+// (--moe-calib all, or fewer routed tokens than --moe-min-tokens).
+func printExperts(w io.Writer, experts []quantize.ExpertReport) {
+	if len(experts) == 0 {
+		return
+	}
+	fallback, all := 0, 0
+	for i, e := range experts {
+		if i == 0 || experts[i-1].Layer != e.Layer {
+			if i > 0 {
+				fmt.Fprintln(w)
+			}
+			fmt.Fprintf(w, "layer %d experts, routed calibration tokens:", e.Layer)
+		}
+		mark := ""
+		if e.AllTokens {
+			mark, all = "*", e.Tokens
+		}
+		if e.Fallback {
+			fallback++
+		}
+		fmt.Fprintf(w, " %d:%d%s", e.Expert, e.Routed, mark)
+	}
+	fmt.Fprintln(w)
+	if all > 0 {
+		fmt.Fprintf(w, "* calibrated on all %d tokens", all)
+		if fallback > 0 {
+			fmt.Fprintf(w, " (%d experts routed fewer than --moe-min-tokens)", fallback)
+		}
+		fmt.Fprintln(w)
+	}
 }

@@ -169,7 +169,8 @@ func Windows(ids []int, n, seqlen int) ([][]int, error) {
 	return out, nil
 }
 
-// Embed looks up each window's token embeddings: [n][seqlen·hidden].
+// Embed looks up each window's token embeddings, [n][seqlen·hidden],
+// scaled as the forward pass scales them (Gemma 3: by √hidden).
 func Embed(ck *checkpoint.Checkpoint, windows [][]int) ([][]float32, error) {
 	c := ck.Config
 	E, err := ck.Float32("model.embed_tokens.weight", c.Vocab, c.Hidden)
@@ -184,6 +185,11 @@ func Embed(ck *checkpoint.Checkpoint, windows [][]int) ([][]float32, error) {
 				return nil, fmt.Errorf("token id %d (window %d, position %d) is outside the vocabulary [0, %d)", id, w, i, c.Vocab)
 			}
 			copy(x[i*c.Hidden:], E[id*c.Hidden:(id+1)*c.Hidden])
+		}
+		if scale := float32(c.EmbedScale); scale != 0 { // Gemma: √hidden, as the forward pass scales
+			for i := range x {
+				x[i] *= scale
+			}
 		}
 		out[w] = x
 	}
