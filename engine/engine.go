@@ -361,7 +361,7 @@ func (e *Engine) Validate(req Request) error {
 	if e.pool != nil {
 		n := len(req.Prompt) + req.MaxTokens
 		if need, total := e.pool.BlocksFor(n), e.pool.Blocks(); need > total {
-			return fmt.Errorf("%w: %d prompt tokens + max_tokens %d = %d tokens need %d blocks of KV cache (%d tokens each, %s), more than the whole pool of %d blocks (%s) holds: at most %d tokens fit in it; lower max_tokens or give the server more KV cache memory",
+			return fmt.Errorf("%w: %d prompt tokens + max_tokens %d = %d tokens need %d blocks of KV cache (%d positions of one layer each; %s), more than the whole pool of %d blocks (%s) holds: at most %d tokens fit in it; lower max_tokens or give the server more KV cache memory",
 				ErrInvalid, len(req.Prompt), req.MaxTokens, n, need, e.pool.BlockTokens(), mib(int64(need)*e.pool.BlockBytes()), total, mib(int64(total)*e.pool.BlockBytes()), e.pool.MaxTokens(ctxLen))
 		}
 	}
