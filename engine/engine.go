@@ -36,6 +36,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
@@ -623,6 +624,7 @@ func (e *Engine) run() {
 	}()
 	cfg := e.Backend.Config()
 	var steps []llm.Step
+	worked := false // a forward pass ran since the engine was last idle
 	for {
 		e.active.Store(int64(len(active)))
 		kvt, kvb, known := e.kvUsage(active)
@@ -632,9 +634,24 @@ func (e *Engine) run() {
 			e.kvBytesKnown.Store(true)
 		}
 		if len(active) == 0 && len(waiting) == 0 { // idle: wait for work
+			var trim <-chan time.Time
+			var timer *time.Timer
+			if worked && e.pool != nil {
+				// Idle for a while after work: the backend returns the
+				// memory of the blocks handed back to the system.
+				timer = time.NewTimer(idleTrim)
+				trim = timer.C
+			}
 			select {
 			case s := <-e.queue:
 				waiting = append(waiting, s)
+				if timer != nil {
+					timer.Stop()
+				}
+			case <-trim:
+				e.Backend.(llm.Paged).Trim()
+				worked = false
+				continue
 			case <-e.quit:
 				return
 			}
@@ -718,6 +735,7 @@ func (e *Engine) run() {
 		if len(active) == 0 {
 			continue
 		}
+		worked = true
 		if err := e.forward(steps); err != nil {
 			for _, s := range active {
 				s.finish(err)
@@ -871,6 +889,10 @@ func (e *Engine) preempt(s *sequence) {
 	s.fed, s.refilling = nil, false
 	e.preemptions.Add(1)
 }
+
+// idleTrim is how long the engine waits, idle, before the backend gives
+// freed cache memory back to the system.
+const idleTrim = time.Second
 
 // forward runs one batched step, turning a panic in a backend into an
 // error so that one bad request cannot take the server down.

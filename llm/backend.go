@@ -89,6 +89,9 @@ type Paged interface {
 	// (≤ 0: unbounded, blocks allocated as needed, the default). It fails
 	// when open caches hold more already, or bytes is less than a block.
 	SetKVCacheBytes(bytes int64) error
+	// Trim gives the memory of blocks handed back to the operating
+	// system, as far as the backend can; a scheduler calls it when idle.
+	Trim()
 }
 
 // PagedCache is a Paged backend's cache.

@@ -2,6 +2,7 @@ package llm
 
 import (
 	"fmt"
+	"runtime/debug"
 )
 
 // KVCache is the CPU backend's cache, paged: per layer, a table of blocks
@@ -66,6 +67,11 @@ func (m *Model) SetKVCacheBytes(bytes int64) error {
 	}
 	return p.Resize(int(min(blocks, Unbounded-1)))
 }
+
+// Trim implements Paged: the blocks handed back are garbage (the pool
+// keeps no memory), so a collection returns them; FreeOSMemory runs one
+// and gives the freed pages back to the system at once.
+func (m *Model) Trim() { debug.FreeOSMemory() }
 
 // NewCache implements Backend: an empty cache that may grow to capacity
 // tokens, holding no memory until tokens are written.
