@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -256,5 +257,35 @@ func TestValidatePool(t *testing.T) {
 	want := fmt.Sprintf("10 prompt tokens + max_tokens 151 = 161 tokens need 44 blocks of KV cache")
 	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "at most 160 tokens fit") {
 		t.Errorf("got %v, want ErrInvalid containing %q", err, want)
+	}
+}
+
+// trimCounter counts the calls of Trim on the CPU backend.
+type trimCounter struct {
+	*llm.Model
+	n atomic.Int32
+}
+
+func (b *trimCounter) Trim() { b.n.Add(1); b.Model.Trim() }
+
+// TestIdleTrim: a second after its last request the engine has the
+// backend give freed cache memory back, once, and not again while idle.
+func TestIdleTrim(t *testing.T) {
+	m := openTiny(t)
+	b := &trimCounter{Model: m.Backend.(*llm.Model)}
+	e := start(t, NewModel(b, m.Tokenizer, m.Template), Options{})
+	if _, err := e.Generate(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 20}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if n := b.n.Load(); n != 0 {
+		t.Errorf("Trim called %d times right after the request", n)
+	}
+	time.Sleep(idleTrim + idleTrim/2)
+	if n := b.n.Load(); n != 1 {
+		t.Errorf("Trim called %d times %v after the request, want 1", n, idleTrim+idleTrim/2)
+	}
+	time.Sleep(idleTrim + idleTrim/2)
+	if n := b.n.Load(); n != 1 {
+		t.Errorf("Trim called %d times after a longer idle, want 1", n)
 	}
 }
