@@ -20,6 +20,14 @@
 // the ones that finished. A request therefore never waits for another to
 // end, and batch-1 decoding turns into batch-N matrix products.
 //
+// On a backend that pages its key/value caches (llm.Paged: the CPU) the
+// batch is bounded by memory too: a waiting request is admitted only when
+// the block pool has what its prefill takes, and when the running
+// sequences run out of blocks the one that arrived last is preempted —
+// its blocks freed, and everything it held prefilled again when there is
+// room (recomputation, as vLLM does) — so requests wait rather than fail,
+// and their output does not change.
+//
 // Callers see requests as a blocking Generate call that streams text
 // through a callback; cancelling its context (a client that went away)
 // removes the sequence at the next iteration. Text is decoded and stop
@@ -203,9 +211,9 @@ type Stats struct {
 	// KVTokens is the tokens the active sequences' KV caches hold, as of
 	// the last iteration of the scheduler.
 	KVTokens int64 `json:"kv_cache_tokens"`
-	// KVBytes is the memory the active sequences' caches reserve (their
-	// whole capacity), when the backend's caches report it (a Bytes()
-	// int64 method, as the CPU backend's have); 0 otherwise.
+	// KVBytes is the memory of the backend's caches (Memory().Caches: on
+	// the CPU the blocks held now, on the GPU each cache's whole
+	// capacity).
 	KVBytes int64 `json:"kv_cache_bytes,omitempty"`
 	// KVBytesKnown: the backend's caches report their size (seen once a
 	// request ran); KVBytes means nothing otherwise.
