@@ -218,10 +218,11 @@ type Stats struct {
 	// KVBytesKnown: the backend's caches report their size (seen once a
 	// request ran); KVBytes means nothing otherwise.
 	KVBytesKnown bool `json:"-"`
-	// With a backend that pages its caches: the blocks the caches hold,
-	// the pool's size (llm.Unbounded when it has no bound), the most held
-	// at once, and how many times a sequence was preempted (its blocks
-	// freed to let others on; it is prefilled again later).
+	// KVPaged: the backend pages its caches (llm.Paged), and then the
+	// blocks the caches hold, the pool's size (0 when it has no bound),
+	// the most held at once, and how many times a sequence was preempted
+	// (its blocks freed to let others on; it is prefilled again later).
+	KVPaged       bool  `json:"kv_paged"`
 	KVBlocksUsed  int   `json:"kv_blocks_used"`
 	KVBlocksTotal int   `json:"kv_blocks_total,omitempty"`
 	KVBlocksPeak  int   `json:"kv_blocks_peak"`
@@ -233,7 +234,10 @@ func (e *Engine) Stats() Stats {
 	st := Stats{Queued: int(e.queued.Load()), Active: int(e.active.Load()), Generated: e.generated.Load(),
 		KVTokens: e.kvTokens.Load(), KVBytes: e.kvBytes.Load(), KVBytesKnown: e.kvBytesKnown.Load(), Preemptions: e.preemptions.Load()}
 	if e.pool != nil {
-		st.KVBlocksUsed, st.KVBlocksTotal, st.KVBlocksPeak = e.pool.Used(), e.pool.Blocks(), e.pool.Peak()
+		st.KVPaged, st.KVBlocksUsed, st.KVBlocksPeak = true, e.pool.Used(), e.pool.Peak()
+		if n := e.pool.Blocks(); n < llm.Unbounded {
+			st.KVBlocksTotal = n
+		}
 	}
 	return st
 }

@@ -9,8 +9,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-
-	"github.com/llmq/llmq/llm"
 )
 
 // ttftBuckets are the upper bounds, in seconds, of the time-to-first-token
@@ -118,10 +116,10 @@ func (m *metrics) write(w io.Writer, s *Server) {
 		head("llmq_kv_cache_bytes", "gauge", "Memory the KV caches hold (on the CPU: the blocks in use).")
 		p("llmq_kv_cache_bytes %d\n", st.KVBytes)
 	}
-	if st.KVBlocksTotal > 0 {
+	if st.KVPaged {
 		head("llmq_kv_cache_blocks_used", "gauge", "KV cache blocks the sequences hold.")
 		p("llmq_kv_cache_blocks_used %d\n", st.KVBlocksUsed)
-		if st.KVBlocksTotal < llm.Unbounded {
+		if st.KVBlocksTotal > 0 {
 			head("llmq_kv_cache_blocks_total", "gauge", "KV cache blocks in the pool (its bound).")
 			p("llmq_kv_cache_blocks_total %d\n", st.KVBlocksTotal)
 		}

@@ -12,7 +12,6 @@ import (
 
 	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/engine"
-	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/server"
 	"github.com/spf13/cobra"
 )
@@ -117,9 +116,9 @@ and ignores --kv-cache-gb.`,
 				chatNote = "no chat template: /v1/chat/completions answers 400, use /v1/completions"
 			}
 			kvNote := "KV cache: prompt + max_tokens reserved per request"
-			if st := e.Stats(); st.KVBlocksTotal > 0 {
+			if st := e.Stats(); st.KVPaged {
 				kvNote = "KV cache unbounded, paged"
-				if st.KVBlocksTotal < llm.Unbounded {
+				if st.KVBlocksTotal > 0 {
 					kvNote = fmt.Sprintf("KV cache %.2g GiB, paged: %d tokens at most per request", kvGB, e.MaxSequence())
 				}
 			} else if cmd.Flags().Changed("kv-cache-gb") {
