@@ -20,6 +20,14 @@
 // the ones that finished. A request therefore never waits for another to
 // end, and batch-1 decoding turns into batch-N matrix products.
 //
+// On a backend that pages its key/value caches (llm.Paged: the CPU) the
+// batch is bounded by memory too: a waiting request is admitted only when
+// the block pool has what its prefill takes, and when the running
+// sequences run out of blocks the one that arrived last is preempted —
+// its blocks freed, and everything it held prefilled again when there is
+// room (recomputation, as vLLM does) — so requests wait rather than fail,
+// and their output does not change.
+//
 // Callers see requests as a blocking Generate call that streams text
 // through a callback; cancelling its context (a client that went away)
 // removes the sequence at the next iteration. Text is decoded and stop
@@ -28,6 +36,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -35,6 +44,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
@@ -76,6 +86,17 @@ type Options struct {
 	// MaxScoreLogits/vocab positions over successive iterations, so a
 	// long prompt on a large vocabulary cannot exhaust memory.
 	MaxScoreLogits int
+	// KVCacheBytes bounds the key/value cache memory of a backend that
+	// pages it (llm.Paged: the CPU), in bytes; 0 leaves the backend's
+	// pool as it is (the CPU's is unbounded until bounded). With a bound,
+	// a waiting request joins the batch only when the pool has the blocks
+	// its next step takes; when decoding sequences run out of blocks the
+	// one that arrived last is preempted — its blocks freed, its prompt and
+	// the tokens generated so far prefilled again once blocks are free —
+	// and a request that could not fit the pool even alone is refused
+	// (ErrInvalid). Backends that reserve each cache's capacity up front
+	// (the GPU for now) ignore it.
+	KVCacheBytes int64
 }
 
 func (o Options) withDefaults() Options {
@@ -120,6 +141,10 @@ type Engine struct {
 	mu     sync.Mutex // orders submissions before Close
 	closed bool
 
+	pool        *llm.BlockPool // the backend's KV blocks, when it pages its caches
+	arrivals    int64          // sequences submitted (under mu): their order
+	preemptions atomic.Int64
+
 	active       atomic.Int64 // sequences in the batch
 	queued       atomic.Int64 // sequences submitted, neither in the batch nor dropped yet
 	generated    atomic.Int64 // tokens generated since the start
@@ -146,6 +171,14 @@ func New(m Model, opt Options) (*Engine, error) {
 	opt = opt.withDefaults()
 	e := &Engine{Backend: b, Tokenizer: tok, Template: tmpl, opt: opt,
 		queue: make(chan *sequence, opt.MaxQueue), quit: make(chan struct{}), done: make(chan struct{})}
+	if p, ok := b.(llm.Paged); ok {
+		if opt.KVCacheBytes > 0 {
+			if err := p.SetKVCacheBytes(opt.KVCacheBytes); err != nil {
+				return nil, fmt.Errorf("engine: %w", err)
+			}
+		}
+		e.pool = p.KVPool()
+	}
 	e.Stop = slices.Clone(b.Config().EOS)
 	if tmpl != nil {
 		if id, ok := tok.TokenID(tmpl.EOSToken); ok && !slices.Contains(e.Stop, id) {
@@ -178,19 +211,46 @@ type Stats struct {
 	// KVTokens is the tokens the active sequences' KV caches hold, as of
 	// the last iteration of the scheduler.
 	KVTokens int64 `json:"kv_cache_tokens"`
-	// KVBytes is the memory the active sequences' caches reserve (their
-	// whole capacity), when the backend's caches report it (a Bytes()
-	// int64 method, as the CPU backend's have); 0 otherwise.
+	// KVBytes is the memory of the backend's caches (Memory().Caches: on
+	// the CPU the blocks held now, on the GPU each cache's whole
+	// capacity).
 	KVBytes int64 `json:"kv_cache_bytes,omitempty"`
 	// KVBytesKnown: the backend's caches report their size (seen once a
 	// request ran); KVBytes means nothing otherwise.
 	KVBytesKnown bool `json:"-"`
+	// KVPaged: the backend pages its caches (llm.Paged), and then the
+	// blocks the caches hold, the pool's size (0 when it has no bound),
+	// the most held at once, and how many times a sequence was preempted
+	// (its blocks freed to let others on; it is prefilled again later).
+	KVPaged       bool  `json:"kv_paged"`
+	KVBlocksUsed  int   `json:"kv_blocks_used"`
+	KVBlocksTotal int   `json:"kv_blocks_total,omitempty"`
+	KVBlocksPeak  int   `json:"kv_blocks_peak"`
+	Preemptions   int64 `json:"preemptions"`
 }
 
 // Stats reads the counters.
 func (e *Engine) Stats() Stats {
-	return Stats{Queued: int(e.queued.Load()), Active: int(e.active.Load()), Generated: e.generated.Load(),
-		KVTokens: e.kvTokens.Load(), KVBytes: e.kvBytes.Load(), KVBytesKnown: e.kvBytesKnown.Load()}
+	st := Stats{Queued: int(e.queued.Load()), Active: int(e.active.Load()), Generated: e.generated.Load(),
+		KVTokens: e.kvTokens.Load(), KVBytes: e.kvBytes.Load(), KVBytesKnown: e.kvBytesKnown.Load(), Preemptions: e.preemptions.Load()}
+	if e.pool != nil {
+		st.KVPaged, st.KVBlocksUsed, st.KVBlocksPeak = true, e.pool.Used(), e.pool.Peak()
+		if n := e.pool.Blocks(); n < llm.Unbounded {
+			st.KVBlocksTotal = n
+		}
+	}
+	return st
+}
+
+// MaxSequence is the most tokens, prompt and generation together, one
+// request may take: the model's context, or less when a bounded KV cache
+// pool cannot hold that many.
+func (e *Engine) MaxSequence() int {
+	ctxLen := e.Backend.Config().MaxPositions
+	if e.pool == nil {
+		return ctxLen
+	}
+	return e.pool.MaxTokens(ctxLen)
 }
 
 // kvUsage is the tokens the active sequences' caches hold, and the bytes
@@ -311,6 +371,13 @@ func (e *Engine) Validate(req Request) error {
 		return fmt.Errorf("%w: max_tokens %d too large: %d prompt tokens + %d exceed the model's context of %d",
 			ErrInvalid, req.MaxTokens, len(req.Prompt), req.MaxTokens, ctxLen)
 	}
+	if e.pool != nil {
+		n := len(req.Prompt) + req.MaxTokens
+		if need, total := e.pool.BlocksFor(n), e.pool.Blocks(); need > total {
+			return fmt.Errorf("%w: %d prompt tokens + max_tokens %d = %d tokens need %d blocks of KV cache (%d positions of one layer each; %s), more than the whole pool of %d blocks (%s) holds: at most %d tokens fit in it; lower max_tokens or give the server more KV cache memory",
+				ErrInvalid, len(req.Prompt), req.MaxTokens, n, need, e.pool.BlockTokens(), mib(int64(need)*e.pool.BlockBytes()), total, mib(int64(total)*e.pool.BlockBytes()), e.pool.MaxTokens(ctxLen))
+		}
+	}
 	for _, id := range req.Prompt {
 		if id < 0 || id >= e.Backend.Config().Vocab {
 			return fmt.Errorf("%w: token id %d outside the vocabulary of %d", ErrInvalid, id, e.Backend.Config().Vocab)
@@ -326,6 +393,9 @@ func (e *Engine) Validate(req Request) error {
 	}
 	return nil
 }
+
+// mib writes a byte count in MiB.
+func mib(n int64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
 
 // Generate runs a request, calling emit (when not nil) with each piece of
 // new text as soon as it is final. It blocks until the generation ends,
@@ -357,7 +427,11 @@ func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chun
 		chunk := e.scoreChunk()
 		capacity += (len(req.Prompt) + chunk - 1) / chunk
 	}
-	s := &sequence{ctx: ctx, req: req, tokens: make(chan token, capacity)}
+	s := &sequence{ctx: ctx, req: req, tokens: make(chan token, capacity), sampler: llm.NewSampler(req.Sample), next: req.Prompt}
+	if req.PromptLogprobs {
+		s.scoring = true
+		s.next = req.Prompt[:min(e.scoreChunk(), len(req.Prompt))]
+	}
 	if err := e.submit(s); err != nil {
 		return nil, err
 	}
@@ -470,6 +544,8 @@ func (e *Engine) submit(s *sequence) error {
 	if e.queued.Load() >= int64(e.opt.MaxQueue) {
 		return ErrBusy
 	}
+	e.arrivals++
+	s.arrival = e.arrivals
 	// The channel holds at most the queued sequences, fewer than
 	// MaxQueue, its capacity: the send does not block.
 	select {
@@ -493,15 +569,24 @@ type sequence struct {
 	req    Request
 	tokens chan token
 
-	cache   llm.Cache
-	sampler *llm.Sampler
-	logits  []float32
-	scoring bool // the prefill of a PromptLogprobs request is running
-	scored  int  // prompt positions prefilled so far, when scoring
-	next    []int
-	n       int
-	eos     bool
-	err     error
+	arrival int64 // its place in the order of submission
+
+	cache llm.Cache
+	// fed is the tokens in the cache. A preempted sequence loses its
+	// cache: refill is then what it held, prefilled again (together with
+	// next, or alone while the prompt is being scored) when it is back in
+	// the batch; refilling marks a step that only restores the cache.
+	fed, refill []int
+	refilling   bool
+	step        []int // the tokens of this iteration's step
+	sampler     *llm.Sampler
+	logits      []float32
+	scoring     bool // the prefill of a PromptLogprobs request is running
+	scored      int  // prompt positions prefilled so far, when scoring
+	next        []int
+	n           int
+	eos         bool
+	err         error
 }
 
 // token is one sampled token as the scheduler hands it over; lp is set
@@ -551,6 +636,7 @@ func (e *Engine) run() {
 	}()
 	cfg := e.Backend.Config()
 	var steps []llm.Step
+	worked := false // a forward pass ran since the engine was last idle
 	for {
 		e.active.Store(int64(len(active)))
 		kvt, kvb, known := e.kvUsage(active)
@@ -560,9 +646,24 @@ func (e *Engine) run() {
 			e.kvBytesKnown.Store(true)
 		}
 		if len(active) == 0 && len(waiting) == 0 { // idle: wait for work
+			var trim <-chan time.Time
+			var timer *time.Timer
+			if worked && e.pool != nil {
+				// Idle for a while after work: the backend returns the
+				// memory of the blocks handed back to the system.
+				timer = time.NewTimer(idleTrim)
+				trim = timer.C
+			}
 			select {
 			case s := <-e.queue:
 				waiting = append(waiting, s)
+				if timer != nil {
+					timer.Stop()
+				}
+			case <-trim:
+				e.Backend.(llm.Paged).Trim()
+				worked = false
+				continue
 			case <-e.quit:
 				return
 			}
@@ -587,50 +688,66 @@ func (e *Engine) run() {
 		}
 		clear(waiting[len(kept):])
 		waiting = kept
-		n := min(e.opt.MaxBatch-len(active), len(waiting))
-		active = append(active, waiting[:n]...)
-		waiting = append(waiting[:0], waiting[n:]...)
-		clear(waiting[len(waiting):cap(waiting)])
-		e.queued.Add(-int64(n))
 		select {
 		case <-e.quit:
 			return
 		default:
 		}
 
-		// Start new sequences, drop cancelled ones, and build the steps.
-		steps = steps[:0]
+		// Drop cancelled sequences (their blocks go back to the pool),
+		// then admit waiting ones.
 		live := active[:0]
 		for _, s := range active {
 			if err := s.ctx.Err(); err != nil {
 				s.finish(err)
 				continue
 			}
+			live = append(live, s)
+		}
+		clear(active[len(live):])
+		active = live
+		if e.pool == nil {
+			n := min(e.opt.MaxBatch-len(active), len(waiting))
+			active = append(active, waiting[:n]...)
+			waiting = append(waiting[:0], waiting[n:]...)
+			clear(waiting[len(waiting):cap(waiting)])
+			e.queued.Add(-int64(n))
+		} else {
+			active, waiting = e.schedule(active, waiting)
+		}
+
+		// Start new sequences and build the steps.
+		steps = steps[:0]
+		live = active[:0]
+		for _, s := range active {
 			if s.cache == nil {
 				c, err := e.Backend.NewCache(len(s.req.Prompt) + s.req.MaxTokens)
 				if err != nil {
 					s.finish(err)
 					continue
 				}
-				s.cache, s.sampler, s.next = c, llm.NewSampler(s.req.Sample), s.req.Prompt
+				s.cache = c
+			}
+			if s.logits == nil {
 				s.logits = make([]float32, cfg.Vocab)
-				if s.req.PromptLogprobs {
-					s.scoring = true
-					s.next = s.req.Prompt[:min(e.scoreChunk(), len(s.req.Prompt))]
-				}
 			}
+			s.setStep()
 			live = append(live, s)
-			if s.scoring { // every position's logits, in a buffer the caller will own
-				s.logits = make([]float32, len(s.next)*cfg.Vocab)
-				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits})
-				continue
+			switch {
+			case s.refilling: // only restores the cache: the logits are not used
+				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: make([]float32, cfg.Vocab), LastOnly: true})
+			case s.scoring: // every position's logits, in a buffer the caller will own
+				s.logits = make([]float32, len(s.step)*cfg.Vocab)
+				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits})
+			default:
+				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits, LastOnly: true})
 			}
-			steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.next, Logits: s.logits, LastOnly: true})
 		}
 		active = live
 		if len(active) == 0 {
 			continue
 		}
+		worked = true
 		if err := e.forward(steps); err != nil {
 			for _, s := range active {
 				s.finish(err)
@@ -638,10 +755,22 @@ func (e *Engine) run() {
 			active = active[:0]
 			continue
 		}
+		for _, s := range active {
+			if s.refill != nil {
+				s.fed, s.refill = s.step, nil
+			} else {
+				s.fed = append(s.fed, s.step...)
+			}
+		}
 
 		// One new token for each sequence.
 		live = active[:0]
 		for _, s := range active {
+			if s.refilling { // the cache is back; scoring goes on next time
+				s.refilling = false
+				live = append(live, s)
+				continue
+			}
 			row := s.logits
 			if s.scoring { // a chunk of a scored prefill: hand its logits over
 				s.tokens <- token{logits: row, from: s.scored}
@@ -686,6 +815,96 @@ func (e *Engine) run() {
 		active = live
 	}
 }
+
+// setStep sets the tokens of the sequence's next step: next, after what
+// the cache held before a preemption when it has to be refilled, or (while
+// the prompt is scored) the refill alone.
+func (s *sequence) setStep() {
+	s.refilling = false
+	switch {
+	case s.refill == nil:
+		s.step = s.next
+	case s.scoring:
+		s.step, s.refilling = s.refill, true
+	default:
+		s.step = append(slices.Clip(s.refill), s.next...)
+	}
+}
+
+// schedule is admission by KV cache blocks. It first preempts active
+// sequences, the latest arrival first, until the pool has the blocks that
+// this iteration's steps of the others take; then it admits waiting
+// sequences, in order of arrival, while the blocks their first step takes
+// are left over and the batch has room. A preempted sequence gives its
+// blocks back and waits (first in line, by its arrival) to be prefilled
+// again with everything it held. waiting is in order of arrival, and so
+// is what schedule returns.
+func (e *Engine) schedule(active, waiting []*sequence) ([]*sequence, []*sequence) {
+	need := func(s *sequence) int {
+		s.setStep()
+		if pc, ok := s.cache.(llm.PagedCache); ok {
+			return pc.Need(len(s.step))
+		}
+		return e.pool.BlocksFor(len(s.step)) // a new cache takes at most this
+	}
+	sum := 0
+	for _, s := range active {
+		sum += need(s)
+	}
+	for sum > e.pool.Free() && len(active) > 0 {
+		vi := 0
+		for i, s := range active {
+			if s.arrival > active[vi].arrival {
+				vi = i
+			}
+		}
+		v := active[vi]
+		sum -= need(v)
+		active = slices.Delete(active, vi, vi+1)
+		e.preempt(v)
+		i, _ := slices.BinarySearchFunc(waiting, v.arrival, func(s *sequence, a int64) int { return cmp.Compare(s.arrival, a) })
+		waiting = slices.Insert(waiting, i, v)
+		e.queued.Add(1)
+	}
+	budget := e.pool.Free() - sum
+	n := 0
+	for n < len(waiting) && len(active) < e.opt.MaxBatch {
+		s := waiting[n]
+		k := need(s)
+		if k > budget {
+			if len(active) > 0 {
+				break
+			}
+			// Nothing runs that could free blocks: the pool is held by
+			// caches outside the engine.
+			s.finish(fmt.Errorf("the KV cache pool has %d blocks free, the request needs %d", budget, k))
+		} else {
+			budget -= k
+			active = append(active, s)
+		}
+		n++
+		e.queued.Add(-1)
+	}
+	waiting = append(waiting[:0], waiting[n:]...)
+	clear(waiting[len(waiting):cap(waiting)])
+	return active, waiting
+}
+
+// preempt takes a sequence's cache away: its blocks go back to the pool,
+// and what the cache held is to be prefilled again.
+func (e *Engine) preempt(s *sequence) {
+	s.cache.Close()
+	s.cache = nil
+	if s.refill == nil {
+		s.refill = s.fed
+	}
+	s.fed, s.refilling = nil, false
+	e.preemptions.Add(1)
+}
+
+// idleTrim is how long the engine waits, idle, before the backend gives
+// freed cache memory back to the system.
+const idleTrim = time.Second
 
 // forward runs one batched step, turning a panic in a backend into an
 // error so that one bad request cannot take the server down.

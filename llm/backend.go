@@ -75,12 +75,41 @@ type Cache interface {
 	Close() error
 }
 
+// Paged is a Backend whose caches take their memory a block at a time
+// from one BlockPool as their sequences grow, and give it back when they
+// are truncated or closed: a cache's memory follows the tokens it holds,
+// not its capacity. A scheduler admits sequences while the pool has room
+// and preempts one when it runs out (package engine does). The CPU
+// backend is one; the GPU's caches still reserve their capacity up front.
+type Paged interface {
+	Backend
+	// KVPool is the pool the backend's caches draw from.
+	KVPool() *BlockPool
+	// SetKVCacheBytes bounds the pool to bytes of keys and values
+	// (≤ 0: unbounded, blocks allocated as needed, the default). It fails
+	// when open caches hold more already, or bytes is less than a block.
+	SetKVCacheBytes(bytes int64) error
+	// Trim gives the memory of blocks handed back to the operating
+	// system, as far as the backend can; a scheduler calls it when idle.
+	Trim()
+}
+
+// PagedCache is a Paged backend's cache.
+type PagedCache interface {
+	Cache
+	// Need is how many blocks beyond those it holds the next Forward
+	// appending n tokens takes from the pool.
+	Need(n int) int
+	// Blocks is how many blocks it holds.
+	Blocks() int
+}
+
 // Memory is what a backend holds, in bytes. Weights, Caches, Activations
 // and Workspace are the backend's own accounting and add up to Total; on
 // the GPU they are every byte allocated through the model's context.
 type Memory struct {
 	Weights     int64 `json:"weights_bytes"`
-	Caches      int64 `json:"caches_bytes"`      // key/value caches not yet closed
+	Caches      int64 `json:"caches_bytes"`      // key/value caches not yet closed (the CPU: the blocks they hold now)
 	Activations int64 `json:"activations_bytes"` // buffers kept between forward passes, decode graphs' included
 	Workspace   int64 `json:"workspace_bytes"`   // library scratch (cuBLAS workspace, dequantize scratch)
 	Graphs      int   `json:"graphs"`            // captured decode graphs held

@@ -10,7 +10,7 @@ import (
 
 // The CPU backend's Memory counts its float32 weights once (llama-tiny's
 // parameter count × 4, the tied or separate head included once) and each
-// open cache until it is closed; WindowNLL is the NLL of the window's
+// block the open caches hold until they are closed; WindowNLL is the NLL of the window's
 // logits computed by hand.
 func TestCPUBackendMemoryAndWindowNLL(t *testing.T) {
 	m := loadModel(t, "models/llama-tiny")
@@ -35,9 +35,15 @@ func TestCPUBackendMemoryAndWindowNLL(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := int64(2*c.Layers*kv*100) * 4
+	if mem, _ = b.Memory(); mem.Caches != 0 {
+		t.Errorf("one empty cache of 100 tokens: %d bytes counted, want 0 (blocks come as tokens do)", mem.Caches)
+	}
+	if err := b.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: make([]int, 100), Logits: make([]float32, c.Vocab), LastOnly: true}}); err != nil {
+		t.Fatal(err)
+	}
+	want := int64(2*c.Layers*kv*112) * 4 // 7 blocks of 16 per layer
 	if mem, _ = b.Memory(); mem.Caches != want {
-		t.Errorf("one cache of 100 tokens: %d bytes counted, want %d", mem.Caches, want)
+		t.Errorf("one cache holding 100 tokens: %d bytes counted, want %d", mem.Caches, want)
 	}
 	cache.Close()
 	cache.Close() // twice is harmless
@@ -69,7 +75,7 @@ func TestCPUBackendMemoryAndWindowNLL(t *testing.T) {
 	if _, _, err := b.WindowNLL(context.Background(), ids[:1]); err == nil {
 		t.Error("a one-token window was accepted")
 	}
-	if mem, _ = b.Memory(); mem.Caches != int64(2*c.Layers*kv*len(ids))*4 {
+	if mem, _ = b.Memory(); mem.Caches != int64(2*c.Layers*kv*len(ids))*4 { // 64 tokens: 4 whole blocks a layer
 		t.Errorf("WindowNLL left %d cache bytes open besides this test's", mem.Caches-int64(2*c.Layers*kv*len(ids))*4)
 	}
 }

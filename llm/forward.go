@@ -4,66 +4,11 @@ import (
 	"context"
 	"fmt"
 	"math"
-	"sync/atomic"
+	"slices"
 
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/mat"
 )
-
-// KVCache is the CPU backend's cache: per layer, keys and values stored
-// [kv_heads][slots][head_dim] so each head's keys are one contiguous
-// matrix for the attention products. A layer attending to every earlier
-// position has a slot per position (the capacity); a sliding-window layer
-// whose window W is smaller than that keeps only the last W positions,
-// position p in slot p mod W (a ring), since no query will look further
-// back.
-type KVCache struct {
-	k, v    [][]float32
-	slots   []int // per layer: cap, or the window of a ring
-	n, cap  int
-	kvh, hd int
-	// written is the number of positions whose keys went into the rings
-	// since they were last known whole: Truncate can go back only as far
-	// as the rings still hold the window before the new end.
-	written int
-	open    *atomic.Int64 // the model's count of open cache bytes
-	bytes   int64
-}
-
-// NewCache implements Backend. Layers with a sliding window get a ring
-// of min(window, capacity) slots, so the cache of a sliding layer never
-// outgrows its window; Bytes and Memory count what is allocated.
-func (m *Model) NewCache(capacity int) (Cache, error) {
-	c := m.Cfg
-	if capacity <= 0 {
-		return nil, fmt.Errorf("cache capacity must be positive, got %d", capacity)
-	}
-	kc := &KVCache{cap: capacity, kvh: c.KVHeads, hd: c.HeadDim}
-	for l := 0; l < c.Layers; l++ {
-		s := capacity
-		if w := c.Window(l); w > 0 {
-			s = min(w, capacity)
-		}
-		kc.slots = append(kc.slots, s)
-		kc.k = append(kc.k, make([]float32, c.KVHeads*s*c.HeadDim))
-		kc.v = append(kc.v, make([]float32, c.KVHeads*s*c.HeadDim))
-	}
-	kc.bytes = kc.Bytes()
-	kc.open = &m.caches
-	kc.open.Add(kc.bytes)
-	return kc, nil
-}
-
-// Close implements Cache: it drops the keys and values (the garbage
-// collector reclaims them) and stops counting them in Memory.
-func (c *KVCache) Close() error {
-	if c.open != nil {
-		c.open.Add(-c.bytes)
-		c.open = nil
-	}
-	c.k, c.v, c.slots, c.n, c.cap = nil, nil, nil, 0, 0
-	return nil
-}
 
 // WindowNLL implements Backend with LogitsNLL.
 func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) {
@@ -95,8 +40,8 @@ func LogitsNLL(ctx context.Context, b Backend, ids []int) (float64, int, error) 
 }
 
 // Memory implements Backend: the float32 weights as loaded (quantized
-// layers dequantized) and the open caches; a forward pass's activations
-// are allocated per call and not kept.
+// layers dequantized) and the blocks the open caches hold; a forward
+// pass's activations are allocated per call and not kept.
 func (m *Model) Memory() (Memory, error) {
 	n := int64(len(m.Embed) + len(m.Norm))
 	for _, b := range m.Blocks {
@@ -111,48 +56,14 @@ func (m *Model) Memory() (Memory, error) {
 	if m.LMHead != nil && !m.TiedHead {
 		n += int64(m.LMHead.In()) * int64(m.LMHead.Out())
 	}
-	return Memory{Weights: 4 * n, Caches: m.caches.Load()}, nil
+	kv := m.KVPool()
+	return Memory{Weights: 4 * n, Caches: int64(kv.Used()) * kv.BlockBytes()}, nil
 }
 
 // Close implements Backend. The CPU model's memory belongs to the garbage
 // collector (and its mapped checkpoint to whoever opened it), so there is
 // nothing to release.
 func (m *Model) Close() error { return nil }
-
-func (c *KVCache) Len() int { return c.n }
-func (c *KVCache) Cap() int { return c.cap }
-
-// Bytes is the memory the cache reserves (keys and values, all layers; a
-// sliding layer's ring counts its window, not the capacity).
-func (c *KVCache) Bytes() int64 {
-	var n int64
-	for _, s := range c.slots {
-		n += int64(2*c.kvh*s*c.hd) * 4
-	}
-	return n
-}
-
-// Truncate forgets everything after the first n tokens. A sliding
-// layer's ring has overwritten what lay a window before the tokens it
-// forgets, so with rings the next Forward fails if more than one token
-// was dropped past the window (its error says so); full layers can go
-// back anywhere.
-func (c *KVCache) Truncate(n int) {
-	if n >= 0 && n < c.n {
-		c.n = n
-	}
-}
-
-// ringsLost reports whether a ring no longer holds the window before
-// position c.n (Truncate went back too far).
-func (c *KVCache) ringsLost() error {
-	for l, s := range c.slots {
-		if s < c.cap && c.written > max(s, c.n+1) {
-			return fmt.Errorf("layer %d keeps only the last %d positions (its sliding window) and the cache was truncated from %d to %d tokens: start a new cache", l, s, c.written, c.n)
-		}
-	}
-	return nil
-}
 
 // Forward implements Backend: the whole network for a batch of sequences.
 // Linear layers run on all rows of the batch at once; attention runs per
@@ -161,13 +72,17 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 	c := m.Cfg
 	rows := 0
 	caches := make([]*KVCache, len(steps))
+	pool := m.KVPool()
 	for i, s := range steps {
 		kc, ok := s.Cache.(*KVCache)
 		if !ok {
 			return fmt.Errorf("step %d: cache is %T, not a CPU KVCache", i, s.Cache)
 		}
-		if kc.open == nil && kc.k == nil {
+		if kc.closed {
 			return fmt.Errorf("step %d: the cache is closed", i)
+		}
+		if kc.pool != pool {
+			return fmt.Errorf("step %d: the cache belongs to another model", i)
 		}
 		if err := kc.ringsLost(); err != nil {
 			return fmt.Errorf("step %d: %w", i, err)
@@ -187,12 +102,41 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 				return fmt.Errorf("step %d: token id %d outside the vocabulary [0, %d)", i, t, c.Vocab)
 			}
 		}
+		for _, o := range caches[:i] {
+			if o == kc {
+				return fmt.Errorf("step %d: the cache of step %d again", i, slices.Index(caches, kc))
+			}
+		}
 		caches[i] = kc
 		rows += len(s.Tokens)
+	}
+	// The blocks the new tokens are written to, for all steps or none.
+	need := 0
+	for i, s := range steps {
+		need += caches[i].Need(len(s.Tokens))
+	}
+	if need > pool.Free() {
+		return fmt.Errorf("KV cache pool exhausted: this step needs %d more blocks, %d of %d are free", need, pool.Free(), pool.Blocks())
+	}
+	for i, s := range steps {
+		if err := caches[i].reserve(len(s.Tokens)); err != nil {
+			for _, kc := range caches[:i+1] {
+				kc.releaseFrom(kc.n)
+			}
+			return err
+		}
 	}
 	if rows == 0 {
 		return nil
 	}
+	done := false
+	defer func() {
+		if !done { // cancelled or panicked: give back what was reserved
+			for _, kc := range caches {
+				kc.releaseFrom(kc.n)
+			}
+		}
+	}()
 	H, hd, nH, nKV := c.Hidden, c.HeadDim, c.Heads, c.KVHeads
 	x := make([]float32, rows*H)
 	h := make([]float32, rows*H)
@@ -233,6 +177,7 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		}
 	}
 
+	scratch := &kvScratch{}
 	lens := make([]int, len(steps))
 	for i, s := range steps {
 		lens[i] = len(s.Tokens)
@@ -244,7 +189,7 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		}
 		RMSNorm(h, x, b.AttnNorm, rows, eps)
 		t := tables[m.ropes[l]]
-		m.selfAttention(att, b, h, l, lens, caches, t.cos, t.sin, q, k, v)
+		m.selfAttention(att, b, h, l, lens, caches, t.cos, t.sin, q, k, v, scratch)
 		b.O.Forward(tmp, att, rows)
 		if b.PostAttnNorm != nil {
 			RMSNorm(tmp, tmp, b.PostAttnNorm, rows, eps)
@@ -271,6 +216,7 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		n := len(s.Tokens)
 		caches[i].n += n
 		caches[i].written = caches[i].n
+		caches[i].trim()
 		first := r
 		if s.LastOnly {
 			first = r + n - 1
@@ -280,6 +226,7 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		m.LMHead.Forward(s.Logits, h, cnt)
 		r += n
 	}
+	done = true
 	return nil
 }
 
@@ -288,11 +235,12 @@ type ropeTable struct{ cos, sin []float32 }
 
 // selfAttention projects the normed rows h to queries, keys and values,
 // norms each head of the queries and keys (QKNorm), rotates them, appends
-// keys and values to each sequence's cache (layer l) and writes the
-// attention output (before o_proj) to att. lens[i] rows of h belong to
-// sequence i; cos and sin are the rotary tables of the rows for this
-// layer's rotary embedding.
-func (m *Model) selfAttention(att []float32, b *Block, h []float32, l int, lens []int, caches []*KVCache, cos, sin, q, k, v []float32) {
+// keys and values to each sequence's cache (layer l, blocks reserved) and
+// writes the attention output (before o_proj) to att. lens[i] rows of h
+// belong to sequence i; cos and sin are the rotary tables of the rows for
+// this layer's rotary embedding. The keys and values each sequence attends
+// to are gathered in scratch.
+func (m *Model) selfAttention(att []float32, b *Block, h []float32, l int, lens []int, caches []*KVCache, cos, sin, q, k, v []float32, scratch *kvScratch) {
 	c := m.Cfg
 	hd, nH, nKV := c.HeadDim, c.Heads, c.KVHeads
 	rows := 0
@@ -315,16 +263,12 @@ func (m *Model) selfAttention(att []float32, b *Block, h []float32, l int, lens 
 	for i, n := range lens {
 		kc := caches[i]
 		ko, vo, qo, out := k[r0*nKV*hd:], v[r0*nKV*hd:], q[r0*nH*hd:], att[r0*nH*hd:]
-		if s := kc.slots[l]; s < kc.cap {
-			// A ring: the window's earlier keys in position order, then
-			// the new ones.
-			K, V, base := kc.window(l, ko, vo, n)
-			attention(out, qo, K, V, (kc.n-base+n)*hd, base, kc.n, n, nH, nKV, hd, scale, window)
-			kc.store(l, ko, vo, n)
-		} else {
-			kc.store(l, ko, vo, n)
-			attention(out, qo, kc.k[l], kc.v[l], s*hd, 0, kc.n, n, nH, nKV, hd, scale, window)
-		}
+		// The earlier keys in position order (a sliding layer's window
+		// of them), then the new ones.
+		K, V := scratch.get(nKV * (kc.n + n) * hd)
+		base, S := kc.gather(l, ko, vo, n, K, V)
+		attention(out, qo, K, V, S*hd, base, kc.n, n, nH, nKV, hd, scale, window)
+		kc.store(l, ko, vo, n)
 		r0 += n
 	}
 }
@@ -337,49 +281,6 @@ func attnScale(c *checkpoint.Config) float32 {
 		d = c.QueryPreAttnScalar
 	}
 	return float32(1 / math.Sqrt(d))
-}
-
-// store writes n new rows of keys and values ([n][kv_heads×hd]) for the
-// positions after the kc.n cached ones into layer l, each in its slot
-// (only the last ring-size rows of a ring, the others being overwritten).
-func (c *KVCache) store(l int, k, v []float32, n int) {
-	s := c.slots[l]
-	for t := max(0, n-s); t < n; t++ {
-		slot := (c.n + t) % s
-		for j := 0; j < c.kvh; j++ {
-			dst := (j*s + slot) * c.hd
-			src := (t*c.kvh + j) * c.hd
-			copy(c.k[l][dst:dst+c.hd], k[src:src+c.hd])
-			copy(c.v[l][dst:dst+c.hd], v[src:src+c.hd])
-		}
-	}
-}
-
-// window gathers what n new queries of ring layer l attend to: the keys
-// and values of the last min(kc.n, slots−1) cached positions from the
-// ring, then the n new rows k and v ([n][kv_heads×hd]), per kv head
-// contiguous in position order. base is the position of the first.
-func (c *KVCache) window(l int, k, v []float32, n int) (K, V []float32, base int) {
-	s, hd := c.slots[l], c.hd
-	prev := min(c.n, s-1)
-	base = c.n - prev
-	S := prev + n
-	K, V = make([]float32, c.kvh*S*hd), make([]float32, c.kvh*S*hd)
-	for j := 0; j < c.kvh; j++ {
-		for t := 0; t < prev; t++ {
-			src := (j*s + (base+t)%s) * hd
-			dst := (j*S + t) * hd
-			copy(K[dst:dst+hd], c.k[l][src:src+hd])
-			copy(V[dst:dst+hd], c.v[l][src:src+hd])
-		}
-		for t := 0; t < n; t++ {
-			src := (t*c.kvh + j) * hd
-			dst := (j*S + prev + t) * hd
-			copy(K[dst:dst+hd], k[src:src+hd])
-			copy(V[dst:dst+hd], v[src:src+hd])
-		}
-	}
-	return K, V, base
 }
 
 // attnBlock is how many query rows share one scores buffer: causal

@@ -3,7 +3,7 @@ package llm
 import (
 	"fmt"
 	"math"
-	"sync/atomic"
+	"sync"
 
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/mat"
@@ -98,8 +98,9 @@ type Model struct {
 	LMHead Linear
 	// TiedHead says LMHead reuses Embed (its weights are not counted twice).
 	TiedHead bool
-	ropes    []*rope      // per layer (Gemma's sliding layers have their own)
-	caches   atomic.Int64 // bytes of open caches
+	ropes    []*rope // per layer (Gemma's sliding layers have their own)
+	kvOnce   sync.Once
+	kv       *BlockPool // the caches' blocks (KVPool)
 }
 
 // Config implements Backend.

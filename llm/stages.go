@@ -30,14 +30,18 @@ func (s *Stages) Norm(w, x []float32, T int) []float32 {
 func (s *Stages) Attention(b *Block, n []float32, T int) []float32 {
 	c := s.m.Cfg
 	hd := c.HeadDim
-	kc := &KVCache{cap: T, kvh: c.KVHeads, hd: hd, slots: []int{T},
-		k: [][]float32{make([]float32, c.KVHeads*T*hd)}, v: [][]float32{make([]float32, c.KVHeads*T*hd)}}
+	pool := NewBlockPool(&checkpoint.Config{Layers: 1}, T, 0, int64(2*c.KVHeads*T*hd)*4)
+	kc := newKVCache(pool, []int{0}, T, c.KVHeads, hd)
+	defer kc.Close()
+	if err := kc.reserve(T); err != nil {
+		panic(err) // an unbounded pool
+	}
 	cos, sin := s.m.ropes[b.Layer].table(0, T)
 	att := make([]float32, T*c.Heads*hd)
 	q := make([]float32, T*c.Heads*hd)
 	k := make([]float32, T*c.KVHeads*hd)
 	v := make([]float32, T*c.KVHeads*hd)
-	s.m.selfAttention(att, b, n, 0, []int{T}, []*KVCache{kc}, cos, sin, q, k, v)
+	s.m.selfAttention(att, b, n, 0, []int{T}, []*KVCache{kc}, cos, sin, q, k, v, &kvScratch{})
 	return att
 }
 

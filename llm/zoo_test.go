@@ -81,34 +81,6 @@ func TestZooGreedyCachedEqualsFullPrefix(t *testing.T) {
 	}
 }
 
-// TestSlidingCacheHoldsAWindow: a sliding layer's cache holds its window,
-// not the capacity, and Bytes and Memory say so; Gemma 3's full layer
-// holds the capacity.
-func TestSlidingCacheHoldsAWindow(t *testing.T) {
-	for _, tc := range []struct {
-		name  string
-		slots int // summed over layers, for a capacity of 200
-	}{{"gemma3-rand", 64 + 200}, {"mistral-swa-rand", 64 + 64}, {"qwen3-rand", 200 + 200}} {
-		m := loadModel(t, "models/archzoo/"+tc.name)
-		c := m.Cfg
-		cache, err := m.NewCache(200)
-		if err != nil {
-			t.Fatal(err)
-		}
-		want := int64(2*c.KVHeads*c.HeadDim*tc.slots) * 4
-		if got := cache.(*llm.KVCache).Bytes(); got != want {
-			t.Errorf("%s: cache of 200 takes %d bytes, want %d", tc.name, got, want)
-		}
-		if mem, _ := m.Memory(); mem.Caches != want {
-			t.Errorf("%s: Memory counts %d cache bytes, want %d", tc.name, mem.Caches, want)
-		}
-		cache.Close()
-		if mem, _ := m.Memory(); mem.Caches != 0 {
-			t.Errorf("%s: %d cache bytes counted after Close", tc.name, mem.Caches)
-		}
-	}
-}
-
 // TestRingTruncate: past the window, dropping the last token and feeding
 // it again gives the same logits; dropping two is refused, since the
 // ring has overwritten a key the window still needs.

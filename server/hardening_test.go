@@ -563,8 +563,8 @@ func llamaTinyConfig(t *testing.T) (layers, kvHeads, headDim int) {
 // a time", counted by hand in TestCompletionsMatchReference), the
 // time-to-first-token histogram (cumulative buckets ending at the count),
 // and during a generation the queue, the active sequences and the KV
-// cache: its tokens and bytes (2 × layers × kv heads × capacity × head
-// dim × 4 bytes, from config.json).
+// cache: its tokens and bytes (2 × layers × kv heads × 16 positions (a
+// block) × head dim × 4 bytes, from config.json).
 func TestMetrics(t *testing.T) {
 	g := newStepGate()
 	ts, _, _ := serveWith(t, Options{}, engine.Options{MaxBatch: 1}, g.wrap)
@@ -582,7 +582,7 @@ func TestMetrics(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	layers, kvh, hd := llamaTinyConfig(t)
-	wantBytes := float64(2 * layers * kvh * (5 + 4) * hd * 4)
+	wantBytes := float64(2 * layers * kvh * 16 * hd * 4) // a block of 16 positions a layer
 	for name, want := range map[string]float64{"llmq_queue_depth": 1, "llmq_active_sequences": 1, "llmq_requests_in_flight": 2,
 		"llmq_kv_cache_tokens": 5, "llmq_kv_cache_bytes": wantBytes, "llmq_model_loaded": 1} {
 		if got, ok := during[name]; !ok || got != want {

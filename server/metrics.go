@@ -113,8 +113,18 @@ func (m *metrics) write(w io.Writer, s *Server) {
 	head("llmq_kv_cache_tokens", "gauge", "Tokens held in the KV caches of the active sequences.")
 	p("llmq_kv_cache_tokens %d\n", st.KVTokens)
 	if st.KVBytesKnown {
-		head("llmq_kv_cache_bytes", "gauge", "Memory the KV caches of the active sequences reserve.")
+		head("llmq_kv_cache_bytes", "gauge", "Memory the KV caches hold (on the CPU: the blocks in use).")
 		p("llmq_kv_cache_bytes %d\n", st.KVBytes)
+	}
+	if st.KVPaged {
+		head("llmq_kv_cache_blocks_used", "gauge", "KV cache blocks the sequences hold.")
+		p("llmq_kv_cache_blocks_used %d\n", st.KVBlocksUsed)
+		if st.KVBlocksTotal > 0 {
+			head("llmq_kv_cache_blocks_total", "gauge", "KV cache blocks in the pool (its bound).")
+			p("llmq_kv_cache_blocks_total %d\n", st.KVBlocksTotal)
+		}
+		head("llmq_preemptions_total", "counter", "Sequences preempted for want of KV cache blocks (prefilled again later).")
+		p("llmq_preemptions_total %d\n", st.Preemptions)
 	}
 }
 

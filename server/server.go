@@ -63,8 +63,11 @@ type Options struct {
 	MaxBodyBytes int64  // request body limit (default 1 MiB): 413 beyond it
 	// DefaultMaxTokens bounds a request that names no max_tokens
 	// (DefaultMaxTokensValue when 0), and the room left in the context
-	// bounds it again: without it, a request would generate to the end of
-	// the context (131,072 tokens for Llama-3.1).
+	// (or in a bounded KV cache, engine.MaxSequence) bounds it again:
+	// without it, a request would generate to the end of the context
+	// (131,072 tokens for Llama-3.1). A request that names max_tokens
+	// gets 400 (context_length_exceeded) when prompt + max_tokens exceed
+	// the context, or a KV cache that could not hold it even alone.
 	DefaultMaxTokens int
 	// MaxPromptBytes limits a prompt's text (a completion's prompt, or the
 	// sum of a chat's message roles and contents) before it is tokenized: 400
@@ -416,7 +419,7 @@ const DefaultMaxTokensValue = 1024
 
 // request turns params and a prompt into an engine request, with OpenAI's
 // defaults (temperature 1, top_p 1) and max_tokens DefaultMaxTokens, at
-// most what the context has room for.
+// most what the context (and the KV cache) has room for.
 func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam string, lo logprobOptions) (engine.Request, error) {
 	req := engine.Request{Prompt: prompt, Sample: llm.SampleOptions{Temperature: 1, TopP: 1},
 		Logprobs: lo.want, TopLogprobs: lo.top, PromptLogprobs: lo.echo && lo.want}
@@ -438,7 +441,7 @@ func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam 
 		if def <= 0 {
 			def = DefaultMaxTokensValue
 		}
-		req.MaxTokens = max(min(def, ctxLen-len(prompt)), 1)
+		req.MaxTokens = max(min(def, e.MaxSequence()-len(prompt)), 1)
 	}
 	if req.MaxTokens == 0 && lo.echo {
 		// The prompt alone, as loglikelihood evaluations ask: scoring
@@ -467,6 +470,14 @@ func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam 
 	}
 	req.Stop = stop
 	if err := e.Validate(req); err != nil {
+		if n := len(prompt) + req.MaxTokens; n > ctxLen || n > e.MaxSequence() {
+			// The context, or a KV cache too small for this request alone.
+			param := "max_tokens"
+			if len(prompt) >= e.MaxSequence() {
+				param = promptParam
+			}
+			return req, &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: param, Code: "context_length_exceeded", Message: err.Error()}
+		}
 		return req, invalid("", "%s", err.Error())
 	}
 	return req, nil

@@ -18,6 +18,7 @@ import (
 
 func newServe() *cobra.Command {
 	var addr, name, device, logFormat string
+	var kvGB float64
 	var opt engine.Options
 	var sopt server.Options
 	var tout server.ServeOptions
@@ -40,7 +41,19 @@ bodies over --max-body get 413, prompts over --max-prompt-bytes 400 before
 they are tokenized. One log line per request (--log-format text|json, on
 stderr) carries its id, also sent back as X-Request-Id. SIGTERM or Ctrl-C
 stops accepting connections and lets running requests finish for up to
---grace.`,
+--grace.
+
+Memory: on the CPU the key/value caches are paged — blocks of 16 positions
+of one layer, taken as a sequence grows and given back when it ends — from
+a pool of --kv-cache-gb (default 4 GiB). A request joins the batch when
+the pool has room for it and otherwise waits; when running sequences fill
+the pool, the latest to arrive is preempted (its blocks freed) and
+prefilled again later, so its text is unchanged. A request whose prompt +
+max_tokens could never fit the pool, or exceed the model's context, gets
+400 context_length_exceeded; one that sets no max_tokens gets
+--default-max-tokens, bounded by what the context and the pool can hold.
+The GPU still reserves each request's prompt + max_tokens when it starts
+and ignores --kv-cache-gb.`,
 		Example: `  llmq serve ../shared/models/llama-tiny --addr 127.0.0.1:8080
   curl -N localhost:8080/v1/chat/completions -d '{"model":"llama-tiny","stream":true,"max_tokens":32,"messages":[{"role":"user","content":"Hi"}]}'
   LLMQ_API_KEY=secret llmq serve ../shared/models/llama-tiny --addr 0.0.0.0:8080 --rate-limit 20 --max-concurrent 64
@@ -57,6 +70,10 @@ stops accepting connections and lets running requests finish for up to
 				return fmt.Errorf("--log-format %q: want text or json", logFormat)
 			}
 			logger := slog.New(h)
+			if kvGB < 0 {
+				return fmt.Errorf("--kv-cache-gb %g: want a size in GiB (0: unbounded)", kvGB)
+			}
+			opt.KVCacheBytes = int64(kvGB * (1 << 30))
 			if !cmd.Flags().Changed("api-key") {
 				sopt.APIKey = os.Getenv("LLMQ_API_KEY")
 			}
@@ -98,8 +115,17 @@ stops accepting connections and lets running requests finish for up to
 			if e.Template == nil {
 				chatNote = "no chat template: /v1/chat/completions answers 400, use /v1/completions"
 			}
-			fmt.Fprintf(os.Stderr, "llmq: serving %q on http://%s (%s, batch ≤ %d, queue ≤ %d; %s)\n",
-				name, ln.Addr(), e.Backend.Name(), opt.MaxBatch, opt.MaxQueue, chatNote)
+			kvNote := "KV cache: prompt + max_tokens reserved per request"
+			if st := e.Stats(); st.KVPaged {
+				kvNote = "KV cache unbounded, paged"
+				if st.KVBlocksTotal > 0 {
+					kvNote = fmt.Sprintf("KV cache %.2g GiB, paged: %d tokens at most per request", kvGB, e.MaxSequence())
+				}
+			} else if cmd.Flags().Changed("kv-cache-gb") {
+				fmt.Fprintf(os.Stderr, "llmq: --kv-cache-gb applies to the CPU's paged cache; %s reserves each request's cache up front\n", e.Backend.Name())
+			}
+			fmt.Fprintf(os.Stderr, "llmq: serving %q on http://%s (%s, batch ≤ %d, queue ≤ %d; %s; %s)\n",
+				name, ln.Addr(), e.Backend.Name(), opt.MaxBatch, opt.MaxQueue, kvNote, chatNote)
 			err = <-served
 			fmt.Fprintln(os.Stderr, "llmq: server stopped")
 			return err
@@ -111,9 +137,10 @@ stops accepting connections and lets running requests finish for up to
 	f.StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu or cuda")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot before 503")
+	f.Float64Var(&kvGB, "kv-cache-gb", 4, "memory for the key/value caches of all requests together, in GiB (CPU; paged in blocks of 16 positions; 0: unbounded)")
 	f.DurationVar(&tout.Grace, "grace", 30*time.Second, "on SIGTERM, how long running requests may take to finish")
 	f.Int64Var(&sopt.MaxBodyBytes, "max-body", 1<<20, "request body limit in bytes (413 beyond)")
-	f.IntVar(&sopt.DefaultMaxTokens, "default-max-tokens", server.DefaultMaxTokensValue, "max_tokens of a request that sets none (bounded by the room left in the context)")
+	f.IntVar(&sopt.DefaultMaxTokens, "default-max-tokens", server.DefaultMaxTokensValue, "max_tokens of a request that sets none (bounded by the room left in the context and the KV cache)")
 	f.IntVar(&sopt.MaxPromptBytes, "max-prompt-bytes", 0, "prompt text limit in bytes, checked before tokenizing (400 beyond; 0: context × longest token, the most that could fit)")
 	f.StringVar(&sopt.APIKey, "api-key", "", "require \"Authorization: Bearer KEY\" on every route but /health (default: $LLMQ_API_KEY; empty: no key)")
 	f.IntVar(&sopt.MaxConcurrent, "max-concurrent", 256, "most generation requests handled at once, queued ones included (429 beyond; 0: no limit)")

@@ -172,6 +172,7 @@ func TestServeFlagErrors(t *testing.T) {
 	}{
 		{[]string{"serve", model, "--log-format", "xml"}, `--log-format "xml": want text or json`},
 		{[]string{"serve", model, "--addr", "127.0.0.1:99999"}, "--addr"},
+		{[]string{"serve", model, "--kv-cache-gb", "-1"}, "--kv-cache-gb -1"},
 	} {
 		if _, err := llmq(t, c.args...); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v: error %v, want it to say %q", c.args, err, c.want)

@@ -1,0 +1,291 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
+)
+
+// pagedRequests are greedy requests of different lengths: prompts of 5 to
+// 26 tokens of WikiText, 24 to 66 new tokens.
+func pagedRequests(t *testing.T, n int) []Request {
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+	reqs := make([]Request, n)
+	for i := range reqs {
+		p := append([]int{0}, ids[i*37:i*37+4+i%8*3]...)
+		reqs[i] = Request{Prompt: p, MaxTokens: 24 + i%8*6}
+	}
+	return reqs
+}
+
+// alone runs each request by itself on an engine with an unbounded pool.
+func alone(t *testing.T, e *Engine, reqs []Request) [][]int {
+	t.Helper()
+	out := make([][]int, len(reqs))
+	for i, r := range reqs {
+		res, err := e.Generate(context.Background(), r, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[i] = res.Tokens
+	}
+	return out
+}
+
+// bounded is an engine on a fresh llama-tiny whose KV pool holds blocks
+// blocks (of 16 positions of one layer).
+func bounded(t *testing.T, blocks int, opt Options) (*Engine, *llm.BlockPool) {
+	t.Helper()
+	m := openTiny(t)
+	p := m.Backend.(llm.Paged).KVPool()
+	opt.KVCacheBytes = int64(blocks) * p.BlockBytes()
+	return start(t, m, opt), p
+}
+
+// TestPreemption: twelve requests at once on a pool of 48 blocks (the
+// longest request alone takes 24: 6 per layer): they cannot all hold
+// their caches together, so some are admitted later and some preempted
+// and prefilled again; every one still gets the tokens it gets alone,
+// and at the end every block is back in the pool.
+func TestPreemption(t *testing.T) {
+	reqs := pagedRequests(t, 12)
+	want := alone(t, tiny(t, Options{}), reqs)
+	e, p := bounded(t, 48, Options{MaxBatch: 12})
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := e.Generate(context.Background(), r, nil)
+			if err != nil {
+				t.Errorf("request %d: %v", i, err)
+				return
+			}
+			if !equal(res.Tokens, want[i]) {
+				t.Errorf("request %d:\n got %v\nwant %v (alone)", i, res.Tokens, want[i])
+			}
+		}()
+	}
+	wg.Wait()
+	st := e.Stats()
+	t.Logf("preemptions %d, peak %d of %d blocks", st.Preemptions, st.KVBlocksPeak, st.KVBlocksTotal)
+	if st.Preemptions == 0 {
+		t.Error("no sequence was preempted: the test does not exercise preemption")
+	}
+	if st.KVBlocksPeak > 48 || st.KVBlocksTotal != 48 {
+		t.Errorf("peak %d blocks of a pool of %d, want ≤ 48 of 48", st.KVBlocksPeak, st.KVBlocksTotal)
+	}
+	waitIdle(t, e, p)
+}
+
+// waitIdle waits for the engine to retire every sequence and checks that
+// the pool got every block back.
+func waitIdle(t *testing.T, e *Engine, p *llm.BlockPool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st := e.Stats()
+		if st.Active == 0 && st.Queued == 0 && p.Used() == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not idle: %+v, %d blocks held", st, p.Used())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if mem, _ := e.Backend.Memory(); mem.Caches != 0 {
+		t.Errorf("idle engine: Memory counts %d cache bytes", mem.Caches)
+	}
+}
+
+// TestPreemptScoredPrompt: a request scoring a 60-token prompt
+// (PromptLogprobs, prefilled 4 positions a step) joins a long generation
+// on a pool of 10 blocks a layer; midway through its prompt the two no
+// longer fit, so it (the later arrival) is preempted, and it scores the
+// rest of its prompt once the other is done: its prompt logprobs and
+// tokens are those it gets alone.
+func TestPreemptScoredPrompt(t *testing.T) {
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+	long := Request{Prompt: ids[1000:1100], MaxTokens: 40}
+	scored := Request{Prompt: ids[2000:2060], MaxTokens: 5, Logprobs: true, PromptLogprobs: true}
+	opt := Options{MaxScoreLogits: 4 * 8192}
+	ref, err := tiny(t, opt).Generate(context.Background(), scored, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, p := bounded(t, 40, opt)
+	started := make(chan struct{})
+	longDone := make(chan error, 1)
+	go func() {
+		n := 0
+		_, err := e.Generate(context.Background(), long, func(string) error {
+			if n++; n == 1 {
+				close(started)
+			}
+			return nil
+		})
+		longDone <- err
+	}()
+	<-started
+	res, err := e.Generate(context.Background(), scored, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := <-longDone; err != nil {
+		t.Fatal(err)
+	}
+	if !equal(res.Tokens, ref.Tokens) || len(res.PromptLogprobs) != len(ref.PromptLogprobs) {
+		t.Fatalf("scored request: tokens %v, %d prompt logprobs; alone %v, %d", res.Tokens, len(res.PromptLogprobs), ref.Tokens, len(ref.PromptLogprobs))
+	}
+	for j := range ref.PromptLogprobs {
+		if d := res.PromptLogprobs[j].Logprob - ref.PromptLogprobs[j].Logprob; d > 1e-4 || d < -1e-4 || res.PromptLogprobs[j].ID != ref.PromptLogprobs[j].ID {
+			t.Errorf("prompt logprob %d: %+v, alone %+v", j, res.PromptLogprobs[j], ref.PromptLogprobs[j])
+		}
+	}
+	if st := e.Stats(); st.Preemptions != 1 {
+		t.Errorf("%d preemptions, want 1 (the scored request, midway through its prompt)", st.Preemptions)
+	}
+	waitIdle(t, e, p)
+}
+
+// TestNothingLostUnderLoad (issue 16, item 6): 64 concurrent streaming
+// requests on a pool that holds a fraction of them, some cancelled
+// midway (a client that disconnects), some longer than the blocks free
+// while the others run: every completed one streams exactly its tokens
+// alone, the cancelled ones give their blocks back, and the engine ends
+// idle with an empty pool.
+func TestNothingLostUnderLoad(t *testing.T) {
+	reqs := pagedRequests(t, 64)
+	for i := 5; i < len(reqs); i += 8 { // long ones: 200 new tokens, 13+ blocks a layer
+		reqs[i].MaxTokens = 200
+	}
+	want := alone(t, tiny(t, Options{}), reqs)
+	e, p := bounded(t, 120, Options{MaxBatch: 16})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	completed, cancelled := 0, 0
+	for i, r := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			cancelAt := -1
+			if i%4 == 3 {
+				cancelAt = 3 + i%5
+			}
+			chunks := 0
+			var streamed strings.Builder
+			res, err := e.Generate(ctx, r, func(s string) error {
+				streamed.WriteString(s)
+				if chunks++; chunks == cancelAt {
+					cancel()
+				}
+				return nil
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			if cancelAt >= 0 && errors.Is(err, context.Canceled) {
+				cancelled++
+				return
+			}
+			if err != nil {
+				t.Errorf("request %d: %v", i, err)
+				return
+			}
+			completed++
+			if !equal(res.Tokens, want[i]) || streamed.String() != res.Text {
+				t.Errorf("request %d:\n got %v\nwant %v (alone); streamed %q of %q", i, res.Tokens, want[i], streamed.String(), res.Text)
+			}
+		}()
+	}
+	wg.Wait()
+	st := e.Stats()
+	t.Logf("%d completed, %d cancelled, %d preemptions, peak %d of %d blocks", completed, cancelled, st.Preemptions, st.KVBlocksPeak, st.KVBlocksTotal)
+	if cancelled == 0 || st.Preemptions == 0 {
+		t.Errorf("%d cancelled, %d preemptions: the test exercises neither", cancelled, st.Preemptions)
+	}
+	waitIdle(t, e, p)
+}
+
+// TestCancelFreesBlocks: a streaming request cancelled midway gives its
+// blocks back at once, while another keeps running.
+func TestCancelFreesBlocks(t *testing.T) {
+	e, p := bounded(t, 400, Options{})
+	ctx, cancel := context.WithCancel(context.Background())
+	held := make(chan int, 1)
+	done := make(chan error, 1)
+	go func() {
+		n := 0
+		_, err := e.Generate(ctx, Request{Prompt: []int{0, 791, 3925}, MaxTokens: 1000}, func(string) error {
+			if n++; n == 40 {
+				held <- p.Used()
+				cancel()
+			}
+			return nil
+		})
+		done <- err
+	}()
+	if h := <-held; h < 4*3 { // 40+ tokens: 3 blocks a layer
+		t.Errorf("%d blocks held after 40 tokens", h)
+	}
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Errorf("cancelled request: %v", err)
+	}
+	waitIdle(t, e, p)
+}
+
+// TestValidatePool: a request that could not fit the pool even alone is
+// refused with ErrInvalid saying how much fits; MaxSequence says it too.
+func TestValidatePool(t *testing.T) {
+	e, _ := bounded(t, 40, Options{}) // 10 blocks a layer: 160 tokens
+	if got := e.MaxSequence(); got != 160 {
+		t.Errorf("MaxSequence %d, want 160", got)
+	}
+	if err := e.Validate(Request{Prompt: make([]int, 10), MaxTokens: 150}); err != nil {
+		t.Errorf("160 tokens refused: %v", err)
+	}
+	_, err := e.Generate(context.Background(), Request{Prompt: make([]int, 10), MaxTokens: 151}, nil)
+	want := fmt.Sprintf("10 prompt tokens + max_tokens 151 = 161 tokens need 44 blocks of KV cache")
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "at most 160 tokens fit") {
+		t.Errorf("got %v, want ErrInvalid containing %q", err, want)
+	}
+}
+
+// trimCounter counts the calls of Trim on the CPU backend.
+type trimCounter struct {
+	*llm.Model
+	n atomic.Int32
+}
+
+func (b *trimCounter) Trim() { b.n.Add(1); b.Model.Trim() }
+
+// TestIdleTrim: a second after its last request the engine has the
+// backend give freed cache memory back, once, and not again while idle.
+func TestIdleTrim(t *testing.T) {
+	m := openTiny(t)
+	b := &trimCounter{Model: m.Backend.(*llm.Model)}
+	e := start(t, NewModel(b, m.Tokenizer, m.Template), Options{})
+	if _, err := e.Generate(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 20}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if n := b.n.Load(); n != 0 {
+		t.Errorf("Trim called %d times right after the request", n)
+	}
+	time.Sleep(idleTrim + idleTrim/2)
+	if n := b.n.Load(); n != 1 {
+		t.Errorf("Trim called %d times %v after the request, want 1", n, idleTrim+idleTrim/2)
+	}
+	time.Sleep(idleTrim + idleTrim/2)
+	if n := b.n.Load(); n != 1 {
+		t.Errorf("Trim called %d times after a longer idle, want 1", n)
+	}
+}
