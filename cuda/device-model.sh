@@ -135,6 +135,9 @@ case "$1" in
     echo "quantize rc=$?"; grep -E "wall time|^time|rror|Maximum resident|Elapsed" "$OUT/quant8b.log"
     rm -rf /tmp/q /tmp/b16
     ;;
+  quant70b) # two layers of a synthetic llama3-70b: per-layer time and peak GPU memory
+    PRESET=llama3-70b SYNTH_ARGS="--layers ${LAYERS70:-2}" SKIP_BUILD=1 bash "$0" quant8b
+    ;;
   reftime) # the reference GPTQ code (IST-DASLab gptq.py, carried in .carry/gptq-ref) timed on one llama3-8b block
     python3 evals/torchref/gptq_time.py --ref .carry/gptq-ref --json "$OUT/gptq-reference-time-h200.json" 2>&1 | grep -v Warning | tail -9
     ;;
