@@ -126,6 +126,7 @@ case "$1" in
     ;;
   quant8b)
     TOK=$LLMQ_SHARED/models/llama-small
+    [ -d "$TOK" ] || TOK=$LLMQ_SHARED/models/llama-tiny
     t0=$(date +%s)
     $L synth --preset ${PRESET:-llama3-8b} --bits 16 ${SYNTH_ARGS:-} -o /tmp/b16 --force --tokenizer $TOK 2>&1 | tail -1
     echo "synth $(( $(date +%s) - t0 ))s; $(du -sh /tmp/b16 | cut -f1)"
