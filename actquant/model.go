@@ -139,7 +139,7 @@ func Calibrate(ctx context.Context, m *llm.Model, windows [][]int, opt Calibrate
 				Attn: smoothing(obs[p+"self_attn.q_proj"].ChannelMax, opt.Alpha, b.Q, b.K, b.V),
 				MLP:  smoothing(obs[p+"mlp.gate_proj"].ChannelMax, opt.Alpha, b.Gate, b.Up),
 			}
-			if err := applySmoothing(b, f); err != nil {
+			if err := ApplySmoothing(b, f); err != nil {
 				return nil, fmt.Errorf("block %d: %w", i, err)
 			}
 			sc.Smooth[i] = f
@@ -185,10 +185,10 @@ func smoothing(xmax []float32, alpha float64, ls ...llm.Linear) []float32 {
 	return s
 }
 
-// applySmoothing folds a block's factors in: norm weights divided, the
+// ApplySmoothing folds a block's factors in: norm weights divided, the
 // columns of the layers reading them multiplied; the block computes the
 // same function.
-func applySmoothing(b *llm.Block, f SmoothFor) error {
+func ApplySmoothing(b *llm.Block, f SmoothFor) error {
 	fold := func(norm, s []float32, ls ...llm.Linear) error {
 		if len(s) != len(norm) {
 			return fmt.Errorf("%d smoothing factors for a norm of %d", len(s), len(norm))
@@ -229,7 +229,7 @@ func Apply(m *llm.Model, s Scheme, sc *Scales) error {
 			if i < 0 || i >= len(m.Blocks) {
 				return fmt.Errorf("smoothing for block %d of a %d-block model", i, len(m.Blocks))
 			}
-			if err := applySmoothing(m.Blocks[i], f); err != nil {
+			if err := ApplySmoothing(m.Blocks[i], f); err != nil {
 				return fmt.Errorf("block %d: %w", i, err)
 			}
 		}

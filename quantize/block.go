@@ -6,6 +6,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
@@ -42,6 +43,13 @@ func (d *driver) block(ctx context.Context, l int) error {
 			return err
 		}
 		tensors[prefix+n] = pack.Raw(t)
+	}
+	if f, ok := d.smooth(l); ok {
+		if err := actquant.ApplySmoothing(b, f); err != nil {
+			return fmt.Errorf("smoothing: %w", err)
+		}
+		tensors[prefix+"input_layernorm.weight"] = checkpoint.F32(b.AttnNorm, len(b.AttnNorm))
+		tensors[prefix+"post_attention_layernorm.weight"] = checkpoint.F32(b.MLPNorm, len(b.MLPNorm))
 	}
 	progress := func(stage string) {
 		if d.opt.Progress != nil {
@@ -119,6 +127,15 @@ func (d *driver) block(ctx context.Context, l int) error {
 		copy(d.X, next)
 	}
 	return d.w.WritePart(tensors)
+}
+
+// smooth returns block l's SmoothQuant factors, if any.
+func (d *driver) smooth(l int) (actquant.SmoothFor, bool) {
+	if d.opt.Smooth == nil {
+		return actquant.SmoothFor{}, false
+	}
+	f, ok := d.opt.Smooth.Smooth[l]
+	return f, ok
 }
 
 // each calls fn on every calibration window, checking for cancellation.
