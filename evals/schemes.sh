@@ -58,12 +58,6 @@ q() {
   have "$W/quantize-$n.json" && return 0
   run "$LLMQ" quantize "$MODEL" "$@" -o "$W/$n" --force --report "$W/quantize-$n.json" >"$W/quantize-$n.log"
 }
-# cal NAME DIR ARGS…: calibrate activation scales on DIR into $W/NAME.json.
-cal() {
-  local n=$1 dir=$2; shift 2
-  have "$W/$n.json" && return 0
-  run "$LLMQ" calibrate "$dir" --calib "$CALIB" --nsamples "$ACT_NS" --seqlen 2048 "$@" -o "$W/$n.json" >"$W/$n.log"
-}
 # row ID SCHEME WEIGHTS ACTS CHECKPOINT MADE NOTE [EVAL ARGS…]: evaluate and list a row.
 row() {
   local id=$1 scheme=$2 wts=$3 acts=$4 ck=$5 made=$6 note=$7; shift 7
@@ -77,9 +71,12 @@ q rtn-w4 --method rtn --bits 4 --group 128
 q gptq-w4 --method gptq "${G[@]}"
 q awq-w4 --method awq --bits 4 --group 128 --calib "$CALIB" --nsamples "$NS" --seqlen 512
 q fp8 --method fp8 --fp8-scale per-channel
-cal smooth "$MODEL" --method minmax --smooth "$ALPHA"
+have "$W/smooth.json" || run "$LLMQ" calibrate "$MODEL" --calib "$CALIB" --nsamples "$ACT_NS" --seqlen 2048 \
+  --method minmax --smooth "$ALPHA" -o "$W/smooth.json" >"$W/smooth.log"
 q rtn-w8-smooth --method rtn --bits 8 --group 128 --smooth-scales "$W/smooth.json"
-for m in minmax percentile kl; do cal "scales-$m" "$W/gptq-w4" --method "$m"; done
+# one pass, a file per method (the same thresholds as a run of each)
+have "$W/scales-kl.json" || run "$LLMQ" calibrate "$W/gptq-w4" --calib "$CALIB" --nsamples "$ACT_NS" --seqlen 2048 \
+  --method minmax,percentile,kl -o "$W/scales-{method}.json" >"$W/scales.log"
 have "$W/plan.json" || run "$LLMQ" sensitivity "$MODEL" --data "$CALIB" --windows 4 --seqlen 512 --bits 4 --group 128 \
   --high-bits 8 --target-bits 4.5 -o "$W/plan.json" --json "$W/sensitivity.json" >"$W/sensitivity.log"
 q gptq-mixed --method gptq "${G[@]}" --plan "$W/plan.json"
