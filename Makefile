@@ -118,7 +118,7 @@ demo: build
 schemes:
 	@mkdir -p build/schemes
 	go build $(GOFLAGS_TAGS) $(LDFLAGS) -o build/schemes/llmq ./cmd/llmq
-	LLMQ=build/schemes/llmq evals/schemes.sh $(MODEL)
+	LLMQ=build/schemes/llmq WINDOWS=$(WINDOWS) evals/schemes.sh $(MODEL)
 
 bench:
 	go test $(GOFLAGS_TAGS) -run XX -bench . -benchtime 3x ./llm/
