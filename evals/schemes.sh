@@ -11,6 +11,8 @@
 #   WINDOWS=20 evals/schemes.sh ../shared/models/llama-small
 #
 # WINDOWS=N: only the first N windows of WikiText-2 (files get -wN).
+# NSAMPLES, ACT_NSAMPLES: calibration windows (default 128 each; other
+# values add -calibN-M to the names).
 # REUSE=1: keep checkpoints and scales already under $OUTDIR/<model>.
 # Activations are simulated (quantize-dequantize) on the CPU. What each
 # row is:
@@ -45,6 +47,8 @@ ALPHA=${ALPHA:-0.5}
 SUFFIX=""
 WIN=()
 if [ -n "${WINDOWS:-}" ]; then SUFFIX=-w$WINDOWS; WIN=(--windows "$WINDOWS"); fi
+# calibration other than the protocol's 128 windows shows in the names
+if [ "$NS" != 128 ] || [ "$ACT_NS" != 128 ]; then SUFFIX=$SUFFIX-calib$NS-$ACT_NS; fi
 W=${OUTDIR:-build/schemes}/$NAME$SUFFIX
 RES=evals/results
 mkdir -p "$W" "$RES"
@@ -105,6 +109,7 @@ row mixed-4.5 "mixed 4/8-bit, $plan_bits bits" "INT4/INT8 GPTQ g128 by plan" fp3
 
 title="Quantization schemes on $NAME"
 [ -n "${WINDOWS:-}" ] && title="$title (first $WINDOWS windows of WikiText-2 only)"
+title="$title. Calibration (calib.txt): GPTQ $NS×2048, AWQ $NS×512, activation thresholds and SmoothQuant factors $ACT_NS×2048."
 go run ./evals/schemes -manifest "$W/rows.tsv" -commands "$W/commands.txt" -title "$title" \
   -command "$(echo "${WINDOWS:+WINDOWS=$WINDOWS }evals/schemes.sh $*")" -o "$RES/schemes-$NAME$SUFFIX"
 cat "$RES/schemes-$NAME$SUFFIX.md"
