@@ -46,7 +46,8 @@ layers read back from the file, on the first --eval-windows windows of
 built into llmq), on the CPU. Unquantized weights are written F16, norms
 F32.`,
 		Example: `  llmq export gguf out/llama-small-gptq -o llama-small-q4_0.gguf
-  llmq export gguf ../shared/models/llama-tiny -o llama-tiny-f16.gguf`,
+  llmq export gguf ../shared/models/llama-tiny -o llama-tiny-f16.gguf
+  llmq export gguf out/llama-small-gptq-w3 -o small.gguf --eval-data wiki.test.raw --eval-windows 8 --eval-seqlen 2048`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if out == "" {
