@@ -8,6 +8,8 @@
 #   make e2e     drive llmq serve with the official openai npm package
 #   make gguf-check  llmq export gguf read back by @huggingface/gguf (npm)
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
+#   make schemes the quantization-scheme table for MODEL (evals/schemes.sh;
+#                WINDOWS=N for the first N WikiText-2 windows only)
 
 MODEL ?= ../shared/models/llama-tiny
 DATA  ?= ../shared/data/wikitext2/wiki.test.raw
@@ -31,7 +33,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test test-full fuzz e2e gguf-check demo cuda bench clean fmt device
+.PHONY: build test test-full fuzz e2e gguf-check demo cuda bench clean fmt device schemes
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
 # build/device/COMMIT is for the scripts there that record results of
@@ -110,6 +112,14 @@ demo: build
 	./build/llmq eval ppl $(MODEL) --data $(DATA) --windows 8
 	./build/llmq eval ppl $(OUT) --data $(DATA) --windows 8
 	./build/llmq generate $(OUT) --prompt "$(PROMPT)" --max-tokens 48
+
+# The quantization-scheme table (perplexity and bytes of weights of
+# W16A16 … W4A8 and a mixed plan) for MODEL under evals/results/, with its
+# own copy of the binary so that a rebuild during the run changes nothing.
+schemes:
+	@mkdir -p build/schemes
+	go build $(GOFLAGS_TAGS) $(LDFLAGS) -o build/schemes/llmq ./cmd/llmq
+	LLMQ=build/schemes/llmq WINDOWS=$(WINDOWS) evals/schemes.sh $(MODEL)
 
 bench:
 	go test $(GOFLAGS_TAGS) -run XX -bench . -benchtime 3x ./llm/

@@ -127,7 +127,7 @@ func Calibrate(ctx context.Context, m *llm.Model, windows [][]int, opt Calibrate
 	if err != nil {
 		return nil, err
 	}
-	sc := &Scales{Method: opt.Method, Percentile: opt.Percentile, Scheme: opt.Scheme.String(), Alpha: opt.Alpha, Layers: map[string]Layer{}}
+	sc := &Scales{Method: opt.Method, Percentile: opt.Percentile, Scheme: opt.Scheme.String(), Alpha: opt.Alpha}
 	if opt.Alpha > 0 {
 		if opt.Alpha >= 1 {
 			return nil, fmt.Errorf("smoothing α %v: want a value in (0, 1)", opt.Alpha)
@@ -139,7 +139,7 @@ func Calibrate(ctx context.Context, m *llm.Model, windows [][]int, opt Calibrate
 				Attn: smoothing(obs[p+"self_attn.q_proj"].ChannelMax, opt.Alpha, b.Q, b.K, b.V),
 				MLP:  smoothing(obs[p+"mlp.gate_proj"].ChannelMax, opt.Alpha, b.Gate, b.Up),
 			}
-			if err := applySmoothing(b, f); err != nil {
+			if err := ApplySmoothing(b, f); err != nil {
 				return nil, fmt.Errorf("block %d: %w", i, err)
 			}
 			sc.Smooth[i] = f
@@ -148,17 +148,30 @@ func Calibrate(ctx context.Context, m *llm.Model, windows [][]int, opt Calibrate
 			return nil, err
 		}
 	}
-	for name, o := range obs {
-		if opt.Observed != nil {
+	if opt.Observed != nil {
+		for name, o := range obs {
 			opt.Observed(name, o)
 		}
-		t, err := o.Threshold(opt.Method, opt.Percentile, opt.Scheme)
+	}
+	if sc.Layers, err = Thresholds(obs, opt.Method, opt.Percentile, opt.Scheme); err != nil {
+		return nil, err
+	}
+	return sc, nil
+}
+
+// Thresholds takes each observed layer input's threshold by method: what
+// Calibrate records, and what another method would record from the same
+// observations (the observers Calibrate hands to Observed).
+func Thresholds(obs map[string]*Observer, method string, pct float64, s Scheme) (map[string]Layer, error) {
+	layers := map[string]Layer{}
+	for name, o := range obs {
+		t, err := o.Threshold(method, pct, s)
 		if err != nil {
 			return nil, err
 		}
-		sc.Layers[name] = Layer{Threshold: t, Amax: o.Amax}
+		layers[name] = Layer{Threshold: t, Amax: o.Amax}
 	}
-	return sc, nil
+	return layers, nil
 }
 
 // smoothing is SmoothQuant's s_j = max|X_j|^α / max|W_:j|^(1−α), the
@@ -185,10 +198,10 @@ func smoothing(xmax []float32, alpha float64, ls ...llm.Linear) []float32 {
 	return s
 }
 
-// applySmoothing folds a block's factors in: norm weights divided, the
+// ApplySmoothing folds a block's factors in: norm weights divided, the
 // columns of the layers reading them multiplied; the block computes the
 // same function.
-func applySmoothing(b *llm.Block, f SmoothFor) error {
+func ApplySmoothing(b *llm.Block, f SmoothFor) error {
 	fold := func(norm, s []float32, ls ...llm.Linear) error {
 		if len(s) != len(norm) {
 			return fmt.Errorf("%d smoothing factors for a norm of %d", len(s), len(norm))
@@ -232,7 +245,7 @@ func Apply(m *llm.Model, s Scheme, sc *Scales) error {
 			if i < 0 || i >= len(m.Blocks) {
 				return fmt.Errorf("smoothing for block %d of a %d-block model", i, len(m.Blocks))
 			}
-			if err := applySmoothing(m.Blocks[i], f); err != nil {
+			if err := ApplySmoothing(m.Blocks[i], f); err != nil {
 				return fmt.Errorf("block %d: %w", i, err)
 			}
 		}

@@ -3,6 +3,8 @@ package llm
 import (
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 	"sync"
 
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -101,6 +103,26 @@ type Model struct {
 	ropes    []*rope // per layer (Gemma's sliding layers have their own)
 	kvOnce   sync.Once
 	kv       *BlockPool // the caches' blocks (KVPool)
+}
+
+// LinearByName returns the layer a checkpoint calls name
+// ("model.layers.3.mlp.down_proj", "lm_head" when it is not tied), for
+// reading or replacing it.
+func (m *Model) LinearByName(name string) (*Linear, bool) {
+	if name == "lm_head" && !m.TiedHead {
+		return &m.LMHead, true
+	}
+	num, rest, ok := strings.Cut(strings.TrimPrefix(name, "model.layers."), ".")
+	i, err := strconv.Atoi(num)
+	if !ok || err != nil || !strings.HasPrefix(name, "model.layers.") || i < 0 || i >= len(m.Blocks) {
+		return nil, false
+	}
+	for _, nl := range m.Blocks[i].Linears() {
+		if nl.Name == rest {
+			return nl.L, true
+		}
+	}
+	return nil, false
 }
 
 // Config implements Backend.

@@ -65,6 +65,9 @@ type QuantMeta struct {
 	SeqLen               int    `json:"seqlen,omitempty"`
 	Calib                string `json:"calibration,omitempty"`
 	Seed                 uint64 `json:"seed,omitempty"` // windows sampled at random offsets with this seed
+	// SmoothAlpha is SmoothQuant's α when its factors were folded into
+	// the norms and weights before quantization (Options.Smooth).
+	SmoothAlpha float64 `json:"smooth_alpha,omitempty"`
 	// MoE records how a mixture's experts were calibrated and how many
 	// calibration tokens each received.
 	MoE *MoEMeta `json:"moe,omitempty"`

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
@@ -39,6 +40,13 @@ func (d *driver) block(ctx context.Context, l int) error {
 			return err
 		}
 		tensors[prefix+n] = pack.Raw(t)
+	}
+	if f, ok := d.smooth(l); ok {
+		if err := actquant.ApplySmoothing(b, f); err != nil {
+			return fmt.Errorf("smoothing: %w", err)
+		}
+		tensors[prefix+"input_layernorm.weight"] = checkpoint.F32(b.AttnNorm, len(b.AttnNorm))
+		tensors[prefix+"post_attention_layernorm.weight"] = checkpoint.F32(b.MLPNorm, len(b.MLPNorm))
 	}
 	progress := func(stage string) {
 		if d.opt.Progress != nil {
@@ -130,6 +138,15 @@ func rawNames(cfg *checkpoint.Config, b *llm.Block) []string {
 		names = append(names, strings.TrimPrefix(llm.RouterName(cfg, b.Layer), fmt.Sprintf("model.layers.%d.", b.Layer))+".weight")
 	}
 	return names
+}
+
+// smooth returns block l's SmoothQuant factors, if any.
+func (d *driver) smooth(l int) (actquant.SmoothFor, bool) {
+	if d.opt.Smooth == nil {
+		return actquant.SmoothFor{}, false
+	}
+	f, ok := d.opt.Smooth.Smooth[l]
+	return f, ok
 }
 
 // each calls fn on every calibration window, checking for cancellation.

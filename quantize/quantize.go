@@ -42,6 +42,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/calib"
@@ -79,6 +80,11 @@ type Options struct {
 	// Plan, if set, is a mixed-precision plan: per-layer bits and group
 	// sizes, and layers kept unquantized (written as GPTQModel's "dynamic").
 	Plan pack.Dynamic
+	// Smooth, if set, holds SmoothQuant's per-channel factors by block
+	// (llmq calibrate --smooth): each block's are folded into its norms
+	// and the weight columns reading them before its layers are quantized,
+	// so the weights are rounded as a smoothed W8A8 model runs them.
+	Smooth *actquant.Scales
 	// MaxShardBytes bounds a shard of the output
 	// (pack.DefaultMaxShardBytes when 0).
 	MaxShardBytes int64
@@ -196,6 +202,16 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		// outputs (GPTQ) or 8 outputs a word (AWQ).
 		if opt.Format == "awq" && cfg.Vocab%8 != 0 || opt.Format == "gptq" && cfg.Vocab*grid.Bits%32 != 0 {
 			return nil, fmt.Errorf("lm_head's %d outputs cannot be packed at %d bits in the %s layout", cfg.Vocab, grid.Bits, opt.Format)
+		}
+	}
+	if opt.Smooth != nil {
+		if len(opt.Smooth.Smooth) == 0 {
+			return nil, fmt.Errorf("the smoothing scales hold no SmoothQuant factors (calibrate with --smooth α)")
+		}
+		for i := range opt.Smooth.Smooth {
+			if i < 0 || i >= cfg.Layers {
+				return nil, fmt.Errorf("smoothing factors for block %d of a %d-block model", i, cfg.Layers)
+			}
 		}
 	}
 	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk(), Device: "cpu", Timing: map[string]float64{}}
@@ -321,6 +337,9 @@ func calibration(ck *checkpoint.Checkpoint, opt Options) ([][]float32, int, erro
 func (d *driver) quantConfig() *pack.QuantConfig {
 	opt, g := d.opt, d.m.Grid()
 	meta := &pack.QuantMeta{Quantizer: "llmq", Version: d.opt.Version, Method: d.m.Name()}
+	if opt.Smooth != nil {
+		meta.SmoothAlpha = opt.Smooth.Alpha
+	}
 	if d.m.Calibrated() {
 		meta.NSamples, meta.SeqLen, meta.Calib, meta.Seed = opt.NSamples, opt.SeqLen, filepath.Base(opt.Calib), opt.Seed
 		meta.MoE = d.moeMeta()

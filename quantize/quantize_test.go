@@ -14,6 +14,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/gptq"
@@ -663,5 +664,85 @@ func TestResume(t *testing.T) {
 				t.Errorf("the parts were left after finishing: %v", err)
 			}
 		})
+	}
+}
+
+// TestSmoothBeforeQuantizing: with SmoothQuant factors, each block's norms
+// are written divided by them and its layers are RTN of the smoothed
+// weights (columns multiplied), so the checkpoint computes the smoothed
+// model the W8A8 recipe runs; a resumed run must use the same factors.
+func TestSmoothBeforeQuantizing(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	orig, err := checkpoint.Open(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer orig.Close()
+	c := orig.Config
+	f := actquant.SmoothFor{Attn: make([]float32, c.Hidden), MLP: make([]float32, c.Hidden)}
+	for j := range f.Attn {
+		f.Attn[j], f.MLP[j] = 1+float32(j%7)/4, 2/(1+float32(j%5))
+	}
+	sc := &actquant.Scales{Alpha: 0.5, Smooth: map[int]actquant.SmoothFor{1: f}}
+	g := pack.Grid{Bits: 8, GroupSize: 128}
+	out := filepath.Join(t.TempDir(), "smooth")
+	if _, err := Run(context.Background(), Options{Src: src, Out: out, Method: RTN{G: g}, Smooth: sc}); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := checkpoint.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	q, err := pack.ParseQuantConfig(ck.Config.Quantization)
+	if err != nil || q.Meta == nil || q.Meta.SmoothAlpha != 0.5 {
+		t.Fatalf("quantization_config %s: %v", ck.Config.Quantization, err)
+	}
+	for _, blk := range []int{0, 1} {
+		p := fmt.Sprintf("model.layers.%d.", blk)
+		for _, n := range []struct {
+			norm  string
+			s     []float32
+			layer string
+			out   int
+		}{{"input_layernorm", f.Attn, "self_attn.k_proj", c.KVHeads * c.HeadDim}, {"post_attention_layernorm", f.MLP, "mlp.up_proj", c.Intermediate}} {
+			norm, _ := orig.Float32(p+n.norm+".weight", c.Hidden)
+			got, err := ck.Float32(p+n.norm+".weight", c.Hidden)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out := n.out
+			w, err := orig.Float32(p+n.layer+".weight", out, c.Hidden)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for j := range norm {
+				if blk == 1 {
+					norm[j] /= n.s[j]
+				}
+			}
+			if !slices.Equal(got, norm) {
+				t.Errorf("block %d %s: not the source divided by the factors", blk, n.norm)
+			}
+			if blk == 1 {
+				for r := 0; r < out; r++ {
+					for j := 0; j < c.Hidden; j++ {
+						w[r*c.Hidden+j] *= n.s[j]
+					}
+				}
+			}
+			want, _ := pack.RTN(w, out, c.Hidden, g)
+			l, err := q.Read(ck, p+n.layer, c.Hidden, out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(l.Dequantize(), want.Dequantize()) {
+				t.Errorf("block %d %s: not RTN of the smoothed weights", blk, n.layer)
+			}
+		}
+	}
+	bad := &actquant.Scales{Smooth: map[int]actquant.SmoothFor{9: f}}
+	if _, err := Run(context.Background(), Options{Src: src, Out: out + "2", Method: RTN{G: g}, Smooth: bad}); err == nil || !strings.Contains(err.Error(), "block 9") {
+		t.Errorf("factors for a missing block: %v", err)
 	}
 }

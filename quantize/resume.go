@@ -43,6 +43,9 @@ func (d *driver) fingerprint() (string, error) {
 	qc.Meta.Version = "" // another llmq may finish the run
 	key := map[string]any{"config": qc, "format": d.opt.Format, "lm_head": d.opt.QuantizeLMHead,
 		"method": fmt.Sprintf("%s %+v", d.m.Name(), methodKey(d.m))}
+	if d.opt.Smooth != nil {
+		key["smooth"] = d.opt.Smooth.Smooth
+	}
 	if d.m.Calibrated() {
 		abs, err := filepath.Abs(d.opt.Calib)
 		if err != nil {

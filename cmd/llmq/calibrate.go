@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"sort"
+	"strings"
 
 	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/backend"
@@ -26,8 +27,9 @@ func newCalibrate() *cobra.Command {
 observes the input of every linear layer of every block, and writes each
 input's clipping threshold as chosen by --method: minmax (the largest |x|),
 percentile (--percentile of |x|), or kl (TensorRT's entropy calibration: the
-threshold whose clipped, quantized histogram is closest in KL divergence).
-With --smooth α, SmoothQuant's per-channel factors are calibrated first and
+threshold whose clipped, quantized histogram is closest in KL divergence);
+several methods, comma-separated, write a file each from one pass (-o
+with {method} in its name). With --smooth α, SmoothQuant's per-channel factors are calibrated first and
 recorded too. llmq eval ppl --act-scales reads the file.`,
 		Example: `  llmq calibrate ../shared/models/llama-small --calib ../shared/data/calib.txt --method kl -o kl.json
   llmq eval ppl ../shared/models/llama-small --data wiki.test.raw --act-bits 8 --act-scheme per-tensor --act-scales kl.json`,
@@ -39,11 +41,18 @@ recorded too. llmq eval ppl --act-scales reads the file.`,
 			if calibPath == "" {
 				return fmt.Errorf("--calib FILE is required (calibration text or .i32 tokens)")
 			}
-			switch opt.Method {
-			case actquant.MinMax, actquant.Percentile, actquant.KL:
-			default:
-				return fmt.Errorf("--method %q: want minmax, percentile or kl", opt.Method)
+			methods := strings.Split(opt.Method, ",")
+			for _, m := range methods {
+				switch m {
+				case actquant.MinMax, actquant.Percentile, actquant.KL:
+				default:
+					return fmt.Errorf("--method %q: want minmax, percentile or kl (or several, comma-separated)", m)
+				}
 			}
+			if len(methods) > 1 && !strings.Contains(out, "{method}") {
+				return fmt.Errorf("--method %s writes a file per method: -o needs {method} in its name (e.g. scales-{method}.json)", opt.Method)
+			}
+			opt.Method = methods[0]
 			if !(opt.Percentile > 0 && opt.Percentile <= 100) {
 				return fmt.Errorf("--percentile %v: want a value in (0, 100]", opt.Percentile)
 			}
@@ -89,8 +98,18 @@ recorded too. llmq eval ppl --act-scales reads the file.`,
 			for _, n := range names {
 				fmt.Fprintf(w, "%-40s %10.4f %10.4f\n", n, sc.Layers[n].Threshold, sc.Layers[n].Amax)
 			}
-			if err := writeJSON(out, sc); err != nil {
-				return err
+			for i, m := range methods {
+				msc := sc
+				if i > 0 { // the same observations, another method's thresholds
+					c := *sc
+					if c.Layers, err = actquant.Thresholds(observers, m, opt.Percentile, opt.Scheme); err != nil {
+						return err
+					}
+					c.Method, msc = m, &c
+				}
+				if err := writeJSON(strings.ReplaceAll(out, "{method}", m), msc); err != nil {
+					return err
+				}
 			}
 			if plotPath == "" && channelsPath == "" {
 				return nil
@@ -137,7 +156,7 @@ recorded too. llmq eval ppl --act-scales reads the file.`,
 	f.StringVar(&calibPath, "calib", "", "calibration text file (or .i32 token file)")
 	f.IntVar(&nsamples, "nsamples", 32, "calibration windows")
 	f.IntVar(&seqlen, "seqlen", 512, "tokens per calibration window")
-	f.StringVar(&opt.Method, "method", "minmax", "minmax, percentile or kl")
+	f.StringVar(&opt.Method, "method", "minmax", "minmax, percentile or kl, or several comma-separated (one pass; -o names a file per method with {method})")
 	f.Float64Var(&opt.Percentile, "percentile", 99.99, "for --method percentile: the percentile of |x| (0, 100]")
 	f.Float64Var(&opt.Alpha, "smooth", 0, "SmoothQuant migration strength α in (0, 1) (0: no smoothing)")
 	f.IntVar(&act.bits, "bits", 8, "activation bits the thresholds are for (KL's number of levels)")

@@ -9,11 +9,13 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
@@ -342,6 +344,29 @@ func TestCalibrateAndActivationEval(t *testing.T) {
 	}
 	if png, _ := os.ReadFile(channels); !bytes.HasPrefix(png, []byte("\x89PNG")) {
 		t.Errorf("--plot-channels wrote no PNG")
+	}
+	// Several methods in one pass: the same thresholds as a run of each.
+	multi := filepath.Join(t.TempDir(), "s-{method}.json")
+	mustLLMQ(t, "calibrate", model, "--calib", shared.Path(t, "data/calib.txt"), "--nsamples", "4", "--seqlen", "128", "--method", "minmax,kl,percentile", "-o", multi)
+	read := func(path string) *actquant.Scales {
+		sc, err := actquant.ReadScales(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return sc
+	}
+	if one, kl := read(scales), read(strings.ReplaceAll(multi, "{method}", "kl")); !reflect.DeepEqual(one, kl) {
+		t.Errorf("kl from a run of three methods differs from a run of kl alone")
+	}
+	for _, m := range []string{"minmax", "percentile"} {
+		sc := read(strings.ReplaceAll(multi, "{method}", m))
+		l := sc.Layers["model.layers.0.mlp.down_proj"]
+		if sc.Method != m || len(sc.Layers) != 28 || m == "minmax" && l.Threshold != l.Amax || m == "percentile" && !(l.Threshold < l.Amax) {
+			t.Errorf("%s: method %q, %d layers, down_proj %+v", m, sc.Method, len(sc.Layers), l)
+		}
+	}
+	if _, err := llmq(t, "calibrate", model, "--calib", data, "--method", "minmax,kl", "-o", scales); err == nil || !strings.Contains(err.Error(), "{method}") {
+		t.Errorf("two methods, one -o file: %v", err)
 	}
 	ev := func(extra ...string) float64 {
 		return perplexity(t, mustLLMQ(t, append([]string{"eval", "ppl", model, "--data", data, "--seqlen", "256", "--windows", "2", "--device", "cpu"}, extra...)...))

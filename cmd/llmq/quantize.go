@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/evals"
@@ -31,7 +32,7 @@ func newQuantize() *cobra.Command {
 	var sym, duo, noClip bool
 	var reportPath, statsPath, shardSize, fp8Scale, fp8Act string
 	var plan planFlags
-	var planPath, evalData, evalDevice, device string
+	var planPath, evalData, evalDevice, device, smoothPath string
 	var evalWindows, evalSeqLen int
 	cmd := &cobra.Command{
 		Use:   "quantize MODEL_DIR -o OUT",
@@ -122,6 +123,14 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			}
 			if statsPath != "" && method != "awq" {
 				return fmt.Errorf("--stats is written by --method awq")
+			}
+			if smoothPath != "" {
+				if opt.Smooth, err = actquant.ReadScales(smoothPath); err != nil {
+					return fmt.Errorf("--smooth-scales: %w", err)
+				}
+				if len(opt.Smooth.Smooth) == 0 {
+					return fmt.Errorf("--smooth-scales %s holds no SmoothQuant factors (llmq calibrate --smooth α writes them)", smoothPath)
+				}
 			}
 			if planPath != "" {
 				rules, err := readPlan(planPath)
@@ -232,6 +241,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.IntVar(&evalWindows, "eval-windows", 0, "--eval: only the first N windows (0: all)")
 	f.IntVar(&evalSeqLen, "eval-seqlen", 2048, "--eval: window length in tokens")
 	f.StringVar(&evalDevice, "eval-device", "auto", "--eval: auto, cpu or cuda")
+	f.StringVar(&smoothPath, "smooth-scales", "", "fold the SmoothQuant factors of this file (llmq calibrate --smooth α) into the norms and weights before quantizing: W8A8 with smoothing, the weights rounded after smoothing (evaluate with --act-bits 8, without the file again)")
 	f.StringVar(&planPath, "plan", "", "mixed-precision plan from llmq sensitivity -o (its rules come after --override/--skip)")
 	f.Var(ruleFlag{p: &plan, skip: true}, "skip", "mixed precision: keep modules matching a glob (or re:EXPR) unquantized, e.g. 'layers.31.mlp.down_proj'; repeatable")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")

@@ -21,7 +21,9 @@ type Options struct {
 	// knows the tokenizer's pre-tokenizer regex (detected otherwise).
 	Pre string
 	// Warnf receives warnings (re-quantized layers with their measured
-	// error); nil discards them.
+	// weight error); nil discards them. Report.Tensors says which layers
+	// were re-quantized (TensorReport.Requantized) and File.Weights reads
+	// them back, to measure what that costs.
 	Warnf func(format string, args ...any)
 }
 
@@ -33,6 +35,43 @@ type TensorReport struct {
 	Exact  bool    // packed codes carried over (quantized layers)
 	RelErr float64 // ‖ŵ − w‖/‖w‖ against the checkpoint's (dequantized) weights
 	MaxErr float64 // max |ŵ − w|
+	// RopeHeads is the number of heads of RopePermutation when the rows
+	// were reordered for llama.cpp's RoPE (q and k of Llama models), 0
+	// when they keep the checkpoint's order.
+	RopeHeads int
+}
+
+// Requantized says whether the tensor is a packed layer that could not be
+// carried over and was re-quantized from its dequantized weights.
+func (t TensorReport) Requantized() bool {
+	return !t.Exact && (t.Type == Q4_0 || t.Type == Q4_1 || t.Type == Q8_0)
+}
+
+// Weights reads a linear layer's weight back from an exported file,
+// dequantized as ggml computes it, as [out][in] in the checkpoint's row
+// order (the RoPE permutation undone): the weights llama.cpp runs, laid
+// out as llmq's model holds them.
+func (f *File) Weights(t TensorReport) ([]float32, error) {
+	ti, data, err := f.Tensor(t.Name)
+	if err != nil {
+		return nil, err
+	}
+	if len(ti.Dims) != 2 {
+		return nil, fmt.Errorf("gguf: tensor %q has %d dimensions, not a linear layer's 2", t.Name, len(ti.Dims))
+	}
+	in, out := int(ti.Dims[0]), int(ti.Dims[1])
+	w, err := Dequantize(data, ti.Type, in*out)
+	if err != nil {
+		return nil, fmt.Errorf("gguf: tensor %q: %w", t.Name, err)
+	}
+	if t.RopeHeads == 0 {
+		return w, nil
+	}
+	orig := make([]float32, len(w))
+	for r, src := range RopePermutation(out, t.RopeHeads) {
+		copy(orig[src*in:(src+1)*in], w[r*in:(r+1)*in])
+	}
+	return orig, nil
 }
 
 // Report summarises an export.
@@ -151,7 +190,7 @@ func Export(dir, path string, opt Options) (*Report, error) {
 			if err != nil {
 				return nil, nil, fmt.Errorf("tensor %q: %w", src, err)
 			}
-			return b, &TensorReport{}, nil
+			return b, &TensorReport{RopeHeads: perm}, nil
 		}})
 	}
 	// linear adds a linear layer, packed or not, and its bias.
@@ -186,7 +225,7 @@ func Export(dir, path string, opt Options) (*Report, error) {
 					if err != nil {
 						return nil, nil, fmt.Errorf("%s: %w", src, err)
 					}
-					r := &TensorReport{Exact: m.Exact}
+					r := &TensorReport{Exact: m.Exact, RopeHeads: perm}
 					hat := make([]float32, len(ref))
 					rb, _ := m.Type.RowBytes(in)
 					for o := 0; o < out; o++ {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -358,6 +359,17 @@ func TestExportTiny(t *testing.T) {
 				got, err := Dequantize(data, ti.Type, in*out)
 				if err != nil {
 					t.Fatal(err)
+				}
+				// Weights reads the same values back in the checkpoint's row order.
+				back, err := f.Weights(tr)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if tr.RopeHeads > 0 {
+					back = permuteRows(back, out, in, tr.RopeHeads)
+				}
+				if !slices.Equal(back, got) {
+					t.Errorf("%s: Weights (rope heads %d) is not the tensor in the checkpoint's order", tr.Name, tr.RopeHeads)
 				}
 				var maxErr float64
 				for i := range got {
