@@ -175,7 +175,7 @@ func BlockLinears(c *checkpoint.Config, i int) []LinearSpec {
 		{p + "self_attn.q_proj", c.Hidden, q, c.QKVBias},
 		{p + "self_attn.k_proj", c.Hidden, kv, c.QKVBias},
 		{p + "self_attn.v_proj", c.Hidden, kv, c.QKVBias},
-		{p + "self_attn.o_proj", q, c.Hidden, false},
+		{p + "self_attn.o_proj", q, c.Hidden, c.OBias},
 	}
 	if !c.Sparse(i) {
 		return append(specs,

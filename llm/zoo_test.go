@@ -2,6 +2,8 @@ package llm_test
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -287,4 +289,104 @@ func TestGemma3ConditionalGeneration(t *testing.T) {
 		}
 	}
 	assertClose(t, b, a, 0, "Gemma3ForConditionalGeneration vs Gemma3ForCausalLM")
+}
+
+// TestAttentionBias: a Llama config with attention_bias gives q, k, v and
+// o_proj biases (as transformers' LlamaAttention does). llama-tiny
+// rewritten with all four biases zero runs to the same logits bit for bit;
+// a nonzero o_proj bias changes them; a missing o_proj.bias is an error
+// naming the tensor (it was once silently left out).
+func TestAttentionBias(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	ck, err := checkpoint.Open(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	cfg := ck.Config
+	text, err := os.ReadFile(filepath.Join(src, "config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var raw map[string]any
+	if err := json.Unmarshal(text, &raw); err != nil {
+		t.Fatal(err)
+	}
+	raw["attention_bias"] = true
+	cfgJSON, _ := json.Marshal(raw)
+	write := func(oBias func(l int) []float32, skipO bool) string {
+		tensors := map[string]checkpoint.Out{}
+		for _, n := range ck.Names() {
+			tn, _ := ck.Tensor(n)
+			tensors[n] = checkpoint.Out{DType: tn.DType, Shape: tn.Shape, Data: tn.Data}
+		}
+		q, kv := cfg.Heads*cfg.HeadDim, cfg.KVHeads*cfg.HeadDim
+		for l := 0; l < cfg.Layers; l++ {
+			p := fmt.Sprintf("model.layers.%d.self_attn.", l)
+			tensors[p+"q_proj.bias"] = checkpoint.F32(make([]float32, q), q)
+			tensors[p+"k_proj.bias"] = checkpoint.F32(make([]float32, kv), kv)
+			tensors[p+"v_proj.bias"] = checkpoint.F32(make([]float32, kv), kv)
+			if !skipO {
+				tensors[p+"o_proj.bias"] = checkpoint.F32(oBias(l), cfg.Hidden)
+			}
+		}
+		dir := t.TempDir()
+		for _, f := range []string{"tokenizer.json"} {
+			b, _ := os.ReadFile(filepath.Join(src, f))
+			os.WriteFile(filepath.Join(dir, f), b, 0o644)
+		}
+		if err := checkpoint.WriteFile(filepath.Join(dir, "model.safetensors"), tensors, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "config.json"), cfgJSON, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	ids := shared.Int32s(t, "reference/llama-tiny.logits.input.i32")[:64]
+	logits := func(dir string) ([]float32, error) {
+		c, err := checkpoint.Open(dir)
+		if err != nil {
+			return nil, err
+		}
+		defer c.Close()
+		m, err := llm.Load(c, nil)
+		if err != nil {
+			return nil, err
+		}
+		out := make([]float32, len(ids)*cfg.Vocab)
+		cache, _ := m.NewCache(len(ids))
+		return out, m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: out}})
+	}
+	want, err := logits(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	zero, err := logits(write(func(int) []float32 { return make([]float32, cfg.Hidden) }, false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertClose(t, zero, want, 0, "zero attention biases vs none")
+	shifted, err := logits(write(func(l int) []float32 {
+		b := make([]float32, cfg.Hidden)
+		if l == 0 {
+			for i := range b {
+				b[i] = 0.5
+			}
+		}
+		return b
+	}, false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	diff := 0.0
+	for i := range want {
+		diff = max(diff, math.Abs(float64(shifted[i]-want[i])))
+	}
+	if diff < 1e-3 {
+		t.Errorf("an o_proj bias of 0.5 in layer 0 moved the logits by only %.2e", diff)
+	}
+	if _, err := logits(write(nil, true)); err == nil || !strings.Contains(err.Error(), "o_proj.bias") {
+		t.Errorf("missing o_proj.bias: error %v, want one naming it", err)
+	}
 }

@@ -134,6 +134,9 @@ func rawNames(cfg *checkpoint.Config, b *llm.Block) []string {
 	if cfg.QKVBias {
 		names = append(names, "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 	}
+	if cfg.OBias {
+		names = append(names, "self_attn.o_proj.bias")
+	}
 	if b.MoE != nil {
 		names = append(names, strings.TrimPrefix(llm.RouterName(cfg, b.Layer), fmt.Sprintf("model.layers.%d.", b.Layer))+".weight")
 	}

@@ -33,6 +33,7 @@ type Config struct {
 	RMSNormEps    float64 // rms_norm_eps
 	TieEmbeddings bool    // tie_word_embeddings: lm_head reuses embed_tokens
 	QKVBias       bool    // q/k/v projections carry a bias (Qwen2, attention_bias)
+	OBias         bool    // o_proj carries a bias (Llama/Mistral's attention_bias; not Qwen2)
 	DType         string  // torch_dtype or dtype, e.g. "bfloat16"
 	Rope          Rope
 	// SlidingWindow, when positive, limits attention to the last
@@ -286,6 +287,7 @@ func ParseConfig(data []byte) (*Config, error) {
 		MaxPositions: r.MaxPositionEmbeddings,
 		RMSNormEps:   r.RMSNormEps,
 		QKVBias:      r.AttentionBias || arch == "Qwen2ForCausalLM",
+		OBias:        r.AttentionBias && arch != "Qwen2ForCausalLM",
 		DType:        r.DType,
 		BOS:          -1,
 		Quantization: r.QuantizationConfig,
@@ -658,6 +660,9 @@ func (c *Config) Params() int64 {
 	attn := h*q + 2*h*kv + q*h
 	if c.QKVBias {
 		attn += q + 2*kv
+	}
+	if c.OBias {
+		attn += h
 	}
 	if c.QKNorm {
 		attn += 2 * hd

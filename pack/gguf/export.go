@@ -275,7 +275,7 @@ func Export(dir, path string, opt Options) (*Report, error) {
 			{"attn_q", "self_attn.q_proj", c.Hidden, q, qp, c.QKVBias},
 			{"attn_k", "self_attn.k_proj", c.Hidden, kv, kp, c.QKVBias},
 			{"attn_v", "self_attn.v_proj", c.Hidden, kv, 0, c.QKVBias},
-			{"attn_output", "self_attn.o_proj", q, c.Hidden, 0, false},
+			{"attn_output", "self_attn.o_proj", q, c.Hidden, 0, c.OBias},
 			{"ffn_gate", "mlp.gate_proj", c.Hidden, c.Intermediate, 0, false},
 			{"ffn_up", "mlp.up_proj", c.Hidden, c.Intermediate, 0, false},
 			{"ffn_down", "mlp.down_proj", c.Intermediate, c.Hidden, 0, false},
