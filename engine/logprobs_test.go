@@ -11,24 +11,6 @@ import (
 	"github.com/llmq/llmq/llm"
 )
 
-// refLogSoftmax is log-softmax of one row of transformers' reference
-// logits, computed here independently of package llm.
-func refLogSoftmax(row []float32) []float64 {
-	mx := math.Inf(-1)
-	for _, v := range row {
-		mx = math.Max(mx, float64(v))
-	}
-	var s float64
-	for _, v := range row {
-		s += math.Exp(float64(v) - mx)
-	}
-	out := make([]float64, len(row))
-	for i, v := range row {
-		out[i] = float64(v) - mx - math.Log(s)
-	}
-	return out
-}
-
 // The prompt's logprobs (max_tokens 0) and the first generated token's
 // equal log-softmax of transformers' fp32 logits for the same ids, within
 // 1e-4, and the top alternatives are the reference's most likely tokens.
@@ -61,7 +43,7 @@ func promptLogprobsMatchReference(t *testing.T, e *Engine) {
 	}
 	worst := 0.0
 	for i, lp := range res.PromptLogprobs {
-		want := refLogSoftmax(ref[i*V : (i+1)*V])
+		want := shared.LogSoftmax(ref[i*V : (i+1)*V])
 		if lp.ID != ids[i+1] {
 			t.Fatalf("entry %d is token %d, want %d", i, lp.ID, ids[i+1])
 		}
@@ -97,7 +79,7 @@ func promptLogprobsMatchReference(t *testing.T, e *Engine) {
 	if len(res.Logprobs) != 1 {
 		t.Fatalf("%d logprobs for one token", len(res.Logprobs))
 	}
-	last := refLogSoftmax(ref[(len(ids)-1)*V:])
+	last := shared.LogSoftmax(ref[(len(ids)-1)*V:])
 	lp := res.Logprobs[0]
 	if d := math.Abs(lp.Logprob - last[lp.ID]); d > 1e-4 || lp.Top[0].ID != lp.ID {
 		t.Errorf("generated token %d: logprob %v (reference %v), top %v", lp.ID, lp.Logprob, last[lp.ID], lp.Top)

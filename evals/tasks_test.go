@@ -181,16 +181,7 @@ func scoreMatchesReference(t *testing.T, model string) {
 		}
 		var want float64
 		for j := k; j < len(ids); j++ {
-			row := ref[(j-1)*V : j*V]
-			mx := math.Inf(-1)
-			for _, v := range row {
-				mx = math.Max(mx, float64(v))
-			}
-			var s float64
-			for _, v := range row {
-				s += math.Exp(float64(v) - mx)
-			}
-			want += float64(row[ids[j]]) - mx - math.Log(s)
+			want += shared.LogSoftmax(ref[(j-1)*V : j*V])[ids[j]]
 		}
 		res, err := ScoreTasks(context.Background(), m.Model, m.Tokenizer,
 			[]TaskItem{{Context: ctxText, Choices: []string{choice, " the"}}}, TaskOptions{})

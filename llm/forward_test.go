@@ -156,30 +156,39 @@ func assertClose(t *testing.T, got, want []float32, tol float64, what string) {
 }
 
 // TestStagesEqualForward: running the blocks piecewise through Stages (as
-// the quantizers do) gives the forward pass's logits.
+// the quantizers do) gives the forward pass's logits, to the bit: the same
+// kernels on the same shapes in the same order (measured 0 with both BLAS
+// builds). The zoo's later families are included: q/k norm, Gemma's four
+// norms and sliding layers (a prefill from an empty cache gathers the
+// sliding layers' keys in Stages' order), experts.
 func TestStagesEqualForward(t *testing.T) {
-	m := loadModel(t, "models/archzoo/qwen2-rand")
-	ids := shared.Int32s(t, "reference/qwen2-rand.logits.input.i32")[:50]
-	c := m.Cfg
-	T := len(ids)
-	x := make([]float32, T*c.Hidden)
-	for i, id := range ids {
-		copy(x[i*c.Hidden:], m.Embed[id*c.Hidden:(id+1)*c.Hidden])
+	for _, name := range []string{"qwen2-rand", "qwen3-rand", "qwen3moe-rand", "mixtral-rand", "gemma3-rand"} {
+		m := loadModel(t, "models/archzoo/"+name)
+		ids := shared.Int32s(t, "reference/"+name+".logits.input.i32")[:100]
+		c := m.Cfg
+		T := len(ids)
+		x := make([]float32, T*c.Hidden)
+		for i, id := range ids {
+			copy(x[i*c.Hidden:], m.Embed[id*c.Hidden:(id+1)*c.Hidden])
+			if c.EmbedScale != 0 {
+				for j := 0; j < c.Hidden; j++ {
+					x[i*c.Hidden+j] *= float32(c.EmbedScale)
+				}
+			}
+		}
+		st := llm.NewStages(c)
+		for _, b := range m.Blocks {
+			x = st.Block(b, x, T)
+		}
+		got := make([]float32, T*c.Vocab)
+		m.LMHead.Forward(got, st.Norm(m.Norm, x, T), T)
+		want := make([]float32, T*c.Vocab)
+		cache, _ := m.NewCache(T)
+		if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: want}}); err != nil {
+			t.Fatal(err)
+		}
+		assertClose(t, got, want, 0, name+" stages vs forward")
 	}
-	st := llm.NewStages(c)
-	for _, b := range m.Blocks {
-		x = st.Block(b, x, T)
-	}
-	got := make([]float32, T*c.Vocab)
-	m.LMHead.Forward(got, st.Norm(m.Norm, x, T), T)
-	want := make([]float32, T*c.Vocab)
-	cache, _ := m.NewCache(T)
-	if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: want}}); err != nil {
-		t.Fatal(err)
-	}
-	// The same kernels on the same shapes in the same order: bit-identical
-	// (measured 0 with both BLAS builds).
-	assertClose(t, got, want, 0, "stages vs forward")
 }
 
 // TestSlidingWindowDecoding: with Mistral's sliding window (64), decoding

@@ -29,9 +29,15 @@ func TestGreedyMatchesTransformers(t *testing.T) {
 // TestCachedDecodingEqualsFullPrefix: each greedy token chosen through the
 // KV cache is the argmax of a fresh full-prefix forward pass.
 func TestCachedDecodingEqualsFullPrefix(t *testing.T) {
-	m := loadModel(t, "models/llama-tiny")
-	prompt := []int{0, 6810, 815, 263, 630}
-	got, err := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: 20}, nil)
+	assertCachedEqualsFullPrefix(t, "llama-tiny", loadModel(t, "models/llama-tiny"), []int{0, 6810, 815, 263, 630}, 20)
+}
+
+// assertCachedEqualsFullPrefix generates n greedy tokens after prompt
+// through the KV cache and checks each against the argmax of a fresh
+// full-prefix pass.
+func assertCachedEqualsFullPrefix(t *testing.T, name string, m *llm.Model, prompt []int, n int) {
+	t.Helper()
+	got, err := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: n}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,7 +49,7 @@ func TestCachedDecodingEqualsFullPrefix(t *testing.T) {
 			t.Fatal(err)
 		}
 		if want := llm.Argmax(logits); want != id {
-			t.Fatalf("token %d: cached decoding chose %d, full prefix %d", i, id, want)
+			t.Fatalf("%s token %d: cached decoding chose %d, full prefix %d", name, i, id, want)
 		}
 		seq = append(seq, id)
 	}

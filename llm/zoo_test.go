@@ -62,24 +62,8 @@ func TestZooCachedDecodingMatchesFull(t *testing.T) {
 // of a fresh full-prefix pass.
 func TestZooGreedyCachedEqualsFullPrefix(t *testing.T) {
 	for _, name := range []string{"gemma3-rand", "qwen3moe-rand"} {
-		m := loadModel(t, "models/archzoo/"+name)
 		prompt := shared.Int32s(t, "reference/"+name+".logits.input.i32")[:40]
-		got, err := llm.Generate(context.Background(), m, prompt, llm.GenerateOptions{MaxTokens: 40}, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		seq := append([]int(nil), prompt...)
-		logits := make([]float32, m.Cfg.Vocab)
-		for i, id := range got {
-			c, _ := m.NewCache(len(seq))
-			if err := m.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: seq, Logits: logits, LastOnly: true}}); err != nil {
-				t.Fatal(err)
-			}
-			if want := llm.Argmax(logits); want != id {
-				t.Fatalf("%s token %d: cached decoding chose %d, full prefix %d", name, i, id, want)
-			}
-			seq = append(seq, id)
-		}
+		assertCachedEqualsFullPrefix(t, name, loadModel(t, "models/archzoo/"+name), prompt, 40)
 	}
 }
 
@@ -114,40 +98,6 @@ func TestRingTruncate(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertClose(t, b, a, batchTol, "truncated before the ring wrapped")
-}
-
-// TestZooStagesEqualForward: the calibration stages run the new blocks
-// (q/k norm, Gemma's four norms and sliding layers, experts) as the
-// forward pass does, to the bit (a prefill from an empty cache gathers
-// the sliding layers' keys in Stages' order).
-func TestZooStagesEqualForward(t *testing.T) {
-	for _, name := range []string{"qwen3-rand", "qwen3moe-rand", "mixtral-rand", "gemma3-rand"} {
-		m := loadModel(t, "models/archzoo/"+name)
-		ids := shared.Int32s(t, "reference/"+name+".logits.input.i32")[:100]
-		c := m.Cfg
-		T := len(ids)
-		x := make([]float32, T*c.Hidden)
-		for i, id := range ids {
-			copy(x[i*c.Hidden:], m.Embed[id*c.Hidden:(id+1)*c.Hidden])
-			if c.EmbedScale != 0 {
-				for j := 0; j < c.Hidden; j++ {
-					x[i*c.Hidden+j] *= float32(c.EmbedScale)
-				}
-			}
-		}
-		st := llm.NewStages(c)
-		for _, b := range m.Blocks {
-			x = st.Block(b, x, T)
-		}
-		got := make([]float32, T*c.Vocab)
-		m.LMHead.Forward(got, st.Norm(m.Norm, x, T), T)
-		want := make([]float32, T*c.Vocab)
-		cache, _ := m.NewCache(T)
-		if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: want}}); err != nil {
-			t.Fatal(err)
-		}
-		assertClose(t, got, want, 0, name+" stages vs forward")
-	}
 }
 
 // TestMoERouting checks the router against a hand computation: softmax

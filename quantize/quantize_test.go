@@ -624,18 +624,7 @@ func TestResume(t *testing.T) {
 			if _, err := Run(context.Background(), whole); err != nil {
 				t.Fatal(err)
 			}
-			cut := opt
-			cut.Out = filepath.Join(dir, "cut")
-			ctx, cancel := context.WithCancel(context.Background())
-			cut.Progress = func(block, blocks int, stage string) {
-				if block == 2 {
-					cancel()
-				}
-			}
-			if _, err := Run(ctx, cut); !errors.Is(err, ErrInterrupted) {
-				t.Fatalf("interrupted run: %v", err)
-			}
-			cut.Progress = nil
+			cut := interruptAt(t, opt, filepath.Join(dir, "cut"), 2)
 			if _, err := Run(context.Background(), cut); !errors.Is(err, pack.ErrPartial) {
 				t.Errorf("a fresh run over the parts: %v, want ErrPartial", err)
 			}
@@ -652,18 +641,47 @@ func TestResume(t *testing.T) {
 			if rep.ResumedAt != 2 {
 				t.Errorf("resumed at block %d, want 2", rep.ResumedAt)
 			}
-			entries, _ := os.ReadDir(whole.Out)
-			for _, e := range entries {
-				a, _ := os.ReadFile(filepath.Join(whole.Out, e.Name()))
-				b, err := os.ReadFile(filepath.Join(cut.Out, e.Name()))
-				if err != nil || !bytes.Equal(a, b) {
-					t.Errorf("%s differs between the whole and the resumed run (%v)", e.Name(), err)
-				}
-			}
+			assertSameFiles(t, whole.Out, cut.Out)
 			if _, err := os.Stat(pack.PartialDir(cut.Out)); !errors.Is(err, fs.ErrNotExist) {
 				t.Errorf("the parts were left after finishing: %v", err)
 			}
 		})
+	}
+}
+
+// interruptAt runs opt into out and cancels it when block starts: the
+// returned options are the interrupted run's, ready to be run again.
+func interruptAt(t *testing.T, opt Options, out string, block int) Options {
+	t.Helper()
+	opt.Out = out
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	opt.Progress = func(b, blocks int, stage string) {
+		if b == block {
+			cancel()
+		}
+	}
+	if _, err := Run(ctx, opt); !errors.Is(err, ErrInterrupted) {
+		t.Fatalf("interrupted run: %v", err)
+	}
+	opt.Progress = nil
+	return opt
+}
+
+// assertSameFiles checks that every file of the whole run's output is in
+// the resumed run's, byte for byte.
+func assertSameFiles(t *testing.T, whole, resumed string) {
+	t.Helper()
+	entries, err := os.ReadDir(whole)
+	if err != nil || len(entries) == 0 {
+		t.Fatalf("%s: %d files (%v)", whole, len(entries), err)
+	}
+	for _, e := range entries {
+		a, _ := os.ReadFile(filepath.Join(whole, e.Name()))
+		b, err := os.ReadFile(filepath.Join(resumed, e.Name()))
+		if err != nil || !bytes.Equal(a, b) {
+			t.Errorf("%s differs between the whole and the resumed run (%v)", e.Name(), err)
+		}
 	}
 }
 

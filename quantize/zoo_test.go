@@ -4,10 +4,8 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"errors"
 	"fmt"
 	"math"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -421,18 +419,8 @@ func TestResumeMoE(t *testing.T) {
 	if _, err := Run(context.Background(), whole); err != nil {
 		t.Fatal(err)
 	}
-	cut := opt
-	cut.Out = filepath.Join(dir, "cut")
-	ctx, cancel := context.WithCancel(context.Background())
-	cut.Progress = func(block, blocks int, stage string) {
-		if block == 1 {
-			cancel()
-		}
-	}
-	if _, err := Run(ctx, cut); !errors.Is(err, ErrInterrupted) {
-		t.Fatalf("interrupted run: %v", err)
-	}
-	cut.Progress, cut.Resume = nil, true
+	cut := interruptAt(t, opt, filepath.Join(dir, "cut"), 1)
+	cut.Resume = true
 	rep, err := Run(context.Background(), cut)
 	if err != nil {
 		t.Fatal(err)
@@ -440,12 +428,5 @@ func TestResumeMoE(t *testing.T) {
 	if rep.ResumedAt != 1 || len(rep.Experts) != 8 {
 		t.Errorf("resumed at block %d with %d experts reported, want 1 and 8", rep.ResumedAt, len(rep.Experts))
 	}
-	entries, _ := os.ReadDir(whole.Out)
-	for _, e := range entries {
-		a, _ := os.ReadFile(filepath.Join(whole.Out, e.Name()))
-		b, err := os.ReadFile(filepath.Join(cut.Out, e.Name()))
-		if err != nil || !bytes.Equal(a, b) {
-			t.Errorf("%s differs between the whole and the resumed run (%v)", e.Name(), err)
-		}
-	}
+	assertSameFiles(t, whole.Out, cut.Out)
 }

@@ -35,23 +35,6 @@ func post(t *testing.T, url string, body any) (int, map[string]any) {
 	return resp.StatusCode, out
 }
 
-// logSoftmax of a reference row, computed here on its own.
-func logSoftmax(row []float32) []float64 {
-	mx := math.Inf(-1)
-	for _, v := range row {
-		mx = math.Max(mx, float64(v))
-	}
-	var s float64
-	for _, v := range row {
-		s += math.Exp(float64(v) - mx)
-	}
-	out := make([]float64, len(row))
-	for i, v := range row {
-		out[i] = float64(v) - mx - math.Log(s)
-	}
-	return out
-}
-
 // legacyLogprobs is choices[i].logprobs of the legacy completions API,
 // field by field as OpenAI documents it.
 type legacyLogprobs struct {
@@ -129,7 +112,7 @@ func TestEchoLogprobsMatchReference(t *testing.T) {
 			worst := 0.0
 			offset := 0
 			for i := 1; i < n; i++ {
-				want := logSoftmax(ref[(i-1)*V : i*V])
+				want := shared.LogSoftmax(ref[(i-1)*V : i*V])
 				id := 0
 				if i < len(ids) {
 					id = ids[i]

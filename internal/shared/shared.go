@@ -82,3 +82,22 @@ func GreedyRefs(tb testing.TB, model string) map[string]Greedy {
 	}
 	return g
 }
+
+// LogSoftmax is log-softmax of one row of reference logits in float64,
+// computed here independently of package llm (tests compare llmq's
+// logprobs against it).
+func LogSoftmax(row []float32) []float64 {
+	mx := math.Inf(-1)
+	for _, v := range row {
+		mx = math.Max(mx, float64(v))
+	}
+	var s float64
+	for _, v := range row {
+		s += math.Exp(float64(v) - mx)
+	}
+	out := make([]float64, len(row))
+	for i, v := range row {
+		out[i] = float64(v) - mx - math.Log(s)
+	}
+	return out
+}
