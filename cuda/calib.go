@@ -574,47 +574,39 @@ func (c *Calibrator) GPTQ(h *Hessian, W []float32, out, in int, groupOf []int32,
 			c.x.Free(b)
 		}
 	}()
-	up := func(v any) (Buf, error) {
-		var b Buf
-		var err error
-		switch v := v.(type) {
-		case []float32:
-			b, err = AllocFrom(c.x, v)
-		case []uint8:
-			b, err = AllocFrom(c.x, v)
-		case []int32:
-			b, err = AllocFrom(c.x, v)
-		}
+	// keep records a buffer for the deferred Free.
+	keep := func(b Buf, err error) (Buf, error) {
 		if err == nil {
 			bufs = append(bufs, b)
 		}
 		return b, err
 	}
 	q = make([]uint8, out*in)
-	var losses []float64
+	losses := make([]float64, out)
 	err = c.timed("solve", func() error {
+		// W, the scales and zeros (read unless fitted) and the groups go
+		// up; the codes, the block errors and the losses are only written
+		// by the kernels, so they are allocated, not uploaded.
 		var dW, dQ, dS, dZ, dG, dE, dL Buf
 		var err error
-		for _, s := range []struct {
-			b *Buf
-			v any
-		}{{&dW, W}, {&dQ, q}, {&dS, scale}, {&dZ, zero}, {&dG, groupOf}, {&dE, make([]float32, out*128)}} {
-			if *s.b, err = up(s.v); err != nil {
+		for _, f := range []func() error{
+			func() error { dW, err = keep(AllocFrom(c.x, W)); return err },
+			func() error { dS, err = keep(AllocFrom(c.x, scale)); return err },
+			func() error { dZ, err = keep(AllocFrom(c.x, zero)); return err },
+			func() error { dG, err = keep(AllocFrom(c.x, groupOf)); return err },
+			func() error { dQ, err = keep(c.x.Alloc(out * in)); return err },
+			func() error { dE, err = keep(c.x.Alloc(out * 128 * 4)); return err },
+			func() error { dL, err = keep(c.x.Alloc(out * 8)); return err },
+			func() error {
+				return c.x.GPTQQuantize(dW, c.hinv, dQ, dS, dZ, dG, dE, dL, out, in, g.Group(in), g.Bits, g.Sym, fit, fromStart)
+			},
+			func() error { return Download(c.x, q, dQ) },
+			func() error { return Download(c.x, scale, dS) },
+			func() error { return Download(c.x, zero, dZ) },
+			func() error { return Download(c.x, losses, dL) },
+		} {
+			if err := f(); err != nil {
 				return err
-			}
-		}
-		if dL, err = c.x.Alloc(out * 8); err != nil {
-			return err
-		}
-		bufs = append(bufs, dL)
-		group := g.Group(in)
-		if err := c.x.GPTQQuantize(dW, c.hinv, dQ, dS, dZ, dG, dE, dL, out, in, group, g.Bits, g.Sym, fit, fromStart); err != nil {
-			return err
-		}
-		losses = make([]float64, out)
-		for _, d := range []error{Download(c.x, q, dQ), Download(c.x, scale, dS), Download(c.x, zero, dZ), Download(c.x, losses, dL)} {
-			if d != nil {
-				return d
 			}
 		}
 		return nil

@@ -97,7 +97,7 @@ func TestGPTQOnGPUMatchesCPU(t *testing.T) {
 					t.Fatalf("column order or dead inputs differ at %d", i)
 				}
 			}
-			if err := gptq.Damp(mean, tc.opt, func(l float64) (bool, error) { return c.GPTQFactor(h, gp.Perm, l) }, &gp.Damp); err != nil {
+			if gp.Damp, err = gptq.Damp(mean, tc.opt, func(l float64) (bool, error) { return c.GPTQFactor(h, gp.Perm, l) }); err != nil {
 				t.Fatal(err)
 			}
 			U := make([]float32, in*in)

@@ -131,11 +131,12 @@ func Prepare(H []float64, in int, opt Options) (*Prepared, error) {
 			hp.SetSym(i, j, v)
 		}
 	}
-	err := Damp(mean, opt, func(lambda float64) (bool, error) {
+	var err error
+	p.Damp, err = Damp(mean, opt, func(lambda float64) (bool, error) {
 		U, ok := inverseCholesky(hp, lambda)
 		p.Hinv = U
 		return ok, nil
-	}, &p.Damp)
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -167,8 +168,8 @@ func Order(diag []float64, actOrder bool) (p *Prepared, mean float64) {
 
 // Damp runs factor(λ) with λ = damp·mean (damp from opt, 0.01 by default),
 // and again with damp ×10 each time the factorization fails, up to four
-// tries; it stores the damp that worked.
-func Damp(mean float64, opt Options, factor func(lambda float64) (bool, error), used *float64) error {
+// tries; it returns the damp that worked.
+func Damp(mean float64, opt Options, factor func(lambda float64) (bool, error)) (float64, error) {
 	damp := opt.Damp
 	if damp <= 0 {
 		damp = 0.01
@@ -176,14 +177,13 @@ func Damp(mean float64, opt Options, factor func(lambda float64) (bool, error), 
 	for try := 0; ; try++ {
 		ok, err := factor(damp * mean)
 		if err != nil {
-			return err
+			return 0, err
 		}
 		if ok {
-			*used = damp
-			return nil
+			return damp, nil
 		}
 		if try == 3 {
-			return fmt.Errorf("Hessian is not positive definite even with damping %g·mean(diag H): the calibration inputs are degenerate", damp)
+			return 0, fmt.Errorf("Hessian is not positive definite even with damping %g·mean(diag H): the calibration inputs are degenerate", damp)
 		}
 		if opt.Log != nil {
 			opt.Log("Cholesky failed with damp %g; retrying with %g", damp, damp*10)

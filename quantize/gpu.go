@@ -37,7 +37,7 @@ func (m GPTQ) quantizeGPU(c *cuda.Calibrator, s *gpuStats, l Layer) (*pack.Linea
 			return nil, 0, err
 		}
 		p, mean := gptq.Order(diag, m.Opt.ActOrder)
-		if err := gptq.Damp(mean, m.Opt, func(lambda float64) (bool, error) { return c.GPTQFactor(s.h, p.Perm, lambda) }, &p.Damp); err != nil {
+		if p.Damp, err = gptq.Damp(mean, m.Opt, func(lambda float64) (bool, error) { return c.GPTQFactor(s.h, p.Perm, lambda) }); err != nil {
 			return nil, 0, err
 		}
 		s.prep = p
@@ -92,7 +92,6 @@ func (d *driver) gpuBlock(ctx context.Context, bl *Block) error {
 		}
 		return nil
 	}
-	hessian := func(in int) (*cuda.Hessian, error) { return c.NewHessian(in) }
 	ins := []int{cfg.Hidden, cfg.Heads * cfg.HeadDim, cfg.Hidden, cfg.Intermediate}
 	groups := [][]string{qkvLayers, oLayers, gateUpLayers, downLayers}
 	if d.opt.TrueSequential {
@@ -102,7 +101,7 @@ func (d *driver) gpuBlock(ctx context.Context, bl *Block) error {
 		}{{"q,k,v", c.AttentionInput}, {"o", c.AttentionOutput}, {"gate,up", c.MLPInput}, {"down", c.MLPAct}}
 		for i, st := range stages {
 			bl.Progress(st.name)
-			h, err := hessian(ins[i])
+			h, err := c.NewHessian(ins[i])
 			if err != nil {
 				return err
 			}
@@ -127,7 +126,7 @@ func (d *driver) gpuBlock(ctx context.Context, bl *Block) error {
 		}()
 		for i := range hs {
 			var err error
-			if hs[i], err = hessian(ins[i]); err != nil {
+			if hs[i], err = c.NewHessian(ins[i]); err != nil {
 				return err
 			}
 		}

@@ -219,9 +219,6 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if !RunsOnGPU(m) {
 			return nil, fmt.Errorf("method %s does not run on the GPU yet: use --device cpu", m.Name())
 		}
-		if !m.Calibrated() || opt.NSamples <= 0 {
-			return nil, fmt.Errorf("the GPU path needs calibration windows")
-		}
 		dev, err := opt.GPU.Device()
 		if err != nil {
 			return nil, err
