@@ -53,6 +53,40 @@ func (q *QuantConfig) MarshalJSON() ([]byte, error) {
 	return json.Marshal((*plain)(q))
 }
 
+// ModulesInBlock lists, for a model with mixtures of experts, the linear
+// layers of a block by input (names relative to the block: q, k, v; o;
+// every gate and up; every down), as GPTQ checkpoints of mixtures on the
+// hub spell modules_in_block_to_quantize: the routers, which stay
+// unquantized, are not among them. It is nil for dense models.
+func ModulesInBlock(cfg *checkpoint.Config) [][]string {
+	if cfg.MoE == nil {
+		return nil
+	}
+	groups := make([][]string, 4)
+	seen := map[string]bool{}
+	for l := 0; l < cfg.Layers; l++ { // dense and sparse layers alike
+		p := fmt.Sprintf("model.layers.%d.", l)
+		for i, s := range llm.BlockLinears(cfg, l) {
+			n := strings.TrimPrefix(s.Name, p)
+			if seen[n] {
+				continue
+			}
+			seen[n] = true
+			g := 0 // q, k, v
+			switch {
+			case i == 3: // o
+				g = 1
+			case i > 3 && (i-4)%3 == 2: // a down
+				g = 3
+			case i > 3: // a gate or up
+				g = 2
+			}
+			groups[g] = append(groups[g], n)
+		}
+	}
+	return groups
+}
+
 // QuantMeta records how llmq made the checkpoint.
 type QuantMeta struct {
 	Quantizer string `json:"quantizer"`         // "llmq"

@@ -244,35 +244,6 @@ func (d *driver) routers() []string {
 	return names
 }
 
-// modulesInBlock lists, for a model with mixtures, the linear layers of a
-// block by input (relative names: q, k, v; o; every gate and up; every
-// down), as GPTQ checkpoints of mixtures on the hub spell
-// modules_in_block_to_quantize; nil for dense models.
-func (d *driver) modulesInBlock() [][]string {
-	cfg := d.ck.Config
-	if cfg.MoE == nil {
-		return nil
-	}
-	groups := [][]string{qkvLayers, oLayers, nil, nil}
-	seen := map[string]bool{}
-	for l := 0; l < cfg.Layers; l++ { // dense and sparse layers alike
-		p := fmt.Sprintf("model.layers.%d.", l)
-		specs := llm.BlockLinears(cfg, l)[4:]
-		for i, s := range specs {
-			n := strings.TrimPrefix(s.Name, p)
-			if !seen[n] {
-				seen[n] = true
-				g := 2
-				if i%3 == 2 {
-					g = 3
-				}
-				groups[g] = append(groups[g], n)
-			}
-		}
-	}
-	return groups
-}
-
 // moeMeta records the experts' calibration in the checkpoint's meta (nil
 // for dense models).
 func (d *driver) moeMeta() *pack.MoEMeta {

@@ -350,7 +350,7 @@ func (d *driver) quantConfig() *pack.QuantConfig {
 			ZeroPoint: &zp, Version: "gemm", Dynamic: opt.Plan, ModulesToNotConvert: d.routers(), Meta: meta}
 	}
 	qc := &pack.QuantConfig{QuantMethod: "gptq", Bits: g.Bits, GroupSize: g.GroupSize, Sym: &g.Sym,
-		LMHead: opt.QuantizeLMHead, Dynamic: opt.Plan, ModulesInBlockToQuantize: d.modulesInBlock(), Meta: meta}
+		LMHead: opt.QuantizeLMHead, Dynamic: opt.Plan, ModulesInBlockToQuantize: pack.ModulesInBlock(d.ck.Config), Meta: meta}
 	// true_sequential describes how statistics were gathered: only methods
 	// that gather them have the setting.
 	qc.TrueSequential = opt.TrueSequential && d.m.NewStats(1) != nil
