@@ -16,7 +16,6 @@ import (
 	"github.com/llmq/llmq/llm/mat"
 	"github.com/llmq/llmq/pack"
 	"github.com/nlpodyssey/safetensors"
-	"github.com/x448/float16"
 )
 
 // Preset is the architecture of a published model, for synthetic
@@ -53,7 +52,7 @@ func PresetNames() []string {
 type SynthOptions struct {
 	Preset    string
 	Arch      *Preset // used instead of Presets[Preset] when set
-	Bits      int     // 4 (GPTQ layout, symmetric) or 16 (bf16)
+	Bits      int     // 3, 4 or 8 (GPTQ layout, symmetric) or 16 (bf16)
 	Group     int
 	Layers    int    // override the preset's layer count (0: keep)
 	Tokenizer string // directory with tokenizer.json (and tokenizer_config.json)
@@ -84,7 +83,8 @@ func (e *SynthOptionError) Error() string {
 func (e *SynthOptionError) Unwrap() error { return e.Err }
 
 // Synth writes a random-weight checkpoint with a preset's architecture in
-// the layout real checkpoints use — bf16, or GPTQ 4-bit with fp16 scales —
+// the layout real checkpoints use — bf16, or GPTQ at 3, 4 or 8 bits with
+// fp16 scales —
 // so that loading and running it costs what the real model costs. Weights
 // are uniform with standard deviation 0.02 (dequantized ones too), which
 // keeps activations in range through every layer. It is deterministic.
@@ -96,8 +96,10 @@ func Synth(opt SynthOptions) error {
 	if !ok {
 		return &SynthOptionError{Field: "Preset", Value: strconv.Quote(opt.Preset), Want: "one of " + strings.Join(PresetNames(), ", ")}
 	}
-	if opt.Bits != 4 && opt.Bits != 16 {
-		return &SynthOptionError{Field: "Bits", Value: strconv.Itoa(opt.Bits), Want: "4 (GPTQ) or 16 (bf16)"}
+	switch opt.Bits {
+	case 3, 4, 8, 16:
+	default:
+		return &SynthOptionError{Field: "Bits", Value: strconv.Itoa(opt.Bits), Want: "3, 4 or 8 (GPTQ) or 16 (bf16)"}
 	}
 	if opt.Layers > 0 {
 		p.Layers = opt.Layers
@@ -148,6 +150,7 @@ func Synth(opt SynthOptions) error {
 		}
 	}()
 	qd, kvd := p.Heads*hd, p.KVHeads*hd
+	grid := pack.Grid{Bits: opt.Bits, GroupSize: opt.Group, Sym: true}
 	for l := 0; l < p.Layers; l++ {
 		pre := fmt.Sprintf("model.layers.%d.", l)
 		t := map[string]checkpoint.Out{
@@ -161,10 +164,10 @@ func Synth(opt SynthOptions) error {
 			{"self_attn.o_proj", qd, p.Hidden}, {"mlp.gate_proj", p.Hidden, p.Intermediate}, {"mlp.up_proj", p.Hidden, p.Intermediate},
 			{"mlp.down_proj", p.Intermediate, p.Hidden}} {
 			name := pre + lin.name
-			if opt.Bits == 4 {
-				synthGPTQ(t, name, lin.in, lin.out, opt.Group)
-			} else {
+			if opt.Bits == 16 {
 				t[name+".weight"] = randomBF16(name, lin.out*lin.in, lin.out, lin.in)
+			} else if err := w.AddGPTQ(t, name, synthGPTQ(name, lin.in, lin.out, grid)); err != nil {
+				return err
 			}
 			if p.QKVBias && strings.HasPrefix(lin.name, "self_attn.") && lin.name != "self_attn.o_proj" {
 				t[name+".bias"] = randomBF16(name+".bias", lin.out, lin.out)
@@ -188,9 +191,8 @@ func Synth(opt SynthOptions) error {
 		return err
 	}
 	var qc *pack.QuantConfig
-	if opt.Bits == 4 {
-		sym := true
-		qc = &pack.QuantConfig{QuantMethod: "gptq", Bits: 4, GroupSize: opt.Group, Sym: &sym,
+	if opt.Bits != 16 {
+		qc = &pack.QuantConfig{QuantMethod: "gptq", Bits: grid.Bits, GroupSize: grid.GroupSize, Sym: &grid.Sym,
 			Meta: &pack.QuantMeta{Quantizer: "llmq", Method: "synthetic"}}
 	}
 	if err := w.Finish(src, qc); err != nil {
@@ -243,24 +245,31 @@ func randomBF16(name string, n int, shape ...int) checkpoint.Out {
 	return checkpoint.Out{DType: safetensors.BF16, Shape: shape, Data: b}
 }
 
-// synthGPTQ adds a symmetric 4-bit GPTQ (v1) layer with uniform random
-// codes and scales around 0.0043, so dequantized weights have standard
-// deviation ≈ 0.02 like randomBF16's.
-func synthGPTQ(t map[string]checkpoint.Out, name string, in, out, group int) {
+// synthGPTQ is a symmetric layer on grid g with uniform random codes, for
+// the writer to lay out in the GPTQ format (pack.Writer.AddGPTQ). A code
+// minus its zero 2^(b−1) has RMS r_b = √(4^b/12 + 1/6); the scales are
+// uniform around 0.0043·r₄/r_b, so that dequantized weights have standard
+// deviation ≈ 0.02 at every width, like randomBF16's.
+func synthGPTQ(name string, in, out int, g pack.Grid) *pack.Linear {
+	group := g.Group(in)
 	G := in / group
-	qweight := make([]byte, in/8*out*4)
-	random(name+".qweight", len(qweight)/8, func(i int, r uint64) { binary.LittleEndian.PutUint64(qweight[8*i:], r) })
-	t[name+".qweight"] = checkpoint.Out{DType: safetensors.I32, Shape: []int{in / 8, out}, Data: qweight}
-	zeros := make([]int32, G*out/8)
-	for i := range zeros {
-		zeros[i] = 0x77777777 // zero 8, stored minus one (GPTQ v1)
-	}
-	t[name+".qzeros"] = checkpoint.I32(zeros, G, out/8)
-	scales := make([]byte, 2*G*out)
-	random(name+".scales", G*out, func(i int, r uint64) {
-		u := float64(r>>40) / (1 << 24)
-		binary.LittleEndian.PutUint16(scales[2*i:], float16.Fromfloat32(float32(0.0035+0.0016*u)).Bits())
+	l := &pack.Linear{In: in, Out: out, Grid: g, Q: make([]uint8, out*in), Scale: make([]float32, G*out),
+		Zero: make([]uint8, G*out), GIdx: pack.SequentialGIdx(in, group)}
+	mask := uint64(g.MaxQ())
+	random(name+".qweight", (len(l.Q)+7)/8, func(i int, r uint64) {
+		for j := 8 * i; j < min(len(l.Q), 8*i+8); j++ {
+			l.Q[j] = uint8(r & mask)
+			r >>= 8
+		}
 	})
-	t[name+".scales"] = checkpoint.Out{DType: safetensors.F16, Shape: []int{G, out}, Data: scales}
-	t[name+".g_idx"] = checkpoint.I32(pack.SequentialGIdx(in, group), in)
+	rms := func(b int) float64 { return math.Sqrt(math.Pow(4, float64(b))/12 + 1.0/6) }
+	k := rms(4) / rms(g.Bits)
+	random(name+".scales", len(l.Scale), func(i int, r uint64) {
+		u := float64(r>>40) / (1 << 24)
+		l.Scale[i] = pack.RoundF16(float32((0.0035 + 0.0016*u) * k))
+	})
+	for i := range l.Zero {
+		l.Zero[i] = uint8((g.MaxQ() + 1) / 2)
+	}
+	return l
 }

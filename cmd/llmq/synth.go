@@ -20,11 +20,12 @@ func newSynth() *cobra.Command {
 		Short: "Write a random-weight checkpoint of a real model's size (for speed measurements)",
 		Long: `synth writes a checkpoint with the architecture of a published model and
 random weights, in the layout real checkpoints use: bf16 (--bits 16), or
-4-bit GPTQ with fp16 scales (--bits 4). Its perplexity means nothing; its
-load time, memory and speed are those of the real model.
+GPTQ with fp16 scales at 3, 4 or 8 bits (--bits 3, 4, 8). Its perplexity
+means nothing; its load time, memory and speed are those of the real model.
 Presets: ` + strings.Join(evals.PresetNames(), ", "),
 		Example: `  llmq synth --preset llama3-8b --bits 4 --group 128 -o /tmp/llama3-8b-w4
-  llmq synth --preset llama3-8b --bits 16 -o /tmp/llama3-8b-bf16`,
+  llmq synth --preset llama3-8b --bits 16 -o /tmp/llama3-8b-bf16
+  llmq synth --preset llama3-70b --bits 3 --layers 2 -o /tmp/llama3-70b-w3-2layers`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if opt.Out == "" {
@@ -51,7 +52,7 @@ Presets: ` + strings.Join(evals.PresetNames(), ", "),
 	}
 	f := cmd.Flags()
 	f.StringVar(&opt.Preset, "preset", "llama3-8b", "architecture: "+strings.Join(evals.PresetNames(), ", "))
-	f.IntVar(&opt.Bits, "bits", 4, "4 (GPTQ, symmetric, fp16 scales) or 16 (bf16)")
+	f.IntVar(&opt.Bits, "bits", 4, "3, 4 or 8 (GPTQ, symmetric, fp16 scales) or 16 (bf16)")
 	f.IntVar(&opt.Group, "group", 128, "quantization group size")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output: bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.IntVar(&opt.Layers, "layers", 0, "override the number of layers (0: the preset's)")
