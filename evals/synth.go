@@ -8,10 +8,12 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
 
+	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/llm/mat"
 	"github.com/llmq/llmq/pack"
@@ -19,23 +21,80 @@ import (
 )
 
 // Preset is the architecture of a published model, for synthetic
-// checkpoints that measure speed at real sizes.
+// checkpoints that measure speed at real sizes. Its fields are keys of
+// the family's config.json. Synth writes that config and the tensors the
+// loader reads for it (llm.BlockLinears, llm.Block.Norms): what follows
+// from the architecture alone — the q_norm and k_norm of Qwen3, Qwen3-MoE
+// and Gemma 3, Gemma 3's four norms a layer stored as w for 1+w, its
+// scaled embeddings and GeGLU — is therefore not a field.
 type Preset struct {
+	Arch, ModelType string // architectures[0], model_type
+
 	Hidden, Intermediate, Layers, Heads, KVHeads, Vocab, MaxPositions int
-	RopeTheta                                                         float64
-	Tied, QKVBias                                                     bool
-	Arch, ModelType                                                   string
+	// HeadDim is head_dim where it is not Hidden/Heads (Qwen3, Gemma 3);
+	// 0 means Hidden/Heads.
+	HeadDim   int
+	RopeTheta float64
+	Tied      bool // tie_word_embeddings
+	// QKVBias is attention_bias: q, k and v carry biases, and o too
+	// outside Qwen2 (whose q, k and v always have them).
+	QKVBias bool
+	NormEps float64 // rms_norm_eps; 0 means 1e-5
+
+	// A mixture of experts (Mixtral, Qwen3-MoE) replaces every layer's
+	// MLP: Experts experts (num_local_experts for Mixtral, num_experts for
+	// Qwen3-MoE), TopK of them per token (num_experts_per_tok), each a
+	// gated MLP of MoEIntermediate units (Qwen3-MoE's
+	// moe_intermediate_size; Mixtral's experts are Intermediate wide).
+	// NormTopK renormalises the chosen experts' weights (Qwen3-MoE's
+	// norm_topk_prob; Mixtral always does).
+	Experts, TopK, MoEIntermediate int
+	NormTopK                       bool
+
+	// SlidingWindow, when positive, limits attention to the last
+	// SlidingWindow positions (sliding_window): on every layer (Mistral),
+	// or with SlidingPattern on all but every SlidingPattern-th layer
+	// (Gemma 3's sliding_window_pattern). LocalRopeTheta is the rotary
+	// base of Gemma 3's sliding layers (rope_local_base_freq); RopeFactor,
+	// when positive, scales the rotary positions linearly (rope_scaling;
+	// Gemma 3: of the full-attention layers).
+	SlidingWindow, SlidingPattern int
+	LocalRopeTheta, RopeFactor    float64
 }
 
-// Presets are the configurations of Llama 2 and 3, Mistral and Qwen2 models
-// (their Hugging Face config.json files).
+// Presets are the architectures of published models, from their Hugging
+// Face config.json files (huggingface.co/ORG/MODEL/blob/main/config.json).
 var Presets = map[string]Preset{
-	"llama3-1b":  {2048, 8192, 16, 32, 8, 128256, 8192, 500000, true, false, "LlamaForCausalLM", "llama"},
-	"llama3-8b":  {4096, 14336, 32, 32, 8, 128256, 8192, 500000, false, false, "LlamaForCausalLM", "llama"},
-	"llama3-70b": {8192, 28672, 80, 64, 8, 128256, 8192, 500000, false, false, "LlamaForCausalLM", "llama"},
-	"llama2-7b":  {4096, 11008, 32, 32, 32, 32000, 4096, 10000, false, false, "LlamaForCausalLM", "llama"},
-	"mistral-7b": {4096, 14336, 32, 32, 8, 32768, 32768, 1000000, false, false, "MistralForCausalLM", "mistral"},
-	"qwen2-7b":   {3584, 18944, 28, 28, 4, 152064, 32768, 1000000, false, true, "Qwen2ForCausalLM", "qwen2"},
+	"llama3-1b": {Arch: "LlamaForCausalLM", ModelType: "llama", Hidden: 2048, Intermediate: 8192, Layers: 16, Heads: 32, KVHeads: 8,
+		Vocab: 128256, MaxPositions: 8192, RopeTheta: 500000, Tied: true},
+	"llama3-8b": {Arch: "LlamaForCausalLM", ModelType: "llama", Hidden: 4096, Intermediate: 14336, Layers: 32, Heads: 32, KVHeads: 8,
+		Vocab: 128256, MaxPositions: 8192, RopeTheta: 500000},
+	"llama3-70b": {Arch: "LlamaForCausalLM", ModelType: "llama", Hidden: 8192, Intermediate: 28672, Layers: 80, Heads: 64, KVHeads: 8,
+		Vocab: 128256, MaxPositions: 8192, RopeTheta: 500000},
+	"llama2-7b": {Arch: "LlamaForCausalLM", ModelType: "llama", Hidden: 4096, Intermediate: 11008, Layers: 32, Heads: 32, KVHeads: 32,
+		Vocab: 32000, MaxPositions: 4096, RopeTheta: 10000},
+	"mistral-7b": {Arch: "MistralForCausalLM", ModelType: "mistral", Hidden: 4096, Intermediate: 14336, Layers: 32, Heads: 32, KVHeads: 8,
+		Vocab: 32768, MaxPositions: 32768, RopeTheta: 1000000},
+	"qwen2-7b": {Arch: "Qwen2ForCausalLM", ModelType: "qwen2", Hidden: 3584, Intermediate: 18944, Layers: 28, Heads: 28, KVHeads: 4,
+		Vocab: 152064, MaxPositions: 32768, RopeTheta: 1000000, QKVBias: true},
+	// Qwen/Qwen3-8B
+	"qwen3-8b": {Arch: "Qwen3ForCausalLM", ModelType: "qwen3", Hidden: 4096, Intermediate: 12288, Layers: 36, Heads: 32, KVHeads: 8,
+		HeadDim: 128, Vocab: 151936, MaxPositions: 40960, RopeTheta: 1000000, NormEps: 1e-6},
+	// google/gemma-3-12b-it's text_config (Gemma3TextConfig's defaults
+	// for what it leaves out: head_dim 256, vocab 262208, rope_theta 1e6,
+	// rope_local_base_freq 10000, sliding_window_pattern 6, tied
+	// embeddings) as Gemma3ForCausalLM: the language model without the
+	// vision tower.
+	"gemma3-12b": {Arch: "Gemma3ForCausalLM", ModelType: "gemma3_text", Hidden: 3840, Intermediate: 15360, Layers: 48, Heads: 16, KVHeads: 8,
+		HeadDim: 256, Vocab: 262208, MaxPositions: 131072, RopeTheta: 1000000, Tied: true, NormEps: 1e-6,
+		SlidingWindow: 1024, SlidingPattern: 6, LocalRopeTheta: 10000, RopeFactor: 8},
+	// mistralai/Mixtral-8x7B-v0.1
+	"mixtral-8x7b": {Arch: "MixtralForCausalLM", ModelType: "mixtral", Hidden: 4096, Intermediate: 14336, Layers: 32, Heads: 32, KVHeads: 8,
+		Vocab: 32000, MaxPositions: 32768, RopeTheta: 1000000, Experts: 8, TopK: 2},
+	// Qwen/Qwen3-30B-A3B
+	"qwen3-30b-a3b": {Arch: "Qwen3MoeForCausalLM", ModelType: "qwen3_moe", Hidden: 2048, Intermediate: 6144, Layers: 48, Heads: 32, KVHeads: 4,
+		HeadDim: 128, Vocab: 151936, MaxPositions: 40960, RopeTheta: 1000000, NormEps: 1e-6,
+		Experts: 128, TopK: 8, MoEIntermediate: 768, NormTopK: true},
 }
 
 // PresetNames lists the presets, sorted.
@@ -46,6 +105,64 @@ func PresetNames() []string {
 	}
 	sort.Strings(n)
 	return n
+}
+
+// config is the config.json Synth writes for the preset, in its family's
+// spelling, with the special tokens of the tokenizers Synth copies (bos
+// 0, eos 1).
+func (p Preset) config() map[string]any {
+	hd := p.HeadDim
+	if hd == 0 && p.Heads > 0 {
+		hd = p.Hidden / p.Heads
+	}
+	eps := p.NormEps
+	if eps == 0 {
+		eps = 1e-5
+	}
+	c := map[string]any{
+		"architectures": []string{p.Arch}, "model_type": p.ModelType, "hidden_size": p.Hidden,
+		"intermediate_size": p.Intermediate, "num_hidden_layers": p.Layers, "num_attention_heads": p.Heads,
+		"num_key_value_heads": p.KVHeads, "head_dim": hd, "vocab_size": p.Vocab, "max_position_embeddings": p.MaxPositions,
+		"rope_theta": p.RopeTheta, "rms_norm_eps": eps, "tie_word_embeddings": p.Tied, "attention_bias": p.QKVBias,
+		"bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+	}
+	if strings.HasPrefix(p.Arch, "Gemma3") {
+		c["hidden_activation"] = "gelu_pytorch_tanh" // Gemma 3's key and value
+	} else {
+		c["hidden_act"] = "silu"
+	}
+	if p.Experts > 0 {
+		c["num_experts_per_tok"] = p.TopK
+		if p.Arch == "MixtralForCausalLM" {
+			c["num_local_experts"] = p.Experts
+		} else {
+			c["num_experts"], c["moe_intermediate_size"], c["norm_topk_prob"] = p.Experts, p.MoEIntermediate, p.NormTopK
+		}
+	}
+	if p.SlidingWindow > 0 {
+		c["sliding_window"] = p.SlidingWindow
+	}
+	if p.SlidingPattern > 0 {
+		c["sliding_window_pattern"] = p.SlidingPattern
+	}
+	if p.LocalRopeTheta > 0 {
+		c["rope_local_base_freq"] = p.LocalRopeTheta
+	}
+	if p.RopeFactor > 0 {
+		c["rope_scaling"] = map[string]any{"rope_type": "linear", "factor": p.RopeFactor}
+	}
+	return c
+}
+
+// Config is the architecture as the loader reads it from the config.json
+// Synth writes. Synth lays the tensors out by it, and its Params is the
+// preset's parameter count, known without writing anything.
+func (p Preset) Config() (*checkpoint.Config, error) {
+	data, err := json.Marshal(p.config())
+	if err != nil {
+		return nil, err
+	}
+	return checkpoint.ParseConfig(data)
 }
 
 // SynthOptions choose what Synth writes.
@@ -64,8 +181,9 @@ type SynthOptions struct {
 }
 
 // A SynthOptionError is a SynthOptions field Synth cannot use: the field's
-// name (Preset, Bits, Group, Tokenizer), its value as text, and what was
-// expected, or the error reading it. A command line names its own flag.
+// name (Preset, Arch, Bits, Group, Tokenizer), its value as text, and what
+// was expected, or the error reading it. A command line names its own
+// flag.
 type SynthOptionError struct {
 	Field string
 	Value string
@@ -84,10 +202,12 @@ func (e *SynthOptionError) Unwrap() error { return e.Err }
 
 // Synth writes a random-weight checkpoint with a preset's architecture in
 // the layout real checkpoints use — bf16, or GPTQ at 3, 4 or 8 bits with
-// fp16 scales —
-// so that loading and running it costs what the real model costs. Weights
-// are uniform with standard deviation 0.02 (dequantized ones too), which
-// keeps activations in range through every layer. It is deterministic.
+// fp16 scales — so that loading and running it costs what the real model
+// costs. Quantized, it is what llmq's quantizer writes: every linear layer
+// of the decoder (each expert's, in a mixture) packed, and the norms, the
+// routers, the embeddings and the LM head in bf16. Weights are uniform
+// with standard deviation 0.02 (dequantized ones too), which keeps
+// activations in range through every layer. It is deterministic.
 func Synth(opt SynthOptions) error {
 	p, ok := Presets[opt.Preset]
 	if opt.Arch != nil {
@@ -104,24 +224,28 @@ func Synth(opt SynthOptions) error {
 	if opt.Layers > 0 {
 		p.Layers = opt.Layers
 	}
-	if opt.Group <= 0 || p.Hidden%opt.Group != 0 || p.Intermediate%opt.Group != 0 || opt.Group%8 != 0 {
-		return &SynthOptionError{Field: "Group", Value: strconv.Itoa(opt.Group), Want: fmt.Sprintf("a multiple of 8 dividing %d and %d", p.Hidden, p.Intermediate)}
+	cfg, err := p.Config()
+	if err != nil {
+		if opt.Arch != nil {
+			return &SynthOptionError{Field: "Arch", Value: p.Arch, Err: err}
+		}
+		return &SynthOptionError{Field: "Preset", Value: strconv.Quote(opt.Preset), Err: err}
+	}
+	widths := inputWidths(cfg)
+	if opt.Group <= 0 || opt.Group%8 != 0 || slices.ContainsFunc(widths, func(in int) bool { return in%opt.Group != 0 }) {
+		return &SynthOptionError{Field: "Group", Value: strconv.Itoa(opt.Group), Want: "a multiple of 8 dividing " + andList(widths)}
 	}
 	src, err := os.MkdirTemp("", "llmq-synth-src-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(src)
-	hd := p.Hidden / p.Heads
-	cfg := map[string]any{
-		"architectures": []string{p.Arch}, "model_type": p.ModelType, "hidden_size": p.Hidden,
-		"intermediate_size": p.Intermediate, "num_hidden_layers": p.Layers, "num_attention_heads": p.Heads,
-		"num_key_value_heads": p.KVHeads, "head_dim": hd, "vocab_size": p.Vocab, "max_position_embeddings": p.MaxPositions,
-		"rope_theta": p.RopeTheta, "rms_norm_eps": 1e-5, "tie_word_embeddings": p.Tied, "hidden_act": "silu",
-		"bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
-		"llmq_synthetic": fmt.Sprintf("random weights, preset %s", opt.Preset),
+	c := p.config()
+	c["llmq_synthetic"] = fmt.Sprintf("random weights, preset %s", opt.Preset)
+	data, err := json.MarshalIndent(c, "", "  ")
+	if err != nil {
+		return err
 	}
-	data, _ := json.MarshalIndent(cfg, "", "  ")
 	if err := os.WriteFile(filepath.Join(src, "config.json"), data, 0o644); err != nil {
 		return err
 	}
@@ -149,43 +273,41 @@ func Synth(opt SynthOptions) error {
 			w.Abort()
 		}
 	}()
-	qd, kvd := p.Heads*hd, p.KVHeads*hd
 	grid := pack.Grid{Bits: opt.Bits, GroupSize: opt.Group, Sym: true}
-	for l := 0; l < p.Layers; l++ {
+	norms := new(llm.Block).Norms(cfg) // a layer's norms, as the loader lists them
+	for l := 0; l < cfg.Layers; l++ {
 		pre := fmt.Sprintf("model.layers.%d.", l)
-		t := map[string]checkpoint.Out{
-			pre + "input_layernorm.weight":          ones(p.Hidden),
-			pre + "post_attention_layernorm.weight": ones(p.Hidden),
+		t := map[string]checkpoint.Out{}
+		for _, n := range norms {
+			t[pre+n.Name] = ones(cfg, n.N)
 		}
-		for _, lin := range []struct {
-			name    string
-			in, out int
-		}{{"self_attn.q_proj", p.Hidden, qd}, {"self_attn.k_proj", p.Hidden, kvd}, {"self_attn.v_proj", p.Hidden, kvd},
-			{"self_attn.o_proj", qd, p.Hidden}, {"mlp.gate_proj", p.Hidden, p.Intermediate}, {"mlp.up_proj", p.Hidden, p.Intermediate},
-			{"mlp.down_proj", p.Intermediate, p.Hidden}} {
-			name := pre + lin.name
+		if cfg.Sparse(l) { // the router stays in bf16, as the quantizer leaves it
+			r := llm.RouterName(cfg, l)
+			t[r+".weight"] = randomBF16(r, cfg.MoE.Experts*cfg.Hidden, cfg.MoE.Experts, cfg.Hidden)
+		}
+		for _, s := range llm.BlockLinears(cfg, l) { // attention, then the MLP or each expert's
 			if opt.Bits == 16 {
-				t[name+".weight"] = randomBF16(name, lin.out*lin.in, lin.out, lin.in)
-			} else if err := w.AddGPTQ(t, name, synthGPTQ(name, lin.in, lin.out, grid)); err != nil {
+				t[s.Name+".weight"] = randomBF16(s.Name, s.Out*s.In, s.Out, s.In)
+			} else if err := w.AddGPTQ(t, s.Name, synthGPTQ(s.Name, s.In, s.Out, grid)); err != nil {
 				return err
 			}
-			if p.QKVBias && strings.HasPrefix(lin.name, "self_attn.") && lin.name != "self_attn.o_proj" {
-				t[name+".bias"] = randomBF16(name+".bias", lin.out, lin.out)
+			if s.Bias {
+				t[s.Name+".bias"] = randomBF16(s.Name+".bias", s.Out, s.Out)
 			}
 		}
 		if err := w.WritePart(t); err != nil {
 			return err
 		}
 		if opt.Progress != nil {
-			opt.Progress(l+1, p.Layers+1)
+			opt.Progress(l+1, cfg.Layers+1)
 		}
 	}
 	t := map[string]checkpoint.Out{
-		"model.embed_tokens.weight": randomBF16("embed", p.Vocab*p.Hidden, p.Vocab, p.Hidden),
-		"model.norm.weight":         ones(p.Hidden),
+		"model.embed_tokens.weight": randomBF16("embed", cfg.Vocab*cfg.Hidden, cfg.Vocab, cfg.Hidden),
+		"model.norm.weight":         ones(cfg, cfg.Hidden),
 	}
-	if !p.Tied {
-		t["lm_head.weight"] = randomBF16("lm_head", p.Vocab*p.Hidden, p.Vocab, p.Hidden)
+	if !cfg.TieEmbeddings {
+		t["lm_head.weight"] = randomBF16("lm_head", cfg.Vocab*cfg.Hidden, cfg.Vocab, cfg.Hidden)
 	}
 	if err := w.WritePart(t); err != nil {
 		return err
@@ -193,24 +315,51 @@ func Synth(opt SynthOptions) error {
 	var qc *pack.QuantConfig
 	if opt.Bits != 16 {
 		qc = &pack.QuantConfig{QuantMethod: "gptq", Bits: grid.Bits, GroupSize: grid.GroupSize, Sym: &grid.Sym,
-			Meta: &pack.QuantMeta{Quantizer: "llmq", Method: "synthetic"}}
+			ModulesInBlockToQuantize: pack.ModulesInBlock(cfg), Meta: &pack.QuantMeta{Quantizer: "llmq", Method: "synthetic"}}
 	}
 	if err := w.Finish(src, qc); err != nil {
 		return err
 	}
 	if opt.Progress != nil {
-		opt.Progress(p.Layers+1, p.Layers+1)
+		opt.Progress(cfg.Layers+1, cfg.Layers+1)
 	}
 	ok = true
 	return nil
 }
 
-func ones(n int) checkpoint.Out {
+// ones is an RMSNorm weight of n ones as the checkpoint stores it: w, or
+// zeros where the config applies 1+w (Gemma 3).
+func ones(c *checkpoint.Config, n int) checkpoint.Out {
 	v := make([]float32, n)
 	for i := range v {
 		v[i] = 1
 	}
-	return checkpoint.BF16(v, n)
+	return checkpoint.BF16(llm.StoredNorm(c, v), n)
+}
+
+// inputWidths lists the distinct input widths of the decoder layers'
+// linear layers, ascending: a quantization group must divide each.
+func inputWidths(c *checkpoint.Config) []int {
+	var w []int
+	for l := 0; l < c.Layers; l++ {
+		for _, s := range llm.BlockLinears(c, l) {
+			w = append(w, s.In)
+		}
+	}
+	slices.Sort(w)
+	return slices.Compact(w)
+}
+
+// andList writes numbers as "1, 2 and 3".
+func andList(v []int) string {
+	s := make([]string, len(v))
+	for i, n := range v {
+		s[i] = strconv.Itoa(n)
+	}
+	if len(s) < 2 {
+		return strings.Join(s, "")
+	}
+	return strings.Join(s[:len(s)-1], ", ") + " and " + s[len(s)-1]
 }
 
 // random fills n values from a splitmix64 stream seeded by the tensor's

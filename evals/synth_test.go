@@ -15,6 +15,7 @@ import (
 	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
 )
 
@@ -145,6 +146,168 @@ func TestSynthGPTQWidths(t *testing.T) {
 			loaded, ok := m.LinearByName(s.Name)
 			if d, isDense := (*loaded).(*llm.Dense); !ok || !isDense || !slices.Equal(d.W, w) {
 				t.Errorf("%d bits: the loader's %s is not the layer read back", bits, s.Name)
+			}
+		}
+	}
+}
+
+// Each preset has its published model's size: the parameter count the
+// loader's config gives (embeddings counted once when tied) is within 2%
+// of the figure on the model's card.
+func TestSynthPresetParams(t *testing.T) {
+	published := map[string]float64{
+		"llama3-1b":     1.24e9,  // meta-llama/Llama-3.2-1B
+		"llama3-8b":     8.03e9,  // meta-llama/Meta-Llama-3-8B
+		"llama3-70b":    70.6e9,  // meta-llama/Meta-Llama-3-70B
+		"llama2-7b":     6.74e9,  // meta-llama/Llama-2-7b-hf
+		"mistral-7b":    7.25e9,  // mistralai/Mistral-7B-v0.3
+		"qwen2-7b":      7.62e9,  // Qwen/Qwen2-7B
+		"qwen3-8b":      8.2e9,   // Qwen/Qwen3-8B: "8.2B"
+		"gemma3-12b":    11.77e9, // google/gemma-3-12b: 12.2B with the 0.4B vision tower; keras-hub's gemma3_12b_text: 11,765,788,416
+		"mixtral-8x7b":  46.7e9,  // mistralai/Mixtral-8x7B-v0.1: "46.7B total parameters"
+		"qwen3-30b-a3b": 30.5e9,  // Qwen/Qwen3-30B-A3B: "30.5B in total and 3.3B activated"
+	}
+	if len(published) != len(evals.Presets) {
+		t.Errorf("%d presets, %d published sizes", len(evals.Presets), len(published))
+	}
+	for _, name := range evals.PresetNames() {
+		c, err := evals.Presets[name].Config()
+		if err != nil {
+			t.Errorf("%s: %v", name, err)
+			continue
+		}
+		n, want := float64(c.Params()), published[name]
+		t.Logf("%-14s %15d parameters (published %.2fB)", name, c.Params(), want/1e9)
+		if math.Abs(n-want) > 0.02*want {
+			t.Errorf("%s: %d parameters, published %.2fB", name, c.Params(), want/1e9)
+		}
+	}
+}
+
+// The presets of the newer families, shrunk to the shapes of the zoo's
+// tiny models of the same family (written by transformers), synthesize the
+// zoo model's tensors — the same names, shapes and dtypes — and its family
+// settings; they load and run with finite logits in bf16 and at 4 bits.
+// Quantized, every decoder linear layer (each expert's) is packed and the
+// routers and norms are not, as the quantizer leaves them, and
+// modules_in_block_to_quantize lists the experts and not the routers.
+func TestSynthPresetsLayout(t *testing.T) {
+	for preset, zoo := range map[string]string{"qwen3-8b": "qwen3-rand", "gemma3-12b": "gemma3-rand",
+		"mixtral-8x7b": "mixtral-rand", "qwen3-30b-a3b": "qwen3moe-rand"} {
+		t.Run(preset, func(t *testing.T) {
+			src := shared.Path(t, "models/archzoo/"+zoo)
+			ref, err := checkpoint.Open(src)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ref.Close()
+			arch := shrink(evals.Presets[preset], ref.Config)
+			for _, bits := range []int{16, 4} {
+				out := filepath.Join(t.TempDir(), "m")
+				opt := evals.SynthOptions{Preset: preset, Arch: arch, Bits: bits, Group: 32, Layers: 1, Tokenizer: src, Out: out}
+				if err := evals.Synth(opt); err != nil {
+					t.Fatalf("%d bits: %v", bits, err)
+				}
+				m, err := pack.OpenModel(out)
+				if err != nil {
+					t.Fatalf("%d bits: %v", bits, err)
+				}
+				defer m.Close()
+				ck, c, rc := m.Checkpoint, m.Checkpoint.Config, ref.Config
+				if c.Layers != 1 || c.Architecture != rc.Architecture || c.Act != rc.Act || c.QKNorm != rc.QKNorm ||
+					c.NormPlusOne != rc.NormPlusOne || c.SandwichNorm != rc.SandwichNorm || c.TieEmbeddings != rc.TieEmbeddings ||
+					(c.MoE == nil) != (rc.MoE == nil) || c.MoE != nil && (c.MoE.Experts != rc.MoE.Experts || c.MoE.TopK != rc.MoE.TopK ||
+					c.MoE.Intermediate != rc.MoE.Intermediate || c.MoE.NormTopK != rc.MoE.NormTopK) {
+					t.Errorf("%d bits: config %+v, the zoo's %+v", bits, c, rc)
+				}
+				if bits == 16 {
+					for _, n := range ref.Names() {
+						if strings.HasPrefix(n, "model.layers.") && !strings.HasPrefix(n, "model.layers.0.") {
+							continue
+						}
+						a, _ := ref.Tensor(n)
+						b, err := ck.Tensor(n)
+						if err != nil || b.DType != a.DType || !slices.Equal(b.Shape, a.Shape) {
+							t.Errorf("%s: %s %v in the zoo model, %s %v synthesized (%v)", n, a.DType, a.Shape, b.DType, b.Shape, err)
+						}
+					}
+					if n, want := len(ck.Names()), len(layerZero(ref.Names())); n != want {
+						t.Errorf("%d tensors synthesized, the zoo model's first layer and the rest have %d", n, want)
+					}
+				} else {
+					checkQuantized(t, ck)
+				}
+				ids := m.Tokenizer.Encode("The history of the", true)
+				cache, _ := m.NewCache(len(ids))
+				logits := make([]float32, len(ids)*c.Vocab)
+				if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: logits}}); err != nil {
+					t.Fatalf("%d bits: %v", bits, err)
+				}
+				for _, v := range logits {
+					if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+						t.Fatalf("%d bits: non-finite logit", bits)
+					}
+				}
+			}
+		})
+	}
+}
+
+// shrink is a preset with the shapes of a zoo model of its family.
+func shrink(p evals.Preset, c *checkpoint.Config) *evals.Preset {
+	p.Hidden, p.Intermediate, p.Layers, p.Heads, p.KVHeads, p.HeadDim = c.Hidden, c.Intermediate, c.Layers, c.Heads, c.KVHeads, c.HeadDim
+	p.Vocab, p.Tied = c.Vocab, c.TieEmbeddings
+	if c.MoE != nil {
+		p.Experts, p.TopK = c.MoE.Experts, c.MoE.TopK
+		if p.MoEIntermediate > 0 {
+			p.MoEIntermediate = c.MoE.Intermediate
+		}
+	}
+	return &p
+}
+
+// layerZero keeps the names outside the decoder layers and those of layer 0.
+func layerZero(names []string) []string {
+	return slices.DeleteFunc(slices.Clone(names), func(n string) bool {
+		return strings.HasPrefix(n, "model.layers.") && !strings.HasPrefix(n, "model.layers.0.")
+	})
+}
+
+// checkQuantized checks that a synthesized checkpoint stores every decoder
+// linear layer packed and its norms and routers as plain weights, and that
+// modules_in_block_to_quantize names the packed layers and no router.
+func checkQuantized(t *testing.T, ck *checkpoint.Checkpoint) {
+	t.Helper()
+	c := ck.Config
+	q, err := pack.ParseQuantConfig(c.Quantization)
+	if err != nil || q == nil {
+		t.Fatalf("quantization_config: %+v, %v", q, err)
+	}
+	listed := map[string]bool{}
+	for _, g := range q.ModulesInBlockToQuantize {
+		for _, n := range g {
+			listed[n] = true
+		}
+	}
+	if (c.MoE != nil) != (len(listed) > 0) {
+		t.Errorf("modules_in_block_to_quantize %v for a model with mixture %+v", q.ModulesInBlockToQuantize, c.MoE)
+	}
+	for l := 0; l < c.Layers; l++ {
+		pre := fmt.Sprintf("model.layers.%d.", l)
+		for _, s := range llm.BlockLinears(c, l) {
+			if !ck.Has(s.Name+".qweight") || ck.Has(s.Name+".weight") || c.MoE != nil && !listed[strings.TrimPrefix(s.Name, pre)] {
+				t.Errorf("%s is not packed, or not listed in modules_in_block_to_quantize", s.Name)
+			}
+		}
+		for _, n := range new(llm.Block).Norms(c) {
+			if !ck.Has(pre + n.Name) {
+				t.Errorf("%s%s is not a plain weight", pre, n.Name)
+			}
+		}
+		if c.Sparse(l) {
+			r := llm.RouterName(c, l)
+			if !ck.Has(r+".weight") || ck.Has(r+".qweight") || listed[strings.TrimPrefix(r, pre)] {
+				t.Errorf("the router %s is packed or listed for quantization", r)
 			}
 		}
 	}

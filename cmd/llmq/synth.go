@@ -22,10 +22,13 @@ func newSynth() *cobra.Command {
 random weights, in the layout real checkpoints use: bf16 (--bits 16), or
 GPTQ with fp16 scales at 3, 4 or 8 bits (--bits 3, 4, 8). Its perplexity
 means nothing; its load time, memory and speed are those of the real model.
+Quantized, a mixture of experts has every expert packed and its routers in
+bf16, as quantize leaves them.
 Presets: ` + strings.Join(evals.PresetNames(), ", "),
 		Example: `  llmq synth --preset llama3-8b --bits 4 --group 128 -o /tmp/llama3-8b-w4
   llmq synth --preset llama3-8b --bits 16 -o /tmp/llama3-8b-bf16
-  llmq synth --preset llama3-70b --bits 3 --layers 2 -o /tmp/llama3-70b-w3-2layers`,
+  llmq synth --preset llama3-70b --bits 3 --layers 2 -o /tmp/llama3-70b-w3-2layers
+  llmq synth --preset qwen3-30b-a3b --bits 8 --layers 4 -o /tmp/qwen3-30b-a3b-w8-4layers`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if opt.Out == "" {
