@@ -12,7 +12,11 @@
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
 #   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
 #                                     # memcheck with leak checking over kernels and model
-#   bash cuda/device-model.sh gemm    # llmq bench gemm (gemm-h200.json)
+#   bash cuda/device-model.sh gemm    # llmq bench gemm, 4-bit with the tinygemm peer and 8-bit
+#   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
+#   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M), 4- and 8-bit
+#   bash cuda/device-model.sh profile # ncu sections of the small-M kernel (PROFILE_M, PROFILE_SHAPE)
+#   bash cuda/device-model.sh tune    # the small-M kernel at forced K splits (TUNE_SPLITS)
 #   bash cuda/device-model.sh quant   # GPTQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -34,7 +38,8 @@ L=build/device/llmq
 [ -n "${SKIP_BUILD:-}" ] || nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 if [ -z "${SKIP_BUILD:-}" ]; then
   t0=$(date +%s)
-  make cuda > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  make cuda NVCC_FLAGS="-O3 -std=c++17 -Xptxas -v" > "$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20; tail -20 "$OUT/build.log"; exit 1; }
+  grep -A3 "Compiling entry function '_ZN.*wna16_small.*sm_90a" "$OUT/build.log" | grep -E "registers|spill" | head -12
   cp build/libllmqcuda.so build/device/
   echo "build $(( $(date +%s) - t0 ))s"
 fi
@@ -50,9 +55,10 @@ case "$1" in
     for m in "${modes[@]}"; do
       [ -n "$m" ] || continue
       echo "===== $m"; SKIP_BUILD=1 bash "$0" "$m" "${@:2}" || rc=1
+      # The device tool returns only a few files: pack them into one, after
+      # each mode, so a call cut short still returns what finished.
+      (cd "$OUT" && f=$(ls | grep -vE '^(build.log|results.tar)$'); [ -z "$f" ] || tar -rf results.tar --remove-files $f)
     done
-    # The device tool returns only a few files: pack them into one.
-    (cd "$OUT" && tar -cf results.tar --exclude results.tar --remove-files $(ls | grep -v '^build.log$'))
     exit $rc
     ;;
 esac
@@ -66,7 +72,39 @@ case "$1" in
     echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"
     ;;
   gemm)
-    $L bench gemm --json "$OUT/gemm-h200.json" 2>&1 | tail -60
+    python3 evals/torchref/tinygemm.py --json "$OUT/tinygemm-h200.json" > "$OUT/tinygemm.log" 2>&1 || tail -5 "$OUT/tinygemm.log"
+    $L bench gemm --peer "$OUT/tinygemm-h200.json" --json "$OUT/gemm-h200.json" 2>&1 | tail -60
+    $L bench gemm --bits 8 --json "$OUT/gemm-w8-h200.json" 2>&1 | tail -60
+    ;;
+  kernel)
+    build/device/cuda.test -test.v -test.run 'TestW4A16|TestDequant|TestSmallKernel|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
+    echo "kernel tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|panic|error" "$OUT/cuda-kernel-tests.log" | head -30
+    if [ -d "$LLMQ_SHARED/models/llama-tiny" ]; then  # the kernels inside the model
+      build/device/cuda.test -test.v -test.run 'TestModelLogits|TestGreedy|TestWindowNLL|TestBatchedSteps' > "$OUT/cuda-model-tests.log" 2>&1
+      echo "model tests rc=$?"; grep -E "^(--- |ok|FAIL)|Δlogit|window" "$OUT/cuda-model-tests.log" | head -12
+    fi
+    grep -E "rel err" "$OUT/cuda-kernel-tests.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
+    for tool in memcheck racecheck; do
+      timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-$tool.log" 2>&1
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/cuda-$tool.log" | tail -1)"
+    done
+    ;;
+  quick)
+    $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
+    $L bench gemm --bits 8 --m 1,16 --iters 60 2>&1 | tail -10 | cut -c1-150
+    ;;
+  profile)
+    # ncu on the small-M kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).
+    timeout 300 ncu --clock-control none -k regex:wna16_small -c 1 --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+      $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 > "$OUT/ncu.txt" 2>&1
+    grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible" | head -50
+    ;;
+  tune)
+    # The small-M kernel's K splits forced, M = 1, 16, 32 (TUNE_SPLITS).
+    for sp in ${TUNE_SPLITS:-1 2 4 8}; do
+      echo "splits $sp"; LLMQ_W4_SPLITS=$sp $L bench gemm --m 1,16,32 --iters 60 2>&1 | tail -15 | cut -c1-70
+    done
     ;;
   tiny|small)
     M=llama-$1

@@ -68,13 +68,16 @@ int ctx_create(int device, llmq_ctx** out) {
   *out = nullptr;
   llmq_ctx* c = new llmq_ctx();
   c->device = device;
-  if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);  // tuning override
+  // Tuning overrides for benchmarks.
+  if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);
+  if (const char* e = getenv("LLMQ_W4_SPLITS")) c->w4_splits = atoi(e);
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);
     return 1;
   };
-  if (cudaSetDevice(device) != cudaSuccess || cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+  if (cudaSetDevice(device) != cudaSuccess || cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&c->cc_major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
     set_error(c, "cudaSetDevice(%d): %s", device, cudaGetErrorString(cudaGetLastError()));
     return fail();
   }
@@ -257,6 +260,7 @@ const llmq_api kAPI = {
     event_elapsed,
     w4a16_workspace_bytes,
     w4a16_gemm,
+    w4a16_plan,
     w4a16_set_path,
     w4_dequant,
     gemm_f16,

@@ -32,12 +32,18 @@ type GemmResult struct {
 	M           int     `json:"m"`
 	K           int     `json:"k"`
 	N           int     `json:"n"`
+	Bits        int     `json:"bits"`
+	Variant     string  `json:"variant"` // the kernel that ran (cuda.Context.Plan)
 	W4Micros    float64 `json:"w4a16_us"`
 	CuBLASMicro float64 `json:"cublas_fp16_us"`
 	Speedup     float64 `json:"speedup"`
-	TFLOPS      float64 `json:"w4a16_tflops"`
-	Bytes       int64   `json:"bytes_moved"`
-	BWFraction  float64 `json:"fraction_of_read_bw"`
+	// The peer, PyTorch's int4 kernel (tinygemm), timed in the same device
+	// call by evals/torchref/tinygemm.py; 0 where not measured.
+	PeerMicros float64 `json:"tinygemm_us,omitempty"`
+	VsPeer     float64 `json:"speedup_vs_tinygemm,omitempty"`
+	TFLOPS     float64 `json:"w4a16_tflops"`
+	Bytes      int64   `json:"bytes_moved"`
+	BWFraction float64 `json:"fraction_of_read_bw"`
 }
 
 // GemmBench times the W4A16 kernel against cuBLAS fp16 with CUDA events:
@@ -118,31 +124,33 @@ func (b *GemmBench) median(fn func(i int) error, iters int) (float64, error) {
 	return Median(times), nil
 }
 
-// randomGPUWeights makes a random 4-bit layer in the kernel layout (values
-// uniform over the grid, realistic scales; act-order off).
-func randomGPUWeights(r *rand.Rand, K, N int) (*pack.GPUWeights, error) {
+// randomGPUWeights makes a random layer of 4- or 8-bit codes, groups of
+// 128, in the kernel layout (values uniform over the grid, realistic
+// scales; act-order off).
+func randomGPUWeights(r *rand.Rand, K, N, bits int) (*pack.GPUWeights, error) {
 	G := K / 128
-	l := &pack.Linear{In: K, Out: N, Grid: pack.Grid{Bits: 4, GroupSize: 128}, Q: make([]uint8, N*K),
+	l := &pack.Linear{In: K, Out: N, Grid: pack.Grid{Bits: bits, GroupSize: 128}, Q: make([]uint8, N*K),
 		Scale: make([]float32, G*N), Zero: make([]uint8, G*N), GIdx: pack.SequentialGIdx(K, 128)}
+	maxq := uint32(1)<<bits - 1
 	for i := range l.Q {
-		l.Q[i] = uint8(r.Uint32() & 15)
+		l.Q[i] = uint8(r.Uint32() & maxq)
 	}
 	for i := range l.Scale {
 		l.Scale[i] = pack.RoundF16(0.001 + 0.01*r.Float32())
-		l.Zero[i] = uint8(r.IntN(16))
+		l.Zero[i] = uint8(r.Uint32() & maxq)
 	}
 	return l.GPULayout()
 }
 
-// Run measures one shape at each M.
-func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
+// Run measures one shape at each M with codes of the given width (4 or 8).
+func (b *GemmBench) Run(s GemmShape, Ms []int, bits int) ([]GemmResult, error) {
 	l := b.GPU
 	r := rand.New(rand.NewPCG(uint64(s.K), uint64(s.N)))
-	g, err := randomGPUWeights(r, s.K, s.N)
+	g, err := randomGPUWeights(r, s.K, s.N, bits)
 	if err != nil {
 		return nil, err
 	}
-	w4Bytes := len(g.B)*4 + len(g.Scales)*2 + len(g.Zeros)*4
+	w4Bytes := len(g.B)*4 + len(g.Scales)*4 + len(g.Zeros)
 	f16Bytes := s.K * s.N * 2
 	copies := func(bytes int) int { return max(1, min(16, (256<<20)/bytes+1)) }
 	var ws4 []*cuda.W4
@@ -195,6 +203,10 @@ func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 
 	var out []GemmResult
 	for _, M := range Ms {
+		variant, err := l.Plan(ws4[0], M)
+		if err != nil {
+			return nil, fmt.Errorf("%s M=%d: %w", s.Name, M, err)
+		}
 		t4, err := b.median(func(i int) error {
 			return l.GemmW4(A, C, ws4[i%len(ws4)], M, ws, scratch, cuda.Buf{})
 		}, b.Iters)
@@ -208,7 +220,7 @@ func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 			return nil, fmt.Errorf("%s M=%d cuBLAS: %w", s.Name, M, err)
 		}
 		bytes := int64(w4Bytes) + int64(M*s.K*2) + int64(M*s.N*2)
-		res := GemmResult{Shape: s.Name, M: M, K: s.K, N: s.N, W4Micros: t4 * 1e3, CuBLASMicro: t16 * 1e3,
+		res := GemmResult{Shape: s.Name, M: M, K: s.K, N: s.N, Bits: bits, Variant: variant, W4Micros: t4 * 1e3, CuBLASMicro: t16 * 1e3,
 			Speedup: t16 / t4, TFLOPS: 2 * float64(M) * float64(s.K) * float64(s.N) / (t4 / 1e3) / 1e12, Bytes: bytes}
 		if b.ReadBW > 0 {
 			res.BWFraction = float64(bytes) / (t4 / 1e3) / b.ReadBW
@@ -216,4 +228,26 @@ func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 		out = append(out, res)
 	}
 	return out, nil
+}
+
+// PeerRun is the JSON evals/torchref/tinygemm.py writes.
+type PeerRun struct {
+	Torch   string `json:"torch"`
+	Results []struct {
+		Shape  string  `json:"shape"`
+		M      int     `json:"m"`
+		Micros float64 `json:"tinygemm_us"`
+	} `json:"results"`
+}
+
+// AddPeer fills the peer's time and the ratio to it into results of the
+// same shape and M.
+func AddPeer(res []GemmResult, p *PeerRun) {
+	for i := range res {
+		for _, q := range p.Results {
+			if q.Shape == res[i].Shape && q.M == res[i].M && q.Micros > 0 {
+				res[i].PeerMicros, res[i].VsPeer = q.Micros, q.Micros/res[i].W4Micros
+			}
+		}
+	}
 }
