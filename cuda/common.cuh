@@ -13,7 +13,6 @@
 struct llmq_ctx {
   int device = 0;
   int sms = 0;
-  int cc_major = 0;  // compute capability (9: Hopper, thread block clusters)
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_ws = nullptr;
@@ -27,9 +26,8 @@ struct llmq_ctx {
   // CTAs per SM (queried on first use), the attention kernel's raised
   // dynamic shared memory limit.
   int w4_path = 0;
-  int fused_max_m = 32;
-  int w4_splits = 0;  // forced K splits of the small-M kernel (0 automatic)
-  int resident[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int fused_max_m = 64;
+  int resident[4] = {0, 0, 0, 0};
   size_t attn_smem = 48 << 10;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).
@@ -71,11 +69,10 @@ namespace llmq {
 // w4a16.cu
 size_t w4a16_workspace_bytes(int M, int N);
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group, int bits);
-int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n);
+               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group);
 int w4a16_set_path(llmq_ctx* c, int path);
-int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group,
-               int bits);
+int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
+int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H);

@@ -12,9 +12,10 @@
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
 #   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
 #                                     # memcheck with leak checking over kernels and model
-#   bash cuda/device-model.sh gemm    # llmq bench gemm, 4-bit with the tinygemm peer and 8-bit
+#   bash cuda/device-model.sh gemm    # llmq bench gemm with the tinygemm peer (gemm-h200.json)
 #   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
-#   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M), 4- and 8-bit
+#   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
+#   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
 #   bash cuda/device-model.sh profile # ncu sections of the small-M kernel (PROFILE_M, PROFILE_SHAPE)
 #   bash cuda/device-model.sh tune    # the small-M kernel at forced K splits (TUNE_SPLITS)
 #   bash cuda/device-model.sh quant   # GPTQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
@@ -74,7 +75,6 @@ case "$1" in
   gemm)
     python3 evals/torchref/tinygemm.py --json "$OUT/tinygemm-h200.json" > "$OUT/tinygemm.log" 2>&1 || tail -5 "$OUT/tinygemm.log"
     $L bench gemm --peer "$OUT/tinygemm-h200.json" --json "$OUT/gemm-h200.json" 2>&1 | tail -60
-    $L bench gemm --bits 8 --json "$OUT/gemm-w8-h200.json" 2>&1 | tail -60
     ;;
   kernel)
     build/device/cuda.test -test.v -test.run 'TestW4A16|TestDequant|TestSmallKernel|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
@@ -89,9 +89,17 @@ case "$1" in
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/cuda-$tool.log" | tail -1)"
     done
     ;;
+  lowbit)
+    # 2- and 3-bit checkpoints run in the 4-bit layout: RTN of llama-tiny
+    # (deterministic, so the CPU machine's checkpoint is the same), ppl on the GPU.
+    D=$LLMQ_SHARED/models/llama-tiny
+    for b in ${LOWBIT_BITS:-3 2}; do
+      $L quantize "$D" --method rtn --bits $b --group 128 -o build/q/llama-tiny-rtn-w$b --force > /dev/null 2>&1 || echo "rtn w$b quantize failed"
+      echo "== llama-tiny rtn-w$b"; ppl llama-tiny-rtn-w$b build/q/llama-tiny-rtn-w$b
+    done
+    ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
-    $L bench gemm --bits 8 --m 1,16 --iters 60 2>&1 | tail -10 | cut -c1-150
     ;;
   profile)
     # ncu on the small-M kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).

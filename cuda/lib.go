@@ -82,16 +82,14 @@ static int c_event_record(A a, llmq_ctx* c, P e) { return a->event_record(c, (vo
 static int c_event_elapsed(A a, llmq_ctx* c, P s, P e, float* ms) { return a->event_elapsed(c, (void*)s, (void*)e, ms); }
 
 static size_t c_ws(A a, int m, int n) { return a->w4a16_workspace_bytes(m, n); }
-static int c_gemm_w4(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P C, P ws, P scratch, int M, int N, int K, int g, int bits) {
+static int c_gemm_w4(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P C, P ws, P scratch, int M, int N, int K, int g) {
 	return a->w4a16_gemm(c, (const void*)A_, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm, (void*)aperm,
-		(void*)C, (void*)ws, (void*)scratch, M, N, K, g, bits);
-}
-static int c_plan(A a, llmq_ctx* c, int M, int N, int K, int g, int bits, char* out, int n) {
-	return a->w4a16_plan(c, M, N, K, g, bits, out, n);
+		(void*)C, (void*)ws, (void*)scratch, M, N, K, g);
 }
 static int c_set_path(A a, llmq_ctx* c, int p) { return a->w4a16_set_path(c, p); }
-static int c_dequant(A a, llmq_ctx* c, P B, P S, P Z, P W, int N, int K, int g, int bits) {
-	return a->w4_dequant(c, (const void*)B, (const void*)S, (const void*)Z, (void*)W, N, K, g, bits);
+static int c_plan(A a, llmq_ctx* c, int M, int N, int K, int g, char* out, int n) { return a->w4a16_plan(c, M, N, K, g, out, n); }
+static int c_dequant(A a, llmq_ctx* c, P B, P S, P Z, P W, int N, int K, int g) {
+	return a->w4_dequant(c, (const void*)B, (const void*)S, (const void*)Z, (void*)W, N, K, g);
 }
 static int c_gemm_f16(A a, llmq_ctx* c, P A_, P W, P C, int M, int N, int K) {
 	return a->gemm_f16(c, (const void*)A_, (const void*)W, (void*)C, M, N, K);
@@ -463,13 +461,13 @@ func (x *Context) SetPath(p int) error {
 	return x.do("w4a16_set_path", func() C.int { return C.c_set_path(x.lib.api, x.c, C.int(p)) })
 }
 
-// GemmW4 computes C[M,N] = A[M,K]·dequant(w) in fp16 (4- or 8-bit w). ws must hold
+// GemmW4 computes C[M,N] = A[M,K]·dequant(w) in fp16. ws must hold
 // WorkspaceBytes(M, N) zeroed bytes; scratch (K·N fp16) enables the
 // cuBLAS path for large M; aperm (M·K fp16) is needed for act-order.
 func (x *Context) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error {
 	return x.do("w4a16_gemm", func() C.int {
 		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, C_.p, ws.p, scratch.p,
-			C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.Bits))
+			C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group))
 	})
 }
 
@@ -478,7 +476,7 @@ func (x *Context) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error 
 func (x *Context) Plan(w *W4, M int) (string, error) {
 	var buf [128]C.char
 	err := x.do("w4a16_plan", func() C.int {
-		return C.c_plan(x.lib.api, x.c, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.Bits), &buf[0], C.int(len(buf)))
+		return C.c_plan(x.lib.api, x.c, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), &buf[0], C.int(len(buf)))
 	})
 	return C.GoString(&buf[0]), err
 }
@@ -486,7 +484,7 @@ func (x *Context) Plan(w *W4, M int) (string, error) {
 // Dequant writes W[K,N] fp16 = dequant(w).
 func (x *Context) Dequant(w *W4, W Buf) error {
 	return x.do("w4_dequant", func() C.int {
-		return C.c_dequant(x.lib.api, x.c, w.B.p, w.S.p, w.Z.p, W.p, C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.Bits))
+		return C.c_dequant(x.lib.api, x.c, w.B.p, w.S.p, w.Z.p, W.p, C.int(w.N), C.int(w.K), C.int(w.Group))
 	})
 }
 

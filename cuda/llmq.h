@@ -21,21 +21,15 @@
  * on a context, llmq_last_error() (thread-local) for the calls without one
  * (ctx_create, device_info).
  *
- * WNA16 GEMM: C[M,N] = A[M,K] · dequant(B)[K,N], A and C fp16 row-major,
- * B 4-bit (2-, 3-, 4-bit grids) or 8-bit codes in the layout
- * pack.GPULayout writes (its doc comment is the reference):
- *   B      per 16-column tile ct and 64-row chunk c, 32 lanes × bits/4
- *          16-byte words at (T·bits/4 + i)·32 + lane (uint4 units), T =
- *          pack.GPUTileChunk(ct, c): tiles in groups of 8, each group
- *          chunk by chunk (KC = ceil(K/64) chunks); the words are the
- *          lane's mma.m16n8k16 A fragments of the tile for the chunk's
- *          four k16 steps (rows permuted within the chunk by pack.GPURow)
- *   scales u32 [G][N/16][8]: fp16 scales of columns 16·ct + g (low half)
- *          and 16·ct + g + 8
- *   zeros  [G][N/16][8] one byte (4-bit: two nibbles) or two bytes
- *          (8-bit) holding the same two columns' zero points
- * with G = ceil(64·KC/group) groups of `group` consecutive rows of K
- * (one when group = K).
+ * W4A16 GEMM: C[M,N] = A[M,K] · dequant(B)[K,N], A and C fp16 row-major,
+ * B 4-bit in the tile-interleaved layout pack.GPULayout writes:
+ *   B      uint4 chunks (2-, 3- and 4-bit codes, one per nibble), chunk
+ *          (nt, kt) for the 64 columns nt·64… and the
+ *          16 rows kt·16…, at index nt·(K/16) + kt; lane l of a warp owns
+ *          16 bytes of the chunk = its mma.m16n8k16 B fragments for 8 n8 tiles
+ *   scales fp16 [G][N/64][8][8]: scales[g][nt][gid][j] = s[g][nt·64 + j·8 + gid]
+ *   zeros  u32  [G][N/64][8]:    nibble j = z[g][nt·64 + j·8 + gid]
+ * with G = K/group groups of `group` consecutive rows of K.
  *
  * Model kernels (model.cu): residual stream x fp32, activations fp16.
  * Row t of a forward pass belongs to sequence row_seq[t] at position
@@ -109,16 +103,16 @@ typedef struct {
    * first. scratch (may be NULL): K·N fp16, used for large M, where B is
    * dequantized once and multiplied by cuBLAS. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-                    void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group, int bits);
-  /* The kernel variant w4a16_gemm runs for this shape on c (path, tiles,
-   * K splits), written to out (n bytes): for benchmark tables. */
-  int (*w4a16_plan)(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n);
+                    void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group);
+  /* The kernel variant w4a16_gemm runs for this shape on c (path,
+   * instantiation, K splits), written to out (n bytes): for benchmark
+   * tables. */
+  int (*w4a16_plan)(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
   /* Force a path on c, for tests and benchmarks: 0 automatic, 1 fused
    * kernel, 2 dequantize + cuBLAS. */
   int (*w4a16_set_path)(llmq_ctx* c, int path);
   /* W[K,N] fp16 = dequant(B). */
-  int (*w4_dequant)(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group,
-                    int bits);
+  int (*w4_dequant)(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
   /* cuBLAS fp16 baseline: C[M,N] = A[M,K] · W[K,N], fp32 accumulation. */
   int (*gemm_f16)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
   /* Reads bytes of p once (bandwidth probe); out is a 4-byte scratch. */

@@ -249,10 +249,10 @@ func (m *Model) upload16(v []float32) (Buf, error) {
 	return b, err
 }
 
-// loadLinear uploads the layer s names: packed for the WNA16 kernel when
-// the checkpoint stores it quantized with 2-, 3-, 4- or 8-bit integers
-// (2- and 3-bit codes run in the 4-bit layout), other stored
-// quantizations (FP8) dequantized to fp16, else its fp16 weight matrix.
+// loadLinear uploads the layer s names: packed for the W4A16 kernel when
+// the checkpoint stores it quantized with 2-, 3- or 4-bit integers (codes
+// of 2 and 3 bits run in the 4-bit layout), other stored quantizations
+// (8-bit, FP8) dequantized to fp16, else its fp16 weight matrix.
 func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm.LinearSpec) (*gpuLinear, error) {
 	l := &gpuLinear{in: s.In, out: s.Out}
 	if q != nil && q.Stored(ck, s.Name) {
@@ -260,7 +260,7 @@ func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm
 		if err != nil {
 			return nil, err
 		}
-		if pl.Grid.FP8 || pl.Grid.PerTensor {
+		if pl.Grid.Bits > 4 || pl.Grid.FP8 || pl.Grid.PerTensor {
 			if l.w, err = m.upload16(pl.Dequantize()); err != nil {
 				return nil, fmt.Errorf("%s: %w", s.Name, err)
 			}

@@ -68,16 +68,13 @@ int ctx_create(int device, llmq_ctx** out) {
   *out = nullptr;
   llmq_ctx* c = new llmq_ctx();
   c->device = device;
-  // Tuning overrides for benchmarks.
-  if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);
-  if (const char* e = getenv("LLMQ_W4_SPLITS")) c->w4_splits = atoi(e);
+  if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);  // tuning override
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);
     return 1;
   };
-  if (cudaSetDevice(device) != cudaSuccess || cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&c->cc_major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+  if (cudaSetDevice(device) != cudaSuccess || cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     set_error(c, "cudaSetDevice(%d): %s", device, cudaGetErrorString(cudaGetLastError()));
     return fail();
   }

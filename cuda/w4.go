@@ -4,18 +4,16 @@ package cuda
 
 import "github.com/llmq/llmq/pack"
 
-// W4 is an integer-quantized layer resident on the GPU in the WNA16
-// kernel's layout: Bits is the layout's code width, 4 (2-, 3- and 4-bit
-// grids) or 8.
+// W4 is a 4-bit layer resident on the GPU in the kernel's layout.
 type W4 struct {
-	K, N, Group, Bits int
-	B, S, Z           Buf
-	Perm              Buf // zero when the layer has no act-order permutation
+	K, N, Group int
+	B, S, Z     Buf
+	Perm        Buf // zero when the layer has no act-order permutation
 }
 
 // UploadW4 copies a repacked layer to the GPU.
 func (x *Context) UploadW4(g *pack.GPUWeights) (*W4, error) {
-	w := &W4{K: g.K, N: g.N, Group: g.Group, Bits: g.Bits}
+	w := &W4{K: g.K, N: g.N, Group: g.Group}
 	var err error
 	if w.B, err = AllocFrom(x, g.B); err == nil {
 		if w.S, err = AllocFrom(x, g.Scales); err == nil {

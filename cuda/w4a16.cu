@@ -1,58 +1,83 @@
-// WNA16 GEMM on Tensor Cores: C[M,N] = A[M,K] · dequant(B)[K,N], with B in
-// 4-bit (2-, 3- and 4-bit checkpoints) or 8-bit codes, A and C fp16.
+// W4A16 GEMM on Tensor Cores: C[M,N] = A[M,K] · dequant(B)[K,N].
 //
-// Small M (decoding: M ≤ 32), the "swapped" kernel. The weights are the
-// bytes that matter, so the kernel is built to stream them at the memory's
-// rate with as few instructions per byte as possible:
-//  - Operand swap: a 16-column tile of the weights is the 16×16 A operand
-//    of mma.m16n8k16 and up to 8 tokens are its n = 8 operand, so the
-//    Tensor Core's 16 rows are weights, not padding (the first kernel put
-//    the tokens on the 16-row side: at M = 1, 15 of 16 rows were empty and
-//    the mma count per byte of B was twice this one's).
-//  - A CTA of 8 warps owns 8 column tiles (128 columns) and walks a range
-//    of K in 64-row chunks, all warps on the same chunk: each chunk's
-//    activations are copied once for the CTA (at M = 16 a warp of its own
-//    would read twice as many bytes of A as of weights). Codes, scales,
-//    zeros and activations stream with cp.async through a ring of DEPTH
-//    chunks in shared memory, so the bytes in flight cost no registers.
-//  - The rows of a chunk are permuted (pack.GPURow) so that a lane's
-//    activations for the chunk are two contiguous 16-byte runs of A's row.
-//  - Dequantization by the magic-number trick: a nibble OR-ed into the
-//    mantissa of 1024.0 (0x6400) is the fp16 value 1024 + q, an odd nibble
-//    OR-ed into 64.0 (0x5400, ulp 1/16) is 64 + q, a byte into 1024.0 is
-//    1024 + q; one subtraction of (base + zero) gives q − z exactly.
-//  - Scales are applied once per group, after the mma: the Tensor Core
-//    accumulates Σ (q − z)·x of a group in fp32 (exact products), and each
-//    lane multiplies its partial sums by its two columns' scales at the
-//    group's end. Per 8 codes a lane spends 2 shifts/masks and 2 fp16
-//    subtractions, nothing else.
-// When the column tiles alone cannot fill the GPU, K is also split across
-// CTAs (gridDim.y); the CTAs of one column range form a thread block
-// cluster and add their sums through distributed shared memory, so C is
-// written once, with no workspace and no atomics (Hopper; elsewhere K is
-// not split).
+// Fused path (small and medium M, where the weights dominate the bytes):
+// a CTA of 4 warps owns 64 output columns (one "n-tile") and a slice of K;
+// its warps split the slice further, each streaming its share through its
+// own 4-stage cp.async ring in shared memory. For each 16-row step of K a
+// lane copies one 16-byte chunk of B — exactly its mma.m16n8k16 B fragments for
+// the tile's eight n8 sub-tiles, 32 int4 values — and dequantizes them in
+// registers with the fp16 magic-number trick: OR-ing a nibble into the
+// mantissa of 1024.0 (0x6400) gives the fp16 value 1024 + q, so
+// (1024 + q) − (1024 + z) = q − z exactly, then × scale. A fragments come
+// straight from global memory (they are small and L1/L2-resident). Partial
+// sums are reduced across warps in shared memory and across the K slices
+// with fp32 atomics into a workspace; the last CTA to finish a tile
+// (a per-tile counter) converts it to fp16 and re-zeroes the workspace and
+// counter, so one launch does the whole product.
 //
-// Large M (compute-bound), groups of 16, or other group sizes: B is
-// dequantized once to fp16 and multiplied by cuBLAS.
-#include <cooperative_groups.h>
+// Large M (compute-bound): B is dequantized once to fp16 and multiplied by
+// cuBLAS; the extra K·N·2 bytes are small next to the arithmetic there.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <stdio.h>
 #include "common.cuh"
 
-namespace cg = cooperative_groups;
-
 namespace {
 
-// Warps per CTA, one 16-column tile each; equal to pack.GPUTileGroup, the
-// tiles the layout interleaves chunk by chunk.
-constexpr int kWarps = 8;
-constexpr int kMaxSmallM = 32;
-
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// deq turns two (1024+q) fp16 values into (q − z)·s, with zz = (1024+z)×2
+// and ss = s×2 as half2 bit patterns.
+__device__ __forceinline__ uint32_t deq(uint32_t q, uint32_t zz, uint32_t ss) {
+  half2 v = __hsub2(*reinterpret_cast<half2*>(&q), *reinterpret_cast<half2*>(&zz));
+  v = __hmul2(v, *reinterpret_cast<half2*>(&ss));
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+
+
+// load_group fills the per-lane half2 scales and (1024+zero) values of the
+// eight n8 sub-tiles for group g.
+__device__ __forceinline__ void load_group(const uint4* __restrict__ S, const uint32_t* __restrict__ Z, int g, int NT,
+                                           int nt, int gid, uint32_t (&ss)[8], uint32_t (&zz)[8]) {
+  const uint4 sv = __ldg(S + ((size_t)g * NT + nt) * 8 + gid);
+  const uint32_t zv = __ldg(Z + ((size_t)g * NT + nt) * 8 + gid);
+  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
+    ss[j] = h | (h << 16);
+    const uint32_t zn = 0x6400u | ((zv >> (4 * j)) & 0xfu);
+    zz[j] = zn | (zn << 16);
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
 }
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t magic) {
@@ -61,319 +86,256 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint3
   return d;
 }
 
-__device__ __forceinline__ uint32_t hsub2u(uint32_t a, uint32_t b) {
-  half2 r = __hsub2(*reinterpret_cast<half2*>(&a), *reinterpret_cast<half2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
+constexpr int kWarps = 4;  // warps per CTA, splitting the CTA's K slice
 
-__device__ __forceinline__ uint32_t hmul2u(uint32_t a, uint32_t b) {
-  half2 r = __hmul2(*reinterpret_cast<half2*>(&a), *reinterpret_cast<half2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// tile_chunk is pack.GPUTileChunk: chunk c of column tile ct sits at this
-// index (in units of one tile's chunk) — tiles in groups of kWarps (a
-// CTA's columns), each group chunk by chunk, so a CTA's chunk is one
-// contiguous block.
-__device__ __forceinline__ size_t tile_chunk(int ct, int c, int CT, int KC) {
-  const int grp = ct / kWarps, i = ct % kWarps, width = min(kWarps, CT - grp * kWarps);
-  return (size_t)grp * kWarps * KC + (size_t)c * width + i;
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// Zero points of a lane's two columns c and c+8 as the half2 values
-// subtracted from the magic-number codes: 4-bit, lo = 1024 + z_c (even
-// nibbles, registers a0/a2) and hi = 64 + z_{c+8} (odd nibbles, a1/a3);
-// 8-bit, 1024 + z for both.
-struct Zeros {
-  uint32_t lo, hi;
+// Per-warp ring, U 16-row steps a stage: each lane's 16-byte B chunk, and
+// the step's A tile (16·MB rows × 16 columns; lane l copies row l/2,
+// columns (l%2)·8 …, zero-filled past M).
+template <int MB, int U, int STAGES>
+struct Ring {
+  uint4 b[STAGES][U][32];
+  uint4 a[STAGES][U][MB][32];
 };
 
-template <int BITS>
-__device__ __forceinline__ Zeros zeros_of(uint32_t z) {
-  uint32_t lo, hi;
-  if constexpr (BITS == 4) {
-    lo = 0x6400u | (z & 0xfu);
-    hi = 0x5400u | (z & 0xf0u);
-  } else {
-    lo = 0x6400u | (z & 0xffu);
-    hi = 0x6400u | ((z >> 8) & 0xffu);
-  }
-  return {lo | (lo << 16), hi | (hi << 16)};
+template <int MB, int U, int STAGES>
+constexpr size_t fused_smem_bytes() {
+  return kWarps * sizeof(Ring<MB, U, STAGES>) > kWarps * 16 * 64 * sizeof(float) ? kWarps * sizeof(Ring<MB, U, STAGES>)
+                                                                                  : kWarps * 16 * 64 * sizeof(float);
 }
 
-// fragment: the mma A registers (q − z, fp16) of step s of a lane's chunk.
-template <int BITS>
-__device__ __forceinline__ void fragment(uint32_t (&a)[4], const uint4 (&w)[BITS / 4], int s, Zeros z) {
-  if constexpr (BITS == 4) {
-    const uint32_t q = word_of(w[0], s), q8 = q >> 8;
-    a[0] = hsub2u(lop3_and_or(q, 0x000f000fu, 0x64006400u), z.lo);
-    a[1] = hsub2u(lop3_and_or(q, 0x00f000f0u, 0x54005400u), z.hi);
-    a[2] = hsub2u(lop3_and_or(q8, 0x000f000fu, 0x64006400u), z.lo);
-    a[3] = hsub2u(lop3_and_or(q8, 0x00f000f0u, 0x54005400u), z.hi);
-  } else {
-    const uint32_t w0 = word_of(w[(2 * s) >> 2], (2 * s) & 3), w1 = word_of(w[(2 * s + 1) >> 2], (2 * s + 1) & 3);
-    a[0] = hsub2u(lop3_and_or(w0, 0x00ff00ffu, 0x64006400u), z.lo);
-    a[1] = hsub2u(lop3_and_or(w0 >> 8, 0x00ff00ffu, 0x64006400u), z.hi);
-    a[2] = hsub2u(lop3_and_or(w1, 0x00ff00ffu, 0x64006400u), z.lo);
-    a[3] = hsub2u(lop3_and_or(w1 >> 8, 0x00ff00ffu, 0x64006400u), z.hi);
-  }
-}
-
-// Stage is one 64-row chunk in the CTA's shared-memory ring: each warp's
-// codes for its column tile (lane-contiguous 16-byte words), each warp's
-// scale and zero words for the chunk's two halves (copied by the lanes
-// with t = 0, one per column pair g), and the chunk's activations, 16
-// bytes (8 columns of A) per (half, row, t) so that the lanes of a warp
-// read 8 consecutive 16-byte units at a time (no bank conflicts).
-template <int BITS, int NT>
-struct Stage {
-  uint4 w[kWarps][BITS / 4][32];
-  uint32_t sz[kWarps][8][4];  // s (half 0), z word (half 0), s (half 1), z word (half 1)
-  uint4 a[2][NT * 8][4];
+// Group scales/zeros in the form the dequant needs: half2 scale, and the
+// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles).
+struct GroupRegs {
+  uint32_t s[8], zlo[8], zhi[8];
 };
 
-template <int BITS, int NT, int DEPTH>
-constexpr size_t ring_bytes() {
-  return (size_t)DEPTH * sizeof(Stage<BITS, NT>);
+__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
+  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
+    r.s[j] = h | (h << 16);
+    const uint32_t z = (zv >> (4 * j)) & 0xfu;
+    const uint32_t lo = 0x6400u | z, hi = 0x5400u | (z << 4);
+    r.zlo[j] = lo | (lo << 16);
+    r.zhi[j] = hi | (hi << 16);
+  }
 }
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(a), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
-}
-
-// wna16_small: a CTA of kWarps warps owns kWarps column tiles (16 columns
-// each, one per warp) and the blockIdx.y-th of `splits` slices of K's
-// chunks; all its warps walk the same chunks, so each chunk of A is
-// copied once for the CTA. Chunks stream through a DEPTH-stage cp.async
-// ring (one barrier per chunk). NT token tiles of 8 cover M ≤ 8·NT. A
-// group spans 2^gshift rows (gshift ≥ 30: one group). With splits > 1 the
-// CTAs of a column range form a thread block cluster and add their sums
-// through distributed shared memory (Hopper); C is written once.
-template <int BITS, int NT, int DEPTH>
-__global__ void __launch_bounds__(kWarps * 32, 2) wna16_small(const half* __restrict__ A, const uint4* __restrict__ B,
-                                                              const uint32_t* __restrict__ S,
-                                                              const uint8_t* __restrict__ Z, half* __restrict__ C,
-                                                              int M, int N, int K, int gshift, int splits) {
-  constexpr int WV = BITS / 4;  // 16-byte words per lane per chunk
-  constexpr int TM = NT * 8;    // token rows of the tile
-  extern __shared__ __align__(16) unsigned char smem[];
-  Stage<BITS, NT>* ring = reinterpret_cast<Stage<BITS, NT>*>(smem);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int CT = N >> 4, KC = (K + 63) >> 6;
-  const int ct = blockIdx.x * kWarps + warp;
-  const bool active = ct < CT;
-  const int rows = min(M, TM);
-  const int per_split = (KC + splits - 1) / splits;
-  const int cs0 = blockIdx.y * per_split;
-  const int n = max(0, min(KC, cs0 + per_split) - cs0);
-  const int gmask = (1 << gshift) - 1;
-
-  // This warp's tile: chunk c at Bp + c·width·32·WV (see tile_chunk).
-  const int width = min(kWarps, CT - (int)blockIdx.x * kWarps);
-  const uint4* Bp = B + ((size_t)blockIdx.x * kWarps * KC + warp) * 32 * WV + lane;
-  const size_t zrow = (size_t)CT * 8;  // entries per group in S and Z
-  const size_t e0 = (size_t)(active ? ct : 0) * 8 + g;
-  // A lane's zero entry is WV bytes at e·WV; it is copied as the aligned
-  // word holding it and shifted down by zsh.
-  const int zsh = 8 * ((g * WV) & 3);
-  auto zword = [&](int grp) { return reinterpret_cast<const uint32_t*>(Z + (((e0 + grp * zrow) * WV) & ~(size_t)3)); };
-  auto issue = [&](int st, int c) {
-    Stage<BITS, NT>& S_ = ring[st];
-    if (active) {
-#pragma unroll
-      for (int i = 0; i < WV; ++i) cp_async16(&S_.w[warp][i][lane], Bp + ((size_t)c * width * WV + i) * 32);
-      if (t == 0) {
-        const int g0 = (c << 6) >> gshift, g1 = ((c << 6) + 32) >> gshift;
-        cp_async4(&S_.sz[warp][g][0], S + e0 + g0 * zrow);
-        cp_async4(&S_.sz[warp][g][1], zword(g0));
-        if (g1 != g0) {
-          cp_async4(&S_.sz[warp][g][2], S + e0 + g1 * zrow);
-          cp_async4(&S_.sz[warp][g][3], zword(g1));
-        }
-      }
-    }
-    for (int e = threadIdx.x; e < rows * 8; e += kWarps * 32) {
-      const int row = e >> 3, h = (e >> 2) & 1, tt = e & 3;
-      const int k = (c << 6) + 32 * h + 8 * tt;
-      cp_async16_zfill(&S_.a[h][row][tt], A + (size_t)row * K + (k < K ? k : 0), k < K);
-    }
-  };
-
-  float acc[NT][4], part[NT][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = part[nt][e] = 0.f;
-
-  // One cp.async group per chunk (empty past the range): waiting for all
-  // but the newest DEPTH − 2 means chunk i is in, and the barrier makes
-  // every thread's copies visible and frees the stage chunk i + DEPTH − 1
-  // goes to (chunk i − 1's, computed before the barrier).
-#pragma unroll
-  for (int j = 0; j < DEPTH - 1; ++j) {
-    if (j < n) issue(j, cs0 + j);
-    cp_async_commit();
-  }
-  int rd = 0, wr = DEPTH - 1;
-  for (int i = 0; i < n; ++i) {
-    cp_async_wait<DEPTH - 2>();
-    __syncthreads();
-    if (i + DEPTH - 1 < n) issue(wr, cs0 + i + DEPTH - 1);
-    cp_async_commit();
-    wr = wr == DEPTH - 1 ? 0 : wr + 1;
-    const Stage<BITS, NT>& st = ring[rd];
-    rd = rd == DEPTH - 1 ? 0 : rd + 1;
-    if (!active) continue;
-    const int c = cs0 + i;
-    uint4 w[WV];
-#pragma unroll
-    for (int v = 0; v < WV; ++v) w[v] = st.w[warp][v][lane];
-    uint4 a_cur[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        a_cur[nt][h] = nt * 8 + g < rows ? st.a[h][nt * 8 + g][t] : make_uint4(0, 0, 0, 0);
-    const uint4 sz = *reinterpret_cast<const uint4*>(st.sz[warp][g]);
-    const bool two = (((c << 6) >> gshift) != (((c << 6) + 32) >> gshift));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t s_h = h && two ? sz.z : sz.x, z_h = h && two ? sz.w : sz.y;
-      const Zeros z = zeros_of<BITS>(z_h >> zsh);
-#pragma unroll
-      for (int s = 2 * h; s < 2 * h + 2; ++s) {
-        uint32_t a[4];
-        fragment<BITS>(a, w, s, z);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint4 v = a_cur[nt][h];
-          mma16816(part[nt], a, (s & 1) ? v.z : v.x, (s & 1) ? v.w : v.y);
-        }
-      }
-      // A group ends here, or the range does: scale and add.
-      if ((((c << 6) + 32 * (h + 1)) & gmask) == 0 || (h == 1 && i == n - 1)) {
-        const float2 sc = __half22float2(*reinterpret_cast<const half2*>(&s_h));
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          acc[nt][0] += sc.x * part[nt][0];
-          acc[nt][1] += sc.x * part[nt][1];
-          acc[nt][2] += sc.y * part[nt][2];
-          acc[nt][3] += sc.y * part[nt][3];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) part[nt][e] = 0.f;
-        }
-      }
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the ring is reused for the sums below
-
-  // Lane (g, t) holds columns g and g+8 of its warp's tile for tokens 2t
-  // and 2t+1 of each token tile: into red[column][token] (padded rows).
-  float* red = reinterpret_cast<float*>(smem);
-  constexpr int RP = TM + 1;
-  if (active) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int c0 = warp * 16 + g, r0 = nt * 8 + 2 * t;
-      red[c0 * RP + r0] = acc[nt][0];
-      red[c0 * RP + r0 + 1] = acc[nt][1];
-      red[(c0 + 8) * RP + r0] = acc[nt][2];
-      red[(c0 + 8) * RP + r0 + 1] = acc[nt][3];
-    }
-  }
-  const int col0 = blockIdx.x * kWarps * 16, cols = min(kWarps * 16, N - col0);
-  if (splits == 1) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < rows * cols; e += kWarps * 32) {
-      const int r = e / cols, col = e - r * cols;
-      C[(size_t)r * N + col0 + col] = __float2half_rn(red[col * RP + r]);
-    }
-    return;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The cluster's CTAs (one per K slice) each add up a share of the
-  // tile from every CTA's shared memory.
-  cg::cluster_group cl = cg::this_cluster();
-  cl.sync();
-  const int rank = (int)cl.block_rank();
-  for (int e = threadIdx.x + rank * kWarps * 32; e < rows * cols; e += kWarps * 32 * splits) {
-    const int r = e / cols, col = e - r * cols;
-    float v = 0.f;
-    for (int q = 0; q < splits; ++q) v += cl.map_shared_rank(red, q)[col * RP + r];
-    C[(size_t)r * N + col0 + col] = __float2half_rn(v);
-  }
-  cl.sync();  // no CTA leaves while another may still read its shared memory
-#endif
-}
-
-// dequant_kernel writes W[K][N] fp16 from the layout: a CTA's 4 warps take
-// 4 column tiles of one chunk, dequantize with the same fp16 arithmetic as
-// pack.GPUWeights.Dequantize ((q − z)·s rounded once) into a shared 64×64
-// tile, and store it as rows of 128 contiguous bytes.
-template <int BITS>
-__global__ void __launch_bounds__(128) dequant_kernel(const uint4* __restrict__ B, const uint32_t* __restrict__ S,
-                                                      const uint8_t* __restrict__ Z, half* __restrict__ W, int N,
-                                                      int K, int group) {
-  constexpr int WV = BITS / 4;
-  __shared__ __align__(16) half tile[64][64];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int CT = N >> 4, KC = (K + 63) >> 6;
-  const int ct = blockIdx.x * 4 + warp, c = blockIdx.y;
-  if (ct < CT) {
-    uint4 w[WV];
-#pragma unroll
-    for (int i = 0; i < WV; ++i) w[i] = __ldg(B + (tile_chunk(ct, c, CT, KC) * WV + i) * 32 + lane);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // A lane's 8 rows of a half lie in one group (groups are multiples of 16).
-      const int grp = group >= K ? 0 : ((c << 6) + 32 * h + 8 * t) / group;
-      const size_t e = ((size_t)grp * CT + ct) * 8 + g;
-      const uint32_t sp = S[e];
-      const uint32_t zv = WV == 1 ? Z[e] : reinterpret_cast<const unsigned short*>(Z)[e];
-      const Zeros z = zeros_of<BITS>(zv);
-      const uint32_t s_lo = (sp & 0xffffu) | (sp << 16), s_hi = (sp >> 16) | (sp & 0xffff0000u);
-#pragma unroll
-      for (int s = 2 * h; s < 2 * h + 2; ++s) {
-        uint32_t a[4];
-        fragment<BITS>(a, w, s, z);
-        const int k0 = 32 * h + 8 * t + 4 * (s & 1);  // pack.GPURow(s, t, 0)
-        const uint32_t v[4] = {hmul2u(a[0], s_lo), hmul2u(a[1], s_hi), hmul2u(a[2], s_lo), hmul2u(a[3], s_hi)};
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int col = warp * 16 + g + 8 * (r & 1), k = k0 + 2 * (r >> 1);
-          tile[k][col] = __ushort_as_half((unsigned short)(v[r] & 0xffffu));
-          tile[k + 1][col] = __ushort_as_half((unsigned short)(v[r] >> 16));
-        }
-      }
-    }
-  }
-  __syncthreads();
+// compute_step: dequantize one lane's B chunk and run the mma for MB m-tiles.
+template <int MB>
+__device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4 bq, const uint32_t (&af)[MB][4],
+                                             const GroupRegs& gr) {
+  const uint32_t w[4] = {bq.x, bq.y, bq.z, bq.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int piece = threadIdx.x + 128 * i, row = piece >> 3, c8 = (piece & 7) * 8;
-    const int k = (c << 6) + row, col = blockIdx.x * 64 + c8;
-    if (k < K && col < N) *reinterpret_cast<uint4*>(&W[(size_t)k * N + col]) = *reinterpret_cast<const uint4*>(&tile[row][c8]);
+    const uint32_t q = w[i], q8 = q >> 8;
+    // (1024 + n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …)
+    const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
+    const uint32_t p1 = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
+    const uint32_t p2 = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
+    const uint32_t p3 = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
+    const int ja = 2 * i, jb = 2 * i + 1;
+    const uint32_t b0a = deq(p0, gr.zlo[ja], gr.s[ja]), b1a = deq(p1, gr.zhi[ja], gr.s[ja]);
+    const uint32_t b0b = deq(p2, gr.zlo[jb], gr.s[jb]), b1b = deq(p3, gr.zhi[jb], gr.s[jb]);
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      mma16816(acc[m][ja], af[m], b0a, b1a);
+      mma16816(acc[m][jb], af[m], b0b, b1b);
+    }
+  }
+}
+
+// w4a16_fused: a CTA of kWarps warps owns one 64-column n-tile, one K slice
+// (blockIdx.y of `splits`) and 16·MB rows (blockIdx.z). Each warp streams
+// its part of the slice through its own cp.async ring of STAGES stages, U
+// steps a stage; MINB asks the compiler to fit MINB CTAs per SM.
+// gshift: a group spans 2^gshift steps (−1: a single group).
+template <int MB, int U, int STAGES, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                           half* __restrict__ C, float* __restrict__ ws,
+                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                           int splits) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int s_last;
+  const int nt = blockIdx.x, split = blockIdx.y;
+  const int row0 = blockIdx.z * 16 * MB;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6;
+  const int per_split = (KT + splits - 1) / splits;
+  const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
+  const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
+  const int k0 = s0 + warp * per_warp, k1 = min(s1, k0 + per_warp);
+  Ring<MB, U, STAGES>& ring = reinterpret_cast<Ring<MB, U, STAGES>*>(smem)[warp];
+
+  float acc[MB][8][4];
+#pragma unroll
+  for (int m = 0; m < MB; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
+
+  // This lane's A source row for each m-tile (row lane/2, 8 columns at (lane%2)·8).
+  const half* asrc[MB];
+  bool aok[MB];
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+    const int r = row0 + m * 16 + (lane >> 1);
+    aok[m] = r < M;
+    asrc[m] = A + (size_t)(aok[m] ? r : 0) * K + (lane & 1) * 8;
+  }
+  const uint4* Bp = B + (size_t)nt * KT * 32 + lane;
+  auto issue = [&](int b) {
+    const int stage = b % STAGES;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + b * U + u;
+      if (k < k1) {
+        cp_async16(&ring.b[stage][u][lane], Bp + (size_t)k * 32);
+#pragma unroll
+        for (int m = 0; m < MB; ++m) cp_async16_zfill(&ring.a[stage][u][m][lane], asrc[m] + k * 16, aok[m]);
+      }
+    }
+    cp_async_commit();
+  };
+
+  const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
+#pragma unroll
+  for (int b = 0; b < STAGES - 1; ++b) issue(b);
+
+  // Scales and zeros: the current group's in registers, the next one's
+  // loaded ahead.
+  const size_t sz_off = (size_t)nt * 8 + gid;
+  const int G = gshift < 0 ? 1 : KT >> gshift;
+  int cur = gshift < 0 ? 0 : k0 >> gshift;
+  GroupRegs gr;
+  uint4 sv_next = make_uint4(0, 0, 0, 0);
+  uint32_t zv_next = 0;
+  if (k1 > k0) {
+    convert_group(gr, __ldg(S + (size_t)cur * NT * 8 + sz_off), __ldg(Z + (size_t)cur * NT * 8 + sz_off));
+    if (cur + 1 < G) {
+      sv_next = __ldg(S + (size_t)(cur + 1) * NT * 8 + sz_off);
+      zv_next = __ldg(Z + (size_t)(cur + 1) * NT * 8 + sz_off);
+    }
+  }
+  // ldmatrix row address within a 16×16 A tile: row lane%16, half lane/16.
+  const int lm_off = (lane & 15) * 2 + (lane >> 4);  // in 16-byte units
+
+  for (int b = 0; b < batches; ++b) {
+    issue(b + STAGES - 1);
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();  // ldmatrix reads other lanes' copies
+    const int stage = b % STAGES;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + b * U + u;
+      if (k < k1) {
+        if (gshift >= 0 && (k >> gshift) != cur) {
+          cur = k >> gshift;
+          convert_group(gr, sv_next, zv_next);
+          if (cur + 1 < G) {
+            sv_next = __ldg(S + (size_t)(cur + 1) * NT * 8 + sz_off);
+            zv_next = __ldg(Z + (size_t)(cur + 1) * NT * 8 + sz_off);
+          }
+        }
+        uint32_t af[MB][4];
+#pragma unroll
+        for (int m = 0; m < MB; ++m) ldmatrix_x4(af[m], &ring.a[stage][u][m][0].x + 4 * lm_off);
+        compute_step<MB>(acc, ring.b[stage][u][lane], af, gr);
+      }
+    }
+    __syncwarp();  // all lanes done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is reused for the reduction below
+
+  // Reduce the warps' partial sums one m-tile at a time: each warp writes
+  // its 16×64 slice, then each thread sums its outputs over the slices.
+  float(*red)[16 * 64] = reinterpret_cast<float(*)[16 * 64]>(smem);
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+    if (row0 + m * 16 >= M) break;  // uniform across the CTA
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = j * 8 + 2 * tig;
+      *reinterpret_cast<float2*>(&red[warp][gid * 64 + col]) = make_float2(acc[m][j][0], acc[m][j][1]);
+      *reinterpret_cast<float2*>(&red[warp][(gid + 8) * 64 + col]) = make_float2(acc[m][j][2], acc[m][j][3]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 16 * 64; i += kWarps * 32) {
+      const int r = row0 + m * 16 + i / 64;
+      if (r < M) {
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v += red[w][i];
+        const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
+        if (splits == 1)
+          C[idx] = __float2half_rn(v);
+        else
+          atomicAdd(&ws[idx], v);
+      }
+    }
+    __syncthreads();
+  }
+  if (splits == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&counters[blockIdx.z * NT + nt], 1) == splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < 16 * MB * 64; i += kWarps * 32) {
+    const int r = row0 + i / 64;
+    if (r < M) {
+      const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
+      C[idx] = __float2half_rn(__ldcg(&ws[idx]));
+      ws[idx] = 0.f;
+    }
+  }
+  if (threadIdx.x == 0) counters[blockIdx.z * NT + nt] = 0;
+}
+
+// dequant_kernel writes W[K][N] fp16 from the tiled layout, one warp per
+// 16×64 chunk, with the same fp16 arithmetic as the fused kernel: lanes
+// dequantize their fragments into a shared tile, then store it as 16 rows
+// of 128 contiguous bytes.
+__global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ B, const uint4* __restrict__ S,
+                                                      const uint32_t* __restrict__ Z, half* __restrict__ W, int N,
+                                                      int K, int group) {
+  __shared__ __align__(16) half tile[8][16][64];
+  const int KT = K >> 4, NT = N >> 6;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const size_t chunk = (size_t)blockIdx.x * 8 + warp;
+  if (chunk >= (size_t)NT * KT) return;
+  const int kt = chunk % KT, nt = chunk / KT;
+  const int gid = lane >> 2, tig = lane & 3;
+  uint32_t ss[8], zz[8];
+  load_group(S, Z, (kt << 4) / group, NT, nt, gid, ss, zz);
+  const uint4 v = __ldg(B + chunk * 32 + lane);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t q = w[i];
+    const uint32_t p[4] = {(q & 0x000f000fu) | 0x64006400u, ((q >> 4) & 0x000f000fu) | 0x64006400u,
+                           ((q >> 8) & 0x000f000fu) | 0x64006400u, ((q >> 12) & 0x000f000fu) | 0x64006400u};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int j = 2 * i + (s >> 1);              // n8 sub-tile
+      const int kk = 2 * tig + ((s & 1) ? 8 : 0);  // first row of the pair
+      const uint32_t d = deq(p[s], zz[j], ss[j]);
+      tile[warp][kk][j * 8 + gid] = __ushort_as_half((unsigned short)(d & 0xffffu));
+      tile[warp][kk + 1][j * 8 + gid] = __ushort_as_half((unsigned short)(d >> 16));
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int piece = lane + 32 * i, row = piece >> 3, c8 = (piece & 7) * 8;
+    *reinterpret_cast<uint4*>(&W[(size_t)(kt * 16 + row) * N + nt * 64 + c8]) =
+        *reinterpret_cast<const uint4*>(&tile[warp][row][c8]);
   }
 }
 
@@ -385,115 +347,78 @@ __global__ void gather_cols(const half* __restrict__ A, const int32_t* __restric
   out[i] = A[m * K + perm[i % K]];
 }
 
-int check_shape(llmq_ctx* c, int M, int N, int K, int group, int bits) {
-  if (M < 1 || N < 16 || N % 16 || K < 16 || K % 16 || (bits != 4 && bits != 8) ||
-      (group < K && (group < 16 || group % 16 || K % group))) {
-    llmq::set_error(c,
-                    "unsupported WNA16 shape M=%d N=%d K=%d group=%d bits=%d (need N %% 16 == 0, K %% 16 == 0, bits 4 "
-                    "or 8, a group that is a multiple of 16 dividing K)",
-                    M, N, K, group, bits);
+int check_shape(llmq_ctx* c, int M, int N, int K, int group) {
+  if (M < 1 || N < 64 || N % 64 || K < 16 || K % 16 || group < 16 || group % 16 || K % group) {
+    llmq::set_error(c, "unsupported W4A16 shape M=%d N=%d K=%d group=%d (need N %% 64 == 0, group %% 16 == 0, K %% group == 0)",
+                    M, N, K, group);
     return 1;
   }
   return 0;
 }
 
-// Plan is what one call runs: the swapped kernel's instantiation and its
-// K splits, or dequantize + cuBLAS.
+// Plan is what one call runs: the fused kernel's instantiation (MB m-tiles
+// of 16 rows) and its K splits, or dequantize + cuBLAS.
 struct Plan {
-  int path;  // 1 swapped kernel, 2 dequantize + cuBLAS
-  int nt, depth, splits, gshift;
+  int path;  // 1 fused kernel, 2 dequantize + cuBLAS
+  int mb, splits;
 };
 
-// small_ok: the swapped kernel handles groups that are powers of two of at
-// least 32 rows (a group of 32 is a half chunk) or one group per column.
-bool small_ok(int M, int K, int group) {
-  return M <= kMaxSmallM && (group >= K || (group >= 32 && (group & (group - 1)) == 0));
-}
-
-// Instantiations: (bits, token tiles) → ring depth, for ≈ 48 KB of ring a
-// CTA (two CTAs an SM keep ≈ 2·(depth − 1) chunks of codes in flight).
-template <int BITS, int NT>
-struct Tune {
-  static constexpr int depth = BITS == 4 ? (NT == 1 ? 8 : NT == 2 ? 7 : 5) : (NT == 4 ? 4 : 5);
-};
-
-template <int BITS, int NT>
+// resident_of queries (once per context) how many CTAs of an
+// instantiation fit on an SM.
+template <int MB, int U, int STAGES, int MINB>
 int resident_of(llmq_ctx* c, int variant) {
-  constexpr int D = Tune<BITS, NT>::depth;
-  constexpr size_t smem = ring_bytes<BITS, NT, D>();
-  int& r = c->resident[variant];
-  if (!r) {
-    CK(cudaFuncSetAttribute(wna16_small<BITS, NT, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r, wna16_small<BITS, NT, D>, kWarps * 32, smem));
+  constexpr size_t smem = fused_smem_bytes<MB, U, STAGES>();
+  int& resident = c->resident[variant];
+  if (!resident) {
+    CK(cudaFuncSetAttribute(w4a16_fused<MB, U, STAGES, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, U, STAGES, MINB>, kWarps * 32, smem));
   }
   return 0;
 }
 
-// plan_small picks the token tiles, ring depth and K splits: enough CTAs
-// to fill the resident slots once, each CTA walking at least one ring's
-// worth of chunks; splits form a cluster, at most 8 (the portable cluster
-// size), and only on Hopper.
-int plan_small(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits) {
-  p.path = 1;
-  p.nt = M <= 8 ? 1 : M <= 16 ? 2 : 4;
-  const int variant = (bits == 8 ? 3 : 0) + (p.nt == 1 ? 0 : p.nt == 2 ? 1 : 2);
-  int rc = 0;
-  switch (variant) {
-    case 0: rc = resident_of<4, 1>(c, variant), p.depth = Tune<4, 1>::depth; break;
-    case 1: rc = resident_of<4, 2>(c, variant), p.depth = Tune<4, 2>::depth; break;
-    case 2: rc = resident_of<4, 4>(c, variant), p.depth = Tune<4, 4>::depth; break;
-    case 3: rc = resident_of<8, 1>(c, variant), p.depth = Tune<8, 1>::depth; break;
-    case 4: rc = resident_of<8, 2>(c, variant), p.depth = Tune<8, 2>::depth; break;
-    default: rc = resident_of<8, 4>(c, variant), p.depth = Tune<8, 4>::depth; break;
-  }
-  if (rc) return rc;
-  const int ctas = (N / 16 + kWarps - 1) / kWarps, KC = (K + 63) / 64;
-  int splits = max(1, c->sms * max(c->resident[variant], 1) / ctas);
-  splits = min(min(splits, 8), max(1, KC / p.depth));
-  if (c->w4_splits > 0) splits = min(min(c->w4_splits, 8), KC);
-  if (c->cc_major < 9) splits = 1;
-  p.splits = splits;
-  p.gshift = 30;  // one group
-  if (group < K) {
-    p.gshift = 0;
-    while ((1 << p.gshift) < group) ++p.gshift;
-  }
-  return 0;
-}
-
-int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool have_scratch) {
-  const bool ok = small_ok(M, K, group);
+// plan picks the path and, for the fused kernel, the instantiation and
+// its K splits: one full wave, as many splits as fill the resident CTA
+// slots, each warp keeping at least two stages of steps; fewer splits as
+// M grows (the cross-CTA reduction costs M·N·splits atomics).
+int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch) {
   p = Plan{};
-  p.path = c->w4_path ? c->w4_path : (ok && M <= c->fused_max_m) || !have_scratch ? 1 : 2;
+  const bool pow2 = group >= K || !(group & (group - 1));
+  p.path = c->w4_path ? c->w4_path : ((M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2);
   if (p.path == 2) return 0;
-  if (!ok) {
-    llmq::set_error(c,
-                    "the WNA16 kernel runs M ≤ %d and groups that are powers of two ≥ 32 or one per column (M=%d "
-                    "group=%d); larger M and other groups need the K·N fp16 scratch of the dequantize+cuBLAS path",
-                    kMaxSmallM, M, group);
+  if (!pow2) {
+    llmq::set_error(c, "the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", group);
     return 1;
   }
-  return plan_small(c, p, M, N, K, group, bits);
+  p.mb = M <= 16 ? 1 : M <= 32 ? 2 : 4;
+  const int variant = p.mb == 1 ? 0 : p.mb == 2 ? 1 : 2, U = p.mb == 4 ? 1 : 2;
+  const int rc = variant == 0 ? resident_of<1, 2, 4, 1>(c, 0)
+                 : variant == 1 ? resident_of<2, 2, 4, 1>(c, 1)
+                                : resident_of<4, 1, 4, 1>(c, 2);
+  if (rc) return rc;
+  const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * p.mb - 1) / (16 * p.mb);
+  int splits = max(1, (c->sms * max(c->resident[variant], 1)) / (NT * mblocks));
+  splits = min(splits, max(1, KT / (4 * kWarps * U)));
+  if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
+  p.splits = splits;
+  return 0;
 }
 
-template <int BITS, int NT>
-int launch_small(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, half* C, int M,
-                 int N, int K) {
-  constexpr int D = Tune<BITS, NT>::depth;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((N / 16 + kWarps - 1) / kWarps, p.splits);
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.dynamicSmemBytes = ring_bytes<BITS, NT, D>();
-  cfg.stream = c->stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = p.splits;
-  cluster[0].val.clusterDim.z = 1;
-  cfg.attrs = cluster;
-  cfg.numAttrs = p.splits > 1 ? 1 : 0;
-  CK(cudaLaunchKernelEx(&cfg, wna16_small<BITS, NT, D>, A, (const uint4*)B, (const uint32_t*)S, (const uint8_t*)Z, C, M, N,
-                        K, p.gshift, p.splits));
+// launch_fused runs one instantiation of the fused kernel as planned.
+template <int MB, int U, int STAGES, int MINB>
+int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, half* C,
+                 void* workspace, int M, int N, int K, int group) {
+  constexpr size_t smem = fused_smem_bytes<MB, U, STAGES>();
+  const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
+  float* ws = (float*)workspace;
+  int* counters = (int*)(ws + (size_t)M * N);
+  int gshift = -1;  // one group
+  if (group < K) {
+    gshift = 0;
+    while ((16 << gshift) < group) ++gshift;
+  }
+  w4a16_fused<MB, U, STAGES, MINB><<<dim3(NT, p.splits, mblocks), kWarps * 32, smem, c->stream>>>(
+      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, gshift, p.splits);
+  CK_LAUNCH("w4a16_fused");
   return 0;
 }
 
@@ -502,7 +427,7 @@ int launch_small(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
 namespace llmq {
 
 size_t w4a16_workspace_bytes(int M, int N) {
-  return (size_t)M * N * sizeof(float) + (size_t)((N + 15) / 16) * sizeof(int);
+  return (size_t)M * N * sizeof(float) + (size_t)((M + 15) / 16) * (N / 64) * sizeof(int);
 }
 
 int w4a16_set_path(llmq_ctx* c, int path) {
@@ -510,15 +435,11 @@ int w4a16_set_path(llmq_ctx* c, int path) {
   return 0;
 }
 
-int w4_dequant(llmq_ctx* c, const void* B, const void* S, const void* Z, void* W, int N, int K, int group, int bits) {
-  if (check_shape(c, 1, N, K, group, bits)) return 1;
-  const dim3 grid((N / 16 + 3) / 4, (K + 63) / 64);
-  if (bits == 4)
-    dequant_kernel<4><<<grid, 128, 0, c->stream>>>((const uint4*)B, (const uint32_t*)S, (const uint8_t*)Z, (half*)W, N,
-                                                   K, group);
-  else
-    dequant_kernel<8><<<grid, 128, 0, c->stream>>>((const uint4*)B, (const uint32_t*)S, (const uint8_t*)Z, (half*)W, N,
-                                                   K, group);
+int w4_dequant(llmq_ctx* c, const void* B, const void* S, const void* Z, void* W, int N, int K, int group) {
+  if (check_shape(c, 1, N, K, group)) return 1;
+  const size_t chunks = (size_t)(N / 64) * (K / 16);
+  dequant_kernel<<<(unsigned)((chunks + 7) / 8), 256, 0, c->stream>>>(
+      (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, (half*)W, N, K, group);
   CK_LAUNCH("dequant_kernel");
   return 0;
 }
@@ -535,20 +456,9 @@ int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, i
   return 0;
 }
 
-int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n) {
-  if (check_shape(c, M, N, K, group, bits)) return 1;
-  Plan p;
-  if (plan(c, p, M, N, K, group, bits, true)) return 1;
-  if (p.path == 2)
-    snprintf(out, n, "dequant+cublas");
-  else
-    snprintf(out, n, "swap-mma w%d nt%d depth%d splits%d", bits, p.nt, p.depth, p.splits);
-  return 0;
-}
-
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group, int bits) {
-  if (check_shape(c, M, N, K, group, bits)) return 1;
+               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group) {
+  if (check_shape(c, M, N, K, group)) return 1;
   const half* a = (const half*)A;
   if (perm) {
     if (!a_perm) {
@@ -561,24 +471,29 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
     a = (const half*)a_perm;
   }
   Plan p;
-  if (plan(c, p, M, N, K, group, bits, scratch != nullptr)) return 1;
+  if (plan(c, p, M, N, K, group, scratch != nullptr)) return 1;
   if (p.path == 2) {
     if (!scratch) {
       set_error(c, "the dequantize+cuBLAS path needs a K·N fp16 scratch");
       return 1;
     }
-    if (w4_dequant(c, B, scales, zeros, scratch, N, K, group, bits)) return 1;
+    if (w4_dequant(c, B, scales, zeros, scratch, N, K, group)) return 1;
     return gemm_f16(c, a, scratch, C, M, N, K);
   }
-  half* out = (half*)C;
-  if (bits == 4) {
-    if (p.nt == 1) return launch_small<4, 1>(c, p, a, B, scales, zeros, out, M, N, K);
-    if (p.nt == 2) return launch_small<4, 2>(c, p, a, B, scales, zeros, out, M, N, K);
-    return launch_small<4, 4>(c, p, a, B, scales, zeros, out, M, N, K);
-  }
-  if (p.nt == 1) return launch_small<8, 1>(c, p, a, B, scales, zeros, out, M, N, K);
-  if (p.nt == 2) return launch_small<8, 2>(c, p, a, B, scales, zeros, out, M, N, K);
-  return launch_small<8, 4>(c, p, a, B, scales, zeros, out, M, N, K);
+  if (p.mb == 1) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (p.mb == 2) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+}
+
+int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
+  if (check_shape(c, M, N, K, group)) return 1;
+  Plan p;
+  if (plan(c, p, M, N, K, group, true)) return 1;
+  if (p.path == 2)
+    snprintf(out, n, "dequant+cublas");
+  else
+    snprintf(out, n, "fused v5 mb%d splits%d", p.mb, p.splits);
+  return 0;
 }
 
 }  // namespace llmq

@@ -32,7 +32,6 @@ type GemmResult struct {
 	M           int     `json:"m"`
 	K           int     `json:"k"`
 	N           int     `json:"n"`
-	Bits        int     `json:"bits"`
 	Variant     string  `json:"variant"` // the kernel that ran (cuda.Context.Plan)
 	W4Micros    float64 `json:"w4a16_us"`
 	CuBLASMicro float64 `json:"cublas_fp16_us"`
@@ -124,33 +123,31 @@ func (b *GemmBench) median(fn func(i int) error, iters int) (float64, error) {
 	return Median(times), nil
 }
 
-// randomGPUWeights makes a random layer of 4- or 8-bit codes, groups of
-// 128, in the kernel layout (values uniform over the grid, realistic
-// scales; act-order off).
-func randomGPUWeights(r *rand.Rand, K, N, bits int) (*pack.GPUWeights, error) {
+// randomGPUWeights makes a random 4-bit layer in the kernel layout (values
+// uniform over the grid, realistic scales; act-order off).
+func randomGPUWeights(r *rand.Rand, K, N int) (*pack.GPUWeights, error) {
 	G := K / 128
-	l := &pack.Linear{In: K, Out: N, Grid: pack.Grid{Bits: bits, GroupSize: 128}, Q: make([]uint8, N*K),
+	l := &pack.Linear{In: K, Out: N, Grid: pack.Grid{Bits: 4, GroupSize: 128}, Q: make([]uint8, N*K),
 		Scale: make([]float32, G*N), Zero: make([]uint8, G*N), GIdx: pack.SequentialGIdx(K, 128)}
-	maxq := uint32(1)<<bits - 1
 	for i := range l.Q {
-		l.Q[i] = uint8(r.Uint32() & maxq)
+		l.Q[i] = uint8(r.Uint32() & 15)
 	}
 	for i := range l.Scale {
 		l.Scale[i] = pack.RoundF16(0.001 + 0.01*r.Float32())
-		l.Zero[i] = uint8(r.Uint32() & maxq)
+		l.Zero[i] = uint8(r.IntN(16))
 	}
 	return l.GPULayout()
 }
 
-// Run measures one shape at each M with codes of the given width (4 or 8).
-func (b *GemmBench) Run(s GemmShape, Ms []int, bits int) ([]GemmResult, error) {
+// Run measures one shape at each M.
+func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 	l := b.GPU
 	r := rand.New(rand.NewPCG(uint64(s.K), uint64(s.N)))
-	g, err := randomGPUWeights(r, s.K, s.N, bits)
+	g, err := randomGPUWeights(r, s.K, s.N)
 	if err != nil {
 		return nil, err
 	}
-	w4Bytes := len(g.B)*4 + len(g.Scales)*4 + len(g.Zeros)
+	w4Bytes := len(g.B)*4 + len(g.Scales)*2 + len(g.Zeros)*4
 	f16Bytes := s.K * s.N * 2
 	copies := func(bytes int) int { return max(1, min(16, (256<<20)/bytes+1)) }
 	var ws4 []*cuda.W4
@@ -220,7 +217,7 @@ func (b *GemmBench) Run(s GemmShape, Ms []int, bits int) ([]GemmResult, error) {
 			return nil, fmt.Errorf("%s M=%d cuBLAS: %w", s.Name, M, err)
 		}
 		bytes := int64(w4Bytes) + int64(M*s.K*2) + int64(M*s.N*2)
-		res := GemmResult{Shape: s.Name, M: M, K: s.K, N: s.N, Bits: bits, Variant: variant, W4Micros: t4 * 1e3, CuBLASMicro: t16 * 1e3,
+		res := GemmResult{Shape: s.Name, M: M, K: s.K, N: s.N, Variant: variant, W4Micros: t4 * 1e3, CuBLASMicro: t16 * 1e3,
 			Speedup: t16 / t4, TFLOPS: 2 * float64(M) * float64(s.K) * float64(s.N) / (t4 / 1e3) / 1e12, Bytes: bytes}
 		if b.ReadBW > 0 {
 			res.BWFraction = float64(bytes) / (t4 / 1e3) / b.ReadBW

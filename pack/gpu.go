@@ -8,162 +8,89 @@ import (
 	"github.com/x448/float16"
 )
 
-// GPUWeights is an integer-quantized layer in the layout the CUDA WNA16
-// kernels read (cuda/llmq.h): K = In rows, N = Out columns, 4-bit codes
-// (2-, 3- and 4-bit grids; smaller codes sit in the low bits of a nibble)
-// or 8-bit codes.
+// GPUWeights is a 2-, 3- or 4-bit layer (smaller codes sit in the low
+// bits of a nibble, so they run at 4-bit speed) in the layout the CUDA
+// W4A16 kernel reads
+// (cuda/llmq.h): B in 16-byte chunks, one per lane of a warp, each holding
+// the lane's mma.m16n8k16 B fragments for a 16×64 tile; scales and zeros
+// reordered so a lane reads its eight columns' values with one load.
 //
-// The kernel swaps the operands of mma.m16n8k16: a 16-column tile of the
-// weights is the 16×16 A operand and the tokens are the n = 8 operand, so
-// at small M the Tensor Core's 16 rows are filled by weights, not padding.
-// Rows of K are taken 64 at a time (a "chunk", four k16 steps of the mma).
-// Within a chunk, step s and fragment element j ∈ 0…3 of lane l = 4·g + t
-// (b0 low/high, b1 low/high; a0/a1 and a2/a3 on the weight side) stand for
-// physical row
+// For K = In rows and N = Out columns, chunk (nt, kt) covers columns
+// nt·64 … nt·64+63 and rows kt·16 … kt·16+15 and sits at chunk index
+// nt·(K/16) + kt; lane l = 4·gid + tig holds 4 words w0…w3, and word i
+// holds, for the n8 sub-tiles j = 2i and 2i+1 (column n = nt·64 + j·8 + gid):
 //
-//	kp(s, t, j) = 32·(s/2) + 8·t + 4·(s%2) + j
+//	nibble 0/4: rows 2·tig, 2·tig+1 of sub-tile 2i     (mma b0, low/high half)
+//	nibble 1/5: rows 2·tig+8, 2·tig+9 of sub-tile 2i   (mma b1)
+//	nibble 2/6, 3/7: the same rows of sub-tile 2i+1
 //
-// so that a lane's activations for the chunk are two 16-byte runs of A's
-// row (k … k+7 and k+32 … k+39 with k = 8·t), and the steps 0–1 and 2–3
-// each cover one aligned half of 32 rows (a group of 32 never straddles
-// a step). Lane l's word for step s holds, for the columns c = 16·ct + g
-// and c + 8 (the mma A rows g and g+8):
-//
-//	4-bit: nibble 0/4 = q(c, kp(s,t,0/1)), 1/5 = q(c+8, kp(s,t,0/1)),
-//	       2/6 = q(c, kp(s,t,2/3)),        3/7 = q(c+8, kp(s,t,2/3))
-//	8-bit: two words; bytes 0/2 = q(c, kp 0/1), 1/3 = q(c+8, kp 0/1), then
-//	       the same for kp 2/3
-//
-// so (w & 0x000F000F) | 0x6400 6400 is fragment a0 as two fp16 values
-// 1024 + q, and the odd nibbles OR-ed into 64.0 give 64 + q (8-bit: bytes
-// into 1024.0). A chunk of one column tile is 32 lanes × 16 bytes per
-// 4 bits of code, lane-contiguous. Tiles go in groups of 8 (the columns
-// one CTA of the kernel owns, 128), and within a group chunk by chunk:
-// the chunks c of the group's tiles are one contiguous block, so a CTA
-// reads 4 KB (8-bit: 8 KB) of consecutive memory per chunk rather than
-// eight 512-byte pieces far apart (GPUTileChunk gives the order). K is
-// padded to a multiple of 64 with zero codes (the kernel reads no
-// activations there).
-//
-// Scales and zeros are per (group, column tile, g): Scales holds the fp16
-// scales of columns c and c+8 as one word (low half c), Zeros the two
-// zero points as one byte (4-bit: low nibble c) or two bytes (8-bit, low
-// byte c). Act-order layers are handled once here: input channels are
+// so that (w >> 4p) & 0x000F000F extracts fragment register p as two fp16
+// mantissas. Act-order layers are handled once here: input channels are
 // sorted by g_idx (Perm), so groups are contiguous and the kernel never
 // reads g_idx; the runtime gathers A's columns through Perm.
 type GPUWeights struct {
 	K, N, Group int
-	Bits        int      // code width of the layout: 4 or 8
-	B           []uint32 // codes, CT·KC chunks of 32·Bits/4 words
-	Scales      []uint32 // [G][N/16][8] fp16 pairs
-	Zeros       []uint8  // [G][N/16][8] × Bits/4 bytes
+	B           []uint32 // K·N/8 words
+	Scales      []uint16 // fp16 bits, [G][N/64][8][8]
+	Zeros       []uint32 // [G][N/64][8], nibble j = zero of sub-tile j
 	Perm        []int32  // nil when g_idx is sequential
 }
 
-// Chunks is the number of 64-row chunks (K rounded up).
-func (g *GPUWeights) Chunks() int { return (g.K + 63) / 64 }
-
-// Groups is the number of scale rows: K padded to whole chunks, in groups
-// (one when the layer has one group per column).
-func (g *GPUWeights) Groups() int {
-	if g.Group >= g.K {
-		return 1
-	}
-	return (g.Chunks()*64 + g.Group - 1) / g.Group
-}
-
-// GPUTileGroup is the number of column tiles stored interleaved chunk by
-// chunk (the kernel's column tiles per CTA).
-const GPUTileGroup = 8
-
-// GPUTileChunk is the position, in units of one tile's chunk, of chunk c
-// of column tile ct among CT tiles of KC chunks: groups of GPUTileGroup
-// tiles one after another, each chunk by chunk (the last group may be
-// narrower).
-func GPUTileChunk(ct, c, CT, KC int) int {
-	grp, i := ct/GPUTileGroup, ct%GPUTileGroup
-	width := min(GPUTileGroup, CT-grp*GPUTileGroup)
-	return grp*GPUTileGroup*KC + c*width + i
-}
-
-// GPURow is kp: the physical row within a chunk of step s, lane-in-group t
-// and fragment element j (see GPUWeights).
-func GPURow(s, t, j int) int { return 32*(s/2) + 8*t + 4*(s%2) + j }
-
-// codeAt locates the code of column c (in its tile: c = 16·ct + r, r < 16)
-// and physical row k: the word index and the bit shift within it.
-func (g *GPUWeights) codeAt(k, c int) (word, shift int) {
-	ct, r := c/16, c%16
-	chunk, kk := k/64, k%64
-	half, rest := kk/32, kk%32
-	t, sOdd, j := rest/8, (rest%8)/4, rest%4
-	s := 2*half + sOdd
-	lane := 4*(r%8) + t
-	hi := r / 8        // column c+8 of the lane's pair
-	per := 32 * g.Bits // words per chunk: 32 lanes × Bits/4 × 4 words
-	base := GPUTileChunk(ct, chunk, g.N/16, g.Chunks()) * per
-	if g.Bits == 4 {
-		nib := (j&1)*4 + (j/2)*2 + hi
-		return base + lane*4 + s, 4 * nib
-	}
-	// 8-bit: words 2s (j 0/1) and 2s+1 (j 2/3) of the lane; uint4 i of a
-	// lane holds its words 4i … 4i+3, uint4s of a chunk are 512 bytes apart.
-	w := 2*s + j/2
-	b := (j&1)*2 + hi
-	return base + (w/4)*128 + lane*4 + w%4, 8 * b
-}
-
-// GPULayout repacks a 2-, 3-, 4- or 8-bit integer layer for the kernel.
+// GPULayout repacks a 4-bit layer for the kernel.
 func (l *Linear) GPULayout() (*GPUWeights, error) {
 	K, N := l.In, l.Out
-	bits := l.Grid.Bits
-	if l.Grid.FP8 || l.Grid.PerTensor || bits < 2 || bits > 8 || (bits > 4 && bits != 8) {
-		return nil, fmt.Errorf("the GPU kernels run 2-, 3-, 4- and 8-bit integer weights, this layer has %s", l.Grid.Describe())
+	if l.Grid.Bits < 2 || l.Grid.Bits > 4 || l.Grid.FP8 || l.Grid.PerTensor {
+		return nil, fmt.Errorf("the GPU kernel runs 2-, 3- and 4-bit integer weights, this layer has %s", l.Grid.Describe())
 	}
 	group := l.Grid.Group(K)
-	if N%16 != 0 || K%16 != 0 || (group < K && (group%16 != 0 || K%group != 0)) {
-		return nil, fmt.Errorf("the GPU layout needs out %% 16 == 0, in %% 16 == 0 and a group that is a multiple of 16 dividing in (have out %d, in %d, group %d)", N, K, group)
+	if N%64 != 0 || K%16 != 0 || group%16 != 0 || K%group != 0 {
+		return nil, fmt.Errorf("the GPU kernel needs out %% 64 == 0 and a group that is a multiple of 16 dividing in (have out %d, in %d, group %d)", N, K, group)
 	}
 	G := K / group
 	perm, err := groupOrder(l.GIdx, G, group)
 	if err != nil {
 		return nil, err
 	}
-	layoutBits := 4
-	if bits == 8 {
-		layoutBits = 8
+	src := func(k int) int { // original input channel of kernel row k
+		if perm == nil {
+			return k
+		}
+		return int(perm[k])
 	}
-	g := &GPUWeights{K: K, N: N, Group: group, Bits: layoutBits, Perm: perm}
-	CT, KC := N/16, g.Chunks()
-	g.B = make([]uint32, CT*KC*32*layoutBits)
-	g.Scales = make([]uint32, g.Groups()*CT*8)
-	g.Zeros = make([]uint8, g.Groups()*CT*8*layoutBits/4)
-	// Column tiles are independent: repack them in parallel (an 8B model
-	// has 30 million chunks to place at load time).
-	mat.ParallelFor(CT, 1, func(lo, hi int) {
-		for c := lo * 16; c < hi*16; c++ {
-			row := l.Q[c*K : (c+1)*K]
-			for k := 0; k < K; k++ {
-				src := k
-				if perm != nil {
-					src = int(perm[k])
+	g := &GPUWeights{K: K, N: N, Group: group, Perm: perm,
+		B: make([]uint32, K*N/8), Scales: make([]uint16, G*N), Zeros: make([]uint32, G*N/8)}
+	q := func(k, n int) uint32 { return uint32(l.Q[n*K+src(k)]) }
+	KT, NT := K/16, N/64
+	// Tiles are independent: repack them in parallel (an 8B model has
+	// 30 million of them to place at load time).
+	mat.ParallelFor(NT, 1, func(lo, hi int) {
+		for nt := lo; nt < hi; nt++ {
+			for kt := 0; kt < KT; kt++ {
+				for lane := 0; lane < 32; lane++ {
+					gid, tig := lane/4, lane%4
+					k := kt*16 + 2*tig
+					base := ((nt*KT+kt)*32 + lane) * 4
+					for i := 0; i < 4; i++ {
+						na := nt*64 + (2*i)*8 + gid
+						nb := nt*64 + (2*i+1)*8 + gid
+						w := q(k, na) | q(k+8, na)<<4 | q(k, nb)<<8 | q(k+8, nb)<<12 |
+							q(k+1, na)<<16 | q(k+9, na)<<20 | q(k+1, nb)<<24 | q(k+9, nb)<<28
+						g.B[base+i] = w
+					}
 				}
-				w, sh := g.codeAt(k, c)
-				g.B[w] |= uint32(row[src]) << sh
 			}
 		}
 	})
-	zbytes := layoutBits / 4
 	for grp := 0; grp < G; grp++ {
-		for c := 0; c < N; c++ {
-			ct, r := c/16, c%16
-			i := (grp*CT+ct)*8 + r%8
-			s, z := uint32(float16.Fromfloat32(l.Scale[grp*N+c]).Bits()), uint32(l.Zero[grp*N+c])
-			g.Scales[i] |= s << (16 * (r / 8))
-			if zbytes == 1 {
-				g.Zeros[i] |= uint8(z << (4 * (r / 8)))
-			} else {
-				g.Zeros[2*i+r/8] = uint8(z)
+		for nt := 0; nt < NT; nt++ {
+			for gid := 0; gid < 8; gid++ {
+				var z uint32
+				for j := 0; j < 8; j++ {
+					n := nt*64 + j*8 + gid
+					g.Scales[((grp*NT+nt)*8+gid)*8+j] = float16.Fromfloat32(l.Scale[grp*N+n]).Bits()
+					z |= uint32(l.Zero[grp*N+n]) << (4 * j)
+				}
+				g.Zeros[(grp*NT+nt)*8+gid] = z
 			}
 		}
 	}
@@ -201,31 +128,30 @@ func groupOrder(gidx []int32, G, group int) ([]int32, error) {
 }
 
 // Dequantize decodes the GPU layout back to W[K][N] in kernel row order
-// (rows permuted by Perm), with the dequantize kernel's fp16 arithmetic:
-// (q − z)·s rounded once to fp16. Tests use it as the CPU reference.
+// (rows permuted by Perm), with the kernel's fp16 arithmetic: (q − z)·s
+// rounded once to fp16. Tests use it as the CPU reference of the kernel.
 func (g *GPUWeights) Dequantize() []float32 {
 	K, N := g.K, g.N
-	CT := N / 16
+	KT, NT := K/16, N/64
 	W := make([]float32, K*N)
-	mask := uint32(1)<<g.Bits - 1
-	for k := 0; k < K; k++ {
-		grp := 0
-		if g.Group < K {
-			grp = k / g.Group
-		}
-		for c := 0; c < N; c++ {
-			ct, r := c/16, c%16
-			w, sh := g.codeAt(k, c)
-			q := int(g.B[w]>>sh) & int(mask)
-			i := (grp*CT+ct)*8 + r%8
-			s := float16.Frombits(uint16(g.Scales[i] >> (16 * (r / 8)))).Float32()
-			var z int
-			if g.Bits == 4 {
-				z = int(g.Zeros[i]>>(4*(r/8))) & 15
-			} else {
-				z = int(g.Zeros[2*i+r/8])
+	for nt := 0; nt < NT; nt++ {
+		for kt := 0; kt < KT; kt++ {
+			grp := kt * 16 / g.Group
+			for lane := 0; lane < 32; lane++ {
+				gid, tig := lane/4, lane%4
+				for i := 0; i < 4; i++ {
+					w := g.B[((nt*KT+kt)*32+lane)*4+i]
+					for nib := 0; nib < 8; nib++ {
+						j := 2*i + (nib>>1)&1
+						k := kt*16 + 2*tig + 8*(nib&1) + nib/4
+						n := nt*64 + j*8 + gid
+						q := int(w>>(4*nib)) & 15
+						s := float16.Frombits(g.Scales[((grp*NT+nt)*8+gid)*8+j]).Float32()
+						z := int(g.Zeros[(grp*NT+nt)*8+gid]>>(4*j)) & 15
+						W[k*N+n] = RoundF16(float32(q-z) * s)
+					}
+				}
 			}
-			W[k*N+c] = RoundF16(float32(q-z) * s)
 		}
 	}
 	return W

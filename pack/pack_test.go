@@ -311,35 +311,21 @@ func assertSameWeights(t *testing.T, got, want []float32) {
 }
 
 // TestGPULayoutDecodes: the kernel layout decodes back to the layer's
-// weights (rows in kernel order) for every bit width it holds, groups of
-// 16 to one per column, inputs that are not whole 64-row chunks, and
-// act-order; a layer it cannot hold is an error naming the grid.
+// weights (rows in kernel order), with and without act-order, for 4-bit
+// codes and the 2- and 3-bit codes it holds in nibbles; 8-bit and FP8
+// layers are refused with an error naming their grid.
 func TestGPULayoutDecodes(t *testing.T) {
 	r := rand.New(rand.NewPCG(11, 12))
-	for _, c := range []struct {
-		grid    Grid
-		in, out int
-		bits    int // layout code width
-	}{
-		{Grid{Bits: 4, GroupSize: 128}, 256, 64, 4},
-		{Grid{Bits: 4, GroupSize: -1, Sym: true}, 80, 48, 4},
-		{Grid{Bits: 4, GroupSize: 32}, 96, 32, 4},
-		{Grid{Bits: 4, GroupSize: 16}, 112, 16, 4},
-		{Grid{Bits: 3, GroupSize: 64}, 128, 32, 4},
-		{Grid{Bits: 2, GroupSize: 32}, 160, 32, 4},
-		{Grid{Bits: 8, GroupSize: 128}, 256, 48, 8},
-		{Grid{Bits: 8, GroupSize: -1}, 144, 32, 8},
-		{Grid{Bits: 8, GroupSize: 32, Sym: true}, 96, 16, 8},
-	} {
-		for _, act := range []bool{false, true} {
-			act := act && c.grid.GroupSize > 0
-			l := randomLinear(r, c.out, c.in, c.grid, act)
+	for _, act := range []bool{false, true} {
+		for _, grid := range []Grid{{Bits: 4, GroupSize: 128}, {Bits: 4, GroupSize: -1, Sym: true}, {Bits: 4, GroupSize: 32},
+			{Bits: 3, GroupSize: 64}, {Bits: 2, GroupSize: 32, Sym: true}} {
+			l := randomLinear(r, 128, 256, grid, act && grid.GroupSize > 0)
 			g, err := l.GPULayout()
 			if err != nil {
-				t.Fatalf("%+v: %v", c.grid, err)
+				t.Fatal(err)
 			}
-			if (g.Perm != nil) != act || g.Bits != c.bits {
-				t.Fatalf("%+v act-order %v: perm present = %v, layout bits %d", c.grid, act, g.Perm != nil, g.Bits)
+			if (g.Perm != nil) != (act && grid.GroupSize > 0) {
+				t.Fatalf("act-order %v: perm present = %v", act, g.Perm != nil)
 			}
 			W := g.Dequantize()
 			ref := l.Dequantize() // [out][in]
@@ -350,79 +336,17 @@ func TestGPULayoutDecodes(t *testing.T) {
 				}
 				for n := 0; n < l.Out; n++ {
 					if want := RoundF16(ref[n*l.In+src]); W[k*l.Out+n] != want {
-						t.Fatalf("grid %+v act %v: W[%d][%d] = %v, want %v", c.grid, act, k, n, W[k*l.Out+n], want)
+						t.Fatalf("grid %+v act %v: W[%d][%d] = %v, want %v", grid, act, k, n, W[k*l.Out+n], want)
 					}
 				}
 			}
 		}
 	}
-	for _, c := range []struct {
-		grid    Grid
-		in, out int
-		want    string
-	}{
-		{Grid{Bits: 4, GroupSize: 128}, 128, 40, "out % 16"},
-		{Grid{Bits: 8, FP8: true, GroupSize: -1}, 128, 32, "integer weights"},
-	} {
-		l := randomLinear(r, c.out, c.in, Grid{Bits: 4, GroupSize: 128}, false)
-		l.Grid = c.grid
-		if _, err := l.GPULayout(); err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%+v out %d: error %v, want one saying %q", c.grid, c.out, err, c.want)
-		}
-	}
-}
-
-// TestGPULayoutFragments reads the layout the way the kernel does — one
-// word per lane and mma step, fragment registers by mask and shift — and
-// checks each register holds the codes the documented mapping names:
-// a0 = columns c at kp(s,t,0/1), a1 = c+8 there, a2/a3 the same at kp 2/3.
-func TestGPULayoutFragments(t *testing.T) {
-	r := rand.New(rand.NewPCG(13, 14))
-	for _, grid := range []Grid{{Bits: 4, GroupSize: 64}, {Bits: 8, GroupSize: 64}} {
-		l := randomLinear(r, 192, 128, grid, false)
-		g, err := l.GPULayout()
-		if err != nil {
-			t.Fatal(err)
-		}
-		q := func(c, k int) uint32 { return uint32(l.Q[c*l.In+k]) }
-		KC, CT := g.Chunks(), l.Out/16
-		// Tiles in groups of 8, each group chunk by chunk, written out
-		// here without GPUTileChunk (the last group of 12 tiles has 4).
-		pos := func(ct, chunk int) int {
-			if ct < 8 {
-				return chunk*8 + ct
-			}
-			return 8*KC + chunk*(CT-8) + ct - 8
-		}
-		for ct := 0; ct < CT; ct++ {
-			for chunk := 0; chunk < KC; chunk++ {
-				for lane := 0; lane < 32; lane++ {
-					gid, tig := lane/4, lane%4
-					c := 16*ct + gid
-					for s := 0; s < 4; s++ {
-						var got [4][2]uint32
-						if g.Bits == 4 {
-							w := g.B[pos(ct, chunk)*128+lane*4+s]
-							for i := 0; i < 4; i++ {
-								got[i] = [2]uint32{w >> (4 * i) & 15, w >> (16 + 4*i) & 15}
-							}
-						} else {
-							word := func(m int) uint32 { return g.B[pos(ct, chunk)*256+(m/4)*128+lane*4+m%4] }
-							for i := 0; i < 4; i++ {
-								w := word(2*s + i/2)
-								sh := 8 * (i % 2)
-								got[i] = [2]uint32{w >> sh & 255, w >> (16 + sh) & 255}
-							}
-						}
-						k := func(j int) int { return 64*chunk + GPURow(s, tig, j) }
-						want := [4][2]uint32{{q(c, k(0)), q(c, k(1))}, {q(c+8, k(0)), q(c+8, k(1))},
-							{q(c, k(2)), q(c, k(3))}, {q(c+8, k(2)), q(c+8, k(3))}}
-						if got != want {
-							t.Fatalf("%d-bit tile %d chunk %d lane %d step %d: fragments %v, want %v", g.Bits, ct, chunk, lane, s, got, want)
-						}
-					}
-				}
-			}
+	for _, grid := range []Grid{{Bits: 8, GroupSize: 128}, {Bits: 8, FP8: true, GroupSize: -1}} {
+		l := randomLinear(r, 64, 128, Grid{Bits: 4, GroupSize: 128}, false)
+		l.Grid = grid
+		if _, err := l.GPULayout(); err == nil || !strings.Contains(err.Error(), grid.Describe()) {
+			t.Errorf("%+v: error %v, want one naming the grid", grid, err)
 		}
 	}
 }

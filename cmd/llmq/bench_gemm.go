@@ -15,20 +15,17 @@ import (
 
 func newBenchGemm() *cobra.Command {
 	var ms, jsonOut, only, peer string
-	var iters, bits int
+	var iters int
 	cmd := &cobra.Command{
 		Use:   "gemm",
-		Short: "Time the WNA16 kernel against cuBLAS fp16 (and tinygemm) on Llama-3 8B/70B shapes",
+		Short: "Time the W4A16 kernel against cuBLAS fp16 (and tinygemm) on Llama-3 8B/70B shapes",
 		Example: `  llmq bench gemm --json evals/results/gemm-h200.json --peer tinygemm.json
-  llmq bench gemm --bits 8 --m 1,16,64 --iters 50`,
+  llmq bench gemm --m 1,16,64 --iters 50`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			Ms, err := parseInts(ms)
 			if err != nil {
 				return fmt.Errorf("--m: %w", err)
-			}
-			if bits != 4 && bits != 8 {
-				return fmt.Errorf("--bits %d: want 4 or 8", bits)
 			}
 			var pr *evals.PeerRun
 			if peer != "" {
@@ -61,17 +58,17 @@ func newBenchGemm() *cobra.Command {
 			}
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "%s, %d SMs, measured read bandwidth %.2f TB/s\n", dev.Name, dev.SMs, bw/1e12)
-			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s %10s %8s %8s %6s  %s\n", "shape", "M", fmt.Sprintf("w%da16 µs", bits), "cuBLAS µs", "speedup", "tinygemm", "vs tiny", "TFLOP/s", "%BW", "kernel")
+			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s %10s %8s %8s %6s  %s\n", "shape", "M", "w4a16 µs", "cuBLAS µs", "speedup", "tinygemm", "vs tiny", "TFLOP/s", "%BW", "kernel")
 			var all []evals.GemmResult
 			for _, s := range evals.LlamaShapes {
 				if only != "" && !strings.Contains(s.Name, only) {
 					continue
 				}
-				res, err := b.Run(s, Ms, bits)
+				res, err := b.Run(s, Ms)
 				if err != nil {
 					return err
 				}
-				if pr != nil && bits == 4 {
+				if pr != nil {
 					evals.AddPeer(res, pr)
 				}
 				for _, r := range res {
@@ -80,7 +77,7 @@ func newBenchGemm() *cobra.Command {
 				all = append(all, res...)
 			}
 			if jsonOut != "" {
-				data := map[string]any{"gpu": dev.Name, "bits": bits, "read_bw_bytes_per_s": bw, "iters": iters, "results": all}
+				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "results": all}
 				if pr != nil {
 					data["peer"] = "torch " + pr.Torch + " _weight_int4pack_mm (tinygemm), evals/torchref/tinygemm.py in the same device call"
 				}
@@ -95,7 +92,6 @@ func newBenchGemm() *cobra.Command {
 	cmd.Flags().IntVar(&iters, "iters", 100, "timed runs per measurement (median reported)")
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
 	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
-	cmd.Flags().IntVar(&bits, "bits", 4, "code width of the weights: 4 or 8")
 	cmd.Flags().StringVar(&peer, "peer", "", "JSON of evals/torchref/tinygemm.py from the same machine, shown beside")
 	return cmd
 }
