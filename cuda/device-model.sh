@@ -17,7 +17,6 @@
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
 #   bash cuda/device-model.sh profile # ncu sections of the small-M kernel (PROFILE_M, PROFILE_SHAPE)
-#   bash cuda/device-model.sh tune    # the small-M kernel at forced K splits (TUNE_SPLITS)
 #   bash cuda/device-model.sh quant   # GPTQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -77,7 +76,7 @@ case "$1" in
     $L bench gemm --peer "$OUT/tinygemm-h200.json" --json "$OUT/gemm-h200.json" 2>&1 | tail -60
     ;;
   kernel)
-    build/device/cuda.test -test.v -test.run 'TestW4A16|TestDequant|TestSmallKernel|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
+    build/device/cuda.test -test.v -test.run 'TestW4A16|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
     echo "kernel tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|panic|error" "$OUT/cuda-kernel-tests.log" | head -30
     if [ -d "$LLMQ_SHARED/models/llama-tiny" ]; then  # the kernels inside the model
       build/device/cuda.test -test.v -test.run 'TestModelLogits|TestGreedy|TestWindowNLL|TestBatchedSteps' > "$OUT/cuda-model-tests.log" 2>&1
@@ -107,12 +106,6 @@ case "$1" in
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
       $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 > "$OUT/ncu.txt" 2>&1
     grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible" | head -50
-    ;;
-  tune)
-    # The small-M kernel's K splits forced, M = 1, 16, 32 (TUNE_SPLITS).
-    for sp in ${TUNE_SPLITS:-1 2 4 8}; do
-      echo "splits $sp"; LLMQ_W4_SPLITS=$sp $L bench gemm --m 1,16,32 --iters 60 2>&1 | tail -15 | cut -c1-70
-    done
     ;;
   tiny|small)
     M=llama-$1
