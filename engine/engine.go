@@ -267,7 +267,7 @@ func (e *Engine) kvUsage(active []*sequence) (tokens, bytes int64, known bool) {
 
 // Request is one generation.
 type Request struct {
-	Prompt []int // token ids (see Encode and EncodeChat)
+	Prompt []int // token ids (see Encode, EncodeChat and EncodeChatWith)
 	// MaxTokens is the most new tokens (> 0; 0 is allowed with
 	// PromptLogprobs: the prompt is scored and nothing generated).
 	MaxTokens int
@@ -345,14 +345,22 @@ func (e *Engine) Encode(text string) []int { return e.Tokenizer.Encode(text, tru
 // ready for the assistant's turn, and tokenizes it (the template writes
 // its own special tokens).
 func (e *Engine) EncodeChat(messages []chat.Message) ([]int, error) {
+	ids, _, err := e.EncodeChatWith(messages, nil)
+	return ids, err
+}
+
+// EncodeChatWith is EncodeChat with further template variables (see
+// chat.Template.RenderWith; e.g. Qwen3's {"enable_thinking": false}),
+// and returns the rendered text too.
+func (e *Engine) EncodeChatWith(messages []chat.Message, vars map[string]any) (ids []int, text string, err error) {
 	if e.Template == nil {
-		return nil, fmt.Errorf("%w: the model has no chat template (tokenizer_config.json chat_template); use a plain completion", ErrInvalid)
+		return nil, "", fmt.Errorf("%w: the model has no chat template (tokenizer_config.json chat_template); use a plain completion", ErrInvalid)
 	}
-	text, err := e.Template.Render(messages, true)
+	text, err = e.Template.RenderWith(messages, true, vars)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+		return nil, "", fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
-	return e.Tokenizer.Encode(text, false), nil
+	return e.Tokenizer.Encode(text, false), text, nil
 }
 
 // Validate checks a request against the model before it is queued.

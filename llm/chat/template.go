@@ -28,6 +28,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 
 	"github.com/ardanlabs/jinja"
 )
@@ -151,10 +152,18 @@ func (t *Template) Render(messages []Message, addGenerationPrompt bool) (string,
 	return t.RenderWith(messages, addGenerationPrompt, nil)
 }
 
+// rendererVars are the variables Render sets itself.
+var rendererVars = []string{"messages", "add_generation_prompt", "bos_token", "eos_token"}
+
+// RendererVars lists the variables Render sets itself (messages,
+// add_generation_prompt, bos_token, eos_token), which RenderWith's vars
+// cannot replace.
+func RendererVars() []string { return slices.Clone(rendererVars) }
+
 // RenderWith is Render with further template variables, as
 // apply_chat_template passes its extra keyword arguments (e.g. Qwen3's
 // {"enable_thinking": false}). They cannot replace the variables Render
-// sets.
+// sets (RendererVars).
 func (t *Template) RenderWith(messages []Message, addGenerationPrompt bool, vars map[string]any) (string, error) {
 	if len(messages) == 0 {
 		return "", fmt.Errorf("chat template: no messages")
@@ -172,19 +181,15 @@ func (t *Template) RenderWith(messages []Message, addGenerationPrompt bool, vars
 	}
 	ctx := map[string]any{}
 	for k, v := range vars {
-		ctx[k] = v
-	}
-	for k, v := range map[string]any{
-		"messages":              ms,
-		"add_generation_prompt": addGenerationPrompt,
-		"bos_token":             t.BOSToken,
-		"eos_token":             t.EOSToken,
-	} {
-		if _, ok := ctx[k]; ok {
+		if slices.Contains(rendererVars, k) {
 			return "", fmt.Errorf("chat template: variable %q is set by the renderer", k)
 		}
 		ctx[k] = v
 	}
+	ctx["messages"] = ms
+	ctx["add_generation_prompt"] = addGenerationPrompt
+	ctx["bos_token"] = t.BOSToken
+	ctx["eos_token"] = t.EOSToken
 	out, err := t.tmpl.Render(ctx)
 	if err != nil {
 		return "", fmt.Errorf("chat template: %w", err)

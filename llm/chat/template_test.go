@@ -205,7 +205,9 @@ func TestQwen3AndGemma3Turns(t *testing.T) {
 			t.Errorf("got %q, %v\nwant %q", got, err, c.want)
 		}
 	}
-	if _, err := qwen3.RenderWith(conv, true, map[string]any{"messages": nil}); err == nil {
-		t.Error("a variable overriding messages was accepted")
+	for _, name := range RendererVars() {
+		if _, err := qwen3.RenderWith(conv, true, map[string]any{name: nil}); err == nil || !strings.Contains(err.Error(), name) {
+			t.Errorf("a variable overriding %s: error %v", name, err)
+		}
 	}
 }
