@@ -58,6 +58,8 @@ func FuzzRequest(f *testing.F) {
 	f.Add("/v1/completions", `{"model": "llama-tiny", "prompt": [[0, 5], [7]], "echo": true, "logprobs": 5, "max_tokens": 0}`)
 	f.Add("/v1/completions", `{"model": "llama-tiny", "prompt": [0], "echo": true, "logprobs": 1, "max_tokens": 1, "stream": true}`)
 	f.Add("/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": "Hi"}], "logprobs": true, "top_logprobs": 20, "stream": true}`)
+	f.Add("/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "assistant", "content": "4", "reasoning_content": "Add."}], "chat_template_kwargs": {"enable_thinking": false, "tools": [{"a": 1}]}, "stream": true}`)
+	f.Add("/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": "Hi", "reasoning_content": 5}], "chat_template_kwargs": {"eos_token": null}}`)
 	f.Fuzz(func(t *testing.T, path, body string) {
 		if path != "/v1/chat/completions" {
 			path = "/v1/completions"

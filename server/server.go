@@ -17,6 +17,23 @@
 // logprobs true with top_logprobs (0–20). Streamed chunks carry their
 // tokens' log-probabilities.
 //
+// Chat requests may carry chat_template_kwargs, further variables for the
+// model's chat template as vLLM takes them (Qwen3's {"enable_thinking":
+// false}), but not those the server renders with (messages,
+// add_generation_prompt, bos_token, eos_token); assistant messages may
+// carry reasoning_content, for templates that render it. A thinking
+// model's answer — its chat template writes think blocks: it mentions
+// </think> — comes back as vLLM's reasoning parsers return it: the think
+// block's text, without its tags and the whitespace around them, as
+// message.reasoning_content, and what follows as content; streamed, the
+// deltas carry reasoning_content until </think> and content after it,
+// never a tag (text that may begin one waits for the next token). An
+// answer that does not open a think block is all content, as is the
+// answer to a prompt that closed one itself (Qwen3 with enable_thinking
+// false); a prompt that opens one (ends in <think>) makes the answer
+// start as reasoning; a think block that never closes (max_tokens
+// reached while thinking) makes it all reasoning. See reasoning.go.
+//
 // Every error, whatever the route, is answered in OpenAI's shape
 // {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON
 // and invalid parameters (a prompt longer than the context, max_tokens
@@ -543,7 +560,13 @@ type chatRequest struct {
 	Messages []struct {
 		Role    string  `json:"role"`
 		Content content `json:"content"`
+		// ReasoningContent is an assistant turn's thinking (as answers
+		// return it), for templates that render it (Qwen3's).
+		ReasoningContent string `json:"reasoning_content"`
 	} `json:"messages"`
+	// ChatTemplateKwargs are further variables for the chat template,
+	// as vLLM takes them: Qwen3's {"enable_thinking": false}.
+	ChatTemplateKwargs map[string]any `json:"chat_template_kwargs"`
 }
 
 type completionRequest struct {
@@ -553,10 +576,12 @@ type completionRequest struct {
 }
 
 // prompt is one prompt to complete: its ids, and its text (what echo
-// returns: the text sent, or a prompt of token ids decoded).
+// returns: the text sent, or a prompt of token ids decoded); for a chat,
+// whether and how its answer is split into reasoning and content.
 type prompt struct {
-	ids  []int
-	text string
+	ids   []int
+	text  string
+	think thinking
 }
 
 // maxPrompts bounds the prompts of one completion request (a batch, as
@@ -616,18 +641,37 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request, rs *req
 		if len(cr.Messages) == 0 {
 			return nil, lo, invalid("messages", "messages must hold at least one message")
 		}
+		if err := checkTemplateKwargs(cr.ChatTemplateKwargs); err != nil {
+			return nil, lo, err
+		}
 		n := 0
 		msgs := make([]chat.Message, len(cr.Messages))
 		for i, m := range cr.Messages {
-			msgs[i] = chat.Message{Role: m.Role, Content: string(m.Content)}
-			n += len(m.Role) + len(m.Content)
+			msgs[i] = chat.Message{Role: m.Role, Content: string(m.Content), ReasoningContent: m.ReasoningContent}
+			n += len(m.Role) + len(m.Content) + len(m.ReasoningContent)
 		}
 		if err := s.checkPromptBytes(e, "messages", n); err != nil {
 			return nil, lo, err
 		}
-		ids, err := e.EncodeChat(msgs)
-		return []prompt{{ids: ids}}, lo, err
+		ids, text, err := e.EncodeChatWith(msgs, cr.ChatTemplateKwargs)
+		if err != nil {
+			return nil, lo, err
+		}
+		return []prompt{{ids: ids, think: thinkingOf(e.Template, text)}}, lo, nil
 	}, true)
+}
+
+// checkTemplateKwargs refuses chat_template_kwargs that would replace
+// the variables the server renders the template with. (A value that is
+// not an object is refused while decoding.)
+func checkTemplateKwargs(kwargs map[string]any) error {
+	for _, k := range slices.Sorted(maps.Keys(kwargs)) {
+		if slices.Contains(chat.RendererVars(), k) {
+			return invalid("chat_template_kwargs", "chat_template_kwargs cannot set %q: the server sets %s itself, from the request and the model",
+				k, strings.Join(chat.RendererVars(), ", "))
+		}
+	}
+	return nil
 }
 
 func (s *Server) completions(w http.ResponseWriter, r *http.Request, rs *reqState) {
@@ -751,17 +795,34 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 	id := fmt.Sprintf("%s-%d", map[bool]string{true: "chatcmpl", false: "cmpl"}[isChat], s.ids.Add(1))
 	object := map[bool]string{true: "chat.completion", false: "text_completion"}[isChat]
 	head := map[string]any{"id": id, "object": object, "created": time.Now().Unix(), "model": s.opt.Model}
-	choice := func(text string, finish any, first bool, logprobs any) map[string]any {
+	// splitter splits a thinking model's chat answer into reasoning and
+	// text, its content (nil: the answer is all text).
+	splitter := newReasoningSplitter(pr.think)
+	// choice is a choice of the answer, or of a chunk: a completion's
+	// text; a chat's message, or delta (the first with the role), whose
+	// content is text, and whose reasoning_content, when the answer is
+	// split, is reasoning: always in a message, in the deltas that carry
+	// some (and a delta of reasoning alone has no content).
+	choice := func(text, reasoning string, finish any, first bool, logprobs any) map[string]any {
 		c := map[string]any{"index": 0, "finish_reason": finish, "logprobs": logprobs}
-		switch {
-		case !isChat:
+		if !isChat {
 			c["text"] = text
-		case p.Stream && first:
-			c["delta"] = map[string]any{"role": "assistant", "content": text}
-		case p.Stream:
-			c["delta"] = map[string]any{"content": text}
-		default:
-			c["message"] = map[string]any{"role": "assistant", "content": text}
+			return c
+		}
+		msg := map[string]any{}
+		if first || !p.Stream {
+			msg["role"] = "assistant"
+		}
+		if splitter != nil && (!p.Stream || reasoning != "") {
+			msg["reasoning_content"] = reasoning
+		}
+		if !p.Stream || text != "" || reasoning == "" {
+			msg["content"] = text
+		}
+		if p.Stream {
+			c["delta"] = msg
+		} else {
+			c["message"] = msg
 		}
 		return c
 	}
@@ -788,15 +849,18 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 			writeError(w, rs, timedOut(err))
 			return
 		}
-		text := res.Text
+		text, reasoning := res.Text, ""
 		if echo {
 			text = pr.text + text
+		}
+		if splitter != nil {
+			reasoning, text = splitter.whole(text)
 		}
 		var logprobs any
 		if lw != nil {
 			logprobs = lw.add(res.PromptLogprobs, res.Logprobs)
 		}
-		writeJSON(w, http.StatusOK, with(map[string]any{"choices": []any{choice(text, res.FinishReason, false, logprobs)}, "usage": usageOf(res)}))
+		writeJSON(w, http.StatusOK, with(map[string]any{"choices": []any{choice(text, reasoning, res.FinishReason, false, logprobs)}, "usage": usageOf(res)}))
 		return
 	}
 
@@ -834,15 +898,21 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 			return nil
 		}
 		ttft()
-		text := c.Text
+		text, reasoning := c.Text, ""
 		if echo && first {
 			text = pr.text + text
+		}
+		if splitter != nil {
+			reasoning, text = splitter.add(text)
+			if text == "" && reasoning == "" && len(c.Logprobs) == 0 {
+				return nil // held back: the start of a tag, or whitespace, that later text decides
+			}
 		}
 		var logprobs any
 		if lw != nil {
 			logprobs = lw.add(c.PromptLogprobs, c.Logprobs)
 		}
-		err := event(with(map[string]any{"choices": []any{choice(text, nil, first, logprobs)}}))
+		err := event(with(map[string]any{"choices": []any{choice(text, reasoning, nil, first, logprobs)}}))
 		first = false
 		return err
 	})
@@ -860,11 +930,14 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 		}
 		return
 	}
-	last := ""
+	last, reasoning := "", ""
 	if echo && first { // nothing was streamed: the prompt still is the answer's start
 		last = pr.text
 	}
-	if err := event(with(map[string]any{"choices": []any{choice(last, res.FinishReason, first, nil)}})); err != nil {
+	if splitter != nil { // what it held back
+		reasoning, last = splitter.flush()
+	}
+	if err := event(with(map[string]any{"choices": []any{choice(last, reasoning, res.FinishReason, first, nil)}})); err != nil {
 		return
 	}
 	if p.StreamOptions != nil && p.StreamOptions.IncludeUsage {
