@@ -100,6 +100,21 @@ func reference(A []float32, W []float32, perm []int32, M, K, N int) []float64 {
 	return C
 }
 
+// upload lays a layer out for the kernel and copies it to the GPU; the
+// caller frees it.
+func upload(t *testing.T, l *Context, layer *pack.Linear) (*pack.GPUWeights, *W4) {
+	t.Helper()
+	g, err := layer.GPULayout()
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := l.UploadW4(g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g, w
+}
+
 type gemmCase struct {
 	M, K, N, group, bits int
 	sym, act             bool
@@ -138,14 +153,7 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 		}
 		ascale = 1e-5
 	}
-	g, err := layer.GPULayout()
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := l.UploadW4(g)
-	if err != nil {
-		t.Fatal(err)
-	}
+	g, w := upload(t, l, layer)
 	defer w.Free(l)
 	abits, avals := randomHalf(r, c.M*c.K)
 	for i := range avals {
@@ -254,14 +262,7 @@ func TestPlanFallsBack(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(4, 4))
 	c := gemmCase{M: 4, K: 480, N: 64, group: 96}
-	g, err := randomLayer(r, c.K, c.N, c.group, 4, false, false).GPULayout()
-	if err != nil {
-		t.Fatal(err)
-	}
-	w, err := l.UploadW4(g)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, w := upload(t, l, randomLayer(r, c.K, c.N, c.group, 4, false, false))
 	defer w.Free(l)
 	l.SetPath(PathFused)
 	if _, err := l.Plan(w, c.M); err == nil {
@@ -281,12 +282,7 @@ func TestPlanFallsBack(t *testing.T) {
 func TestDequantMatchesCPU(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(3, 3))
-	layer := randomLayer(r, 512, 256, 128, 4, false, false)
-	g, _ := layer.GPULayout()
-	w, err := l.UploadW4(g)
-	if err != nil {
-		t.Fatal(err)
-	}
+	g, w := upload(t, l, randomLayer(r, 512, 256, 128, 4, false, false))
 	defer w.Free(l)
 	W, _ := l.Alloc(512 * 256 * 2)
 	defer l.Free(W)
