@@ -16,7 +16,7 @@
 #   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
-#   bash cuda/device-model.sh profile # ncu sections of the small-M kernel (PROFILE_M, PROFILE_SHAPE)
+#   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE)
 #   bash cuda/device-model.sh quant   # GPTQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -39,7 +39,7 @@ L=build/device/llmq
 if [ -z "${SKIP_BUILD:-}" ]; then
   t0=$(date +%s)
   make cuda NVCC_FLAGS="-O3 -std=c++17 -Xptxas -v" > "$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20; tail -20 "$OUT/build.log"; exit 1; }
-  grep -A3 "Compiling entry function '_ZN.*wna16_small.*sm_90a" "$OUT/build.log" | grep -E "registers|spill" | head -12
+  grep -A3 "Compiling entry function '_ZN.*w4a16_fused.*sm_90a" "$OUT/build.log" | grep -E "registers|spill" | head -12
   cp build/libllmqcuda.so build/device/
   echo "build $(( $(date +%s) - t0 ))s"
 fi
@@ -73,7 +73,8 @@ case "$1" in
     ;;
   gemm)
     python3 evals/torchref/tinygemm.py --json "$OUT/tinygemm-h200.json" > "$OUT/tinygemm.log" 2>&1 || tail -5 "$OUT/tinygemm.log"
-    $L bench gemm --peer "$OUT/tinygemm-h200.json" --json "$OUT/gemm-h200.json" 2>&1 | tail -60
+    peer=; [ -s "$OUT/tinygemm-h200.json" ] && peer="--peer $OUT/tinygemm-h200.json"  # the table without the peer if torch failed
+    $L bench gemm $peer --json "$OUT/gemm-h200.json" 2>&1 | tail -60
     ;;
   kernel)
     build/device/cuda.test -test.v -test.run 'TestW4A16|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
@@ -84,8 +85,11 @@ case "$1" in
     fi
     grep -E "rel err" "$OUT/cuda-kernel-tests.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
     for tool in memcheck racecheck; do
-      timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-$tool.log" 2>&1
-      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/cuda-$tool.log" | tail -1)"
+      leak=; [ $tool = memcheck ] && leak="--leak-check full"
+      log="$OUT/cuda-$tool-kernels.log"
+      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool $leak cuda.test -test.run 'TestDequant|TestSmallForSanitizer'" > "$log"
+      timeout 200 compute-sanitizer --tool $tool $leak build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' >> "$log" 2>&1
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY' "$log" | tail -2 | tr '\n' ' ')"
     done
     ;;
   lowbit)
@@ -101,8 +105,8 @@ case "$1" in
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
     ;;
   profile)
-    # ncu on the small-M kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).
-    timeout 300 ncu --clock-control none -k regex:wna16_small -c 1 --section SpeedOfLight --section Occupancy \
+    # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).
+    timeout 300 ncu --clock-control none -k regex:w4a16_fused -c 1 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
       $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 > "$OUT/ncu.txt" 2>&1
     grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible" | head -50

@@ -122,7 +122,9 @@ type gemmCase struct {
 	// adversarial inputs: "zero-groups" makes every code of some groups
 	// equal its zero point (the group contributes exactly 0), "extreme"
 	// mixes the largest scales the fp16 weights allow with the smallest
-	// subnormal, activations scaled to keep the products finite.
+	// subnormal, activations scaled to keep the products finite;
+	// "subnormal" gives every group a subnormal scale (a kernel that
+	// flushed them to zero would output zeros), activations scaled up.
 	edit string
 }
 
@@ -152,6 +154,11 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 			}
 		}
 		ascale = 1e-5
+	case "subnormal":
+		for i := range layer.Scale {
+			layer.Scale[i] = pack.RoundF16(float32(1+i%7) * 6e-8) // 1…7 times the smallest subnormal
+		}
+		ascale = 1000
 	}
 	g, w := upload(t, l, layer)
 	defer w.Free(l)
@@ -248,7 +255,7 @@ func TestW4A16MatchesReference(t *testing.T) {
 		runCase(t, l, r, c)
 	}
 	// Adversarial values on both paths.
-	for _, edit := range []string{"zero-groups", "extreme"} {
+	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
 		for _, p := range []int{PathFused, PathCuBLAS} {
 			runCase(t, l, r, gemmCase{M: 9, K: 1024, N: 64, group: 128, path: p, edit: edit})
 		}
@@ -264,13 +271,18 @@ func TestPlanFallsBack(t *testing.T) {
 	c := gemmCase{M: 4, K: 480, N: 64, group: 96}
 	_, w := upload(t, l, randomLayer(r, c.K, c.N, c.group, 4, false, false))
 	defer w.Free(l)
-	l.SetPath(PathFused)
+	if err := l.SetPath(PathFused); err != nil {
+		t.Fatal(err)
+	}
+	defer l.SetPath(PathAuto)
 	if _, err := l.Plan(w, c.M); err == nil {
 		t.Errorf("%+v: the forced fused kernel accepted it", c)
 	} else {
 		t.Log(err)
 	}
-	l.SetPath(PathAuto)
+	if err := l.SetPath(PathAuto); err != nil {
+		t.Fatal(err)
+	}
 	if v, err := l.Plan(w, c.M); err != nil || v != "dequant+cublas" {
 		t.Errorf("%+v: automatic plan %q, %v; want dequant+cublas", c, v, err)
 	}

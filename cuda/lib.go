@@ -463,7 +463,8 @@ func (x *Context) SetPath(p int) error {
 
 // GemmW4 computes C[M,N] = A[M,K]·dequant(w) in fp16. ws must hold
 // WorkspaceBytes(M, N) zeroed bytes; scratch (K·N fp16) enables the
-// cuBLAS path for large M; aperm (M·K fp16) is needed for act-order.
+// dequantize+cuBLAS path (large M; group sizes that are not powers of
+// two, at every M); aperm (M·K fp16) is needed for act-order.
 func (x *Context) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error {
 	return x.do("w4a16_gemm", func() C.int {
 		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, C_.p, ws.p, scratch.p,
@@ -472,7 +473,7 @@ func (x *Context) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error 
 }
 
 // Plan names the kernel variant GemmW4 runs for M rows of w on this
-// context (for benchmark tables).
+// context when given a scratch (for benchmark tables).
 func (x *Context) Plan(w *W4, M int) (string, error) {
 	var buf [128]C.char
 	err := x.do("w4a16_plan", func() C.int {

@@ -100,8 +100,9 @@ typedef struct {
   size_t (*w4a16_workspace_bytes)(int M, int N);
   /* C = A·dequant(B). perm (may be NULL): act-order checkpoints, A's
    * columns are gathered through perm into a_perm (M·K fp16 scratch)
-   * first. scratch (may be NULL): K·N fp16, used for large M, where B is
-   * dequantized once and multiplied by cuBLAS. */
+   * first. scratch (may be NULL): K·N fp16, used for large M and for
+   * group sizes the fused kernel does not run (not powers of two), where
+   * B is dequantized and multiplied by cuBLAS. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
                     void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group);
   /* The kernel variant w4a16_gemm runs for this shape on c (path,

@@ -94,12 +94,12 @@ func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := checkFits(ck.Dir, estimateBytes(ck), dev); err != nil {
-		return nil, err
-	}
 	q, err := pack.ParseQuantConfig(c.Quantization)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
+	}
+	if err := checkFits(ck.Dir, estimateBytes(ck, q), dev); err != nil {
+		return nil, err
 	}
 	x, err := lib.NewContext()
 	if err != nil {
@@ -200,24 +200,40 @@ func checkFits(dir string, need int64, dev Device) error {
 func gib(b int64) float64 { return float64(b) / (1 << 30) }
 
 // estimateBytes is the GPU memory a checkpoint's weights take (floating
-// tensors as fp16, packed ones as stored) plus the largest dequantize
-// scratch and a margin for cuBLAS and activations.
-func estimateBytes(ck *checkpoint.Checkpoint) int64 {
+// tensors as fp16; packed codes as the GPU holds them: 4 bits a weight
+// for 2- to 4-bit grids, fp16 for wider ones; other integer tensors as
+// stored) plus the largest dequantize scratch and a margin for cuBLAS and
+// activations.
+func estimateBytes(ck *checkpoint.Checkpoint, q *pack.QuantConfig) int64 {
 	var n int64
 	for _, name := range ck.Names() {
 		t, err := ck.Tensor(name)
 		if err != nil {
 			continue
 		}
-		per := int64(2)
-		if t.DType == safetensors.I32 || t.DType == safetensors.F32 && strings.HasSuffix(name, "norm.weight") {
-			per = 4
-		}
-		n += int64(t.Numel()) * per
+		n += tensorGPUBytes(t, q)
 	}
 	c := ck.Config
 	n += int64(c.Intermediate) * int64(c.Hidden) * 2 // W4 scratch
 	return n + n/20 + 512<<20
+}
+
+// tensorGPUBytes is one tensor's share of estimateBytes.
+func tensorGPUBytes(t checkpoint.Tensor, q *pack.QuantConfig) int64 {
+	bytes := int64(t.Numel()) * 2
+	if t.DType == safetensors.I32 || t.DType == safetensors.F32 && strings.HasSuffix(t.Name, "norm.weight") {
+		bytes = int64(t.Numel()) * 4
+	}
+	if prefix, ok := strings.CutSuffix(t.Name, ".qweight"); ok && q != nil {
+		if g, ok := q.GridFor(prefix); ok && g.Bits > 0 {
+			weights := bytes * 8 / int64(g.Bits) // a stored byte holds 8/bits codes
+			if g.GPUPacked() {
+				return weights / 2
+			}
+			return weights * 2
+		}
+	}
+	return bytes
 }
 
 func (m *Model) upload32(v []float32) (Buf, error) {
@@ -260,7 +276,7 @@ func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm
 		if err != nil {
 			return nil, err
 		}
-		if pl.Grid.Bits > 4 || pl.Grid.FP8 || pl.Grid.PerTensor {
+		if !pl.Grid.GPUPacked() {
 			if l.w, err = m.upload16(pl.Dequantize()); err != nil {
 				return nil, fmt.Errorf("%s: %w", s.Name, err)
 			}

@@ -14,6 +14,7 @@ import (
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
+	"github.com/nlpodyssey/safetensors"
 )
 
 // loadBoth opens a shared model on the CPU and on the GPU.
@@ -208,6 +209,28 @@ func TestKernelErrorIsRecoverable(t *testing.T) {
 	}
 	if _, err := gpu.NewCache(1 << 30); err == nil || !strings.Contains(err.Error(), "max_position_embeddings") {
 		t.Errorf("oversized cache: %v", err)
+	}
+}
+
+// TestEstimateCountsCodesAsTheGPUHoldsThem: a GPTQ qweight of K×N weights
+// takes K·N/2 bytes on the GPU at 2 to 4 bits (nibbles) and K·N·2 at 8 bits
+// (fp16), whatever its size on disk; other tensors count as stored.
+func TestEstimateCountsCodesAsTheGPUHoldsThem(t *testing.T) {
+	const K, N = 4096, 1024
+	for _, c := range []struct{ bits, want int64 }{{2, K * N / 2}, {3, K * N / 2}, {4, K * N / 2}, {8, K * N * 2}} {
+		q := &pack.QuantConfig{QuantMethod: "gptq", Bits: int(c.bits), GroupSize: 128}
+		qweight := checkpoint.Tensor{Name: "model.layers.0.mlp.down_proj.qweight", DType: safetensors.I32, Shape: []int{K * int(c.bits) / 32, N}}
+		if got := tensorGPUBytes(qweight, q); got != c.want {
+			t.Errorf("%d-bit qweight: %d bytes, want %d", c.bits, got, c.want)
+		}
+		scales := checkpoint.Tensor{Name: "model.layers.0.mlp.down_proj.scales", DType: safetensors.F16, Shape: []int{K / 128, N}}
+		if got, want := tensorGPUBytes(scales, q), int64(K/128*N*2); got != want {
+			t.Errorf("%d-bit scales: %d bytes, want %d", c.bits, got, want)
+		}
+	}
+	bf16 := checkpoint.Tensor{Name: "model.layers.0.mlp.down_proj.weight", DType: safetensors.BF16, Shape: []int{N, K}}
+	if got := tensorGPUBytes(bf16, nil); got != K*N*2 {
+		t.Errorf("bf16 weight: %d bytes, want %d", got, K*N*2)
 	}
 }
 

@@ -17,6 +17,8 @@
 //
 // Large M (compute-bound): B is dequantized once to fp16 and multiplied by
 // cuBLAS; the extra K·N·2 bytes are small next to the arithmetic there.
+// Group sizes that are not powers of two take this path at every M (slow
+// at small M: the whole layer is dequantized per call).
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <stdio.h>
@@ -359,9 +361,18 @@ int check_shape(llmq_ctx* c, int M, int N, int K, int group) {
 // Plan is what one call runs: the fused kernel's instantiation (MB m-tiles
 // of 16 rows) and its K splits, or dequantize + cuBLAS.
 struct Plan {
-  int path;  // 1 fused kernel, 2 dequantize + cuBLAS
-  int mb, splits;
+  int path;     // 1 fused kernel, 2 dequantize + cuBLAS
+  int variant;  // the fused instantiation: kVariants[variant]
+  int splits;
 };
+
+// The fused kernel's instantiations, by M: m-tiles of 16 rows (MB) and
+// 16-row steps per ring stage (U); STAGES 4 and MINB 1 for all. resident_of
+// and w4a16_gemm switch on the index with these same template arguments.
+struct Variant {
+  int mb, u;
+};
+constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
 
 // resident_of queries (once per context) how many CTAs of an
 // instantiation fit on an SM.
@@ -386,18 +397,21 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch
   p.path = c->w4_path ? c->w4_path : ((M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2);
   if (p.path == 2) return 0;
   if (!pow2) {
-    llmq::set_error(c, "the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", group);
+    llmq::set_error(c,
+                    "the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d); other "
+                    "groups run through dequantize + cuBLAS, which needs the K·N fp16 scratch",
+                    group);
     return 1;
   }
-  p.mb = M <= 16 ? 1 : M <= 32 ? 2 : 4;
-  const int variant = p.mb == 1 ? 0 : p.mb == 2 ? 1 : 2, U = p.mb == 4 ? 1 : 2;
-  const int rc = variant == 0 ? resident_of<1, 2, 4, 1>(c, 0)
-                 : variant == 1 ? resident_of<2, 2, 4, 1>(c, 1)
-                                : resident_of<4, 1, 4, 1>(c, 2);
+  p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
+  const Variant v = kVariants[p.variant];
+  const int rc = p.variant == 0 ? resident_of<1, 2, 4, 1>(c, 0)
+                 : p.variant == 1 ? resident_of<2, 2, 4, 1>(c, 1)
+                                  : resident_of<4, 1, 4, 1>(c, 2);
   if (rc) return rc;
-  const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * p.mb - 1) / (16 * p.mb);
-  int splits = max(1, (c->sms * max(c->resident[variant], 1)) / (NT * mblocks));
-  splits = min(splits, max(1, KT / (4 * kWarps * U)));
+  const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
+  int splits = max(1, (c->sms * max(c->resident[p.variant], 1)) / (NT * mblocks));
+  splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   p.splits = splits;
   return 0;
@@ -480,8 +494,8 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
     if (w4_dequant(c, B, scales, zeros, scratch, N, K, group)) return 1;
     return gemm_f16(c, a, scratch, C, M, N, K);
   }
-  if (p.mb == 1) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  if (p.mb == 2) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
 }
 
@@ -492,7 +506,7 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
   if (p.path == 2)
     snprintf(out, n, "dequant+cublas");
   else
-    snprintf(out, n, "fused v5 mb%d splits%d", p.mb, p.splits);
+    snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   return 0;
 }
 

@@ -230,21 +230,26 @@ func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 // PeerRun is the JSON evals/torchref/tinygemm.py writes.
 type PeerRun struct {
 	Torch   string `json:"torch"`
+	GPU     string `json:"gpu"`
+	Command string `json:"command"`
+	Date    string `json:"date"`
 	Results []struct {
-		Shape  string  `json:"shape"`
-		M      int     `json:"m"`
-		Micros float64 `json:"tinygemm_us"`
+		K, N, M int
+		Micros  float64 `json:"tinygemm_us"`
 	} `json:"results"`
 }
 
 // AddPeer fills the peer's time and the ratio to it into results of the
-// same shape and M.
-func AddPeer(res []GemmResult, p *PeerRun) {
+// same K, N and M, and returns how many rows got one.
+func AddPeer(res []GemmResult, p *PeerRun) int {
+	matched := 0
 	for i := range res {
 		for _, q := range p.Results {
-			if q.Shape == res[i].Shape && q.M == res[i].M && q.Micros > 0 {
+			if q.K == res[i].K && q.N == res[i].N && q.M == res[i].M && q.Micros > 0 {
 				res[i].PeerMicros, res[i].VsPeer = q.Micros, q.Micros/res[i].W4Micros
+				matched++
 			}
 		}
 	}
+	return matched
 }

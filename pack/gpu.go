@@ -36,10 +36,10 @@ type GPUWeights struct {
 	Perm        []int32  // nil when g_idx is sequential
 }
 
-// GPULayout repacks a 4-bit layer for the kernel.
+// GPULayout repacks a 2-, 3- or 4-bit layer for the kernel.
 func (l *Linear) GPULayout() (*GPUWeights, error) {
 	K, N := l.In, l.Out
-	if l.Grid.Bits < 2 || l.Grid.Bits > 4 || l.Grid.FP8 || l.Grid.PerTensor {
+	if !l.Grid.GPUPacked() {
 		return nil, fmt.Errorf("the GPU kernel runs 2-, 3- and 4-bit integer weights, this layer has %s", l.Grid.Describe())
 	}
 	group := l.Grid.Group(K)

@@ -182,6 +182,11 @@ func (g Grid) Group(in int) int {
 	return g.GroupSize
 }
 
+// GPUPacked says whether the GPU runtime holds a layer of this grid packed
+// for the W4A16 kernel (integer codes of 2 to 4 bits, one per nibble);
+// wider and FP8 grids are dequantized to fp16 there.
+func (g Grid) GPUPacked() bool { return !g.FP8 && g.Bits >= 2 && g.Bits <= 4 }
+
 // MaxQ is 2^bits − 1.
 func (g Grid) MaxQ() int { return 1<<g.Bits - 1 }
 

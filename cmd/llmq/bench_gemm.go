@@ -46,6 +46,9 @@ func newBenchGemm() *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if pr != nil && pr.GPU != dev.Name {
+				return fmt.Errorf("--peer %s was measured on %q, this is %q: the peer must be timed on the same GPU", peer, pr.GPU, dev.Name)
+			}
 			gpu, err := lib.NewContext()
 			if err != nil {
 				return err
@@ -68,8 +71,8 @@ func newBenchGemm() *cobra.Command {
 				if err != nil {
 					return err
 				}
-				if pr != nil {
-					evals.AddPeer(res, pr)
+				if pr != nil && evals.AddPeer(res, pr) == 0 {
+					return fmt.Errorf("--peer %s: no timing for %s at any of these M", peer, s.Name)
 				}
 				for _, r := range res {
 					fmt.Fprintf(w, "%-24s %6d %10.2f %10.2f %7.2fx %10.2f %7.2fx %8.1f %5.0f%%  %s\n", r.Shape, r.M, r.W4Micros, r.CuBLASMicro, r.Speedup, r.PeerMicros, r.VsPeer, r.TFLOPS, 100*r.BWFraction, r.Variant)
@@ -79,7 +82,7 @@ func newBenchGemm() *cobra.Command {
 			if jsonOut != "" {
 				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "results": all}
 				if pr != nil {
-					data["peer"] = "torch " + pr.Torch + " _weight_int4pack_mm (tinygemm), evals/torchref/tinygemm.py in the same device call"
+					data["peer"] = map[string]any{"kernel": "torch " + pr.Torch + " _weight_int4pack_mm (tinygemm)", "gpu": pr.GPU, "command": pr.Command, "date": pr.Date}
 				}
 				rec := evals.NewRecord("bench-gemm", data)
 				rec.Device = dev.Name + "; host " + rec.Device
