@@ -16,7 +16,7 @@
 #   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
-#   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE)
+#   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
 #   bash cuda/device-model.sh quant   # GPTQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -106,7 +106,7 @@ case "$1" in
     ;;
   profile)
     # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).
-    timeout 300 ncu --clock-control none -k regex:w4a16_fused -c 1 --section SpeedOfLight --section Occupancy \
+    timeout 300 ncu --clock-control none -k regex:${PROFILE_KERNEL:-w4a16_fused} -c 1 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
       $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 > "$OUT/ncu.txt" 2>&1
     grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible" | head -50
