@@ -341,7 +341,7 @@ func TestChatTemplateKwargs(t *testing.T) {
 
 	hi := []chat.Message{{Role: "user", Content: "Hi"}}
 	msg, n := ask(map[string]any{"messages": hi})
-	if want := promptTokens(hi, nil); n != want || msg["reasoning_content"] != "" || msg["content"] != "Hello" {
+	if want := promptTokens(hi, nil); n != want || msg["reasoning_content"] != nil || msg["content"] != "Hello" {
 		t.Errorf("by default: %d prompt tokens (want %d), message %v", n, want, msg)
 	}
 	noThink := map[string]any{"enable_thinking": false}

@@ -26,8 +26,10 @@
 // </think> — comes back as vLLM's reasoning parsers return it: the think
 // block's text, without its tags and the whitespace around them, as
 // message.reasoning_content, and what follows as content; streamed, the
-// deltas carry reasoning_content until </think> and content after it,
-// never a tag (text that may begin one waits for the next token). An
+// deltas carry reasoning_content until </think> and content after it
+// (the delta that crosses the tag may carry both), never a tag (text that
+// may begin one waits for the next token); reasoning_content is left out
+// where there is no reasoning. An
 // answer that does not open a think block is all content, as is the
 // answer to a prompt that closed one itself (Qwen3 with enable_thinking
 // false); a prompt that opens one (ends in <think>) makes the answer
@@ -801,8 +803,9 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 	// choice is a choice of the answer, or of a chunk: a completion's
 	// text; a chat's message, or delta (the first with the role), whose
 	// content is text, and whose reasoning_content, when the answer is
-	// split, is reasoning: always in a message, in the deltas that carry
-	// some (and a delta of reasoning alone has no content).
+	// split, is reasoning: present only where there is some (a delta of
+	// reasoning alone has no content; the delta that crosses </think>
+	// carries both).
 	choice := func(text, reasoning string, finish any, first bool, logprobs any) map[string]any {
 		c := map[string]any{"index": 0, "finish_reason": finish, "logprobs": logprobs}
 		if !isChat {
@@ -813,7 +816,7 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 		if first || !p.Stream {
 			msg["role"] = "assistant"
 		}
-		if splitter != nil && (!p.Stream || reasoning != "") {
+		if splitter != nil && reasoning != "" {
 			msg["reasoning_content"] = reasoning
 		}
 		if !p.Stream || text != "" || reasoning == "" {
@@ -931,10 +934,10 @@ func (s *Server) run(w http.ResponseWriter, r *http.Request, rs *reqState, e *en
 		return
 	}
 	last, reasoning := "", ""
-	if echo && first { // nothing was streamed: the prompt still is the answer's start
+	switch {
+	case echo && first: // a completion that streamed nothing: the prompt still is the answer's start
 		last = pr.text
-	}
-	if splitter != nil { // what it held back
+	case splitter != nil: // a chat answer: what the splitter held back
 		reasoning, last = splitter.flush()
 	}
 	if err := event(with(map[string]any{"choices": []any{choice(last, reasoning, res.FinishReason, first, nil)}})); err != nil {
