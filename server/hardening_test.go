@@ -151,6 +151,7 @@ func TestEveryErrorIsOpenAIShaped(t *testing.T) {
 		{"POST", "/v1/completions", ``, 400, "the body is empty", "", ""},
 		{"POST", "/v1/completions", `{"model": "llama-tiny", "prompt": "` + strings.Repeat("y", 70000) + `"}`, 413, "limit of 65536 bytes", "", "request_too_large"},
 		{"POST", "/v1/completions", `{"model": "llama-tiny", "prompt": "` + strings.Repeat("y", 1001) + `"}`, 400, "the prompt has 1001 bytes of text, more than the 1000", "prompt", "context_length_exceeded"},
+		{"POST", "/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"doc": "` + strings.Repeat("y", 1000) + `"}}`, 400, "the prompt has 1016 bytes of text, more than the 1000", "messages", "context_length_exceeded"},
 		{"POST", "/v1/completions", `{"model": "gpt-5", "prompt": "x"}`, 404, `the model "gpt-5" does not exist`, "model", "model_not_found"},
 	} {
 		what := c.method + " " + c.path + " " + c.body

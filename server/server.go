@@ -652,6 +652,10 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request, rs *req
 			msgs[i] = chat.Message{Role: m.Role, Content: string(m.Content), ReasoningContent: m.ReasoningContent}
 			n += len(m.Role) + len(m.Content) + len(m.ReasoningContent)
 		}
+		if len(cr.ChatTemplateKwargs) > 0 { // rendered into the prompt too
+			kw, _ := json.Marshal(cr.ChatTemplateKwargs)
+			n += len(kw)
+		}
 		if err := s.checkPromptBytes(e, "messages", n); err != nil {
 			return nil, lo, err
 		}
