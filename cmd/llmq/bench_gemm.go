@@ -61,7 +61,13 @@ func newBenchGemm() *cobra.Command {
 			}
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "%s, %d SMs, measured read bandwidth %.2f TB/s\n", dev.Name, dev.SMs, bw/1e12)
-			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s %10s %8s %8s %6s  %s\n", "shape", "M", "w4a16 µs", "cuBLAS µs", "speedup", "tinygemm", "vs tiny", "TFLOP/s", "%BW", "kernel")
+			// The peer's columns only when there is a peer.
+			peerHead, peerRow := "", func(evals.GemmResult) string { return "" }
+			if pr != nil {
+				peerHead = fmt.Sprintf(" %10s %8s", "tinygemm", "vs tiny")
+				peerRow = func(r evals.GemmResult) string { return fmt.Sprintf(" %10.2f %7.2fx", r.PeerMicros, r.VsPeer) }
+			}
+			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s%s %8s %6s  %s\n", "shape", "M", "w4a16 µs", "cuBLAS µs", "speedup", peerHead, "TFLOP/s", "%BW", "kernel")
 			var all []evals.GemmResult
 			for _, s := range evals.LlamaShapes {
 				if only != "" && !strings.Contains(s.Name, only) {
@@ -75,7 +81,7 @@ func newBenchGemm() *cobra.Command {
 					return fmt.Errorf("--peer %s: no timing for %s at any of these M", peer, s.Name)
 				}
 				for _, r := range res {
-					fmt.Fprintf(w, "%-24s %6d %10.2f %10.2f %7.2fx %10.2f %7.2fx %8.1f %5.0f%%  %s\n", r.Shape, r.M, r.W4Micros, r.CuBLASMicro, r.Speedup, r.PeerMicros, r.VsPeer, r.TFLOPS, 100*r.BWFraction, r.Variant)
+					fmt.Fprintf(w, "%-24s %6d %10.2f %10.2f %7.2fx%s %8.1f %5.0f%%  %s\n", r.Shape, r.M, r.W4Micros, r.CuBLASMicro, r.Speedup, peerRow(r), r.TFLOPS, 100*r.BWFraction, r.Variant)
 				}
 				all = append(all, res...)
 			}
