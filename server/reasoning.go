@@ -26,40 +26,42 @@ const (
 	thinkClose = "</think>"
 )
 
-// thinking says whether a chat's answer is split into reasoning_content
-// and content, and how the answer begins.
-type thinking int
+// splitState is where a chat answer stands in its split into
+// reasoning_content and content; thinkingOf gives where it starts.
+type splitState int
 
 const (
-	// noThinking: the answer is content, as generated. The model's chat
+	// noSplit: the answer is content, as generated. The model's chat
 	// template writes no think blocks (it never mentions </think>), or
 	// its generation prompt closed one already: Qwen3's template with
 	// chat_template_kwargs {"enable_thinking": false} ends the prompt in
 	// an empty "<think>\n\n</think>\n\n", and the model answers without
 	// tags.
-	noThinking thinking = iota
-	// mayThink: the generation prompt leaves thinking to the model
+	noSplit splitState = iota
+	// atStart: the generation prompt leaves thinking to the model
 	// (Qwen3's template by default). An answer that opens with <think> is
 	// split; one that does not is all content.
-	mayThink
-	// inThink: the generation prompt opened the think block (it ends in
-	// "<think>\n", as QwQ's and DeepSeek-R1's templates do): the answer
-	// is reasoning up to </think>.
-	inThink
+	atStart
+	// inReasoning: in the think block, until </think> — from the start
+	// when the generation prompt opened it (it ends in "<think>\n", as
+	// QwQ's and DeepSeek-R1's templates do).
+	inReasoning
+	// inContent: after the think block, or in an answer without one.
+	inContent
 )
 
 // thinkingOf reads how a chat's answer will be split from the model's
 // chat template and the prompt it rendered: from whether the template
 // writes think blocks at all, and how the prompt ends.
-func thinkingOf(tmpl *chat.Template, prompt string) thinking {
+func thinkingOf(tmpl *chat.Template, prompt string) splitState {
 	end := strings.TrimRightFunc(prompt, unicode.IsSpace)
 	switch {
 	case !strings.Contains(tmpl.Source, thinkClose), strings.HasSuffix(end, thinkClose):
-		return noThinking
+		return noSplit
 	case strings.HasSuffix(end, thinkOpen):
-		return inThink
+		return inReasoning
 	}
-	return mayThink
+	return atStart
 }
 
 // reasoningSplitter splits an answer, chunk by chunk as it streams, into
@@ -76,24 +78,13 @@ type reasoningSplitter struct {
 	begun bool   // the current part has returned text: its whitespace is no longer leading
 }
 
-type splitState int
-
-const (
-	atStart     splitState = iota // an opening <think> may come
-	inReasoning                   // in the think block, until </think>
-	inContent                     // after it, or in an answer without one
-)
-
-// newReasoningSplitter returns the splitter of an answer that begins as
-// t says, or nil when the answer is not to be split (noThinking).
-func newReasoningSplitter(t thinking) *reasoningSplitter {
-	switch t {
-	case mayThink:
-		return &reasoningSplitter{state: atStart}
-	case inThink:
-		return &reasoningSplitter{state: inReasoning}
+// newReasoningSplitter returns the splitter of an answer that starts in
+// state start, or nil when the answer is not to be split (noSplit).
+func newReasoningSplitter(start splitState) *reasoningSplitter {
+	if start == noSplit {
+		return nil
 	}
-	return nil
+	return &reasoningSplitter{state: start}
 }
 
 // add takes the answer's next text and returns what is now known to be

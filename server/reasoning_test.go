@@ -22,25 +22,25 @@ import (
 
 // splitCases are answers and how they split, by how the prompt left them.
 var splitCases = []struct {
-	think              thinking
+	think              splitState
 	answer             string
 	reasoning, content string
 }{
 	// Qwen3 by default: the model opens the think block, or not.
-	{mayThink, "<think>\nThe user greets me.\n</think>\n\nHello there!", "The user greets me.", "Hello there!"},
-	{mayThink, "  <think>\n\n</think>\n\nHi", "", "Hi"},
-	{mayThink, "<think>\nStill thinking about", "Still thinking about", ""}, // max_tokens while thinking
-	{mayThink, "<think>", "", ""},
-	{mayThink, "\n\nNo tags, <b>as generated</b> \n", "", "\n\nNo tags, <b>as generated</b> \n"},
-	{mayThink, "<thi", "", "<thi"}, // too short to have opened the block
-	{mayThink, "", "", ""},
-	{mayThink, "<think>a < b </thinking> <\n</think>c </think> d", "a < b </thinking> <", "c </think> d"},
-	{mayThink, "<think>\u00a0Überlegung…\u3000</think>\u3000答え ", "Überlegung…", "答え "},
+	{atStart, "<think>\nThe user greets me.\n</think>\n\nHello there!", "The user greets me.", "Hello there!"},
+	{atStart, "  <think>\n\n</think>\n\nHi", "", "Hi"},
+	{atStart, "<think>\nStill thinking about", "Still thinking about", ""}, // max_tokens while thinking
+	{atStart, "<think>", "", ""},
+	{atStart, "\n\nNo tags, <b>as generated</b> \n", "", "\n\nNo tags, <b>as generated</b> \n"},
+	{atStart, "<thi", "", "<thi"}, // too short to have opened the block
+	{atStart, "", "", ""},
+	{atStart, "<think>a < b </thinking> <\n</think>c </think> d", "a < b </thinking> <", "c </think> d"},
+	{atStart, "<think>\u00a0Überlegung…\u3000</think>\u3000答え ", "Überlegung…", "答え "},
 	// QwQ, DeepSeek-R1: the prompt opened the block.
-	{inThink, "Because 2+2=4.\n</think>\n\n4", "Because 2+2=4.", "4"},
-	{inThink, "</think>\n\nJust the answer", "", "Just the answer"},
-	{inThink, "\nCut off mid-thou", "Cut off mid-thou", ""},
-	{inThink, "Cut off at the tag </th", "Cut off at the tag </th", ""},
+	{inReasoning, "Because 2+2=4.\n</think>\n\n4", "Because 2+2=4.", "4"},
+	{inReasoning, "</think>\n\nJust the answer", "", "Just the answer"},
+	{inReasoning, "\nCut off mid-thou", "Cut off mid-thou", ""},
+	{inReasoning, "Cut off at the tag </th", "Cut off at the tag </th", ""},
 }
 
 // The splitter returns each answer's reasoning and content, whole and
@@ -84,7 +84,7 @@ func TestReasoningSplitter(t *testing.T) {
 			}
 		}
 	}
-	if newReasoningSplitter(noThinking) != nil {
+	if newReasoningSplitter(noSplit) != nil {
 		t.Error("an answer that does not think has a splitter")
 	}
 }
@@ -97,13 +97,13 @@ func TestThinkingOf(t *testing.T) {
 	for _, c := range []struct {
 		tmpl   *chat.Template
 		prompt string
-		want   thinking
+		want   splitState
 	}{
-		{qwen3, head, mayThink},
-		{qwen3, head + "<think>\n\n</think>\n\n", noThinking}, // enable_thinking false
-		{qwen3, head + "<think>\n", inThink},
-		{qwen3, "<|im_start|>user\nWhat is </think>?<|im_end|>\n<|im_start|>assistant\n", mayThink},
-		{plain, head + "<think>\n", noThinking}, // the template never thinks
+		{qwen3, head, atStart},
+		{qwen3, head + "<think>\n\n</think>\n\n", noSplit}, // enable_thinking false
+		{qwen3, head + "<think>\n", inReasoning},
+		{qwen3, "<|im_start|>user\nWhat is </think>?<|im_end|>\n<|im_start|>assistant\n", atStart},
+		{plain, head + "<think>\n", noSplit}, // the template never thinks
 	} {
 		if got := thinkingOf(c.tmpl, c.prompt); got != c.want {
 			t.Errorf("%q: %d, want %d", c.prompt, got, c.want)

@@ -583,7 +583,7 @@ type completionRequest struct {
 type prompt struct {
 	ids   []int
 	text  string
-	think thinking
+	think splitState
 }
 
 // maxPrompts bounds the prompts of one completion request (a batch, as
