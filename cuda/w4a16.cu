@@ -21,7 +21,6 @@
 // at small M: the whole layer is dequantized per call).
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
-#include <stdio.h>
 #include "common.cuh"
 
 namespace {

@@ -29,13 +29,8 @@ import (
 // llmq runs one command line and returns what it printed on stdout.
 func llmq(t *testing.T, args ...string) (string, error) {
 	t.Helper()
-	root := newRoot()
-	var out, errOut bytes.Buffer
-	root.SetOut(&out)
-	root.SetErr(&errOut)
-	root.SetArgs(args)
-	err := root.Execute()
-	return out.String(), err
+	out, _, err := llmqBoth(t, args...)
+	return out, err
 }
 
 // mustLLMQ is llmq for a command line that must succeed.
