@@ -173,6 +173,20 @@ type Choice struct {
 // module's output when the group's weights are replaced by qw (same order
 // as ws).
 func Search(ws [][]float32, in int, xmean []float64, eval func(qw [][]float32) (float64, error), opt Options) (Choice, error) {
+	return SearchScales(ws, in, xmean, func(s []float32) (float64, error) {
+		qw := make([][]float32, len(ws))
+		for i, w := range ws {
+			qw[i] = ScaledQuant(w, len(w)/in, in, s, opt.Grid)
+		}
+		return eval(qw)
+	}, opt)
+}
+
+// SearchScales is Search with the quantization left to eval: eval(s)
+// returns the inspected module's error when the group's weights W are
+// replaced by Q(W·diag(s))·diag(s)⁻¹ (the GPU path quantizes on the
+// device). ws are read only for the duo form's w̄.
+func SearchScales(ws [][]float32, in int, xmean []float64, eval func(s []float32) (float64, error), opt Options) (Choice, error) {
 	var wmean []float64
 	if opt.Duo {
 		wmean = weightMean(ws, in, opt.Grid.Group(in))
@@ -186,11 +200,7 @@ func Search(ws [][]float32, in int, xmean []float64, eval func(qw [][]float32) (
 	for r := 0; r < n; r++ {
 		alpha := float64(r) / float64(n)
 		s := candidate(xmean, wmean, alpha)
-		qw := make([][]float32, len(ws))
-		for i, w := range ws {
-			qw[i] = ScaledQuant(w, len(w)/in, in, s, opt.Grid)
-		}
-		e, err := eval(qw)
+		e, err := eval(s)
 		if err != nil {
 			return Choice{}, err
 		}
@@ -250,6 +260,13 @@ func clampF16(v float32, n *int) float32 {
 	return v
 }
 
+// ClipRows is about how many calibration rows the clip search reads.
+const ClipRows = 512
+
+// ClipStride is the clip search's row sampling for total rows: every
+// ClipStride-th row, the first included.
+func ClipStride(total int) int { return max(1, total/ClipRows) }
+
 // Clip searches, per output channel and group, the max |w| shrink that
 // best preserves the group's partial outputs on the input rows x
 // [rows][in] subsampled with a stride of rows/512, as the reference does,
@@ -262,7 +279,7 @@ func Clip(w []float32, out, in int, xs [][]float32, opt Options) float64 {
 	for _, x := range xs {
 		total += len(x) / in
 	}
-	stride := max(1, total/512)
+	stride := ClipStride(total)
 	var rows [][]float32
 	idx := 0
 	for _, x := range xs {

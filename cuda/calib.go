@@ -47,6 +47,7 @@ type Calibrator struct {
 	factored *Hessian
 	factor   Buf // GPTQFactor's fp64 workspace
 	factorN  int
+	sqPart   Buf // AWQLoss's partial sums
 
 	// Busy accumulates the seconds spent in each kind of work (names as
 	// in Timing); the driver reads it for its report.
@@ -60,7 +61,8 @@ type calibBlock struct {
 
 type calibLinear struct {
 	in, out int
-	w, b    Buf
+	w, b    Buf // fp16: what the forward pass multiplies by
+	w32     Buf // fp32: the weights as SetBlock had them (AWQ's searches start from them)
 }
 
 // NewCalibrator uploads the calibration activations X ([window]
@@ -143,6 +145,9 @@ func (c *Calibrator) alloc(X [][]float32) error {
 	return nil
 }
 
+// Windows is the number of calibration windows the calibrator holds.
+func (c *Calibrator) Windows() int { return c.N }
+
 // Close frees everything the calibrator holds on the GPU.
 func (c *Calibrator) Close() error {
 	if c.x == nil {
@@ -184,7 +189,8 @@ func (c *Calibrator) timed(kind string, f func() error) error {
 }
 
 // SetBlock uploads a decoder block's norms and (dense) linear layers,
-// replacing the previous block's.
+// replacing the previous block's. The weights go up in fp32 (kept for
+// AWQ's searches) and are converted to fp16 on the device.
 func (c *Calibrator) SetBlock(b *llm.Block) error {
 	return c.timed("upload", func() error {
 		c.freeBlock()
@@ -203,7 +209,13 @@ func (c *Calibrator) SetBlock(b *llm.Block) error {
 			}
 			l := &calibLinear{in: d.In(), out: d.Out()}
 			c.blk.lin[nl.Name] = l
-			if l.w, err = AllocFrom(c.x, toF16(d.W)); err != nil {
+			if l.w32, err = AllocFrom(c.x, d.W); err != nil {
+				return err
+			}
+			if l.w, err = c.x.Alloc(len(d.W) * 2); err != nil {
+				return err
+			}
+			if err := c.x.F32ToF16(l.w32, l.w, len(d.W)); err != nil {
 				return err
 			}
 			if d.B != nil {
@@ -235,6 +247,7 @@ func (c *Calibrator) freeBlock() {
 	}
 	for _, l := range c.blk.lin {
 		c.x.Free(l.w)
+		c.x.Free(l.w32)
 		c.x.Free(l.b)
 	}
 	c.blk = calibBlock{}
@@ -261,10 +274,12 @@ func (c *Calibrator) attnNorm(r0, rows int) error {
 }
 
 // attention: from h, the attention output (before o_proj) into attAll's rows.
-func (c *Calibrator) attention(r0, rows int) error {
+func (c *Calibrator) attention(r0, rows int) error { return c.attentionTo(c.attRows(r0), rows) }
+
+// attentionTo: from h, the attention output of a chunk's rows into out.
+func (c *Calibrator) attentionTo(out Buf, rows int) error {
 	cfg, x := c.cfg, c.x
 	hd, kvd := cfg.HeadDim, cfg.KVHeads*cfg.HeadDim
-	out := c.attAll.Offset(r0 * cfg.Heads * hd * 2)
 	for _, f := range []func() error{
 		func() error { return c.linear("self_attn.q_proj", c.h, c.q, rows) },
 		func() error { return c.linear("self_attn.k_proj", c.h, c.k, rows) },

@@ -99,5 +99,13 @@ int gptq_factor(llmq_ctx* c, const float* Hsum, double s, const int32_t* perm, d
 int gptq_quantize(llmq_ctx* c, float* W, const float* Hinv, uint8_t* Q, float* scale, uint8_t* zero, const int32_t* group_of,
                   float* err1, double* loss, int out, int in, int group, int bits, int sym, int fit_groups,
                   int from_start);
+// awq.cu
+int f32_to_f16(llmq_ctx* c, const float* src, void* dst, size_t n);
+int memcpy_2d(llmq_ctx* c, void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height);
+int col_abs_sum(llmq_ctx* c, const void* X, double* part, int rows, int d);
+int sq_diff_sum(llmq_ctx* c, const void* a, const void* b, double* part, size_t n);
+int awq_quant(llmq_ctx* c, const float* W, const float* s, void* Wq, int out, int in, int group, int bits, int sym, int minmax);
+int awq_clip(llmq_ctx* c, const float* W, const float* s, const float* H, float* D, float* P, double* best_err, float* best_max,
+             int out, int in, int group, int bits, int sym, int minmax, int n_shrink);
 void destroy_cusolver(llmq_ctx* c);
 }  // namespace llmq

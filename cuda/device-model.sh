@@ -17,8 +17,8 @@
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
-#   bash cuda/device-model.sh quant   # GPTQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
-#                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act) quantized
+#   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
+#                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
 #                                     # with --device cuda and evaluated on the GPU
 #   bash cuda/device-model.sh quant8b # GPTQ of a synthetic bf16 llama3-8b on the GPU, timed
 #                                     # (PRESET, SYNTH_ARGS="--layers 8", METHOD, NSAMPLES)
@@ -148,20 +148,24 @@ case "$1" in
     ;;
   quant)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      build/device/cuda.test -test.v -test.run 'TestGPTQOnGPU|TestCalibrator' > "$OUT/cuda-gptq-tests.log" 2>&1
-      echo "cuda gptq tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|codes equal|ΔU|panic|Error" "$OUT/cuda-gptq-tests.log" | head -30
-      build/device/quantize.test -test.v -test.run TestGPUMatchesCPU > "$OUT/quantize-gpu-tests.log" 2>&1
+      build/device/cuda.test -test.v -test.run 'TestGPTQOnGPU|TestCalibrator|TestAWQ' > "$OUT/cuda-gptq-tests.log" 2>&1
+      echo "cuda gptq/awq tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|codes equal|ΔU|x̄|loss GPU|thresholds|panic|Error" "$OUT/cuda-gptq-tests.log" | head -40
+      build/device/quantize.test -test.v -test.run "${QTESTS:-TestGPUMatchesCPU|TestAWQOnGPU}" > "$OUT/quantize-gpu-tests.log" 2>&1
       echo "quantize gpu tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|perplexity|panic|Error" "$OUT/quantize-gpu-tests.log" | head -30
     fi
     CALIB=$LLMQ_SHARED/data/calib.txt
     for M in ${QMODELS:-llama-tiny llama-small}; do
       for c in ${QCONFIGS:-gptq-w4}; do
-        b=${c#gptq-w}; b=${b%%-*}; extra=()
+        # METHOD-wB[-gG][-bs|-act]: gptq, awq (128 × 512 calibration, the
+        # AWQ protocol) or awqgptq (awq+gptq)
+        meth=${c%%-w*}; b=${c#*-w}; b=${b%%-*}; extra=(); seqlen=2048
         g=128; [[ $c == *-g* ]] && { g=${c#*-g}; g=${g%-bs}; }
         [[ $c == *-bs ]] && extra+=(--groups-from-block-start)
         [[ $c == *-act ]] && extra+=(--act-order)
+        [ "$meth" = awq ] && seqlen=512
+        [ "$meth" = awqgptq ] && meth=awq+gptq
         t0=$(date +%s.%N)
-        $L quantize "$LLMQ_SHARED/models/$M" --method gptq --bits "$b" --group "$g" "${extra[@]}" --calib "$CALIB" --nsamples 128 --seqlen 2048 \
+        $L quantize "$LLMQ_SHARED/models/$M" --method "$meth" --bits "$b" --group "$g" "${extra[@]}" --calib "$CALIB" --nsamples 128 --seqlen $seqlen \
           -o build/q/$M-$c --force --device cuda --report "$OUT/quantize-$M-$c-h200.json" 2>&1 | grep -E "wall time|^time|rror"
         echo "== $M $c (quantize $(python3 -c "import time;print(round(time.time()-$t0,1))") s)"; ppl $M-$c build/q/$M-$c
       done

@@ -134,6 +134,22 @@ static int c_gptq_quantize(A a, llmq_ctx* c, P W, P Hinv, P Q, P scale, P zero, 
 	return a->gptq_quantize(c, (float*)W, (const float*)Hinv, (uint8_t*)Q, (float*)scale, (uint8_t*)zero, (const int32_t*)gof,
 		(float*)err1, (double*)loss, out, in, group, bits, sym, fit, from_start);
 }
+static int c_f32_to_f16(A a, llmq_ctx* c, P src, P dst, size_t n) { return a->f32_to_f16(c, (const float*)src, (void*)dst, n); }
+static int c_memcpy_2d(A a, llmq_ctx* c, P dst, size_t dp, P src, size_t sp, size_t w, size_t h) {
+	return a->memcpy_2d(c, (void*)dst, dp, (const void*)src, sp, w, h);
+}
+static int c_col_abs_sum(A a, llmq_ctx* c, P X, P part, int rows, int d) { return a->col_abs_sum(c, (const void*)X, (double*)part, rows, d); }
+static int c_sq_diff_sum(A a, llmq_ctx* c, P x, P y, P part, size_t n) {
+	return a->sq_diff_sum(c, (const void*)x, (const void*)y, (double*)part, n);
+}
+static int c_awq_quant(A a, llmq_ctx* c, P W, P s, P Wq, int out, int in, int group, int bits, int sym, int minmax) {
+	return a->awq_quant(c, (const float*)W, (const float*)s, (void*)Wq, out, in, group, bits, sym, minmax);
+}
+static int c_awq_clip(A a, llmq_ctx* c, P W, P s, P H, P D, P Pm, P err, P best, int out, int in, int group, int bits, int sym,
+		int minmax, int n) {
+	return a->awq_clip(c, (const float*)W, (const float*)s, (const float*)H, (float*)D, (float*)Pm, (double*)err, (float*)best,
+		out, in, group, bits, sym, minmax, n);
+}
 */
 import "C"
 
@@ -145,6 +161,8 @@ import (
 	"slices"
 	"strings"
 	"unsafe"
+
+	"github.com/llmq/llmq/pack"
 )
 
 // Lib is a loaded llmq CUDA library: its API table, resolved once.
@@ -643,14 +661,64 @@ func (x *Context) GPTQFactor(Hsum Buf, s float64, perm Buf, lambda float64, U, w
 // when fit, else read; fromStart: gptq.Options.GroupsFromBlockStart) and
 // per-row losses.
 func (x *Context) GPTQQuantize(W, Hinv, Q, scale, zero, groupOf, err1, loss Buf, out, in, group, bits int, sym, fit, fromStart bool) error {
-	b := func(v bool) C.int {
-		if v {
-			return 1
-		}
-		return 0
-	}
 	return x.do("gptq_quantize", func() C.int {
 		return C.c_gptq_quantize(x.lib.api, x.c, W.p, Hinv.p, Q.p, scale.p, zero.p, groupOf.p, err1.p, loss.p, C.int(out), C.int(in),
-			C.int(group), C.int(bits), b(sym), b(fit), b(fromStart))
+			C.int(group), C.int(bits), cbool(sym), cbool(fit), cbool(fromStart))
+	})
+}
+
+// The AWQ kernels (awq.cu); see llmq.h for their contracts.
+
+// Partial-sum slices of ColAbsSum and SqDiffSum.
+const (
+	ColSplits = C.LLMQ_COL_SPLITS
+	SqParts   = C.LLMQ_SQ_PARTS
+)
+
+// F32ToF16 converts n fp32 values of src to fp16 in dst.
+func (x *Context) F32ToF16(src, dst Buf, n int) error {
+	return x.do("f32_to_f16", func() C.int { return C.c_f32_to_f16(x.lib.api, x.c, src.p, dst.p, C.size_t(n)) })
+}
+
+// Copy2D copies height rows of width bytes from src (spitch bytes apart)
+// to dst (dpitch apart).
+func (x *Context) Copy2D(dst Buf, dpitch int, src Buf, spitch, width, height int) error {
+	return x.do("memcpy_2d", func() C.int {
+		return C.c_memcpy_2d(x.lib.api, x.c, dst.p, C.size_t(dpitch), src.p, C.size_t(spitch), C.size_t(width), C.size_t(height))
+	})
+}
+
+// ColAbsSum adds Σ|X[r][c]| over X [rows][d] fp16 to part [ColSplits][d] fp64.
+func (x *Context) ColAbsSum(X, part Buf, rows, d int) error {
+	return x.do("col_abs_sum", func() C.int { return C.c_col_abs_sum(x.lib.api, x.c, X.p, part.p, C.int(rows), C.int(d)) })
+}
+
+// SqDiffSum adds Σ(a−b)² over n fp16 values to part [SqParts] fp64.
+func (x *Context) SqDiffSum(a, b, part Buf, n int) error {
+	return x.do("sq_diff_sum", func() C.int { return C.c_sq_diff_sum(x.lib.api, x.c, a.p, b.p, part.p, C.size_t(n)) })
+}
+
+// cbool is a C flag.
+func cbool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// AWQQuant writes Wq fp16 = Q(W·diag(s))·diag(s)⁻¹ (s may be nil) on grid g.
+func (x *Context) AWQQuant(W, s, Wq Buf, out, in int, g pack.Grid) error {
+	return x.do("awq_quant", func() C.int {
+		return C.c_awq_quant(x.lib.api, x.c, W.p, s.p, Wq.p, C.int(out), C.int(in), C.int(g.Group(in)), C.int(g.Bits),
+			cbool(g.Sym), cbool(g.MinMax))
+	})
+}
+
+// AWQClip runs AWQ's clip search on W [out][in] fp32 (llmq.h), writing
+// best [out][in/group] thresholds; D, P, err are scratch.
+func (x *Context) AWQClip(W, s, H, D, P, errs, best Buf, out, in int, g pack.Grid, nShrink int) error {
+	return x.do("awq_clip", func() C.int {
+		return C.c_awq_clip(x.lib.api, x.c, W.p, s.p, H.p, D.p, P.p, errs.p, best.p, C.int(out), C.int(in), C.int(g.Group(in)),
+			C.int(g.Bits), cbool(g.Sym), cbool(g.MinMax), C.int(nShrink))
 	})
 }

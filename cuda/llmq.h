@@ -44,7 +44,11 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 4
+#define LLMQ_API_VERSION 5
+
+/* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
+#define LLMQ_COL_SPLITS 32
+#define LLMQ_SQ_PARTS 1024
 
 typedef struct llmq_ctx llmq_ctx;
 
@@ -162,6 +166,28 @@ typedef struct {
    * block is fitted on the block's weights as the block began. */
   int (*gptq_quantize)(llmq_ctx* c, float* W, const float* Hinv, uint8_t* Q, float* scale, uint8_t* zero, const int32_t* group_of,
                        float* err1, double* loss, int out, int in, int group, int bits, int sym, int fit_groups, int from_start);
+
+  /* AWQ (awq.cu). dst fp16 = src fp32, n values. */
+  int (*f32_to_f16)(llmq_ctx* c, const float* src, void* dst, size_t n);
+  /* height rows of width bytes from src (rows spitch bytes apart) to dst (dpitch apart), device to device. */
+  int (*memcpy_2d)(llmq_ctx* c, void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height);
+  /* part [LLMQ_COL_SPLITS][d] fp64 += Σ |X[r][c]| over the rows of X [rows][d] fp16, row slice y into part[y]. */
+  int (*col_abs_sum)(llmq_ctx* c, const void* X, double* part, int rows, int d);
+  /* part [LLMQ_SQ_PARTS] fp64 += Σ (a−b)² over n fp16 values, each part a fixed subset. */
+  int (*sq_diff_sum)(llmq_ctx* c, const void* a, const void* b, double* part, size_t n);
+  /* Wq [out][in] fp16 = Q(W·diag(s))·diag(s)⁻¹ for W fp32, s [in] fp32
+   * (NULL: no scaling), Q the grid of pack.Grid (bits, group, sym, minmax)
+   * fitted per row and group. */
+  int (*awq_quant)(llmq_ctx* c, const float* W, const float* s, void* Wq, int out, int in, int group, int bits, int sym,
+                   int minmax);
+  /* AWQ's clip search on W [out][in] fp32: for each row and group, of the
+   * n_shrink thresholds max|w|·(1 − k/(2·n_shrink)) the one minimising
+   * dᵀ·G·d, d = (Q(clip(w)) − w)/s over the group (s NULL: 1) and G the
+   * group's diagonal block of H [in][in] fp32 (Σ x·xᵀ of the sampled
+   * unscaled inputs). Writes best_max [out][in/group]; D, P [out][in]
+   * fp32 and best_err [out][in/group] fp64 are scratch. */
+  int (*awq_clip)(llmq_ctx* c, const float* W, const float* s, const float* H, float* D, float* P, double* best_err,
+                  float* best_max, int out, int in, int group, int bits, int sym, int minmax, int n_shrink);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -43,6 +43,7 @@ func (*Lib) Device() (Device, error) { return Device{}, errNoCgo }
 func NewCalibrator(*Lib, *checkpoint.Config, [][]float32, int) (*Calibrator, error) {
 	return nil, errNoCgo
 }
+func (*Calibrator) Windows() int                                      { return 0 }
 func (*Calibrator) Close() error                                      { return errNoCgo }
 func (*Calibrator) PeakBytes() (int64, error)                         { return 0, errNoCgo }
 func (*Calibrator) Download() ([][]float32, error)                    { return nil, errNoCgo }
@@ -61,6 +62,31 @@ func (*Calibrator) Diag(*Hessian) ([]float64, error)                  { return n
 func (*Calibrator) GPTQFactor(*Hessian, []int, float64) (bool, error) { return false, errNoCgo }
 func (*Calibrator) GPTQ(*Hessian, []float32, int, int, []int32, []float32, []uint8, pack.Grid, bool, bool) ([]uint8, float64, error) {
 	return nil, 0, errNoCgo
+}
+
+// The AWQ inputs, as in the cgo build.
+const (
+	InQKV = iota
+	InO
+	InGateUp
+	InDown
+)
+
+// AWQFeatures is unavailable without cgo.
+type AWQFeatures struct {
+	Windows int
+	Mean    [4][]float64
+	Gram    [4]*Hessian
+}
+
+func (*Calibrator) AWQCollect(context.Context, int, int) (*AWQFeatures, error)  { return nil, errNoCgo }
+func (*Calibrator) FreeAWQ(*AWQFeatures)                                        {}
+func (*Calibrator) AWQLoss(context.Context, *AWQFeatures, int) (float64, error) { return 0, errNoCgo }
+func (*Calibrator) AWQAdvance(context.Context, *AWQFeatures) error              { return errNoCgo }
+func (*Calibrator) AWQQuantize(string, []float32, pack.Grid) error              { return errNoCgo }
+func (*Calibrator) Restore(string) error                                        { return errNoCgo }
+func (*Calibrator) AWQClip(*AWQFeatures, string, []float32, []float32, int, pack.Grid, int) ([]float32, error) {
+	return nil, errNoCgo
 }
 
 // Supports always fails without cgo: nothing runs on the GPU.

@@ -278,6 +278,12 @@ const llmq_api kAPI = {
     gptq_factor_workspace_bytes,
     gptq_factor,
     gptq_quantize,
+    f32_to_f16,
+    memcpy_2d,
+    col_abs_sum,
+    sq_diff_sum,
+    awq_quant,
+    awq_clip,
 };
 }  // namespace
 }  // namespace llmq

@@ -55,11 +55,16 @@ func (d *driver) block(ctx context.Context, l int) error {
 	}
 	bl := &Block{Ctx: ctx, Index: l, Prefix: prefix, Block: b, Stages: d.st, X: d.X, SeqLen: d.opt.SeqLen,
 		Progress: progress, Experts: d.expertCalib(), tensors: tensors}
-	next, err := d.m.Prepare(bl)
+	var next [][]float32
+	if d.opt.GPU != nil {
+		err = d.gpuPrepare(ctx, bl)
+	} else {
+		next, err = d.m.Prepare(bl)
+	}
 	if err != nil {
 		return err
 	}
-	if d.opt.GPU != nil {
+	if d.opt.GPU != nil && d.m.NewStats(1) != nil { // GPTQ, AWQ+GPTQ: statistics on the GPU
 		return d.gpuBlock(ctx, bl)
 	}
 	linears := map[string]*llm.Linear{}

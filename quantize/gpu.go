@@ -2,6 +2,7 @@ package quantize
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/gptq"
@@ -14,12 +15,16 @@ import (
 // pass and Hessians computed there, and GPTQ's factorization and column
 // updates run there; the host lays out each layer (column order, dead
 // inputs, static groups: package gptq's own code) and packs the result.
-// GPTQ is the method that runs on it today.
+// AWQ's searches run there too (gpuawq.go).
 
-// RunsOnGPU says whether method m runs on the GPU path.
+// RunsOnGPU says whether method m runs on the GPU path: every method but
+// RTN, which reads no calibration data (with a GPU it rounds on the host).
 func RunsOnGPU(m Method) bool {
-	_, ok := m.(GPTQ)
-	return ok
+	switch m.(type) {
+	case GPTQ, AWQ, AWQGPTQ:
+		return true
+	}
+	return false
 }
 
 // gpuStats is one layer input's Hessian on the GPU and, once factored,
@@ -58,14 +63,19 @@ func (m GPTQ) quantizeGPU(c *cuda.Calibrator, s *gpuStats, l Layer) (*pack.Linea
 // gpuBlock quantizes a block whose Method has prepared it, on the GPU.
 func (d *driver) gpuBlock(ctx context.Context, bl *Block) error {
 	cfg := d.ck.Config
-	if d.cal == nil { // the first block this run quantizes: X moves to the GPU
-		c, err := cuda.NewCalibrator(d.opt.GPU, cfg, d.X, d.opt.SeqLen)
-		if err != nil {
-			return err
-		}
-		d.cal, d.X = c, nil
+	c, err := d.calibrator()
+	if err != nil {
+		return err
 	}
-	c, m := d.cal, d.m.(GPTQ)
+	var m GPTQ
+	switch dm := d.m.(type) {
+	case GPTQ:
+		m = dm
+	case AWQGPTQ:
+		m = dm.GPTQ
+	default:
+		return fmt.Errorf("method %s has no GPU statistics", d.m.Name())
+	}
 	if err := c.SetBlock(bl.Block); err != nil {
 		return err
 	}

@@ -154,6 +154,15 @@ func scaleBlock(b *Block, f *awq.Features, opt awq.Options) (*awq.Scales, error)
 	if err != nil {
 		return nil, err
 	}
+	foldScales(b, sc, f, opt)
+	return sc, nil
+}
+
+// foldScales folds a block's AWQ scales into it (and into the cached
+// features f, when not nil) and records the changed norms (and v bias,
+// and a mixture's router) in the output as F32.
+func foldScales(b *Block, sc *awq.Scales, f *awq.Features, opt awq.Options) {
+	blk := b.Block
 	if n := awq.Apply(blk, sc, f); n > 0 && opt.Log != nil {
 		opt.Log("%s: %d folded values clamped to the float16 range ±65504", b.Prefix, n)
 	}
@@ -169,5 +178,4 @@ func scaleBlock(b *Block, f *awq.Features, opt awq.Options) (*awq.Scales, error)
 	if r := blk.MoE; r != nil && sc.GateUp.Scales != nil { // its columns carry the gate/up scale
 		b.SetFloat32(strings.TrimPrefix(llm.RouterName(cfg, b.Index), b.Prefix)+".weight", r.Router.W, r.Router.Out(), r.Router.In())
 	}
-	return sc, nil
 }

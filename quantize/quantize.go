@@ -215,6 +215,12 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		}
 	}
 	rep := &Report{Method: m.Name(), BytesIn: ck.SizeOnDisk(), Device: "cpu", Timing: map[string]float64{}}
+	if opt.GPU != nil && !m.Calibrated() {
+		opt.GPU = nil // RTN reads no calibration data: it rounds on the host
+	}
+	if a, ok := m.(AWQ); ok && opt.GPU != nil && a.Record != nil {
+		return nil, fmt.Errorf("AWQ's input statistics (--stats) are taken on the CPU: use --device cpu")
+	}
 	if opt.GPU != nil {
 		if !RunsOnGPU(m) {
 			return nil, fmt.Errorf("method %s does not run on the GPU yet: use --device cpu", m.Name())

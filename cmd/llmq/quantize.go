@@ -245,7 +245,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.StringVar(&planPath, "plan", "", "mixed-precision plan from llmq sensitivity -o (its rules come after --override/--skip)")
 	f.Var(ruleFlag{p: &plan, skip: true}, "skip", "mixed precision: keep modules matching a glob (or re:EXPR) unquantized, e.g. 'layers.31.mlp.down_proj'; repeatable")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output (a block is never split): bytes, or with kB/MB/GB or KiB/MiB/GiB")
-	f.StringVar(&device, "device", "auto", "where GPTQ calibrates and solves: auto (the GPU when its library and a device are there), cpu, or cuda; other methods run on the CPU")
+	f.StringVar(&device, "device", "auto", "where GPTQ and AWQ calibrate, search and solve: auto (the GPU when its library and a device are there), cpu, or cuda (RTN needs no calibration and rounds on the CPU)")
 	f.StringVar(&reportPath, "report", "", "write the run's report (per-layer loss, timings, each expert's calibration tokens) as JSON here")
 	f.StringVar(&opt.MoECalib, "moe-calib", quantize.MoECalibRouted, "mixtures of experts: each expert's statistics from the calibration tokens the router sends it (routed), or from every token sent through every expert (all; statistics only, outputs follow the real routing)")
 	f.IntVar(&opt.MoEMinTokens, "moe-min-tokens", 0, "mixtures of experts: an expert routed fewer calibration tokens is calibrated on all tokens instead, and reported (0: the model's hidden size)")
@@ -263,9 +263,18 @@ func quantizeDevice(device string, m quantize.Method, src string) (*cuda.Lib, er
 	default:
 		return nil, fmt.Errorf("--device must be auto, cpu or cuda, got %q", device)
 	}
+	if !m.Calibrated() {
+		return nil, nil // RTN reads no calibration data: it rounds on the CPU wherever it runs
+	}
+	if a, ok := m.(quantize.AWQ); ok && a.Record != nil {
+		if device == "cuda" {
+			return nil, fmt.Errorf("--device cuda: --stats takes AWQ's input statistics on the CPU; drop one of them")
+		}
+		return nil, nil
+	}
 	if !quantize.RunsOnGPU(m) {
 		if device == "cuda" {
-			return nil, fmt.Errorf("--device cuda: --method %s runs on the CPU only for now (GPTQ runs on the GPU)", m.Name())
+			return nil, fmt.Errorf("--device cuda: --method %s runs on the CPU only", m.Name())
 		}
 		return nil, nil
 	}
