@@ -87,8 +87,8 @@ case "$1" in
     for tool in memcheck racecheck; do
       leak=; [ $tool = memcheck ] && leak="--leak-check full"
       log="$OUT/cuda-$tool-kernels.log"
-      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool $leak cuda.test -test.run 'TestDequant|TestSmallForSanitizer'" > "$log"
-      timeout 200 compute-sanitizer --tool $tool $leak build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' >> "$log" 2>&1
+      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool $leak cuda.test -test.run 'TestDequant|TestSmallForSanitizer|TestAWQQuant|TestAWQClip'" > "$log"
+      timeout 200 compute-sanitizer --tool $tool $leak build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer|TestAWQQuant|TestAWQClip' >> "$log" 2>&1
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY' "$log" | tail -2 | tr '\n' ' ')"
     done
     ;;
