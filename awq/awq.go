@@ -400,18 +400,7 @@ type TokenOutlier struct {
 
 // Stats summarises a layer's calibration inputs xs ([window][T·d]).
 func Stats(layer string, xs [][]float32, d int) LinearStats {
-	xmean := ChannelMean(xs, d)
-	st := LinearStats{Layer: layer, Channels: d}
-	sorted := append([]float64(nil), xmean...)
-	sort.Float64s(sorted)
-	pct := func(p float64) float64 { return sorted[min(len(sorted)-1, int(p*float64(len(sorted))))] }
-	st.SaliencyP50, st.SaliencyP90, st.SaliencyP99, st.SaliencyMax = pct(0.5), pct(0.9), pct(0.99), sorted[len(sorted)-1]
-	order := make([]int, d)
-	for i := range order {
-		order[i] = i
-	}
-	sort.Slice(order, func(a, b int) bool { return xmean[order[a]] > xmean[order[b]] })
-	st.TopChannels = order[:min(8, d)]
+	st := MeanStats(layer, ChannelMean(xs, d), 0)
 	var outs []TokenOutlier
 	for w, x := range xs {
 		for t := 0; (t+1)*d <= len(x); t++ {
@@ -427,5 +416,24 @@ func Stats(layer string, xs [][]float32, d int) LinearStats {
 	}
 	sort.Slice(outs, func(a, b int) bool { return outs[a].AbsMax > outs[b].AbsMax })
 	st.TopTokenOutliers = outs[:min(8, len(outs))]
+	return st
+}
+
+// MeanStats is the part of Stats that x̄ (xmean) gives: the saliency
+// percentiles and the top channels, over tokens rows (the GPU path keeps
+// no per-token inputs, so no token outliers).
+func MeanStats(layer string, xmean []float64, tokens int) LinearStats {
+	d := len(xmean)
+	st := LinearStats{Layer: layer, Channels: d, Tokens: tokens}
+	sorted := append([]float64(nil), xmean...)
+	sort.Float64s(sorted)
+	pct := func(p float64) float64 { return sorted[min(len(sorted)-1, int(p*float64(len(sorted))))] }
+	st.SaliencyP50, st.SaliencyP90, st.SaliencyP99, st.SaliencyMax = pct(0.5), pct(0.9), pct(0.99), sorted[len(sorted)-1]
+	order := make([]int, d)
+	for i := range order {
+		order[i] = i
+	}
+	sort.Slice(order, func(a, b int) bool { return xmean[order[a]] > xmean[order[b]] })
+	st.TopChannels = order[:min(8, d)]
 	return st
 }

@@ -162,7 +162,7 @@ case "$1" in
         g=128; [[ $c == *-g* ]] && { g=${c#*-g}; g=${g%-bs}; }
         [[ $c == *-bs ]] && extra+=(--groups-from-block-start)
         [[ $c == *-act ]] && extra+=(--act-order)
-        [ "$meth" = awq ] && seqlen=512
+        [ "$meth" = awq ] && { seqlen=512; extra+=(--stats "$OUT/awq-stats-$M-$c-h200.json"); }
         [ "$meth" = awqgptq ] && meth=awq+gptq
         t0=$(date +%s.%N)
         $L quantize "$LLMQ_SHARED/models/$M" --method "$meth" --bits "$b" --group "$g" "${extra[@]}" --calib "$CALIB" --nsamples 128 --seqlen $seqlen \

@@ -3,6 +3,7 @@ package quantize
 import (
 	"context"
 	"fmt"
+	"math"
 
 	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/cuda"
@@ -22,9 +23,9 @@ import (
 func (d *driver) gpuPrepare(ctx context.Context, bl *Block) error {
 	switch m := d.m.(type) {
 	case AWQ:
-		return d.gpuAWQ(ctx, bl, m.Opt, 0, m.Opt.Clip, true)
+		return d.gpuAWQ(ctx, bl, m.Opt, 0, m.Opt.Clip, true, m.Record)
 	case AWQGPTQ:
-		return d.gpuAWQ(ctx, bl, m.Scales, 32, false, false)
+		return d.gpuAWQ(ctx, bl, m.Scales, 32, false, false, nil)
 	}
 	return nil
 }
@@ -45,8 +46,10 @@ func (d *driver) calibrator() (*cuda.Calibrator, error) {
 // gpuAWQ searches block bl's AWQ scales on the GPU over the first windows
 // calibration windows (0: all), folds them into the host's block, and
 // with clip clamps the host's weights to the clip search's thresholds.
-// With advance, X becomes the unquantized block's output.
-func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows int, clip, advance bool) error {
+// With advance, X becomes the unquantized block's output. A non-nil
+// record gets the block's input statistics (awq.MeanStats: no token
+// outliers) with the search results, as AWQ.Record.
+func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows int, clip, advance bool, record *[]awq.LinearStats) error {
 	c, err := d.calibrator()
 	if err != nil {
 		return err
@@ -124,6 +127,18 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 		}
 	}
 	foldScales(bl, sc, nil, opt)
+	var shrink [4]map[string]float64
+	defer func() {
+		if record == nil {
+			return
+		}
+		var st []awq.LinearStats
+		for i, name := range []string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"} {
+			st = append(st, awq.MeanStats(bl.Prefix+name, f.Mean[i], windows*d.opt.SeqLen))
+		}
+		awq.AddSearchResults(st, sc, shrink)
+		*record = append(*record, st...)
+	}()
 	if !clip {
 		return nil
 	}
@@ -154,22 +169,35 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 		if err != nil {
 			return err
 		}
-		clampGroups(l.d.W, l.d.Out(), l.d.In(), opt.Grid.Group(l.d.In()), best)
+		if shrink[l.in] == nil {
+			shrink[l.in] = map[string]float64{}
+		}
+		shrink[l.in][l.name] = clampGroups(l.d.W, l.d.Out(), l.d.In(), opt.Grid.Group(l.d.In()), best)
 	}
 	return nil
 }
 
 // clampGroups clamps each row's groups of w [out][in] to ±their threshold
-// (thr [out][in/group]), as awq.Clip does with the thresholds it chose.
-func clampGroups(w []float32, out, in, group int, thr []float32) {
+// (thr [out][in/group]), as awq.Clip does with the thresholds it chose,
+// and returns the mean shrink (threshold / max|w|; 1 for a zero group).
+func clampGroups(w []float32, out, in, group int, thr []float32) float64 {
 	G := in / group
+	var shrink float64
 	for o := 0; o < out; o++ {
 		for g := 0; g < G; g++ {
 			m := thr[o*G+g]
 			seg := w[o*in+g*group : o*in+(g+1)*group]
+			var mx float32
 			for i, v := range seg {
+				mx = max(mx, float32(math.Abs(float64(v))))
 				seg[i] = min(max(v, -m), m)
+			}
+			if mx > 0 {
+				shrink += float64(m / mx)
+			} else {
+				shrink++
 			}
 		}
 	}
+	return shrink / float64(out*G)
 }

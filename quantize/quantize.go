@@ -218,9 +218,6 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if opt.GPU != nil && !m.Calibrated() {
 		opt.GPU = nil // RTN reads no calibration data: it rounds on the host
 	}
-	if a, ok := m.(AWQ); ok && opt.GPU != nil && a.Record != nil {
-		return nil, fmt.Errorf("AWQ's input statistics (--stats) are taken on the CPU: use --device cpu")
-	}
 	if opt.GPU != nil {
 		if !RunsOnGPU(m) {
 			return nil, fmt.Errorf("method %s does not run on the GPU yet: use --device cpu", m.Name())

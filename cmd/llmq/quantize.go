@@ -218,7 +218,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.StringVar(&opt.Format, "format", "gptq", "checkpoint layout: gptq, awq (AutoAWQ GEMM; 4-bit, no act-order) or compressed-tensors (llm-compressor's, that vLLM loads: pack-quantized; FP8: float-quantized)")
 	f.StringVar(&fp8Act, "fp8-act", "dynamic", "--method fp8: the activation scheme recorded: dynamic (FP8 per token) or static (one FP8 scale per layer input, max|x|/448 over --calib; written as input_scale)")
 	f.StringVar(&fp8Scale, "fp8-scale", "per-channel", "--method fp8: per-channel (a scale per output channel, llm-compressor's FP8_DYNAMIC) or per-tensor (one scale per layer)")
-	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency, outlier tokens) and search results (α and its loss curve, clip shrinks) as JSON")
+	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency; outlier tokens on the CPU) and search results (α and its loss curve, clip shrinks) as JSON")
 	f.BoolVar(&duo, "duo", false, "AWQ: duo scaling x̄^α / w̄^(1−α) (AutoAWQ) instead of x̄^α (llm-awq)")
 	f.BoolVar(&noClip, "no-clip", false, "AWQ: skip the clip search")
 	f.IntVar(&bits, "bits", 4, "bits per weight: 2, 3, 4 or 8")
@@ -265,12 +265,6 @@ func quantizeDevice(device string, m quantize.Method, src string) (*cuda.Lib, er
 	}
 	if !m.Calibrated() {
 		return nil, nil // RTN reads no calibration data: it rounds on the CPU wherever it runs
-	}
-	if a, ok := m.(quantize.AWQ); ok && a.Record != nil {
-		if device == "cuda" {
-			return nil, fmt.Errorf("--device cuda: --stats takes AWQ's input statistics on the CPU; drop one of them")
-		}
-		return nil, nil
 	}
 	if !quantize.RunsOnGPU(m) {
 		if device == "cuda" {
