@@ -53,7 +53,21 @@ type Options struct {
 	NGrid int       // α grid points (20)
 	Duo   bool      // s = x̄^α / w̄^(1−α) (AutoAWQ's duo scaling)
 	Clip  bool      // run the clip search
-	Log   func(format string, args ...any)
+	// SearchTokens caps the calibration tokens each scale candidate's
+	// loss is measured on (the first windows holding that many; 0: all).
+	// x̄, the clip search and the next block's inputs still read every
+	// window. The reference code calibrates on 128 × 512 tokens in all.
+	SearchTokens int
+	Log          func(format string, args ...any)
+}
+
+// SearchWindows is how many of n windows of T tokens the candidates'
+// losses read.
+func (o Options) SearchWindows(n, T int) int {
+	if o.SearchTokens <= 0 || T <= 0 {
+		return n
+	}
+	return min(n, max(1, (o.SearchTokens+T-1)/T))
 }
 
 // FakeQuant returns the grid's quantize-dequantize of w [out][in].

@@ -119,6 +119,13 @@ func dense(l llm.Linear) *llm.Dense { return l.(*llm.Dense) }
 func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features, opt Options) (*Scales, error) {
 	T := f.T
 	sc := &Scales{}
+	// The candidates' losses read the first SearchWindows windows (x̄
+	// reads them all).
+	nw := opt.SearchWindows(len(f.N), T)
+	N, Att, M, Act, orgA, orgM := f.N[:nw], f.Att[:nw], f.M[:nw], f.Act, f.orgA[:nw], f.orgM[:nw]
+	if Act != nil {
+		Act = Act[:nw]
+	}
 	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
 	var err error
 
@@ -126,15 +133,15 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 	sc.QKV, err = Search([][]float32{q.W, k.W, v.W}, q.In(), ChannelMean(f.N, q.In()), func(qw [][]float32) (float64, error) {
 		tb := *b
 		tb.Q, tb.K, tb.V = llm.NewDense(qw[0], q.B, q.In(), q.Out()), llm.NewDense(qw[1], k.B, k.In(), k.Out()), llm.NewDense(qw[2], v.B, v.In(), v.Out())
-		outs := make([][]float32, len(f.N))
-		for w, n := range f.N {
+		outs := make([][]float32, len(N))
+		for w, n := range N {
 			if err := ctx.Err(); err != nil {
 				return 0, err
 			}
 			outs[w] = make([]float32, T*o.Out())
 			o.Forward(outs[w], st.Attention(&tb, n, T), T)
 		}
-		return meanMSE(outs, f.orgA), nil
+		return meanMSE(outs, orgA), nil
 	}, opt)
 	if err != nil {
 		return nil, fmt.Errorf("q/k/v scales: %w", err)
@@ -142,13 +149,13 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 
 	// v_proj → o_proj, only when their weights have the same shape (no GQA).
 	if v.Out() == o.In() && v.In() == o.Out() {
-		sc.VO, err = searchLinear(o, f.Att, f.orgA, opt)
+		sc.VO, err = searchLinear(o, Att, orgA, opt)
 		if err != nil {
 			return nil, fmt.Errorf("v/o scales: %w", err)
 		}
 	}
 	if b.MoE != nil {
-		return sc, searchMixture(ctx, st, b, f, sc, opt)
+		return sc, searchMixture(ctx, st, b, f, sc, opt, M, orgM)
 	}
 	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
 
@@ -156,22 +163,22 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 	sc.GateUp, err = Search([][]float32{gate.W, up.W}, gate.In(), ChannelMean(f.M, gate.In()), func(qw [][]float32) (float64, error) {
 		tb := *b
 		tb.Gate, tb.Up = llm.NewDense(qw[0], nil, gate.In(), gate.Out()), llm.NewDense(qw[1], nil, up.In(), up.Out())
-		outs := make([][]float32, len(f.M))
-		for w, m := range f.M {
+		outs := make([][]float32, len(M))
+		for w, m := range M {
 			if err := ctx.Err(); err != nil {
 				return 0, err
 			}
 			outs[w] = make([]float32, T*down.Out())
 			down.Forward(outs[w], st.MLPAct(&tb, m, T), T)
 		}
-		return meanMSE(outs, f.orgM), nil
+		return meanMSE(outs, orgM), nil
 	}, opt)
 	if err != nil {
 		return nil, fmt.Errorf("gate/up scales: %w", err)
 	}
 
 	// up_proj → down_proj.
-	sc.Down, err = searchLinear(down, f.Act, f.orgM, opt)
+	sc.Down, err = searchLinear(down, Act, orgM, opt)
 	if err != nil {
 		return nil, fmt.Errorf("up/down scales: %w", err)
 	}
@@ -184,7 +191,7 @@ func SearchBlock(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features,
 // router, kept unquantized, reads the unscaled input during the search;
 // Apply compensates it when the scale is folded), then each expert's
 // up_proj → down_proj on its calibration rows (Features.Rows).
-func searchMixture(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features, sc *Scales, opt Options) error {
+func searchMixture(ctx context.Context, st *llm.Stages, b *llm.Block, f *Features, sc *Scales, opt Options, M, orgM [][]float32) error {
 	T, moe := f.T, b.MoE
 	var ws [][]float32
 	for _, x := range moe.Experts {
@@ -200,15 +207,15 @@ func searchMixture(ctx context.Context, st *llm.Stages, b *llm.Block, f *Feature
 			tm.Experts[e].Gate = llm.NewDense(qw[2*e], nil, g.In(), g.Out())
 			tm.Experts[e].Up = llm.NewDense(qw[2*e+1], nil, u.In(), u.Out())
 		}
-		outs := make([][]float32, len(f.M))
-		for w, m := range f.M {
+		outs := make([][]float32, len(M))
+		for w, m := range M {
 			if err := ctx.Err(); err != nil {
 				return 0, err
 			}
 			outs[w] = make([]float32, T*H)
 			tm.Forward(outs[w], m, T)
 		}
-		return meanMSE(outs, f.orgM), nil
+		return meanMSE(outs, orgM), nil
 	}, opt)
 	if err != nil {
 		return fmt.Errorf("experts' gate/up scales: %w", err)

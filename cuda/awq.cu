@@ -287,11 +287,14 @@ int awq_clip(llmq_ctx* c, const float* W, const float* s, const float* H, float*
     CK_LAUNCH("clip_candidate_kernel");
     // Row-major D, P [out][in] are column-major Dᶜ, Pᶜ [in][out]; group
     // g's block is Pᶜ_g [group][out] = G_g·Dᶜ_g with G_g the g-th diagonal
-    // block of H (symmetric, leading dimension in).
+    // block of H (symmetric, leading dimension in). TF32 tensor cores:
+    // their 2⁻¹¹ input rounding is that of the fp16 activations G is made
+    // of, and fp32 FMA (the first version) took most of a block's time on
+    // an 8B model.
     const float one = 1.f, zero = 0.f;
     cublasStatus_t st = cublasGemmStridedBatchedEx(
         c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, group, out, group, &one, H, CUDA_R_32F, in, (long long)group * in + group, D,
-        CUDA_R_32F, in, group, &zero, P, CUDA_R_32F, in, group, G, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT);
+        CUDA_R_32F, in, group, &zero, P, CUDA_R_32F, in, group, G, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT);
     if (st != CUBLAS_STATUS_SUCCESS) {
       set_error(c, "cublasGemmStridedBatchedEx (awq_clip) failed: status %d (out=%d in=%d group=%d)", (int)st, out, in, group);
       return 1;

@@ -210,13 +210,16 @@ func (c *Calibrator) FreeAWQ(f *AWQFeatures) {
 	*f = AWQFeatures{}
 }
 
-// AWQLoss is the mean squared error, over the features' rows, of the
-// output the search for input in inspects, computed with the block's
+// AWQLoss is the mean squared error, over the rows of the features' first
+// windows windows, of the output the search for input in inspects, computed with the block's
 // current fp16 weights against the one AWQCollect kept: for q/k/v's input
 // o_proj's output through attention, for o's o_proj's output, for
 // gate/up's the MLP's output, for down's down_proj's output (the MSE of
 // package awq's searches).
-func (c *Calibrator) AWQLoss(ctx context.Context, f *AWQFeatures, in int) (float64, error) {
+func (c *Calibrator) AWQLoss(ctx context.Context, f *AWQFeatures, in, windows int) (float64, error) {
+	if windows <= 0 || windows > f.Windows {
+		return 0, fmt.Errorf("AWQ loss on %d windows: the features hold %d", windows, f.Windows)
+	}
 	cfg := c.cfg
 	H, I := cfg.Hidden, cfg.Intermediate
 	if c.sqPart.Nil() {
@@ -225,7 +228,7 @@ func (c *Calibrator) AWQLoss(ctx context.Context, f *AWQFeatures, in int) (float
 			return 0, err
 		}
 	}
-	rows := f.Windows * c.T
+	rows := windows * c.T
 	err := c.timed("search", func() error {
 		if err := c.x.Memset(c.sqPart, 0, c.sqPart.Bytes); err != nil {
 			return err

@@ -276,7 +276,7 @@ func TestAWQFeaturesMatchCPU(t *testing.T) {
 	g := pack.Grid{Bits: 4, GroupSize: 128, MinMax: true}
 	layers := [4][]string{{"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {"self_attn.o_proj"}, {"mlp.gate_proj", "mlp.up_proj"}, {"mlp.down_proj"}}
 	for in := range layers {
-		loss, err := c.AWQLoss(ctx, gf, in)
+		loss, err := c.AWQLoss(ctx, gf, in, N)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -310,7 +310,7 @@ func TestAWQFeaturesMatchCPU(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		loss, err := c.AWQLoss(ctx, gf, in)
+		loss, err := c.AWQLoss(ctx, gf, in, N)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -175,13 +175,14 @@ case "$1" in
     TOK=$LLMQ_SHARED/models/llama-small
     [ -d "$TOK" ] || TOK=$LLMQ_SHARED/models/llama-tiny
     t0=$(date +%s)
-    $L synth --preset ${PRESET:-llama3-8b} --bits 16 ${SYNTH_ARGS:-} -o /tmp/b16 --force --tokenizer $TOK 2>&1 | tail -1
+    [ -d /tmp/b16 ] && [ -n "${KEEP_SYNTH:-}" ] || $L synth --preset ${PRESET:-llama3-8b} --bits 16 ${SYNTH_ARGS:-} -o /tmp/b16 --force --tokenizer $TOK 2>&1 | tail -1
     echo "synth $(( $(date +%s) - t0 ))s; $(du -sh /tmp/b16 | cut -f1)"
     sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
     /usr/bin/time -v $L quantize /tmp/b16 --method ${METHOD:-gptq} --bits 4 --group 128 --calib $LLMQ_SHARED/data/calib.txt --nsamples ${NSAMPLES:-128} --seqlen 2048 \
-      -o /tmp/q --force --device cuda --report "$OUT/quantize-h200-${PRESET:-llama3-8b}-${METHOD:-gptq}.json" > "$OUT/quant8b.log" 2>&1
-    echo "quantize rc=$?"; grep -E "wall time|^time|rror|Maximum resident|Elapsed" "$OUT/quant8b.log"
-    rm -rf /tmp/q /tmp/b16
+      ${QARGS:-} -o /tmp/q --force --device cuda --report "$OUT/quantize-h200-${PRESET:-llama3-8b}-${METHOD:-gptq}${QSUFFIX:-}.json" > "$OUT/quant8b${QSUFFIX:-}.log" 2>&1
+    echo "quantize rc=$?"; grep -E "wall time|^time|rror|Maximum resident|Elapsed" "$OUT/quant8b${QSUFFIX:-}.log"
+    rm -rf /tmp/q
+    [ -n "${KEEP_SYNTH:-}" ] || rm -rf /tmp/b16
     ;;
   quant70b) # two layers of a synthetic llama3-70b: per-layer time and peak GPU memory
     PRESET=llama3-70b SYNTH_ARGS="--layers ${LAYERS70:-2}" SKIP_BUILD=1 bash "$0" quant8b

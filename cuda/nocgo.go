@@ -79,12 +79,14 @@ type AWQFeatures struct {
 	Gram    [4]*Hessian
 }
 
-func (*Calibrator) AWQCollect(context.Context, int, int) (*AWQFeatures, error)  { return nil, errNoCgo }
-func (*Calibrator) FreeAWQ(*AWQFeatures)                                        {}
-func (*Calibrator) AWQLoss(context.Context, *AWQFeatures, int) (float64, error) { return 0, errNoCgo }
-func (*Calibrator) AWQAdvance(context.Context, *AWQFeatures) error              { return errNoCgo }
-func (*Calibrator) AWQQuantize(string, []float32, pack.Grid) error              { return errNoCgo }
-func (*Calibrator) Restore(string) error                                        { return errNoCgo }
+func (*Calibrator) AWQCollect(context.Context, int, int) (*AWQFeatures, error) { return nil, errNoCgo }
+func (*Calibrator) FreeAWQ(*AWQFeatures)                                       {}
+func (*Calibrator) AWQLoss(context.Context, *AWQFeatures, int, int) (float64, error) {
+	return 0, errNoCgo
+}
+func (*Calibrator) AWQAdvance(context.Context, *AWQFeatures) error { return errNoCgo }
+func (*Calibrator) AWQQuantize(string, []float32, pack.Grid) error { return errNoCgo }
+func (*Calibrator) Restore(string) error                           { return errNoCgo }
 func (*Calibrator) AWQClip(*AWQFeatures, string, []float32, []float32, int, pack.Grid, int) ([]float32, error) {
 	return nil, errNoCgo
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/llm/mat"
 )
 
 // AWQ on the GPU: package awq's searches (awq.SearchBlock, awq.ClipBlock)
@@ -75,6 +76,7 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 	}
 	defer c.FreeAWQ(f)
 
+	searchWindows := opt.SearchWindows(windows, d.opt.SeqLen)
 	bl.Progress("scales")
 	dense := func(l llm.Linear) *llm.Dense { return l.(*llm.Dense) }
 	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
@@ -92,7 +94,7 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 					return 0, err
 				}
 			}
-			loss, err := c.AWQLoss(ctx, f, in)
+			loss, err := c.AWQLoss(ctx, f, in, searchWindows)
 			for _, name := range names {
 				if rerr := c.Restore(name); err == nil {
 					err = rerr
@@ -182,22 +184,28 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 // and returns the mean shrink (threshold / max|w|; 1 for a zero group).
 func clampGroups(w []float32, out, in, group int, thr []float32) float64 {
 	G := in / group
-	var shrink float64
-	for o := 0; o < out; o++ {
-		for g := 0; g < G; g++ {
-			m := thr[o*G+g]
-			seg := w[o*in+g*group : o*in+(g+1)*group]
-			var mx float32
-			for i, v := range seg {
-				mx = max(mx, float32(math.Abs(float64(v))))
-				seg[i] = min(max(v, -m), m)
-			}
-			if mx > 0 {
-				shrink += float64(m / mx)
-			} else {
-				shrink++
+	rowShrink := make([]float64, out)
+	mat.ParallelFor(out, 64, func(lo, hi int) {
+		for o := lo; o < hi; o++ {
+			for g := 0; g < G; g++ {
+				m := thr[o*G+g]
+				seg := w[o*in+g*group : o*in+(g+1)*group]
+				var mx float32
+				for i, v := range seg {
+					mx = max(mx, float32(math.Abs(float64(v))))
+					seg[i] = min(max(v, -m), m)
+				}
+				if mx > 0 {
+					rowShrink[o] += float64(m / mx)
+				} else {
+					rowShrink[o]++
+				}
 			}
 		}
+	})
+	var shrink float64
+	for _, v := range rowShrink {
+		shrink += v
 	}
 	return shrink / float64(out*G)
 }

@@ -30,6 +30,7 @@ func newQuantize() *cobra.Command {
 	var gopt gptq.Options
 	var bits, group int
 	var sym, duo, noClip bool
+	var awqSearchTokens int
 	var reportPath, statsPath, shardSize, fp8Scale, fp8Act string
 	var plan planFlags
 	var planPath, evalData, evalDevice, device, smoothPath string
@@ -93,7 +94,10 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			}
 			note := func(format string, a ...any) { fmt.Fprintf(os.Stderr, "\nnote: "+format+"\n", a...) }
 			gopt.Grid, gopt.Log = grid, note
-			awqOpt := awq.Options{Grid: grid, Duo: duo, Clip: !noClip, Log: note}
+			if awqSearchTokens < 0 {
+				return fmt.Errorf("--awq-search-tokens must be 0 (every calibration token) or a positive count, got %d", awqSearchTokens)
+			}
+			awqOpt := awq.Options{Grid: grid, Duo: duo, Clip: !noClip, SearchTokens: awqSearchTokens, Log: note}
 			awqOpt.Grid.MinMax = true // AWQ's own grid
 			var stats []awq.LinearStats
 			switch method {
@@ -221,6 +225,7 @@ windows of --seqlen tokens of --calib (deterministic).`,
 	f.StringVar(&statsPath, "stats", "", "AWQ: write per-layer activation statistics (channel saliency; outlier tokens on the CPU) and search results (α and its loss curve, clip shrinks) as JSON")
 	f.BoolVar(&duo, "duo", false, "AWQ: duo scaling x̄^α / w̄^(1−α) (AutoAWQ) instead of x̄^α (llm-awq)")
 	f.BoolVar(&noClip, "no-clip", false, "AWQ: skip the clip search")
+	f.IntVar(&awqSearchTokens, "awq-search-tokens", 0, "AWQ: measure each scale candidate on the first windows holding this many calibration tokens (0: all; x̄, the clip search and the propagation read all)")
 	f.IntVar(&bits, "bits", 4, "bits per weight: 2, 3, 4 or 8")
 	f.IntVar(&group, "group", 128, "group size along the input dimension: a size dividing every layer's input (32, 64, 128, 256, …) or -1 (per channel)")
 	f.BoolVar(&sym, "sym", false, "symmetric grid (zero fixed at 2^(bits-1))")
