@@ -104,12 +104,14 @@ func tinyPPL(t *testing.T) func(dir string) float64 {
 
 // TestAWQOnGPUMatchesCPU quantizes llama-tiny with AWQ (4-bit with the
 // clip search, 3-bit) and AWQ+GPTQ on the GPU and on the CPU from 16
-// calibration windows of 512: the two checkpoints' perplexities agree
-// within 0.5% (RTN is 0.9% and 2% worse than AWQ at 4 and 3 bits, so a
-// search that chose nothing would fail). The searches read fp16
-// activations on the GPU and fp32 ones on the CPU, so a near tie can go
-// either way; the full-protocol comparison is in evals/results. Skipped
-// where there is no GPU.
+// calibration windows of 512. AWQ's searches choose the same α in at
+// least 90% of the groups (the statistics both paths record), and the
+// checkpoints' perplexities agree within 3%. The GPU's calibration
+// forward runs in fp16, so x̄ and with it the scales differ in their last
+// bits, and the rounding of a few weights moves: on this small model and
+// calibration that moves perplexity by up to 1.7% either way (first run:
+// −0.19%, +1.67%, −0.57%); the full-protocol comparison is in
+// evals/results. Skipped where there is no GPU.
 func TestAWQOnGPUMatchesCPU(t *testing.T) {
 	lib := gpuLib(t)
 	src := shared.Path(t, "models/llama-tiny")
@@ -120,26 +122,50 @@ func TestAWQOnGPUMatchesCPU(t *testing.T) {
 	}
 	for _, tc := range []struct {
 		name string
-		m    Method
+		m    func(rec *[]awq.LinearStats) Method
 	}{
-		{"awq w4", AWQ{Opt: awqOpt(4)}},
-		{"awq w3", AWQ{Opt: awqOpt(3)}},
-		{"awq+gptq w4", AWQGPTQ{GPTQ: GPTQ{Opt: gptq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128}, Damp: 0.01}}, Scales: awqOpt(4)}},
+		{"awq w4", func(rec *[]awq.LinearStats) Method { return AWQ{Opt: awqOpt(4), Record: rec} }},
+		{"awq w3", func(rec *[]awq.LinearStats) Method { return AWQ{Opt: awqOpt(3), Record: rec} }},
+		{"awq+gptq w4", func(*[]awq.LinearStats) Method {
+			return AWQGPTQ{GPTQ: GPTQ{Opt: gptq.Options{Grid: pack.Grid{Bits: 4, GroupSize: 128}, Damp: 0.01}}, Scales: awqOpt(4)}
+		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
 			var reps [2]*Report
+			var recs [2][]awq.LinearStats
 			for i, gpu := range []*cuda.Lib{nil, lib} {
 				rep, err := Run(context.Background(), Options{Src: src, Out: filepath.Join(dir, []string{"cpu", "gpu"}[i]),
-					Method: tc.m, TrueSequential: true, Calib: calib, NSamples: 16, SeqLen: 512, GPU: gpu})
+					Method: tc.m(&recs[i]), TrueSequential: true, Calib: calib, NSamples: 16, SeqLen: 512, GPU: gpu})
 				if err != nil {
 					t.Fatal(err)
 				}
 				reps[i] = rep
 			}
+			if len(recs[0]) != len(recs[1]) {
+				t.Fatalf("statistics of %d layers on the CPU, %d on the GPU", len(recs[0]), len(recs[1]))
+			}
+			same, groups := 0, 0
+			for i, c := range recs[0] {
+				g := recs[1][i]
+				if c.Alpha == nil || g.Alpha == nil {
+					if (c.Alpha == nil) != (g.Alpha == nil) {
+						t.Errorf("%s: searched on one path only", c.Layer)
+					}
+					continue
+				}
+				groups++
+				if *c.Alpha == *g.Alpha {
+					same++
+				}
+			}
 			pc, pg := ppl(filepath.Join(dir, "cpu")), ppl(filepath.Join(dir, "gpu"))
-			t.Logf("perplexity CPU %.4f, GPU %.4f (%+.3f%%); GPU timing %v, peak %d MiB", pc, pg, 100*(pg/pc-1), reps[1].Timing, reps[1].PeakGPUBytes>>20)
-			if math.Abs(pg/pc-1) > 0.005 {
+			t.Logf("α equal in %d of %d groups; perplexity CPU %.4f, GPU %.4f (%+.3f%%); GPU timing %v, peak %d MiB",
+				same, groups, pc, pg, 100*(pg/pc-1), reps[1].Timing, reps[1].PeakGPUBytes>>20)
+			if same*10 < groups*9 {
+				t.Errorf("α equal in %d of %d groups: want ≥ 90%%", same, groups)
+			}
+			if math.Abs(pg/pc-1) > 0.03 {
 				t.Errorf("perplexity %.4f on the GPU's checkpoint, %.4f on the CPU's", pg, pc)
 			}
 		})
