@@ -31,6 +31,10 @@ const (
 	InDown
 )
 
+// searchKinds are the Busy names of each input's candidate losses, so
+// that the report says which search the time went to.
+var searchKinds = [4]string{"search q,k,v", "search o", "search gate,up", "search down"}
+
 // AWQFeatures is what AWQCollect keeps on the GPU for one block.
 type AWQFeatures struct {
 	Windows int          // the windows collected: the first ones of X
@@ -229,7 +233,7 @@ func (c *Calibrator) AWQLoss(ctx context.Context, f *AWQFeatures, in, windows in
 		}
 	}
 	rows := windows * c.T
-	err := c.timed("search", func() error {
+	err := c.timed(searchKinds[min(max(in, 0), 3)], func() error {
 		if err := c.x.Memset(c.sqPart, 0, c.sqPart.Bytes); err != nil {
 			return err
 		}
