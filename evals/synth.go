@@ -231,9 +231,11 @@ func Synth(opt SynthOptions) error {
 		}
 		return &SynthOptionError{Field: "Preset", Value: strconv.Quote(opt.Preset), Err: err}
 	}
+	// The GPU kernel's layout takes groups of whole 16-row tiles (pack.GPULayout),
+	// and synthetic checkpoints are made to be run there.
 	widths := inputWidths(cfg)
-	if opt.Group <= 0 || opt.Group%8 != 0 || slices.ContainsFunc(widths, func(in int) bool { return in%opt.Group != 0 }) {
-		return &SynthOptionError{Field: "Group", Value: strconv.Itoa(opt.Group), Want: "a multiple of 8 dividing " + andList(widths)}
+	if opt.Group <= 0 || opt.Group%16 != 0 || slices.ContainsFunc(widths, func(in int) bool { return in%opt.Group != 0 }) {
+		return &SynthOptionError{Field: "Group", Value: strconv.Itoa(opt.Group), Want: "a multiple of 16 (the GPU kernel's tile) dividing " + andList(widths)}
 	}
 	src, err := os.MkdirTemp("", "llmq-synth-src-")
 	if err != nil {

@@ -163,7 +163,18 @@ type LinearSpec struct {
 	Name    string // checkpoint prefix, e.g. "model.layers.0.mlp.up_proj"
 	In, Out int
 	Bias    bool
+	Input   Input // which of its block's inputs it reads
 }
+
+// Input names the four inputs a decoder block's linear layers read.
+type Input int
+
+const (
+	InputAttnNorm Input = iota // q, k, v: the attention norm's output
+	InputAttn                  // o: the attention output
+	InputMLPNorm               // gate and up, every expert's: the MLP norm's output
+	InputAct                   // down, every expert's: the gated activation
+)
 
 // BlockLinears lists decoder layer i's linear layers in execution order:
 // q, k, v, o, gate, up, down, with the experts' gate, up, down in place of
@@ -172,24 +183,24 @@ func BlockLinears(c *checkpoint.Config, i int) []LinearSpec {
 	p := fmt.Sprintf("model.layers.%d.", i)
 	q, kv := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
 	specs := []LinearSpec{
-		{p + "self_attn.q_proj", c.Hidden, q, c.QKVBias},
-		{p + "self_attn.k_proj", c.Hidden, kv, c.QKVBias},
-		{p + "self_attn.v_proj", c.Hidden, kv, c.QKVBias},
-		{p + "self_attn.o_proj", q, c.Hidden, c.OBias},
+		{p + "self_attn.q_proj", c.Hidden, q, c.QKVBias, InputAttnNorm},
+		{p + "self_attn.k_proj", c.Hidden, kv, c.QKVBias, InputAttnNorm},
+		{p + "self_attn.v_proj", c.Hidden, kv, c.QKVBias, InputAttnNorm},
+		{p + "self_attn.o_proj", q, c.Hidden, c.OBias, InputAttn},
 	}
 	if !c.Sparse(i) {
 		return append(specs,
-			LinearSpec{p + "mlp.gate_proj", c.Hidden, c.Intermediate, false},
-			LinearSpec{p + "mlp.up_proj", c.Hidden, c.Intermediate, false},
-			LinearSpec{p + "mlp.down_proj", c.Intermediate, c.Hidden, false})
+			LinearSpec{p + "mlp.gate_proj", c.Hidden, c.Intermediate, false, InputMLPNorm},
+			LinearSpec{p + "mlp.up_proj", c.Hidden, c.Intermediate, false, InputMLPNorm},
+			LinearSpec{p + "mlp.down_proj", c.Intermediate, c.Hidden, false, InputAct})
 	}
 	names, I := moeNamesFor(c), c.MoE.Intermediate
 	for e := 0; e < c.MoE.Experts; e++ {
 		n := names.expert(e)
 		specs = append(specs,
-			LinearSpec{p + n[0], c.Hidden, I, false},
-			LinearSpec{p + n[1], c.Hidden, I, false},
-			LinearSpec{p + n[2], I, c.Hidden, false})
+			LinearSpec{p + n[0], c.Hidden, I, false, InputMLPNorm},
+			LinearSpec{p + n[1], c.Hidden, I, false, InputMLPNorm},
+			LinearSpec{p + n[2], I, c.Hidden, false, InputAct})
 	}
 	return specs
 }

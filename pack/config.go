@@ -66,22 +66,13 @@ func ModulesInBlock(cfg *checkpoint.Config) [][]string {
 	seen := map[string]bool{}
 	for l := 0; l < cfg.Layers; l++ { // dense and sparse layers alike
 		p := fmt.Sprintf("model.layers.%d.", l)
-		for i, s := range llm.BlockLinears(cfg, l) {
+		for _, s := range llm.BlockLinears(cfg, l) {
 			n := strings.TrimPrefix(s.Name, p)
 			if seen[n] {
 				continue
 			}
 			seen[n] = true
-			g := 0 // q, k, v
-			switch {
-			case i == 3: // o
-				g = 1
-			case i > 3 && (i-4)%3 == 2: // a down
-				g = 3
-			case i > 3: // a gate or up
-				g = 2
-			}
-			groups[g] = append(groups[g], n)
+			groups[s.Input] = append(groups[s.Input], n)
 		}
 	}
 	return groups

@@ -223,7 +223,7 @@ func TestCommandLineErrors(t *testing.T) {
 		{"generate bad --max-tokens", []string{"generate", model, "--prompt", "x", "--max-tokens", "0"}, []string{"--max-tokens must be positive, got 0"}, nil},
 		{"synth unknown preset", []string{"synth", "--preset", "gpt-5", "-o", out}, []string{`--preset "gpt-5": want one of`, "llama3-8b"}, nil},
 		{"synth bits 5", []string{"synth", "--bits", "5", "-o", out}, []string{"--bits 5: want 3, 4 or 8 (GPTQ) or 16 (bf16)"}, nil},
-		{"synth group 100", []string{"synth", "--group", "100", "-o", out}, []string{"--group 100: want a multiple of 8 dividing 4096 and 14336"}, nil},
+		{"synth group 100", []string{"synth", "--group", "100", "-o", out}, []string{"--group 100: want a multiple of 16 (the GPU kernel's tile) dividing 4096 and 14336"}, nil},
 		{"synth existing output", []string{"synth", "--preset", "llama3-1b", "--layers", "1", "--tokenizer", model, "-o", exists}, []string{exists, "use --force to replace it"}, fs.ErrExist},
 	} {
 		t.Run(c.name, func(t *testing.T) {
