@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cuda_fp16.h>
 #include "common.cuh"
+#include "grid.cuh"
 
 namespace llmq {
 namespace {
@@ -37,35 +38,18 @@ struct GridParams {
   float zero;
 };
 
-__device__ __forceinline__ float round_f16(float x) { return __half2float(__float2half_rn(x)); }
-
 __device__ GridParams grid_params(float xmin, float xmax, int maxq, int sym, int minmax) {
   const float fq = (float)maxq;
   GridParams p;
-  if (minmax && !sym) {
+  if (minmax && !sym) {  // AWQ's own grid: the group's range, the scale not rounded
     p.scale = __fmul_rn(fmaxf(__fsub_rn(xmax, xmin), 1e-5f), __fdiv_rn(1.f, fq));
     float z = -rintf(__fdiv_rn(xmin, p.scale));
     p.zero = fminf(fmaxf(z, 0.f), fq);
     return p;
   }
-  xmin = fminf(xmin, 0.f);
-  xmax = fmaxf(xmax, 0.f);
-  if (sym) {
-    xmax = fmaxf(-xmin, xmax);
-    if (xmin < 0) xmin = -xmax;
-  }
-  if (xmin == 0 && xmax == 0) {
-    xmin = -1;
-    xmax = 1;
-  }
-  p.scale = round_f16(__fdiv_rn(__fsub_rn(xmax, xmin), fq));
-  if (p.scale == 0) p.scale = round_f16(6e-8f);
-  if (sym) {
-    p.zero = (float)((maxq + 1) / 2);
-  } else {
-    float z = rintf(__fdiv_rn(-xmin, p.scale));
-    p.zero = fminf(fmaxf(z, 0.f), fq);
-  }
+  int z;
+  fit(xmin, xmax, maxq, sym, &p.scale, &z);
+  p.zero = (float)z;
   return p;
 }
 
@@ -89,15 +73,32 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// WarpTask is the (row o, group g) of W [out][in] a warp takes in the
+// kernels that run one warp per group: G groups a row, the group's first
+// element at base.
+struct WarpTask {
+  int G, o, g, lane;
+  size_t base;
+};
+
+__device__ __forceinline__ bool warp_task(int out, int in, int group, WarpTask* t) {
+  t->G = in / group;
+  const long long task = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (task >= (long long)out * t->G) return false;
+  t->lane = threadIdx.x & 31;
+  t->o = (int)(task / t->G);
+  t->g = (int)(task % t->G);
+  t->base = (size_t)t->o * in + (size_t)t->g * group;
+  return true;
+}
+
 // One warp per (row o, group g): Wq = Q(W·s)/s over the group.
 __global__ void awq_quant_kernel(const float* __restrict__ W, const float* __restrict__ s, __half* __restrict__ Wq, int out,
                                  int in, int group, int maxq, int sym, int minmax) {
-  const int G = in / group;
-  const long long task = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (task >= (long long)out * G) return;
-  const int lane = threadIdx.x & 31;
-  const int o = (int)(task / G), g = (int)(task % G);
-  const size_t base = (size_t)o * in + (size_t)g * group;
+  WarpTask wt;
+  if (!warp_task(out, in, group, &wt)) return;
+  const int lane = wt.lane, g = wt.g;
+  const size_t base = wt.base;
   float lo = INFINITY, hi = -INFINITY;
   for (int i = lane; i < group; i += 32) {
     const int col = g * group + i;
@@ -161,12 +162,10 @@ __device__ __forceinline__ float group_absmax(const float* __restrict__ w, int g
 // One warp per (o, g): D = (Q(clip(w, ±max|w|·f)) − w)/s for candidate k.
 __global__ void clip_candidate_kernel(const float* __restrict__ W, const float* __restrict__ s, float* __restrict__ D, int out,
                                       int in, int group, int maxq, int sym, int minmax, int k, int n_shrink) {
-  const int G = in / group;
-  const long long task = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (task >= (long long)out * G) return;
-  const int lane = threadIdx.x & 31;
-  const int o = (int)(task / G), g = (int)(task % G);
-  const size_t base = (size_t)o * in + (size_t)g * group;
+  WarpTask wt;
+  if (!warp_task(out, in, group, &wt)) return;
+  const int lane = wt.lane, g = wt.g;
+  const size_t base = wt.base;
   const float m = __fmul_rn(group_absmax(W + base, group, lane), shrink(k, n_shrink));
   float lo = INFINITY, hi = -INFINITY;
   for (int i = lane; i < group; i += 32) {
@@ -188,12 +187,10 @@ __global__ void clip_candidate_kernel(const float* __restrict__ W, const float* 
 __global__ void clip_score_kernel(const float* __restrict__ W, const float* __restrict__ D, const float* __restrict__ P,
                                   double* __restrict__ best_err, float* __restrict__ best_max, int out, int in, int group,
                                   int k, int n_shrink) {
-  const int G = in / group;
-  const long long task = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (task >= (long long)out * G) return;
-  const int lane = threadIdx.x & 31;
-  const int o = (int)(task / G), g = (int)(task % G);
-  const size_t base = (size_t)o * in + (size_t)g * group;
+  WarpTask wt;
+  if (!warp_task(out, in, group, &wt)) return;
+  const int G = wt.G, lane = wt.lane, o = wt.o, g = wt.g;
+  const size_t base = wt.base;
   double e = 0;
   for (int i = lane; i < group; i += 32) e += (double)P[base + i] * (double)D[base + i];
   e = warp_sum(e);
@@ -212,11 +209,9 @@ __global__ void clip_score_kernel(const float* __restrict__ W, const float* __re
 // Turns each group's chosen shrink index into its threshold max|w|·f.
 __global__ void clip_threshold_kernel(const float* __restrict__ W, float* __restrict__ best_max, int out, int in, int group,
                                       int n_shrink) {
-  const int G = in / group;
-  const long long task = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (task >= (long long)out * G) return;
-  const int lane = threadIdx.x & 31;
-  const int o = (int)(task / G), g = (int)(task % G);
+  WarpTask wt;
+  if (!warp_task(out, in, group, &wt)) return;
+  const int G = wt.G, lane = wt.lane, o = wt.o, g = wt.g;
   const float mx = group_absmax(W + (size_t)o * in + (size_t)g * group, group, lane);
   if (lane) return;
   const size_t t = (size_t)o * G + g;

@@ -9,10 +9,7 @@ import (
 	"testing"
 
 	"github.com/llmq/llmq/awq"
-	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
-	"github.com/llmq/llmq/llm/calib"
-	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
 )
 
@@ -219,26 +216,8 @@ func TestAWQClipMatchesCPU(t *testing.T) {
 // features advance X to the block's output.
 func TestAWQFeaturesMatchCPU(t *testing.T) {
 	lib := openLib(t)
-	ck, err := checkpoint.Open(shared.Path(t, "models/llama-tiny"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ck.Close()
-	cfg := ck.Config
-	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
 	const T, N = 256, 4
-	windows := make([][]int, N)
-	for w := range windows {
-		windows[w] = ids[w*T : (w+1)*T]
-	}
-	X, err := calib.Embed(ck, windows)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := llm.LoadBlock(ck, 0, llm.DenseLoader)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg, X, b := tinyBlock0(t, T, N)
 	st := llm.NewStages(cfg)
 	ctx := context.Background()
 	f, err := awq.Collect(ctx, st, b, X, T, llm.ExpertCalib{})

@@ -159,26 +159,8 @@ func TestGPTQOnGPUMatchesCPU(t *testing.T) {
 // the block's output, in both the one-pass and the true-sequential stages.
 func TestCalibratorMatchesStages(t *testing.T) {
 	lib := openLib(t)
-	ck, err := checkpoint.Open(shared.Path(t, "models/llama-tiny"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ck.Close()
-	cfg := ck.Config
-	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
 	const T, N = 256, 4
-	windows := make([][]int, N)
-	for w := range windows {
-		windows[w] = ids[w*T : (w+1)*T]
-	}
-	X, err := calib.Embed(ck, windows)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := llm.LoadBlock(ck, 0, llm.DenseLoader)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg, X, b := tinyBlock0(t, T, N)
 	st := llm.NewStages(cfg)
 	qd := cfg.Heads * cfg.HeadDim
 	cpu := [4]*gptq.Hessian{gptq.NewHessian(cfg.Hidden), gptq.NewHessian(qd), gptq.NewHessian(cfg.Hidden), gptq.NewHessian(cfg.Intermediate)}
@@ -262,4 +244,28 @@ func TestCalibratorMatchesStages(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// tinyBlock0 returns llama-tiny's config, the embeddings of its first N
+// windows of T WikiText-2 tokens, and its first block (dense weights).
+func tinyBlock0(t *testing.T, T, N int) (*checkpoint.Config, [][]float32, *llm.Block) {
+	ck, err := checkpoint.Open(shared.Path(t, "models/llama-tiny"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ck.Close() }) // the block may read the mapped files
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
+	windows := make([][]int, N)
+	for w := range windows {
+		windows[w] = ids[w*T : (w+1)*T]
+	}
+	X, err := calib.Embed(ck, windows)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := llm.LoadBlock(ck, 0, llm.DenseLoader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ck.Config, X, b
 }

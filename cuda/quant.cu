@@ -15,6 +15,7 @@
 #include <cusolverDn.h>
 #include <math.h>
 #include "common.cuh"
+#include "grid.cuh"
 
 namespace llmq {
 namespace {
@@ -79,33 +80,6 @@ __global__ void factor_output(const double* __restrict__ Linv, float* __restrict
     if (!isfinite(d) || !isfinite(v)) atomicAdd(bad, 1);
   }
   U[idx] = v;
-}
-
-// round_f16 is pack.RoundF16.
-__device__ __forceinline__ float round_f16(float x) { return __half2float(__float2half_rn(x)); }
-
-// fit is pack.Grid.ParamsRange for GPTQ's grids (min-max over the group,
-// stretched to hold 0; symmetric or not; scale rounded to fp16).
-__device__ __forceinline__ void fit(float xmin, float xmax, int maxq, bool sym, float* scale, int* zero) {
-  xmin = fminf(xmin, 0.f);
-  xmax = fmaxf(xmax, 0.f);
-  if (sym) {
-    xmax = fmaxf(-xmin, xmax);
-    if (xmin < 0) xmin = -xmax;
-  }
-  if (xmin == 0 && xmax == 0) {
-    xmin = -1;
-    xmax = 1;
-  }
-  float s = round_f16(__fdiv_rn(xmax - xmin, (float)maxq));
-  if (s == 0) s = round_f16(6e-8f);
-  *scale = s;
-  if (sym) {
-    *zero = (maxq + 1) / 2;
-  } else {
-    const float z = rintf(__fdiv_rn(-xmin, s));
-    *zero = (int)fminf(fmaxf(z, 0.f), (float)maxq);
-  }
 }
 
 constexpr int kBlock = 128;  // columns per lazy-update block
