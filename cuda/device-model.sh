@@ -20,8 +20,9 @@
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
 #                                     # with --device cuda and evaluated on the GPU
-#   bash cuda/device-model.sh quant8b # GPTQ of a synthetic bf16 llama3-8b on the GPU, timed
-#                                     # (PRESET, SYNTH_ARGS="--layers 8", METHOD, NSAMPLES)
+#   bash cuda/device-model.sh quant8b # GPTQ (METHOD=awq: AWQ) of a synthetic bf16 llama3-8b on the GPU, timed
+#                                     # (PRESET, SYNTH_ARGS="--layers 8", METHOD, NSAMPLES, QARGS: more quantize
+#                                     # flags, QSUFFIX: the report's name, KEEP_SYNTH=1: reuse /tmp/b16)
 #   bash cuda/device-model.sh reftime # the reference gptq.py timed on a llama3-8b block (.carry/gptq-ref)
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
 #
