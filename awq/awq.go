@@ -61,6 +61,15 @@ type Options struct {
 	Log          func(format string, args ...any)
 }
 
+// Shrinks is how many max|w| shrinks the clip search tries: NGrid/2, or
+// 10 when that is 0.
+func (o Options) Shrinks() int {
+	if n := o.NGrid / 2; n > 0 {
+		return n
+	}
+	return 10
+}
+
 // SearchWindows is how many of n windows of T tokens the candidates'
 // losses read.
 func (o Options) SearchWindows(n, T int) int {
@@ -305,10 +314,7 @@ func Clip(w []float32, out, in int, xs [][]float32, opt Options) float64 {
 		}
 	}
 	R := len(rows)
-	nShrink := opt.NGrid / 2
-	if nShrink <= 0 {
-		nShrink = 10
-	}
+	nShrink := opt.Shrinks()
 	xg := make([]float32, R*group)     // this group's inputs [R][group]
 	wg := make([]float32, out*group)   // this group's weights [out][group]
 	cand := make([]float32, out*group) // clipped, fake-quantized candidate
@@ -317,7 +323,7 @@ func Clip(w []float32, out, in int, xs [][]float32, opt Options) float64 {
 	bestErr := make([]float64, out)
 	bestMax := make([]float32, out)
 	mx := make([]float32, out)
-	var shrinkSum float64
+	thr := make([]float32, out*(in/group)) // the chosen max |w| of each row and group
 	for g := 0; g < in/group; g++ {
 		for t, x := range rows {
 			copy(xg[t*group:], x[g*group:(g+1)*group])
@@ -359,18 +365,42 @@ func Clip(w []float32, out, in int, xs [][]float32, opt Options) float64 {
 			}
 		}
 		for o := 0; o < out; o++ {
-			seg := w[o*in+g*group : o*in+(g+1)*group]
-			for i, v := range seg {
-				seg[i] = min(max(v, -bestMax[o]), bestMax[o])
-			}
-			if mx[o] > 0 {
-				shrinkSum += float64(bestMax[o] / mx[o])
-			} else {
-				shrinkSum++
-			}
+			thr[o*(in/group)+g] = bestMax[o]
 		}
 	}
-	return shrinkSum / float64(out*(in/group))
+	return ClampGroups(w, out, in, group, thr)
+}
+
+// ClampGroups clamps each row's groups of w [out][in] to ±their threshold
+// (thr [out][in/group], the clip search's choices) and returns the mean
+// shrink: threshold / max|w| before clamping, 1 for an all-zero group.
+func ClampGroups(w []float32, out, in, group int, thr []float32) float64 {
+	G := in / group
+	shrink := make([]float64, out*G)
+	mat.ParallelFor(out, 64, func(lo, hi int) {
+		for o := lo; o < hi; o++ {
+			for g := 0; g < G; g++ {
+				m := thr[o*G+g]
+				seg := w[o*in+g*group : o*in+(g+1)*group]
+				var mx float32
+				for i, v := range seg {
+					mx = max(mx, float32(math.Abs(float64(v))))
+					seg[i] = min(max(v, -m), m)
+				}
+				shrink[o*G+g] = 1
+				if mx > 0 {
+					shrink[o*G+g] = float64(m / mx)
+				}
+			}
+		}
+	})
+	var sum float64 // group by group, then row by row: the order the search went in
+	for g := 0; g < G; g++ {
+		for o := 0; o < out; o++ {
+			sum += shrink[o*G+g]
+		}
+	}
+	return sum / float64(out*G)
 }
 
 // MSE is the mean squared difference of two equally long vectors.

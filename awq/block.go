@@ -362,14 +362,14 @@ func ClipBlock(st *llm.Stages, b *llm.Block, f *Features, opt Options) [4]map[st
 		d := dense(l)
 		out[input][name] = Clip(d.W, d.Out(), d.In(), xs, opt)
 	}
-	clip("self_attn.v_proj", b.V, 0, in[0])
-	clip("self_attn.o_proj", b.O, 1, in[1])
 	if b.MoE == nil {
-		clip("mlp.gate_proj", b.Gate, 2, in[2])
-		clip("mlp.up_proj", b.Up, 2, in[2])
-		clip("mlp.down_proj", b.Down, 3, in[3])
+		for _, l := range DenseClipLayers(b) {
+			clip(l.Name, l.L, l.Input, in[l.Input])
+		}
 		return out
 	}
+	clip("self_attn.v_proj", b.V, 0, in[0])
+	clip("self_attn.o_proj", b.O, 1, in[1])
 	names := expertNames(b)
 	for e, x := range b.MoE.Experts {
 		act := expertAct(st, x, f, e) // before its gate and up are clipped, as the cached features of a dense block
@@ -379,6 +379,34 @@ func ClipBlock(st *llm.Stages, b *llm.Block, f *Features, opt Options) [4]map[st
 		clip(names[e][2], x.Down, 3, [][]float32{act})
 	}
 	return out
+}
+
+// ClipLayer is a layer the clip search runs on (name relative to the
+// block's prefix) and which of the four inputs it reads, in the order of
+// the AWQ groups (q/k/v's, o's, gate/up's, down's).
+type ClipLayer struct {
+	Name  string
+	L     *llm.Dense
+	Input int
+}
+
+// DenseClipLayers are the layers of a dense block the clip search runs
+// on, in order: v, o, gate, up, down.
+func DenseClipLayers(b *llm.Block) []ClipLayer {
+	return []ClipLayer{
+		{"self_attn.v_proj", dense(b.V), 0},
+		{"self_attn.o_proj", dense(b.O), 1},
+		{"mlp.gate_proj", dense(b.Gate), 2},
+		{"mlp.up_proj", dense(b.Up), 2},
+		{"mlp.down_proj", dense(b.Down), 3},
+	}
+}
+
+// InputScales are the scales each of the four inputs was divided by when
+// the groups were folded (nil where a group did not apply): what a clip
+// search on the unscaled inputs needs.
+func (sc *Scales) InputScales() [4][]float32 {
+	return [4][]float32{sc.QKV.Scales, sc.VO.Scales, sc.GateUp.Scales, sc.Down.Scales}
 }
 
 // expertNames are each expert's gate, up and down names (relative to the
@@ -396,6 +424,21 @@ func expertNames(b *llm.Block) [][3]string {
 // divides it too.
 func VBias(b *llm.Block) []float32 { return dense(b.V).B }
 
+// statLayers name the statistics of a dense block's four inputs: by the
+// first layer reading each.
+var statLayers = [4]string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"}
+
+// MeanBlockStats are BlockStats of a dense block from x̄ of its four
+// inputs over tokens rows (awq.MeanStats: no token outliers), as the GPU
+// path keeps them.
+func MeanBlockStats(prefix string, xmean [4][]float64, tokens int) []LinearStats {
+	var ls []LinearStats
+	for i, name := range statLayers {
+		ls = append(ls, MeanStats(prefix+name, xmean[i], tokens))
+	}
+	return ls
+}
+
 // BlockStats are the input statistics of the block's q, o, gate and down
 // layers (the four inputs AWQ scales), from unscaled features; in a
 // sparse block, of q, o, the mixture's input (named after expert 0's
@@ -405,7 +448,7 @@ func BlockStats(st *llm.Stages, prefix string, b *llm.Block, f *Features) []Line
 	if b.MoE == nil {
 		dims := [4]int{b.Q.In(), b.O.In(), b.Gate.In(), b.Down.In()}
 		var ls []LinearStats
-		for i, name := range []string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"} {
+		for i, name := range statLayers {
 			ls = append(ls, Stats(prefix+name, f.inputs()[i], dims[i]))
 		}
 		return ls

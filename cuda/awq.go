@@ -21,16 +21,6 @@ import (
 // (AWQLoss) and restoring them (Restore); AWQClip searches one layer's
 // clipping thresholds.
 
-// The four linear inputs AWQ scales, in the order of its groups: q/k/v's
-// (the attention norm's output), o's (the attention output), gate/up's
-// (the MLP norm's output) and down's (the gated activation).
-const (
-	InQKV = iota
-	InO
-	InGateUp
-	InDown
-)
-
 // searchKinds are the Busy names of each input's candidate losses, so
 // that the report says which search the time went to.
 var searchKinds = [4]string{"search q,k,v", "search o", "search gate,up", "search down"}
@@ -326,33 +316,45 @@ func (c *Calibrator) scales(s []float32, in int) (Buf, error) {
 	return AllocFrom(c.x, s)
 }
 
-// AWQQuantize sets the named layer's fp16 weights to Q(W·diag(s))·diag(s)⁻¹
-// on grid g, W its SetBlock weights (s nil: Q(W)): a scale candidate.
-func (c *Calibrator) AWQQuantize(name string, s []float32, g pack.Grid) error {
-	l, err := c.layer(name)
-	if err != nil {
-		return err
-	}
+// AWQQuantize sets the named layers' fp16 weights to Q(W·diag(s))·diag(s)⁻¹
+// on grid g, W their SetBlock weights (s nil: Q(W)): a scale candidate of
+// a group of layers reading one input.
+func (c *Calibrator) AWQQuantize(s []float32, g pack.Grid, names ...string) error {
 	return c.timed("search", func() error {
-		sb, err := c.scales(s, l.in)
-		if err != nil {
-			return err
-		}
-		defer c.x.Free(sb)
-		if err := c.x.AWQQuant(l.w32, sb, l.w, l.out, l.in, g); err != nil {
-			return fmt.Errorf("%s: %w", name, err)
+		var sb Buf
+		defer func() { c.x.Free(sb) }()
+		for i, name := range names {
+			l, err := c.layer(name)
+			if err != nil {
+				return err
+			}
+			if i == 0 {
+				if sb, err = c.scales(s, l.in); err != nil {
+					return err
+				}
+			}
+			if err := c.x.AWQQuant(l.w32, sb, l.w, l.out, l.in, g); err != nil {
+				return fmt.Errorf("%s: %w", name, err)
+			}
 		}
 		return nil
 	})
 }
 
-// Restore sets the named layer's fp16 weights back to its SetBlock weights.
-func (c *Calibrator) Restore(name string) error {
-	l, err := c.layer(name)
-	if err != nil {
-		return err
-	}
-	return c.timed("search", func() error { return c.x.F32ToF16(l.w32, l.w, l.in*l.out) })
+// Restore sets the named layers' fp16 weights back to their SetBlock weights.
+func (c *Calibrator) Restore(names ...string) error {
+	return c.timed("search", func() error {
+		for _, name := range names {
+			l, err := c.layer(name)
+			if err != nil {
+				return err
+			}
+			if err := c.x.F32ToF16(l.w32, l.w, l.in*l.out); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
 }
 
 // AWQClip runs AWQ's clip search on the named layer given its weights W

@@ -284,19 +284,15 @@ func TestAWQFeaturesMatchCPU(t *testing.T) {
 		for j, v := range mean {
 			s[j] = float32(math.Max(math.Sqrt(v), 1e-4) / math.Sqrt(lo*hi))
 		}
-		for _, n := range names {
-			if err := c.AWQQuantize(n, s, g); err != nil {
-				t.Fatal(err)
-			}
+		if err := c.AWQQuantize(s, g, names...); err != nil {
+			t.Fatal(err)
 		}
 		loss, err := c.AWQLoss(ctx, gf, in, N)
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, n := range names {
-			if err := c.Restore(n); err != nil {
-				t.Fatal(err)
-			}
+		if err := c.Restore(names...); err != nil {
+			t.Fatal(err)
 		}
 		want := choices[in].Loss[1]
 		t.Logf("input %d: α = 0.5 loss GPU %.6g, CPU %.6g", in, loss, want)

@@ -331,16 +331,7 @@ func (c *Calibrator) addDown(xs Buf, rows int) error {
 
 // each runs f on every chunk of rows.
 func (c *Calibrator) each(ctx context.Context, f func(r0, rows int) error) error {
-	step := c.chunkW * c.T
-	for r0 := 0; r0 < c.N*c.T; r0 += step {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		if err := f(r0, min(step, c.N*c.T-r0)); err != nil {
-			return err
-		}
-	}
-	return nil
+	return c.eachOf(ctx, c.N*c.T, f)
 }
 
 func (c *Calibrator) add(h *Hessian, A Buf, rows int) error {

@@ -64,14 +64,6 @@ func (*Calibrator) GPTQ(*Hessian, []float32, int, int, []int32, []float32, []uin
 	return nil, 0, errNoCgo
 }
 
-// The AWQ inputs, as in the cgo build.
-const (
-	InQKV = iota
-	InO
-	InGateUp
-	InDown
-)
-
 // AWQFeatures is unavailable without cgo.
 type AWQFeatures struct {
 	Windows int
@@ -84,9 +76,9 @@ func (*Calibrator) FreeAWQ(*AWQFeatures)                                       {
 func (*Calibrator) AWQLoss(context.Context, *AWQFeatures, int, int) (float64, error) {
 	return 0, errNoCgo
 }
-func (*Calibrator) AWQAdvance(context.Context, *AWQFeatures) error { return errNoCgo }
-func (*Calibrator) AWQQuantize(string, []float32, pack.Grid) error { return errNoCgo }
-func (*Calibrator) Restore(string) error                           { return errNoCgo }
+func (*Calibrator) AWQAdvance(context.Context, *AWQFeatures) error    { return errNoCgo }
+func (*Calibrator) AWQQuantize([]float32, pack.Grid, ...string) error { return errNoCgo }
+func (*Calibrator) Restore(...string) error                           { return errNoCgo }
 func (*Calibrator) AWQClip(*AWQFeatures, string, []float32, []float32, int, pack.Grid, int) ([]float32, error) {
 	return nil, errNoCgo
 }

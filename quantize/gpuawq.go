@@ -3,12 +3,10 @@ package quantize
 import (
 	"context"
 	"fmt"
-	"math"
 
 	"github.com/llmq/llmq/awq"
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/llm"
-	"github.com/llmq/llmq/llm/mat"
 )
 
 // AWQ on the GPU: package awq's searches (awq.SearchBlock, awq.ClipBlock)
@@ -78,27 +76,20 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 
 	searchWindows := opt.SearchWindows(windows, d.opt.SeqLen)
 	bl.Progress("scales")
-	dense := func(l llm.Linear) *llm.Dense { return l.(*llm.Dense) }
-	q, k, v, o := dense(b.Q), dense(b.K), dense(b.V), dense(b.O)
-	gate, up, down := dense(b.Gate), dense(b.Up), dense(b.Down)
 	// search tries each candidate on the GPU: the group's layers are
 	// quantized with it, the inspected output measured, the layers restored.
-	search := func(what string, in int, names []string, ws []*llm.Dense) (awq.Choice, error) {
+	search := func(what string, in int, names []string, ls ...llm.Linear) (awq.Choice, error) {
 		var w [][]float32
-		for _, l := range ws {
-			w = append(w, l.W)
+		for _, l := range ls {
+			w = append(w, l.(*llm.Dense).W)
 		}
-		ch, err := awq.SearchScales(w, ws[0].In(), f.Mean[in], func(s []float32) (float64, error) {
-			for _, name := range names {
-				if err := c.AWQQuantize(name, s, opt.Grid); err != nil {
-					return 0, err
-				}
+		ch, err := awq.SearchScales(w, ls[0].In(), f.Mean[in], func(s []float32) (float64, error) {
+			if err := c.AWQQuantize(s, opt.Grid, names...); err != nil {
+				return 0, err
 			}
 			loss, err := c.AWQLoss(ctx, f, in, searchWindows)
-			for _, name := range names {
-				if rerr := c.Restore(name); err == nil {
-					err = rerr
-				}
+			if rerr := c.Restore(names...); err == nil {
+				err = rerr
 			}
 			return loss, err
 		}, opt)
@@ -108,18 +99,18 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 		return ch, nil
 	}
 	sc := &awq.Scales{}
-	if sc.QKV, err = search("q/k/v", cuda.InQKV, qkvLayers, []*llm.Dense{q, k, v}); err != nil {
+	if sc.QKV, err = search("q/k/v", cuda.InQKV, qkvLayers, b.Q, b.K, b.V); err != nil {
 		return err
 	}
-	if v.Out() == o.In() && v.In() == o.Out() { // v_proj → o_proj without GQA, as awq.SearchBlock
-		if sc.VO, err = search("v/o", cuda.InO, oLayers, []*llm.Dense{o}); err != nil {
+	if b.V.Out() == b.O.In() && b.V.In() == b.O.Out() { // v_proj → o_proj without GQA, as awq.SearchBlock
+		if sc.VO, err = search("v/o", cuda.InO, oLayers, b.O); err != nil {
 			return err
 		}
 	}
-	if sc.GateUp, err = search("gate/up", cuda.InGateUp, gateUpLayers, []*llm.Dense{gate, up}); err != nil {
+	if sc.GateUp, err = search("gate/up", cuda.InGateUp, gateUpLayers, b.Gate, b.Up); err != nil {
 		return err
 	}
-	if sc.Down, err = search("up/down", cuda.InDown, downLayers, []*llm.Dense{down}); err != nil {
+	if sc.Down, err = search("up/down", cuda.InDown, downLayers, b.Down); err != nil {
 		return err
 	}
 	if advance {
@@ -131,81 +122,32 @@ func (d *driver) gpuAWQ(ctx context.Context, bl *Block, opt awq.Options, windows
 	foldScales(bl, sc, nil, opt)
 	var shrink [4]map[string]float64
 	defer func() {
-		if record == nil {
-			return
+		if record != nil {
+			st := awq.MeanBlockStats(bl.Prefix, f.Mean, windows*d.opt.SeqLen)
+			awq.AddSearchResults(st, sc, shrink)
+			*record = append(*record, st...)
 		}
-		var st []awq.LinearStats
-		for i, name := range []string{"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"} {
-			st = append(st, awq.MeanStats(bl.Prefix+name, f.Mean[i], windows*d.opt.SeqLen))
-		}
-		awq.AddSearchResults(st, sc, shrink)
-		*record = append(*record, st...)
 	}()
 	if !clip {
 		return nil
 	}
 
-	// The clip search of awq.ClipBlock: v, o, gate, up and down, each on
-	// its input as the folding scaled it.
+	// The clip search of awq.ClipBlock, each layer on its input as the
+	// folding scaled it.
 	bl.Progress("clip")
-	nShrink := opt.NGrid / 2
-	if nShrink <= 0 {
-		nShrink = 10
-	}
-	for _, l := range []struct {
-		name string
-		d    *llm.Dense
-		in   int
-		s    []float32
-	}{
-		{"self_attn.v_proj", v, cuda.InQKV, sc.QKV.Scales},
-		{"self_attn.o_proj", o, cuda.InO, sc.VO.Scales},
-		{"mlp.gate_proj", gate, cuda.InGateUp, sc.GateUp.Scales},
-		{"mlp.up_proj", up, cuda.InGateUp, sc.GateUp.Scales},
-		{"mlp.down_proj", down, cuda.InDown, sc.Down.Scales},
-	} {
+	scales := sc.InputScales()
+	for _, l := range awq.DenseClipLayers(b) {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		best, err := c.AWQClip(f, l.name, l.d.W, l.s, l.in, opt.Grid, nShrink)
+		thr, err := c.AWQClip(f, l.Name, l.L.W, scales[l.Input], l.Input, opt.Grid, opt.Shrinks())
 		if err != nil {
 			return err
 		}
-		if shrink[l.in] == nil {
-			shrink[l.in] = map[string]float64{}
+		if shrink[l.Input] == nil {
+			shrink[l.Input] = map[string]float64{}
 		}
-		shrink[l.in][l.name] = clampGroups(l.d.W, l.d.Out(), l.d.In(), opt.Grid.Group(l.d.In()), best)
+		shrink[l.Input][l.Name] = awq.ClampGroups(l.L.W, l.L.Out(), l.L.In(), opt.Grid.Group(l.L.In()), thr)
 	}
 	return nil
-}
-
-// clampGroups clamps each row's groups of w [out][in] to ±their threshold
-// (thr [out][in/group]), as awq.Clip does with the thresholds it chose,
-// and returns the mean shrink (threshold / max|w|; 1 for a zero group).
-func clampGroups(w []float32, out, in, group int, thr []float32) float64 {
-	G := in / group
-	rowShrink := make([]float64, out)
-	mat.ParallelFor(out, 64, func(lo, hi int) {
-		for o := lo; o < hi; o++ {
-			for g := 0; g < G; g++ {
-				m := thr[o*G+g]
-				seg := w[o*in+g*group : o*in+(g+1)*group]
-				var mx float32
-				for i, v := range seg {
-					mx = max(mx, float32(math.Abs(float64(v))))
-					seg[i] = min(max(v, -m), m)
-				}
-				if mx > 0 {
-					rowShrink[o] += float64(m / mx)
-				} else {
-					rowShrink[o]++
-				}
-			}
-		}
-	})
-	var shrink float64
-	for _, v := range rowShrink {
-		shrink += v
-	}
-	return shrink / float64(out*G)
 }
