@@ -184,9 +184,8 @@ __global__ void clip_candidate_kernel(const float* __restrict__ W, const float* 
 
 // One warp per (o, g): e = Σ P·D over the group (P = D·G); keep the best
 // shrink (the first of equals, as the CPU search).
-__global__ void clip_score_kernel(const float* __restrict__ W, const float* __restrict__ D, const float* __restrict__ P,
-                                  double* __restrict__ best_err, float* __restrict__ best_max, int out, int in, int group,
-                                  int k, int n_shrink) {
+__global__ void clip_score_kernel(const float* __restrict__ D, const float* __restrict__ P, double* __restrict__ best_err,
+                                  float* __restrict__ best_max, int out, int in, int group, int k) {
   WarpTask wt;
   if (!warp_task(out, in, group, &wt)) return;
   const int G = wt.G, lane = wt.lane, o = wt.o, g = wt.g;
@@ -294,7 +293,7 @@ int awq_clip(llmq_ctx* c, const float* W, const float* s, const float* H, float*
       set_error(c, "cublasGemmStridedBatchedEx (awq_clip) failed: status %d (out=%d in=%d group=%d)", (int)st, out, in, group);
       return 1;
     }
-    clip_score_kernel<<<blocks, 256, 0, c->stream>>>(W, D, P, best_err, best_max, out, in, group, k, n_shrink);
+    clip_score_kernel<<<blocks, 256, 0, c->stream>>>(D, P, best_err, best_max, out, in, group, k);
     CK_LAUNCH("clip_score_kernel");
   }
   clip_threshold_kernel<<<blocks, 256, 0, c->stream>>>(W, best_max, out, in, group, n_shrink);
