@@ -280,17 +280,23 @@ func (c *Calibrator) attention(r0, rows int) error { return c.attentionTo(c.attR
 func (c *Calibrator) attentionTo(out Buf, rows int) error {
 	cfg, x := c.cfg, c.x
 	hd, kvd := cfg.HeadDim, cfg.KVHeads*cfg.HeadDim
-	for _, f := range []func() error{
+	steps := []func() error{
 		func() error { return c.linear("self_attn.q_proj", c.h, c.q, rows) },
 		func() error { return c.linear("self_attn.k_proj", c.h, c.k, rows) },
 		func() error { return c.linear("self_attn.v_proj", c.h, c.v, rows) },
 		func() error { return x.RoPE(c.q, c.meta.RowPos, c.cos, c.sin, rows, cfg.Heads, hd) },
 		func() error { return x.RoPE(c.k, c.meta.RowPos, c.cos, c.sin, rows, cfg.KVHeads, hd) },
-		func() error { return x.KVStore(c.k, c.v, c.meta, 0, 1, rows, kvd) },
-		func() error {
-			return x.Attention(c.q, out, c.attnWS, c.meta, 0, 1, rows, cfg.Heads, cfg.KVHeads, hd, c.T)
-		},
-	} {
+	}
+	if CausalHeadDims(hd) { // the chunk is whole windows: the flash kernel, no cache
+		steps = append(steps, func() error { return x.AttentionCausal(c.q, c.k, c.v, out, rows/c.T, c.T, cfg.Heads, cfg.KVHeads, hd) })
+	} else {
+		steps = append(steps,
+			func() error { return x.KVStore(c.k, c.v, c.meta, 0, 1, rows, kvd) },
+			func() error {
+				return x.Attention(c.q, out, c.attnWS, c.meta, 0, 1, rows, cfg.Heads, cfg.KVHeads, hd, c.T)
+			})
+	}
+	for _, f := range steps {
 		if err := f(); err != nil {
 			return err
 		}

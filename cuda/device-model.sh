@@ -89,7 +89,7 @@ case "$1" in
       leak=; [ $tool = memcheck ] && leak="--leak-check full"
       log="$OUT/cuda-$tool-kernels.log"
       echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool $leak cuda.test -test.run 'TestDequant|TestSmallForSanitizer|TestAWQQuant|TestAWQClip'" > "$log"
-      timeout 200 compute-sanitizer --tool $tool $leak build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer|TestAWQQuant|TestAWQClip' >> "$log" 2>&1
+      timeout 200 compute-sanitizer --tool $tool $leak build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer|TestAWQQuant|TestAWQClip|TestAttentionCausal' >> "$log" 2>&1
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY' "$log" | tail -2 | tr '\n' ' ')"
     done
     ;;
@@ -149,7 +149,7 @@ case "$1" in
     ;;
   quant)
     if [ -z "${SKIP_TESTS:-}" ]; then
-      build/device/cuda.test -test.v -test.run 'TestGPTQOnGPU|TestCalibrator|TestAWQ' > "$OUT/cuda-gptq-tests.log" 2>&1
+      build/device/cuda.test -test.v -test.run 'TestGPTQOnGPU|TestCalibrator|TestAWQ|TestAttentionCausal' > "$OUT/cuda-gptq-tests.log" 2>&1
       echo "cuda gptq/awq tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|codes equal|ΔU|x̄|loss GPU|thresholds|panic|Error" "$OUT/cuda-gptq-tests.log" | head -40
       build/device/quantize.test -test.v -test.run "${QTESTS:-TestGPUMatchesCPU|TestAWQOnGPU}" > "$OUT/quantize-gpu-tests.log" 2>&1
       echo "quantize gpu tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|perplexity|panic|Error" "$OUT/quantize-gpu-tests.log" | head -30

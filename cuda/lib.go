@@ -150,6 +150,9 @@ static int c_awq_clip(A a, llmq_ctx* c, P W, P s, P H, P D, P Pm, P err, P best,
 	return a->awq_clip(c, (const float*)W, (const float*)s, (const float*)H, (float*)D, (float*)Pm, (double*)err, (float*)best,
 		out, in, group, bits, sym, minmax, n);
 }
+static int c_attention_causal(A a, llmq_ctx* c, P q, P k, P v, P out, int windows, int T, int heads, int kvh, int hd) {
+	return a->attention_causal(c, (const void*)q, (const void*)k, (const void*)v, (void*)out, windows, T, heads, kvh, hd);
+}
 */
 import "C"
 
@@ -720,5 +723,17 @@ func (x *Context) AWQClip(W, s, H, D, P, errs, best Buf, out, in int, g pack.Gri
 	return x.do("awq_clip", func() C.int {
 		return C.c_awq_clip(x.lib.api, x.c, W.p, s.p, H.p, D.p, P.p, errs.p, best.p, C.int(out), C.int(in), C.int(g.Group(in)),
 			C.int(g.Bits), cbool(g.Sym), cbool(g.MinMax), C.int(nShrink))
+	})
+}
+
+// CausalHeadDims are the head dimensions AttentionCausal takes.
+func CausalHeadDims(hd int) bool { return hd == 32 || hd == 64 || hd == 128 }
+
+// AttentionCausal writes causal self-attention within windows of T
+// consecutive rows (flash.cu): q, out [windows·T][heads·hd], k, v
+// [windows·T][kvHeads·hd], fp16 with RoPE applied.
+func (x *Context) AttentionCausal(q, k, v, out Buf, windows, T, heads, kvHeads, hd int) error {
+	return x.do("attention_causal", func() C.int {
+		return C.c_attention_causal(x.lib.api, x.c, q.p, k.p, v.p, out.p, C.int(windows), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd))
 	})
 }

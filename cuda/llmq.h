@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 5
+#define LLMQ_API_VERSION 6
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -188,6 +188,12 @@ typedef struct {
    * fp32 and best_err [out][in/group] fp64 are scratch. */
   int (*awq_clip)(llmq_ctx* c, const float* W, const float* s, const float* H, float* D, float* P, double* best_err,
                   float* best_max, int out, int in, int group, int bits, int sym, int minmax, int n_shrink);
+
+  /* Causal self-attention within windows of T consecutive rows (flash.cu):
+   * row w·T + p attends to rows w·T … w·T + p. q, out [windows·T][heads·hd],
+   * k, v [windows·T][kv_heads·hd], fp16, RoPE applied; hd 32, 64 or 128. */
+  int (*attention_causal)(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
+                          int kv_heads, int hd);
 } llmq_api;
 
 /* The library's one exported symbol. */

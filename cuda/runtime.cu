@@ -284,6 +284,7 @@ const llmq_api kAPI = {
     sq_diff_sum,
     awq_quant,
     awq_clip,
+    attention_causal,
 };
 }  // namespace
 }  // namespace llmq

@@ -1,0 +1,100 @@
+//go:build cgo
+
+package cuda
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/x448/float16"
+)
+
+// TestAttentionCausalMatchesReference runs the flash kernel on random
+// queries, keys and values and compares with causal softmax attention in
+// float64: window lengths below, at and across the 64-row tile (1, 64,
+// 200), grouped-query heads, every head dimension it takes. The output is
+// fp16, so the error allowed is fp16's.
+func TestAttentionCausalMatchesReference(t *testing.T) {
+	x := openContext(t)
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, tc := range []struct{ windows, T, heads, kvHeads, hd int }{
+		{2, 200, 4, 2, 64}, {1, 64, 2, 2, 128}, {3, 1, 4, 1, 32}, {2, 130, 8, 2, 128}, {1, 96, 2, 1, 32},
+	} {
+		rows, qd, kvd := tc.windows*tc.T, tc.heads*tc.hd, tc.kvHeads*tc.hd
+		gen := func(n int, sd float64) []float32 {
+			v := make([]float32, n)
+			for i := range v {
+				v[i] = float32(r.NormFloat64() * sd)
+			}
+			return fromF16(toF16(v)) // the values the GPU sees
+		}
+		q, k, v := gen(rows*qd, 1), gen(rows*kvd, 1), gen(rows*kvd, 1)
+		bufs := make([]Buf, 4)
+		var err error
+		for i, src := range [][]float32{q, k, v} {
+			if bufs[i], err = AllocFrom(x, toF16(src)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if bufs[3], err = x.Alloc(rows * qd * 2); err != nil {
+			t.Fatal(err)
+		}
+		if err := x.AttentionCausal(bufs[0], bufs[1], bufs[2], bufs[3], tc.windows, tc.T, tc.heads, tc.kvHeads, tc.hd); err != nil {
+			t.Fatal(err)
+		}
+		got16 := make([]uint16, rows*qd)
+		if err := Download(x, got16, bufs[3]); err != nil {
+			t.Fatal(err)
+		}
+		got := fromF16(got16)
+		var worst float64
+		scale := 1 / math.Sqrt(float64(tc.hd))
+		for w := 0; w < tc.windows; w++ {
+			for p := 0; p < tc.T; p++ {
+				row := w*tc.T + p
+				for h := 0; h < tc.heads; h++ {
+					kh := h / (tc.heads / tc.kvHeads)
+					s := make([]float64, p+1)
+					mx := math.Inf(-1)
+					for j := 0; j <= p; j++ {
+						var d float64
+						for i := 0; i < tc.hd; i++ {
+							d += float64(q[row*qd+h*tc.hd+i]) * float64(k[(w*tc.T+j)*kvd+kh*tc.hd+i])
+						}
+						s[j] = d * scale
+						mx = math.Max(mx, s[j])
+					}
+					var sum float64
+					for j := range s {
+						s[j] = math.Exp(s[j] - mx)
+						sum += s[j]
+					}
+					for i := 0; i < tc.hd; i++ {
+						var o float64
+						for j := range s {
+							o += s[j] * float64(v[(w*tc.T+j)*kvd+kh*tc.hd+i])
+						}
+						o /= sum
+						worst = math.Max(worst, math.Abs(float64(got[row*qd+h*tc.hd+i])-o))
+					}
+				}
+			}
+		}
+		t.Logf("%+v: max |error| %.2e", tc, worst)
+		if worst > 4e-3 || math.IsNaN(worst) {
+			t.Errorf("%+v: output differs from the reference by %.2e", tc, worst)
+		}
+		for _, b := range bufs {
+			x.Free(b)
+		}
+	}
+}
+
+func fromF16(h []uint16) []float32 {
+	f := make([]float32, len(h))
+	for i, v := range h {
+		f[i] = float16.Float16(v).Float32()
+	}
+	return f
+}
