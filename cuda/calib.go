@@ -110,6 +110,12 @@ func (c *Calibrator) alloc(X [][]float32) error {
 	if c.sin, err = AllocFrom(c.x, sin); err != nil {
 		return err
 	}
+	// The flash kernel (head dims it takes) reads k and v where the chunk
+	// holds them: no cache and no workspace then.
+	kvBytes, wsBytes := c.chunkW*2*T*kvd*2, c.x.Lib().AttentionWorkspaceBytes(rows, cfg.Heads, cfg.HeadDim, T)
+	if CausalHeadDims(cfg.HeadDim) {
+		kvBytes, wsBytes = 0, 0
+	}
 	for _, s := range []struct {
 		b     *Buf
 		bytes int
@@ -117,10 +123,12 @@ func (c *Calibrator) alloc(X [][]float32) error {
 		{&c.attAll, c.N * T * qd * 2},
 		{&c.h, rows * H * 2}, {&c.q, rows * qd * 2}, {&c.k, rows * kvd * 2}, {&c.v, rows * kvd * 2},
 		{&c.att, rows * qd * 2}, {&c.delta, rows * H * 2}, {&c.g, rows * cfg.Intermediate * 2},
-		{&c.u, rows * cfg.Intermediate * 2}, {&c.xtmp, rows * H * 4}, {&c.kv, c.chunkW * 2 * T * kvd * 2},
-		{&c.attnWS, c.x.Lib().AttentionWorkspaceBytes(rows, cfg.Heads, cfg.HeadDim, T)},
+		{&c.u, rows * cfg.Intermediate * 2}, {&c.xtmp, rows * H * 4}, {&c.kv, kvBytes}, {&c.attnWS, wsBytes},
 		{&c.meta.RowSeq, rows * 4}, {&c.meta.RowPos, rows * 4}, {&c.meta.KVBase, c.chunkW * 8}, {&c.meta.KVCap, c.chunkW * 4},
 	} {
+		if s.bytes == 0 {
+			continue
+		}
 		if *s.b, err = c.x.Alloc(s.bytes); err != nil {
 			return err
 		}
@@ -288,6 +296,9 @@ func (c *Calibrator) attentionTo(out Buf, rows int) error {
 		func() error { return x.RoPE(c.k, c.meta.RowPos, c.cos, c.sin, rows, cfg.KVHeads, hd) },
 	}
 	if CausalHeadDims(hd) { // the chunk is whole windows: the flash kernel, no cache
+		if rows%c.T != 0 {
+			return fmt.Errorf("attention over %d rows: not whole windows of %d", rows, c.T)
+		}
 		steps = append(steps, func() error { return x.AttentionCausal(c.q, c.k, c.v, out, rows/c.T, c.T, cfg.Heads, cfg.KVHeads, hd) })
 	} else {
 		steps = append(steps,

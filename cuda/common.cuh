@@ -107,8 +107,8 @@ int sq_diff_sum(llmq_ctx* c, const void* a, const void* b, double* part, size_t 
 int awq_quant(llmq_ctx* c, const float* W, const float* s, void* Wq, int out, int in, int group, int bits, int sym, int minmax);
 int awq_clip(llmq_ctx* c, const float* W, const float* s, const float* H, float* D, float* P, double* best_err, float* best_max,
              int out, int in, int group, int bits, int sym, int minmax, int n_shrink);
+void destroy_cusolver(llmq_ctx* c);
 // flash.cu
 int attention_causal(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
                      int kv_heads, int hd);
-void destroy_cusolver(llmq_ctx* c);
 }  // namespace llmq

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(128) attention_causal_kernel(const half* __res
       *reinterpret_cast<uint4*>(Vs + r * kPad + c8) = vx;
     }
     __syncthreads();
-    if (!active || q0 + 15 < k0) continue;  // every key of the tile is after every row of the warp
+    if (!active) continue;  // rows past the window's end (the warp still shares the barriers)
 
     // S = Q·Kᵀ for the warp's 16 rows and the tile's 64 keys: 8 n8 tiles;
     // B[dim][key] = K[key][dim], two consecutive dimensions a register.
@@ -132,7 +132,9 @@ __global__ void __launch_bounds__(128) attention_causal_kernel(const half* __res
     for (int j = 0; j < kTile / 8; j++) {
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const float p = exp2f(s[j][e] - mu[e >> 1]);
+        // P goes into the P·V product in fp16: round it here, so that the
+        // normaliser l sums the same values.
+        const float p = __half2float(__float2half_rn(exp2f(s[j][e] - mu[e >> 1])));
         s[j][e] = p;
         l[e >> 1] += p;
       }
@@ -191,7 +193,7 @@ int launch_causal(llmq_ctx* c, const void* q, const void* k, const void* v, void
 
 int attention_causal(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
                      int kv_heads, int hd) {
-  if (windows <= 0 || T <= 0 || kv_heads <= 0 || heads % kv_heads) {
+  if (windows <= 0 || windows > 65535 || T <= 0 || heads <= 0 || heads > 65535 || kv_heads <= 0 || heads % kv_heads) {
     set_error(c, "attention_causal: %d windows of %d rows, heads %d, kv_heads %d", windows, T, heads, kv_heads);
     return 1;
   }
