@@ -53,6 +53,10 @@ func TestGPUMatchesCPU(t *testing.T) {
 			if len(reps[0].Layers) != len(reps[1].Layers) {
 				t.Fatalf("%d layers on the CPU, %d on the GPU", len(reps[0].Layers), len(reps[1].Layers))
 			}
+			if reps[1].CalibTokensPerSecond <= 0 || reps[0].CalibTokensPerSecond != 0 {
+				t.Errorf("calibration forward rate %g tokens/s on the GPU, %g on the CPU: want a rate on the GPU only",
+					reps[1].CalibTokensPerSecond, reps[0].CalibTokensPerSecond)
+			}
 			worst := 0.0
 			for i, l := range reps[0].Layers {
 				g := reps[1].Layers[i]

@@ -134,8 +134,15 @@ type Report struct {
 	// (packing and writing), "calibration" (embedding the windows); on
 	// the GPU also "upload" (weights to the GPU), "statistics" (forward
 	// passes taking Hessians), "forward" (passes advancing X), "factor"
-	// (Cholesky and inverse), "solve" (GPTQ's column updates).
+	// (Cholesky and inverse), "solve" (GPTQ's column updates); with AWQ
+	// "features" (the pass keeping x̄ and the clip search's rows),
+	// "search <group>" (each scale group's candidates), "clip".
 	Timing map[string]float64 `json:"timing_s"`
+	// CalibTokensPerSecond is the calibration forward passes' rate on the
+	// GPU: calibration tokens × blocks quantized, over the seconds of
+	// "statistics", "features" and "forward" (the passes that take
+	// statistics and the passes that advance X).
+	CalibTokensPerSecond float64 `json:"calibration_tokens_per_second,omitempty"`
 	// PeakGPUBytes is the most GPU memory the run held at once.
 	PeakGPUBytes int64 `json:"peak_gpu_bytes,omitempty"`
 	// Experts lists each expert of the sparse blocks with the calibration
@@ -288,6 +295,9 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}
 	if err := d.closeGPU(); err != nil {
 		return nil, err
+	}
+	if passes := rep.Timing["statistics"] + rep.Timing["features"] + rep.Timing["forward"]; passes > 0 {
+		rep.CalibTokensPerSecond = float64(rep.CalibTokens*(cfg.Layers-rep.ResumedAt)) / passes
 	}
 	if err := d.head(ctx); err != nil {
 		return nil, d.stopped(ctx, err, done.Blocks)

@@ -354,6 +354,9 @@ func printReport(cmd *cobra.Command, rep *quantize.Report) {
 	if len(kinds) > 0 {
 		fmt.Fprintf(w, "time: %s\n", strings.Join(kinds, ", "))
 	}
+	if rep.CalibTokensPerSecond > 0 {
+		fmt.Fprintf(w, "calibration forward: %s tokens/s (tokens × blocks over the passes' seconds)\n", human(rep.CalibTokensPerSecond, ""))
+	}
 }
 
 // commandLine is the command as a shell would take it back.
