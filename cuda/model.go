@@ -63,6 +63,9 @@ type Model struct {
 	graphs    map[graphKey]*decodeGraph
 	batchActs map[int]*acts
 	tick      uint64
+	// flashPasses counts the eager passes whose attention the flash
+	// kernel computed (pass.windows): for tests.
+	flashPasses int
 }
 
 // maxGraphs bounds the decode graphs a model keeps (batch sizes × key
@@ -526,6 +529,12 @@ type pass struct {
 	kvBase              []uint64
 	kvCap               []int32
 	maxKeys             int
+	// windows is set when every step starts an empty cache with the same
+	// number of tokens (a prefill, a perplexity window) and the flash
+	// kernel takes the head dimension: attention is then causal within
+	// each step's rows, computed from k and v as they are, not read back
+	// from the cache (which is still written, for the decode steps after).
+	windows int
 }
 
 func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
@@ -555,6 +564,12 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		p.maxKeys = max(p.maxKeys, c.n+len(s.Tokens))
 		caches[i] = c
 	}
+	p.windows = len(steps)
+	for i, s := range steps {
+		if caches[i].n != 0 || len(s.Tokens) != len(steps[0].Tokens) || !CausalHeadDims(m.cfg.HeadDim) {
+			p.windows = 0
+		}
+	}
 	return p, caches, nil
 }
 
@@ -571,14 +586,19 @@ func (m *Model) upload(a *acts, p *pass) error {
 }
 
 // layers queues the embedding and every decoder block for T rows, leaving
-// the final residual stream in a.x. attnWS is the attention scratch for T
+// the final residual stream in a.x. With windows > 0 the rows are that
+// many whole windows attended causally by the flash kernel (pass.windows);
+// otherwise attention reads the caches, and attnWS is its scratch for T
 // rows and maxKeys keys.
-func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys int) error {
+func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, windows int) error {
 	c, x := m.cfg, m.x
 	H, hd, L := c.Hidden, c.HeadDim, c.Layers
 	eps := float32(c.RMSNormEps)
 	if err := x.Embed(a.ids, m.embed, a.x, T, H); err != nil {
 		return err
+	}
+	if windows > 0 {
+		m.flashPasses++
 	}
 	for l, b := range m.blocks {
 		if ctx != nil {
@@ -599,6 +619,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys int)
 			func() error { return x.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
 			func() error { return x.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
 			func() error {
+				if windows > 0 {
+					return x.AttentionCausal(a.q, a.k, a.v, a.att, windows, T/windows, c.Heads, c.KVHeads, hd)
+				}
 				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys)
 			},
 			func() error { return m.run(b.o, a.att, a.delta, T, a, false) },
@@ -643,9 +666,13 @@ func (m *Model) eagerActs(rows int) (*acts, error) {
 	return a, nil
 }
 
-// eagerAttnWS returns the eager attention scratch, grown as needed.
-func (m *Model) eagerAttnWS(T, maxKeys int) (Buf, error) {
-	need := m.lib.AttentionWorkspaceBytes(T, m.cfg.Heads, m.cfg.HeadDim, maxKeys)
+// eagerAttnWS returns the eager attention scratch for p's T rows, grown
+// as needed; none when the flash kernel attends (it needs no scratch).
+func (m *Model) eagerAttnWS(p *pass, T int) (Buf, error) {
+	if p.windows > 0 {
+		return Buf{}, nil
+	}
+	need := m.lib.AttentionWorkspaceBytes(T, m.cfg.Heads, m.cfg.HeadDim, p.maxKeys)
 	if m.attnWS.Bytes >= need {
 		return m.attnWS, nil
 	}
@@ -710,11 +737,11 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		if err := Upload(m.x, a.rowIdx, out); err != nil {
 			return err
 		}
-		ws, err := m.eagerAttnWS(T, p.maxKeys)
+		ws, err := m.eagerAttnWS(p, T)
 		if err != nil {
 			return err
 		}
-		if err := m.layers(ctx, a, ws, T, p.maxKeys); err != nil {
+		if err := m.layers(ctx, a, ws, T, p.maxKeys, p.windows); err != nil {
 			return err
 		}
 		if err := m.head(a, len(out)); err != nil {
@@ -809,7 +836,7 @@ func (m *Model) capture(key graphKey) (*decodeGraph, error) {
 		return nil, err
 	}
 	g, err := m.x.Capture(func() error {
-		if err := m.layers(nil, a, dg.ws, B, key.keys); err != nil {
+		if err := m.layers(nil, a, dg.ws, B, key.keys, 0); err != nil {
 			return err
 		}
 		return m.head(a, B)
@@ -916,11 +943,11 @@ func (m *Model) windowNLL(ctx context.Context, cache *Cache, ids []int) (float64
 	if err := Upload(m.x, a.targets, targets); err != nil {
 		return 0, 0, err
 	}
-	ws, err := m.eagerAttnWS(T, p.maxKeys)
+	ws, err := m.eagerAttnWS(p, T)
 	if err != nil {
 		return 0, 0, err
 	}
-	if err := m.layers(ctx, a, ws, T, p.maxKeys); err != nil {
+	if err := m.layers(ctx, a, ws, T, p.maxKeys, p.windows); err != nil {
 		return 0, 0, err
 	}
 	if err := m.head(a, n); err != nil {

@@ -168,6 +168,71 @@ func TestBatchedSteps(t *testing.T) {
 	}
 }
 
+// A prefill into empty caches goes through the flash kernel (one window,
+// or several of one length); a prefill after cached tokens reads the cache.
+// The two agree on every position's logits.
+func TestPrefillFlashMatchesCacheAttention(t *testing.T) {
+	_, gpu := loadBoth(t, "llama-small")
+	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")[:300]
+	V := gpu.Config().Vocab
+	// forward runs the steps (token slices, each into a new cache after
+	// the cached prefix) and returns every row's logits, step by step.
+	forward := func(prefix []int, steps ...[]int) [][]float32 {
+		t.Helper()
+		var ss []llm.Step
+		for _, toks := range steps {
+			c, err := gpu.NewCache(len(prefix) + len(toks))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			if len(prefix) > 0 {
+				if err := gpu.Forward(context.Background(), []llm.Step{{Cache: c, Tokens: prefix, Logits: make([]float32, V), LastOnly: true}}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ss = append(ss, llm.Step{Cache: c, Tokens: toks, Logits: make([]float32, len(toks)*V)})
+		}
+		before := gpu.flashPasses
+		if err := gpu.Forward(context.Background(), ss); err != nil {
+			t.Fatal(err)
+		}
+		if flash := gpu.flashPasses > before; flash != (len(prefix) == 0) {
+			t.Fatalf("%d steps after %d cached tokens: flash kernel used %v", len(steps), len(prefix), flash)
+		}
+		out := make([][]float32, len(ss))
+		for i, s := range ss {
+			out[i] = s.Logits
+		}
+		return out
+	}
+	compare := func(what string, got, want []float32) {
+		t.Helper()
+		var maxd, sumd float64
+		n, argmax := len(got)/V, 0
+		for r := 0; r < n; r++ {
+			g, w := got[r*V:(r+1)*V], want[r*V:(r+1)*V]
+			for i := range g {
+				d := math.Abs(float64(g[i] - w[i]))
+				maxd, sumd = max(maxd, d), sumd+d
+			}
+			if llm.Argmax(g) == llm.Argmax(w) {
+				argmax++
+			}
+		}
+		t.Logf("%s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", what, maxd, sumd/float64(len(got)), argmax, n)
+		if maxd > 0.1 || sumd/float64(len(got)) > 0.01 || argmax < n-1 {
+			t.Errorf("%s: flash prefill and cache attention disagree", what)
+		}
+	}
+	whole := forward(nil, ids)[0]
+	cached := forward(ids[:1], ids[1:])[0]
+	compare("300 tokens: one flash window against 1 + 299 through the cache", whole[V:], cached)
+	two := forward(nil, ids[:150], ids[150:])
+	compare("two windows of 150 in one pass, the first", two[0], whole[:150*V])
+	compare("two windows of 150 in one pass, the second", two[1][V:], forward(ids[150:151], ids[151:])[0])
+}
+
 // The GPU's window NLL (log-softmax on the device) against the CPU's.
 func TestWindowNLL(t *testing.T) {
 	cpu, gpu := loadBoth(t, "llama-tiny")
