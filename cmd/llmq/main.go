@@ -6,8 +6,10 @@ package main
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"runtime/pprof"
 
+	"github.com/llmq/llmq/evals"
 	"github.com/spf13/cobra"
 )
 
@@ -31,6 +33,8 @@ benchmarks.`,
   llmq generate ../shared/models/llama-tiny --prompt "Once upon a time"`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		// --version: the commit the binary was built from, as results record it.
+		Version: fmt.Sprintf("%s (%s)", evals.Commit(), runtime.Version()),
 	}
 	var profile string
 	var stopProfile func()

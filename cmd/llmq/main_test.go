@@ -16,6 +16,7 @@ import (
 	"testing"
 
 	"github.com/llmq/llmq/actquant"
+	"github.com/llmq/llmq/evals"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm/checkpoint"
 	"github.com/llmq/llmq/pack"
@@ -301,6 +302,14 @@ func TestCalibrationTooShort(t *testing.T) {
 
 // TestHelpHasExamples: every command shows an example in its help, and
 // every flag has a usage text.
+// --version names the commit the results of this binary record.
+func TestVersion(t *testing.T) {
+	out := mustLLMQ(t, "--version")
+	if !strings.HasPrefix(out, "llmq version ") || !strings.Contains(out, evals.Commit()) {
+		t.Errorf("llmq --version printed %q, want the commit %s", out, evals.Commit())
+	}
+}
+
 func TestHelpHasExamples(t *testing.T) {
 	var walk func(c *cobra.Command)
 	walk = func(c *cobra.Command) {
