@@ -56,6 +56,7 @@ type Calibrator struct {
 
 type calibBlock struct {
 	attnNorm, mlpNorm Buf
+	qNorm, kNorm      Buf                     // Qwen3's per-head norms of q and k (unset without)
 	lin               map[string]*calibLinear // by checkpoint name relative to the block
 }
 
@@ -203,11 +204,16 @@ func (c *Calibrator) SetBlock(b *llm.Block) error {
 	return c.timed("upload", func() error {
 		c.freeBlock()
 		var err error
-		if c.blk.attnNorm, err = AllocFrom(c.x, b.AttnNorm); err != nil {
-			return err
-		}
-		if c.blk.mlpNorm, err = AllocFrom(c.x, b.MLPNorm); err != nil {
-			return err
+		for _, n := range []struct {
+			dst *Buf
+			w   []float32
+		}{{&c.blk.attnNorm, b.AttnNorm}, {&c.blk.mlpNorm, b.MLPNorm}, {&c.blk.qNorm, b.QNorm}, {&c.blk.kNorm, b.KNorm}} {
+			if n.w == nil { // q_norm and k_norm where the family has them
+				continue
+			}
+			if *n.dst, err = AllocFrom(c.x, n.w); err != nil {
+				return err
+			}
 		}
 		c.blk.lin = map[string]*calibLinear{}
 		for _, nl := range b.Linears() {
@@ -250,7 +256,7 @@ func (c *Calibrator) SetLinear(name string, w []float32) error {
 }
 
 func (c *Calibrator) freeBlock() {
-	for _, b := range []Buf{c.blk.attnNorm, c.blk.mlpNorm} {
+	for _, b := range []Buf{c.blk.attnNorm, c.blk.mlpNorm, c.blk.qNorm, c.blk.kNorm} {
 		c.x.Free(b)
 	}
 	for _, l := range c.blk.lin {
@@ -292,6 +298,8 @@ func (c *Calibrator) attentionTo(out Buf, rows int) error {
 		func() error { return c.linear("self_attn.q_proj", c.h, c.q, rows) },
 		func() error { return c.linear("self_attn.k_proj", c.h, c.k, rows) },
 		func() error { return c.linear("self_attn.v_proj", c.h, c.v, rows) },
+		func() error { return x.HeadRMSNorm(c.q, c.blk.qNorm, rows*cfg.Heads, hd, float32(cfg.RMSNormEps)) },
+		func() error { return x.HeadRMSNorm(c.k, c.blk.kNorm, rows*cfg.KVHeads, hd, float32(cfg.RMSNormEps)) },
 		func() error { return x.RoPE(c.q, c.meta.RowPos, c.cos, c.sin, rows, cfg.Heads, hd) },
 		func() error { return x.RoPE(c.k, c.meta.RowPos, c.cos, c.sin, rows, cfg.KVHeads, hd) },
 	}

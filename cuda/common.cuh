@@ -78,6 +78,7 @@ int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, i
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H);
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H,
             float eps);
+int head_rmsnorm(llmq_ctx* c, void* x, const float* w, int n, int hd, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
 int rope(llmq_ctx* c, void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd);

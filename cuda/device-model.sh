@@ -24,6 +24,7 @@
 #                                     # (PRESET, SYNTH_ARGS="--layers 8", METHOD, NSAMPLES, QARGS: more quantize
 #                                     # flags, QSUFFIX: the report's name, KEEP_SYNTH=1: reuse /tmp/b16)
 #   bash cuda/device-model.sh reftime # the reference gptq.py timed on a llama3-8b block (.carry/gptq-ref)
+#   bash cuda/device-model.sh seeds   # evals/seeds.sh on the GPU: llama-tiny SEED_CONFIGS ("gptq:4 awq:4")
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
 #
 # Results go to $OUT (the device tool's folder) or build/out.
@@ -187,6 +188,13 @@ case "$1" in
     ;;
   quant70b) # two layers of a synthetic llama3-70b: per-layer time and peak GPU memory
     PRESET=llama3-70b SYNTH_ARGS="--layers ${LAYERS70:-2}" SKIP_BUILD=1 bash "$0" quant8b
+    ;;
+  seeds) # perplexity over calibration seeds, quantized and evaluated on the GPU (evals/seeds.sh)
+    for mc in ${SEED_CONFIGS:-gptq:4 awq:4}; do
+      m=${mc%%:*}
+      LLMQ=$L SHARED=$LLMQ_SHARED bash evals/seeds.sh "$m" "${mc##*:}" "$LLMQ_SHARED/models/${SEED_MODEL:-llama-tiny}" cuda | tail -1
+      cp evals/results/seeds-${SEED_MODEL:-llama-tiny}-${m/+/-}-w${mc##*:}-cuda.txt "$OUT/"
+    done
     ;;
   reftime) # the reference GPTQ code (IST-DASLab gptq.py, carried in .carry/gptq-ref) timed on one llama3-8b block
     python3 evals/torchref/gptq_time.py --ref .carry/gptq-ref --json "$OUT/gptq-reference-time-h200.json" 2>&1 | grep -v Warning | tail -9

@@ -153,6 +153,9 @@ static int c_awq_clip(A a, llmq_ctx* c, P W, P s, P H, P D, P Pm, P err, P best,
 static int c_attention_causal(A a, llmq_ctx* c, P q, P k, P v, P out, int windows, int T, int heads, int kvh, int hd) {
 	return a->attention_causal(c, (const void*)q, (const void*)k, (const void*)v, (void*)out, windows, T, heads, kvh, hd);
 }
+static int c_head_rmsnorm(A a, llmq_ctx* c, P x, P w, int n, int hd, float eps) {
+	return a->head_rmsnorm(c, (void*)x, (const float*)w, n, hd, eps);
+}
 */
 import "C"
 
@@ -735,5 +738,18 @@ func CausalHeadDims(hd int) bool { return hd == 32 || hd == 64 || hd == 128 }
 func (x *Context) AttentionCausal(q, k, v, out Buf, windows, T, heads, kvHeads, hd int) error {
 	return x.do("attention_causal", func() C.int {
 		return C.c_attention_causal(x.lib.api, x.c, q.p, k.p, v.p, out.p, C.int(windows), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd))
+	})
+}
+
+// HeadRMSNorm normalizes n rows of hd fp16 values in place, x =
+// RMSNorm(x)·w with w fp32 [hd]: Qwen3's q_norm and k_norm, each head of
+// each row a row here. With w unset (a family without them) it does
+// nothing.
+func (x *Context) HeadRMSNorm(xs, w Buf, n, hd int, eps float32) error {
+	if w.Nil() {
+		return nil
+	}
+	return x.do("head_rmsnorm", func() C.int {
+		return C.c_head_rmsnorm(x.lib.api, x.c, xs.p, w.p, C.int(n), C.int(hd), C.float(eps))
 	})
 }

@@ -34,21 +34,24 @@ func TestOpenSaysWhereItLooked(t *testing.T) {
 	}
 }
 
-// TestSupportsRefusesSlidingWindow: a Mistral sliding-window config is
-// refused by name rather than run with full attention.
-func TestSupportsRefusesSlidingWindow(t *testing.T) {
-	swa, err := checkpoint.LoadConfig(shared.Path(t, "models/archzoo/mistral-swa-rand"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := Supports(swa); err == nil || !strings.Contains(err.Error(), "sliding_window 64") {
-		t.Errorf("sliding window: %v", err)
-	}
-	full, err := checkpoint.LoadConfig(shared.Path(t, "models/archzoo/mistral-rand"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := Supports(full); err != nil {
-		t.Errorf("full attention refused: %v", err)
+// TestSupports: what the GPU backend runs is accepted, the rest refused by
+// name (a Mistral sliding window rather than run with full attention, the
+// mixtures of experts and Gemma 3 by architecture).
+func TestSupports(t *testing.T) {
+	for name, want := range map[string]string{
+		"mistral-swa-rand": "sliding_window 64", "mistral-rand": "", "qwen2-rand": "", "llama31-rand": "", "qwen3-rand": "",
+		"qwen3moe-rand": "Qwen3MoeForCausalLM", "mixtral-rand": "MixtralForCausalLM", "gemma3-rand": "Gemma3ForCausalLM",
+	} {
+		cfg, err := checkpoint.LoadConfig(shared.Path(t, "models/archzoo/"+name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = Supports(cfg)
+		if want == "" && err != nil {
+			t.Errorf("%s refused: %v", name, err)
+		}
+		if want != "" && (err == nil || !strings.Contains(err.Error(), want)) {
+			t.Errorf("%s: %v, want a refusal naming %s", name, err, want)
+		}
 	}
 }

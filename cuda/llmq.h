@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 6
+#define LLMQ_API_VERSION 7
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -194,6 +194,10 @@ typedef struct {
    * k, v [windows·T][kv_heads·hd], fp16, RoPE applied; hd 32, 64 or 128. */
   int (*attention_causal)(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
                           int kv_heads, int hd);
+
+  /* x = RMSNorm(x)·w over each of n rows of hd fp16 values, in place; w
+   * fp32 [hd] (Qwen3's q_norm and k_norm, one row per head). */
+  int (*head_rmsnorm)(llmq_ctx* c, void* x, const float* w, int n, int hd, float eps);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -76,6 +76,21 @@ __global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ d
   for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __float2half(xr[i] * inv * w[i]);
 }
 
+// head_rmsnorm_kernel: one warp per row of hd fp16 values, x =
+// RMSNorm(x)·w in place (Qwen3's q_norm and k_norm: a row is one head).
+__global__ void head_rmsnorm_kernel(half* __restrict__ x, const float* __restrict__ w, int n, int hd, float eps) {
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (row >= n) return;  // whole warps leave together: the shuffles below see all 32 lanes
+  half* r = x + (size_t)row * hd;
+  float ss = 0.f;
+  for (int i = lane; i < hd; i += 32) {
+    const float v = __half2float(r[i]);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(warp_sum(ss) / hd + eps);
+  for (int i = lane; i < hd; i += 32) r[i] = __float2half(__half2float(r[i]) * inv * w[i]);
+}
+
 // add_kernel: x += delta over n values (the last block's residual).
 __global__ void add_kernel(float* __restrict__ x, const half* __restrict__ delta, size_t n) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -132,9 +147,10 @@ __global__ void kv_store_kernel(const half* __restrict__ k, const half* __restri
 //
 // In a block, each warp scores keys (lanes over the head dimension, the
 // query in shared memory), then each warp accumulates the output of its
-// share of the keys with lane l owning hd/32 consecutive dimensions, so a
-// value row is one coalesced load; the four warps' sums meet in shared
-// memory. part holds, per (row, head, chunk), hd outputs then m and l.
+// share of the keys with lane l owning dimensions l, l + 32, …, so a value
+// row is read in coalesced loads for any even head_dim (Qwen3's test
+// checkpoint has 48); the four warps' sums meet in shared memory. part
+// holds, per (row, head, chunk), hd outputs then m and l.
 constexpr int kMaxDimsPerLane = 8;  // head_dim ≤ 256
 constexpr int kUnroll = 4;          // keys a warp loads at once
 constexpr int kDecodeChunk = 64;    // keys per block when decoding
@@ -201,7 +217,8 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
     sum += e;
   }
   sum = block_sum(sum, red);  // its barriers publish sc
-  const int per = hd / 32;    // dimensions per lane
+  // Lane l accumulates dimensions l, l + 32, …: loads of a warp stay
+  // contiguous, and any head_dim up to 32·kMaxDimsPerLane works.
   float acc[kMaxDimsPerLane];
 #pragma unroll
   for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
@@ -210,17 +227,17 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
     for (int u = 0; u < kUnroll; u++) {
       const int jj = j + u * nwarps;
       if (jj < j1) {
-        const half* vr = V + (size_t)jj * kv_dim + lane * per;
+        const half* vr = V + (size_t)jj * kv_dim;
         const float p = sc[jj - j0];
 #pragma unroll
         for (int i = 0; i < kMaxDimsPerLane; i++)
-          if (i < per) acc[i] += p * __half2float(vr[i]);
+          if (lane + 32 * i < hd) acc[i] += p * __half2float(vr[lane + 32 * i]);
       }
     }
   }
 #pragma unroll
   for (int i = 0; i < kMaxDimsPerLane; i++)
-    if (i < per) wo[warp * hd + lane * per + i] = acc[i];
+    if (lane + 32 * i < hd) wo[warp * hd + lane + 32 * i] = acc[i];
   __syncthreads();
   for (int i = threadIdx.x; i < hd; i += blockDim.x) {
     float o = 0.f;
@@ -292,6 +309,18 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const
   return 0;
 }
 
+int head_rmsnorm(llmq_ctx* c, void* x, const float* w, int n, int hd, float eps) {
+  if (n <= 0 || hd <= 0) {
+    set_error(c, "head_rmsnorm: %d rows of %d", n, hd);
+    return 1;
+  }
+  constexpr int kRowsPerBlock = 8;
+  head_rmsnorm_kernel<<<(n + kRowsPerBlock - 1) / kRowsPerBlock, 32 * kRowsPerBlock, 0, c->stream>>>((half*)x, w, n, hd,
+                                                                                                    eps);
+  CK_LAUNCH("head_rmsnorm_kernel");
+  return 0;
+}
+
 int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
   add_kernel<<<blocks(n, 256), 256, 0, c->stream>>>(x, (const half*)delta, n);
   CK_LAUNCH("add_kernel");
@@ -327,8 +356,8 @@ size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
                    int hd, int max_keys) {
-  if (heads % kv_heads || hd % 32 || hd > 32 * kMaxDimsPerLane) {
-    set_error(c, "attention: heads %d must be a multiple of kv_heads %d, head_dim %d a multiple of 32 up to %d", heads,
+  if (heads % kv_heads || hd % 2 || hd > 32 * kMaxDimsPerLane) {
+    set_error(c, "attention: heads %d must be a multiple of kv_heads %d, head_dim %d even and at most %d", heads,
                     kv_heads, hd, 32 * kMaxDimsPerLane);
     return 1;
   }

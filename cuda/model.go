@@ -74,6 +74,7 @@ const maxGraphs = 48
 
 type gpuBlock struct {
 	attnNorm, mlpNorm          Buf
+	qNorm, kNorm               Buf // Qwen3's per-head norms of q and k (unset without)
 	q, k, v, o, gate, up, down *gpuLinear
 }
 
@@ -152,15 +153,20 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 	}
 	for i := 0; i < c.Layers; i++ {
 		g := &gpuBlock{}
-		attn, mlp, err := llm.ReadBlockNorms(ck, i)
-		if err != nil {
+		var norms llm.Block
+		if err := llm.ReadNorms(ck, i, &norms); err != nil {
 			return err
 		}
-		if g.attnNorm, err = m.upload32(attn); err != nil {
-			return err
-		}
-		if g.mlpNorm, err = m.upload32(mlp); err != nil {
-			return err
+		for _, n := range []struct {
+			dst *Buf
+			w   []float32
+		}{{&g.attnNorm, norms.AttnNorm}, {&g.mlpNorm, norms.MLPNorm}, {&g.qNorm, norms.QNorm}, {&g.kNorm, norms.KNorm}} {
+			if n.w == nil { // q_norm and k_norm where the family has them (Qwen3)
+				continue
+			}
+			if *n.dst, err = m.upload32(n.w); err != nil {
+				return err
+			}
 		}
 		specs := llm.BlockLinears(c, i) // q, k, v, o, gate, up, down
 		for j, dst := range []**gpuLinear{&g.q, &g.k, &g.v, &g.o, &g.gate, &g.up, &g.down} {
@@ -615,6 +621,8 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			func() error { return m.run(b.q, a.h, a.q, T, a, false) },
 			func() error { return m.run(b.k, a.h, a.k, T, a, false) },
 			func() error { return m.run(b.v, a.h, a.v, T, a, false) },
+			func() error { return x.HeadRMSNorm(a.q, b.qNorm, T*c.Heads, hd, eps) },
+			func() error { return x.HeadRMSNorm(a.k, b.kNorm, T*c.KVHeads, hd, eps) },
 			func() error { return x.RoPE(a.q, a.meta.RowPos, m.cos, m.sin, T, c.Heads, hd) },
 			func() error { return x.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
 			func() error { return x.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
@@ -985,12 +993,12 @@ func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) {
 
 // Supports refuses, by name, what the GPU backend does not run yet
 // rather than running it wrongly: Mistral's sliding-window attention, and
-// the Qwen3, Qwen3-MoE, Mixtral and Gemma 3 architectures (q/k norms,
-// mixtures of experts, Gemma's norms, scales and per-layer windows); the
-// CPU backend runs them all.
+// the Qwen3-MoE, Mixtral and Gemma 3 architectures (mixtures of experts,
+// Gemma's norms, scales and per-layer windows); the CPU backend runs them
+// all.
 func Supports(c *checkpoint.Config) error {
 	switch c.Architecture {
-	case "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration":
+	case "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration":
 		return fmt.Errorf("%s: the GPU backend does not run this architecture yet (--device cpu runs it)", c.Architecture)
 	}
 	if c.SlidingWindow > 0 {

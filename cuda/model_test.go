@@ -59,25 +59,81 @@ func TestModelLogits(t *testing.T) {
 			if err := gpu.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: got}}); err != nil {
 				t.Fatal(err)
 			}
-			var maxd, sumd float64
-			argmax := 0
-			for r := 0; r < len(ids); r++ {
-				g, w := got[r*V:(r+1)*V], ref[r*V:(r+1)*V]
-				for i := range g {
-					d := math.Abs(float64(g[i] - w[i]))
-					maxd = max(maxd, d)
-					sumd += d
-				}
-				if llm.Argmax(g) == llm.Argmax(w) {
-					argmax++
-				}
-			}
-			t.Logf("%s on %s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", name, gpu.Name(), maxd, sumd/float64(len(got)), argmax, len(ids))
-			if maxd > 0.25 || sumd/float64(len(got)) > 0.02 || argmax < len(ids)-1 {
+			maxd, mean, argmax := logitDiff(got, ref, V)
+			t.Logf("%s on %s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", name, gpu.Name(), maxd, mean, argmax, len(ids))
+			if maxd > 0.25 || mean > 0.02 || argmax < len(ids)-1 {
 				t.Errorf("GPU logits too far from the reference")
 			}
 		})
 	}
+}
+
+// The architecture zoo's families the GPU runs (Qwen2's biases, Mistral's
+// head_dim 48, Llama-3.1's RoPE scaling, Qwen3's q/k norms) against
+// transformers' fp32 logits, as TestModelLogits; then the last 8 positions
+// again as decode steps after a prefill of the rest (the cache attention
+// and the decode graphs), against the full pass.
+func TestZooLogitsOnGPU(t *testing.T) {
+	for _, name := range []string{"qwen2-rand", "mistral-rand", "llama31-rand", "qwen3-rand"} {
+		t.Run(name, func(t *testing.T) {
+			_, gpu := loadBoth(t, "archzoo/"+name)
+			ids := shared.Int32s(t, "reference/"+name+".logits.input.i32")
+			ref := shared.Float32s(t, "reference/"+name+".logits.f32")
+			V, n := gpu.Config().Vocab, len(ids)
+			if len(ref) != n*V {
+				t.Fatalf("reference has %d logits, want %d×%d", len(ref), n, V)
+			}
+			cache, err := gpu.NewCache(n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cache.Close()
+			got := make([]float32, n*V)
+			if err := gpu.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: got}}); err != nil {
+				t.Fatal(err)
+			}
+			maxd, mean, argmax := logitDiff(got, ref, V)
+			t.Logf("%s on %s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", name, gpu.Name(), maxd, mean, argmax, n)
+			if maxd > 0.25 || mean > 0.02 || argmax < n-n/20 {
+				t.Errorf("GPU logits too far from the reference")
+			}
+
+			const steps = 8
+			dec, err := gpu.NewCache(n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer dec.Close()
+			last := make([]float32, V)
+			if err := gpu.Forward(context.Background(), []llm.Step{{Cache: dec, Tokens: ids[:n-steps], Logits: last, LastOnly: true}}); err != nil {
+				t.Fatal(err)
+			}
+			for p := n - steps; p < n; p++ {
+				if err := gpu.Forward(context.Background(), []llm.Step{{Cache: dec, Tokens: ids[p : p+1], Logits: last, LastOnly: true}}); err != nil {
+					t.Fatal(err)
+				}
+				if d, _, _ := logitDiff(last, got[p*V:(p+1)*V], V); d > 0.1 {
+					t.Errorf("decode step at position %d: max |Δlogit| %.4f against the full pass", p, d)
+				}
+			}
+		})
+	}
+}
+
+// logitDiff compares rows of V logits: the largest and the mean absolute
+// difference, and at how many rows the argmax is the same.
+func logitDiff(got, want []float32, V int) (maxd, mean float64, argmax int) {
+	for r := 0; r < len(got)/V; r++ {
+		g, w := got[r*V:(r+1)*V], want[r*V:(r+1)*V]
+		for i := range g {
+			d := math.Abs(float64(g[i] - w[i]))
+			maxd, mean = max(maxd, d), mean+d
+		}
+		if llm.Argmax(g) == llm.Argmax(w) {
+			argmax++
+		}
+	}
+	return maxd, mean / float64(len(got)), argmax
 }
 
 // Greedy decoding on the GPU (decode steps through CUDA graphs) gives
@@ -208,20 +264,10 @@ func TestPrefillFlashMatchesCacheAttention(t *testing.T) {
 	}
 	compare := func(what string, got, want []float32) {
 		t.Helper()
-		var maxd, sumd float64
-		n, argmax := len(got)/V, 0
-		for r := 0; r < n; r++ {
-			g, w := got[r*V:(r+1)*V], want[r*V:(r+1)*V]
-			for i := range g {
-				d := math.Abs(float64(g[i] - w[i]))
-				maxd, sumd = max(maxd, d), sumd+d
-			}
-			if llm.Argmax(g) == llm.Argmax(w) {
-				argmax++
-			}
-		}
-		t.Logf("%s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", what, maxd, sumd/float64(len(got)), argmax, n)
-		if maxd > 0.1 || sumd/float64(len(got)) > 0.01 || argmax < n-1 {
+		n := len(got) / V
+		maxd, mean, argmax := logitDiff(got, want, V)
+		t.Logf("%s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", what, maxd, mean, argmax, n)
+		if maxd > 0.1 || mean > 0.01 || argmax < n-1 {
 			t.Errorf("%s: flash prefill and cache attention disagree", what)
 		}
 	}

@@ -285,6 +285,7 @@ const llmq_api kAPI = {
     awq_quant,
     awq_clip,
     attention_causal,
+    head_rmsnorm,
 };
 }  // namespace
 }  // namespace llmq

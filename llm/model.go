@@ -205,20 +205,6 @@ func BlockLinears(c *checkpoint.Config, i int) []LinearSpec {
 	return specs
 }
 
-// ReadBlockNorms reads decoder layer i's two RMSNorm weights (Llama's
-// input_layernorm and post_attention_layernorm).
-func ReadBlockNorms(ck *checkpoint.Checkpoint, i int) (attn, mlp []float32, err error) {
-	c := ck.Config
-	p := fmt.Sprintf("model.layers.%d.", i)
-	if attn, err = ck.Float32(p+"input_layernorm.weight", c.Hidden); err != nil {
-		return nil, nil, err
-	}
-	if mlp, err = ck.Float32(p+"post_attention_layernorm.weight", c.Hidden); err != nil {
-		return nil, nil, err
-	}
-	return attn, mlp, nil
-}
-
 // NamedNorm points at one of a block's RMSNorm weights.
 type NamedNorm struct {
 	Name string // relative to model.layers.N., e.g. "input_layernorm.weight"
@@ -245,10 +231,10 @@ func (b *Block) Norms(c *checkpoint.Config) []NamedNorm {
 	return ns
 }
 
-// readNorms reads every norm of decoder layer i into b. Gemma 3's
+// ReadNorms reads every norm of decoder layer i into b. Gemma 3's
 // weights are stored as w and applied as (1+w): b holds 1+w, computed in
 // float32 as transformers does, so RMSNorm is the same function for all.
-func readNorms(ck *checkpoint.Checkpoint, i int, b *Block) error {
+func ReadNorms(ck *checkpoint.Checkpoint, i int, b *Block) error {
 	p := fmt.Sprintf("model.layers.%d.", i)
 	for _, n := range b.Norms(ck.Config) {
 		w, err := ReadNorm(ck, p+n.Name, n.N)
@@ -293,7 +279,7 @@ func ReadNorm(ck *checkpoint.Checkpoint, name string, n int) ([]float32, error) 
 func LoadBlock(ck *checkpoint.Checkpoint, i int, load LinearLoader) (*Block, error) {
 	c := ck.Config
 	b := &Block{Layer: i}
-	if err := readNorms(ck, i, b); err != nil {
+	if err := ReadNorms(ck, i, b); err != nil {
 		return nil, err
 	}
 	if c.Sparse(i) {
