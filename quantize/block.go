@@ -71,6 +71,11 @@ func (d *driver) block(ctx context.Context, l int) error {
 	for _, nl := range b.Linears() {
 		linears[nl.Name] = nl.L
 	}
+	// RTN and AWQ read the quantized weights again only to propagate X on
+	// the host: not when the method gave the next inputs (AWQ) or X lives
+	// on the GPU.
+	noStats := d.m.NewStats(1) == nil
+	readAgain := !noStats || (next == nil && d.X != nil)
 	// quantize replaces each named layer by its quantized version, given
 	// the statistics of their shared input.
 	quantize := func(names []string, s Stats) error {
@@ -83,14 +88,14 @@ func (d *driver) block(ctx context.Context, l int) error {
 			if err != nil {
 				return err
 			}
-			if lin != nil {
+			if lin != nil && readAgain {
 				*linears[n] = llm.NewDense(lin.Dequantize(), dense.B, dense.In(), dense.Out())
 			}
 		}
 		return nil
 	}
 
-	if d.m.NewStats(1) == nil { // RTN, AWQ: no statistics
+	if noStats { // RTN, AWQ: no statistics
 		progress("quantize")
 		for _, nl := range b.Linears() {
 			if err := quantize([]string{nl.Name}, nil); err != nil {
