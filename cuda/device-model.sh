@@ -70,7 +70,7 @@ case "$1" in
     echo "cuda tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic" "$OUT/cuda-tests.log" | head -60
     timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-memcheck.log" 2>&1
     echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
-    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel' > "$OUT/cuda-model-memcheck.log" 2>&1
+    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash' > "$OUT/cuda-model-memcheck.log" 2>&1
     echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"
     ;;
   gemm)
@@ -152,7 +152,7 @@ case "$1" in
     if [ -z "${SKIP_TESTS:-}" ]; then
       build/device/cuda.test -test.v -test.run 'TestGPTQOnGPU|TestCalibrator|TestAWQ|TestAttentionCausal' > "$OUT/cuda-gptq-tests.log" 2>&1
       echo "cuda gptq/awq tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|codes equal|ΔU|x̄|loss GPU|thresholds|panic|Error" "$OUT/cuda-gptq-tests.log" | head -40
-      build/device/quantize.test -test.v -test.run "${QTESTS:-TestGPUMatchesCPU|TestAWQOnGPU}" > "$OUT/quantize-gpu-tests.log" 2>&1
+      build/device/quantize.test -test.v -test.run "${QTESTS:-TestGPUMatchesCPU|TestAWQOnGPU|TestGPUQuantizesQwen3}" > "$OUT/quantize-gpu-tests.log" 2>&1
       echo "quantize gpu tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|perplexity|panic|Error" "$OUT/quantize-gpu-tests.log" | head -30
     fi
     CALIB=$LLMQ_SHARED/data/calib.txt

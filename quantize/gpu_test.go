@@ -76,6 +76,29 @@ func TestGPUMatchesCPU(t *testing.T) {
 	}
 }
 
+// sameAlpha counts the AWQ scale groups (the statistics the CPU and the
+// GPU run recorded) and those where both chose the same α.
+func sameAlpha(t *testing.T, recs [2][]awq.LinearStats) (same, groups int) {
+	t.Helper()
+	if len(recs[0]) != len(recs[1]) {
+		t.Fatalf("statistics of %d layers on the CPU, %d on the GPU", len(recs[0]), len(recs[1]))
+	}
+	for i, c := range recs[0] {
+		g := recs[1][i]
+		if c.Alpha == nil || g.Alpha == nil {
+			if (c.Alpha == nil) != (g.Alpha == nil) {
+				t.Errorf("%s: searched on one path only", c.Layer)
+			}
+			continue
+		}
+		groups++
+		if *c.Alpha == *g.Alpha {
+			same++
+		}
+	}
+	return same, groups
+}
+
 // gpuLib opens the CUDA library, skipping the test where there is no GPU.
 func gpuLib(t *testing.T) *cuda.Lib {
 	lib, err := cuda.Open("")
@@ -146,23 +169,7 @@ func TestAWQOnGPUMatchesCPU(t *testing.T) {
 				}
 				reps[i] = rep
 			}
-			if len(recs[0]) != len(recs[1]) {
-				t.Fatalf("statistics of %d layers on the CPU, %d on the GPU", len(recs[0]), len(recs[1]))
-			}
-			same, groups := 0, 0
-			for i, c := range recs[0] {
-				g := recs[1][i]
-				if c.Alpha == nil || g.Alpha == nil {
-					if (c.Alpha == nil) != (g.Alpha == nil) {
-						t.Errorf("%s: searched on one path only", c.Layer)
-					}
-					continue
-				}
-				groups++
-				if *c.Alpha == *g.Alpha {
-					same++
-				}
-			}
+			same, groups := sameAlpha(t, recs)
 			pc, pg := ppl(filepath.Join(dir, "cpu")), ppl(filepath.Join(dir, "gpu"))
 			t.Logf("α equal in %d of %d groups; perplexity CPU %.4f, GPU %.4f (%+.3f%%); GPU timing %v, peak %d MiB",
 				same, groups, pc, pg, 100*(pg/pc-1), reps[1].Timing, reps[1].PeakGPUBytes>>20)
@@ -178,22 +185,30 @@ func TestAWQOnGPUMatchesCPU(t *testing.T) {
 
 // TestGPUQuantizesQwen3 runs GPTQ and AWQ on the GPU over the zoo's Qwen3
 // (per-head q/k norms before RoPE, head_dim 48: the cache attention, not
-// the flash kernel): the layers' GPTQ losses within 5% of the CPU's, and
-// both checkpoints as far from the unquantized logits as each other.
+// the flash kernel): GPTQ's layer losses within 5% of the CPU's, AWQ's α
+// the CPU's in all groups but at most one, and both checkpoints as far
+// from the unquantized logits as each other.
 func TestGPUQuantizesQwen3(t *testing.T) {
 	lib := gpuLib(t)
 	src := shared.Path(t, "models/archzoo/qwen3-rand")
 	calib := shared.Path(t, "data/calib.txt")
 	ref := zooLogits(t, src, "qwen3-rand")
 	grid := pack.Grid{Bits: 4, GroupSize: 32}
-	for _, m := range []Method{GPTQ{Opt: gptq.Options{Grid: grid, Damp: 0.01}}, AWQ{Opt: awq.Options{Grid: grid, Clip: true}}} {
-		t.Run(m.Name(), func(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		m    func(rec *[]awq.LinearStats) Method
+	}{
+		{"gptq", func(*[]awq.LinearStats) Method { return GPTQ{Opt: gptq.Options{Grid: grid, Damp: 0.01}} }},
+		{"awq", func(rec *[]awq.LinearStats) Method { return AWQ{Opt: awq.Options{Grid: grid, Clip: true}, Record: rec} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()
 			var reps [2]*Report
+			var recs [2][]awq.LinearStats
 			var dev [2]float64
 			for i, gpu := range []*cuda.Lib{nil, lib} {
 				out := filepath.Join(dir, []string{"cpu", "gpu"}[i])
-				rep, err := Run(context.Background(), Options{Src: src, Out: out, Method: m, TrueSequential: true,
+				rep, err := Run(context.Background(), Options{Src: src, Out: out, Method: tc.m(&recs[i]), TrueSequential: true,
 					Calib: calib, NSamples: 16, SeqLen: 128, GPU: gpu})
 				if err != nil {
 					t.Fatal(err)
@@ -203,12 +218,19 @@ func TestGPUQuantizesQwen3(t *testing.T) {
 			if reps[1].Device == "cpu" {
 				t.Fatal("the GPU run calibrated on the CPU")
 			}
+			if len(reps[0].Layers) != len(reps[1].Layers) {
+				t.Fatalf("%d layers on the CPU, %d on the GPU", len(reps[0].Layers), len(reps[1].Layers))
+			}
 			for i, l := range reps[0].Layers {
 				if g := reps[1].Layers[i]; l.Loss > 0 && math.Abs(g.Loss-l.Loss)/l.Loss > 0.05 {
 					t.Errorf("%s: loss %.5g on the GPU, %.5g on the CPU", l.Name, g.Loss, l.Loss)
 				}
 			}
-			t.Logf("logits' relative distance from the unquantized model: CPU %.4f, GPU %.4f", dev[0], dev[1])
+			same, groups := sameAlpha(t, recs)
+			t.Logf("α equal in %d of %d groups; logits' relative distance from the unquantized model: CPU %.4f, GPU %.4f", same, groups, dev[0], dev[1])
+			if same < groups-1 {
+				t.Errorf("α equal in %d of %d groups", same, groups)
+			}
 			if dev[1] > 1.1*dev[0] {
 				t.Errorf("the GPU's checkpoint is %.4f from the unquantized logits, the CPU's %.4f", dev[1], dev[0])
 			}
