@@ -97,21 +97,37 @@ func (d *driver) block(ctx context.Context, l int) error {
 
 	if noStats { // RTN, AWQ: no statistics
 		progress("quantize")
-		for _, nl := range b.Linears() {
-			if err := quantize([]string{nl.Name}, nil); err != nil {
+		if readAgain { // X advances through the quantized block
+			for _, nl := range b.Linears() {
+				if err := quantize([]string{nl.Name}, nil); err != nil {
+					return err
+				}
+			}
+			if err := d.propagate(ctx, b, progress); err != nil {
 				return err
 			}
+			d.reportExperts(bl)
+			return d.writePart(tensors)
 		}
 		if next != nil {
 			if len(next) != len(d.X) {
 				return fmt.Errorf("method %s returned %d next inputs for %d windows", d.m.Name(), len(next), len(d.X))
 			}
 			copy(d.X, next)
-		} else if err := d.propagate(ctx, b, progress); err != nil {
-			return err
 		}
 		d.reportExperts(bl)
-		return d.writePart(tensors)
+		// Nothing waits for the rounding: the next block goes on meanwhile.
+		// A block handed over is finished even if the run is being
+		// interrupted, so that it is saved and a resumed run starts after it.
+		return d.later(func() error {
+			for _, nl := range b.Linears() {
+				dense := (*nl.L).(*llm.Dense)
+				if _, err := d.layer(tensors, prefix+nl.Name, dense, func(l Layer) (*pack.Linear, float64, error) { return d.m.Quantize(l, nil) }); err != nil {
+					return err
+				}
+			}
+			return d.writePart(tensors)
+		})
 	}
 
 	if d.opt.TrueSequential {
@@ -352,6 +368,6 @@ func (d *driver) keep(tensors map[string]checkpoint.Out, name string, l *llm.Den
 func (d *driver) writePart(tensors map[string]checkpoint.Out) error {
 	t0 := time.Now()
 	err := d.w.WritePart(tensors)
-	d.rep.Timing["write"] += time.Since(t0).Seconds()
+	d.addTime("write", time.Since(t0).Seconds())
 	return err
 }

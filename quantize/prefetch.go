@@ -28,7 +28,7 @@ func (d *driver) loadBlock(l int) (*llm.Block, error) {
 		r.b, r.err = llm.LoadBlock(d.ck, l, llm.DenseLoader)
 	}
 	d.pre = nil
-	d.rep.Timing["load"] += time.Since(t0).Seconds()
+	d.addTime("load", time.Since(t0).Seconds())
 	if r.err == nil && l+1 < d.ck.Config.Layers {
 		ch := make(chan loadedBlock, 1)
 		d.pre, d.preBlock = ch, l+1

@@ -40,6 +40,8 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
+	"sync"
 	"time"
 
 	"github.com/llmq/llmq/actquant"
@@ -273,20 +275,41 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 
 	d.X = X
 	defer d.closeGPU()
+	defer d.drain() // before Abort (deferred above) removes what the finisher writes
+	resumed := done.Blocks // done itself is the finisher's to update from here until drain
 	for l := 0; l < cfg.Layers; l++ {
-		if l < done.Blocks {
+		if l < resumed {
 			if err := d.replay(ctx, l); err != nil {
 				return nil, d.stopped(ctx, fmt.Errorf("block %d (replayed): %w", l, err), done.Blocks)
 			}
 			continue
 		}
 		if err := d.block(ctx, l); err != nil {
+			d.drain() // the blocks handed over before are finished (and saved) or failed
 			return nil, d.stopped(ctx, fmt.Errorf("block %d: %w", l, err), done.Blocks)
 		}
-		done = progress{Fingerprint: fp, Blocks: l + 1, Experts: rep.Experts}
-		if err := w.Save(done); err != nil {
-			return nil, err
+		// Record the block as done once its part is written: after the
+		// finisher's job for it when it has one.
+		p := progress{Fingerprint: fp, Blocks: l + 1, Experts: slices.Clone(rep.Experts)}
+		save := func() error {
+			if err := w.Save(p); err != nil {
+				return err
+			}
+			done = p
+			return nil
 		}
+		if d.fin != nil {
+			err = d.later(save)
+		} else {
+			err = save()
+		}
+		if err != nil { // the save, or the finishing of a block before it
+			d.drain()
+			return nil, d.stopped(ctx, err, done.Blocks)
+		}
+	}
+	if err := d.drain(); err != nil {
+		return nil, d.stopped(ctx, err, done.Blocks)
 	}
 	if d.cal != nil && opt.QuantizeLMHead { // lm_head reads the last block's output
 		if d.X, err = d.cal.Download(); err != nil {
@@ -401,6 +424,17 @@ type driver struct {
 	// kept unquantized (for the compressed-tensors config).
 	grids   []layerGrid
 	skipped []string
+	// fin finishes blocks in the background (finish.go); timing guards
+	// rep.Timing, which it and the calibrating goroutine both add to.
+	fin    *finisher
+	timing sync.Mutex
+}
+
+// addTime adds seconds to the report's timing of kind.
+func (d *driver) addTime(kind string, seconds float64) {
+	d.timing.Lock()
+	d.rep.Timing[kind] += seconds
+	d.timing.Unlock()
 }
 
 // closeGPU records the GPU's timing and peak memory and frees it.

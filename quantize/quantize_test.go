@@ -764,3 +764,32 @@ func TestSmoothBeforeQuantizing(t *testing.T) {
 		t.Errorf("factors for a missing block: %v", err)
 	}
 }
+
+// failingRTN is RTN failing on one layer.
+type failingRTN struct {
+	RTN
+	layer string
+}
+
+func (m failingRTN) Quantize(l Layer, s Stats) (*pack.Linear, float64, error) {
+	if l.Name == m.layer {
+		return nil, 0, errors.New("planted failure")
+	}
+	return m.RTN.Quantize(l, s)
+}
+
+// RTN's blocks are rounded and written in the background while the next
+// block is read (finish.go): a failure there stops the run with the
+// layer's name and leaves nothing behind.
+func TestBackgroundFinishingFails(t *testing.T) {
+	src := shared.Path(t, "models/llama-tiny")
+	tmp := t.TempDir()
+	m := failingRTN{RTN{G: pack.Grid{Bits: 4, GroupSize: 128}}, "model.layers.1.mlp.down_proj"}
+	_, err := Run(context.Background(), Options{Src: src, Out: filepath.Join(tmp, "q"), Method: m})
+	if err == nil || !strings.Contains(err.Error(), "model.layers.1.mlp.down_proj: planted failure") {
+		t.Fatalf("run with a failing layer: %v", err)
+	}
+	if entries, _ := os.ReadDir(tmp); len(entries) != 0 {
+		t.Errorf("left behind: %v", entries)
+	}
+}
