@@ -275,7 +275,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 
 	d.X = X
 	defer d.closeGPU()
-	defer d.drain() // before Abort (deferred above) removes what the finisher writes
+	defer d.drain()        // before Abort (deferred above) removes what the finisher writes
 	resumed := done.Blocks // done itself is the finisher's to update from here until drain
 	for l := 0; l < cfg.Layers; l++ {
 		if l < resumed {
