@@ -228,7 +228,7 @@ func TestBatchedSteps(t *testing.T) {
 // or several of one length); a prefill after cached tokens reads the cache.
 // The two agree on every position's logits.
 func TestPrefillFlashMatchesCacheAttention(t *testing.T) {
-	_, gpu := loadBoth(t, "llama-small")
+	_, gpu := loadBoth(t, "llama-tiny")
 	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")[:300]
 	V := gpu.Config().Vocab
 	// forward runs the steps (token slices, each into a new cache after
