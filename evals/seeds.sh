@@ -30,9 +30,9 @@ mkdir -p "$(dirname "$OUT")"
   echo "# $("$LLMQ" --version): $METHOD w$BITS g128 on $DEVICE, calibration 128 × $SEQLEN at seeds ${SEEDS:-1 2 3 4}, WikiText-2 on ${EVAL_DEVICE:-$DEVICE}, $(date -u +%F)"
   for seed in ${SEEDS:-1 2 3 4}; do
     "$LLMQ" quantize "$MODEL" --method "$METHOD" --bits "$BITS" --group 128 --calib "$SHARED/data/calib.txt" --nsamples 128 \
-      --seqlen $SEQLEN --seed "$seed" -o "$TMP/q" --force --device "$DEVICE" > /dev/null 2>&1
+      --seqlen $SEQLEN --seed "$seed" -o "$TMP/q" --force --device "$DEVICE" > "$TMP/log" 2>&1 || { tail -5 "$TMP/log" >&2; exit 1; }
     "$LLMQ" eval ppl "$TMP/q" --data "$SHARED/data/wikitext2/wiki.test.raw" --seqlen 2048 --device "${EVAL_DEVICE:-$DEVICE}" \
-      --json "$TMP/ppl.json" > /dev/null 2>&1
+      --json "$TMP/ppl.json" > "$TMP/log" 2>&1 || { tail -5 "$TMP/log" >&2; exit 1; }
     python3 -c "import json,sys; print('seed', sys.argv[2], 'perplexity %.4f' % json.load(open(sys.argv[1]))['data']['result']['perplexity'])" "$TMP/ppl.json" "$seed"
   done
 } | tee "$OUT.tmp"
