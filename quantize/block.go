@@ -98,11 +98,13 @@ func (d *driver) block(ctx context.Context, l int) error {
 	if noStats { // RTN, AWQ: no statistics
 		progress("quantize")
 		if readAgain { // X advances through the quantized block
+			t0 := time.Now()
 			for _, nl := range b.Linears() {
 				if err := quantize([]string{nl.Name}, nil); err != nil {
 					return err
 				}
 			}
+			d.addTime("round", time.Since(t0).Seconds())
 			if err := d.propagate(ctx, b, progress); err != nil {
 				return err
 			}
@@ -120,12 +122,14 @@ func (d *driver) block(ctx context.Context, l int) error {
 		// A block handed over is finished even if the run is being
 		// interrupted, so that it is saved and a resumed run starts after it.
 		return d.later(func() error {
+			t0 := time.Now()
 			for _, nl := range b.Linears() {
 				dense := (*nl.L).(*llm.Dense)
 				if _, err := d.layer(tensors, prefix+nl.Name, dense, func(l Layer) (*pack.Linear, float64, error) { return d.m.Quantize(l, nil) }); err != nil {
 					return err
 				}
 			}
+			d.addTime("round", time.Since(t0).Seconds())
 			return d.writePart(tensors)
 		})
 	}

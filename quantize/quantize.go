@@ -138,7 +138,10 @@ type Report struct {
 	// passes taking Hessians), "forward" (passes advancing X), "factor"
 	// (Cholesky and inverse), "solve" (GPTQ's column updates); with AWQ
 	// "features" (the pass keeping x̄ and the clip search's rows),
-	// "search <group>" (each scale group's candidates), "clip".
+	// "search <group>" (each scale group's candidates), "clip"; with RTN
+	// and AWQ "round" (rounding and packing on the host: in the
+	// background, beside the next block's work, where nothing waits for
+	// it).
 	Timing map[string]float64 `json:"timing_s"`
 	// CalibTokensPerSecond is the calibration forward passes' rate on the
 	// GPU: calibration tokens × blocks quantized, over the seconds of

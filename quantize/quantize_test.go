@@ -792,4 +792,13 @@ func TestBackgroundFinishingFails(t *testing.T) {
 	if entries, _ := os.ReadDir(tmp); len(entries) != 0 {
 		t.Errorf("left behind: %v", entries)
 	}
+	// Without the failure every layer is reported, in order, and the
+	// rounding's time is in the split.
+	rep, err := Run(context.Background(), Options{Src: src, Out: filepath.Join(tmp, "q"), Method: m.RTN})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Layers) != 28 || rep.Layers[0].Name != "model.layers.0.self_attn.q_proj" || rep.Layers[27].Name != "model.layers.3.mlp.down_proj" || rep.Timing["round"] <= 0 {
+		t.Errorf("report: %d layers %v, round %g s", len(rep.Layers), rep.Layers, rep.Timing["round"])
+	}
 }
