@@ -76,9 +76,9 @@ func (d *driver) block(ctx context.Context, l int) error {
 	// on the GPU.
 	noStats := d.m.NewStats(1) == nil
 	readAgain := !noStats || (next == nil && d.X != nil)
-	// quantize replaces each named layer by its quantized version, given
-	// the statistics of their shared input.
-	quantize := func(names []string, s Stats) error {
+	// quantizeIn replaces each named layer by its quantized version, given
+	// the statistics of their shared input, unless ctx is done.
+	quantizeIn := func(ctx context.Context, names []string, s Stats) error {
 		for _, n := range names {
 			if err := ctx.Err(); err != nil {
 				return err
@@ -94,17 +94,27 @@ func (d *driver) block(ctx context.Context, l int) error {
 		}
 		return nil
 	}
+	quantize := func(names []string, s Stats) error { return quantizeIn(ctx, names, s) }
 
 	if noStats { // RTN, AWQ: no statistics
 		progress("quantize")
-		if readAgain { // X advances through the quantized block
+		// round quantizes every layer of the block.
+		round := func(ctx context.Context) error {
 			t0 := time.Now()
+			var names []string
 			for _, nl := range b.Linears() {
-				if err := quantize([]string{nl.Name}, nil); err != nil {
-					return err
-				}
+				names = append(names, nl.Name)
+			}
+			if err := quantizeIn(ctx, names, nil); err != nil {
+				return err
 			}
 			d.addTime("round", time.Since(t0).Seconds())
+			return nil
+		}
+		if readAgain { // X advances through the quantized block
+			if err := round(ctx); err != nil {
+				return err
+			}
 			if err := d.propagate(ctx, b, progress); err != nil {
 				return err
 			}
@@ -122,14 +132,9 @@ func (d *driver) block(ctx context.Context, l int) error {
 		// A block handed over is finished even if the run is being
 		// interrupted, so that it is saved and a resumed run starts after it.
 		return d.later(func() error {
-			t0 := time.Now()
-			for _, nl := range b.Linears() {
-				dense := (*nl.L).(*llm.Dense)
-				if _, err := d.layer(tensors, prefix+nl.Name, dense, func(l Layer) (*pack.Linear, float64, error) { return d.m.Quantize(l, nil) }); err != nil {
-					return err
-				}
+			if err := round(context.WithoutCancel(ctx)); err != nil {
+				return err
 			}
-			d.addTime("round", time.Since(t0).Seconds())
 			return d.writePart(tensors)
 		})
 	}
