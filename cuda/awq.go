@@ -187,7 +187,7 @@ func (c *Calibrator) mlpInput(r0, n int, attn Buf) error {
 	if err := c.x.Copy(c.xtmp, c.xrows(r0), n*c.cfg.Hidden*4); err != nil {
 		return err
 	}
-	return c.x.RMSNorm(c.xtmp, attn, Buf{}, c.blk.mlpNorm, c.h, n, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(c.xtmp, attn, Buf{}, c.blk.norms.mlp, c.h, n, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // FreeAWQ releases what AWQCollect kept.

@@ -55,9 +55,8 @@ type Calibrator struct {
 }
 
 type calibBlock struct {
-	attnNorm, mlpNorm Buf
-	qNorm, kNorm      Buf                     // Qwen3's per-head norms of q and k (unset without)
-	lin               map[string]*calibLinear // by checkpoint name relative to the block
+	norms blockNorms
+	lin   map[string]*calibLinear // by checkpoint name relative to the block
 }
 
 type calibLinear struct {
@@ -203,18 +202,10 @@ func (c *Calibrator) timed(kind string, f func() error) error {
 func (c *Calibrator) SetBlock(b *llm.Block) error {
 	return c.timed("upload", func() error {
 		c.freeBlock()
-		var err error
-		for _, n := range []struct {
-			dst *Buf
-			w   []float32
-		}{{&c.blk.attnNorm, b.AttnNorm}, {&c.blk.mlpNorm, b.MLPNorm}, {&c.blk.qNorm, b.QNorm}, {&c.blk.kNorm, b.KNorm}} {
-			if n.w == nil { // q_norm and k_norm where the family has them
-				continue
-			}
-			if *n.dst, err = AllocFrom(c.x, n.w); err != nil {
-				return err
-			}
+		if err := c.blk.norms.upload(b, func(w []float32) (Buf, error) { return AllocFrom(c.x, w) }); err != nil {
+			return err
 		}
+		var err error
 		c.blk.lin = map[string]*calibLinear{}
 		for _, nl := range b.Linears() {
 			d, ok := (*nl.L).(*llm.Dense)
@@ -256,7 +247,7 @@ func (c *Calibrator) SetLinear(name string, w []float32) error {
 }
 
 func (c *Calibrator) freeBlock() {
-	for _, b := range []Buf{c.blk.attnNorm, c.blk.mlpNorm, c.blk.qNorm, c.blk.kNorm} {
+	for _, b := range c.blk.norms.bufs() {
 		c.x.Free(b)
 	}
 	for _, l := range c.blk.lin {
@@ -284,7 +275,7 @@ func (c *Calibrator) xrows(r0 int) Buf { return c.X.Offset(r0 * c.cfg.Hidden * 4
 
 // attnNorm: h = RMSNorm(X rows)·attn_norm.
 func (c *Calibrator) attnNorm(r0, rows int) error {
-	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, c.blk.attnNorm, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, c.blk.norms.attn, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // attention: from h, the attention output (before o_proj) into attAll's rows.
@@ -298,8 +289,8 @@ func (c *Calibrator) attentionTo(out Buf, rows int) error {
 		func() error { return c.linear("self_attn.q_proj", c.h, c.q, rows) },
 		func() error { return c.linear("self_attn.k_proj", c.h, c.k, rows) },
 		func() error { return c.linear("self_attn.v_proj", c.h, c.v, rows) },
-		func() error { return x.HeadRMSNorm(c.q, c.blk.qNorm, rows*cfg.Heads, hd, float32(cfg.RMSNormEps)) },
-		func() error { return x.HeadRMSNorm(c.k, c.blk.kNorm, rows*cfg.KVHeads, hd, float32(cfg.RMSNormEps)) },
+		func() error { return x.HeadRMSNorm(c.q, c.blk.norms.q, rows*cfg.Heads, hd, float32(cfg.RMSNormEps)) },
+		func() error { return x.HeadRMSNorm(c.k, c.blk.norms.k, rows*cfg.KVHeads, hd, float32(cfg.RMSNormEps)) },
 		func() error { return x.RoPE(c.q, c.meta.RowPos, c.cos, c.sin, rows, cfg.Heads, hd) },
 		func() error { return x.RoPE(c.k, c.meta.RowPos, c.cos, c.sin, rows, cfg.KVHeads, hd) },
 	}
@@ -332,7 +323,7 @@ func (c *Calibrator) mlpNorm(xs Buf, r0, rows int) error {
 	if err := c.linear("self_attn.o_proj", c.attRows(r0), c.delta, rows); err != nil {
 		return err
 	}
-	return c.x.RMSNorm(xs, c.delta, Buf{}, c.blk.mlpNorm, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(xs, c.delta, Buf{}, c.blk.norms.mlp, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // mlpAct: g = SiLU(gate_proj(h))·up_proj(h).
@@ -464,7 +455,7 @@ func (c *Calibrator) MLPInput(ctx context.Context, h *Hessian) error {
 
 // mlpIn: h = RMSNorm(X rows)·mlp_norm (X holding the attention residual).
 func (c *Calibrator) mlpIn(r0, rows int) error {
-	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, c.blk.mlpNorm, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, c.blk.norms.mlp, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // MLPAct accumulates the Hessian of down's input.

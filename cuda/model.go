@@ -72,9 +72,33 @@ type Model struct {
 // bounds a server meets); each holds its attention scratch.
 const maxGraphs = 48
 
+// blockNorms are a decoder block's norm weights on the GPU (fp32): the
+// attention's and the MLP's, and Qwen3's per-head q_norm and k_norm (unset
+// in the families without them).
+type blockNorms struct{ attn, mlp, q, k Buf }
+
+// upload puts b's norms on the GPU with up.
+func (n *blockNorms) upload(b *llm.Block, up func([]float32) (Buf, error)) error {
+	for _, s := range []struct {
+		dst *Buf
+		w   []float32
+	}{{&n.attn, b.AttnNorm}, {&n.mlp, b.MLPNorm}, {&n.q, b.QNorm}, {&n.k, b.KNorm}} {
+		if s.w == nil {
+			continue
+		}
+		var err error
+		if *s.dst, err = up(s.w); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// bufs are the buffers, unset ones included (Free takes those).
+func (n *blockNorms) bufs() []Buf { return []Buf{n.attn, n.mlp, n.q, n.k} }
+
 type gpuBlock struct {
-	attnNorm, mlpNorm          Buf
-	qNorm, kNorm               Buf // Qwen3's per-head norms of q and k (unset without)
+	norms                      blockNorms
 	q, k, v, o, gate, up, down *gpuLinear
 }
 
@@ -157,16 +181,8 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 		if err := llm.ReadNorms(ck, i, &norms); err != nil {
 			return err
 		}
-		for _, n := range []struct {
-			dst *Buf
-			w   []float32
-		}{{&g.attnNorm, norms.AttnNorm}, {&g.mlpNorm, norms.MLPNorm}, {&g.qNorm, norms.QNorm}, {&g.kNorm, norms.KNorm}} {
-			if n.w == nil { // q_norm and k_norm where the family has them (Qwen3)
-				continue
-			}
-			if *n.dst, err = m.upload32(n.w); err != nil {
-				return err
-			}
+		if err := g.norms.upload(&norms, m.upload32); err != nil {
+			return err
 		}
 		specs := llm.BlockLinears(c, i) // q, k, v, o, gate, up, down
 		for j, dst := range []**gpuLinear{&g.q, &g.k, &g.v, &g.o, &g.gate, &g.up, &g.down} {
@@ -570,10 +586,12 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		p.maxKeys = max(p.maxKeys, c.n+len(s.Tokens))
 		caches[i] = c
 	}
-	p.windows = len(steps)
-	for i, s := range steps {
-		if caches[i].n != 0 || len(s.Tokens) != len(steps[0].Tokens) || !CausalHeadDims(m.cfg.HeadDim) {
-			p.windows = 0
+	if CausalHeadDims(m.cfg.HeadDim) {
+		p.windows = len(steps)
+		for i, s := range steps {
+			if caches[i].n != 0 || len(s.Tokens) != len(steps[0].Tokens) {
+				p.windows = 0
+			}
 		}
 	}
 	return p, caches, nil
@@ -617,12 +635,12 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			delta = Buf{}
 		}
 		steps := []func() error{
-			func() error { return x.RMSNorm(a.x, delta, Buf{}, b.attnNorm, a.h, T, H, eps) },
+			func() error { return x.RMSNorm(a.x, delta, Buf{}, b.norms.attn, a.h, T, H, eps) },
 			func() error { return m.run(b.q, a.h, a.q, T, a, false) },
 			func() error { return m.run(b.k, a.h, a.k, T, a, false) },
 			func() error { return m.run(b.v, a.h, a.v, T, a, false) },
-			func() error { return x.HeadRMSNorm(a.q, b.qNorm, T*c.Heads, hd, eps) },
-			func() error { return x.HeadRMSNorm(a.k, b.kNorm, T*c.KVHeads, hd, eps) },
+			func() error { return x.HeadRMSNorm(a.q, b.norms.q, T*c.Heads, hd, eps) },
+			func() error { return x.HeadRMSNorm(a.k, b.norms.k, T*c.KVHeads, hd, eps) },
 			func() error { return x.RoPE(a.q, a.meta.RowPos, m.cos, m.sin, T, c.Heads, hd) },
 			func() error { return x.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
 			func() error { return x.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
@@ -633,7 +651,7 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys)
 			},
 			func() error { return m.run(b.o, a.att, a.delta, T, a, false) },
-			func() error { return x.RMSNorm(a.x, a.delta, Buf{}, b.mlpNorm, a.h, T, H, eps) },
+			func() error { return x.RMSNorm(a.x, a.delta, Buf{}, b.norms.mlp, a.h, T, H, eps) },
 			func() error { return m.run(b.gate, a.h, a.g, T, a, false) },
 			func() error { return m.run(b.up, a.h, a.u, T, a, false) },
 			func() error { return x.SiLUMul(a.g, a.u, T*c.Intermediate) },
