@@ -22,12 +22,13 @@ struct llmq_ctx {
   size_t live_bytes = 0, peak_bytes = 0;
   std::unordered_set<void*> graphs, events;
   // Tuning: the forced W4A16 path (0 automatic), the largest M of the
-  // fused kernel in automatic mode, each fused instantiation's resident
-  // CTAs per SM (queried on first use), the attention kernel's raised
-  // dynamic shared memory limit.
+  // GEMV and of the fused kernel in automatic mode, each kernel
+  // instantiation's resident CTAs per SM (queried on first use), the
+  // attention kernel's raised dynamic shared memory limit.
   int w4_path = 0;
+  int gemv_max_m = 4;
   int fused_max_m = 64;
-  int resident[4] = {0, 0, 0, 0};
+  int resident[6] = {0, 0, 0, 0, 0, 0};
   size_t attn_smem = 48 << 10;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).

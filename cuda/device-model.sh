@@ -16,6 +16,7 @@
 #   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
+#   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
@@ -79,7 +80,7 @@ case "$1" in
     $L bench gemm $peer --json "$OUT/gemm-h200.json" 2>&1 | tail -60
     ;;
   kernel)
-    build/device/cuda.test -test.v -test.run 'TestW4A16|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
+    build/device/cuda.test -test.v -test.run 'TestW4A16|TestGEMV|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
     echo "kernel tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|panic|error" "$OUT/cuda-kernel-tests.log" | head -30
     if [ -d "$LLMQ_SHARED/models/llama-tiny" ]; then  # the kernels inside the model
       build/device/cuda.test -test.v -test.run 'TestModelLogits|TestGreedy|TestWindowNLL|TestBatchedSteps' > "$OUT/cuda-model-tests.log" 2>&1
@@ -105,6 +106,12 @@ case "$1" in
     ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
+    ;;
+  paths) # the GEMV kernel against the fused one where both run
+    for p in gemv fused; do
+      echo "# $LLMQ_COMMIT: llmq bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100"
+      $L bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100 2>&1 | tail -16
+    done | tee "$OUT/gemm-h200-paths.txt" | cut -c1-150
     ;;
   profile)
     # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).

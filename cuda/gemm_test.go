@@ -5,6 +5,7 @@ package cuda
 import (
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"github.com/llmq/llmq/pack"
@@ -236,6 +237,9 @@ func TestW4A16MatchesReference(t *testing.T) {
 			sym, act bool
 		}{{128, false, false}, {128, true, false}, {-1, false, false}, {128, false, true}, {32, true, true}} {
 			paths := []int{PathFused}
+			if M <= 4 {
+				paths = append(paths, PathGEMV)
+			}
 			if M >= 64 {
 				paths = append(paths, PathCuBLAS)
 			}
@@ -251,6 +255,13 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 1, K: 16, N: 64, group: -1, path: PathFused}, {M: 3, K: 1024, N: 192, group: 64, bits: 3, path: PathFused},
 		{M: 17, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathFused},
 		{M: 100, K: 1024, N: 192, group: 128, bits: 3, path: PathCuBLAS},
+		// The GEMV kernel: every M it runs, a deep K, a wide N, the
+		// smallest shape, small groups (a batch of steps crossing groups),
+		// 2/3-bit, and M past its limit refused below.
+		{M: 2, K: 14336, N: 256, group: 128, path: PathGEMV}, {M: 4, K: 512, N: 4096, group: 128, path: PathGEMV},
+		{M: 1, K: 16, N: 64, group: -1, path: PathGEMV}, {M: 1, K: 48, N: 64, group: 16, path: PathGEMV},
+		{M: 3, K: 1024, N: 192, group: 32, bits: 3, path: PathGEMV},
+		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathGEMV},
 	} {
 		runCase(t, l, r, c)
 	}
@@ -259,6 +270,30 @@ func TestW4A16MatchesReference(t *testing.T) {
 		for _, p := range []int{PathFused, PathCuBLAS} {
 			runCase(t, l, r, gemmCase{M: 9, K: 1024, N: 64, group: 128, path: p, edit: edit})
 		}
+		runCase(t, l, r, gemmCase{M: 4, K: 1024, N: 64, group: 128, path: PathGEMV, edit: edit})
+	}
+}
+
+// TestGEMVRefusesLargeM: the forced GEMV kernel says which M it runs, and
+// the automatic plan gives M ≤ 4 to it and larger M to the fused kernel.
+func TestGEMVRefusesLargeM(t *testing.T) {
+	l := openContext(t)
+	r := rand.New(rand.NewPCG(5, 5))
+	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
+	defer w.Free(l)
+	for M, want := range map[int]string{1: "gemv mt1", 3: "gemv mt4", 4: "gemv mt4", 5: "fused"} {
+		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
+			t.Errorf("automatic plan for M=%d: %q, %v; want %s…", M, v, err, want)
+		}
+	}
+	if err := l.SetPath(PathGEMV); err != nil {
+		t.Fatal(err)
+	}
+	defer l.SetPath(PathAuto)
+	if _, err := l.Plan(w, 5); err == nil || !strings.Contains(err.Error(), "M ≤ 4") {
+		t.Errorf("forced GEMV at M=5: %v; want an error naming M ≤ 4", err)
+	} else {
+		t.Log(err)
 	}
 }
 
@@ -323,12 +358,14 @@ func TestBadShapeIsAnError(t *testing.T) {
 }
 
 // TestSmallForSanitizer is a quick case for compute-sanitizer (memcheck,
-// racecheck): both paths, act-order, and a K deep enough to split across
+// racecheck): every path, act-order, and a K deep enough to split across
 // CTAs so the workspace and last-CTA counter logic runs.
 func TestSmallForSanitizer(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(9, 9))
 	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathFused})
+	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathGEMV})
+	runCase(t, l, r, gemmCase{M: 1, K: 4096, N: 128, group: 64, path: PathGEMV})
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, path: PathCuBLAS})

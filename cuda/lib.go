@@ -478,6 +478,7 @@ const (
 	PathAuto   = 0
 	PathFused  = 1
 	PathCuBLAS = 2
+	PathGEMV   = 3 // M ≤ 4
 )
 
 // SetPath forces the context's W4A16 path (tests and benchmarks).

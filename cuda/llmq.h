@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 7
+#define LLMQ_API_VERSION 8
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -114,7 +114,7 @@ typedef struct {
    * tables. */
   int (*w4a16_plan)(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
   /* Force a path on c, for tests and benchmarks: 0 automatic, 1 fused
-   * kernel, 2 dequantize + cuBLAS. */
+   * kernel, 2 dequantize + cuBLAS, 3 GEMV kernel (M ≤ 4). */
   int (*w4a16_set_path)(llmq_ctx* c, int path);
   /* W[K,N] fp16 = dequant(B). */
   int (*w4_dequant)(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);

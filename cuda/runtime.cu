@@ -68,7 +68,8 @@ int ctx_create(int device, llmq_ctx** out) {
   *out = nullptr;
   llmq_ctx* c = new llmq_ctx();
   c->device = device;
-  if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);  // tuning override
+  if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);  // tuning overrides
+  if (const char* e = getenv("LLMQ_W4_GEMV_MAX_M")) c->gemv_max_m = atoi(e);
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);

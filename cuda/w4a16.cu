@@ -15,6 +15,20 @@
 // (a per-tile counter) converts it to fp16 and re-zeroes the workspace and
 // counter, so one launch does the whole product.
 //
+// GEMV path (M ≤ 4, the decode of a few sequences): at such M an
+// m16n8k16 mma wastes 12 of its 16 rows and the fused kernel's per-step
+// machinery (ring, barriers, ldmatrix) is paid per 512 bytes of B, so it
+// runs out of instruction issue long before bandwidth (NOTES.md, v5, v6).
+// w4a16_gemv reads the same layout with the CUDA cores instead: a lane
+// loads its 16-byte chunk straight into registers (two batches of U
+// chunks in flight), dequantizes it exactly as the fused kernel does, so
+// the fp16 weights (q − z)·s are the same bits, and multiplies them by
+// the four activations of its rows with fp16 FMAs (HFMA2), two chunks
+// into one half2 partial before it is added to fp32 accumulators —
+// 8 columns × M tokens a lane. The four lanes that share columns are
+// reduced with shuffles, the CTA's warps in shared memory, the K splits
+// through the fused kernel's workspace and last-CTA rule.
+//
 // Large M (compute-bound): B is dequantized once to fp16 and multiplied by
 // cuBLAS; the extra K·N·2 bytes are small next to the arithmetic there.
 // Group sizes that are not powers of two take this path at every M (slow
@@ -123,6 +137,24 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t z
   }
 }
 
+// dequant_word turns word i of a lane's chunk into the fp16 weights
+// (q − z)·s of its two n8 sub-tiles ja = 2i, jb = 2i + 1: b[0], b[1] are
+// sub-tile ja's mma B fragments (rows 2·tig, 2·tig+1 and 2·tig+8,
+// 2·tig+9 of column gid), b[2], b[3] sub-tile jb's.
+__device__ __forceinline__ void dequant_word(uint32_t (&b)[4], uint32_t q, int i, const GroupRegs& gr) {
+  const uint32_t q8 = q >> 8;
+  // (1024 + n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …)
+  const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
+  const uint32_t p1 = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
+  const uint32_t p2 = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
+  const uint32_t p3 = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
+  const int ja = 2 * i, jb = 2 * i + 1;
+  b[0] = deq(p0, gr.zlo[ja], gr.s[ja]);
+  b[1] = deq(p1, gr.zhi[ja], gr.s[ja]);
+  b[2] = deq(p2, gr.zlo[jb], gr.s[jb]);
+  b[3] = deq(p3, gr.zhi[jb], gr.s[jb]);
+}
+
 // compute_step: dequantize one lane's B chunk and run the mma for MB m-tiles.
 template <int MB>
 __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4 bq, const uint32_t (&af)[MB][4],
@@ -130,21 +162,92 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
   const uint32_t w[4] = {bq.x, bq.y, bq.z, bq.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t q = w[i], q8 = q >> 8;
-    // (1024 + n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …)
-    const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
-    const uint32_t p1 = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
-    const uint32_t p2 = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
-    const uint32_t p3 = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
-    const int ja = 2 * i, jb = 2 * i + 1;
-    const uint32_t b0a = deq(p0, gr.zlo[ja], gr.s[ja]), b1a = deq(p1, gr.zhi[ja], gr.s[ja]);
-    const uint32_t b0b = deq(p2, gr.zlo[jb], gr.s[jb]), b1b = deq(p3, gr.zhi[jb], gr.s[jb]);
+    uint32_t b[4];
+    dequant_word(b, w[i], i, gr);
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
-      mma16816(acc[m][ja], af[m], b0a, b1a);
-      mma16816(acc[m][jb], af[m], b0b, b1b);
+      mma16816(acc[m][2 * i], af[m], b[0], b[1]);
+      mma16816(acc[m][2 * i + 1], af[m], b[2], b[3]);
     }
   }
+}
+
+// GroupStream keeps a warp's current group's scales and zeros in
+// registers (GroupRegs) and the next group's raw values loaded ahead, as
+// the warp walks its K range in order. gshift: a group spans 2^gshift
+// 16-row steps (−1: a single group).
+struct GroupStream {
+  const uint4* S;
+  const uint32_t* Z;
+  size_t off, stride;  // this lane's entry of group 0; entries per group
+  int gshift, G, cur;
+  uint4 sv_next;
+  uint32_t zv_next;
+
+  __device__ __forceinline__ GroupStream(const uint4* S_, const uint32_t* Z_, int nt, int NT, int gid, int KT, int gshift_)
+      : S(S_), Z(Z_), off((size_t)nt * 8 + gid), stride((size_t)NT * 8), gshift(gshift_),
+        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(make_uint4(0, 0, 0, 0)), zv_next(0) {}
+
+  __device__ __forceinline__ void prefetch() {
+    if (cur + 1 < G) {
+      sv_next = __ldg(S + (cur + 1) * stride + off);
+      zv_next = __ldg(Z + (cur + 1) * stride + off);
+    }
+  }
+  // start loads the group of step k0 into gr.
+  __device__ __forceinline__ void start(GroupRegs& gr, int k0) {
+    cur = gshift < 0 ? 0 : k0 >> gshift;
+    convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
+    prefetch();
+  }
+  // at moves gr to step k's group (k increases by one step at a time).
+  __device__ __forceinline__ void at(GroupRegs& gr, int k) {
+    if (gshift >= 0 && (k >> gshift) != cur) {
+      cur = k >> gshift;
+      convert_group(gr, sv_next, zv_next);
+      prefetch();
+    }
+  }
+};
+
+// warp_range is warp's share [k0, k1) of split's share of the KT steps.
+__device__ __forceinline__ void warp_range(int KT, int splits, int split, int warp, int& k0, int& k1) {
+  const int per_split = (KT + splits - 1) / splits;
+  const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
+  const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
+  k0 = s0 + warp * per_warp;
+  k1 = min(s1, k0 + per_warp);
+}
+
+// emit stores one output (a single split) or adds it into the workspace.
+__device__ __forceinline__ void emit(half* C, float* ws, size_t idx, float v, int splits) {
+  if (splits == 1)
+    C[idx] = __float2half_rn(v);
+  else
+    atomicAdd(&ws[idx], v);
+}
+
+// finish_splits: the last of a tile's `splits` CTAs to finish (counted in
+// *counter) converts rows row0 … row0+rows−1 of the tile from the
+// workspace to fp16 and re-zeroes the workspace and the counter.
+__device__ __forceinline__ void finish_splits(half* C, float* ws, int* counter, int row0, int rows, int M, int N, int nt,
+                                              int splits, int& s_last) {
+  if (splits == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < rows * 64; i += blockDim.x) {
+    const int r = row0 + i / 64;
+    if (r < M) {
+      const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
+      C[idx] = __float2half_rn(__ldcg(&ws[idx]));
+      ws[idx] = 0.f;
+    }
+  }
+  if (threadIdx.x == 0) *counter = 0;
 }
 
 // w4a16_fused: a CTA of kWarps warps owns one 64-column n-tile, one K slice
@@ -165,10 +268,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gid = lane >> 2, tig = lane & 3;
   const int KT = K >> 4, NT = N >> 6;
-  const int per_split = (KT + splits - 1) / splits;
-  const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
-  const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
-  const int k0 = s0 + warp * per_warp, k1 = min(s1, k0 + per_warp);
+  int k0, k1;
+  warp_range(KT, splits, split, warp, k0, k1);
   Ring<MB, U, STAGES>& ring = reinterpret_cast<Ring<MB, U, STAGES>*>(smem)[warp];
 
   float acc[MB][8][4];
@@ -209,19 +310,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
 
   // Scales and zeros: the current group's in registers, the next one's
   // loaded ahead.
-  const size_t sz_off = (size_t)nt * 8 + gid;
-  const int G = gshift < 0 ? 1 : KT >> gshift;
-  int cur = gshift < 0 ? 0 : k0 >> gshift;
+  GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
   GroupRegs gr;
-  uint4 sv_next = make_uint4(0, 0, 0, 0);
-  uint32_t zv_next = 0;
-  if (k1 > k0) {
-    convert_group(gr, __ldg(S + (size_t)cur * NT * 8 + sz_off), __ldg(Z + (size_t)cur * NT * 8 + sz_off));
-    if (cur + 1 < G) {
-      sv_next = __ldg(S + (size_t)(cur + 1) * NT * 8 + sz_off);
-      zv_next = __ldg(Z + (size_t)(cur + 1) * NT * 8 + sz_off);
-    }
-  }
+  if (k1 > k0) groups.start(gr, k0);
   // ldmatrix row address within a 16×16 A tile: row lane%16, half lane/16.
   const int lm_off = (lane & 15) * 2 + (lane >> 4);  // in 16-byte units
 
@@ -234,14 +325,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
     for (int u = 0; u < U; ++u) {
       const int k = k0 + b * U + u;
       if (k < k1) {
-        if (gshift >= 0 && (k >> gshift) != cur) {
-          cur = k >> gshift;
-          convert_group(gr, sv_next, zv_next);
-          if (cur + 1 < G) {
-            sv_next = __ldg(S + (size_t)(cur + 1) * NT * 8 + sz_off);
-            zv_next = __ldg(Z + (size_t)(cur + 1) * NT * 8 + sz_off);
-          }
-        }
+        groups.at(gr, k);
         uint32_t af[MB][4];
 #pragma unroll
         for (int m = 0; m < MB; ++m) ldmatrix_x4(af[m], &ring.a[stage][u][m][0].x + 4 * lm_off);
@@ -272,31 +356,155 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) v += red[w][i];
-        const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
-        if (splits == 1)
-          C[idx] = __float2half_rn(v);
-        else
-          atomicAdd(&ws[idx], v);
+        emit(C, ws, (size_t)r * N + nt * 64 + (i & 63), v, splits);
       }
     }
     __syncthreads();
   }
-  if (splits == 1) return;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&counters[blockIdx.z * NT + nt], 1) == splits - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < 16 * MB * 64; i += kWarps * 32) {
-    const int r = row0 + i / 64;
-    if (r < M) {
-      const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
-      C[idx] = __float2half_rn(__ldcg(&ws[idx]));
-      ws[idx] = 0.f;
+  finish_splits(C, ws, &counters[blockIdx.z * NT + nt], row0, 16 * MB, M, N, nt, splits, s_last);
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: no L1 allocation
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
+
+// w4a16_gemv: a CTA of kWarps warps owns one 64-column n-tile and one K
+// slice (blockIdx.y of `splits`); its warps split the slice. MT tokens
+// (M ≤ MT; rows past M read row 0 and are not written), U 16-row steps
+// a batch, the next batch's codes and activations loaded while this one
+// is multiplied.
+template <int MT, int U>
+__global__ void __launch_bounds__(kWarps * 32) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                          const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                          half* __restrict__ C, float* __restrict__ ws,
+                                                          int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                          int splits) {
+  static_assert(U % 2 == 0, "steps are multiplied in pairs");
+  __shared__ float red[kWarps][MT][64];
+  __shared__ int s_last;
+  const int nt = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6;
+  int k0, k1;
+  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+
+  // Step k's activations for this lane, as half2 words: rows 16k + 2·tig
+  // (+1) at word 8k + tig, rows 16k + 2·tig + 8 (+9) four words on.
+  const uint32_t* ap[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
+  const uint4* bp = B + (size_t)nt * KT * 32 + lane;
+
+  uint4 qn[U];
+  uint32_t xn[U][MT][2];
+  auto load = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u;
+      qn[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) xn[u][m][0] = xn[u][m][1] = 0;
+      if (k < k1) {
+        qn[u] = ld_stream(bp + (size_t)k * 32);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
+          xn[u][m][1] = __ldg(ap[m] + (size_t)k * 8 + 4);
+        }
+      }
+    }
+  };
+
+  GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupRegs gr;
+  float acc[MT][8];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
+  if (k1 > k0) {
+    groups.start(gr, k0);
+    load(k0);
+  }
+  for (int kb = k0; kb < k1; kb += U) {
+    uint4 q[U];
+    uint32_t x[U][MT][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      q[u] = qn[u];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) x[u][m][0] = xn[u][m][0], x[u][m][1] = xn[u][m][1];
+    }
+    if (kb + U < k1) load(kb + U);
+#pragma unroll
+    for (int u = 0; u < U; u += 2) {
+      // Two steps' products into half2 partials (each half sums two rows),
+      // then into fp32.
+      half2 h[MT][8];
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[m][j] = __float2half2_rn(0.f);
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int k = kb + u + v;
+        if (k < k1) {
+          groups.at(gr, k);
+          const uint32_t w[4] = {q[u + v].x, q[u + v].y, q[u + v].z, q[u + v].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            uint32_t b[4];
+            dequant_word(b, w[i], i, gr);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+              const half2 x01 = as_h2(x[u + v][m][0]), x89 = as_h2(x[u + v][m][1]);
+              h[m][2 * i] = __hfma2(as_h2(b[0]), x01, h[m][2 * i]);
+              h[m][2 * i] = __hfma2(as_h2(b[1]), x89, h[m][2 * i]);
+              h[m][2 * i + 1] = __hfma2(as_h2(b[2]), x01, h[m][2 * i + 1]);
+              h[m][2 * i + 1] = __hfma2(as_h2(b[3]), x89, h[m][2 * i + 1]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float2 f = __half22float2(h[m][j]);
+          acc[m][j] += f.x + f.y;
+        }
     }
   }
-  if (threadIdx.x == 0) counters[blockIdx.z * NT + nt] = 0;
+
+  // Lanes 4·gid … 4·gid+3 hold the same eight columns (gid + 8j) for
+  // different rows: sum them, then the warps' sums.
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float v = acc[m][j];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (tig == 0) red[warp][m][j * 8 + gid] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
+    const int m = i >> 6, col = i & 63;
+    if (m < M) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += red[w][m][col];
+      emit(C, ws, (size_t)m * N + nt * 64 + col, v, splits);
+    }
+  }
+  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
 // dequant_kernel writes W[K][N] fp16 from the tiled layout, one warp per
@@ -357,63 +565,106 @@ int check_shape(llmq_ctx* c, int M, int N, int K, int group) {
   return 0;
 }
 
-// Plan is what one call runs: the fused kernel's instantiation (MB m-tiles
-// of 16 rows) and its K splits, or dequantize + cuBLAS.
+// Plan is what one call runs: the GEMV kernel's or the fused kernel's
+// instantiation and its K splits, or dequantize + cuBLAS.
 struct Plan {
-  int path;     // 1 fused kernel, 2 dequantize + cuBLAS
-  int variant;  // the fused instantiation: kVariants[variant]
+  int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel
+  int variant;  // the instantiation: kVariants[variant] (fused), kGemv[variant] (GEMV)
   int splits;
 };
 
 // The fused kernel's instantiations, by M: m-tiles of 16 rows (MB) and
-// 16-row steps per ring stage (U); STAGES 4 and MINB 1 for all. resident_of
-// and w4a16_gemm switch on the index with these same template arguments.
+// 16-row steps per ring stage (U); STAGES 4 and MINB 1 for all. The GEMV
+// kernel's: tokens (MT) and steps a batch (U). plan and w4a16_gemm switch
+// on the index with these same template arguments.
 struct Variant {
   int mb, u;
 };
 constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
+constexpr Variant kGemv[3] = {{1, 4}, {2, 4}, {4, 2}};
+constexpr int kGemvMaxM = 4;
 
-// resident_of queries (once per context) how many CTAs of an
-// instantiation fit on an SM.
-template <int MB, int U, int STAGES, int MINB>
-int resident_of(llmq_ctx* c, int variant) {
-  constexpr size_t smem = fused_smem_bytes<MB, U, STAGES>();
-  int& resident = c->resident[variant];
+// resident_of queries (once per context, in c->resident[slot]) how many
+// CTAs of a kernel instantiation fit on an SM.
+template <typename Kernel>
+int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
+  int& resident = c->resident[slot];
   if (!resident) {
-    CK(cudaFuncSetAttribute(w4a16_fused<MB, U, STAGES, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, w4a16_fused<MB, U, STAGES, MINB>, kWarps * 32, smem));
+    if (smem > 0) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kWarps * 32, smem));
   }
   return 0;
 }
 
-// plan picks the path and, for the fused kernel, the instantiation and
-// its K splits: one full wave, as many splits as fill the resident CTA
-// slots, each warp keeping at least two stages of steps; fewer splits as
-// M grows (the cross-CTA reduction costs M·N·splits atomics).
+// The resident slots: fused variants 0–2, GEMV variants 3–5.
+int query_resident(llmq_ctx* c, int path, int variant) {
+  if (path == 3) {
+    switch (variant) {
+      case 0: return resident_of(c, 3, w4a16_gemv<1, 4>, 0);
+      case 1: return resident_of(c, 4, w4a16_gemv<2, 4>, 0);
+      default: return resident_of(c, 5, w4a16_gemv<4, 2>, 0);
+    }
+  }
+  switch (variant) {
+    case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
+    case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
+    default: return resident_of(c, 2, w4a16_fused<4, 1, 4, 1>, fused_smem_bytes<4, 1, 4>());
+  }
+}
+
+// plan picks the path and, for the kernels, the instantiation and its K
+// splits: one full wave, as many splits as fill the resident CTA slots,
+// each warp keeping at least two batches (GEMV) or four stages (fused) of
+// steps; fewer splits as M grows (the cross-CTA reduction costs
+// M·N·splits atomics).
 int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch) {
   p = Plan{};
   const bool pow2 = group >= K || !(group & (group - 1));
-  p.path = c->w4_path ? c->w4_path : ((M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2);
+  if (c->w4_path)
+    p.path = c->w4_path;
+  else if (M <= min(c->gemv_max_m, kGemvMaxM) && pow2)
+    p.path = 3;
+  else
+    p.path = (M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2;
   if (p.path == 2) return 0;
   if (!pow2) {
     llmq::set_error(c,
-                    "the fused W4A16 kernel needs a power-of-two group size or one group per column (group=%d); other "
-                    "groups run through dequantize + cuBLAS, which needs the K·N fp16 scratch",
+                    "the fused and GEMV W4A16 kernels need a power-of-two group size or one group per column "
+                    "(group=%d); other groups run through dequantize + cuBLAS, which needs the K·N fp16 scratch",
                     group);
     return 1;
   }
+  if (p.path == 3 && M > kGemvMaxM) {
+    llmq::set_error(c, "the GEMV W4A16 kernel runs M ≤ %d, not M=%d", kGemvMaxM, M);
+    return 1;
+  }
+  const int NT = N / 64, KT = K / 16;
+  if (p.path == 3) {
+    p.variant = M == 1 ? 0 : M == 2 ? 1 : 2;
+    if (query_resident(c, 3, p.variant)) return 1;
+    int splits = max(1, (c->sms * max(c->resident[3 + p.variant], 1)) / NT);
+    p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
+    return 0;
+  }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
   const Variant v = kVariants[p.variant];
-  const int rc = p.variant == 0 ? resident_of<1, 2, 4, 1>(c, 0)
-                 : p.variant == 1 ? resident_of<2, 2, 4, 1>(c, 1)
-                                  : resident_of<4, 1, 4, 1>(c, 2);
-  if (rc) return rc;
-  const int NT = N / 64, KT = K / 16, mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
+  if (query_resident(c, 1, p.variant)) return 1;
+  const int mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
   int splits = max(1, (c->sms * max(c->resident[p.variant], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   p.splits = splits;
   return 0;
+}
+
+// group_shift: a group spans 2^gshift 16-row steps; −1 for one group.
+int group_shift(int group, int K) {
+  int gshift = -1;
+  if (group < K) {
+    gshift = 0;
+    while ((16 << gshift) < group) ++gshift;
+  }
+  return gshift;
 }
 
 // launch_fused runs one instantiation of the fused kernel as planned.
@@ -424,14 +675,23 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  int gshift = -1;  // one group
-  if (group < K) {
-    gshift = 0;
-    while ((16 << gshift) < group) ++gshift;
-  }
   w4a16_fused<MB, U, STAGES, MINB><<<dim3(NT, p.splits, mblocks), kWarps * 32, smem, c->stream>>>(
-      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, gshift, p.splits);
+      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
+      p.splits);
   CK_LAUNCH("w4a16_fused");
+  return 0;
+}
+
+// launch_gemv runs one instantiation of the GEMV kernel as planned.
+template <int MT, int U>
+int launch_gemv(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, half* C,
+                void* workspace, int M, int N, int K, int group) {
+  float* ws = (float*)workspace;
+  int* counters = (int*)(ws + (size_t)M * N);
+  w4a16_gemv<MT, U><<<dim3(N / 64, p.splits), kWarps * 32, 0, c->stream>>>(
+      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
+      p.splits);
+  CK_LAUNCH("w4a16_gemv");
   return 0;
 }
 
@@ -493,6 +753,11 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
     if (w4_dequant(c, B, scales, zeros, scratch, N, K, group)) return 1;
     return gemm_f16(c, a, scratch, C, M, N, K);
   }
+  if (p.path == 3) {
+    if (p.variant == 0) return launch_gemv<1, 4>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+    if (p.variant == 1) return launch_gemv<2, 4>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+    return launch_gemv<4, 2>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+  }
   if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
@@ -504,6 +769,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
   if (plan(c, p, M, N, K, group, true)) return 1;
   if (p.path == 2)
     snprintf(out, n, "dequant+cublas");
+  else if (p.path == 3)
+    snprintf(out, n, "gemv mt%d splits%d", kGemv[p.variant].mb, p.splits);
   else
     snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   return 0;

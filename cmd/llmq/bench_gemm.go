@@ -14,7 +14,7 @@ import (
 )
 
 func newBenchGemm() *cobra.Command {
-	var ms, jsonOut, only, peer string
+	var ms, jsonOut, only, peer, path string
 	var iters int
 	cmd := &cobra.Command{
 		Use:   "gemm",
@@ -54,6 +54,14 @@ func newBenchGemm() *cobra.Command {
 				return err
 			}
 			defer gpu.Close()
+			paths := map[string]int{"auto": cuda.PathAuto, "fused": cuda.PathFused, "gemv": cuda.PathGEMV, "dequant": cuda.PathCuBLAS}
+			p, ok := paths[path]
+			if !ok {
+				return fmt.Errorf("--path %q: want auto, gemv, fused or dequant", path)
+			}
+			if err := gpu.SetPath(p); err != nil {
+				return err
+			}
 			b := &evals.GemmBench{GPU: gpu, Iters: iters}
 			bw, err := b.MeasureReadBW()
 			if err != nil {
@@ -86,7 +94,7 @@ func newBenchGemm() *cobra.Command {
 				all = append(all, res...)
 			}
 			if jsonOut != "" {
-				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "results": all}
+				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "path": path, "results": all}
 				if pr != nil {
 					data["peer"] = map[string]any{"kernel": "torch " + pr.Torch + " _weight_int4pack_mm (tinygemm)", "gpu": pr.GPU, "command": pr.Command, "date": pr.Date}
 				}
@@ -102,5 +110,6 @@ func newBenchGemm() *cobra.Command {
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
 	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
 	cmd.Flags().StringVar(&peer, "peer", "", "JSON of evals/torchref/tinygemm.py from the same machine, shown beside")
+	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 4), fused or dequant (+cuBLAS)")
 	return cmd
 }
