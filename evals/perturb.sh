@@ -11,12 +11,15 @@
 #   gptq: every entry of H × (1 + 1e-4·N(0,1)), kept symmetric,
 #         calibration 128 × 2048
 #
-# The noise has a fixed seed, so a run is reproducible.
+# The noise has a fixed seed, so a run is reproducible. EPS sets its size
+# in place of 1e-4 (1e-7 is the size of fp32 rounding in sums of these
+# lengths: what a GPU's fp32 calibration would move):
 #
 #   evals/perturb.sh awq ../shared/models/llama-tiny
 #   evals/perturb.sh gptq ../shared/models/llama-tiny
+#   EPS=1e-7 evals/perturb.sh gptq ../shared/models/llama-tiny
 #
-# Writes evals/results/perturb-<method>-<model>.txt.
+# Writes evals/results/perturb-<method>-<model>[-eps<EPS>].txt.
 set -euo pipefail
 METHOD=${1:?method: awq or gptq}
 MODEL=${2:?model dir}
@@ -31,11 +34,16 @@ ROOT=$(git rev-parse --show-toplevel)
 TMP=$(mktemp -d)
 trap 'git -C "$ROOT" worktree remove --force "$TMP/src" >/dev/null 2>&1 || true; rm -rf "$TMP"' EXIT
 git -C "$ROOT" worktree add -q --detach "$TMP/src" HEAD
-git -C "$TMP/src" apply "$ROOT/evals/perturb-$METHOD.patch"
+EPS=${EPS:-1e-4}
+case "$EPS" in
+  ''|*[!0-9.e-]*) echo "perturb.sh: EPS must be a number such as 1e-7, not $EPS" >&2; exit 2 ;;
+esac
+SUFFIX=; [ "$EPS" = 1e-4 ] || SUFFIX=-eps$EPS
+sed "s/1e-4\*r\.NormFloat64/$EPS*r.NormFloat64/" "$ROOT/evals/perturb-$METHOD.patch" | git -C "$TMP/src" apply
 TAGS=$(printf '#include <cblas.h>\nint main(void){return 0;}\n' | cc -x c - -lopenblas -o /dev/null 2>/dev/null && echo "-tags openblas" || true)
 (cd "$TMP/src" && go build $TAGS -o "$TMP/llmq" ./cmd/llmq)
-OUT=$ROOT/evals/results/perturb-$METHOD-$NAME.txt
-echo "# $(git -C "$ROOT" rev-parse HEAD) + evals/perturb-$METHOD.patch, CPU, $(date -u +%F)" > "$OUT.tmp"
+OUT=$ROOT/evals/results/perturb-$METHOD-$NAME$SUFFIX.txt
+echo "# $(git -C "$ROOT" rev-parse HEAD) + evals/perturb-$METHOD.patch at EPS=$EPS, CPU, $(date -u +%F)" > "$OUT.tmp"
 for b in 4 3; do
   stats=(); [ "$METHOD" = awq ] && stats=(--stats "$TMP/stats-w$b.json")
   "$TMP/llmq" quantize "$MODEL" --method "$METHOD" --bits $b --group 128 --calib "$SHARED/data/calib.txt" --nsamples 128 --seqlen $SEQLEN \
