@@ -378,9 +378,9 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 // slice (blockIdx.y of `splits`); its warps split the slice. MT tokens
 // (M ≤ MT; rows past M read row 0 and are not written), U 16-row steps
 // a batch, the next batch's codes and activations loaded while this one
-// is multiplied.
-template <int MT, int U>
-__global__ void __launch_bounds__(kWarps * 32) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
+// is multiplied; MINB asks the compiler to fit MINB CTAs per SM.
+template <int MT, int U, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           half* __restrict__ C, float* __restrict__ ws,
                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
@@ -581,8 +581,44 @@ struct Variant {
   int mb, u;
 };
 constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
-constexpr Variant kGemv[3] = {{1, 4}, {2, 4}, {4, 2}};
+struct GemvVariant {
+  int mt, u, minb;
+};
+// 0–2 serve M = 1, 2 and 3–4; the rest are tuning alternatives for M = 1
+// (LLMQ_W4_GEMV_M1) and M = 2 (LLMQ_W4_GEMV_M2), timed in NOTES.md.
+constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 4, 1}, {4, 2, 1}, {1, 8, 1}, {1, 4, 5},
+                                 {1, 2, 6}, {1, 8, 3}, {2, 4, 4}, {2, 2, 1}};
+constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
+static_assert(3 + kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
+
+// gemv_variant does one thing with GEMV instantiation V: query its
+// resident CTAs (launch false) or launch it.
+template <int V>
+int gemv_variant(llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
+                 half* C, void* workspace, int M, int N, int K, int gshift);
+
+// with_gemv calls gemv_variant<v> for a variant index known only at run time.
+int with_gemv(int v, llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
+              half* C, void* workspace, int M, int N, int K, int gshift) {
+  switch (v) {
+#define LLMQ_GEMV_CASE(V) \
+  case V:                 \
+    return gemv_variant<V>(c, launch, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+    LLMQ_GEMV_CASE(0)
+    LLMQ_GEMV_CASE(1)
+    LLMQ_GEMV_CASE(2)
+    LLMQ_GEMV_CASE(3)
+    LLMQ_GEMV_CASE(4)
+    LLMQ_GEMV_CASE(5)
+    LLMQ_GEMV_CASE(6)
+    LLMQ_GEMV_CASE(7)
+    LLMQ_GEMV_CASE(8)
+#undef LLMQ_GEMV_CASE
+  }
+  llmq::set_error(c, "no GEMV variant %d", v);
+  return 1;
+}
 
 // resident_of queries (once per context, in c->resident[slot]) how many
 // CTAs of a kernel instantiation fit on an SM.
@@ -596,15 +632,9 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
   return 0;
 }
 
-// The resident slots: fused variants 0–2, GEMV variants 3–5.
+// The resident slots: fused variants 0–2, GEMV variant v at 3 + v.
 int query_resident(llmq_ctx* c, int path, int variant) {
-  if (path == 3) {
-    switch (variant) {
-      case 0: return resident_of(c, 3, w4a16_gemv<1, 4>, 0);
-      case 1: return resident_of(c, 4, w4a16_gemv<2, 4>, 0);
-      default: return resident_of(c, 5, w4a16_gemv<4, 2>, 0);
-    }
-  }
+  if (path == 3) return with_gemv(variant, c, false, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0);
   switch (variant) {
     case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
     case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
@@ -640,7 +670,11 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch
   }
   const int NT = N / 64, KT = K / 16;
   if (p.path == 3) {
-    p.variant = M == 1 ? 0 : M == 2 ? 1 : 2;
+    p.variant = M == 1 ? c->gemv_m1 : M == 2 ? c->gemv_m2 : 2;
+    if (p.variant < 0 || p.variant >= kGemvVariants || kGemv[p.variant].mt < M) {
+      llmq::set_error(c, "GEMV variant %d does not run M=%d", p.variant, M);
+      return 1;
+    }
     if (query_resident(c, 3, p.variant)) return 1;
     int splits = max(1, (c->sms * max(c->resident[3 + p.variant], 1)) / NT);
     p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
@@ -682,15 +716,15 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   return 0;
 }
 
-// launch_gemv runs one instantiation of the GEMV kernel as planned.
-template <int MT, int U>
-int launch_gemv(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, half* C,
-                void* workspace, int M, int N, int K, int group) {
+template <int V>
+int gemv_variant(llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
+                 half* C, void* workspace, int M, int N, int K, int gshift) {
+  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb>;
+  if (!launch) return resident_of(c, 3 + V, kernel, 0);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  w4a16_gemv<MT, U><<<dim3(N / 64, p.splits), kWarps * 32, 0, c->stream>>>(
-      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
-      p.splits);
+  kernel<<<dim3(N / 64, splits), kWarps * 32, 0, c->stream>>>(A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+                                                              C, ws, counters, M, N, K, gshift, splits);
   CK_LAUNCH("w4a16_gemv");
   return 0;
 }
@@ -753,11 +787,9 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
     if (w4_dequant(c, B, scales, zeros, scratch, N, K, group)) return 1;
     return gemm_f16(c, a, scratch, C, M, N, K);
   }
-  if (p.path == 3) {
-    if (p.variant == 0) return launch_gemv<1, 4>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-    if (p.variant == 1) return launch_gemv<2, 4>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-    return launch_gemv<4, 2>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  }
+  if (p.path == 3)
+    return with_gemv(p.variant, c, true, p.splits, a, B, scales, zeros, (half*)C, workspace, M, N, K,
+                     group_shift(group, K));
   if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
@@ -770,7 +802,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
   if (p.path == 2)
     snprintf(out, n, "dequant+cublas");
   else if (p.path == 3)
-    snprintf(out, n, "gemv mt%d splits%d", kGemv[p.variant].mb, p.splits);
+    snprintf(out, n, "gemv mt%d u%d b%d splits%d", kGemv[p.variant].mt, kGemv[p.variant].u, kGemv[p.variant].minb,
+             p.splits);
   else
     snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   return 0;
