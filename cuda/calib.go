@@ -284,27 +284,26 @@ func (c *Calibrator) attention(r0, rows int) error { return c.attentionTo(c.attR
 // attentionTo: from h, the attention output of a chunk's rows into out.
 func (c *Calibrator) attentionTo(out Buf, rows int) error {
 	cfg, x := c.cfg, c.x
-	hd, kvd := cfg.HeadDim, cfg.KVHeads*cfg.HeadDim
+	hd := cfg.HeadDim
+	flash := CausalHeadDims(hd) // the chunk is whole windows: the flash kernel, no cache
 	steps := []func() error{
 		func() error { return c.linear("self_attn.q_proj", c.h, c.q, rows) },
 		func() error { return c.linear("self_attn.k_proj", c.h, c.k, rows) },
 		func() error { return c.linear("self_attn.v_proj", c.h, c.v, rows) },
-		func() error { return x.HeadRMSNorm(c.q, c.blk.norms.q, rows*cfg.Heads, hd, float32(cfg.RMSNormEps)) },
-		func() error { return x.HeadRMSNorm(c.k, c.blk.norms.k, rows*cfg.KVHeads, hd, float32(cfg.RMSNormEps)) },
-		func() error { return x.RoPE(c.q, c.meta.RowPos, c.cos, c.sin, rows, cfg.Heads, hd) },
-		func() error { return x.RoPE(c.k, c.meta.RowPos, c.cos, c.sin, rows, cfg.KVHeads, hd) },
+		func() error {
+			return x.QKRoPEStore(c.q, c.k, c.v, c.blk.norms.q, c.blk.norms.k, float32(cfg.RMSNormEps), c.meta, c.cos, c.sin,
+				0, 1, rows, cfg.Heads, cfg.KVHeads, hd, !flash)
+		},
 	}
-	if CausalHeadDims(hd) { // the chunk is whole windows: the flash kernel, no cache
+	if flash {
 		if rows%c.T != 0 {
 			return fmt.Errorf("attention over %d rows: not whole windows of %d", rows, c.T)
 		}
 		steps = append(steps, func() error { return x.AttentionCausal(c.q, c.k, c.v, out, rows/c.T, c.T, cfg.Heads, cfg.KVHeads, hd) })
 	} else {
-		steps = append(steps,
-			func() error { return x.KVStore(c.k, c.v, c.meta, 0, 1, rows, kvd) },
-			func() error {
-				return x.Attention(c.q, out, c.attnWS, c.meta, 0, 1, rows, cfg.Heads, cfg.KVHeads, hd, c.T)
-			})
+		steps = append(steps, func() error {
+			return x.Attention(c.q, out, c.attnWS, c.meta, 0, 1, rows, cfg.Heads, cfg.KVHeads, hd, c.T)
+		})
 	}
 	for _, f := range steps {
 		if err := f(); err != nil {

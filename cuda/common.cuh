@@ -81,12 +81,11 @@ int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, i
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H);
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H,
             float eps);
-int head_rmsnorm(llmq_ctx* c, void* x, const float* w, int n, int hd, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
-int rope(llmq_ctx* c, void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd);
-int kv_store(llmq_ctx* c, const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos,
-             const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int kv_dim);
+int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
+                  const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base, const int32_t* kv_cap,
+                  const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads, int kv_heads, int hd);
 size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
               const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,

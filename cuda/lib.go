@@ -103,12 +103,11 @@ static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P rows, P w, P out, int n, int 
 }
 static int c_add(A a, llmq_ctx* c, P x, P d, size_t n) { return a->add(c, (float*)x, (const void*)d, n); }
 static int c_bias(A a, llmq_ctx* c, P y, P b, int T, int N) { return a->add_bias(c, (void*)y, (const void*)b, T, N); }
-static int c_rope(A a, llmq_ctx* c, P x, P pos, P cs, P sn, int T, int heads, int hd) {
-	return a->rope(c, (void*)x, (const int32_t*)pos, (const float*)cs, (const float*)sn, T, heads, hd);
-}
-static int c_kv_store(A a, llmq_ctx* c, P k, P v, P rs, P rp, P base, P cap, int layer, int layers, int T, int kvdim) {
-	return a->kv_store(c, (const void*)k, (const void*)v, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base,
-		(const int32_t*)cap, layer, layers, T, kvdim);
+static int c_qk_rope_store(A a, llmq_ctx* c, P q, P k, P v, P qn, P kn, float eps, P rs, P rp, P base, P cap, P cs, P sn,
+		int layer, int layers, int T, int heads, int kvh, int hd) {
+	return a->qk_rope_store(c, (void*)q, (void*)k, (const void*)v, (const float*)qn, (const float*)kn, eps,
+		(const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, (const float*)cs,
+		(const float*)sn, layer, layers, T, heads, kvh, hd);
 }
 static size_t c_attn_ws(A a, int T, int heads, int hd, int maxk) { return a->attention_workspace_bytes(T, heads, hd, maxk); }
 static int c_attention(A a, llmq_ctx* c, P q, P out, P ws, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads,
@@ -152,9 +151,6 @@ static int c_awq_clip(A a, llmq_ctx* c, P W, P s, P H, P D, P Pm, P err, P best,
 }
 static int c_attention_causal(A a, llmq_ctx* c, P q, P k, P v, P out, int windows, int T, int heads, int kvh, int hd) {
 	return a->attention_causal(c, (const void*)q, (const void*)k, (const void*)v, (void*)out, windows, T, heads, kvh, hd);
-}
-static int c_head_rmsnorm(A a, llmq_ctx* c, P x, P w, int n, int hd, float eps) {
-	return a->head_rmsnorm(c, (void*)x, (const float*)w, n, hd, eps);
 }
 */
 import "C"
@@ -583,22 +579,22 @@ func (x *Context) AddBias(y, b Buf, T, N int) error {
 	return x.do("add_bias", func() C.int { return C.c_bias(x.lib.api, x.c, y.p, b.p, C.int(T), C.int(N)) })
 }
 
-// RoPE rotates every head of xs [T][heads·hd] by its row's position, with
-// the rotary tables cos and sin [positions][hd/2].
-func (x *Context) RoPE(xs, pos, cos, sin Buf, T, heads, hd int) error {
-	return x.do("rope", func() C.int {
-		return C.c_rope(x.lib.api, x.c, xs.p, pos.p, cos.p, sin.p, C.int(T), C.int(heads), C.int(hd))
-	})
-}
-
 // RowMeta are the per-row and per-sequence arrays of a forward pass.
 type RowMeta struct{ RowSeq, RowPos, KVBase, KVCap Buf }
 
-// KVStore writes rows of k and v into their sequences' caches.
-func (x *Context) KVStore(k, v Buf, m RowMeta, layer, layers, T, kvDim int) error {
-	return x.do("kv_store", func() C.int {
-		return C.c_kv_store(x.lib.api, x.c, k.p, v.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
-			C.int(layer), C.int(layers), C.int(T), C.int(kvDim))
+// QKRoPEStore prepares a pass's q [T][heads·hd] and k [T][kvHeads·hd]
+// for attention, in place: Qwen3's per-head RMSNorm (qNorm, kNorm; Nil
+// when the model has none), then RoPE by each row's position (cos, sin:
+// the [positions][hd/2] tables). With store, k's rows (rotated) and v's
+// also go into their sequences' caches at layer.
+func (x *Context) QKRoPEStore(q, k, v, qNorm, kNorm Buf, eps float32, m RowMeta, cos, sin Buf, layer, layers, T, heads, kvHeads, hd int, store bool) error {
+	base := m.KVBase
+	if !store {
+		base = Buf{}
+	}
+	return x.do("qk_rope_store", func() C.int {
+		return C.c_qk_rope_store(x.lib.api, x.c, q.p, k.p, v.p, qNorm.p, kNorm.p, C.float(eps), m.RowSeq.p, m.RowPos.p,
+			base.p, m.KVCap.p, cos.p, sin.p, C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd))
 	})
 }
 
@@ -739,18 +735,5 @@ func CausalHeadDims(hd int) bool { return hd == 32 || hd == 64 || hd == 128 }
 func (x *Context) AttentionCausal(q, k, v, out Buf, windows, T, heads, kvHeads, hd int) error {
 	return x.do("attention_causal", func() C.int {
 		return C.c_attention_causal(x.lib.api, x.c, q.p, k.p, v.p, out.p, C.int(windows), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd))
-	})
-}
-
-// HeadRMSNorm normalizes n rows of hd fp16 values in place, x =
-// RMSNorm(x)·w with w fp32 [hd]: Qwen3's q_norm and k_norm, each head of
-// each row a row here. With w unset (a family without them) it does
-// nothing.
-func (x *Context) HeadRMSNorm(xs, w Buf, n, hd int, eps float32) error {
-	if w.Nil() {
-		return nil
-	}
-	return x.do("head_rmsnorm", func() C.int {
-		return C.c_head_rmsnorm(x.lib.api, x.c, xs.p, w.p, C.int(n), C.int(hd), C.float(eps))
 	})
 }

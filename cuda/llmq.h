@@ -130,10 +130,16 @@ typedef struct {
                  float eps);
   int (*add)(llmq_ctx* c, float* x, const void* delta, size_t n);
   int (*add_bias)(llmq_ctx* c, void* y, const void* b, int T, int N);
-  /* cos_t, sin_t: [positions][hd/2] fp32 rotary tables. */
-  int (*rope)(llmq_ctx* c, void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd);
-  int (*kv_store)(llmq_ctx* c, const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos,
-                  const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int kv_dim);
+  /* q [T][heads·hd] and k [T][kv_heads·hd] fp16, in place: per-head
+   * RMSNorm by q_norm / k_norm (fp32 [hd]; NULL: none, Qwen3 has them),
+   * then RoPE by row_pos from cos_t, sin_t ([positions][hd/2] fp32
+   * tables). With kv_base (NULL: no cache), k's rotated rows and v's
+   * rows [T][kv_heads·hd] are also written to their sequences' caches
+   * at layer. */
+  int (*qk_rope_store)(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
+                       const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base, const int32_t* kv_cap,
+                       const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads, int kv_heads,
+                       int hd);
   /* max_keys bounds row_pos+1 over the rows; workspace holds
    * attention_workspace_bytes(T, heads, hd, max_keys) bytes. */
   size_t (*attention_workspace_bytes)(int T, int heads, int hd, int max_keys);
@@ -194,10 +200,6 @@ typedef struct {
    * k, v [windows·T][kv_heads·hd], fp16, RoPE applied; hd 32, 64 or 128. */
   int (*attention_causal)(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
                           int kv_heads, int hd);
-
-  /* x = RMSNorm(x)·w over each of n rows of hd fp16 values, in place; w
-   * fp32 [hd] (Qwen3's q_norm and k_norm, one row per head). */
-  int (*head_rmsnorm)(llmq_ctx* c, void* x, const float* w, int n, int hd, float eps);
 } llmq_api;
 
 /* The library's one exported symbol. */

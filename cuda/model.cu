@@ -76,21 +76,6 @@ __global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ d
   for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __float2half(xr[i] * inv * w[i]);
 }
 
-// head_rmsnorm_kernel: one warp per row of hd fp16 values, x =
-// RMSNorm(x)·w in place (Qwen3's q_norm and k_norm: a row is one head).
-__global__ void head_rmsnorm_kernel(half* __restrict__ x, const float* __restrict__ w, int n, int hd, float eps) {
-  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (row >= n) return;  // whole warps leave together: the shuffles below see all 32 lanes
-  half* r = x + (size_t)row * hd;
-  float ss = 0.f;
-  for (int i = lane; i < hd; i += 32) {
-    const float v = __half2float(r[i]);
-    ss += v * v;
-  }
-  const float inv = rsqrtf(warp_sum(ss) / hd + eps);
-  for (int i = lane; i < hd; i += 32) r[i] = __float2half(__half2float(r[i]) * inv * w[i]);
-}
-
 // add_kernel: x += delta over n values (the last block's residual).
 __global__ void add_kernel(float* __restrict__ x, const half* __restrict__ delta, size_t n) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -102,38 +87,69 @@ __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, in
   if (i < n) y[i] = __float2half(__half2float(y[i]) + __half2float(b[i % N]));
 }
 
-// rope_kernel rotates the two halves of head blockIdx.y of row blockIdx.x by
-// the angles of its position, from tables cos/sin [positions][hd/2] made
-// once on the host (float32 angle products, cos/sin in double, as the CPU
-// backend computes them).
-__global__ void rope_kernel(half* __restrict__ x, const int32_t* __restrict__ pos, const float* __restrict__ cos_t,
-                            const float* __restrict__ sin_t, int heads, int hd) {
-  const int half_d = hd / 2;
-  const float* ct = cos_t + (size_t)pos[blockIdx.x] * half_d;
-  const float* st = sin_t + (size_t)pos[blockIdx.x] * half_d;
-  half* v = x + ((size_t)blockIdx.x * heads + blockIdx.y) * hd;
-  for (int j = threadIdx.x; j < half_d; j += blockDim.x) {
-    const float a = __half2float(v[j]), b = __half2float(v[j + half_d]), c = ct[j], s = st[j];
-    v[j] = __float2half(a * c - b * s);
-    v[j + half_d] = __float2half(b * c + a * s);
-  }
-}
-
 __device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_t* kv_cap, int s, int kind, int layer,
                                            int layers, int pos, int kv_dim) {
   const size_t cap = kv_cap[s];
   return (half*)kv_base[s] + (((size_t)kind * layers + layer) * cap + pos) * kv_dim;
 }
 
-__global__ void kv_store_kernel(const half* __restrict__ k, const half* __restrict__ v, const int32_t* __restrict__ row_seq,
-                                const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
-                                const int32_t* __restrict__ kv_cap, int layer, int layers, int kv_dim) {
-  const int t = blockIdx.x, s = row_seq[t], p = row_pos[t];
-  half* kc = cache_row(kv_base, kv_cap, s, 0, layer, layers, p, kv_dim);
-  half* vc = cache_row(kv_base, kv_cap, s, 1, layer, layers, p, kv_dim);
-  for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-    kc[i] = k[(size_t)t * kv_dim + i];
-    vc[i] = v[(size_t)t * kv_dim + i];
+// qk_rope_store_kernel prepares q and k for attention, one warp per
+// (row, head) of q (heads) and then k (kv_heads), in place: Qwen3's
+// per-head RMSNorm when its weights are given (the sum of squares in
+// lane-strided order, the result rounded to fp16 as a stored tensor
+// would be), then RoPE on the head's two halves by the row's position,
+// from tables cos/sin [positions][hd/2] made once on the host (float32
+// angle products, cos/sin in double, as the CPU backend computes them).
+// With kv_base, a k head's rotated values and the same head of v also
+// go into the row's slot of its sequence's cache. One kernel for what
+// were five launches a layer (two norms, two rotations, the store).
+__global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k, const half* __restrict__ v,
+                                     const float* __restrict__ qw, const float* __restrict__ kw, float eps,
+                                     const int32_t* __restrict__ row_seq, const int32_t* __restrict__ row_pos,
+                                     const uint64_t* __restrict__ kv_base, const int32_t* __restrict__ kv_cap,
+                                     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int layer,
+                                     int layers, int heads, int kv_heads, int hd) {
+  const int t = blockIdx.x, y = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (y >= heads + kv_heads) return;  // whole warps leave together: the shuffles below see all 32 lanes
+  const bool is_q = y < heads;
+  const int h = is_q ? y : y - heads;
+  half* r = is_q ? q + ((size_t)t * heads + h) * hd : k + ((size_t)t * kv_heads + h) * hd;
+  const float* w = is_q ? qw : kw;
+  float inv = 1.f;
+  if (w) {
+    float ss = 0.f;
+    for (int i = lane; i < hd; i += 32) {
+      const float x = __half2float(r[i]);
+      ss += x * x;
+    }
+    inv = rsqrtf(warp_sum(ss) / hd + eps);
+  }
+  const int half_d = hd / 2, pos = row_pos[t];
+  const float* ct = cos_t + (size_t)pos * half_d;
+  const float* st = sin_t + (size_t)pos * half_d;
+  half *kc = nullptr, *vc = nullptr;
+  const half* vr = nullptr;
+  if (!is_q && kv_base) {
+    const int kv_dim = kv_heads * hd;
+    kc = cache_row(kv_base, kv_cap, row_seq[t], 0, layer, layers, pos, kv_dim) + h * hd;
+    vc = cache_row(kv_base, kv_cap, row_seq[t], 1, layer, layers, pos, kv_dim) + h * hd;
+    vr = v + (size_t)t * kv_dim + h * hd;
+  }
+  for (int j = lane; j < half_d; j += 32) {
+    float a = __half2float(r[j]), b = __half2float(r[j + half_d]);
+    if (w) {
+      a = __half2float(__float2half(a * inv * w[j]));
+      b = __half2float(__float2half(b * inv * w[j + half_d]));
+    }
+    const half ra = __float2half(a * ct[j] - b * st[j]), rb = __float2half(b * ct[j] + a * st[j]);
+    r[j] = ra;
+    r[j + half_d] = rb;
+    if (kc) {
+      kc[j] = ra;
+      kc[j + half_d] = rb;
+      vc[j] = vr[j];
+      vc[j + half_d] = vr[j + half_d];
+    }
   }
 }
 
@@ -309,18 +325,6 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const
   return 0;
 }
 
-int head_rmsnorm(llmq_ctx* c, void* x, const float* w, int n, int hd, float eps) {
-  if (n <= 0 || hd <= 0) {
-    set_error(c, "head_rmsnorm: %d rows of %d", n, hd);
-    return 1;
-  }
-  constexpr int kRowsPerBlock = 8;
-  head_rmsnorm_kernel<<<(n + kRowsPerBlock - 1) / kRowsPerBlock, 32 * kRowsPerBlock, 0, c->stream>>>((half*)x, w, n, hd,
-                                                                                                    eps);
-  CK_LAUNCH("head_rmsnorm_kernel");
-  return 0;
-}
-
 int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
   add_kernel<<<blocks(n, 256), 256, 0, c->stream>>>(x, (const half*)delta, n);
   CK_LAUNCH("add_kernel");
@@ -334,17 +338,19 @@ int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N) {
   return 0;
 }
 
-int rope(llmq_ctx* c, void* x, const int32_t* pos, const float* cos_t, const float* sin_t, int T, int heads, int hd) {
-  rope_kernel<<<dim3(T, heads), 64, 0, c->stream>>>((half*)x, pos, cos_t, sin_t, heads, hd);
-  CK_LAUNCH("rope_kernel");
-  return 0;
-}
-
-int kv_store(llmq_ctx* c, const void* k, const void* v, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
-                  const int32_t* kv_cap, int layer, int layers, int T, int kv_dim) {
-  kv_store_kernel<<<T, 128, 0, c->stream>>>((const half*)k, (const half*)v, row_seq, row_pos, kv_base, kv_cap, layer,
-                                                 layers, kv_dim);
-  CK_LAUNCH("kv_store_kernel");
+int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
+                  const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base, const int32_t* kv_cap,
+                  const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads, int kv_heads, int hd) {
+  if (T <= 0 || heads <= 0 || kv_heads <= 0 || hd <= 0 || hd % 2) {
+    set_error(c, "qk_rope_store: %d rows of %d q and %d k heads of dimension %d (want positive counts, an even dimension)",
+              T, heads, kv_heads, hd);
+    return 1;
+  }
+  constexpr int kHeadsPerBlock = 4;
+  qk_rope_store_kernel<<<dim3(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock), 32 * kHeadsPerBlock, 0,
+                         c->stream>>>((half*)q, (half*)k, (const half*)v, q_norm, k_norm, eps, row_seq, row_pos, kv_base,
+                                      kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd);
+  CK_LAUNCH("qk_rope_store_kernel");
   return 0;
 }
 

@@ -639,11 +639,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			func() error { return m.run(b.q, a.h, a.q, T, a, false) },
 			func() error { return m.run(b.k, a.h, a.k, T, a, false) },
 			func() error { return m.run(b.v, a.h, a.v, T, a, false) },
-			func() error { return x.HeadRMSNorm(a.q, b.norms.q, T*c.Heads, hd, eps) },
-			func() error { return x.HeadRMSNorm(a.k, b.norms.k, T*c.KVHeads, hd, eps) },
-			func() error { return x.RoPE(a.q, a.meta.RowPos, m.cos, m.sin, T, c.Heads, hd) },
-			func() error { return x.RoPE(a.k, a.meta.RowPos, m.cos, m.sin, T, c.KVHeads, hd) },
-			func() error { return x.KVStore(a.k, a.v, a.meta, l, L, T, c.KVHeads*hd) },
+			func() error {
+				return x.QKRoPEStore(a.q, a.k, a.v, b.norms.q, b.norms.k, eps, a.meta, m.cos, m.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
+			},
 			func() error {
 				if windows > 0 {
 					return x.AttentionCausal(a.q, a.k, a.v, a.att, windows, T/windows, c.Heads, c.KVHeads, hd)

@@ -269,8 +269,7 @@ const llmq_api kAPI = {
     rmsnorm,
     add,
     add_bias,
-    rope,
-    kv_store,
+    qk_rope_store,
     attention_workspace_bytes,
     attention,
     silu_mul,
@@ -288,7 +287,6 @@ const llmq_api kAPI = {
     awq_quant,
     awq_clip,
     attention_causal,
-    head_rmsnorm,
 };
 }  // namespace
 }  // namespace llmq
