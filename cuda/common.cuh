@@ -72,7 +72,8 @@ namespace llmq {
 // w4a16.cu
 size_t w4a16_workspace_bytes(int M, int N);
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group);
+               void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
+               int N, int K, int group);
 int w4a16_set_path(llmq_ctx* c, int path);
 int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
 int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);

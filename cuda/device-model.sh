@@ -68,11 +68,18 @@ case "$1" in
 esac
 case "$1" in
   check)
+    # Packed copies for TestJoinedLinearsMatchSeparate (RTN: deterministic, made here).
+    W4=
+    for m in models/llama-tiny models/archzoo/qwen2-rand; do
+      d=build/q/$(basename $m)-rtn-w4
+      [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group 128 -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
+    done
+    export LLMQ_TEST_W4_MODELS=${W4#:}
     build/device/cuda.test -test.v -test.run . > "$OUT/cuda-tests.log" 2>&1
-    echo "cuda tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic" "$OUT/cuda-tests.log" | head -60
+    echo "cuda tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic" "$OUT/cuda-tests.log" | head -70
     timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-memcheck.log" 2>&1
     echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
-    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash' > "$OUT/cuda-model-memcheck.log" 2>&1
+    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash|TestJoined' > "$OUT/cuda-model-memcheck.log" 2>&1
     echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"
     ;;
   gemm)

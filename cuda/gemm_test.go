@@ -127,6 +127,9 @@ type gemmCase struct {
 	// "subnormal" gives every group a subnormal scale (a kernel that
 	// flushed them to zero would output zeros), activations scaled up.
 	edit string
+	// split: the layer's columns go to separate outputs of these widths
+	// (a joined q/k/v layer), each compared with its slice of the reference.
+	split []int
 }
 
 func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
@@ -163,6 +166,7 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 	}
 	g, w := upload(t, l, layer)
 	defer w.Free(l)
+	w.Cols = c.split
 	abits, avals := randomHalf(r, c.M*c.K)
 	for i := range avals {
 		h := float16.Fromfloat32(avals[i] * ascale)
@@ -170,8 +174,15 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 	}
 	A, _ := AllocFrom(l, abits)
 	defer l.Free(A)
-	C, _ := l.Alloc(c.M * c.N * 2)
-	defer l.Free(C)
+	parts := c.split
+	if parts == nil {
+		parts = []int{c.N}
+	}
+	outs := make([]Buf, len(parts))
+	for i, n := range parts {
+		outs[i], _ = l.Alloc(c.M * n * 2)
+		defer l.Free(outs[i])
+	}
 	ws, _ := l.Alloc(l.Lib().WorkspaceBytes(c.M, c.N))
 	defer l.Free(ws)
 	l.Memset(ws, 0, ws.Bytes)
@@ -192,18 +203,28 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 		t.Fatal(err)
 	}
 	for run := 0; run < 2; run++ { // twice: the workspace must come back zeroed
-		if err := l.Memset(C, 0xff, C.Bytes); err != nil { // poison: 0xffff is NaN
-			t.Fatal(err)
+		for _, o := range outs {
+			if err := l.Memset(o, 0xff, o.Bytes); err != nil { // poison: 0xffff is NaN
+				t.Fatal(err)
+			}
 		}
-		if err := l.GemmW4(A, C, w, c.M, ws, scratch, aperm); err != nil {
+		if err := l.GemmW4Into(A, outs, w, c.M, ws, scratch, aperm); err != nil {
 			t.Fatal(err)
 		}
 		if err := l.Sync(); err != nil {
 			t.Fatal(err)
 		}
-		out := make([]uint16, c.M*c.N)
-		if err := Download(l, out, C); err != nil {
-			t.Fatal(err)
+		out := make([]uint16, c.M*c.N) // the parts side by side
+		off := 0
+		for i := range parts {
+			part := make([]uint16, c.M*parts[i])
+			if err := Download(l, part, outs[i]); err != nil {
+				t.Fatal(err)
+			}
+			for m := 0; m < c.M; m++ {
+				copy(out[m*c.N+off:m*c.N+off+parts[i]], part[m*parts[i]:(m+1)*parts[i]])
+			}
+			off += parts[i]
 		}
 		var num, den float64
 		for i, h := range out {
@@ -262,6 +283,13 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 1, K: 16, N: 64, group: -1, path: PathGEMV}, {M: 1, K: 48, N: 64, group: 16, path: PathGEMV},
 		{M: 3, K: 1024, N: 192, group: 32, bits: 3, path: PathGEMV},
 		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathGEMV},
+		// A joined layer's columns into three outputs, on every path, with
+		// K split across CTAs (the last-CTA store) and without.
+		{M: 1, K: 4096, N: 448, group: 128, path: PathGEMV, split: []int{256, 64, 128}},
+		{M: 2, K: 256, N: 448, group: 128, path: PathGEMV, split: []int{256, 64, 128}},
+		{M: 7, K: 4096, N: 448, group: 128, act: true, path: PathFused, split: []int{256, 64, 128}},
+		{M: 40, K: 256, N: 192, group: 64, path: PathFused, split: []int{64, 128}},
+		{M: 100, K: 512, N: 448, group: 128, path: PathCuBLAS, split: []int{256, 64, 128}},
 	} {
 		runCase(t, l, r, c)
 	}
@@ -356,6 +384,16 @@ func TestBadShapeIsAnError(t *testing.T) {
 	} else {
 		t.Log(err)
 	}
+	// A joined layer's parts must be multiples of 64 adding up to N.
+	for _, cols := range [][]int{{100, 92}, {64, 64}, {64, 64, 64, 64}} {
+		w := &W4{K: 256, N: 192, Group: 128, Cols: cols}
+		outs := make([]Buf, len(cols))
+		if err := l.GemmW4Into(Buf{}, outs, w, 1, Buf{}, Buf{}, Buf{}); err == nil {
+			t.Errorf("parts %v of N=192 accepted", cols)
+		} else {
+			t.Log(err)
+		}
+	}
 }
 
 // TestSmallForSanitizer is a quick case for compute-sanitizer (memcheck,
@@ -367,6 +405,7 @@ func TestSmallForSanitizer(t *testing.T) {
 	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathGEMV})
 	runCase(t, l, r, gemmCase{M: 1, K: 4096, N: 128, group: 64, path: PathGEMV})
+	runCase(t, l, r, gemmCase{M: 2, K: 4096, N: 192, group: 128, path: PathGEMV, split: []int{64, 128}})
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, path: PathCuBLAS})

@@ -102,13 +102,17 @@ typedef struct {
    * buffer of M·N and counters; both must start zeroed (memset) and are
    * left zeroed by every call. */
   size_t (*w4a16_workspace_bytes)(int M, int N);
-  /* C = A·dequant(B). perm (may be NULL): act-order checkpoints, A's
-   * columns are gathered through perm into a_perm (M·K fp16 scratch)
-   * first. scratch (may be NULL): K·N fp16, used for large M and for
-   * group sizes the fused kernel does not run (not powers of two), where
-   * B is dequantized and multiplied by cuBLAS. */
+  /* C = A·dequant(B), C [M][N] fp16 written as n_outs (1–3) row-major
+   * tensors side by side: outs[i] gets out_cols[i] of the N columns (each
+   * a multiple of 64 when there are several; a joined q/k/v layer writes
+   * q, k and v). perm (may be NULL): act-order checkpoints, A's columns
+   * are gathered through perm into a_perm (M·K fp16 scratch) first.
+   * scratch (may be NULL): K·N fp16, used for large M and for group sizes
+   * the kernels do not run (not powers of two), where B is dequantized
+   * and multiplied by cuBLAS. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-                    void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group);
+                    void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch,
+                    int M, int N, int K, int group);
   /* The kernel variant w4a16_gemm runs for this shape on c (path,
    * instantiation, K splits), written to out (n bytes): for benchmark
    * tables. */

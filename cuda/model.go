@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"sync"
 
@@ -51,6 +52,7 @@ type Model struct {
 	maxN      int // widest linear (workspace sizing)
 	maxPermK  int // widest act-order input (a_perm sizing)
 	quantized bool
+	join      bool // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
 
 	weights int64 // bytes of weights (and rotary tables) on the GPU
 	caches  int64 // bytes of open caches
@@ -100,20 +102,40 @@ func (n *blockNorms) bufs() []Buf { return []Buf{n.attn, n.mlp, n.q, n.k} }
 type gpuBlock struct {
 	norms                      blockNorms
 	q, k, v, o, gate, up, down *gpuLinear
+	// Packed q, k, v (gate, up) with the same group and act-order run as
+	// one joined GEMM that writes three (two) outputs; the parts are then
+	// nil. Fewer launches, and one wider GEMM streams better.
+	qkv, gateUp *gpuLinear
 }
 
-// gpuLinear is y = x·Wᵀ (+ b) on the GPU: w4 for a packed layer, w an fp16
-// [out][in] matrix otherwise.
+// gpuLinear is y = x·Wᵀ (+ b) on the GPU: w4 for a packed layer (joined
+// layers: their w4.Cols), w an fp16 [out][in] matrix otherwise; b the
+// bias of each part (Nil without).
 type gpuLinear struct {
 	in, out int
 	w4      *W4
-	w, b    Buf
+	w       Buf
+	b       []Buf
+}
+
+// hostLinear is a layer as read from the checkpoint, before upload.
+type hostLinear struct {
+	name string
+	in   int
+	gw   *pack.GPUWeights // a layer the W4A16 kernel runs
+	w    []float32        // otherwise its weights [out][in]
+	out  int
+	bias []float32 // nil without
 }
 
 // Load uploads a checkpoint (packed or unquantized) to the GPU of lib, in
 // a new context. It first checks that the weights fit in the GPU's free
 // memory.
-func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
+func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) { return loadModel(lib, ck, true) }
+
+// loadModel is Load; join false keeps q, k, v, gate and up as separate
+// GEMMs (tests compare the two).
+func loadModel(lib *Lib, ck *checkpoint.Checkpoint, join bool) (*Model, error) {
 	c := ck.Config
 	if err := Supports(c); err != nil {
 		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
@@ -133,7 +155,7 @@ func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &Model{lib: lib, x: x, cfg: c, dev: dev, quantized: q != nil,
+	m := &Model{lib: lib, x: x, cfg: c, dev: dev, quantized: q != nil, join: join,
 		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}}
 	if err := m.load(ck, q); err != nil {
 		m.Close()
@@ -161,7 +183,11 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 	case tied: // the LM head is the embedding matrix
 		m.lmHead = &gpuLinear{in: c.Hidden, out: c.Vocab, w: m.embed}
 	default:
-		if m.lmHead, err = m.loadLinear(ck, q, spec); err != nil {
+		h, err := m.readLinear(ck, q, spec)
+		if err != nil {
+			return err
+		}
+		if m.lmHead, err = m.uploadLinear(h); err != nil {
 			return err
 		}
 		if m.lmHead.w4 != nil {
@@ -185,16 +211,42 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 			return err
 		}
 		specs := llm.BlockLinears(c, i) // q, k, v, o, gate, up, down
-		for j, dst := range []**gpuLinear{&g.q, &g.k, &g.v, &g.o, &g.gate, &g.up, &g.down} {
-			if *dst, err = m.loadLinear(ck, q, specs[j]); err != nil {
+		h := make([]*hostLinear, len(specs))
+		for j := range specs {
+			if h[j], err = m.readLinear(ck, q, specs[j]); err != nil {
 				return err
+			}
+		}
+		for _, u := range []struct {
+			joined **gpuLinear
+			parts  []**gpuLinear
+			host   []*hostLinear
+		}{
+			{&g.qkv, []**gpuLinear{&g.q, &g.k, &g.v}, h[0:3]},
+			{nil, []**gpuLinear{&g.o}, h[3:4]},
+			{&g.gateUp, []**gpuLinear{&g.gate, &g.up}, h[4:6]},
+			{nil, []**gpuLinear{&g.down}, h[6:7]},
+		} {
+			if u.joined != nil && m.join && joinable(u.host) {
+				if *u.joined, err = m.uploadLinear(u.host...); err != nil {
+					return err
+				}
+				continue
+			}
+			for j, dst := range u.parts {
+				if *dst, err = m.uploadLinear(u.host[j]); err != nil {
+					return err
+				}
 			}
 		}
 		m.blocks = append(m.blocks, g)
 	}
 	maxKN := 0
 	for _, b := range m.blocks {
-		for _, l := range []*gpuLinear{b.q, b.k, b.v, b.o, b.gate, b.up, b.down} {
+		for _, l := range []*gpuLinear{b.q, b.k, b.v, b.qkv, b.o, b.gate, b.up, b.gateUp, b.down} {
+			if l == nil {
+				continue
+			}
 			m.maxN = max(m.maxN, l.out)
 			if l.w4 != nil {
 				maxKN = max(maxKN, l.in*l.out)
@@ -239,7 +291,7 @@ func estimateBytes(ck *checkpoint.Checkpoint, q *pack.QuantConfig) int64 {
 		n += tensorGPUBytes(t, q)
 	}
 	c := ck.Config
-	n += int64(c.Intermediate) * int64(c.Hidden) * 2 // W4 scratch
+	n += 2 * int64(c.Intermediate) * int64(c.Hidden) * 2 // W4 scratch: gate and up joined
 	return n + n/20 + 512<<20
 }
 
@@ -290,30 +342,20 @@ func (m *Model) upload16(v []float32) (Buf, error) {
 	return b, err
 }
 
-// loadLinear uploads the layer s names: packed for the W4A16 kernel when
-// the checkpoint stores it quantized with 2-, 3- or 4-bit integers (codes
-// of 2 and 3 bits run in the 4-bit layout), other stored quantizations
-// (8-bit, FP8) dequantized to fp16, else its fp16 weight matrix.
-func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm.LinearSpec) (*gpuLinear, error) {
-	l := &gpuLinear{in: s.In, out: s.Out}
+// readLinear reads the layer s names: repacked for the W4A16 kernel when
+// the checkpoint stores it packed at 2–4 bits, dequantized otherwise
+// (wider grids) or read as stored (unquantized layers).
+func (m *Model) readLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm.LinearSpec) (*hostLinear, error) {
+	h := &hostLinear{name: s.Name, in: s.In, out: s.Out}
 	if q != nil && q.Stored(ck, s.Name) {
 		pl, err := q.Read(ck, s.Name, s.In, s.Out)
 		if err != nil {
 			return nil, err
 		}
 		if !pl.Grid.GPUPacked() {
-			if l.w, err = m.upload16(pl.Dequantize()); err != nil {
-				return nil, fmt.Errorf("%s: %w", s.Name, err)
-			}
-		} else {
-			gw, err := pl.GPULayout()
-			if err != nil {
-				return nil, fmt.Errorf("%s: %w", s.Name, err)
-			}
-			if l.w4, err = m.x.UploadW4(gw); err != nil {
-				return nil, fmt.Errorf("%s: %w", s.Name, err)
-			}
-			m.weights += l.w4.Bytes()
+			h.w = pl.Dequantize()
+		} else if h.gw, err = pl.GPULayout(); err != nil {
+			return nil, fmt.Errorf("%s: %w", s.Name, err)
 		}
 	} else {
 		if err := pack.Unexplained(ck, s.Name); err != nil {
@@ -323,32 +365,95 @@ func (m *Model) loadLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm
 		if err != nil {
 			return nil, err
 		}
-		if l.w, err = m.upload16(w); err != nil {
-			return nil, fmt.Errorf("%s: %w", s.Name, err)
-		}
+		h.w = w
 	}
 	if s.Bias {
 		b, err := llm.ReadBias(ck, s.Name, s.Out, true)
 		if err != nil {
 			return nil, err
 		}
-		if l.b, err = m.upload16(b); err != nil {
-			return nil, fmt.Errorf("%s bias: %w", s.Name, err)
+		h.bias = b
+	}
+	return h, nil
+}
+
+// joinable: packed layers the kernel can run as one GEMM (pack.ConcatGPU:
+// same input, group and act-order; each part's width a multiple of the
+// kernel's 64-column tile, so a tile writes to one part).
+func joinable(parts []*hostLinear) bool {
+	for _, h := range parts {
+		p := parts[0].gw
+		if h.gw == nil || h.out%64 != 0 || h.gw.K != p.K || h.gw.Group != p.Group || !slices.Equal(h.gw.Perm, p.Perm) {
+			return false
 		}
+	}
+	return len(parts) > 1
+}
+
+// uploadLinear puts one layer, or several joinable ones as one GEMM, on
+// the GPU.
+func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
+	h := parts[0]
+	l := &gpuLinear{in: h.in}
+	if len(parts) > 1 {
+		gws := make([]*pack.GPUWeights, len(parts))
+		var cols []int
+		for i, p := range parts {
+			gws[i] = p.gw
+			cols = append(cols, p.out)
+		}
+		gw, err := pack.ConcatGPU(gws...)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", h.name, err)
+		}
+		if l.w4, err = m.x.UploadW4(gw); err != nil {
+			return nil, fmt.Errorf("%s: %w", h.name, err)
+		}
+		l.w4.Cols = cols
+		l.out = gw.N
+		m.weights += l.w4.Bytes()
+	} else if l.out = h.out; h.gw != nil {
+		var err error
+		if l.w4, err = m.x.UploadW4(h.gw); err != nil {
+			return nil, fmt.Errorf("%s: %w", h.name, err)
+		}
+		m.weights += l.w4.Bytes()
+	} else {
+		var err error
+		if l.w, err = m.upload16(h.w); err != nil {
+			return nil, fmt.Errorf("%s: %w", h.name, err)
+		}
+	}
+	for _, p := range parts {
+		var b Buf
+		if p.bias != nil {
+			var err error
+			if b, err = m.upload16(p.bias); err != nil {
+				return nil, fmt.Errorf("%s bias: %w", p.name, err)
+			}
+		}
+		l.b = append(l.b, b)
 	}
 	return l, nil
 }
 
-// run computes C = A·Wᵀ (+ b) for M rows on the GPU.
-func (m *Model) run(l *gpuLinear, A, C Buf, M int, a *acts, f32 bool) error {
+// run computes C = A·Wᵀ (+ b) for M rows on the GPU; a joined layer
+// writes one output per part (C[i]: part i's columns).
+func (m *Model) run(l *gpuLinear, A Buf, M int, a *acts, f32 bool, C ...Buf) error {
 	var err error
 	if l.w4 != nil {
-		err = m.x.GemmW4(A, C, l.w4, M, a.ws, m.scratch, a.aperm)
+		err = m.x.GemmW4Into(A, C, l.w4, M, a.ws, m.scratch, a.aperm)
 	} else {
-		err = m.x.GemmNT(A, l.w, C, M, l.out, l.in, f32)
+		err = m.x.GemmNT(A, l.w, C[0], M, l.out, l.in, f32)
 	}
-	if err == nil && !l.b.Nil() {
-		err = m.x.AddBias(C, l.b, M, l.out)
+	for i, b := range l.b {
+		if err == nil && !b.Nil() {
+			width := l.out
+			if l.w4 != nil && len(l.w4.Cols) > 0 {
+				width = l.w4.Cols[i]
+			}
+			err = m.x.AddBias(C[i], b, M, width)
+		}
 	}
 	return err
 }
@@ -634,11 +739,30 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		if l == 0 {
 			delta = Buf{}
 		}
+		qkv := []func() error{ // one joined GEMM or three
+			func() error { return m.run(b.qkv, a.h, T, a, false, a.q, a.k, a.v) },
+		}
+		if b.qkv == nil {
+			qkv = []func() error{
+				func() error { return m.run(b.q, a.h, T, a, false, a.q) },
+				func() error { return m.run(b.k, a.h, T, a, false, a.k) },
+				func() error { return m.run(b.v, a.h, T, a, false, a.v) },
+			}
+		}
+		gateUp := []func() error{
+			func() error { return m.run(b.gateUp, a.h, T, a, false, a.g, a.u) },
+		}
+		if b.gateUp == nil {
+			gateUp = []func() error{
+				func() error { return m.run(b.gate, a.h, T, a, false, a.g) },
+				func() error { return m.run(b.up, a.h, T, a, false, a.u) },
+			}
+		}
 		steps := []func() error{
 			func() error { return x.RMSNorm(a.x, delta, Buf{}, b.norms.attn, a.h, T, H, eps) },
-			func() error { return m.run(b.q, a.h, a.q, T, a, false) },
-			func() error { return m.run(b.k, a.h, a.k, T, a, false) },
-			func() error { return m.run(b.v, a.h, a.v, T, a, false) },
+		}
+		steps = append(steps, qkv...)
+		steps = append(steps,
 			func() error {
 				return x.QKRoPEStore(a.q, a.k, a.v, b.norms.q, b.norms.k, eps, a.meta, m.cos, m.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
 			},
@@ -648,13 +772,14 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 				}
 				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys)
 			},
-			func() error { return m.run(b.o, a.att, a.delta, T, a, false) },
+			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
 			func() error { return x.RMSNorm(a.x, a.delta, Buf{}, b.norms.mlp, a.h, T, H, eps) },
-			func() error { return m.run(b.gate, a.h, a.g, T, a, false) },
-			func() error { return m.run(b.up, a.h, a.u, T, a, false) },
+		)
+		steps = append(steps, gateUp...)
+		steps = append(steps,
 			func() error { return x.SiLUMul(a.g, a.u, T*c.Intermediate) },
-			func() error { return m.run(b.down, a.g, a.delta, T, a, false) },
-		}
+			func() error { return m.run(b.down, a.g, T, a, false, a.delta) },
+		)
 		for _, f := range steps {
 			if err := f(); err != nil {
 				return fmt.Errorf("layer %d: %w", l, err)
@@ -670,7 +795,7 @@ func (m *Model) head(a *acts, n int) error {
 	if err := m.x.RMSNorm(a.x, Buf{}, a.rowIdx, m.norm, a.h, n, m.cfg.Hidden, float32(m.cfg.RMSNormEps)); err != nil {
 		return err
 	}
-	return m.run(m.lmHead, a.h, a.logits, n, a, true)
+	return m.run(m.lmHead, a.h, n, a, true, a.logits)
 }
 
 // eagerActs returns the eager buffers, grown to at least rows.

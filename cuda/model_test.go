@@ -6,6 +6,8 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -115,6 +117,81 @@ func TestZooLogitsOnGPU(t *testing.T) {
 				if d, _, _ := logitDiff(last, got[p*V:(p+1)*V], V); d > 0.1 {
 					t.Errorf("decode step at position %d: max |Δlogit| %.4f against the full pass", p, d)
 				}
+			}
+		})
+	}
+}
+
+// TestJoinedLinearsMatchSeparate: a packed checkpoint (LLMQ_TEST_W4_MODELS,
+// colon-separated directories; cuda/device-model.sh check makes RTN w4
+// copies of llama-tiny and qwen2-rand, whose q/k/v have biases) loaded
+// with q/k/v and gate/up joined into one GEMM each gives the logits of the
+// same model run layer by layer, and both stay within TestModelLogits'
+// bounds of the CPU backend's — over a prefill (the fused kernel) and
+// then decode steps one token at a time (the GEMV kernel).
+func TestJoinedLinearsMatchSeparate(t *testing.T) {
+	dirs := os.Getenv("LLMQ_TEST_W4_MODELS")
+	if dirs == "" {
+		t.Skip("LLMQ_TEST_W4_MODELS is not set: no packed checkpoints to load (cuda/device-model.sh check makes them)")
+	}
+	lib := openLib(t)
+	for _, dir := range strings.Split(dirs, ":") {
+		t.Run(filepath.Base(dir), func(t *testing.T) {
+			ck, err := checkpoint.Open(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ck.Close()
+			cpu, err := pack.OpenModel(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cpu.Close()
+			V, n, steps := ck.Config.Vocab, 96, 4
+			ids := make([]int, n)
+			for i := range ids {
+				ids[i] = (i*7919 + 13) % V
+			}
+			run := func(m llm.Backend) []float32 {
+				t.Helper()
+				cache, err := m.NewCache(n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer cache.Close()
+				out := make([]float32, n*V)
+				if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids[:n-steps], Logits: out[:(n-steps)*V]}}); err != nil {
+					t.Fatal(err)
+				}
+				for p := n - steps; p < n; p++ {
+					if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids[p : p+1], Logits: out[p*V : (p+1)*V]}}); err != nil {
+						t.Fatal(err)
+					}
+				}
+				return out
+			}
+			var logits [2][]float32
+			for i, join := range []bool{true, false} {
+				gpu, err := loadModel(lib, ck, join)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if joined := gpu.blocks[0].qkv != nil && gpu.blocks[0].gateUp != nil; joined != join {
+					t.Fatalf("join %v: block 0 joined %v", join, joined)
+				}
+				logits[i] = run(gpu)
+				gpu.Close()
+			}
+			want := run(cpu)
+			d, mean, argmax := logitDiff(logits[0], logits[1], V)
+			t.Logf("joined against separate: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", d, mean, argmax, n)
+			if d > 0.05 || argmax < n-1 {
+				t.Errorf("joined GEMMs moved the logits")
+			}
+			d, mean, argmax = logitDiff(logits[0], want, V)
+			t.Logf("joined against the CPU: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", d, mean, argmax, n)
+			if d > 0.25 || mean > 0.02 || argmax < n-n/20 {
+				t.Errorf("GPU logits too far from the CPU's")
 			}
 		})
 	}

@@ -8,7 +8,8 @@ import "github.com/llmq/llmq/pack"
 type W4 struct {
 	K, N, Group int
 	B, S, Z     Buf
-	Perm        Buf // zero when the layer has no act-order permutation
+	Perm        Buf   // zero when the layer has no act-order permutation
+	Cols        []int // a joined layer's parts (pack.ConcatGPU), their widths; nil for one layer
 }
 
 // UploadW4 copies a repacked layer to the GPU.

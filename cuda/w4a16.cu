@@ -219,19 +219,36 @@ __device__ __forceinline__ void warp_range(int KT, int splits, int split, int wa
   k1 = min(s1, k0 + per_warp);
 }
 
-// emit stores one output (a single split) or adds it into the workspace.
-__device__ __forceinline__ void emit(half* C, float* ws, size_t idx, float v, int splits) {
+// Outs is where a GEMM's output columns go: up to three row-major fp16
+// tensors side by side (a joined layer's q, k and v), each a multiple of
+// 64 columns wide, so an n-tile lies in one of them.
+struct Outs {
+  half* c[3];
+  int end[3];  // each tensor's last column + 1 in the joined N
+  int n;
+};
+
+// out_at is the address of output (r, col).
+__device__ __forceinline__ half* out_at(const Outs& o, int r, int col) {
+  int s = 0, start = 0;
+  while (s + 1 < o.n && col >= o.end[s]) start = o.end[s++];
+  return o.c[s] + (size_t)r * (o.end[s] - start) + (col - start);
+}
+
+// emit stores output (r, col) (a single split) or adds it into the
+// workspace [M][N].
+__device__ __forceinline__ void emit(const Outs& o, float* ws, int r, int col, int N, float v, int splits) {
   if (splits == 1)
-    C[idx] = __float2half_rn(v);
+    *out_at(o, r, col) = __float2half_rn(v);
   else
-    atomicAdd(&ws[idx], v);
+    atomicAdd(&ws[(size_t)r * N + col], v);
 }
 
 // finish_splits: the last of a tile's `splits` CTAs to finish (counted in
 // *counter) converts rows row0 … row0+rows−1 of the tile from the
 // workspace to fp16 and re-zeroes the workspace and the counter.
-__device__ __forceinline__ void finish_splits(half* C, float* ws, int* counter, int row0, int rows, int M, int N, int nt,
-                                              int splits, int& s_last) {
+__device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
+                                              int nt, int splits, int& s_last) {
   if (splits == 1) return;
   __threadfence();
   __syncthreads();
@@ -242,8 +259,9 @@ __device__ __forceinline__ void finish_splits(half* C, float* ws, int* counter, 
   for (int i = threadIdx.x; i < rows * 64; i += blockDim.x) {
     const int r = row0 + i / 64;
     if (r < M) {
-      const size_t idx = (size_t)r * N + nt * 64 + (i & 63);
-      C[idx] = __float2half_rn(__ldcg(&ws[idx]));
+      const int col = nt * 64 + (i & 63);
+      const size_t idx = (size_t)r * N + col;
+      *out_at(o, r, col) = __float2half_rn(__ldcg(&ws[idx]));
       ws[idx] = 0.f;
     }
   }
@@ -258,7 +276,7 @@ __device__ __forceinline__ void finish_splits(half* C, float* ws, int* counter, 
 template <int MB, int U, int STAGES, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                           half* __restrict__ C, float* __restrict__ ws,
+                                                           const Outs C, float* __restrict__ ws,
                                                            int* __restrict__ counters, int M, int N, int K, int gshift,
                                                            int splits) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -356,7 +374,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) v += red[w][i];
-        emit(C, ws, (size_t)r * N + nt * 64 + (i & 63), v, splits);
+        emit(C, ws, r, nt * 64 + (i & 63), N, v, splits);
       }
     }
     __syncthreads();
@@ -382,7 +400,7 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 template <int MT, int U, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                          half* __restrict__ C, float* __restrict__ ws,
+                                                          const Outs C, float* __restrict__ ws,
                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
                                                           int splits) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
@@ -501,7 +519,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) v += red[w][m][col];
-      emit(C, ws, (size_t)m * N + nt * 64 + col, v, splits);
+      emit(C, ws, m, nt * 64 + col, N, v, splits);
     }
   }
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
@@ -596,11 +614,11 @@ static_assert(3 + kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int
 // resident CTAs (launch false) or launch it.
 template <int V>
 int gemv_variant(llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 half* C, void* workspace, int M, int N, int K, int gshift);
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift);
 
 // with_gemv calls gemv_variant<v> for a variant index known only at run time.
 int with_gemv(int v, llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
-              half* C, void* workspace, int M, int N, int K, int gshift) {
+              const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   switch (v) {
 #define LLMQ_GEMV_CASE(V) \
   case V:                 \
@@ -634,7 +652,7 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
 
 // The resident slots: fused variants 0–2, GEMV variant v at 3 + v.
 int query_resident(llmq_ctx* c, int path, int variant) {
-  if (path == 3) return with_gemv(variant, c, false, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0, 0);
+  if (path == 3) return with_gemv(variant, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   switch (variant) {
     case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
     case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
@@ -703,7 +721,7 @@ int group_shift(int group, int K) {
 
 // launch_fused runs one instantiation of the fused kernel as planned.
 template <int MB, int U, int STAGES, int MINB>
-int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, half* C,
+int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, const Outs& C,
                  void* workspace, int M, int N, int K, int group) {
   constexpr size_t smem = fused_smem_bytes<MB, U, STAGES>();
   const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
@@ -718,7 +736,7 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
 
 template <int V>
 int gemv_variant(llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 half* C, void* workspace, int M, int N, int K, int gshift) {
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb>;
   if (!launch) return resident_of(c, 3 + V, kernel, 0);
   float* ws = (float*)workspace;
@@ -751,21 +769,40 @@ int w4_dequant(llmq_ctx* c, const void* B, const void* S, const void* Z, void* W
   return 0;
 }
 
-int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K) {
+// gemm_f16_cols: C[M,n] = A[M,K]·W[:, cols] for the n columns of a
+// row-major W[K][ldw] starting at W.
+int gemm_f16_cols(llmq_ctx* c, const void* A, const half* W, int ldw, void* C, int M, int n, int K) {
   const float alpha = 1.f, beta = 0.f;
   // Row-major C = A·W is column-major Cᵀ = Wᵀ·Aᵀ.
-  cublasStatus_t s = cublasGemmEx(c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, N, A, CUDA_R_16F,
-                                  K, &beta, C, CUDA_R_16F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  cublasStatus_t s = cublasGemmEx(c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, n, M, K, &alpha, W, CUDA_R_16F, ldw, A, CUDA_R_16F,
+                                  K, &beta, C, CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS) {
-    set_error(c, "cublasGemmEx failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
+    set_error(c, "cublasGemmEx failed: status %d (M=%d N=%d K=%d)", (int)s, M, n, K);
     return 1;
   }
   return 0;
 }
 
+int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K) {
+  return gemm_f16_cols(c, A, (const half*)W, N, C, M, N, K);
+}
+
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* C, void* workspace, void* scratch, int M, int N, int K, int group) {
+               void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
+               int N, int K, int group) {
   if (check_shape(c, M, N, K, group)) return 1;
+  Outs C{};
+  C.n = n_outs;
+  int end = 0;
+  for (int i = 0; i < n_outs && n_outs <= 3; ++i) {
+    if (out_cols[i] <= 0 || (n_outs > 1 && out_cols[i] % 64)) break;
+    C.c[i] = (half*)outs[i];
+    C.end[i] = end += out_cols[i];
+  }
+  if (n_outs < 1 || n_outs > 3 || end != N || C.end[n_outs - 1] != N) {
+    set_error(c, "w4a16_gemm: %d outputs whose widths must be multiples of 64 adding up to N=%d", n_outs, N);
+    return 1;
+  }
   const half* a = (const half*)A;
   if (perm) {
     if (!a_perm) {
@@ -785,14 +822,15 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
       return 1;
     }
     if (w4_dequant(c, B, scales, zeros, scratch, N, K, group)) return 1;
-    return gemm_f16(c, a, scratch, C, M, N, K);
+    for (int i = 0, start = 0; i < n_outs; start = C.end[i++])
+      if (gemm_f16_cols(c, a, (const half*)scratch + start, N, C.c[i], M, C.end[i] - start, K)) return 1;
+    return 0;
   }
   if (p.path == 3)
-    return with_gemv(p.variant, c, true, p.splits, a, B, scales, zeros, (half*)C, workspace, M, N, K,
-                     group_shift(group, K));
-  if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
-  return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, (half*)C, workspace, M, N, K, group);
+    return with_gemv(p.variant, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, group_shift(group, K));
+  if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+  if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+  return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
 }
 
 int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {

@@ -2,6 +2,7 @@ package pack
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 
 	"github.com/llmq/llmq/llm/mat"
@@ -155,4 +156,37 @@ func (g *GPUWeights) Dequantize() []float32 {
 		}
 	}
 	return W
+}
+
+// ConcatGPU joins layers that read the same input into one whose output
+// columns are theirs side by side (q, k and v; gate and up), so the
+// runtime runs them as one GEMM: the kernel's column tiles are
+// independent, so B is their B arrays one after another, and each
+// group's scales and zeros are theirs in the same order. The layers must
+// agree on K, the group size and the act-order permutation.
+func ConcatGPU(ws ...*GPUWeights) (*GPUWeights, error) {
+	if len(ws) == 0 {
+		return nil, fmt.Errorf("ConcatGPU: no layers")
+	}
+	first := ws[0]
+	out := &GPUWeights{K: first.K, Group: first.Group, Perm: first.Perm}
+	for i, w := range ws {
+		if w.K != first.K || w.Group != first.Group {
+			return nil, fmt.Errorf("ConcatGPU: layer %d has in %d, group %d; layer 0 has in %d, group %d", i, w.K, w.Group, first.K, first.Group)
+		}
+		if !slices.Equal(w.Perm, first.Perm) {
+			return nil, fmt.Errorf("ConcatGPU: layer %d's act-order permutation differs from layer 0's", i)
+		}
+		out.N += w.N
+		out.B = append(out.B, w.B...)
+	}
+	G := first.K / first.Group
+	for grp := 0; grp < G; grp++ {
+		for _, w := range ws {
+			NT := w.N / 64
+			out.Scales = append(out.Scales, w.Scales[grp*NT*64:(grp+1)*NT*64]...)
+			out.Zeros = append(out.Zeros, w.Zeros[grp*NT*8:(grp+1)*NT*8]...)
+		}
+	}
+	return out, nil
 }

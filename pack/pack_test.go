@@ -351,6 +351,56 @@ func TestGPULayoutDecodes(t *testing.T) {
 	}
 }
 
+// TestConcatGPU: layers joined side by side decode to their weights side
+// by side (W[k][n] of layer i at column offset Σ earlier outs), for a
+// grouped, a per-channel and an act-order grid; layers that disagree on
+// K, group or permutation are refused.
+func TestConcatGPU(t *testing.T) {
+	r := rand.New(rand.NewPCG(13, 14))
+	for _, grid := range []Grid{{Bits: 4, GroupSize: 32}, {Bits: 4, GroupSize: -1, Sym: true}} {
+		ls := []*Linear{randomLinear(r, 128, 96, grid, false), randomLinear(r, 64, 96, grid, false), randomLinear(r, 192, 96, grid, false)}
+		var gs []*GPUWeights
+		for _, l := range ls {
+			g, err := l.GPULayout()
+			if err != nil {
+				t.Fatal(err)
+			}
+			gs = append(gs, g)
+		}
+		cat, err := ConcatGPU(gs...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		W := cat.Dequantize()
+		off := 0
+		for _, g := range gs {
+			Wi := g.Dequantize()
+			for k := 0; k < g.K; k++ {
+				for n := 0; n < g.N; n++ {
+					if got, want := W[k*cat.N+off+n], Wi[k*g.N+n]; got != want {
+						t.Fatalf("grid %+v: joined W[%d][%d] = %v, layer's W[%d][%d] = %v", grid, k, off+n, got, k, n, want)
+					}
+				}
+			}
+			off += g.N
+		}
+		if off != cat.N {
+			t.Fatalf("joined N %d, want %d", cat.N, off)
+		}
+	}
+	a, _ := randomLinear(r, 64, 96, Grid{Bits: 4, GroupSize: 32}, false).GPULayout()
+	b, _ := randomLinear(r, 64, 96, Grid{Bits: 4, GroupSize: 96}, false).GPULayout()
+	c, _ := randomLinear(r, 64, 64, Grid{Bits: 4, GroupSize: 32}, false).GPULayout()
+	d, _ := randomLinear(r, 64, 96, Grid{Bits: 4, GroupSize: 32}, true).GPULayout()
+	for name, pair := range map[string][2]*GPUWeights{"group": {a, b}, "in": {a, c}, "permutation": {a, d}} {
+		if _, err := ConcatGPU(pair[0], pair[1]); err == nil {
+			t.Errorf("layers differing in %s were joined", name)
+		} else {
+			t.Log(err)
+		}
+	}
+}
+
 // TestAWQGridByHand: AWQ's grid keeps the group's own range, and computes
 // the scale as llm-awq does on the GPU, (max − min)·float32(1/maxq).
 func TestAWQGridByHand(t *testing.T) {
