@@ -43,14 +43,14 @@ sed "s/1e-4\*r\.NormFloat64/$EPS*r.NormFloat64/" "$ROOT/evals/perturb-$METHOD.pa
 TAGS=$(printf '#include <cblas.h>\nint main(void){return 0;}\n' | cc -x c - -lopenblas -o /dev/null 2>/dev/null && echo "-tags openblas" || true)
 (cd "$TMP/src" && go build $TAGS -o "$TMP/llmq" ./cmd/llmq)
 OUT=$ROOT/evals/results/perturb-$METHOD-$NAME$SUFFIX.txt
-echo "# $(git -C "$ROOT" rev-parse HEAD) + evals/perturb-$METHOD.patch at EPS=$EPS, CPU, $(date -u +%F)" > "$OUT.tmp"
+echo "# $(git -C "$ROOT" rev-parse HEAD) + evals/perturb-$METHOD.patch at EPS=$EPS, CPU, $(date -u +%F)" > "$TMP/out.txt"
 for b in 4 3; do
   stats=(); [ "$METHOD" = awq ] && stats=(--stats "$TMP/stats-w$b.json")
   "$TMP/llmq" quantize "$MODEL" --method "$METHOD" --bits $b --group 128 --calib "$SHARED/data/calib.txt" --nsamples 128 --seqlen $SEQLEN \
     -o "$TMP/w$b" --force --device cpu "${stats[@]}" > /dev/null
   "$TMP/llmq" eval ppl "$TMP/w$b" --data "$SHARED/data/wikitext2/wiki.test.raw" --seqlen 2048 --device cpu --json "$TMP/ppl-w$b.json" > /dev/null
   python3 - "$TMP/ppl-w$b.json" "$ROOT/evals/results/ppl-$NAME-$METHOD-w$b-wikitext2.json" "$TMP/stats-w$b.json" \
-    "$ROOT/evals/results/awq-stats-$NAME-awq-w$b.json" "w$b" >> "$OUT.tmp" <<'PY'
+    "$ROOT/evals/results/awq-stats-$NAME-awq-w$b.json" "w$b" >> "$TMP/out.txt" <<'PY'
 import json, os, sys
 ppl = lambda f: json.load(open(f))['data']['result']['perplexity']
 p, ref = ppl(sys.argv[1]), ppl(sys.argv[2])
@@ -64,5 +64,5 @@ if os.path.exists(sys.argv[3]):  # AWQ: the search's choices beside the unpertur
 print(line)
 PY
 done
-mv "$OUT.tmp" "$OUT" # a run that fails leaves the committed file as it was
+mv "$TMP/out.txt" "$OUT" # a run that fails leaves the committed file as it was
 cat "$OUT"
