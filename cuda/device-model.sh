@@ -78,8 +78,9 @@ case "$1" in
     export LLMQ_TEST_W4_MODELS=${W4#:}
     run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestZoo|TestSupports|TestJoined|TestModelLogits'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
-    echo "cuda tests rc=$?"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic|error" "$OUT/cuda-tests.log" | head -70
-    [ "$1" = zoo ] && exit 0
+    rc=$?
+    echo "cuda tests rc=$rc"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic|error" "$OUT/cuda-tests.log" | head -70
+    [ "$1" = zoo ] && exit $rc
     timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-memcheck.log" 2>&1
     echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
     timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash|TestJoined' > "$OUT/cuda-model-memcheck.log" 2>&1
