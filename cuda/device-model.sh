@@ -242,7 +242,9 @@ case "$1" in
     for b in ${SYNTH_BITS:-4 16}; do
       d=/tmp/llama3-8b-b$b
       $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $TOK 2>&1 | tail -1
-      $L bench decode $d --device cuda --context 128,2048 --batch 1,8,32 --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
+      # Issue 16's matrix; llama3-8b's 8192 positions leave 8160 of context for 32 steps.
+      $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048,8160} --batch ${SYNTH_BATCH:-1,8,32,64} --prefill ${SYNTH_PREFILL:-512,2048,8192} \
+        --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
       if [ $b = 4 ] && [ "${SYNTH_PPL:-1}" = 1 ]; then
         echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"
         ppl llama3-8b-b$b $d

@@ -13,18 +13,19 @@ import (
 // newBenchDecode is `llmq bench decode` (prefill too): end-to-end speed of
 // a backend's forward passes, logits copied back to the host included.
 func newBenchDecode() *cobra.Command {
-	var device, contexts, batches, jsonOut string
-	var steps, prefill, reps int
+	var device, contexts, batches, prefills, jsonOut string
+	var steps, reps int
 	cmd := &cobra.Command{
 		Use:   "decode MODEL_DIR",
 		Short: "Decode and prefill speed: tokens/s at given context lengths and batch sizes",
 		Long: `For each context length C and batch size B, decode prefills B sequences with
 C tokens, then times --steps decode steps of B tokens (one per sequence,
 greedy, logits copied to the host as a server would). It also times the
-prefill of --prefill tokens (batch 1). On the GPU, decode steps replay CUDA
-graphs; the memory in use on the GPU is reported.`,
-		Example: `  llmq bench decode /tmp/llama3-8b-w4 --device cuda --context 128,2048 --batch 1,8,32 --json evals/results/decode-h200-llama3-8b-w4.json`,
-		Args:    cobra.ExactArgs(1),
+prefill of each --prefill length (batch 1). On the GPU, decode steps replay
+CUDA graphs; the memory in use on the GPU is reported.`,
+		Example: `  llmq bench decode /tmp/llama3-8b-w4 --device cuda --context 128,2048 --batch 1,8,32 --json evals/results/decode-h200-llama3-8b-w4.json
+  llmq bench decode /tmp/llama3-8b-w4 --device cuda --prefill 512,2048,8192 --context 128,2048,8160 --batch 1,8,32,64`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctxs, err := parseInts(contexts)
 			if err != nil {
@@ -33,6 +34,12 @@ graphs; the memory in use on the GPU is reported.`,
 			bs, err := parseInts(batches)
 			if err != nil {
 				return fmt.Errorf("--batch: %w", err)
+			}
+			var pre []int
+			if prefills != "0" {
+				if pre, err = parseInts(prefills); err != nil {
+					return fmt.Errorf("--prefill: %w", err)
+				}
 			}
 			m, err := openModel(args[0], device)
 			if err != nil {
@@ -50,7 +57,7 @@ graphs; the memory in use on the GPU is reported.`,
 					peak, most = u.DeviceUsed, u
 				}
 			}
-			if prefill > 0 {
+			for _, prefill := range pre {
 				var times []float64
 				for r := 0; r < reps; r++ {
 					t, err := timePrefill(cmd.Context(), b, prefill)
@@ -92,7 +99,7 @@ graphs; the memory in use on the GPU is reported.`,
 	f.StringVar(&contexts, "context", "128,2048", "comma-separated context lengths before decoding")
 	f.StringVar(&batches, "batch", "1,8,32", "comma-separated batch sizes")
 	f.IntVar(&steps, "steps", 64, "decode steps timed per measurement")
-	f.IntVar(&prefill, "prefill", 2048, "tokens of the timed prefill (0: skip)")
+	f.StringVar(&prefills, "prefill", "2048", "comma-separated token counts of the timed prefills (0: skip)")
 	f.IntVar(&reps, "reps", 3, "prefill repetitions (median reported)")
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
 	return cmd

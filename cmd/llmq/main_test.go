@@ -302,6 +302,45 @@ func TestCalibrationTooShort(t *testing.T) {
 
 // TestHelpHasExamples: every command shows an example in its help, and
 // every flag has a usage text.
+// TestBenchDecodePrefills: bench decode times every --prefill length and
+// every context × batch pair, and records them in its JSON; --prefill 0
+// skips the prefill.
+func TestBenchDecodePrefills(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	js := filepath.Join(t.TempDir(), "decode.json")
+	out := mustLLMQ(t, "bench", "decode", model, "--prefill", "16,48", "--reps", "1", "--context", "8", "--batch", "1,2", "--steps", "2", "--json", js)
+	for _, want := range []string{"prefill    16 tokens", "prefill    48 tokens", "context     8 batch   1", "context     8 batch   2"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	raw, err := os.ReadFile(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec struct {
+		Data struct {
+			Results []map[string]any `json:"results"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(raw, &rec); err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]int{}
+	for _, r := range rec.Data.Results {
+		kinds[r["kind"].(string)]++
+	}
+	if kinds["prefill"] != 2 || kinds["decode"] != 2 {
+		t.Errorf("JSON results %v, want 2 prefills and 2 decodes", kinds)
+	}
+	if out := mustLLMQ(t, "bench", "decode", model, "--prefill", "0", "--context", "8", "--batch", "1", "--steps", "1"); strings.Contains(out, "prefill") {
+		t.Errorf("--prefill 0 still timed a prefill:\n%s", out)
+	}
+	if _, err := llmq(t, "bench", "decode", model, "--prefill", "16,x"); err == nil || !strings.Contains(err.Error(), "--prefill") {
+		t.Errorf("--prefill 16,x: %v, want an error naming the flag", err)
+	}
+}
+
 // --version names the commit the results of this binary record.
 func TestVersion(t *testing.T) {
 	out := mustLLMQ(t, "--version")
