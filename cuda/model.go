@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"slices"
 	"strings"
 	"sync"
 
@@ -120,12 +119,11 @@ type gpuLinear struct {
 
 // hostLinear is a layer as read from the checkpoint, before upload.
 type hostLinear struct {
-	name string
-	in   int
-	gw   *pack.GPUWeights // a layer the W4A16 kernel runs
-	w    []float32        // otherwise its weights [out][in]
-	out  int
-	bias []float32 // nil without
+	name    string
+	in, out int
+	gw      *pack.GPUWeights // a layer the W4A16 kernel runs
+	w       []float32        // otherwise its weights [out][in]
+	bias    []float32        // nil without
 }
 
 // Load uploads a checkpoint (packed or unquantized) to the GPU of lib, in
@@ -377,25 +375,28 @@ func (m *Model) readLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm
 	return h, nil
 }
 
-// joinable: packed layers the kernel can run as one GEMM (pack.ConcatGPU:
-// same input, group and act-order; each part's width a multiple of the
-// kernel's 64-column tile, so a tile writes to one part).
+// joinable: several packed layers the kernel can run as one GEMM
+// (pack.CanConcatGPU), each part's width a multiple of the kernel's
+// 64-column tile so that a tile writes to one part.
 func joinable(parts []*hostLinear) bool {
-	for _, h := range parts {
-		p := parts[0].gw
-		if h.gw == nil || h.out%64 != 0 || h.gw.K != p.K || h.gw.Group != p.Group || !slices.Equal(h.gw.Perm, p.Perm) {
+	gws := make([]*pack.GPUWeights, len(parts))
+	for i, h := range parts {
+		if h.gw == nil || h.out%64 != 0 {
 			return false
 		}
+		gws[i] = h.gw
 	}
-	return len(parts) > 1
+	return len(parts) > 1 && pack.CanConcatGPU(gws...) == nil
 }
 
 // uploadLinear puts one layer, or several joinable ones as one GEMM, on
 // the GPU.
 func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 	h := parts[0]
-	l := &gpuLinear{in: h.in}
-	if len(parts) > 1 {
+	l := &gpuLinear{in: h.in, out: h.out}
+	var err error
+	switch {
+	case len(parts) > 1:
 		gws := make([]*pack.GPUWeights, len(parts))
 		var cols []int
 		for i, p := range parts {
@@ -411,23 +412,21 @@ func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 		}
 		l.w4.Cols = cols
 		l.out = gw.N
-		m.weights += l.w4.Bytes()
-	} else if l.out = h.out; h.gw != nil {
-		var err error
+	case h.gw != nil:
 		if l.w4, err = m.x.UploadW4(h.gw); err != nil {
 			return nil, fmt.Errorf("%s: %w", h.name, err)
 		}
-		m.weights += l.w4.Bytes()
-	} else {
-		var err error
+	default:
 		if l.w, err = m.upload16(h.w); err != nil {
 			return nil, fmt.Errorf("%s: %w", h.name, err)
 		}
 	}
+	if l.w4 != nil {
+		m.weights += l.w4.Bytes()
+	}
 	for _, p := range parts {
 		var b Buf
 		if p.bias != nil {
-			var err error
 			if b, err = m.upload16(p.bias); err != nil {
 				return nil, fmt.Errorf("%s bias: %w", p.name, err)
 			}
@@ -456,6 +455,20 @@ func (m *Model) run(l *gpuLinear, A Buf, M int, a *acts, f32 bool, C ...Buf) err
 		}
 	}
 	return err
+}
+
+// runParts runs layers reading the same input A: as their joined GEMM
+// when there is one, else one after another; outs[i] is part i's output.
+func (m *Model) runParts(joined *gpuLinear, parts []*gpuLinear, A Buf, M int, a *acts, outs ...Buf) error {
+	if joined != nil {
+		return m.run(joined, A, M, a, false, outs...)
+	}
+	for i, l := range parts {
+		if err := m.run(l, A, M, a, false, outs[i]); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // acts are the buffers of a forward pass over up to rows rows.
@@ -739,30 +752,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		if l == 0 {
 			delta = Buf{}
 		}
-		qkv := []func() error{ // one joined GEMM or three
-			func() error { return m.run(b.qkv, a.h, T, a, false, a.q, a.k, a.v) },
-		}
-		if b.qkv == nil {
-			qkv = []func() error{
-				func() error { return m.run(b.q, a.h, T, a, false, a.q) },
-				func() error { return m.run(b.k, a.h, T, a, false, a.k) },
-				func() error { return m.run(b.v, a.h, T, a, false, a.v) },
-			}
-		}
-		gateUp := []func() error{
-			func() error { return m.run(b.gateUp, a.h, T, a, false, a.g, a.u) },
-		}
-		if b.gateUp == nil {
-			gateUp = []func() error{
-				func() error { return m.run(b.gate, a.h, T, a, false, a.g) },
-				func() error { return m.run(b.up, a.h, T, a, false, a.u) },
-			}
-		}
 		steps := []func() error{
 			func() error { return x.RMSNorm(a.x, delta, Buf{}, b.norms.attn, a.h, T, H, eps) },
-		}
-		steps = append(steps, qkv...)
-		steps = append(steps,
+			func() error { return m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v) },
 			func() error {
 				return x.QKRoPEStore(a.q, a.k, a.v, b.norms.q, b.norms.k, eps, a.meta, m.cos, m.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
 			},
@@ -774,12 +766,10 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			},
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
 			func() error { return x.RMSNorm(a.x, a.delta, Buf{}, b.norms.mlp, a.h, T, H, eps) },
-		)
-		steps = append(steps, gateUp...)
-		steps = append(steps,
+			func() error { return m.runParts(b.gateUp, []*gpuLinear{b.gate, b.up}, a.h, T, a, a.g, a.u) },
 			func() error { return x.SiLUMul(a.g, a.u, T*c.Intermediate) },
 			func() error { return m.run(b.down, a.g, T, a, false, a.delta) },
-		)
+		}
 		for _, f := range steps {
 			if err := f(); err != nil {
 				return fmt.Errorf("layer %d: %w", l, err)

@@ -163,20 +163,14 @@ func (g *GPUWeights) Dequantize() []float32 {
 // runtime runs them as one GEMM: the kernel's column tiles are
 // independent, so B is their B arrays one after another, and each
 // group's scales and zeros are theirs in the same order. The layers must
-// agree on K, the group size and the act-order permutation.
+// pass CanConcatGPU.
 func ConcatGPU(ws ...*GPUWeights) (*GPUWeights, error) {
-	if len(ws) == 0 {
-		return nil, fmt.Errorf("ConcatGPU: no layers")
+	if err := CanConcatGPU(ws...); err != nil {
+		return nil, err
 	}
 	first := ws[0]
 	out := &GPUWeights{K: first.K, Group: first.Group, Perm: first.Perm}
-	for i, w := range ws {
-		if w.K != first.K || w.Group != first.Group {
-			return nil, fmt.Errorf("ConcatGPU: layer %d has in %d, group %d; layer 0 has in %d, group %d", i, w.K, w.Group, first.K, first.Group)
-		}
-		if !slices.Equal(w.Perm, first.Perm) {
-			return nil, fmt.Errorf("ConcatGPU: layer %d's act-order permutation differs from layer 0's", i)
-		}
+	for _, w := range ws {
 		out.N += w.N
 		out.B = append(out.B, w.B...)
 	}
@@ -189,4 +183,22 @@ func ConcatGPU(ws ...*GPUWeights) (*GPUWeights, error) {
 		}
 	}
 	return out, nil
+}
+
+// CanConcatGPU says why ConcatGPU cannot join ws, or nil: the layers must
+// agree on K, the group size and the act-order permutation.
+func CanConcatGPU(ws ...*GPUWeights) error {
+	if len(ws) == 0 {
+		return fmt.Errorf("ConcatGPU: no layers")
+	}
+	first := ws[0]
+	for i, w := range ws {
+		if w.K != first.K || w.Group != first.Group {
+			return fmt.Errorf("ConcatGPU: layer %d has in %d, group %d; layer 0 has in %d, group %d", i, w.K, w.Group, first.K, first.Group)
+		}
+		if !slices.Equal(w.Perm, first.Perm) {
+			return fmt.Errorf("ConcatGPU: layer %d's act-order permutation differs from layer 0's", i)
+		}
+	}
+	return nil
 }
