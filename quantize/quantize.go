@@ -446,7 +446,7 @@ func (d *driver) closeGPU() error {
 		return nil
 	}
 	for k, v := range d.cal.Busy {
-		d.rep.Timing[k] += v
+		d.addTime(k, v)
 	}
 	peak, err := d.cal.PeakBytes()
 	d.rep.PeakGPUBytes = max(d.rep.PeakGPUBytes, peak)
