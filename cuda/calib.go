@@ -57,6 +57,7 @@ type Calibrator struct {
 type calibBlock struct {
 	norms blockNorms
 	lin   map[string]*calibLinear // by checkpoint name relative to the block
+	attn  AttnOptions             // the layer's sliding window
 }
 
 type calibLinear struct {
@@ -205,6 +206,7 @@ func (c *Calibrator) SetBlock(b *llm.Block) error {
 		if err := c.blk.norms.upload(b, func(w []float32) (Buf, error) { return AllocFrom(c.x, w) }); err != nil {
 			return err
 		}
+		c.blk.attn = attnOptions(c.cfg, b.Layer)
 		var err error
 		c.blk.lin = map[string]*calibLinear{}
 		for _, nl := range b.Linears() {
@@ -299,10 +301,12 @@ func (c *Calibrator) attentionTo(out Buf, rows int) error {
 		if rows%c.T != 0 {
 			return fmt.Errorf("attention over %d rows: not whole windows of %d", rows, c.T)
 		}
-		steps = append(steps, func() error { return x.AttentionCausal(c.q, c.k, c.v, out, rows/c.T, c.T, cfg.Heads, cfg.KVHeads, hd) })
+		steps = append(steps, func() error {
+			return x.AttentionCausal(c.q, c.k, c.v, out, rows/c.T, c.T, cfg.Heads, cfg.KVHeads, hd, c.blk.attn)
+		})
 	} else {
 		steps = append(steps, func() error {
-			return x.Attention(c.q, out, c.attnWS, c.meta, 0, 1, rows, cfg.Heads, cfg.KVHeads, hd, c.T)
+			return x.Attention(c.q, out, c.attnWS, c.meta, 0, 1, rows, cfg.Heads, cfg.KVHeads, hd, c.T, c.blk.attn)
 		})
 	}
 	for _, f := range steps {

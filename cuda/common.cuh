@@ -90,7 +90,7 @@ int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_n
 size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
               const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-              int hd, int max_keys);
+              int hd, int max_keys, int window, float scale);
 int silu_mul(llmq_ctx* c, void* g, const void* u, size_t n);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
@@ -114,5 +114,5 @@ int awq_clip(llmq_ctx* c, const float* W, const float* s, const float* H, float*
 void destroy_cusolver(llmq_ctx* c);
 // flash.cu
 int attention_causal(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
-                     int kv_heads, int hd);
+                     int kv_heads, int hd, int window, float scale);
 }  // namespace llmq

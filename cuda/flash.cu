@@ -44,7 +44,7 @@ __device__ __forceinline__ uint32_t pack_halves(half lo, half hi) {
 template <int HD>
 __global__ void __launch_bounds__(128) attention_causal_kernel(const half* __restrict__ q, const half* __restrict__ k,
                                                                const half* __restrict__ v, half* __restrict__ out, int T,
-                                                               int heads, int kv_heads, float scale_log2) {
+                                                               int heads, int kv_heads, float scale_log2, int window) {
   constexpr int kPad = HD + 8;  // a padded shared row: lanes of a quad hit different banks
   __shared__ __align__(16) half Ks[kTile * kPad];
   __shared__ __align__(16) half Vs[kTile * kPad];
@@ -78,7 +78,10 @@ __global__ void __launch_bounds__(128) attention_causal_kernel(const half* __res
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
   const int last = min(T - 1, (int)blockIdx.x * kTile + kTile - 1);  // the block's last query position
-  for (int k0 = 0; k0 <= last; k0 += kTile) {
+  // A sliding window W: the block's first row sees keys from its position
+  // − W + 1 on, so whole tiles before that are skipped.
+  const int first = window > 0 ? max(0, (int)blockIdx.x * kTile - window + 1) / kTile * kTile : 0;
+  for (int k0 = first; k0 <= last; k0 += kTile) {
     __syncthreads();  // every warp is done with the previous tiles
     for (int i = threadIdx.x; i < kTile * HD / 8; i += blockDim.x) {
       const int r = i / (HD / 8), c8 = (i % (HD / 8)) * 8, p = k0 + r;
@@ -105,15 +108,16 @@ __global__ void __launch_bounds__(128) attention_causal_kernel(const half* __res
         mma16816(s[j], qf[ks], *reinterpret_cast<const uint32_t*>(kr), *reinterpret_cast<const uint32_t*>(kr + 8));
       }
     }
-    // Causal mask, scale (to base 2), and the rows' new maxima; a quad's
-    // four lanes hold one row between them.
+    // Causal (and sliding-window) mask, scale (to base 2), and the rows'
+    // new maxima; a quad's four lanes hold one row between them.
     float mnew[2] = {m[0], m[1]};
 #pragma unroll
     for (int j = 0; j < kTile / 8; j++) {
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int key = k0 + j * 8 + 2 * t + (e & 1), qp = q0 + g + 8 * (e >> 1);
-        const float x = key > qp ? -INFINITY : s[j][e] * scale_log2;
+        const bool hidden = key > qp || (window > 0 && key <= qp - window);
+        const float x = hidden ? -INFINITY : s[j][e] * scale_log2;
         s[j][e] = x;
         mnew[e >> 1] = fmaxf(mnew[e >> 1], x);
       }
@@ -180,11 +184,11 @@ __global__ void __launch_bounds__(128) attention_causal_kernel(const half* __res
 
 template <int HD>
 int launch_causal(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
-                  int kv_heads) {
+                  int kv_heads, int window, float scale) {
   const dim3 grid((T + kTile - 1) / kTile, heads, windows);
-  const float scale_log2 = 1.4426950408889634f / sqrtf((float)HD);
+  const float scale_log2 = 1.4426950408889634f * (scale > 0 ? scale : 1.f / sqrtf((float)HD));
   attention_causal_kernel<HD><<<grid, 128, 0, c->stream>>>((const half*)q, (const half*)k, (const half*)v, (half*)out, T,
-                                                           heads, kv_heads, scale_log2);
+                                                           heads, kv_heads, scale_log2, window);
   CK_LAUNCH("attention_causal_kernel");
   return 0;
 }
@@ -192,18 +196,20 @@ int launch_causal(llmq_ctx* c, const void* q, const void* k, const void* v, void
 }  // namespace
 
 int attention_causal(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
-                     int kv_heads, int hd) {
-  if (windows <= 0 || windows > 65535 || T <= 0 || heads <= 0 || heads > 65535 || kv_heads <= 0 || heads % kv_heads) {
-    set_error(c, "attention_causal: %d windows of %d rows, heads %d, kv_heads %d", windows, T, heads, kv_heads);
+                     int kv_heads, int hd, int window, float scale) {
+  if (windows <= 0 || windows > 65535 || T <= 0 || heads <= 0 || heads > 65535 || kv_heads <= 0 || heads % kv_heads ||
+      window < 0) {
+    set_error(c, "attention_causal: %d windows of %d rows, heads %d, kv_heads %d, sliding window %d", windows, T, heads,
+              kv_heads, window);
     return 1;
   }
   switch (hd) {
     case 32:
-      return launch_causal<32>(c, q, k, v, out, windows, T, heads, kv_heads);
+      return launch_causal<32>(c, q, k, v, out, windows, T, heads, kv_heads, window, scale);
     case 64:
-      return launch_causal<64>(c, q, k, v, out, windows, T, heads, kv_heads);
+      return launch_causal<64>(c, q, k, v, out, windows, T, heads, kv_heads, window, scale);
     case 128:
-      return launch_causal<128>(c, q, k, v, out, windows, T, heads, kv_heads);
+      return launch_causal<128>(c, q, k, v, out, windows, T, heads, kv_heads, window, scale);
   }
   set_error(c, "attention_causal: head_dim %d (the kernel takes 32, 64 and 128)", hd);
   return 1;

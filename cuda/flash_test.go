@@ -13,13 +13,19 @@ import (
 // TestAttentionCausalMatchesReference runs the flash kernel on random
 // queries, keys and values and compares with causal softmax attention in
 // float64: window lengths below, at and across the 64-row tile (1, 64,
-// 200), grouped-query heads, every head dimension it takes. The output is
+// 200), grouped-query heads, every head dimension it takes, sliding
+// windows shorter and longer than a tile (whole tiles skipped, partial
+// ones masked) and a score scale other than head_dim^-½. The output is
 // fp16, so the error allowed is fp16's.
 func TestAttentionCausalMatchesReference(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(7, 8))
-	for _, tc := range []struct{ windows, T, heads, kvHeads, hd int }{
-		{2, 200, 4, 2, 64}, {1, 64, 2, 2, 128}, {3, 1, 4, 1, 32}, {2, 130, 8, 2, 128}, {1, 96, 2, 1, 32},
+	for _, tc := range []struct {
+		windows, T, heads, kvHeads, hd, window int
+		scale                                  float32
+	}{
+		{2, 200, 4, 2, 64, 0, 0}, {1, 64, 2, 2, 128, 0, 0}, {3, 1, 4, 1, 32, 0, 0}, {2, 130, 8, 2, 128, 0, 0}, {1, 96, 2, 1, 32, 0, 0},
+		{2, 200, 4, 2, 64, 50, 0}, {1, 300, 2, 1, 128, 100, 0}, {1, 130, 2, 2, 32, 64, 0.0625},
 	} {
 		rows, qd, kvd := tc.windows*tc.T, tc.heads*tc.hd, tc.kvHeads*tc.hd
 		gen := func(n int, sd float64) []float32 {
@@ -40,7 +46,7 @@ func TestAttentionCausalMatchesReference(t *testing.T) {
 		if bufs[3], err = x.Alloc(rows * qd * 2); err != nil {
 			t.Fatal(err)
 		}
-		if err := x.AttentionCausal(bufs[0], bufs[1], bufs[2], bufs[3], tc.windows, tc.T, tc.heads, tc.kvHeads, tc.hd); err != nil {
+		if err := x.AttentionCausal(bufs[0], bufs[1], bufs[2], bufs[3], tc.windows, tc.T, tc.heads, tc.kvHeads, tc.hd, AttnOptions{Window: tc.window, Scale: tc.scale}); err != nil {
 			t.Fatal(err)
 		}
 		got16 := make([]uint16, rows*qd)
@@ -50,6 +56,9 @@ func TestAttentionCausalMatchesReference(t *testing.T) {
 		got := fromF16(got16)
 		var worst float64
 		scale := 1 / math.Sqrt(float64(tc.hd))
+		if tc.scale > 0 {
+			scale = float64(tc.scale)
+		}
 		for w := 0; w < tc.windows; w++ {
 			for p := 0; p < tc.T; p++ {
 				row := w*tc.T + p
@@ -57,7 +66,11 @@ func TestAttentionCausalMatchesReference(t *testing.T) {
 					kh := h / (tc.heads / tc.kvHeads)
 					s := make([]float64, p+1)
 					mx := math.Inf(-1)
-					for j := 0; j <= p; j++ {
+					lo := 0 // keys before a sliding window are not seen
+					if tc.window > 0 {
+						lo = max(0, p-tc.window+1)
+					}
+					for j := lo; j <= p; j++ {
 						var d float64
 						for i := 0; i < tc.hd; i++ {
 							d += float64(q[row*qd+h*tc.hd+i]) * float64(k[(w*tc.T+j)*kvd+kh*tc.hd+i])
@@ -66,13 +79,13 @@ func TestAttentionCausalMatchesReference(t *testing.T) {
 						mx = math.Max(mx, s[j])
 					}
 					var sum float64
-					for j := range s {
+					for j := lo; j <= p; j++ {
 						s[j] = math.Exp(s[j] - mx)
 						sum += s[j]
 					}
 					for i := 0; i < tc.hd; i++ {
 						var o float64
-						for j := range s {
+						for j := lo; j <= p; j++ {
 							o += s[j] * float64(v[(w*tc.T+j)*kvd+kh*tc.hd+i])
 						}
 						o /= sum

@@ -114,9 +114,9 @@ static int c_qk_rope_store(A a, llmq_ctx* c, P q, P k, P v, P qn, P kn, float ep
 }
 static size_t c_attn_ws(A a, int T, int heads, int hd, int maxk) { return a->attention_workspace_bytes(T, heads, hd, maxk); }
 static int c_attention(A a, llmq_ctx* c, P q, P out, P ws, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads,
-		int kvh, int hd, int maxk) {
+		int kvh, int hd, int maxk, int window, float scale) {
 	return a->attention(c, (const void*)q, (void*)out, (void*)ws, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base,
-		(const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk);
+		(const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk, window, scale);
 }
 static int c_silu_mul(A a, llmq_ctx* c, P g, P u, size_t n) { return a->silu_mul(c, (void*)g, (const void*)u, n); }
 static int c_nll(A a, llmq_ctx* c, P logits, P targets, P nll, int T, int V) {
@@ -152,8 +152,10 @@ static int c_awq_clip(A a, llmq_ctx* c, P W, P s, P H, P D, P Pm, P err, P best,
 	return a->awq_clip(c, (const float*)W, (const float*)s, (const float*)H, (float*)D, (float*)Pm, (double*)err, (float*)best,
 		out, in, group, bits, sym, minmax, n);
 }
-static int c_attention_causal(A a, llmq_ctx* c, P q, P k, P v, P out, int windows, int T, int heads, int kvh, int hd) {
-	return a->attention_causal(c, (const void*)q, (const void*)k, (const void*)v, (void*)out, windows, T, heads, kvh, hd);
+static int c_attention_causal(A a, llmq_ctx* c, P q, P k, P v, P out, int windows, int T, int heads, int kvh, int hd,
+		int window, float scale) {
+	return a->attention_causal(c, (const void*)q, (const void*)k, (const void*)v, (void*)out, windows, T, heads, kvh, hd,
+		window, scale);
 }
 */
 import "C"
@@ -627,11 +629,21 @@ func (l *Lib) AttentionWorkspaceBytes(T, heads, hd, maxKeys int) int {
 
 // Attention writes causal attention over each row's cache to out; ws
 // holds AttentionWorkspaceBytes bytes.
-func (x *Context) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, kvHeads, hd, maxKeys int) error {
+func (x *Context) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, kvHeads, hd, maxKeys int, o AttnOptions) error {
 	return x.do("attention", func() C.int {
 		return C.c_attention(x.lib.api, x.c, q.p, out.p, ws.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
-			C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys))
+			C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys),
+			C.int(o.Window), C.float(o.Scale))
 	})
+}
+
+// AttnOptions are a layer's attention settings beside the shapes: Window
+// > 0 limits a row at position p to keys p−Window+1 … p (Mistral's sliding
+// window, Gemma's sliding layers); Scale multiplies q·k (0: head_dim^-½;
+// Gemma: query_pre_attn_scalar^-½).
+type AttnOptions struct {
+	Window int
+	Scale  float32
 }
 
 // SiLUMul does g = SiLU(g)·u over n fp16 values.
@@ -754,8 +766,9 @@ func CausalHeadDims(hd int) bool { return hd == 32 || hd == 64 || hd == 128 }
 // AttentionCausal writes causal self-attention within windows of T
 // consecutive rows (flash.cu): q, out [windows·T][heads·hd], k, v
 // [windows·T][kvHeads·hd], fp16 with RoPE applied.
-func (x *Context) AttentionCausal(q, k, v, out Buf, windows, T, heads, kvHeads, hd int) error {
+func (x *Context) AttentionCausal(q, k, v, out Buf, windows, T, heads, kvHeads, hd int, o AttnOptions) error {
 	return x.do("attention_causal", func() C.int {
-		return C.c_attention_causal(x.lib.api, x.c, q.p, k.p, v.p, out.p, C.int(windows), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd))
+		return C.c_attention_causal(x.lib.api, x.c, q.p, k.p, v.p, out.p, C.int(windows), C.int(T), C.int(heads), C.int(kvHeads),
+			C.int(hd), C.int(o.Window), C.float(o.Scale))
 	})
 }

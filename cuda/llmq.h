@@ -145,11 +145,13 @@ typedef struct {
                        const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads, int kv_heads,
                        int hd);
   /* max_keys bounds row_pos+1 over the rows; workspace holds
-   * attention_workspace_bytes(T, heads, hd, max_keys) bytes. */
+   * attention_workspace_bytes(T, heads, hd, max_keys) bytes. window > 0:
+   * a row at position p sees keys p−window+1 … p (a sliding window), 0:
+   * all of 0 … p. scale multiplies q·k (0: head_dim^-½). */
   size_t (*attention_workspace_bytes)(int T, int heads, int hd, int max_keys);
   int (*attention)(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-                   int hd, int max_keys);
+                   int hd, int max_keys, int window, float scale);
   int (*silu_mul)(llmq_ctx* c, void* g, const void* u, size_t n);
   int (*nll)(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
   /* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
@@ -201,9 +203,11 @@ typedef struct {
 
   /* Causal self-attention within windows of T consecutive rows (flash.cu):
    * row w·T + p attends to rows w·T … w·T + p. q, out [windows·T][heads·hd],
-   * k, v [windows·T][kv_heads·hd], fp16, RoPE applied; hd 32, 64 or 128. */
+   * k, v [windows·T][kv_heads·hd], fp16, RoPE applied; hd 32, 64 or 128;
+   * window and scale as for attention (a sliding window counts rows of
+   * the same window only). */
   int (*attention_causal)(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
-                          int kv_heads, int hd);
+                          int kv_heads, int hd, int window, float scale);
 } llmq_api;
 
 /* The library's one exported symbol. */

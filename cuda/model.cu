@@ -159,7 +159,8 @@ __global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k,
 // chunk's running max m, sum l = Σ exp(s − m) and unnormalised output
 // Σ exp(s − m)·v; attention_combine merges the chunks. Decoding (few rows,
 // long contexts) gets many blocks per head this way; prefill uses one
-// chunk per row.
+// chunk per row. With a sliding window W (Mistral's, Gemma's sliding
+// layers) a row sees only its last W keys.
 //
 // In a block, each warp scores keys (lanes over the head dimension, the
 // query in shared memory), then each warp accumulates the output of its
@@ -174,11 +175,12 @@ constexpr int kDecodeChunk = 64;    // keys per block when decoding
 __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                                  const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                                  const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads,
-                                 int hd, float scale, int chunk) {
+                                 int hd, float scale, int chunk, int window) {
   extern __shared__ float smem[];  // [hd] query, [chunk] scores, [4][hd] warp outputs
   __shared__ float red[32];
   const int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
-  const int j0 = c * chunk, j1 = min(n, j0 + chunk);
+  // A sliding window W sees keys n−W … n−1; chunks before it are empty.
+  const int j0 = max(c * chunk, window > 0 ? n - window : 0), j1 = min(n, c * chunk + chunk);
   float* out = part + (((size_t)t * heads + h) * gridDim.z + c) * (hd + 2);
   if (j0 >= j1) {  // beyond this row's keys: an empty chunk
     if (threadIdx.x == 0) out[hd] = -INFINITY, out[hd + 1] = 0.f;
@@ -361,10 +363,10 @@ size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
 
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-                   int hd, int max_keys) {
-  if (heads % kv_heads || hd % 2 || hd > 32 * kMaxDimsPerLane) {
-    set_error(c, "attention: heads %d must be a multiple of kv_heads %d, head_dim %d even and at most %d", heads,
-                    kv_heads, hd, 32 * kMaxDimsPerLane);
+                   int hd, int max_keys, int window, float scale) {
+  if (heads % kv_heads || hd % 2 || hd > 32 * kMaxDimsPerLane || window < 0) {
+    set_error(c, "attention: heads %d must be a multiple of kv_heads %d, head_dim %d even and at most %d, window %d ≥ 0",
+              heads, kv_heads, hd, 32 * kMaxDimsPerLane, window);
     return 1;
   }
   // Few rows (decoding): chunks of 64 keys spread a head over many
@@ -378,7 +380,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   }
   attention_kernel<<<dim3(T, heads, chunks), 128, smem, c->stream>>>(
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
-      1.f / sqrtf((float)hd), chunk);
+      scale > 0 ? scale : 1.f / sqrtf((float)hd), chunk, window);
   CK_LAUNCH("attention_kernel");
   attention_combine<<<dim3(T, heads), 128, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
   CK_LAUNCH("attention_combine");

@@ -760,9 +760,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			},
 			func() error {
 				if windows > 0 {
-					return x.AttentionCausal(a.q, a.k, a.v, a.att, windows, T/windows, c.Heads, c.KVHeads, hd)
+					return x.AttentionCausal(a.q, a.k, a.v, a.att, windows, T/windows, c.Heads, c.KVHeads, hd, attnOptions(c, l))
 				}
-				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys)
+				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys, attnOptions(c, l))
 			},
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
 			func() error { return x.RMSNorm(a.x, a.delta, Buf{}, b.norms.mlp, a.h, T, H, eps) },
@@ -1127,13 +1127,19 @@ func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) {
 // the Qwen3-MoE, Mixtral and Gemma 3 architectures (mixtures of experts,
 // Gemma's norms, scales and per-layer windows); the CPU backend runs them
 // all.
+// attnOptions are layer l's sliding window and score scale.
+func attnOptions(c *checkpoint.Config, l int) AttnOptions {
+	o := AttnOptions{Window: c.Window(l)}
+	if c.QueryPreAttnScalar > 0 {
+		o.Scale = float32(1 / math.Sqrt(c.QueryPreAttnScalar))
+	}
+	return o
+}
+
 func Supports(c *checkpoint.Config) error {
 	switch c.Architecture {
 	case "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration":
 		return fmt.Errorf("%s: the GPU backend does not run this architecture yet (--device cpu runs it)", c.Architecture)
-	}
-	if c.SlidingWindow > 0 {
-		return fmt.Errorf("sliding_window %d: the GPU backend runs full attention only (--device cpu runs the window)", c.SlidingWindow)
 	}
 	return nil
 }

@@ -71,12 +71,13 @@ func TestModelLogits(t *testing.T) {
 }
 
 // The architecture zoo's families the GPU runs (Qwen2's biases, Mistral's
-// head_dim 48, Llama-3.1's RoPE scaling, Qwen3's q/k norms) against
+// head_dim 48 and its sliding window of 64 over 126 positions, Llama-3.1's
+// RoPE scaling, Qwen3's q/k norms) against
 // transformers' fp32 logits, as TestModelLogits; then the last 8 positions
 // again as decode steps after a prefill of the rest (the cache attention
 // and the decode graphs), against the full pass.
 func TestZooLogitsOnGPU(t *testing.T) {
-	for _, name := range []string{"qwen2-rand", "mistral-rand", "llama31-rand", "qwen3-rand"} {
+	for _, name := range []string{"qwen2-rand", "mistral-rand", "mistral-swa-rand", "llama31-rand", "qwen3-rand"} {
 		t.Run(name, func(t *testing.T) {
 			_, gpu := loadBoth(t, "archzoo/"+name)
 			ids := shared.Int32s(t, "reference/"+name+".logits.input.i32")
