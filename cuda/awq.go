@@ -133,7 +133,7 @@ func (c *Calibrator) AWQCollect(ctx context.Context, windows, stride int) (*AWQF
 				func() error { return take(InGateUp, c.h, r0, n) },
 				func() error { return c.linear("mlp.gate_proj", c.h, act, n) },
 				func() error { return c.linear("mlp.up_proj", c.h, c.u, n) },
-				func() error { return c.x.SiLUMul(act, c.u, n*I) },
+				func() error { return c.x.GatedAct(act, c.u, n*I, c.cfg.Act) },
 				func() error { return take(InDown, act, r0, n) },
 				func() error { return c.linear("mlp.down_proj", act, orgM, n) },
 			} {
@@ -187,7 +187,7 @@ func (c *Calibrator) mlpInput(r0, n int, attn Buf) error {
 	if err := c.x.Copy(c.xtmp, c.xrows(r0), n*c.cfg.Hidden*4); err != nil {
 		return err
 	}
-	return c.x.RMSNorm(c.xtmp, attn, Buf{}, c.blk.norms.mlp, c.h, n, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(c.xtmp, attn, Buf{}, Buf{}, c.blk.norms.mlp, c.h, n, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // FreeAWQ releases what AWQCollect kept.

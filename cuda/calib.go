@@ -72,6 +72,9 @@ func NewCalibrator(lib *Lib, cfg *checkpoint.Config, X [][]float32, seqLen int) 
 	if err := Supports(cfg); err != nil {
 		return nil, err
 	}
+	if cfg.SandwichNorm {
+		return nil, fmt.Errorf("%s: the GPU calibrator does not run Gemma 3's sandwich norms yet (--device cpu quantizes it)", cfg.Architecture)
+	}
 	if len(X) == 0 || seqLen <= 0 {
 		return nil, fmt.Errorf("no calibration windows")
 	}
@@ -277,7 +280,7 @@ func (c *Calibrator) xrows(r0 int) Buf { return c.X.Offset(r0 * c.cfg.Hidden * 4
 
 // attnNorm: h = RMSNorm(X rows)·attn_norm.
 func (c *Calibrator) attnNorm(r0, rows int) error {
-	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, c.blk.norms.attn, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, Buf{}, c.blk.norms.attn, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // attention: from h, the attention output (before o_proj) into attAll's rows.
@@ -326,7 +329,7 @@ func (c *Calibrator) mlpNorm(xs Buf, r0, rows int) error {
 	if err := c.linear("self_attn.o_proj", c.attRows(r0), c.delta, rows); err != nil {
 		return err
 	}
-	return c.x.RMSNorm(xs, c.delta, Buf{}, c.blk.norms.mlp, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(xs, c.delta, Buf{}, Buf{}, c.blk.norms.mlp, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // mlpAct: g = SiLU(gate_proj(h))·up_proj(h).
@@ -337,7 +340,7 @@ func (c *Calibrator) mlpAct(rows int) error {
 	if err := c.linear("mlp.up_proj", c.h, c.u, rows); err != nil {
 		return err
 	}
-	return c.x.SiLUMul(c.g, c.u, rows*c.cfg.Intermediate)
+	return c.x.GatedAct(c.g, c.u, rows*c.cfg.Intermediate, c.cfg.Act)
 }
 
 // addDown: xs += down_proj(g).
@@ -458,7 +461,7 @@ func (c *Calibrator) MLPInput(ctx context.Context, h *Hessian) error {
 
 // mlpIn: h = RMSNorm(X rows)·mlp_norm (X holding the attention residual).
 func (c *Calibrator) mlpIn(r0, rows int) error {
-	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, c.blk.norms.mlp, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
+	return c.x.RMSNorm(c.xrows(r0), Buf{}, Buf{}, Buf{}, c.blk.norms.mlp, c.h, rows, c.cfg.Hidden, float32(c.cfg.RMSNormEps))
 }
 
 // MLPAct accumulates the Hessian of down's input.

@@ -79,9 +79,9 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
 int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 // model.cu
-int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H);
-int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H,
-            float eps);
+int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w, void* out,
+            int n, int H, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
 int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
@@ -91,7 +91,7 @@ size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
               const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
               int hd, int max_keys, int window, float scale);
-int silu_mul(llmq_ctx* c, void* g, const void* u, size_t n);
+int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu

@@ -98,11 +98,11 @@ static int c_gemm_f16(A a, llmq_ctx* c, P A_, P W, P C, int M, int N, int K) {
 	return a->gemm_f16(c, (const void*)A_, (const void*)W, (void*)C, M, N, K);
 }
 static int c_probe(A a, llmq_ctx* c, P p, size_t n, P out) { return a->read_probe(c, (const void*)p, n, (void*)out); }
-static int c_embed(A a, llmq_ctx* c, P ids, P E, P x, int T, int H) {
-	return a->embed(c, (const int32_t*)ids, (const void*)E, (float*)x, T, H);
+static int c_embed(A a, llmq_ctx* c, P ids, P E, P x, int T, int H, float scale) {
+	return a->embed(c, (const int32_t*)ids, (const void*)E, (float*)x, T, H, scale);
 }
-static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P rows, P w, P out, int n, int H, float eps) {
-	return a->rmsnorm(c, (float*)x, (const void*)d, (const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
+static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P dn, P rows, P w, P out, int n, int H, float eps) {
+	return a->rmsnorm(c, (float*)x, (const void*)d, (const float*)dn, (const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
 }
 static int c_add(A a, llmq_ctx* c, P x, P d, size_t n) { return a->add(c, (float*)x, (const void*)d, n); }
 static int c_bias(A a, llmq_ctx* c, P y, P b, int T, int N) { return a->add_bias(c, (void*)y, (const void*)b, T, N); }
@@ -118,7 +118,7 @@ static int c_attention(A a, llmq_ctx* c, P q, P out, P ws, P rs, P rp, P base, P
 	return a->attention(c, (const void*)q, (void*)out, (void*)ws, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base,
 		(const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk, window, scale);
 }
-static int c_silu_mul(A a, llmq_ctx* c, P g, P u, size_t n) { return a->silu_mul(c, (void*)g, (const void*)u, n); }
+static int c_gated_act(A a, llmq_ctx* c, P g, P u, size_t n, int act) { return a->gated_act(c, (void*)g, (const void*)u, n, act); }
 static int c_nll(A a, llmq_ctx* c, P logits, P targets, P nll, int T, int V) {
 	return a->nll(c, (const float*)logits, (const int32_t*)targets, (float*)nll, T, V);
 }
@@ -580,16 +580,20 @@ func (x *Context) DestroyGraph(g Graph) error {
 
 // The model kernels (model.cu); see llmq.h for their contracts.
 
-// Embed gathers fp16 embedding rows E[ids[t]] into the fp32 rows x.
-func (x *Context) Embed(ids, E, xs Buf, T, H int) error {
-	return x.do("embed", func() C.int { return C.c_embed(x.lib.api, x.c, ids.p, E.p, xs.p, C.int(T), C.int(H)) })
+// Embed gathers fp16 embedding rows E[ids[t]] into the fp32 rows x,
+// times scale (0: 1; Gemma 3: √hidden).
+func (x *Context) Embed(ids, E, xs Buf, T, H int, scale float32) error {
+	return x.do("embed", func() C.int {
+		return C.c_embed(x.lib.api, x.c, ids.p, E.p, xs.p, C.int(T), C.int(H), C.float(scale))
+	})
 }
 
-// RMSNorm: with rows unset, x += delta (when set) and out = RMSNorm(x)·w
+// RMSNorm: with rows unset, x += delta (when set; with deltaNorm set, x +=
+// RMSNorm(delta)·deltaNorm, Gemma 3's post norms) and out = RMSNorm(x)·w
 // over n rows; with rows, out row i = RMSNorm(x[rows[i]])·w.
-func (x *Context) RMSNorm(xs, delta, rows, w, out Buf, n, H int, eps float32) error {
+func (x *Context) RMSNorm(xs, delta, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
 	return x.do("rmsnorm", func() C.int {
-		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, rows.p, w.p, out.p, C.int(n), C.int(H), C.float(eps))
+		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, deltaNorm.p, rows.p, w.p, out.p, C.int(n), C.int(H), C.float(eps))
 	})
 }
 
@@ -646,9 +650,14 @@ type AttnOptions struct {
 	Scale  float32
 }
 
-// SiLUMul does g = SiLU(g)·u over n fp16 values.
-func (x *Context) SiLUMul(g, u Buf, n int) error {
-	return x.do("silu_mul", func() C.int { return C.c_silu_mul(x.lib.api, x.c, g.p, u.p, C.size_t(n)) })
+// GatedAct does g = act(g)·u over n fp16 values, act a config.json
+// hidden_act: SiLU (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU).
+func (x *Context) GatedAct(g, u Buf, n int, act string) error {
+	code := 0
+	if act == "gelu_pytorch_tanh" {
+		code = 1
+	}
+	return x.do("gated_act", func() C.int { return C.c_gated_act(x.lib.api, x.c, g.p, u.p, C.size_t(n), C.int(code)) })
 }
 
 // NLL writes −log softmax(logits row t)[targets[t]] for T fp32 rows of V.

@@ -127,11 +127,14 @@ typedef struct {
   /* Reads bytes of p once (bandwidth probe); out is a 4-byte scratch. */
   int (*read_probe)(llmq_ctx* c, const void* p, size_t bytes, void* out);
 
-  int (*embed)(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H);
-  /* rows NULL: x += delta (if not NULL), out = RMSNorm(x)·w over n rows;
-   * otherwise out row i = RMSNorm(x[rows[i]])·w. */
-  int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H,
-                 float eps);
+  /* x[t] = E[ids[t]]·scale (0: 1; Gemma: √hidden). */
+  int (*embed)(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
+  /* rows NULL: x += delta (if not NULL; with delta_norm, fp32 [H], x +=
+   * RMSNorm(delta)·delta_norm: Gemma 3's post-attention and
+   * post-feedforward norms), out = RMSNorm(x)·w over n rows; otherwise
+   * out row i = RMSNorm(x[rows[i]])·w. */
+  int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w,
+                 void* out, int n, int H, float eps);
   int (*add)(llmq_ctx* c, float* x, const void* delta, size_t n);
   int (*add_bias)(llmq_ctx* c, void* y, const void* b, int T, int N);
   /* q [T][heads·hd] and k [T][kv_heads·hd] fp16, in place: per-head
@@ -152,7 +155,8 @@ typedef struct {
   int (*attention)(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
                    int hd, int max_keys, int window, float scale);
-  int (*silu_mul)(llmq_ctx* c, void* g, const void* u, size_t n);
+  /* g = act(g)·u over n fp16 values: act 0 SiLU, 1 GELU (tanh approximation). */
+  int (*gated_act)(llmq_ctx* c, void* g, const void* u, size_t n, int act);
   int (*nll)(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
   /* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
   int (*gemm_nt)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);

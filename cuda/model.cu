@@ -49,24 +49,37 @@ __device__ float block_max(float v, float* red) {
   return warp_max(v);
 }
 
-__global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __restrict__ E, float* __restrict__ x, int H) {
+__global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __restrict__ E, float* __restrict__ x, int H,
+                             float scale) {
   const half* e = E + (size_t)ids[blockIdx.x] * H;
   float* o = x + (size_t)blockIdx.x * H;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __half2float(e[i]);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __half2float(e[i]) * scale;
 }
 
 // rmsnorm_kernel: one block per output row. Without rows: x += delta (if
-// any), out = RMSNorm(x)·w. With rows: out row i = RMSNorm(x[rows[i]])·w.
-__global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const int32_t* __restrict__ rows,
-                               const float* __restrict__ w, half* __restrict__ out, int H, float eps) {
+// any; Gemma 3's sandwich norms: x += RMSNorm(delta)·dw when dw is given),
+// out = RMSNorm(x)·w. With rows: out row i = RMSNorm(x[rows[i]])·w.
+__global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
+                               const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
+                               int H, float eps) {
   __shared__ float red[32];
   const int r = rows ? rows[blockIdx.x] : blockIdx.x;
   float* xr = x + (size_t)r * H;
+  const half* dr = delta ? delta + (size_t)r * H : nullptr;
+  float dinv = 1.f;
+  if (dr && dw) {
+    float ds = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+      const float d = __half2float(dr[i]);
+      ds += d * d;
+    }
+    dinv = rsqrtf(block_sum(ds, red) / H + eps);
+  }
   float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     float v = xr[i];
-    if (delta) {
-      v += __half2float(delta[(size_t)r * H + i]);
+    if (dr) {
+      v += dw ? __half2float(dr[i]) * dinv * dw[i] : __half2float(dr[i]);
       xr[i] = v;
     }
     ss += v * v;
@@ -288,11 +301,15 @@ __global__ void attention_combine(const float* __restrict__ part, half* __restri
   }
 }
 
-__global__ void silu_mul_kernel(half* __restrict__ g, const half* __restrict__ u, size_t n) {
+// gated_act_kernel: g = act(g)·u — SiLU (SwiGLU), or GELU with the tanh
+// approximation (Gemma's GeGLU, act 1).
+__global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ u, size_t n, int act) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const float a = __half2float(g[i]);
-  g[i] = __float2half(a / (1.f + __expf(-a)) * __half2float(u[i]));
+  const float y = act == 1 ? 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)))
+                           : a / (1.f + __expf(-a));
+  g[i] = __float2half(y * __half2float(u[i]));
 }
 
 // nll_kernel: one block per row: −log softmax(logits)[target].
@@ -315,14 +332,15 @@ inline unsigned blocks(size_t n, int per) { return (unsigned)((n + per - 1) / pe
 
 namespace llmq {
 
-int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H) {
-  embed_kernel<<<T, 256, 0, c->stream>>>(ids, (const half*)E, x, H);
+int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale) {
+  embed_kernel<<<T, 256, 0, c->stream>>>(ids, (const half*)E, x, H, scale > 0 ? scale : 1.f);
   CK_LAUNCH("embed_kernel");
   return 0;
 }
 
-int rmsnorm(llmq_ctx* c, float* x, const void* delta, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
-  rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, (const half*)delta, rows, w, (half*)out, H, eps);
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w, void* out,
+            int n, int H, float eps) {
+  rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, (const half*)delta, delta_norm, rows, w, (half*)out, H, eps);
   CK_LAUNCH("rmsnorm_kernel");
   return 0;
 }
@@ -387,9 +405,13 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   return 0;
 }
 
-int silu_mul(llmq_ctx* c, void* g, const void* u, size_t n) {
-  silu_mul_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)g, (const half*)u, n);
-  CK_LAUNCH("silu_mul_kernel");
+int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
+  if (act < 0 || act > 1) {
+    set_error(c, "gated_act: activation %d (0 SiLU, 1 GELU-tanh)", act);
+    return 1;
+  }
+  gated_act_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)g, (const half*)u, n, act);
+  CK_LAUNCH("gated_act_kernel");
   return 0;
 }
 

@@ -46,7 +46,7 @@ type Model struct {
 	embed     Buf // fp16 [vocab][hidden]
 	norm      Buf // fp32 [hidden]
 	lmHead    *gpuLinear
-	cos, sin  Buf // rotary tables [max_position_embeddings][head_dim/2]
+	ropes     []ropeTables // each layer's rotary tables (Gemma 3's sliding layers have their own)
 	scratch   Buf // K·N fp16: large-M W4 layers dequantize here for cuBLAS
 	maxN      int // widest linear (workspace sizing)
 	maxPermK  int // widest act-order input (a_perm sizing)
@@ -76,14 +76,18 @@ const maxGraphs = 48
 // blockNorms are a decoder block's norm weights on the GPU (fp32): the
 // attention's and the MLP's, and Qwen3's per-head q_norm and k_norm (unset
 // in the families without them).
-type blockNorms struct{ attn, mlp, q, k Buf }
+type blockNorms struct{ attn, mlp, q, k, postAttn, postMLP Buf }
+
+// ropeTables are a rotary embedding's tables on the GPU, fp32
+// [max_position_embeddings][head_dim/2].
+type ropeTables struct{ cos, sin Buf }
 
 // upload puts b's norms on the GPU with up.
 func (n *blockNorms) upload(b *llm.Block, up func([]float32) (Buf, error)) error {
 	for _, s := range []struct {
 		dst *Buf
 		w   []float32
-	}{{&n.attn, b.AttnNorm}, {&n.mlp, b.MLPNorm}, {&n.q, b.QNorm}, {&n.k, b.KNorm}} {
+	}{{&n.attn, b.AttnNorm}, {&n.mlp, b.MLPNorm}, {&n.q, b.QNorm}, {&n.k, b.KNorm}, {&n.postAttn, b.PostAttnNorm}, {&n.postMLP, b.PostMLPNorm}} {
 		if s.w == nil {
 			continue
 		}
@@ -96,7 +100,7 @@ func (n *blockNorms) upload(b *llm.Block, up func([]float32) (Buf, error)) error
 }
 
 // bufs are the buffers, unset ones included (Free takes those).
-func (n *blockNorms) bufs() []Buf { return []Buf{n.attn, n.mlp, n.q, n.k} }
+func (n *blockNorms) bufs() []Buf { return []Buf{n.attn, n.mlp, n.q, n.k, n.postAttn, n.postMLP} }
 
 type gpuBlock struct {
 	norms                      blockNorms
@@ -192,12 +196,22 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 			return fmt.Errorf("%s: a 4-bit lm_head is not supported by the GPU backend yet (it runs checkpoints whose lm_head is unquantized)", ck.Dir)
 		}
 	}
-	cos, sin := llm.RopeTables(c, c.MaxPositions)
-	if m.cos, err = m.upload32(cos); err != nil {
-		return err
-	}
-	if m.sin, err = m.upload32(sin); err != nil {
-		return err
+	// The rotary tables, one pair per distinct rotary embedding.
+	byRope := map[checkpoint.Rope]ropeTables{}
+	for l := 0; l < c.Layers; l++ {
+		r := c.LayerRope(l)
+		t, ok := byRope[r]
+		if !ok {
+			cos, sin := llm.RopeTablesOf(r, c.HeadDim, c.MaxPositions)
+			if t.cos, err = m.upload32(cos); err != nil {
+				return err
+			}
+			if t.sin, err = m.upload32(sin); err != nil {
+				return err
+			}
+			byRope[r] = t
+		}
+		m.ropes = append(m.ropes, t)
 	}
 	for i := 0; i < c.Layers; i++ {
 		g := &gpuBlock{}
@@ -736,7 +750,7 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 	c, x := m.cfg, m.x
 	H, hd, L := c.Hidden, c.HeadDim, c.Layers
 	eps := float32(c.RMSNormEps)
-	if err := x.Embed(a.ids, m.embed, a.x, T, H); err != nil {
+	if err := x.Embed(a.ids, m.embed, a.x, T, H, float32(c.EmbedScale)); err != nil {
 		return err
 	}
 	if windows > 0 {
@@ -748,15 +762,20 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 				return err
 			}
 		}
-		delta := a.delta
+		// The previous block's MLP output joins the residual stream here
+		// (through its post-feedforward norm in Gemma 3).
+		delta, deltaNorm := a.delta, Buf{}
 		if l == 0 {
 			delta = Buf{}
+		} else {
+			deltaNorm = m.blocks[l-1].norms.postMLP
 		}
 		steps := []func() error{
-			func() error { return x.RMSNorm(a.x, delta, Buf{}, b.norms.attn, a.h, T, H, eps) },
+			func() error { return x.RMSNorm(a.x, delta, deltaNorm, Buf{}, b.norms.attn, a.h, T, H, eps) },
 			func() error { return m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v) },
 			func() error {
-				return x.QKRoPEStore(a.q, a.k, a.v, b.norms.q, b.norms.k, eps, a.meta, m.cos, m.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
+				r := m.ropes[l]
+				return x.QKRoPEStore(a.q, a.k, a.v, b.norms.q, b.norms.k, eps, a.meta, r.cos, r.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
 			},
 			func() error {
 				if windows > 0 {
@@ -765,9 +784,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys, attnOptions(c, l))
 			},
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
-			func() error { return x.RMSNorm(a.x, a.delta, Buf{}, b.norms.mlp, a.h, T, H, eps) },
+			func() error { return x.RMSNorm(a.x, a.delta, b.norms.postAttn, Buf{}, b.norms.mlp, a.h, T, H, eps) },
 			func() error { return m.runParts(b.gateUp, []*gpuLinear{b.gate, b.up}, a.h, T, a, a.g, a.u) },
-			func() error { return x.SiLUMul(a.g, a.u, T*c.Intermediate) },
+			func() error { return x.GatedAct(a.g, a.u, T*c.Intermediate, c.Act) },
 			func() error { return m.run(b.down, a.g, T, a, false, a.delta) },
 		}
 		for _, f := range steps {
@@ -776,13 +795,18 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			}
 		}
 	}
+	if last := m.blocks[len(m.blocks)-1].norms.postMLP; !last.Nil() {
+		// Gemma 3: the last MLP output through its norm; the normed rows
+		// written to a.h are not used (head norms the rows it needs).
+		return x.RMSNorm(a.x, a.delta, last, Buf{}, m.norm, a.h, T, H, eps)
+	}
 	return x.Add(a.x, a.delta, T*H)
 }
 
 // head queues the final norm of the rows a.rowIdx[:n] and the LM head,
 // leaving n rows of fp32 logits in a.logits.
 func (m *Model) head(a *acts, n int) error {
-	if err := m.x.RMSNorm(a.x, Buf{}, a.rowIdx, m.norm, a.h, n, m.cfg.Hidden, float32(m.cfg.RMSNormEps)); err != nil {
+	if err := m.x.RMSNorm(a.x, Buf{}, Buf{}, a.rowIdx, m.norm, a.h, n, m.cfg.Hidden, float32(m.cfg.RMSNormEps)); err != nil {
 		return err
 	}
 	return m.run(m.lmHead, a.h, n, a, true, a.logits)
@@ -1137,9 +1161,8 @@ func attnOptions(c *checkpoint.Config, l int) AttnOptions {
 }
 
 func Supports(c *checkpoint.Config) error {
-	switch c.Architecture {
-	case "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration":
-		return fmt.Errorf("%s: the GPU backend does not run this architecture yet (--device cpu runs it)", c.Architecture)
+	if c.MoE != nil {
+		return fmt.Errorf("%s: the GPU backend does not run mixtures of experts yet (--device cpu runs them)", c.Architecture)
 	}
 	return nil
 }

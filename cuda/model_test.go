@@ -72,12 +72,14 @@ func TestModelLogits(t *testing.T) {
 
 // The architecture zoo's families the GPU runs (Qwen2's biases, Mistral's
 // head_dim 48 and its sliding window of 64 over 126 positions, Llama-3.1's
-// RoPE scaling, Qwen3's q/k norms) against
+// RoPE scaling, Qwen3's q/k norms, Gemma 3's sandwich norms, GeGLU,
+// embedding and score scales, and its sliding layer with its own RoPE)
+// against
 // transformers' fp32 logits, as TestModelLogits; then the last 8 positions
 // again as decode steps after a prefill of the rest (the cache attention
 // and the decode graphs), against the full pass.
 func TestZooLogitsOnGPU(t *testing.T) {
-	for _, name := range []string{"qwen2-rand", "mistral-rand", "mistral-swa-rand", "llama31-rand", "qwen3-rand"} {
+	for _, name := range []string{"qwen2-rand", "mistral-rand", "mistral-swa-rand", "llama31-rand", "qwen3-rand", "gemma3-rand"} {
 		t.Run(name, func(t *testing.T) {
 			_, gpu := loadBoth(t, "archzoo/"+name)
 			ids := shared.Int32s(t, "reference/"+name+".logits.input.i32")
@@ -389,7 +391,7 @@ func TestWindowNLL(t *testing.T) {
 // working afterwards.
 func TestKernelErrorIsRecoverable(t *testing.T) {
 	_, gpu := loadBoth(t, "llama-tiny")
-	err := gpu.x.Embed(Buf{}, gpu.embed, Buf{}, 0, gpu.cfg.Hidden) // a grid of 0 blocks
+	err := gpu.x.Embed(Buf{}, gpu.embed, Buf{}, 0, gpu.cfg.Hidden, 0) // a grid of 0 blocks
 	if err == nil || !strings.Contains(err.Error(), "embed_kernel") {
 		t.Fatalf("launch with 0 blocks: %v, want an error naming embed_kernel", err)
 	}

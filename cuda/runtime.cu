@@ -272,7 +272,7 @@ const llmq_api kAPI = {
     qk_rope_store,
     attention_workspace_bytes,
     attention,
-    silu_mul,
+    gated_act,
     nll,
     gemm_nt,
     hessian_add,

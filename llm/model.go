@@ -431,7 +431,13 @@ func newRope(r checkpoint.Rope, hd int) *rope {
 // positions 0..n-1, as the CPU backend computes them, for backends that
 // rotate on their own.
 func RopeTables(c *checkpoint.Config, n int) (cos, sin []float32) {
-	return newRope(c.Rope, c.HeadDim).table(0, n)
+	return RopeTablesOf(c.Rope, c.HeadDim, n)
+}
+
+// RopeTablesOf is RopeTables for the rotary embedding r (a layer's own,
+// Config.LayerRope).
+func RopeTablesOf(r checkpoint.Rope, hd, n int) (cos, sin []float32) {
+	return newRope(r, hd).table(0, n)
 }
 
 // table fills cos and sin [n][half] for positions pos0..pos0+n-1.
