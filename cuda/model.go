@@ -47,9 +47,9 @@ type Model struct {
 	norm      Buf // fp32 [hidden]
 	lmHead    *gpuLinear
 	ropes     []ropeTables // each layer's rotary tables (Gemma 3's sliding layers have their own)
-	scratch   Buf // K·N fp16: large-M W4 layers dequantize here for cuBLAS
-	maxN      int // widest linear (workspace sizing)
-	maxPermK  int // widest act-order input (a_perm sizing)
+	scratch   Buf          // K·N fp16: large-M W4 layers dequantize here for cuBLAS
+	maxN      int          // widest linear (workspace sizing)
+	maxPermK  int          // widest act-order input (a_perm sizing)
 	quantized bool
 	join      bool // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
 
