@@ -69,11 +69,8 @@ type calibLinear struct {
 // NewCalibrator uploads the calibration activations X ([window]
 // [seqLen·hidden] fp32, the embeddings of the windows) to the GPU of lib.
 func NewCalibrator(lib *Lib, cfg *checkpoint.Config, X [][]float32, seqLen int) (*Calibrator, error) {
-	if err := Supports(cfg); err != nil {
+	if err := CalibratorSupports(cfg); err != nil {
 		return nil, err
-	}
-	if cfg.SandwichNorm {
-		return nil, fmt.Errorf("%s: the GPU calibrator does not run Gemma 3's sandwich norms yet (--device cpu quantizes it)", cfg.Architecture)
 	}
 	if len(X) == 0 || seqLen <= 0 {
 		return nil, fmt.Errorf("no calibration windows")

@@ -53,5 +53,9 @@ func TestSupports(t *testing.T) {
 		if want != "" && (err == nil || !strings.Contains(err.Error(), want)) {
 			t.Errorf("%s: %v, want a refusal naming %s", name, err, want)
 		}
+		// The GPU calibrator also refuses Gemma 3 (its sandwich norms).
+		if err := CalibratorSupports(cfg); (err != nil) != (want != "" || name == "gemma3-rand") {
+			t.Errorf("%s: the calibrator says %v", name, err)
+		}
 	}
 }

@@ -1146,11 +1146,6 @@ func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) {
 	return Load(lib, ck)
 }
 
-// Supports refuses, by name, what the GPU backend does not run yet
-// rather than running it wrongly: Mistral's sliding-window attention, and
-// the Qwen3-MoE, Mixtral and Gemma 3 architectures (mixtures of experts,
-// Gemma's norms, scales and per-layer windows); the CPU backend runs them
-// all.
 // attnOptions are layer l's sliding window and score scale.
 func attnOptions(c *checkpoint.Config, l int) AttnOptions {
 	o := AttnOptions{Window: c.Window(l)}
@@ -1160,9 +1155,24 @@ func attnOptions(c *checkpoint.Config, l int) AttnOptions {
 	return o
 }
 
+// Supports refuses, by name, what the GPU backend does not run yet
+// rather than running it wrongly: the mixtures of experts (Qwen3-MoE,
+// Mixtral); the CPU backend runs them.
 func Supports(c *checkpoint.Config) error {
 	if c.MoE != nil {
 		return fmt.Errorf("%s: the GPU backend does not run mixtures of experts yet (--device cpu runs them)", c.Architecture)
+	}
+	return nil
+}
+
+// CalibratorSupports is Supports for quantizing on the GPU: the
+// calibration forward does not run Gemma 3's sandwich norms yet.
+func CalibratorSupports(c *checkpoint.Config) error {
+	if err := Supports(c); err != nil {
+		return err
+	}
+	if c.SandwichNorm {
+		return fmt.Errorf("%s: the GPU calibrator does not run Gemma 3's sandwich norms yet (--device cpu quantizes it)", c.Architecture)
 	}
 	return nil
 }

@@ -85,3 +85,6 @@ func (*Calibrator) AWQClip(*AWQFeatures, string, []float32, []float32, int, pack
 
 // Supports always fails without cgo: nothing runs on the GPU.
 func Supports(c *checkpoint.Config) error { return errNoCgo }
+
+// CalibratorSupports always fails without cgo: nothing runs on the GPU.
+func CalibratorSupports(c *checkpoint.Config) error { return errNoCgo }

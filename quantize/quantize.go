@@ -32,7 +32,7 @@
 // factorization and column updates run there, and only weights, codes,
 // scales and zeros cross to the host, where package gptq lays each layer
 // out and package pack writes it. The GPU path takes dense Llama-style
-// blocks (cuda.Supports).
+// blocks (cuda.CalibratorSupports).
 package quantize
 
 import (

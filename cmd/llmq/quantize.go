@@ -278,7 +278,7 @@ func quantizeDevice(device string, m quantize.Method, src string) (*cuda.Lib, er
 		return nil, nil
 	}
 	if cfg, err := checkpoint.LoadConfig(src); err == nil {
-		if err := cuda.Supports(cfg); err != nil {
+		if err := cuda.CalibratorSupports(cfg); err != nil {
 			if device == "cuda" {
 				return nil, fmt.Errorf("--device cuda: %w", err)
 			}
