@@ -76,7 +76,7 @@ case "$1" in
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group 128 -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
     export LLMQ_TEST_W4_MODELS=${W4#:}
-    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestZoo|TestSupports|TestJoined|TestModelLogits'
+    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
     rc=$?
     echo "cuda tests rc=$rc"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic|error" "$OUT/cuda-tests.log" | head -70
