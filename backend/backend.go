@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/cuda"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/chat"
@@ -70,6 +71,32 @@ type Options struct {
 	// actquant.Apply wrapping its layers). Only the CPU backend has one:
 	// with CPU set, device "auto" means the CPU and "cuda" is an error.
 	CPU func(*llm.Model) error
+	// Act, when set, quantizes and dequantizes every decoder linear
+	// layer's input (a W8A8-style simulation), on either backend.
+	Act *Act
+}
+
+// Act is an activation scheme and, for per-tensor schemes, the
+// calibrated thresholds (llmq calibrate); SmoothQuant factors in Scales
+// are folded on the CPU only.
+type Act struct {
+	Scheme actquant.Scheme
+	Scales *actquant.Scales
+}
+
+// cuda is the scheme as the GPU backend takes it.
+func (a *Act) cuda() (*cuda.ActQuant, error) {
+	if a.Scales != nil && len(a.Scales.Smooth) > 0 {
+		return nil, fmt.Errorf("activation scales with SmoothQuant factors run on the CPU backend only (--device cpu)")
+	}
+	q := &cuda.ActQuant{Bits: a.Scheme.Bits, FP8: a.Scheme.FP8, PerToken: a.Scheme.PerToken}
+	if a.Scales != nil {
+		q.Thresholds = map[string]float32{}
+		for name, l := range a.Scales.Layers {
+			q.Thresholds[name] = l.Threshold
+		}
+	}
+	return q, nil
 }
 
 // OpenWith is Open with options.
@@ -112,7 +139,13 @@ func OpenWith(dir, device string, opt Options) (*Model, error) {
 		if err != nil {
 			return nil, err
 		}
-		b, err := cuda.OpenModel(ck)
+		var lo cuda.LoadOptions
+		if opt.Act != nil {
+			if lo.Act, err = opt.Act.cuda(); err != nil {
+				return nil, err
+			}
+		}
+		b, err := cuda.OpenModelWith(ck, lo)
 		if err != nil {
 			return nil, err
 		}
@@ -125,6 +158,12 @@ func OpenWith(dir, device string, opt Options) (*Model, error) {
 	}
 	if opt.CPU != nil {
 		if err := opt.CPU(m.Model); err != nil {
+			m.Close()
+			return nil, err
+		}
+	}
+	if opt.Act != nil {
+		if err := actquant.Apply(m.Model, opt.Act.Scheme, opt.Act.Scales); err != nil {
 			m.Close()
 			return nil, err
 		}

@@ -93,6 +93,8 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
               int hd, int max_keys, int window, float scale);
 int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
+int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
+               float threshold);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu
 int hessian_add(llmq_ctx* c, const void* X, float* H, int rows, int n);

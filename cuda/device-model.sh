@@ -28,6 +28,7 @@
 #                                     # flags, QSUFFIX: the report's name, KEEP_SYNTH=1: reuse /tmp/b16)
 #   bash cuda/device-model.sh reftime # the reference gptq.py timed on a llama3-8b block (.carry/gptq-ref)
 #   bash cuda/device-model.sh seeds   # evals/seeds.sh on the GPU: llama-tiny SEED_CONFIGS ("gptq:4 awq:4")
+#   bash cuda/device-model.sh act     # llama-tiny with INT8 and FP8 activations per token on the GPU (ppl)
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
 #
 # Results go to $OUT (the device tool's folder) or build/out.
@@ -219,6 +220,13 @@ case "$1" in
       m=${mc%%:*}
       LLMQ=$L SHARED=$LLMQ_SHARED bash evals/seeds.sh "$m" "${mc##*:}" "$LLMQ_SHARED/models/${SEED_MODEL:-llama-tiny}" cuda | tail -1
       cp evals/results/seeds-${SEED_MODEL:-llama-tiny}-${m/+/-}-w${mc##*:}-cuda.txt "$OUT/"
+    done
+    ;;
+  act) # activations quantized on the GPU (llmq eval ppl --act-bits), llama-tiny, against the CPU's act-*.json
+    D=$LLMQ_SHARED/models/llama-tiny
+    build/device/cuda.test -test.v -test.run 'TestFakeQuant' 2>&1 | grep -E "^(--- |ok|FAIL)|differ"
+    for f in int fp8; do
+      $L eval ppl "$D" --data "$WIKI" --device cuda --act-bits 8 --act-format $f --json "$OUT/ppl-llama-tiny-a8-$f-pertoken-wikitext2-h200.json" 2>&1 | grep -E "perplexity|rror"
     done
     ;;
   reftime) # the reference GPTQ code (IST-DASLab gptq.py, carried in .carry/gptq-ref) timed on one llama3-8b block

@@ -157,6 +157,9 @@ static int c_attention_causal(A a, llmq_ctx* c, P q, P k, P v, P out, int window
 	return a->attention_causal(c, (const void*)q, (const void*)k, (const void*)v, (void*)out, windows, T, heads, kvh, hd,
 		window, scale);
 }
+static int c_fake_quant(A a, llmq_ctx* c, P in, P out, int rows, int cols, int bits, int fp8, int per_token, float t) {
+	return a->fake_quant(c, (const void*)in, (void*)out, rows, cols, bits, fp8, per_token, t);
+}
 */
 import "C"
 
@@ -658,6 +661,21 @@ func (x *Context) GatedAct(g, u Buf, n int, act string) error {
 		code = 1
 	}
 	return x.do("gated_act", func() C.int { return C.c_gated_act(x.lib.api, x.c, g.p, u.p, C.size_t(n), C.int(code)) })
+}
+
+// FakeQuant writes in quantized and dequantized into out (rows of cols
+// fp16 values) with threshold (per tensor) or each row's max |x|.
+func (x *Context) FakeQuant(in, out Buf, rows, cols int, a *ActQuant, threshold float32) error {
+	fp8, perToken := 0, 0
+	if a.FP8 {
+		fp8 = 1
+	}
+	if a.PerToken {
+		perToken = 1
+	}
+	return x.do("fake_quant", func() C.int {
+		return C.c_fake_quant(x.lib.api, x.c, in.p, out.p, C.int(rows), C.int(cols), C.int(a.Bits), C.int(fp8), C.int(perToken), C.float(threshold))
+	})
 }
 
 // NLL writes −log softmax(logits row t)[targets[t]] for T fp32 rows of V.

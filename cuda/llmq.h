@@ -212,6 +212,14 @@ typedef struct {
    * the same window only). */
   int (*attention_causal)(llmq_ctx* c, const void* q, const void* k, const void* v, void* out, int windows, int T, int heads,
                           int kv_heads, int hd, int window, float scale);
+
+  /* out = in quantized and dequantized, rows of cols fp16 values (the
+   * input of a linear layer in a W8A8-style simulation, as package
+   * actquant does it on the CPU): bits-bit symmetric integers, or E4M3
+   * (fp8, bits 8); the scale from each row's max |x| (per_token) or from
+   * threshold; in and out may be the same. */
+  int (*fake_quant)(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
+                    float threshold);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -14,6 +14,7 @@
 // holding [2][layers][kv_cap[s]][kv_dim]: keys, then values.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <math.h>
 #include "common.cuh"
 
@@ -345,6 +346,36 @@ __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ 
   g[i] = __float2half(y * __half2float(u[i]));
 }
 
+// fake_quant_kernel: one block per row of cols fp16 values, quantized and
+// dequantized as package actquant does on the CPU (a linear layer's input
+// in a W8A8-style simulation): the scale is t/maxq with t the row's max
+// |x| (per token) or the layer's calibrated threshold, x/scale is clamped
+// to ±maxq and rounded to an integer (ties to even) or to the E4M3 grid
+// (the hardware conversion: ties to even, saturating), then multiplied
+// back. A zero threshold (or a zero row) leaves the row as it is.
+__global__ void fake_quant_kernel(const half* __restrict__ in, half* __restrict__ out, int cols, float maxq, int fp8,
+                                  int per_token, float threshold) {
+  __shared__ float red[32];
+  const half* x = in + (size_t)blockIdx.x * cols;
+  half* y = out + (size_t)blockIdx.x * cols;
+  float t = threshold;
+  if (per_token) {
+    float m = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(__half2float(x[i])));
+    t = block_max(m, red);
+  }
+  if (!(t > 0.f)) {
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) y[i] = x[i];
+    return;
+  }
+  const float scale = t / maxq;
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+    float q = fminf(fmaxf(__half2float(x[i]) / scale, -maxq), maxq);
+    q = fp8 ? float(__nv_fp8_e4m3(q)) : rintf(q);
+    y[i] = __float2half(q * scale);
+  }
+}
+
 // nll_kernel: one block per row: −log softmax(logits)[target].
 __global__ void nll_kernel(const float* __restrict__ logits, const int32_t* __restrict__ targets, float* __restrict__ nll,
                            int V) {
@@ -467,6 +498,19 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
   }
   gated_act_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)g, (const half*)u, n, act);
   CK_LAUNCH("gated_act_kernel");
+  return 0;
+}
+
+int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
+               float threshold) {
+  if (rows <= 0 || cols <= 0 || bits < 2 || bits > 8 || (fp8 && bits != 8) || (!per_token && !(threshold >= 0.f))) {
+    set_error(c, "fake_quant: %d rows of %d, %d bits%s, %s, threshold %g", rows, cols, bits, fp8 ? " (fp8)" : "",
+              per_token ? "per token" : "per tensor", threshold);
+    return 1;
+  }
+  const float maxq = fp8 ? 448.f : (float)((1 << (bits - 1)) - 1);
+  fake_quant_kernel<<<rows, 256, 0, c->stream>>>((const half*)in, (half*)out, cols, maxq, fp8, per_token, threshold);
+  CK_LAUNCH("fake_quant_kernel");
   return 0;
 }
 

@@ -51,7 +51,9 @@ type Model struct {
 	maxN      int          // widest linear (workspace sizing)
 	maxPermK  int          // widest act-order input (a_perm sizing)
 	quantized bool
-	join      bool // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
+	join      bool      // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
+	act       *ActQuant // simulated quantization of the decoder linears' inputs, or nil
+	maxIn     int       // widest decoder linear input (the fake-quant buffer)
 
 	weights int64 // bytes of weights (and rotary tables) on the GPU
 	caches  int64 // bytes of open caches
@@ -115,10 +117,15 @@ type gpuBlock struct {
 // layers: their w4.Cols), w an fp16 [out][in] matrix otherwise; b the
 // bias of each part (Nil without).
 type gpuLinear struct {
+	name    string // its (first part's) checkpoint name
 	in, out int
 	w4      *W4
 	w       Buf
 	b       []Buf
+	// actIn: its input is quantized and dequantized first (Model.act),
+	// with threshold when the scheme is per tensor.
+	actIn     bool
+	threshold float32
 }
 
 // hostLinear is a layer as read from the checkpoint, before upload.
@@ -133,11 +140,12 @@ type hostLinear struct {
 // Load uploads a checkpoint (packed or unquantized) to the GPU of lib, in
 // a new context. It first checks that the weights fit in the GPU's free
 // memory.
-func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) { return loadModel(lib, ck, true) }
+func Load(lib *Lib, ck *checkpoint.Checkpoint) (*Model, error) {
+	return LoadWith(lib, ck, LoadOptions{})
+}
 
-// loadModel is Load; join false keeps q, k, v, gate and up as separate
-// GEMMs (tests compare the two).
-func loadModel(lib *Lib, ck *checkpoint.Checkpoint, join bool) (*Model, error) {
+// LoadWith is Load with options.
+func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, error) {
 	c := ck.Config
 	if err := Supports(c); err != nil {
 		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
@@ -157,7 +165,10 @@ func loadModel(lib *Lib, ck *checkpoint.Checkpoint, join bool) (*Model, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &Model{lib: lib, x: x, cfg: c, dev: dev, quantized: q != nil, join: join,
+	// Per-tensor activation thresholds are per layer: such a run keeps
+	// q/k/v and gate/up separate.
+	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
+	m := &Model{lib: lib, x: x, cfg: c, dev: dev, quantized: q != nil, join: join, act: opt.Act,
 		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}}
 	if err := m.load(ck, q); err != nil {
 		m.Close()
@@ -250,6 +261,9 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 					return err
 				}
 			}
+		}
+		if err := m.markActInputs(g); err != nil {
+			return err
 		}
 		m.blocks = append(m.blocks, g)
 	}
@@ -354,6 +368,30 @@ func (m *Model) upload16(v []float32) (Buf, error) {
 	return b, err
 }
 
+// markActInputs flags the block's linear layers whose inputs the
+// activation scheme quantizes (all of them), with their thresholds.
+func (m *Model) markActInputs(g *gpuBlock) error {
+	if m.act == nil {
+		return nil
+	}
+	for _, l := range []*gpuLinear{g.q, g.k, g.v, g.qkv, g.o, g.gate, g.up, g.gateUp, g.down} {
+		if l == nil {
+			continue
+		}
+		l.actIn = true
+		m.maxIn = max(m.maxIn, l.in)
+		if m.act.PerToken {
+			continue
+		}
+		t, ok := m.act.Thresholds[l.name]
+		if !ok {
+			return fmt.Errorf("per-tensor activation scales need a calibrated threshold for every layer; none for %s", l.name)
+		}
+		l.threshold = t
+	}
+	return nil
+}
+
 // readLinear reads the layer s names: repacked for the W4A16 kernel when
 // the checkpoint stores it packed at 2–4 bits, dequantized otherwise
 // (wider grids) or read as stored (unquantized layers).
@@ -407,7 +445,7 @@ func joinable(parts []*hostLinear) bool {
 // the GPU.
 func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 	h := parts[0]
-	l := &gpuLinear{in: h.in, out: h.out}
+	l := &gpuLinear{name: h.name, in: h.in, out: h.out}
 	var err error
 	switch {
 	case len(parts) > 1:
@@ -453,6 +491,12 @@ func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 // run computes C = A·Wᵀ (+ b) for M rows on the GPU; a joined layer
 // writes one output per part (C[i]: part i's columns).
 func (m *Model) run(l *gpuLinear, A Buf, M int, a *acts, f32 bool, C ...Buf) error {
+	if l.actIn {
+		if err := m.x.FakeQuant(A, a.aq, M, l.in, m.act, l.threshold); err != nil {
+			return err
+		}
+		A = a.aq
+	}
 	var err error
 	if l.w4 != nil {
 		err = m.x.GemmW4Into(A, C, l.w4, M, a.ws, m.scratch, a.aperm)
@@ -489,7 +533,7 @@ func (m *Model) runParts(joined *gpuLinear, parts []*gpuLinear, A Buf, M int, a 
 type acts struct {
 	rows                                     int
 	x, h, q, k, v, att, delta, g, u, logits  Buf
-	ws, aperm                                Buf
+	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
 	meta                                     RowMeta
 	bufs                                     []Buf
@@ -507,7 +551,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.x, rows * c.Hidden * 4}, {&a.h, rows * c.Hidden * 2}, {&a.q, rows * qd * 2}, {&a.k, rows * kvd * 2},
 		{&a.v, rows * kvd * 2}, {&a.att, rows * qd * 2}, {&a.delta, rows * c.Hidden * 2},
 		{&a.g, rows * c.Intermediate * 2}, {&a.u, rows * c.Intermediate * 2}, {&a.logits, rows * c.Vocab * 4},
-		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2},
+		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 	}
@@ -1135,7 +1179,10 @@ func (m *Model) windowNLL(ctx context.Context, cache *Cache, ids []int) (float64
 
 // OpenModel loads the CUDA library (DefaultPath) and uploads a checkpoint
 // in a context of its own; Close releases everything.
-func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) {
+func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) { return OpenModelWith(ck, LoadOptions{}) }
+
+// OpenModelWith is OpenModel with options.
+func OpenModelWith(ck *checkpoint.Checkpoint, opt LoadOptions) (Backend, error) {
 	if err := Supports(ck.Config); err != nil {
 		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
 	}
@@ -1143,7 +1190,7 @@ func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	return Load(lib, ck)
+	return LoadWith(lib, ck, opt)
 }
 
 // attnOptions are layer l's sliding window and score scale.

@@ -175,7 +175,7 @@ func TestJoinedLinearsMatchSeparate(t *testing.T) {
 			}
 			var logits [2][]float32
 			for i, join := range []bool{true, false} {
-				gpu, err := loadModel(lib, ck, join)
+				gpu, err := LoadWith(lib, ck, LoadOptions{Separate: !join})
 				if err != nil {
 					t.Fatal(err)
 				}

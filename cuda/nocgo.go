@@ -26,6 +26,9 @@ func Open(path string) (*Lib, error) {
 // OpenModel always fails without cgo.
 func OpenModel(ck *checkpoint.Checkpoint) (Backend, error) { return nil, errNoCgo }
 
+// OpenModelWith always fails without cgo.
+func OpenModelWith(ck *checkpoint.Checkpoint, opt LoadOptions) (Backend, error) { return nil, errNoCgo }
+
 // Calibrator is unavailable without cgo.
 type Calibrator struct{ Busy map[string]float64 }
 

@@ -287,6 +287,7 @@ const llmq_api kAPI = {
     awq_quant,
     awq_clip,
     attention_causal,
+    fake_quant,
 };
 }  // namespace
 }  // namespace llmq

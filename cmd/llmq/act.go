@@ -5,7 +5,6 @@ import (
 
 	"github.com/llmq/llmq/actquant"
 	"github.com/llmq/llmq/backend"
-	"github.com/llmq/llmq/llm"
 	"github.com/spf13/cobra"
 )
 
@@ -18,7 +17,7 @@ type actFlags struct {
 
 func (a *actFlags) register(cmd *cobra.Command) {
 	f := cmd.Flags()
-	f.IntVar(&a.bits, "act-bits", 0, "quantize every linear layer's input to this many bits (8; 0: off), simulated (quantize-dequantize), on the CPU")
+	f.IntVar(&a.bits, "act-bits", 0, "quantize every linear layer's input to this many bits (8; 0: off), simulated (quantize-dequantize), on the CPU or the GPU")
 	f.StringVar(&a.scheme, "act-scheme", "per-token", "per-token (dynamic: each token's max |x|) or per-tensor (static: thresholds from --act-scales)")
 	f.StringVar(&a.format, "act-format", "int", "int (symmetric integers) or fp8 (E4M3; --act-bits 8)")
 	f.StringVar(&a.scales, "act-scales", "", "thresholds (and SmoothQuant factors) from llmq calibrate")
@@ -70,12 +69,7 @@ func (a *actFlags) backendOptions(cmd *cobra.Command) (backend.Options, error) {
 	} else if !s.PerToken {
 		return backend.Options{}, fmt.Errorf("--act-scheme per-tensor needs --act-scales FILE (from llmq calibrate)")
 	}
-	return backend.Options{CPU: func(m *llm.Model) error {
-		if err := actquant.Apply(m, s, sc); err != nil {
-			return fmt.Errorf("--act-scales %s: %w", a.scales, err)
-		}
-		return nil
-	}}, nil
+	return backend.Options{Act: &backend.Act{Scheme: s, Scales: sc}}, nil
 }
 
 func (a *actFlags) describe() map[string]any {
