@@ -56,7 +56,7 @@ func TestFakeQuantMatchesCPU(t *testing.T) {
 		for i := range got {
 			if got[i] != w16[i] {
 				if diff == 0 {
-					t.Logf("%s: first difference at %d: GPU %v, CPU %v (input %v)", tc.s, i, fromF16(got[i:i+1])[0], want[i], in[i])
+					t.Logf("%s: first difference at %d: GPU %v, CPU %v (input %v)", tc.s, i, fromF16(got[i : i+1])[0], want[i], in[i])
 				}
 				diff++
 			}
