@@ -82,6 +82,7 @@ type Options struct {
 type Act struct {
 	Scheme actquant.Scheme
 	Scales *actquant.Scales
+	Source string // where Scales came from, for errors (e.g. "--act-scales FILE")
 }
 
 // cuda is the scheme as the GPU backend takes it.
@@ -165,6 +166,9 @@ func OpenWith(dir, device string, opt Options) (*Model, error) {
 	if opt.Act != nil {
 		if err := actquant.Apply(m.Model, opt.Act.Scheme, opt.Act.Scales); err != nil {
 			m.Close()
+			if opt.Act.Source != "" {
+				err = fmt.Errorf("%s: %w", opt.Act.Source, err)
+			}
 			return nil, err
 		}
 	}

@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 9
+#define LLMQ_API_VERSION 10
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32

@@ -352,17 +352,24 @@ __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ 
 // |x| (per token) or the layer's calibrated threshold, x/scale is clamped
 // to ±maxq and rounded to an integer (ties to even) or to the E4M3 grid
 // (the hardware conversion: ties to even, saturating), then multiplied
-// back. A zero threshold (or a zero row) leaves the row as it is.
-__global__ void fake_quant_kernel(const half* __restrict__ in, half* __restrict__ out, int cols, float maxq, int fp8,
-                                  int per_token, float threshold) {
+// back. A zero threshold (or a zero row, or a row with a NaN per token)
+// leaves the row as it is; a NaN stays NaN. in and out may be the same.
+__global__ void fake_quant_kernel(const half* in, half* out, int cols, float maxq, int fp8, int per_token,
+                                  float threshold) {
   __shared__ float red[32];
   const half* x = in + (size_t)blockIdx.x * cols;
   half* y = out + (size_t)blockIdx.x * cols;
   float t = threshold;
   if (per_token) {
     float m = 0.f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(__half2float(x[i])));
+    int bad = 0;  // a NaN: the CPU's max is NaN then, and it skips the row
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+      const float v = __half2float(x[i]);
+      bad |= !(v == v);
+      m = fmaxf(m, fabsf(v));
+    }
     t = block_max(m, red);
+    if (__syncthreads_or(bad)) t = 0.f;
   }
   if (!(t > 0.f)) {
     for (int i = threadIdx.x; i < cols; i += blockDim.x) y[i] = x[i];
@@ -370,7 +377,8 @@ __global__ void fake_quant_kernel(const half* __restrict__ in, half* __restrict_
   }
   const float scale = t / maxq;
   for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-    float q = fminf(fmaxf(__half2float(x[i]) / scale, -maxq), maxq);
+    float q = __half2float(x[i]) / scale;
+    if (q == q) q = fminf(fmaxf(q, -maxq), maxq);  // NaN passes through, as on the CPU
     q = fp8 ? float(__nv_fp8_e4m3(q)) : rintf(q);
     y[i] = __float2half(q * scale);
   }

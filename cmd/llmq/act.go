@@ -46,8 +46,8 @@ func (a *actFlags) parse() (actquant.Scheme, error) {
 	return s, nil
 }
 
-// backendOptions turns the flags into the CPU hook that wraps the model's
-// layers (nothing when --act-bits is 0).
+// backendOptions turns the flags into the backend's activation scheme
+// (nothing when --act-bits is 0).
 func (a *actFlags) backendOptions(cmd *cobra.Command) (backend.Options, error) {
 	if a.bits == 0 {
 		for _, f := range []string{"act-scheme", "act-format", "act-scales"} {
@@ -69,7 +69,7 @@ func (a *actFlags) backendOptions(cmd *cobra.Command) (backend.Options, error) {
 	} else if !s.PerToken {
 		return backend.Options{}, fmt.Errorf("--act-scheme per-tensor needs --act-scales FILE (from llmq calibrate)")
 	}
-	return backend.Options{Act: &backend.Act{Scheme: s, Scales: sc}}, nil
+	return backend.Options{Act: &backend.Act{Scheme: s, Scales: sc, Source: "--act-scales " + a.scales}}, nil
 }
 
 func (a *actFlags) describe() map[string]any {
