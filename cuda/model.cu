@@ -289,7 +289,8 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
         for (int g = 0; g < GB; g++) {
           const float p = sc[g * chunk + jj - j0];
 #pragma unroll
-          for (int i = 0; i < kMaxDimsPerLane; i++) acc[g][i] += p * vv[i];
+          for (int i = 0; i < kMaxDimsPerLane; i++)
+            if (32 * i < hd) acc[g][i] += p * vv[i];  // uniform across the warp: dims past hd skipped
         }
       }
     }
