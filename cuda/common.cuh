@@ -22,15 +22,13 @@ struct llmq_ctx {
   size_t live_bytes = 0, peak_bytes = 0;
   std::unordered_set<void*> graphs, events;
   // Tuning: the forced W4A16 path (0 automatic), the largest M of the
-  // GEMV and of the fused kernel in automatic mode and the GEMV's
-  // instantiations, each kernel
+  // GEMV and of the fused kernel in automatic mode, each kernel
   // instantiation's resident CTAs per SM (queried on first use), the
   // attention kernel's raised dynamic shared memory limit.
   int w4_path = 0;
   int gemv_max_m = 2;
-  int gemv_m1 = 0, gemv_m2 = 1;  // the GEMV instantiations for M = 1 and 2 (w4a16.cu, kGemv)
   int fused_max_m = 64;
-  int resident[12] = {};
+  int resident[6] = {};  // fused instantiations 0–2, GEMV 3–5
   size_t attn_smem = 48 << 10;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).

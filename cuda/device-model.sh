@@ -18,7 +18,6 @@
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt)
-#   bash cuda/device-model.sh sweep   # the GEMV kernel's instantiations at M = 1 and 2 (gemm-h200-gemv-variants.txt)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
@@ -125,12 +124,6 @@ case "$1" in
       echo "# $LLMQ_COMMIT: llmq bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100"
       $L bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100 2>&1 | tail -16
     done | tee "$OUT/gemm-h200-paths.txt" | cut -c1-150
-    ;;
-  sweep) # LLMQ_W4_GEMV_M1 / _M2 pick the instantiation (cuda/w4a16.cu, kGemv)
-    for mv in 1:0 1:3 1:4 1:5 1:6 2:1 2:7 2:8; do
-      echo "# $LLMQ_COMMIT: LLMQ_W4_GEMV_M${mv%%:*}=${mv#*:} llmq bench gemm --path gemv --m ${mv%%:*} --iters 100"
-      env LLMQ_W4_GEMV_M${mv%%:*}=${mv#*:} $L bench gemm --path gemv --m ${mv%%:*} --iters 100 2>&1 | tail -5
-    done | tee "$OUT/gemm-h200-gemv-variants.txt" | grep -v "^shape" | cut -c1-150
     ;;
   profile)
     # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).

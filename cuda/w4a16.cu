@@ -56,22 +56,6 @@ __device__ __forceinline__ uint32_t deq(uint32_t q, uint32_t zz, uint32_t ss) {
 
 
 
-// load_group fills the per-lane half2 scales and (1024+zero) values of the
-// eight n8 sub-tiles for group g.
-__device__ __forceinline__ void load_group(const uint4* __restrict__ S, const uint32_t* __restrict__ Z, int g, int NT,
-                                           int nt, int gid, uint32_t (&ss)[8], uint32_t (&zz)[8]) {
-  const uint4 sv = __ldg(S + ((size_t)g * NT + nt) * 8 + gid);
-  const uint32_t zv = __ldg(Z + ((size_t)g * NT + nt) * 8 + gid);
-  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
-    ss[j] = h | (h << 16);
-    const uint32_t zn = 0x6400u | ((zv >> (4 * j)) & 0xfu);
-    zz[j] = zn | (zn << 16);
-  }
-}
-
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
@@ -526,7 +510,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 }
 
 // dequant_kernel writes W[K][N] fp16 from the tiled layout, one warp per
-// 16×64 chunk, with the same fp16 arithmetic as the fused kernel: lanes
+// 16×64 chunk, with the fused kernels' dequantization (dequant_word): lanes
 // dequantize their fragments into a shared tile, then store it as 16 rows
 // of 128 contiguous bytes.
 __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ B, const uint4* __restrict__ S,
@@ -539,20 +523,20 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ 
   if (chunk >= (size_t)NT * KT) return;
   const int kt = chunk % KT, nt = chunk / KT;
   const int gid = lane >> 2, tig = lane & 3;
-  uint32_t ss[8], zz[8];
-  load_group(S, Z, (kt << 4) / group, NT, nt, gid, ss, zz);
+  const size_t g = (size_t)((kt << 4) / group) * NT + nt;
+  GroupRegs gr;
+  convert_group(gr, __ldg(S + g * 8 + gid), __ldg(Z + g * 8 + gid));
   const uint4 v = __ldg(B + chunk * 32 + lane);
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t q = w[i];
-    const uint32_t p[4] = {(q & 0x000f000fu) | 0x64006400u, ((q >> 4) & 0x000f000fu) | 0x64006400u,
-                           ((q >> 8) & 0x000f000fu) | 0x64006400u, ((q >> 12) & 0x000f000fu) | 0x64006400u};
+    uint32_t b[4];  // the fused kernels' fragments: rows k, k+8 of sub-tile 2i, then of 2i+1
+    dequant_word(b, w[i], i, gr);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int j = 2 * i + (s >> 1);              // n8 sub-tile
       const int kk = 2 * tig + ((s & 1) ? 8 : 0);  // first row of the pair
-      const uint32_t d = deq(p[s], zz[j], ss[j]);
+      const uint32_t d = b[s];
       tile[warp][kk][j * 8 + gid] = __ushort_as_half((unsigned short)(d & 0xffffu));
       tile[warp][kk + 1][j * 8 + gid] = __ushort_as_half((unsigned short)(d >> 16));
     }
@@ -602,10 +586,10 @@ constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
 struct GemvVariant {
   int mt, u, minb;
 };
-// 0–2 serve M = 1, 2 and 3–4; the rest are tuning alternatives for M = 1
-// (LLMQ_W4_GEMV_M1) and M = 2 (LLMQ_W4_GEMV_M2), timed in NOTES.md.
-constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 4, 1}, {4, 2, 1}, {1, 8, 1}, {1, 4, 5},
-                                 {1, 2, 6}, {1, 8, 3}, {2, 4, 4}, {2, 2, 1}};
+// They serve M = 1, 2 and 3–4; M = 2 takes 2 steps a batch, the sweep's
+// winner on four of five shapes (NOTES.md, "v7"), the other alternatives
+// lost and were removed.
+constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}, {4, 2, 1}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
 static_assert(3 + kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
@@ -626,12 +610,6 @@ int with_gemv(int v, llmq_ctx* c, bool launch, int splits, const half* A, const 
     LLMQ_GEMV_CASE(0)
     LLMQ_GEMV_CASE(1)
     LLMQ_GEMV_CASE(2)
-    LLMQ_GEMV_CASE(3)
-    LLMQ_GEMV_CASE(4)
-    LLMQ_GEMV_CASE(5)
-    LLMQ_GEMV_CASE(6)
-    LLMQ_GEMV_CASE(7)
-    LLMQ_GEMV_CASE(8)
 #undef LLMQ_GEMV_CASE
   }
   llmq::set_error(c, "no GEMV variant %d", v);
@@ -688,11 +666,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch
   }
   const int NT = N / 64, KT = K / 16;
   if (p.path == 3) {
-    p.variant = M == 1 ? c->gemv_m1 : M == 2 ? c->gemv_m2 : 2;
-    if (p.variant < 0 || p.variant >= kGemvVariants || kGemv[p.variant].mt < M) {
-      llmq::set_error(c, "GEMV variant %d does not run M=%d", p.variant, M);
-      return 1;
-    }
+    p.variant = M == 1 ? 0 : M == 2 ? 1 : 2;
     if (query_resident(c, 3, p.variant)) return 1;
     int splits = max(1, (c->sms * max(c->resident[3 + p.variant], 1)) / NT);
     p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
