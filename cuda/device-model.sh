@@ -79,11 +79,16 @@ case "$1" in
     run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
     rc=$?
+    echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'" | cat - "$OUT/cuda-tests.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests.log"
     echo "cuda tests rc=$rc"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic|error" "$OUT/cuda-tests.log" | head -70
     [ "$1" = zoo ] && exit $rc
-    timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer' > "$OUT/cuda-memcheck.log" 2>&1
+    r='TestDequant|TestSmallForSanitizer'
+    echo "# $LLMQ_COMMIT: compute-sanitizer --tool memcheck --leak-check full cuda.test -test.run '$r'" > "$OUT/cuda-memcheck.log"
+    timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run "$r" >> "$OUT/cuda-memcheck.log" 2>&1
     echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
-    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run 'TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash|TestJoined' > "$OUT/cuda-model-memcheck.log" 2>&1
+    r='TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash|TestJoined'
+    echo "# $LLMQ_COMMIT: compute-sanitizer --tool memcheck --leak-check full cuda.test -test.v -test.run '$r'" > "$OUT/cuda-model-memcheck.log"
+    timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.v -test.run "$r" >> "$OUT/cuda-model-memcheck.log" 2>&1
     echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"
     ;;
   gemm)
@@ -243,8 +248,8 @@ case "$1" in
     for b in ${SYNTH_BITS:-4 16}; do
       d=/tmp/llama3-8b-b$b
       $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $TOK 2>&1 | tail -1
-      # Issue 16's matrix; llama3-8b's 8192 positions leave 8160 of context for 32 steps.
-      $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048,8160} --batch ${SYNTH_BATCH:-1,8,32,64} --prefill ${SYNTH_PREFILL:-512,2048,8192} \
+      # Issue 16's matrix; llama3-8b's 8192 positions leave 8158 of context for 32 steps and the 2 warm-up steps.
+      $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048,8158} --batch ${SYNTH_BATCH:-1,8,32,64} --prefill ${SYNTH_PREFILL:-512,2048,8192} \
         --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
       if [ $b = 4 ] && [ "${SYNTH_PPL:-1}" = 1 ]; then
         echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"

@@ -24,7 +24,7 @@ greedy, logits copied to the host as a server would). It also times the
 prefill of each --prefill length (batch 1). On the GPU, decode steps replay
 CUDA graphs; the memory in use on the GPU is reported.`,
 		Example: `  llmq bench decode /tmp/llama3-8b-w4 --device cuda --context 128,2048 --batch 1,8,32 --json evals/results/decode-h200-llama3-8b-w4.json
-  llmq bench decode /tmp/llama3-8b-w4 --device cuda --prefill 512,2048,8192 --context 128,2048,8160 --batch 1,8,32,64`,
+  llmq bench decode /tmp/llama3-8b-w4 --device cuda --prefill 512,2048,8192 --context 128,2048,8158 --batch 1,8,32,64`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctxs, err := parseInts(contexts)
@@ -47,6 +47,20 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 			}
 			defer m.Close()
 			b := m.Backend
+			// A measurement past the model's positions would fail midway,
+			// after minutes of others: refuse the flags first.
+			if P := b.Config().MaxPositions; P > 0 {
+				for _, c := range ctxs {
+					if c+steps+2 > P {
+						return fmt.Errorf("--context %d with --steps %d needs %d positions (two warm-up steps included); the model has %d (max_position_embeddings): use --context %d or less", c, steps, c+steps+2, P, P-steps-2)
+					}
+				}
+				for _, n := range pre {
+					if n > P {
+						return fmt.Errorf("--prefill %d: the model has %d positions (max_position_embeddings)", n, P)
+					}
+				}
+			}
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "%s on %s (loaded in %.1f s)\n", args[0], b.Name(), m.LoadTime.Seconds())
 			var results []map[string]any

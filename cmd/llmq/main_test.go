@@ -300,8 +300,6 @@ func TestCalibrationTooShort(t *testing.T) {
 	}
 }
 
-// TestHelpHasExamples: every command shows an example in its help, and
-// every flag has a usage text.
 // TestBenchDecodePrefills: bench decode times every --prefill length and
 // every context × batch pair, and records them in its JSON; --prefill 0
 // skips the prefill.
@@ -339,6 +337,11 @@ func TestBenchDecodePrefills(t *testing.T) {
 	if _, err := llmq(t, "bench", "decode", model, "--prefill", "16,x"); err == nil || !strings.Contains(err.Error(), "--prefill") {
 		t.Errorf("--prefill 16,x: %v, want an error naming the flag", err)
 	}
+	// llama-tiny has 2048 positions: 2016 + 32 steps + 2 warm-ups do not fit.
+	if _, err := llmq(t, "bench", "decode", model, "--prefill", "0", "--context", "8,2016", "--steps", "32"); err == nil ||
+		!strings.Contains(err.Error(), "--context 2016") || !strings.Contains(err.Error(), "2014 or less") {
+		t.Errorf("--context 2016 --steps 32: %v, want an error naming the flag and the largest context that fits", err)
+	}
 }
 
 // --version names the commit the results of this binary record.
@@ -349,6 +352,8 @@ func TestVersion(t *testing.T) {
 	}
 }
 
+// TestHelpHasExamples: every command shows an example in its help, and
+// every flag has a usage text.
 func TestHelpHasExamples(t *testing.T) {
 	var walk func(c *cobra.Command)
 	walk = func(c *cobra.Command) {
