@@ -3,27 +3,33 @@
 package cuda
 
 import (
+	"cmp"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
 )
 
-// TestAttentionDecodeMatchesReference runs the cache attention kernel on
+// TestAttentionDecodeMatchesReference runs the cache attention kernels on
 // random caches and queries and compares with softmax attention in
 // float64: decode batches (rows of different sequences and positions,
-// some past a 64-key chunk), GQA groups of 1, 2, 4, 8 and 6 query heads a
-// key head (a block takes 8, 4, 2 or 2 of them), head dims 64, 128 and 48,
-// a sliding window and a score scale, and a prefill-sized pass (one head
-// a block).
+// some past a 64-key chunk, some past 2000 keys) through
+// attention_decode_kernel — GQA groups of 1, 2, 4, 8 and 6 query heads a
+// key head (a block takes 4, 2 or 1 of them), head dims 48, 64, 128 and
+// 256 (two 16-byte slices a lane), a sliding window and a score scale —
+// head_dim 36 (not a multiple of 8: attention_kernel decodes it), and a
+// prefill-sized pass (attention_kernel, one head a block).
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(21, 22))
 	for _, tc := range []struct {
 		rows, heads, kvHeads, hd, window int
 		scale                            float32
+		maxPos                           int // positions drawn from 0..maxPos−1 (200 when 0)
 	}{
-		{3, 8, 8, 64, 0, 0}, {4, 8, 4, 128, 0, 0}, {2, 16, 4, 64, 0, 0}, {5, 32, 4, 128, 0, 0},
-		{3, 12, 2, 48, 0, 0}, {4, 8, 1, 64, 50, 0}, {2, 16, 2, 128, 0, 0.05}, {70, 4, 2, 64, 0, 0},
+		{3, 8, 8, 64, 0, 0, 0}, {4, 8, 4, 128, 0, 0, 0}, {2, 16, 4, 64, 0, 0, 0}, {5, 32, 4, 128, 0, 0, 0},
+		{3, 12, 2, 48, 0, 0, 0}, {4, 8, 1, 64, 50, 0, 0}, {2, 16, 2, 128, 0, 0.05, 0}, {70, 4, 2, 64, 0, 0, 0},
+		{3, 8, 2, 128, 0, 0, 2500}, {2, 8, 4, 256, 0, 0, 0}, {2, 4, 4, 256, 300, 0, 700}, {3, 8, 2, 36, 0, 0, 0},
 	} {
 		const layers, layer = 2, 1
 		seqs := tc.rows
@@ -33,7 +39,7 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 		maxKeys := 0
 		for i := range pos {
 			seqOf[i] = int32(i)
-			pos[i] = int32(r.IntN(200))
+			pos[i] = int32(r.IntN(cmp.Or(tc.maxPos, 200)))
 			caps[i] = pos[i] + 1 + int32(r.IntN(8))
 			maxKeys = max(maxKeys, int(pos[i])+1)
 		}
@@ -124,5 +130,106 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 		for _, b := range bufs {
 			x.Free(b)
 		}
+	}
+}
+
+// BenchmarkAttentionDecode times one layer's attention in a decode step
+// (attention_decode_kernel and attention_combine) for llama3-8b's heads
+// (32 query heads sharing 8 key heads of 128) at batch B, each sequence
+// with C cached keys, replayed from a CUDA graph of 20 calls and timed
+// with events. It reports µs a call and the rate at which the call reads
+// the cache (B·C rows of keys and values, 4 KiB a key): decoding is
+// bound by that read.
+//
+//	cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x
+func BenchmarkAttentionDecode(b *testing.B) {
+	x := openContext(b)
+	const heads, kvHeads, hd, reps = 32, 8, 128, 20
+	for _, tc := range []struct{ batch, ctx int }{{1, 128}, {1, 2048}, {1, 8192}, {8, 2048}, {32, 2048}, {32, 8192}} {
+		b.Run(fmt.Sprintf("batch%d/ctx%d", tc.batch, tc.ctx), func(b *testing.B) {
+			var bufs []Buf
+			defer func() {
+				for _, buf := range bufs {
+					x.Free(buf)
+				}
+			}()
+			alloc := func(n int) Buf {
+				buf, err := x.Alloc(n)
+				if err != nil {
+					b.Fatal(err)
+				}
+				bufs = append(bufs, buf)
+				return buf
+			}
+			kvBytes := 2 * tc.ctx * kvHeads * hd * 2 // one layer's keys and values
+			seqs, pos, caps, bases := make([]int32, tc.batch), make([]int32, tc.batch), make([]int32, tc.batch), make([]uint64, tc.batch)
+			for s := range seqs {
+				c := alloc(kvBytes)
+				if err := x.Memset(c, 0, kvBytes); err != nil {
+					b.Fatal(err)
+				}
+				seqs[s], pos[s], caps[s], bases[s] = int32(s), int32(tc.ctx-1), int32(tc.ctx), c.Ptr()
+			}
+			var m RowMeta
+			for _, a := range []struct {
+				dst *Buf
+				src any
+			}{{&m.RowSeq, seqs}, {&m.RowPos, pos}, {&m.KVCap, caps}, {&m.KVBase, bases}} {
+				var err error
+				switch v := a.src.(type) {
+				case []int32:
+					*a.dst, err = AllocFrom(x, v)
+				case []uint64:
+					*a.dst, err = AllocFrom(x, v)
+				}
+				if err != nil {
+					b.Fatal(err)
+				}
+				bufs = append(bufs, *a.dst)
+			}
+			q := alloc(tc.batch * heads * hd * 2)
+			if err := x.Memset(q, 0, tc.batch*heads*hd*2); err != nil {
+				b.Fatal(err)
+			}
+			out := alloc(tc.batch * heads * hd * 2)
+			ws := alloc(x.Lib().AttentionWorkspaceBytes(tc.batch, heads, hd, tc.ctx))
+			g, err := x.Capture(func() error {
+				for i := 0; i < reps; i++ {
+					if err := x.Attention(q, out, ws, m, 0, 1, tc.batch, heads, kvHeads, hd, tc.ctx, AttnOptions{}); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer x.DestroyGraph(g)
+			e0, _ := x.NewEvent()
+			e1, _ := x.NewEvent()
+			defer x.DestroyEvent(e0)
+			defer x.DestroyEvent(e1)
+			if err := x.Launch(g); err != nil { // warm-up
+				b.Fatal(err)
+			}
+			var ms float64
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				x.Record(e0)
+				x.Launch(g)
+				x.Record(e1)
+				if err := x.Sync(); err != nil {
+					b.Fatal(err)
+				}
+				t, err := x.Elapsed(e0, e1)
+				if err != nil {
+					b.Fatal(err)
+				}
+				ms += t
+			}
+			us := ms * 1e3 / float64(b.N*reps)
+			b.ReportMetric(us, "µs/call")
+			b.ReportMetric(float64(tc.batch*kvBytes)/(us*1e-6)/1e9, "GB/s")
+		})
 	}
 }

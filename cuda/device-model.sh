@@ -11,6 +11,7 @@
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
 #   bash cuda/device-model.sh zoo     # the model-family tests (flash kernel, zoo logits, joined layers)
+#   bash cuda/device-model.sh attn    # the decode attention kernels: tests, BenchmarkAttentionDecode
 #   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
 #                                     # memcheck with leak checking over kernels and model
 #   bash cuda/device-model.sh gemm    # llmq bench gemm with the tinygemm peer (gemm-h200.json)
@@ -45,6 +46,7 @@ if [ -z "${SKIP_BUILD:-}" ]; then
   t0=$(date +%s)
   make cuda NVCC_FLAGS="-O3 -std=c++17 -Xptxas -v" > "$OUT/build.log" 2>&1 || { grep -E "error" "$OUT/build.log" | head -20; tail -20 "$OUT/build.log"; exit 1; }
   grep -A3 "Compiling entry function '_ZN.*w4a16_fused.*sm_90a" "$OUT/build.log" | grep -E "registers|spill" | head -12
+  grep -A3 "Compiling entry function '_ZN.*attention_decode.*sm_90a" "$OUT/build.log" | grep -E "registers|spill" | sed 's/^/attention_decode: /'
   cp build/libllmqcuda.so build/device/
   echo "build $(( $(date +%s) - t0 ))s"
 fi
@@ -220,6 +222,12 @@ case "$1" in
       cp evals/results/seeds-${SEED_MODEL:-llama-tiny}-${m/+/-}-w${mc##*:}-cuda.txt "$OUT/"
     done
     ;;
+  attn) # the decode attention kernels against float64, then their speed (attention-decode-h200.txt)
+    build/device/cuda.test -test.v -test.run 'TestAttention' > "$OUT/cuda-attention-tests.log" 2>&1
+    echo "attention tests rc=$?"; grep -E "^(\s*--- |ok|FAIL)|error" "$OUT/cuda-attention-tests.log" | head -24
+    { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
+      build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1; } | tee "$OUT/attention-decode-h200.txt"
+    ;;
   act) # activations quantized on the GPU (llmq eval ppl --act-bits), llama-tiny, against the CPU's act-*.json
     D=$LLMQ_SHARED/models/llama-tiny
     build/device/cuda.test -test.v -test.run 'TestFakeQuant' 2>&1 | grep -E "^(--- |ok|FAIL)|differ"
@@ -238,13 +246,6 @@ case "$1" in
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}
     [ -d "$TOK" ] || TOK=$LLMQ_SHARED/models/llama-tiny
-    if [ -z "${NO_NSYS:-}" ] && command -v nsys > /dev/null; then  # where a decode step's time goes
-      $L synth --preset llama3-8b --bits 4 --layers 8 -o /tmp/p8 --force --tokenizer $TOK > /dev/null 2>&1
-      timeout 240 nsys profile -o /tmp/decode --force-overwrite true $L bench decode /tmp/p8 --device cuda --context 2048 --batch 1 --steps 32 --prefill 0 > /dev/null 2>&1
-      nsys stats --report cuda_gpu_kern_sum /tmp/decode.nsys-rep > "$OUT/nsys-decode-llama3-8b-8layers.txt" 2>&1
-      head -30 "$OUT/nsys-decode-llama3-8b-8layers.txt" | cut -c1-160
-      rm -rf /tmp/p8
-    fi
     for b in ${SYNTH_BITS:-4 16}; do
       d=/tmp/llama3-8b-b$b
       $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $TOK 2>&1 | tail -1

@@ -313,6 +313,175 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
   }
 }
 
+// attention_decode_kernel is attention_kernel's decoding case (chunks of
+// kDecodeChunk keys) built for memory-level parallelism: a decode step's
+// attention reads the whole cache once and does little arithmetic on it,
+// so its time is the latency of its loads unless many are in flight.
+// Each half-warp owns one key at a time, a lane one or two 16-byte slices
+// (VPL) of the key and value rows, and a lane issues the loads of all its
+// kSlots keys and values before it uses any: one round trip to memory per
+// block, where attention_kernel waits on 2·16/kUnroll of them. The GB
+// query heads of a GQA group that share the key head stay in registers,
+// scores are summed over the 16 lanes of a key (4 shuffles), and each warp
+// keeps its own softmax state (max m, sum l, output); the warps meet once,
+// in shared memory, and write the same (row, head, chunk) records as
+// attention_kernel for attention_combine. head_dim a multiple of 8, at
+// most 16·8·VPL.
+constexpr int kDecodeWarps = 4;
+constexpr int kSlots = kDecodeChunk / kDecodeWarps / 2;  // keys a lane loads: 8
+
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+  const half2* h = reinterpret_cast<const half2*>(&u);
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const float2 v = __half22float2(h[k]);
+    f[2 * k] = v.x, f[2 * k + 1] = v.y;
+  }
+}
+
+template <int GB, int VPL>
+__global__ void __launch_bounds__(32 * kDecodeWarps)
+    attention_decode_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
+                            const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
+                            const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
+                            float scale, int window) {
+  extern __shared__ float smem[];  // [warps][GB] m, [warps][GB] l, [warps][GB][hd] outputs
+  const int t = blockIdx.x, h0 = blockIdx.y * GB, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
+  const int j0 = max(c * kDecodeChunk, window > 0 ? n - window : 0), j1 = min(n, c * kDecodeChunk + kDecodeChunk);
+  float* out = part + (((size_t)t * heads + h0) * gridDim.z + c) * (hd + 2);
+  const size_t head_stride = (size_t)gridDim.z * (hd + 2);
+  if (j0 >= j1) {  // beyond this row's keys, or before its window: an empty chunk
+    if (threadIdx.x < GB) out[threadIdx.x * head_stride + hd] = -INFINITY, out[threadIdx.x * head_stride + hd + 1] = 0.f;
+    return;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int kg = lane >> 4, tl = lane & 15;  // the half-warp (key) and the lane in it
+  const int kvh = h0 / (heads / kv_heads), kv_dim = kv_heads * hd;
+  // The lane's slices of a row: 8 dimensions from 8·(tl + 16·i).
+  bool on[VPL];
+#pragma unroll
+  for (int i = 0; i < VPL; i++) on[i] = 8 * (tl + 16 * i) < hd;
+  float qf[GB][VPL][8];
+  const half* qr = q + ((size_t)t * heads + h0) * hd;  // the GB heads are consecutive
+#pragma unroll
+  for (int g = 0; g < GB; g++)
+#pragma unroll
+    for (int i = 0; i < VPL; i++) {
+      uint4 u = make_uint4(0, 0, 0, 0);
+      if (on[i]) u = *reinterpret_cast<const uint4*>(qr + g * hd + 8 * (tl + 16 * i));
+      unpack8(u, qf[g][i]);
+#pragma unroll
+      for (int e = 0; e < 8; e++) qf[g][i][e] *= scale;
+    }
+  const half* K = cache_row(kv_base, kv_cap, s, 0, layer, layers, 0, kv_dim) + kvh * hd;
+  const half* V = cache_row(kv_base, kv_cap, s, 1, layer, layers, 0, kv_dim) + kvh * hd;
+  // Slot k of the lane is key c·chunk + warp·2·kSlots + 2·k + kg; every
+  // load is issued before the first is used.
+  uint4 kr[kSlots][VPL], vr[kSlots][VPL];
+  bool act[kSlots];
+#pragma unroll
+  for (int k = 0; k < kSlots; k++) {
+    const int j = c * kDecodeChunk + warp * 2 * kSlots + 2 * k + kg;
+    act[k] = j >= j0 && j < j1;
+#pragma unroll
+    for (int i = 0; i < VPL; i++) {
+      kr[k][i] = vr[k][i] = make_uint4(0, 0, 0, 0);
+      if (act[k] && on[i]) {
+        const size_t off = (size_t)j * kv_dim + 8 * (tl + 16 * i);
+        kr[k][i] = *reinterpret_cast<const uint4*>(K + off);
+        vr[k][i] = *reinterpret_cast<const uint4*>(V + off);
+      }
+    }
+  }
+  // Scores: each lane's partial dot product, summed over the half-warp.
+  float sc[kSlots][GB];
+#pragma unroll
+  for (int k = 0; k < kSlots; k++) {
+    float kf[VPL][8];
+#pragma unroll
+    for (int i = 0; i < VPL; i++) unpack8(kr[k][i], kf[i]);
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < VPL; i++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) d += qf[g][i][e] * kf[i][e];
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      sc[k][g] = d;
+    }
+  }
+  // The warp's softmax state over its keys (both half-warps).
+  float m[GB], l[GB], acc[GB][VPL][8];
+#pragma unroll
+  for (int g = 0; g < GB; g++) {
+    m[g] = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kSlots; k++)
+      if (act[k]) m[g] = fmaxf(m[g], sc[k][g]);
+    m[g] = fmaxf(m[g], __shfl_xor_sync(0xffffffffu, m[g], 16));
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPL; i++)
+#pragma unroll
+      for (int e = 0; e < 8; e++) acc[g][i][e] = 0.f;
+  }
+#pragma unroll
+  for (int k = 0; k < kSlots; k++) {
+    if (!act[k]) continue;
+    float vf[VPL][8];
+#pragma unroll
+    for (int i = 0; i < VPL; i++) unpack8(vr[k][i], vf[i]);
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+      const float p = __expf(sc[k][g] - m[g]);
+      l[g] += p;
+#pragma unroll
+      for (int i = 0; i < VPL; i++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[g][i][e] += p * vf[i][e];
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GB; g++) {
+    l[g] += __shfl_xor_sync(0xffffffffu, l[g], 16);
+#pragma unroll
+    for (int i = 0; i < VPL; i++)
+#pragma unroll
+      for (int e = 0; e < 8; e++) acc[g][i][e] += __shfl_xor_sync(0xffffffffu, acc[g][i][e], 16);
+  }
+  // The warps meet: M = max_w m_w, o = Σ_w e^{m_w − M}·o_w, L likewise.
+  float* wm = smem;
+  float* wl = wm + kDecodeWarps * GB;
+  float* wo = wl + kDecodeWarps * GB;
+  if (lane == 0)
+#pragma unroll
+    for (int g = 0; g < GB; g++) wm[warp * GB + g] = m[g], wl[warp * GB + g] = l[g];
+  if (kg == 0)
+#pragma unroll
+    for (int g = 0; g < GB; g++)
+#pragma unroll
+      for (int i = 0; i < VPL; i++)
+        if (on[i])
+#pragma unroll
+          for (int e = 0; e < 8; e++) wo[(warp * GB + g) * hd + 8 * (tl + 16 * i) + e] = acc[g][i][e];
+  __syncthreads();
+  for (int k = threadIdx.x; k < GB * (hd + 2); k += blockDim.x) {
+    const int g = k / (hd + 2), i = k % (hd + 2);
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; w++) M = fmaxf(M, wm[w * GB + g]);
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; w++) {
+      const float l_w = wl[w * GB + g];  // 0: a warp without keys in the chunk
+      if (l_w > 0.f) o += __expf(wm[w * GB + g] - M) * (i < hd ? wo[(w * GB + g) * hd + i] : l_w);
+    }
+    out[g * head_stride + i] = i == hd ? M : o;  // i = hd + 1: L
+  }
+}
+
 // attention_combine: one block per (row, head) merges the chunks:
 // O = Σ_c e^{m_c − M}·o_c / Σ_c e^{m_c − M}·l_c with M = max_c m_c.
 __global__ void attention_combine(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
@@ -469,9 +638,33 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   const int chunk = decode ? kDecodeChunk : max_keys;
   const int chunks = (max_keys + chunk - 1) / chunk;
   const int group = heads / kv_heads;
+  const float qscale = scale > 0 ? scale : 1.f / sqrtf((float)hd);
+  if (decode && hd % 8 == 0 && hd <= 256 && ((uintptr_t)q & 15) == 0) {
+    // attention_decode_kernel: up to 4 query heads a block (2 for
+    // head_dim > 128), their q slices and scores in registers.
+    const int vpl = hd <= 128 ? 1 : 2;
+    const int gb = group % 4 == 0 && vpl == 1 ? 4 : group % 2 == 0 ? 2 : 1;
+    const size_t smem = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float);
+    const dim3 grid(T, heads / gb, chunks);
+#define LLMQ_DECODE(GB, VPL)                                                                                          \
+  attention_decode_kernel<GB, VPL><<<grid, 32 * kDecodeWarps, smem, c->stream>>>(                                     \
+      (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
+      window)
+    switch (vpl * 10 + gb) {
+      case 14: LLMQ_DECODE(4, 1); break;
+      case 12: LLMQ_DECODE(2, 1); break;
+      case 11: LLMQ_DECODE(1, 1); break;
+      case 22: LLMQ_DECODE(2, 2); break;
+      default: LLMQ_DECODE(1, 2);
+    }
+#undef LLMQ_DECODE
+    CK_LAUNCH("attention_decode_kernel");
+    attention_combine<<<dim3(T, heads), 128, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
+    CK_LAUNCH("attention_combine");
+    return 0;
+  }
   const int gb = !decode ? 1 : group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
   const size_t smem = (size_t)gb * (hd + chunk + 4 * hd) * sizeof(float);
-  const float qscale = scale > 0 ? scale : 1.f / sqrtf((float)hd);
   const dim3 grid(T, heads / gb, chunks);
   switch (gb) {
     case 8:  // at most 8·(5·256 + 64) floats: under the default 48 KB
