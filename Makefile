@@ -35,14 +35,17 @@ CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code
 
 .PHONY: build test test-full fuzz e2e gguf-check demo cuda bench clean fmt device schemes
 
-# Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen.
+# Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen,
+# without DWARF (-s -w: a quarter smaller, so more assets fit in the
+# device tool's 64 MiB carry; panics still print their stacks).
 # build/device/COMMIT is for the scripts there that record results of
 # programs other than llmq (evals/torchref/awq.py reads $$LLMQ_COMMIT).
+DEVICE_LDFLAGS = -ldflags "-s -w -X github.com/llmq/llmq/evals.revision=$(REVISION)"
 device:
 	@mkdir -p build/device
-	go build $(LDFLAGS) -o build/device/llmq ./cmd/llmq
-	go test -c $(LDFLAGS) -o build/device/cuda.test ./cuda
-	go test -c $(LDFLAGS) -o build/device/quantize.test ./quantize
+	go build $(DEVICE_LDFLAGS) -o build/device/llmq ./cmd/llmq
+	go test -c $(DEVICE_LDFLAGS) -o build/device/cuda.test ./cuda
+	go test -c $(DEVICE_LDFLAGS) -o build/device/quantize.test ./quantize
 	echo "$(REVISION)" > build/device/COMMIT
 
 build:
