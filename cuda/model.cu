@@ -483,25 +483,51 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
 }
 
 // attention_combine: one block per (row, head) merges the chunks:
-// O = Σ_c e^{m_c − M}·o_c / Σ_c e^{m_c − M}·l_c with M = max_c m_c.
-__global__ void attention_combine(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
-  const int t = blockIdx.x, h = blockIdx.y;
+// O = Σ_c e^{m_c − M}·o_c / Σ_c e^{m_c − M}·l_c with M = max_c m_c. The
+// threads split the chunks to find M and the denominator, then each warp
+// sums a quarter of the chunks' outputs (lane l owning dimensions l,
+// l + 32, …) and the warps meet in shared memory: a long context's 128
+// chunks are 32 steps of a warp, not 3·128 of every thread.
+constexpr int kCombineWarps = 4;
+
+__global__ void __launch_bounds__(32 * kCombineWarps)
+    attention_combine(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
+  __shared__ float red[32];
+  __shared__ float wo[kCombineWarps][32 * kMaxDimsPerLane];
+  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* p = part + ((size_t)t * heads + h) * chunks * (hd + 2);
   float M = -INFINITY;
-  for (int c = 0; c < chunks; c++) M = fmaxf(M, p[c * (hd + 2) + hd]);
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) M = fmaxf(M, p[c * (hd + 2) + hd]);
+  M = block_max(M, red);
   float L = 0.f;
-  for (int c = 0; c < chunks; c++) {
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
     const float* pc = p + c * (hd + 2);
-    if (pc[hd + 1] > 0.f) L += __expf(pc[hd] - M) * pc[hd + 1];
+    if (pc[hd + 1] > 0.f) L += __expf(pc[hd] - M) * pc[hd + 1];  // l = 0: an empty chunk
   }
+  L = block_sum(L, red);
+  float acc[kMaxDimsPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
+#pragma unroll 4
+  for (int c = warp; c < chunks; c += kCombineWarps) {
+    const float* pc = p + c * (hd + 2);
+    if (pc[hd + 1] > 0.f) {  // the same for the whole warp
+      const float w = __expf(pc[hd] - M);
+#pragma unroll
+      for (int i = 0; i < kMaxDimsPerLane; i++)
+        if (lane + 32 * i < hd) acc[i] += w * pc[lane + 32 * i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++)
+    if (lane + 32 * i < hd) wo[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
   half* o = out + ((size_t)t * heads + h) * hd;
   for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    float acc = 0.f;
-    for (int c = 0; c < chunks; c++) {
-      const float* pc = p + c * (hd + 2);
-      if (pc[hd + 1] > 0.f) acc += __expf(pc[hd] - M) * pc[i];
-    }
-    o[i] = __float2half(acc / L);
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; w++) sum += wo[w][i];
+    o[i] = __float2half(sum / L);
   }
 }
 
@@ -659,7 +685,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     }
 #undef LLMQ_DECODE
     CK_LAUNCH("attention_decode_kernel");
-    attention_combine<<<dim3(T, heads), 128, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
+    attention_combine<<<dim3(T, heads), 32 * kCombineWarps, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
     CK_LAUNCH("attention_combine");
     return 0;
   }
@@ -688,7 +714,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
                                                           kv_cap, layer, layers, heads, kv_heads, hd, qscale, chunk, window);
   }
   CK_LAUNCH("attention_kernel");
-  attention_combine<<<dim3(T, heads), 128, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
+  attention_combine<<<dim3(T, heads), 32 * kCombineWarps, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
   CK_LAUNCH("attention_combine");
   return 0;
 }
