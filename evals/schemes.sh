@@ -13,9 +13,17 @@
 # WINDOWS=N: only the first N windows of WikiText-2 (files get -wN).
 # NSAMPLES, ACT_NSAMPLES: calibration windows (default 128 each; other
 # values add -calibN-M to the names).
-# REUSE=1: keep checkpoints and scales already under $OUTDIR/<model>.
-# Activations are simulated (quantize-dequantize) on the CPU. What each
-# row is:
+# REUSE=1: keep checkpoints, scales and perplexities already under
+# $OUTDIR/<model>.
+# EVAL_DEVICE=cuda: the rows' perplexities on the GPU (default cpu; the
+# GPU's fp16 arithmetic moves llama-tiny's INT8/FP8-activation rows by
+# 0.001%/0.012%, ppl-llama-tiny-a8-*-h200.json).
+# ONLY_ROWS="w16a16 w8a16 …": evaluate only these rows (their checkpoints
+# are the ones at hand).
+# STEPS: which of prep (quantize, calibrate, sensitivity), rows (the
+# evaluations) and table to run (default all three): a GPU machine without
+# Go runs STEPS=rows, the table is made where Go is.
+# Activations are simulated (quantize-dequantize). What each row is:
 #   W16A16       the bf16 checkpoint, computed in fp32
 #   W8A16        RTN 8-bit, groups of 128, asymmetric (the W8A8 rows' weights)
 #   W4A16        4-bit g128 asymmetric: RTN; GPTQ (NSAMPLES×2048 of calib.txt,
@@ -53,7 +61,7 @@ W=${OUTDIR:-build/schemes}/$NAME$SUFFIX
 RES=evals/results
 mkdir -p "$W" "$RES"
 : >"$W/rows.tsv"
-: >"$W/commands.txt"
+[ "${REUSE:-}" = 1 ] || : >"$W/commands.txt"  # with REUSE, the commands that made what is reused stay
 run() { echo "+ $*" >&2; echo "$*" >>"$W/commands.txt"; "$@"; }
 have() { [ "${REUSE:-}" = 1 ] && [ -e "$1" ]; }
 # q NAME ARGS…: quantize the model into $W/NAME with a report.
@@ -65,11 +73,17 @@ q() {
 # row ID SCHEME WEIGHTS ACTS CHECKPOINT MADE NOTE [EVAL ARGS…]: evaluate and list a row.
 row() {
   local id=$1 scheme=$2 wts=$3 acts=$4 ck=$5 made=$6 note=$7; shift 7
-  run "$LLMQ" eval ppl "$ck" --data "$WIKI" --seqlen 2048 ${WIN[@]+"${WIN[@]}"} --device cpu "$@" --json "$W/ppl-$id.json" >"$W/ppl-$id.log"
+  [ -z "${ONLY_ROWS:-}" ] || [[ " $ONLY_ROWS " == *" $id "* ]] || return 0
+  if ! have "$W/ppl-$id.json"; then
+    run "$LLMQ" eval ppl "$ck" --data "$WIKI" --seqlen 2048 ${WIN[@]+"${WIN[@]}"} --device "${EVAL_DEVICE:-cpu}" "$@" \
+      --json "$W/ppl-$id.json" >"$W/ppl-$id.log"
+    echo "$scheme: $(grep '^perplexity' "$W/ppl-$id.log")" >&2
+  fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$id" "$scheme" "$wts" "$acts" "$ck" "$W/ppl-$id.json" "$made" "$note" >>"$W/rows.tsv"
-  echo "$scheme: $(grep '^perplexity' "$W/ppl-$id.log")" >&2
 }
+step() { [[ " ${STEPS:-prep rows table} " == *" $1 "* ]]; }
 G=(--bits 4 --group 128 --calib "$CALIB" --nsamples "$NS" --seqlen 2048)
+if step prep; then
 q rtn-w8 --method rtn --bits 8 --group 128
 q rtn-w4 --method rtn --bits 4 --group 128
 q gptq-w4 --method gptq "${G[@]}"
@@ -84,7 +98,10 @@ have "$W/scales-kl.json" || run "$LLMQ" calibrate "$W/gptq-w4" --calib "$CALIB" 
 have "$W/plan.json" || run "$LLMQ" sensitivity "$MODEL" --data "$CALIB" --windows 4 --seqlen 512 --bits 4 --group 128 \
   --high-bits 8 --target-bits 4.5 -o "$W/plan.json" --json "$W/sensitivity.json" >"$W/sensitivity.log"
 q gptq-mixed --method gptq "${G[@]}" --plan "$W/plan.json"
-plan_bits=$(jq -r '.average_bits * 1000 | round / 1000' "$W/plan.json")
+fi
+step rows || exit 0
+plan_bits=$(python3 -c 'import json, sys; print(round(json.load(open(sys.argv[1]))["average_bits"], 3))' "$W/plan.json")
+raised=$(python3 -c 'import json, sys; print(", ".join(json.load(open(sys.argv[1]))["raised"]))' "$W/plan.json")
 
 row w16a16 W16A16 "bf16 (run in fp32)" fp32 "$MODEL" - -
 row w8a16 W8A16 "INT8 RTN g128" fp32 "$W/rtn-w8" "$W/quantize-rtn-w8.json" -
@@ -105,8 +122,9 @@ for m in minmax percentile kl; do
     --act-bits 8 --act-scheme per-tensor --act-scales "$W/scales-$m.json"
 done
 row mixed-4.5 "mixed 4/8-bit, $plan_bits bits" "INT4/INT8 GPTQ g128 by plan" fp32 "$W/gptq-mixed" "$W/quantize-gptq-mixed.json" \
-  "llmq sensitivity (RTN 4-bit probe, 4×512 of calib.txt) raises the costliest layers to 8 bits within 4.5 bits per weight on average: $(jq -r '.raised | join(", ")' "$W/plan.json")"
+  "llmq sensitivity (RTN 4-bit probe, 4×512 of calib.txt) raises the costliest layers to 8 bits within 4.5 bits per weight on average: $raised"
 
+step table || exit 0
 title="Quantization schemes on $NAME"
 [ -n "${WINDOWS:-}" ] && title="$title (first $WINDOWS windows of WikiText-2 only)"
 title="$title. Calibration (calib.txt): GPTQ $NS×2048, AWQ $NS×512, activation thresholds and SmoothQuant factors $ACT_NS×2048."
