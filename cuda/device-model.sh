@@ -8,10 +8,12 @@
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
+#   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
 #   bash cuda/device-model.sh zoo     # the model-family tests (flash kernel, zoo logits, joined layers)
-#   bash cuda/device-model.sh attn    # the decode attention kernels: tests, BenchmarkAttentionDecode
+#   bash cuda/device-model.sh attn    # the decode attention kernels: tests, BenchmarkAttentionDecode, sanitizers
+#   bash cuda/device-model.sh schemes # evals/schemes.sh's rows on the GPU (SCHEME_MODEL, SCHEME_ROWS), prep carried
 #   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
 #                                     # memcheck with leak checking over kernels and model
 #   bash cuda/device-model.sh gemm    # llmq bench gemm with the tinygemm peer (gemm-h200.json)
@@ -166,6 +168,12 @@ case "$1" in
     timeout 200 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestGreedy|TestKernelError' > "$OUT/cuda-model-memcheck-tiny.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-tiny.log" | tail -1)"
     ;;
+  serve8b) # issue 16's serving rows: llmq bench serve on a synthetic llama3-8b W4 at 1, 8, 32, 64 streams
+    TOK=$LLMQ_SHARED/models/${2:-llama-tiny}
+    $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/s8b --force --tokenizer "$TOK" 2>&1 | tail -1
+    $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests ${SERVE_REQUESTS:-64} \
+      --max-tokens ${SERVE_TOKENS:-128} --json "$OUT/serve-h200-llama3-8b-w4.json" 2>&1 | grep -v "^\s*$"
+    ;;
   tasks) # multiple-choice scoring and the server's echoed logprobs on the GPU (llama-tiny)
     D=$LLMQ_SHARED/models/llama-tiny
     $L eval tasks "$D" --tasks evals/tasks/llmq-facts.jsonl --device cuda --json "$OUT/tasks-llmq-facts-llama-tiny-h200.json" 2>&1 | grep -E "^(acc|items|time)|rror"
@@ -227,6 +235,23 @@ case "$1" in
     echo "attention tests rc=$?"; grep -E "^(\s*--- |ok|FAIL)|error" "$OUT/cuda-attention-tests.log" | head -24
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
       build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1; } | tee "$OUT/attention-decode-h200.txt"
+    for tool in memcheck racecheck; do
+      log="$OUT/cuda-$tool-attention-h200.log"
+      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal'" > "$log"
+      timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal' >> "$log" 2>&1
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+    done
+    ;;
+  schemes) # issue 17's table (evals/schemes.sh): its rows evaluated here on the GPU (STEPS=rows), SCHEME_ROWS of
+    # them, from the files the prep step made where Go is (.carry/schemes*.tar.xz: build/schemes/<model>/…); the
+    # RTN and FP8 checkpoints (deterministic, no calibration) are made here with the prep's own commands.
+    M=$LLMQ_SHARED/models/${SCHEME_MODEL:-llama-small}; W=build/schemes/$(basename "$M")
+    grep -E "^build/schemes/llmq quantize .* --method (rtn|fp8) " "$W/commands.txt" | while read -r cmd; do
+      o=$(sed -E 's/.* -o ([^ ]+) .*/\1/' <<< "$cmd")
+      [ -d "$o" ] || [ ! -d "$M" ] || eval "$(sed -e "s#^build/schemes/llmq#$L#" -e "s#\.\./shared#$LLMQ_SHARED#g" <<< "$cmd")" > /dev/null 2>&1 || echo "failed: $cmd"
+    done
+    LLMQ=$L REUSE=1 STEPS=rows EVAL_DEVICE=cuda ONLY_ROWS="${SCHEME_ROWS:-}" bash evals/schemes.sh "$M" 2>&1 | grep -vE "^\+ "
+    mkdir -p "$OUT/schemes" && cp "$W"/ppl-*.json "$W"/ppl-*.log "$OUT/schemes/" && cp "$W/commands.txt" "$OUT/schemes/commands-device.txt"
     ;;
   act) # activations quantized on the GPU (llmq eval ppl --act-bits), llama-tiny, against the CPU's act-*.json
     D=$LLMQ_SHARED/models/llama-tiny

@@ -26,7 +26,9 @@ type LoadOptions struct {
 }
 
 // LoadResult summarises a load test. Latencies are per request: TTFT to
-// the first streamed text, Total to the end of the stream.
+// the first streamed text, Total to the end of the stream, ITL the mean
+// time between its tokens after the first, (Total − TTFT)/(tokens − 1)
+// (requests of one token have none).
 type LoadResult struct {
 	Requests         int                `json:"requests"`
 	Succeeded        int                `json:"succeeded"`
@@ -36,6 +38,7 @@ type LoadResult struct {
 	TokensPerSecond  float64            `json:"tokens_per_s"`
 	TTFT             map[string]float64 `json:"ttft_ms"`
 	Total            map[string]float64 `json:"latency_ms"`
+	ITL              map[string]float64 `json:"itl_ms,omitempty"`
 }
 
 // RunLoad runs the load test.
@@ -45,7 +48,7 @@ func RunLoad(ctx context.Context, opt LoadOptions) (*LoadResult, error) {
 	}
 	res := &LoadResult{Requests: opt.Requests}
 	var mu sync.Mutex
-	var ttft, total []float64
+	var ttft, total, itl []float64
 	next := make(chan int)
 	go func() {
 		defer close(next)
@@ -73,6 +76,9 @@ func RunLoad(ctx context.Context, opt LoadOptions) (*LoadResult, error) {
 					res.Succeeded++
 					res.CompletionTokens += tokens
 					ttft, total = append(ttft, ms(first)), append(total, ms(all))
+					if tokens > 1 {
+						itl = append(itl, ms(all-first)/float64(tokens-1))
+					}
 				}
 				mu.Unlock()
 			}
@@ -81,7 +87,7 @@ func RunLoad(ctx context.Context, opt LoadOptions) (*LoadResult, error) {
 	wg.Wait()
 	res.WallSeconds = time.Since(start).Seconds()
 	res.TokensPerSecond = float64(res.CompletionTokens) / res.WallSeconds
-	res.TTFT, res.Total = percentiles(ttft), percentiles(total)
+	res.TTFT, res.Total, res.ITL = percentiles(ttft), percentiles(total), percentiles(itl)
 	return res, ctx.Err()
 }
 

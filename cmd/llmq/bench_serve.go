@@ -16,18 +16,25 @@ import (
 func newBenchServe() *cobra.Command {
 	var load evals.LoadOptions
 	var opt engine.Options
-	var device, jsonOut string
+	var device, clients, jsonOut string
 	cmd := &cobra.Command{
 		Use:   "serve MODEL_DIR",
 		Short: "Load-test llmq serve in-process: concurrent streaming chat clients on loopback",
-		Long: `Starts the OpenAI-compatible server on a loopback port, drives it with
---clients concurrent streaming chat clients until --requests requests have
-been answered, shuts it down, and reports time to first token, request
-latency percentiles and tokens/s. It fails when a request is lost or
+		Long: `Starts the OpenAI-compatible server on a loopback port and, for each
+--clients level, drives it with that many concurrent streaming chat clients
+until --requests requests have been answered; then shuts it down. Each
+level reports time to first token, inter-token latency (a request's mean
+gap between tokens after the first) and request latency percentiles,
+tokens/s, and the GPU memory in use. It fails when a request is lost or
 goroutines are left behind after shutdown.`,
-		Example: `  llmq bench serve ../shared/models/llama-tiny --clients 32 --requests 256 --json evals/results/serve-load-llama-tiny.json`,
-		Args:    cobra.ExactArgs(1),
+		Example: `  llmq bench serve ../shared/models/llama-tiny --clients 32 --requests 256 --json evals/results/serve-load-llama-tiny.json
+  llmq bench serve /tmp/llama3-8b-w4 --device cuda --clients 1,8,32,64 --max-batch 64 --requests 128 --max-tokens 128`,
+		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			levels, err := parseInts(clients)
+			if err != nil {
+				return fmt.Errorf("--clients: %w", err)
+			}
 			base := runtime.NumGoroutine()
 			m, err := loadModel(args[0], device)
 			if err != nil {
@@ -50,7 +57,33 @@ goroutines are left behind after shutdown.`,
 			go func() {
 				served <- server.Serve(ctx, ln, server.New(e, server.Options{Model: load.Model}), server.ServeOptions{Grace: 10 * time.Second})
 			}()
-			res, lerr := evals.RunLoad(cmd.Context(), load)
+			w := cmd.OutOrStdout()
+			var rows []map[string]any
+			var failed []string
+			var lerr error
+			for _, c := range levels {
+				load.Clients = c
+				res, err := evals.RunLoad(cmd.Context(), load)
+				if err != nil {
+					lerr = err
+					break
+				}
+				row := map[string]any{"clients": c, "result": res}
+				fmt.Fprintf(w, "%d clients: %d/%d requests answered by %s (batch ≤ %d), %d tokens in %.1f s: %.1f tokens/s\n",
+					c, res.Succeeded, res.Requests, e.Backend.Name(), opt.MaxBatch, res.CompletionTokens, res.WallSeconds, res.TokensPerSecond)
+				fmt.Fprintf(w, "  time to first token ms: p50 %.0f  p99 %.0f  max %.0f\n", res.TTFT["p50"], res.TTFT["p99"], res.TTFT["max"])
+				fmt.Fprintf(w, "  inter-token latency ms: p50 %.2f  p99 %.2f\n", res.ITL["p50"], res.ITL["p99"])
+				fmt.Fprintf(w, "  request latency ms:     p50 %.0f  p99 %.0f  max %.0f\n", res.Total["p50"], res.Total["p99"], res.Total["max"])
+				if u, err := e.Backend.Memory(); err == nil && u.DeviceUsed > 0 {
+					row["gpu_memory_used_bytes"], row["memory"] = u.DeviceUsed, u
+					fmt.Fprintf(w, "  GPU memory in use: %.2f GiB (model: weights %.2f, caches %.2f, activations and graphs %.2f)\n",
+						gibf(u.DeviceUsed), gibf(u.Weights), gibf(u.Caches), gibf(u.Activations))
+				}
+				rows = append(rows, row)
+				for _, msg := range res.Errors {
+					failed = append(failed, fmt.Sprintf("%d clients: %s", c, msg))
+				}
+			}
 			stop()
 			serr := <-served
 			e.Close()
@@ -62,20 +95,16 @@ goroutines are left behind after shutdown.`,
 				return serr
 			}
 			leaked := leakedGoroutines(base)
-			fmt.Fprintf(cmd.OutOrStdout(), "%d/%d requests answered by %s (batch ≤ %d) with %d clients, %d tokens in %.1f s: %.1f tokens/s\n",
-				res.Succeeded, res.Requests, e.Backend.Name(), opt.MaxBatch, load.Clients, res.CompletionTokens, res.WallSeconds, res.TokensPerSecond)
-			fmt.Fprintf(cmd.OutOrStdout(), "time to first token ms: p50 %.0f  p90 %.0f  p99 %.0f  max %.0f\n", res.TTFT["p50"], res.TTFT["p90"], res.TTFT["p99"], res.TTFT["max"])
-			fmt.Fprintf(cmd.OutOrStdout(), "request latency ms:     p50 %.0f  p90 %.0f  p99 %.0f  max %.0f\n", res.Total["p50"], res.Total["p90"], res.Total["p99"], res.Total["max"])
-			fmt.Fprintf(cmd.OutOrStdout(), "goroutines left after shutdown: %d\n", leaked)
+			fmt.Fprintf(w, "goroutines left after shutdown: %d\n", leaked)
 			if jsonOut != "" {
 				rec := evals.NewRecord("bench-serve", map[string]any{"model": args[0], "backend": e.Backend.Name(), "max_batch": opt.MaxBatch,
-					"clients": load.Clients, "max_tokens": load.MaxTokens, "result": res, "goroutines_leaked": leaked})
+					"requests": load.Requests, "max_tokens": load.MaxTokens, "levels": rows, "goroutines_leaked": leaked})
 				if err := writeJSON(jsonOut, rec); err != nil {
 					return err
 				}
 			}
-			if len(res.Errors) > 0 {
-				return fmt.Errorf("%d of %d requests failed; first: %s", len(res.Errors), res.Requests, res.Errors[0])
+			if len(failed) > 0 {
+				return fmt.Errorf("%d requests failed; first: %s", len(failed), failed[0])
 			}
 			if leaked > 0 {
 				return fmt.Errorf("%d goroutines still running after shutdown", leaked)
@@ -84,8 +113,8 @@ goroutines are left behind after shutdown.`,
 		},
 	}
 	f := cmd.Flags()
-	f.IntVar(&load.Clients, "clients", 32, "concurrent streaming clients")
-	f.IntVar(&load.Requests, "requests", 128, "requests in all")
+	f.StringVar(&clients, "clients", "32", "concurrent streaming clients: a count, or a comma-separated list of levels run one after another")
+	f.IntVar(&load.Requests, "requests", 128, "requests in all, at each level")
 	f.IntVar(&load.MaxTokens, "max-tokens", 32, "max_tokens of each request")
 	f.StringVar(&load.Prompt, "prompt", "Tell me about the history of Rome", "user message")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")

@@ -344,6 +344,51 @@ func TestBenchDecodePrefills(t *testing.T) {
 	}
 }
 
+// TestBenchServeLevels: bench serve runs each --clients level against one
+// server, every request answered, and records per level the latency
+// percentiles, inter-token latency included; a bad level names the flag.
+func TestBenchServeLevels(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	js := filepath.Join(t.TempDir(), "serve.json")
+	out := mustLLMQ(t, "bench", "serve", model, "--clients", "1,3", "--requests", "6", "--max-tokens", "5", "--json", js)
+	for _, want := range []string{"1 clients: 6/6 requests answered", "3 clients: 6/6 requests answered", "inter-token latency ms", "goroutines left after shutdown: 0"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	raw, err := os.ReadFile(js)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec struct {
+		Data struct {
+			Levels []struct {
+				Clients int              `json:"clients"`
+				Result  evals.LoadResult `json:"result"`
+			} `json:"levels"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(raw, &rec); err != nil {
+		t.Fatal(err)
+	}
+	if len(rec.Data.Levels) != 2 || rec.Data.Levels[0].Clients != 1 || rec.Data.Levels[1].Clients != 3 {
+		t.Fatalf("levels %+v, want clients 1 then 3", rec.Data.Levels)
+	}
+	for _, l := range rec.Data.Levels {
+		r := l.Result
+		if r.Succeeded != 6 || r.CompletionTokens <= 6 {
+			t.Errorf("%d clients: %d of 6 answered, %d tokens (want all, and more than one token a request)", l.Clients, r.Succeeded, r.CompletionTokens)
+		}
+		// A request's mean gap between tokens is shorter than the request.
+		if !(r.ITL["p50"] > 0 && r.ITL["p50"] < r.Total["p50"]) {
+			t.Errorf("%d clients: inter-token latency p50 %v ms, request latency p50 %v ms", l.Clients, r.ITL["p50"], r.Total["p50"])
+		}
+	}
+	if _, err := llmq(t, "bench", "serve", model, "--clients", "2,x"); err == nil || !strings.Contains(err.Error(), "--clients") {
+		t.Errorf("--clients 2,x: %v, want an error naming the flag", err)
+	}
+}
+
 // --version names the commit the results of this binary record.
 func TestVersion(t *testing.T) {
 	out := mustLLMQ(t, "--version")
