@@ -100,8 +100,11 @@ have "$W/plan.json" || run "$LLMQ" sensitivity "$MODEL" --data "$CALIB" --window
 q gptq-mixed --method gptq "${G[@]}" --plan "$W/plan.json"
 fi
 step rows || exit 0
-plan_bits=$(python3 -c 'import json, sys; print(round(json.load(open(sys.argv[1]))["average_bits"], 3))' "$W/plan.json")
-raised=$(python3 -c 'import json, sys; print(", ".join(json.load(open(sys.argv[1]))["raised"]))' "$W/plan.json")
+plan_bits=? raised=?  # the plan is absent where only other rows are evaluated (ONLY_ROWS)
+if [ -f "$W/plan.json" ]; then
+  plan_bits=$(python3 -c 'import json, sys; print(round(json.load(open(sys.argv[1]))["average_bits"], 3))' "$W/plan.json")
+  raised=$(python3 -c 'import json, sys; print(", ".join(json.load(open(sys.argv[1]))["raised"]))' "$W/plan.json")
+fi
 
 row w16a16 W16A16 "bf16 (run in fp32)" fp32 "$MODEL" - -
 row w8a16 W8A16 "INT8 RTN g128" fp32 "$W/rtn-w8" "$W/quantize-rtn-w8.json" -
