@@ -104,7 +104,7 @@ func run(manifest, command, commandsFile, out, title string) error {
 		return err
 	}
 	var rows []Row
-	commits, devices := map[string]bool{}, map[string]bool{}
+	commits, devices, backends := map[string]bool{}, map[string]bool{}, map[string]bool{}
 	for i, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
 		f := strings.Split(line, "\t")
 		if len(f) != 8 {
@@ -115,7 +115,8 @@ func run(manifest, command, commandsFile, out, title string) error {
 			return err
 		}
 		var res struct {
-			Result evals.PPLResult `json:"result"`
+			Result  evals.PPLResult `json:"result"`
+			Backend string          `json:"backend"`
 		}
 		raw, _ := json.Marshal(r.Eval.Data)
 		if err := json.Unmarshal(raw, &res); err != nil {
@@ -137,7 +138,7 @@ func run(manifest, command, commandsFile, out, title string) error {
 		if r.WeightBytes, r.LinearBytes, err = weightBytes(r.Checkpoint); err != nil {
 			return err
 		}
-		commits[r.Eval.Commit], devices[r.Eval.Device] = true, true
+		commits[r.Eval.Commit], devices[r.Eval.Device], backends[res.Backend] = true, true, true
 		rows = append(rows, r)
 	}
 	if len(rows) == 0 {
@@ -150,7 +151,7 @@ func run(manifest, command, commandsFile, out, title string) error {
 		}
 	}
 	rec := evals.Record{Kind: "schemes", Command: command, Commit: joinKeys(commits), Device: joinKeys(devices),
-		Date: time.Now().UTC().Format(time.RFC3339), Data: map[string]any{"rows": rows}}
+		Date: time.Now().UTC().Format(time.RFC3339), Data: map[string]any{"rows": rows, "backends": joinKeys(backends)}}
 	if commandsFile != "" {
 		c, err := os.ReadFile(commandsFile)
 		if err != nil {
@@ -193,7 +194,8 @@ func markdown(rec evals.Record, rows []Row, title string) string {
 		}
 		fmt.Fprintf(&s, "| %s | %s | %s | %.3f | %s | %s | %s |\n", r.Scheme, r.Weights, r.Activations, r.Perplexity, vs, mb(r.WeightBytes), mb(r.LinearBytes))
 	}
-	fmt.Fprintf(&s, "\nWikiText-2 test, %d windows of %d tokens. `%s`, llmq %s, %s.\n", rows[0].Windows, rows[0].SeqLen, rec.Command, rec.Commit, rec.Device)
+	fmt.Fprintf(&s, "\nWikiText-2 test, %d windows of %d tokens, evaluated by %s. `%s`, llmq %s, %s.\n", rows[0].Windows, rows[0].SeqLen,
+		rec.Data["backends"], rec.Command, rec.Commit, rec.Device)
 	var notes []string
 	for _, r := range rows {
 		if r.Note != "" {

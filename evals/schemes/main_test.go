@@ -15,14 +15,19 @@ import (
 
 // TestTable: rows read from eval records and checkpoints become the JSON
 // record (perplexity, change against the first row, bytes) and the
-// markdown table; rows measured on other windows are refused.
+// markdown table, which names the backends that evaluated the rows; rows
+// measured on other windows are refused.
 func TestTable(t *testing.T) {
 	model := shared.Path(t, "models/llama-tiny")
 	dir := t.TempDir()
 	ppl := func(name string, p float64, windows int) string {
 		path := filepath.Join(dir, name+".json")
+		backend := "cpu (gonum)"
+		if name == "w4" {
+			backend = "cuda (NVIDIA H200, W4A16)"
+		}
 		rec := evals.Record{Kind: "ppl", Command: "llmq eval ppl " + name, Commit: "abc", Device: "cpu",
-			Data: map[string]any{"result": evals.PPLResult{Perplexity: p, Windows: windows, SeqLen: 2048}}}
+			Data: map[string]any{"result": evals.PPLResult{Perplexity: p, Windows: windows, SeqLen: 2048}, "backend": backend}}
 		b, _ := json.Marshal(rec)
 		if err := os.WriteFile(path, b, 0o644); err != nil {
 			t.Fatal(err)
@@ -52,7 +57,8 @@ func TestTable(t *testing.T) {
 		t.Errorf("record: %+v", rec)
 	}
 	md, _ := os.ReadFile(out + ".md")
-	if !strings.Contains(string(md), "| W4A16 | INT4 | fp32 | 210.000 | +5.00% | 14.68 MB | 6.29 MB |") || !strings.Contains(string(md), "- W4A16: a note") {
+	if !strings.Contains(string(md), "| W4A16 | INT4 | fp32 | 210.000 | +5.00% | 14.68 MB | 6.29 MB |") || !strings.Contains(string(md), "- W4A16: a note") ||
+		!strings.Contains(string(md), "evaluated by cpu (gonum) + cuda (NVIDIA H200, W4A16).") {
 		t.Errorf("markdown:\n%s", md)
 	}
 	os.WriteFile(manifest, []byte(rows+fmt.Sprintf("w3\tW3A16\tINT3\tfp32\t%s\t%s\t-\t-\n", model, ppl("w3", 230, 2))), 0o644)
