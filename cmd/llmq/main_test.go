@@ -300,22 +300,31 @@ func TestCalibrationTooShort(t *testing.T) {
 	}
 }
 
-// TestBenchDecodePrefills: bench decode times every --prefill length and
-// every context × batch pair, and records them in its JSON; --prefill 0
-// skips the prefill.
-func TestBenchDecodePrefills(t *testing.T) {
-	model := shared.Path(t, "models/llama-tiny")
-	js := filepath.Join(t.TempDir(), "decode.json")
-	out := mustLLMQ(t, "bench", "decode", model, "--prefill", "16,48", "--reps", "1", "--context", "8", "--batch", "1,2", "--steps", "2", "--json", js)
-	for _, want := range []string{"prefill    16 tokens", "prefill    48 tokens", "context     8 batch   1", "context     8 batch   2"} {
-		if !strings.Contains(out, want) {
-			t.Errorf("output lacks %q:\n%s", want, out)
+// benchJSON runs llmq with args and --json FILE, checks that its output
+// holds each of want, and returns the JSON it wrote.
+func benchJSON(t *testing.T, want []string, args ...string) []byte {
+	t.Helper()
+	js := filepath.Join(t.TempDir(), "bench.json")
+	out := mustLLMQ(t, append(args, "--json", js)...)
+	for _, w := range want {
+		if !strings.Contains(out, w) {
+			t.Errorf("output lacks %q:\n%s", w, out)
 		}
 	}
 	raw, err := os.ReadFile(js)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return raw
+}
+
+// TestBenchDecodePrefills: bench decode times every --prefill length and
+// every context × batch pair, and records them in its JSON; --prefill 0
+// skips the prefill.
+func TestBenchDecodePrefills(t *testing.T) {
+	model := shared.Path(t, "models/llama-tiny")
+	raw := benchJSON(t, []string{"prefill    16 tokens", "prefill    48 tokens", "context     8 batch   1", "context     8 batch   2"},
+		"bench", "decode", model, "--prefill", "16,48", "--reps", "1", "--context", "8", "--batch", "1,2", "--steps", "2")
 	var rec struct {
 		Data struct {
 			Results []map[string]any `json:"results"`
@@ -349,17 +358,8 @@ func TestBenchDecodePrefills(t *testing.T) {
 // percentiles, inter-token latency included; a bad level names the flag.
 func TestBenchServeLevels(t *testing.T) {
 	model := shared.Path(t, "models/llama-tiny")
-	js := filepath.Join(t.TempDir(), "serve.json")
-	out := mustLLMQ(t, "bench", "serve", model, "--clients", "1,3", "--requests", "6", "--max-tokens", "5", "--json", js)
-	for _, want := range []string{"1 clients: 6/6 requests answered", "3 clients: 6/6 requests answered", "inter-token latency ms", "goroutines left after shutdown: 0"} {
-		if !strings.Contains(out, want) {
-			t.Errorf("output lacks %q:\n%s", want, out)
-		}
-	}
-	raw, err := os.ReadFile(js)
-	if err != nil {
-		t.Fatal(err)
-	}
+	raw := benchJSON(t, []string{"1 clients: 6/6 requests answered", "3 clients: 6/6 requests answered", "inter-token latency ms", "goroutines left after shutdown: 0"},
+		"bench", "serve", model, "--clients", "1,3", "--requests", "6", "--max-tokens", "5")
 	var rec struct {
 		Data struct {
 			Levels []struct {
