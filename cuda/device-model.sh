@@ -80,7 +80,7 @@ case "$1" in
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group 128 -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
     export LLMQ_TEST_W4_MODELS=${W4#:}
-    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
+    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
     rc=$?
     echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'" | cat - "$OUT/cuda-tests.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests.log"
@@ -231,8 +231,8 @@ case "$1" in
     done
     ;;
   attn) # the decode attention kernels against float64, then their speed (attention-decode-h200.txt)
-    build/device/cuda.test -test.v -test.run 'TestAttention' > "$OUT/cuda-attention-tests.log" 2>&1
-    echo "attention tests rc=$?"; grep -E "^(\s*--- |ok|FAIL)|error" "$OUT/cuda-attention-tests.log" | head -24
+    build/device/cuda.test -test.v -test.run 'TestAttention|TestLongContext' > "$OUT/cuda-attention-tests.log" 2>&1
+    echo "attention tests rc=$?"; grep -E "^(\s*--- |ok|FAIL)|error|Δlogit" "$OUT/cuda-attention-tests.log" | head -24
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
       build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1; } | tee "$OUT/attention-decode-h200.txt"
     for tool in memcheck racecheck; do

@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -598,5 +599,88 @@ func TestClosedModel(t *testing.T) {
 	}
 	if _, err := gpu.Memory(); err == nil {
 		t.Error("Memory on a closed model succeeded")
+	}
+}
+
+// TestLongContextMatchesCPU (issue 16, long context): llama31-rand
+// (Llama-3.1's RoPE scaling, factor 8 over 1024 original positions) with
+// its positions raised to 6144, on the GPU and on the CPU: a prefill of
+// 4200 random tokens (the flash kernel), then 16 decode steps at positions
+// 4200–4215, past 4096 (the decode attention over 66 chunks), each step's
+// logits against the CPU's. Before it, another sequence filled a cache of
+// the same size and closed it, so the long sequence's cache may sit in
+// memory that held other keys and values.
+func TestLongContextMatchesCPU(t *testing.T) {
+	lib := openLib(t)
+	dir := shared.Path(t, "models/archzoo/llama31-rand")
+	const positions, prompt, steps = 6144, 4200, 16
+	open := func() *checkpoint.Checkpoint {
+		ck, err := checkpoint.Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ck.Close() })
+		ck.Config.MaxPositions = positions
+		return ck
+	}
+	ck := open()
+	load, err := pack.Loader(ck.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cpu, err := llm.Load(ck, load)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu, err := Load(lib, open())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gpu.Close()
+	V := gpu.Config().Vocab
+	r := rand.New(rand.NewPCG(3, 4))
+	ids := make([]int, prompt+steps)
+	for i := range ids {
+		ids[i] = r.IntN(V)
+	}
+	ctx := context.Background()
+	other, err := gpu.NewCache(prompt + steps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := gpu.Forward(ctx, []llm.Step{{Cache: other, Tokens: ids[steps:], Logits: make([]float32, V), LastOnly: true}}); err != nil {
+		t.Fatal(err)
+	}
+	other.Close()
+	// run returns the logits after the prefill and after each decode step.
+	run := func(b llm.Backend) [][]float32 {
+		c, err := b.NewCache(prompt + steps)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		var out [][]float32
+		for p := prompt; p <= prompt+steps; p++ {
+			from := p - 1
+			if p == prompt {
+				from = 0
+			}
+			last := make([]float32, V)
+			if err := b.Forward(ctx, []llm.Step{{Cache: c, Tokens: ids[from:p], Logits: last, LastOnly: true}}); err != nil {
+				t.Fatal(err)
+			}
+			out = append(out, last)
+		}
+		return out
+	}
+	g, c := run(gpu), run(cpu)
+	worst, same := 0.0, 0
+	for i := range g {
+		d, _, a := logitDiff(g[i], c[i], V)
+		worst, same = max(worst, d), same+a
+	}
+	t.Logf("positions %d–%d: max |Δlogit| %.4f against the CPU, argmax equal at %d/%d", prompt-1, prompt+steps-1, worst, same, len(g))
+	if worst > 0.05 || same < len(g)-1 {
+		t.Errorf("GPU logits past 4096 positions too far from the CPU's")
 	}
 }
