@@ -18,6 +18,8 @@
 # EVAL_DEVICE=cuda: the rows' perplexities on the GPU (default cpu; the
 # GPU's fp16 arithmetic moves llama-tiny's INT8/FP8-activation rows by
 # 0.001%/0.012%, ppl-llama-tiny-a8-*-h200.json).
+# SCHEMES_COMMAND: the command line the table records, when the steps ran
+# apart (default: this script's).
 # ONLY_ROWS="w16a16 w8a16 …": evaluate only these rows (their checkpoints
 # are the ones at hand).
 # STEPS: which of prep (quantize, calibrate, sensitivity), rows (the
@@ -132,5 +134,5 @@ title="Quantization schemes on $NAME"
 [ -n "${WINDOWS:-}" ] && title="$title (first $WINDOWS windows of WikiText-2 only)"
 title="$title. Calibration (calib.txt): GPTQ $NS×2048, AWQ $NS×512, activation thresholds and SmoothQuant factors $ACT_NS×2048."
 go run ./evals/schemes -manifest "$W/rows.tsv" -commands "$W/commands.txt" -title "$title" \
-  -command "$(echo "${WINDOWS:+WINDOWS=$WINDOWS }evals/schemes.sh $*")" -o "$RES/schemes-$NAME$SUFFIX"
+  -command "${SCHEMES_COMMAND:-${WINDOWS:+WINDOWS=$WINDOWS }evals/schemes.sh $*}" -o "$RES/schemes-$NAME$SUFFIX"
 cat "$RES/schemes-$NAME$SUFFIX.md"
