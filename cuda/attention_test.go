@@ -4,6 +4,7 @@ package cuda
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -16,31 +17,47 @@ import (
 // some past a 64-key chunk, some past 2000 keys) through
 // attention_decode_kernel — GQA groups of 1, 2, 4, 8 and 6 query heads a
 // key head (a block takes 4, 2 or 1 of them), head dims 48, 64, 128 and
-// 256 (two 16-byte slices a lane), a sliding window and a score scale —
-// head_dim 36 (not a multiple of 8: attention_kernel decodes it), and a
-// prefill-sized pass (attention_kernel, one head a block).
+// 256 (two 16-byte slices a lane), a sliding window, a score scale,
+// queries 40× larger (scores past e^88, float32's largest exponential:
+// the softmax must subtract its max) and 24 rows of one sequence (a short prefill into a filled cache)
+// — head_dim 36 (not a multiple of 8: attention_kernel decodes it), and a
+// prefill-sized pass (attention_kernel, one head a block). The workspace
+// starts as huge values, so a chunk record left unwritten fails the test.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(21, 22))
 	for _, tc := range []struct {
 		rows, heads, kvHeads, hd, window int
 		scale                            float32
-		maxPos                           int // positions drawn from 0..maxPos−1 (200 when 0)
+		maxPos                           int     // positions drawn from 0..maxPos−1 (200 when 0)
+		qScale                           float32 // queries times this (1 when 0): scores far from 0
+		oneSeq                           bool    // every row in one sequence, at consecutive positions
 	}{
-		{3, 8, 8, 64, 0, 0, 0}, {4, 8, 4, 128, 0, 0, 0}, {2, 16, 4, 64, 0, 0, 0}, {5, 32, 4, 128, 0, 0, 0},
-		{3, 12, 2, 48, 0, 0, 0}, {4, 8, 1, 64, 50, 0, 0}, {2, 16, 2, 128, 0, 0.05, 0}, {70, 4, 2, 64, 0, 0, 0},
-		{3, 8, 2, 128, 0, 0, 2500}, {2, 8, 4, 256, 0, 0, 0}, {2, 4, 4, 256, 300, 0, 700}, {3, 8, 2, 36, 0, 0, 0},
+		{3, 8, 8, 64, 0, 0, 0, 0, false}, {4, 8, 4, 128, 0, 0, 0, 0, false}, {2, 16, 4, 64, 0, 0, 0, 0, false},
+		{5, 32, 4, 128, 0, 0, 0, 0, false}, {3, 12, 2, 48, 0, 0, 0, 0, false}, {4, 8, 1, 64, 50, 0, 0, 0, false},
+		{2, 16, 2, 128, 0, 0.05, 0, 0, false}, {70, 4, 2, 64, 0, 0, 0, 0, false}, {3, 8, 2, 128, 0, 0, 2500, 0, false},
+		{2, 8, 4, 256, 0, 0, 0, 0, false}, {2, 4, 4, 256, 300, 0, 700, 0, false}, {3, 8, 2, 36, 0, 0, 0, 0, false},
+		{4, 8, 2, 64, 0, 0, 0, 40, false}, {24, 8, 2, 128, 0, 0, 300, 0, true}, {5, 16, 2, 128, 0, 0, 0, 0, false},
 	} {
 		const layers, layer = 2, 1
 		seqs := tc.rows
+		if tc.oneSeq {
+			seqs = 1
+		}
 		caps := make([]int32, seqs)
 		pos := make([]int32, tc.rows)
 		seqOf := make([]int32, tc.rows)
 		maxKeys := 0
+		start := int32(r.IntN(cmp.Or(tc.maxPos, 200)))
 		for i := range pos {
-			seqOf[i] = int32(i)
-			pos[i] = int32(r.IntN(cmp.Or(tc.maxPos, 200)))
-			caps[i] = pos[i] + 1 + int32(r.IntN(8))
+			if tc.oneSeq { // a short prefill into a cache that holds start keys
+				pos[i] = start + int32(i)
+				caps[0] = pos[i] + 1 + int32(r.IntN(8))
+			} else {
+				seqOf[i] = int32(i)
+				pos[i] = int32(r.IntN(cmp.Or(tc.maxPos, 200)))
+				caps[i] = pos[i] + 1 + int32(r.IntN(8))
+			}
 			maxKeys = max(maxKeys, int(pos[i])+1)
 		}
 		kvd, qd := tc.kvHeads*tc.hd, tc.heads*tc.hd
@@ -65,9 +82,21 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 			bases[s] = b.Ptr()
 		}
 		q := gen(tc.rows * qd)
+		if tc.qScale != 0 {
+			for i := range q {
+				q[i] *= tc.qScale
+			}
+			q = fromF16(toF16(q))
+		}
 		qb, _ := AllocFrom(x, toF16(q))
 		out, _ := x.Alloc(tc.rows * qd * 2)
-		ws, _ := x.Alloc(x.Lib().AttentionWorkspaceBytes(tc.rows, tc.heads, tc.hd, maxKeys))
+		// The workspace starts as 3.4e38s (bytes 0x7F): a chunk record the
+		// kernels leave unwritten wins the combine's max and shows.
+		wsBytes := x.Lib().AttentionWorkspaceBytes(tc.rows, tc.heads, tc.hd, maxKeys)
+		ws, _ := x.Alloc(wsBytes)
+		if err := x.Memset(ws, 0x7F, wsBytes); err != nil {
+			t.Fatal(err)
+		}
 		var m RowMeta
 		m.RowSeq, _ = AllocFrom(x, seqOf)
 		m.RowPos, _ = AllocFrom(x, pos)
@@ -136,15 +165,17 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 // BenchmarkAttentionDecode times one layer's attention in a decode step
 // (attention_decode_kernel and attention_combine) for llama3-8b's heads
 // (32 query heads sharing 8 key heads of 128) at batch B, each sequence
-// with C cached keys, replayed from a CUDA graph of 20 calls and timed
-// with events. It reports µs a call and the rate at which the call reads
+// with C cached keys, replayed from a CUDA graph and timed with events.
+// The calls walk through enough layers of cache (256 MiB at least, five
+// times the H200's L2) that each reads its keys from memory, as a decode
+// step does. It reports µs a call and the rate at which the call reads
 // the cache (B·C rows of keys and values, 4 KiB a key): decoding is
 // bound by that read.
 //
 //	cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x
 func BenchmarkAttentionDecode(b *testing.B) {
 	x := openContext(b)
-	const heads, kvHeads, hd, reps = 32, 8, 128, 20
+	const heads, kvHeads, hd = 32, 8, 128
 	for _, tc := range []struct{ batch, ctx int }{{1, 128}, {1, 2048}, {1, 8192}, {8, 2048}, {32, 2048}, {32, 8192}} {
 		b.Run(fmt.Sprintf("batch%d/ctx%d", tc.batch, tc.ctx), func(b *testing.B) {
 			var bufs []Buf
@@ -162,10 +193,12 @@ func BenchmarkAttentionDecode(b *testing.B) {
 				return buf
 			}
 			kvBytes := 2 * tc.ctx * kvHeads * hd * 2 // one layer's keys and values
+			layers := min(512, max(1, (256<<20)/(tc.batch*kvBytes)))
+			reps := max(20, layers)
 			seqs, pos, caps, bases := make([]int32, tc.batch), make([]int32, tc.batch), make([]int32, tc.batch), make([]uint64, tc.batch)
 			for s := range seqs {
-				c := alloc(kvBytes)
-				if err := x.Memset(c, 0, kvBytes); err != nil {
+				c := alloc(layers * kvBytes)
+				if err := x.Memset(c, 0, layers*kvBytes); err != nil {
 					b.Fatal(err)
 				}
 				seqs[s], pos[s], caps[s], bases[s] = int32(s), int32(tc.ctx-1), int32(tc.ctx), c.Ptr()
@@ -195,7 +228,7 @@ func BenchmarkAttentionDecode(b *testing.B) {
 			ws := alloc(x.Lib().AttentionWorkspaceBytes(tc.batch, heads, hd, tc.ctx))
 			g, err := x.Capture(func() error {
 				for i := 0; i < reps; i++ {
-					if err := x.Attention(q, out, ws, m, 0, 1, tc.batch, heads, kvHeads, hd, tc.ctx, AttnOptions{}); err != nil {
+					if err := x.Attention(q, out, ws, m, i%layers, layers, tc.batch, heads, kvHeads, hd, tc.ctx, AttnOptions{}); err != nil {
 						return err
 					}
 				}
@@ -215,10 +248,7 @@ func BenchmarkAttentionDecode(b *testing.B) {
 			var ms float64
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
-				x.Record(e0)
-				x.Launch(g)
-				x.Record(e1)
-				if err := x.Sync(); err != nil {
+				if err := errors.Join(x.Record(e0), x.Launch(g), x.Record(e1), x.Sync()); err != nil {
 					b.Fatal(err)
 				}
 				t, err := x.Elapsed(e0, e1)

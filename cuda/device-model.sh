@@ -164,14 +164,14 @@ case "$1" in
     fi
     ;;
   serve) # the engine on the GPU under load, and the current kernels under the sanitizer
-    $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-h200.json" 2>&1 | tail -5
+    $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-h200.json" 2>&1 | tail -6
     timeout 200 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestGreedy|TestKernelError' > "$OUT/cuda-model-memcheck-tiny.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-tiny.log" | tail -1)"
     ;;
   serve8b) # issue 16's serving rows: llmq bench serve on a synthetic llama3-8b W4 at 1, 8, 32, 64 streams
     TOK=$LLMQ_SHARED/models/${2:-llama-tiny}
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/s8b --force --tokenizer "$TOK" 2>&1 | tail -1
-    $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests ${SERVE_REQUESTS:-64} \
+    $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
       --max-tokens ${SERVE_TOKENS:-128} --json "$OUT/serve-h200-llama3-8b-w4.json" 2>&1 | grep -v "^\s*$"
     ;;
   tasks) # multiple-choice scoring and the server's echoed logprobs on the GPU (llama-tiny)
@@ -248,10 +248,11 @@ case "$1" in
     M=$LLMQ_SHARED/models/${SCHEME_MODEL:-llama-small}; W=build/schemes/$(basename "$M")
     grep -E "^build/schemes/llmq quantize .* --method (rtn|fp8) " "$W/commands.txt" | while read -r cmd; do
       o=$(sed -E 's/.* -o ([^ ]+) .*/\1/' <<< "$cmd")
-      [ -d "$o" ] || [ ! -d "$M" ] || eval "$(sed -e "s#^build/schemes/llmq#$L#" -e "s#\.\./shared#$LLMQ_SHARED#g" <<< "$cmd")" > /dev/null 2>&1 || echo "failed: $cmd"
+      [ -d "$o" ] || [ ! -d "$M" ] || eval "$(sed -e "s#^build/schemes/llmq#$L#" -e "s#\.\./shared#$LLMQ_SHARED#g" <<< "$cmd")" \
+        < /dev/null > /dev/null 2>&1 || echo "failed: $cmd"
     done
     LLMQ=$L REUSE=1 STEPS=rows EVAL_DEVICE=cuda ONLY_ROWS="${SCHEME_ROWS:-}" bash evals/schemes.sh "$M" 2>&1 | grep -vE "^\+ "
-    mkdir -p "$OUT/schemes" && cp "$W"/ppl-*.json "$W"/ppl-*.log "$OUT/schemes/" && cp "$W/commands.txt" "$OUT/schemes/commands-device.txt"
+    mkdir -p "$OUT/schemes"; cp "$W/commands.txt" "$OUT/schemes/commands-device.txt"; cp "$W"/ppl-*.json "$W"/ppl-*.log "$OUT/schemes/"
     ;;
   act) # activations quantized on the GPU (llmq eval ppl --act-bits), llama-tiny, against the CPU's act-*.json
     D=$LLMQ_SHARED/models/llama-tiny

@@ -52,7 +52,11 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 			if P := b.Config().MaxPositions; P > 0 {
 				for _, c := range ctxs {
 					if c+steps+2 > P {
-						return fmt.Errorf("--context %d with --steps %d needs %d positions (two warm-up steps included); the model has %d (max_position_embeddings): use --context %d or less", c, steps, c+steps+2, P, P-steps-2)
+						fix := fmt.Sprintf("use --context %d or less", P-steps-2)
+						if P-steps-2 < 1 {
+							fix = fmt.Sprintf("use --steps %d or less", P-3)
+						}
+						return fmt.Errorf("--context %d with --steps %d needs %d positions (two warm-up steps included); the model has %d (max_position_embeddings): %s", c, steps, c+steps+2, P, fix)
 					}
 				}
 				for _, n := range pre {

@@ -17,6 +17,7 @@ func newBenchServe() *cobra.Command {
 	var load evals.LoadOptions
 	var opt engine.Options
 	var device, clients, jsonOut string
+	var perClient int
 	cmd := &cobra.Command{
 		Use:   "serve MODEL_DIR",
 		Short: "Load-test llmq serve in-process: concurrent streaming chat clients on loopback",
@@ -28,7 +29,7 @@ gap between tokens after the first) and request latency percentiles,
 tokens/s, and the GPU memory in use. It fails when a request is lost or
 goroutines are left behind after shutdown.`,
 		Example: `  llmq bench serve ../shared/models/llama-tiny --clients 32 --requests 256 --json evals/results/serve-load-llama-tiny.json
-  llmq bench serve /tmp/llama3-8b-w4 --device cuda --clients 1,8,32,64 --max-batch 64 --requests 128 --max-tokens 128`,
+  llmq bench serve /tmp/llama3-8b-w4 --device cuda --clients 1,8,32,64 --max-batch 64 --requests-per-client 8 --max-tokens 128`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			levels, err := parseInts(clients)
@@ -63,6 +64,9 @@ goroutines are left behind after shutdown.`,
 			var lerr error
 			for _, c := range levels {
 				load.Clients = c
+				if perClient > 0 {
+					load.Requests = perClient * c
+				}
 				res, err := evals.RunLoad(cmd.Context(), load)
 				if err != nil {
 					lerr = err
@@ -88,20 +92,20 @@ goroutines are left behind after shutdown.`,
 			serr := <-served
 			e.Close()
 			m.Close()
+			leaked := leakedGoroutines(base)
+			fmt.Fprintf(w, "goroutines left after shutdown: %d\n", leaked)
+			if jsonOut != "" && len(rows) > 0 { // the levels that finished, also when a later one failed
+				rec := evals.NewRecord("bench-serve", map[string]any{"model": args[0], "backend": e.Backend.Name(), "max_batch": opt.MaxBatch,
+					"max_tokens": load.MaxTokens, "levels": rows, "goroutines_leaked": leaked})
+				if err := writeJSON(jsonOut, rec); err != nil {
+					return err
+				}
+			}
 			if lerr != nil {
 				return lerr
 			}
 			if serr != nil {
 				return serr
-			}
-			leaked := leakedGoroutines(base)
-			fmt.Fprintf(w, "goroutines left after shutdown: %d\n", leaked)
-			if jsonOut != "" {
-				rec := evals.NewRecord("bench-serve", map[string]any{"model": args[0], "backend": e.Backend.Name(), "max_batch": opt.MaxBatch,
-					"requests": load.Requests, "max_tokens": load.MaxTokens, "levels": rows, "goroutines_leaked": leaked})
-				if err := writeJSON(jsonOut, rec); err != nil {
-					return err
-				}
 			}
 			if len(failed) > 0 {
 				return fmt.Errorf("%d requests failed; first: %s", len(failed), failed[0])
@@ -115,6 +119,7 @@ goroutines are left behind after shutdown.`,
 	f := cmd.Flags()
 	f.StringVar(&clients, "clients", "32", "concurrent streaming clients: a count, or a comma-separated list of levels run one after another")
 	f.IntVar(&load.Requests, "requests", 128, "requests in all, at each level")
+	f.IntVar(&perClient, "requests-per-client", 0, "requests at each level per client, in place of --requests (a level of 64 clients then runs as long as one of 1)")
 	f.IntVar(&load.MaxTokens, "max-tokens", 32, "max_tokens of each request")
 	f.StringVar(&load.Prompt, "prompt", "Tell me about the history of Rome", "user message")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")

@@ -354,12 +354,13 @@ func TestBenchDecodePrefills(t *testing.T) {
 }
 
 // TestBenchServeLevels: bench serve runs each --clients level against one
-// server, every request answered, and records per level the latency
-// percentiles, inter-token latency included; a bad level names the flag.
+// server (--requests-per-client requests each), every request answered,
+// and records per level the latency percentiles, inter-token latency
+// included; a bad level names the flag.
 func TestBenchServeLevels(t *testing.T) {
 	model := shared.Path(t, "models/llama-tiny")
-	raw := benchJSON(t, []string{"1 clients: 6/6 requests answered", "3 clients: 6/6 requests answered", "inter-token latency ms", "goroutines left after shutdown: 0"},
-		"bench", "serve", model, "--clients", "1,3", "--requests", "6", "--max-tokens", "5")
+	raw := benchJSON(t, []string{"1 clients: 2/2 requests answered", "3 clients: 6/6 requests answered", "inter-token latency ms", "goroutines left after shutdown: 0"},
+		"bench", "serve", model, "--clients", "1,3", "--requests-per-client", "2", "--max-tokens", "5")
 	var rec struct {
 		Data struct {
 			Levels []struct {
@@ -376,8 +377,8 @@ func TestBenchServeLevels(t *testing.T) {
 	}
 	for _, l := range rec.Data.Levels {
 		r := l.Result
-		if r.Succeeded != 6 || r.CompletionTokens <= 6 {
-			t.Errorf("%d clients: %d of 6 answered, %d tokens (want all, and more than one token a request)", l.Clients, r.Succeeded, r.CompletionTokens)
+		if n := 2 * l.Clients; r.Requests != n || r.Succeeded != n || r.CompletionTokens <= n {
+			t.Errorf("%d clients: %d of %d answered, %d tokens (want %d, all, and more than one token a request)", l.Clients, r.Succeeded, r.Requests, r.CompletionTokens, n)
 		}
 		// A request's mean gap between tokens is shorter than the request.
 		if !(r.ITL["p50"] > 0 && r.ITL["p50"] < r.Total["p50"]) {
