@@ -40,20 +40,21 @@ type Model struct {
 	lib *Lib
 	x   *Context // nil once closed
 
-	cfg       *checkpoint.Config
-	dev       Device
-	blocks    []*gpuBlock
-	embed     Buf // fp16 [vocab][hidden]
-	norm      Buf // fp32 [hidden]
-	lmHead    *gpuLinear
-	ropes     []ropeTables // each layer's rotary tables (Gemma 3's sliding layers have their own)
-	scratch   Buf          // K·N fp16: large-M W4 layers dequantize here for cuBLAS
-	maxN      int          // widest linear (workspace sizing)
-	maxPermK  int          // widest act-order input (a_perm sizing)
-	quantized bool
-	join      bool      // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
-	act       *ActQuant // simulated quantization of the decoder linears' inputs, or nil
-	maxIn     int       // widest decoder linear input (the fake-quant buffer)
+	cfg        *checkpoint.Config
+	dev        Device
+	blocks     []*gpuBlock
+	embed      Buf // fp16 [vocab][hidden]
+	norm       Buf // fp32 [hidden]
+	lmHead     *gpuLinear
+	ropes      []ropeTables // each layer's rotary tables (Gemma 3's sliding layers have their own)
+	scratch    Buf          // K·N fp16: large-M W4 layers dequantize here for cuBLAS
+	maxN       int          // widest linear (workspace sizing)
+	maxPermK   int          // widest act-order input (a_perm sizing)
+	w4Layers   int          // linears the W4A16 kernel runs
+	wideLayers int          // linears stored on wider grids (8-bit, FP8), dequantized to fp16 at load
+	join       bool         // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
+	act        *ActQuant    // simulated quantization of the decoder linears' inputs, or nil
+	maxIn      int          // widest decoder linear input (the fake-quant buffer)
 
 	weights int64 // bytes of weights (and rotary tables) on the GPU
 	caches  int64 // bytes of open caches
@@ -135,6 +136,9 @@ type hostLinear struct {
 	gw      *pack.GPUWeights // a layer the W4A16 kernel runs
 	w       []float32        // otherwise its weights [out][in]
 	bias    []float32        // nil without
+	// dequantized: w was stored on a grid the kernel does not run (8-bit,
+	// FP8) and is run as fp16.
+	dequantized bool
 }
 
 // Load uploads a checkpoint (packed or unquantized) to the GPU of lib, in
@@ -168,7 +172,7 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	// Per-tensor activation thresholds are per layer: such a run keeps
 	// q/k/v and gate/up separate.
 	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
-	m := &Model{lib: lib, x: x, cfg: c, dev: dev, quantized: q != nil, join: join, act: opt.Act,
+	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act,
 		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}}
 	if err := m.load(ck, q); err != nil {
 		m.Close()
@@ -403,7 +407,7 @@ func (m *Model) readLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm
 			return nil, err
 		}
 		if !pl.Grid.GPUPacked() {
-			h.w = pl.Dequantize()
+			h.w, h.dequantized = pl.Dequantize(), true
 		} else if h.gw, err = pl.GPULayout(); err != nil {
 			return nil, fmt.Errorf("%s: %w", s.Name, err)
 		}
@@ -475,6 +479,10 @@ func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 	}
 	if l.w4 != nil {
 		m.weights += l.w4.Bytes()
+		m.w4Layers++
+	}
+	if h.dequantized {
+		m.wideLayers++
 	}
 	for _, p := range parts {
 		var b Buf
@@ -660,8 +668,13 @@ func (m *Model) Config() *checkpoint.Config { return m.cfg }
 // Name implements llm.Backend.
 func (m *Model) Name() string {
 	kind := "fp16"
-	if m.quantized {
+	switch {
+	case m.w4Layers > 0 && m.wideLayers > 0:
+		kind = "W4A16, wider grids dequantized to fp16"
+	case m.w4Layers > 0:
 		kind = "W4A16"
+	case m.wideLayers > 0:
+		kind = "fp16, wider grids dequantized"
 	}
 	return fmt.Sprintf("cuda (%s, %s)", m.dev.Name, kind)
 }
