@@ -24,7 +24,8 @@
 # are the ones at hand).
 # STEPS: which of prep (quantize, calibrate, sensitivity), rows (the
 # evaluations) and table to run (default all three): a GPU machine without
-# Go runs STEPS=rows, the table is made where Go is.
+# Go runs STEPS=rows, the table is made where Go is from the perplexities
+# brought back (STEPS=table lists the rows without evaluating any).
 # Activations are simulated (quantize-dequantize). What each row is:
 #   W16A16       the bf16 checkpoint, computed in fp32
 #   W8A16        RTN 8-bit, groups of 128, asymmetric (the W8A8 rows' weights)
@@ -73,14 +74,18 @@ q() {
   run "$LLMQ" quantize "$MODEL" "$@" -o "$W/$n" --force --report "$W/quantize-$n.json" >"$W/quantize-$n.log"
 }
 # row ID SCHEME WEIGHTS ACTS CHECKPOINT MADE NOTE [EVAL ARGS…]: evaluate and list a row.
+# With STEPS lacking rows it only lists the row, whose perplexity must be
+# there already (evaluated elsewhere).
 row() {
   local id=$1 scheme=$2 wts=$3 acts=$4 ck=$5 made=$6 note=$7; shift 7
+  ids+=("$id")
   [ -z "${ONLY_ROWS:-}" ] || [[ " $ONLY_ROWS " == *" $id "* ]] || return 0
-  if ! have "$W/ppl-$id.json"; then
+  if step rows && ! have "$W/ppl-$id.json"; then
     run "$LLMQ" eval ppl "$ck" --data "$WIKI" --seqlen 2048 ${WIN[@]+"${WIN[@]}"} --device "${EVAL_DEVICE:-cpu}" "$@" \
       --json "$W/ppl-$id.json" >"$W/ppl-$id.log"
     echo "$scheme: $(grep '^perplexity' "$W/ppl-$id.log")" >&2
   fi
+  [ -e "$W/ppl-$id.json" ] || { echo "row $id: no $W/ppl-$id.json (STEPS=rows evaluates it)" >&2; return 1; }
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$id" "$scheme" "$wts" "$acts" "$ck" "$W/ppl-$id.json" "$made" "$note" >>"$W/rows.tsv"
 }
 step() { [[ " ${STEPS:-prep rows table} " == *" $1 "* ]]; }
@@ -101,7 +106,8 @@ have "$W/plan.json" || run "$LLMQ" sensitivity "$MODEL" --data "$CALIB" --window
   --high-bits 8 --target-bits 4.5 -o "$W/plan.json" --json "$W/sensitivity.json" >"$W/sensitivity.log"
 q gptq-mixed --method gptq "${G[@]}" --plan "$W/plan.json"
 fi
-step rows || exit 0
+step rows || step table || exit 0
+ids=()
 plan_bits=? raised=?  # the plan is absent where only other rows are evaluated (ONLY_ROWS)
 if [ -f "$W/plan.json" ]; then
   plan_bits=$(python3 -c 'import json, sys; print(round(json.load(open(sys.argv[1]))["average_bits"], 3))' "$W/plan.json")
@@ -129,6 +135,9 @@ done
 row mixed-4.5 "mixed 4/8-bit, $plan_bits bits" "INT4/INT8 GPTQ g128 by plan" fp32 "$W/gptq-mixed" "$W/quantize-gptq-mixed.json" \
   "llmq sensitivity (RTN 4-bit probe, 4×512 of calib.txt) raises the costliest layers to 8 bits within 4.5 bits per weight on average: $raised"
 
+for id in ${ONLY_ROWS:-}; do  # a misspelt id would evaluate nothing, silently
+  [[ " ${ids[*]} " == *" $id "* ]] || { echo "ONLY_ROWS: no row $id (rows: ${ids[*]})" >&2; exit 2; }
+done
 step table || exit 0
 title="Quantization schemes on $NAME"
 [ -n "${WINDOWS:-}" ] && title="$title (first $WINDOWS windows of WikiText-2 only)"
