@@ -172,7 +172,7 @@ case "$1" in
     TOK=$LLMQ_SHARED/models/${2:-llama-tiny}
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/s8b --force --tokenizer "$TOK" 2>&1 | tail -1
     $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
-      --max-tokens ${SERVE_TOKENS:-128} --json "$OUT/serve-h200-llama3-8b-w4.json" 2>&1 | grep -v "^\s*$"
+      --max-tokens ${SERVE_TOKENS:-128} --logprobs --json "$OUT/serve-h200-llama3-8b-w4.json" 2>&1 | grep -v "^\s*$"
     ;;
   tasks) # multiple-choice scoring and the server's echoed logprobs on the GPU (llama-tiny)
     D=$LLMQ_SHARED/models/llama-tiny

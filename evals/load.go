@@ -23,12 +23,18 @@ type LoadOptions struct {
 	Requests  int
 	MaxTokens int
 	Prompt    string // the user message; request i appends " (i)"
+	// Logprobs asks for each token's log-probability, so that every token
+	// streams an event even when its text is empty (a tokenizer that
+	// cannot spell the model's tokens, as a synthetic model's): the first
+	// token is then timed by its event, not by the first visible text.
+	Logprobs bool
 }
 
 // LoadResult summarises a load test. Latencies are per request: TTFT to
-// the first streamed text, Total to the end of the stream, ITL the mean
-// time between its tokens after the first, (Total − TTFT)/(tokens − 1)
-// (requests of one token have none).
+// the first streamed text (or logprobs), Total to the end of the stream,
+// ITL the mean time between its tokens after the first, (Total −
+// TTFT)/(tokens − 1) (requests of one token have none; neither has a
+// request whose stream carried no text and no logprobs).
 type LoadResult struct {
 	Requests         int                `json:"requests"`
 	Succeeded        int                `json:"succeeded"`
@@ -75,9 +81,12 @@ func RunLoad(ctx context.Context, opt LoadOptions) (*LoadResult, error) {
 				} else {
 					res.Succeeded++
 					res.CompletionTokens += tokens
-					ttft, total = append(ttft, ms(first)), append(total, ms(all))
-					if tokens > 1 {
-						itl = append(itl, ms(all-first)/float64(tokens-1))
+					total = append(total, ms(all))
+					if first > 0 { // no text and no logprobs: nothing timed the first token
+						ttft = append(ttft, ms(first))
+						if tokens > 1 {
+							itl = append(itl, ms(all-first)/float64(tokens-1))
+						}
 					}
 				}
 				mu.Unlock()
@@ -119,8 +128,8 @@ func Median(xs []float64) float64 {
 func streamChat(ctx context.Context, client *http.Client, opt LoadOptions, prompt string) (first, all time.Duration, tokens int, err error) {
 	body, _ := json.Marshal(map[string]any{
 		"model": opt.Model, "stream": true, "max_tokens": opt.MaxTokens, "temperature": 0,
-		"stream_options": map[string]any{"include_usage": true},
-		"messages":       []any{map[string]any{"role": "user", "content": prompt}},
+		"stream_options": map[string]any{"include_usage": true}, "logprobs": opt.Logprobs,
+		"messages": []any{map[string]any{"role": "user", "content": prompt}},
 	})
 	req, err := http.NewRequestWithContext(ctx, "POST", strings.TrimSuffix(opt.URL, "/")+"/v1/chat/completions", bytes.NewReader(body))
 	if err != nil {
@@ -149,7 +158,10 @@ func streamChat(ctx context.Context, client *http.Client, opt LoadOptions, promp
 		}
 		var ev struct {
 			Choices []struct {
-				Delta struct{ Content string }
+				Delta    struct{ Content string }
+				Logprobs *struct {
+					Content []json.RawMessage `json:"content"`
+				} `json:"logprobs"`
 			}
 			Usage *struct {
 				CompletionTokens int `json:"completion_tokens"`
@@ -162,8 +174,11 @@ func streamChat(ctx context.Context, client *http.Client, opt LoadOptions, promp
 		if ev.Error != nil {
 			return 0, 0, 0, fmt.Errorf("server error in stream: %s", ev.Error.Message)
 		}
-		if len(ev.Choices) > 0 && ev.Choices[0].Delta.Content != "" && first == 0 {
-			first = time.Since(t0)
+		if len(ev.Choices) > 0 && first == 0 {
+			c := ev.Choices[0]
+			if c.Delta.Content != "" || (c.Logprobs != nil && len(c.Logprobs.Content) > 0) {
+				first = time.Since(t0)
+			}
 		}
 		if ev.Usage != nil {
 			tokens = ev.Usage.CompletionTokens

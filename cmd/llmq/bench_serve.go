@@ -75,8 +75,12 @@ goroutines are left behind after shutdown.`,
 				row := map[string]any{"clients": c, "result": res}
 				fmt.Fprintf(w, "%d clients: %d/%d requests answered by %s (batch ≤ %d), %d tokens in %.1f s: %.1f tokens/s\n",
 					c, res.Succeeded, res.Requests, e.Backend.Name(), opt.MaxBatch, res.CompletionTokens, res.WallSeconds, res.TokensPerSecond)
-				fmt.Fprintf(w, "  time to first token ms: p50 %.0f  p99 %.0f  max %.0f\n", res.TTFT["p50"], res.TTFT["p99"], res.TTFT["max"])
-				fmt.Fprintf(w, "  inter-token latency ms: p50 %.2f  p99 %.2f\n", res.ITL["p50"], res.ITL["p99"])
+				if res.TTFT == nil {
+					fmt.Fprintf(w, "  time to first token: no request streamed text (--logprobs times tokens a tokenizer cannot spell)\n")
+				} else {
+					fmt.Fprintf(w, "  time to first token ms: p50 %.0f  p99 %.0f  max %.0f\n", res.TTFT["p50"], res.TTFT["p99"], res.TTFT["max"])
+					fmt.Fprintf(w, "  inter-token latency ms: p50 %.2f  p99 %.2f\n", res.ITL["p50"], res.ITL["p99"])
+				}
 				fmt.Fprintf(w, "  request latency ms:     p50 %.0f  p99 %.0f  max %.0f\n", res.Total["p50"], res.Total["p99"], res.Total["max"])
 				if u, err := e.Backend.Memory(); err == nil && u.DeviceUsed > 0 {
 					row["gpu_memory_used_bytes"], row["memory"] = u.DeviceUsed, u
@@ -119,6 +123,7 @@ goroutines are left behind after shutdown.`,
 	f := cmd.Flags()
 	f.StringVar(&clients, "clients", "32", "concurrent streaming clients: a count, or a comma-separated list of levels run one after another")
 	f.IntVar(&load.Requests, "requests", 128, "requests in all, at each level")
+	f.BoolVar(&load.Logprobs, "logprobs", false, "ask for logprobs, so that every token streams an event: times the first token of a model whose tokenizer cannot spell its tokens (llmq synth's)")
 	f.IntVar(&perClient, "requests-per-client", 0, "requests at each level per client, in place of --requests (a level of 64 clients then runs as long as one of 1)")
 	f.IntVar(&load.MaxTokens, "max-tokens", 32, "max_tokens of each request")
 	f.StringVar(&load.Prompt, "prompt", "Tell me about the history of Rome", "user message")

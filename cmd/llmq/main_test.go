@@ -380,10 +380,16 @@ func TestBenchServeLevels(t *testing.T) {
 		if n := 2 * l.Clients; r.Requests != n || r.Succeeded != n || r.CompletionTokens <= n {
 			t.Errorf("%d clients: %d of %d answered, %d tokens (want %d, all, and more than one token a request)", l.Clients, r.Succeeded, r.Requests, r.CompletionTokens, n)
 		}
-		// A request's mean gap between tokens is shorter than the request.
-		if !(r.ITL["p50"] > 0 && r.ITL["p50"] < r.Total["p50"]) {
-			t.Errorf("%d clients: inter-token latency p50 %v ms, request latency p50 %v ms", l.Clients, r.ITL["p50"], r.Total["p50"])
+		// The first token comes before the end, and a request's mean gap
+		// between tokens is shorter than the request.
+		if !(r.TTFT["p50"] > 0 && r.TTFT["p50"] < r.Total["p50"] && r.ITL["p50"] > 0 && r.ITL["p50"] < r.Total["p50"]) {
+			t.Errorf("%d clients: time to first token p50 %v ms, inter-token latency p50 %v ms, request latency p50 %v ms",
+				l.Clients, r.TTFT["p50"], r.ITL["p50"], r.Total["p50"])
 		}
+	}
+	// --logprobs: every token streams an event, and they time the first.
+	if out := mustLLMQ(t, "bench", "serve", model, "--clients", "2", "--requests", "2", "--max-tokens", "3", "--logprobs"); !strings.Contains(out, "2/2 requests answered") || !strings.Contains(out, "time to first token ms") {
+		t.Errorf("--logprobs:\n%s", out)
 	}
 	if _, err := llmq(t, "bench", "serve", model, "--clients", "2,x"); err == nil || !strings.Contains(err.Error(), "--clients") {
 		t.Errorf("--clients 2,x: %v, want an error naming the flag", err)
