@@ -19,7 +19,7 @@
 # GPU's fp16 arithmetic moves llama-tiny's INT8/FP8-activation rows by
 # 0.001%/0.012%, ppl-llama-tiny-a8-*-h200.json).
 # SCHEMES_COMMAND: the command line the table records, when the steps ran
-# apart (default: this script's).
+# apart (default: this script's); SCHEMES_NOTE: a sentence for its title.
 # ONLY_ROWS="w16a16 w8a16 …": evaluate only these rows (their checkpoints
 # are the ones at hand).
 # STEPS: which of prep (quantize, calibrate, sensitivity), rows (the
@@ -114,11 +114,13 @@ if [ -f "$W/plan.json" ]; then
   raised=$(python3 -c 'import json, sys; print(", ".join(json.load(open(sys.argv[1]))["raised"]))' "$W/plan.json")
 fi
 
-row w16a16 W16A16 "bf16 (run in fp32)" fp32 "$MODEL" - -
-row w8a16 W8A16 "INT8 RTN g128" fp32 "$W/rtn-w8" "$W/quantize-rtn-w8.json" -
-row w4a16-rtn "W4A16 RTN" "INT4 RTN g128" fp32 "$W/rtn-w4" "$W/quantize-rtn-w4.json" -
-row w4a16-gptq "W4A16 GPTQ" "INT4 GPTQ g128" fp32 "$W/gptq-w4" "$W/quantize-gptq-w4.json" -
-row w4a16-awq "W4A16 AWQ" "INT4 AWQ g128" fp32 "$W/awq-w4" "$W/quantize-awq-w4.json" -
+# the unquantized activations' precision: the CPU computes in fp32, the GPU in fp16
+FP=fp32; [ "${EVAL_DEVICE:-cpu}" = cpu ] || FP=fp16
+row w16a16 W16A16 "bf16 (run in $FP)" $FP "$MODEL" - -
+row w8a16 W8A16 "INT8 RTN g128" $FP "$W/rtn-w8" "$W/quantize-rtn-w8.json" -
+row w4a16-rtn "W4A16 RTN" "INT4 RTN g128" $FP "$W/rtn-w4" "$W/quantize-rtn-w4.json" -
+row w4a16-gptq "W4A16 GPTQ" "INT4 GPTQ g128" $FP "$W/gptq-w4" "$W/quantize-gptq-w4.json" -
+row w4a16-awq "W4A16 AWQ" "INT4 AWQ g128" $FP "$W/awq-w4" "$W/quantize-awq-w4.json" -
 row fp8-w8a8 "FP8 W8A8" "FP8 E4M3 per channel" "FP8 E4M3 per token" "$W/fp8" "$W/quantize-fp8.json" - \
   --act-bits 8 --act-format fp8
 row w8a8-token "W8A8 per token" "INT8 RTN g128" "INT8 per token" "$W/rtn-w8" "$W/quantize-rtn-w8.json" - --act-bits 8
@@ -132,7 +134,7 @@ for m in minmax percentile kl; do
     "static thresholds from llmq calibrate --method $m on the W4 checkpoint ($ACT_NS×2048 of calib.txt)" \
     --act-bits 8 --act-scheme per-tensor --act-scales "$W/scales-$m.json"
 done
-row mixed-4.5 "mixed 4/8-bit, $plan_bits bits" "INT4/INT8 GPTQ g128 by plan" fp32 "$W/gptq-mixed" "$W/quantize-gptq-mixed.json" \
+row mixed-4.5 "mixed 4/8-bit, $plan_bits bits" "INT4/INT8 GPTQ g128 by plan" $FP "$W/gptq-mixed" "$W/quantize-gptq-mixed.json" \
   "llmq sensitivity (RTN 4-bit probe, 4×512 of calib.txt) raises the costliest layers to 8 bits within 4.5 bits per weight on average: $raised"
 
 for id in ${ONLY_ROWS:-}; do  # a misspelt id would evaluate nothing, silently
@@ -141,7 +143,7 @@ done
 step table || exit 0
 title="Quantization schemes on $NAME"
 [ -n "${WINDOWS:-}" ] && title="$title (first $WINDOWS windows of WikiText-2 only)"
-title="$title. Calibration (calib.txt): GPTQ $NS×2048, AWQ $NS×512, activation thresholds and SmoothQuant factors $ACT_NS×2048."
+title="$title. Calibration (calib.txt): GPTQ $NS×2048, AWQ $NS×512, activation thresholds and SmoothQuant factors $ACT_NS×2048.${SCHEMES_NOTE:+ $SCHEMES_NOTE}"
 go run ./evals/schemes -manifest "$W/rows.tsv" -commands "$W/commands.txt" -title "$title" \
   -command "${SCHEMES_COMMAND:-${WINDOWS:+WINDOWS=$WINDOWS }evals/schemes.sh $*}" -o "$RES/schemes-$NAME$SUFFIX"
 cat "$RES/schemes-$NAME$SUFFIX.md"
