@@ -40,6 +40,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -771,9 +772,12 @@ func (e *Engine) run() {
 			}
 		}
 
-		// One new token for each sequence.
+		// One new token for each sequence: the rows that decode are sampled
+		// in parallel first (a pass over the vocabulary each, ≈ 50 µs at
+		// 128k logits, 2 ms a step at batch 32 one after another).
+		picks := pickAll(active)
 		live = active[:0]
-		for _, s := range active {
+		for i, s := range active {
 			if s.refilling { // the cache is back; scoring goes on next time
 				s.refilling = false
 				live = append(live, s)
@@ -796,12 +800,11 @@ func (e *Engine) run() {
 					continue
 				}
 			}
-			id := s.sampler.Sample(row)
-			var lp *TokenLogprob
-			if s.req.Logprobs {
-				v, top := llm.Logprobs(row, id, s.req.TopLogprobs)
-				lp = &TokenLogprob{ID: id, Logprob: v, Top: top}
+			pk := picks[i]
+			if !pk.ok { // the first token after a scored prompt
+				pk = s.pick(row)
 			}
+			id, lp := pk.id, pk.lp
 			if slices.Contains(e.Stop, id) {
 				if lp != nil {
 					s.tokens <- token{id: id, lp: lp, eos: true}
@@ -822,6 +825,46 @@ func (e *Engine) run() {
 		}
 		active = live
 	}
+}
+
+// pick is a sequence's next token, with its logprob when asked.
+type pick struct {
+	id int
+	lp *TokenLogprob
+	ok bool
+}
+
+// pick samples the next token from a row of logits.
+func (s *sequence) pick(row []float32) pick {
+	p := pick{id: s.sampler.Sample(row), ok: true}
+	if s.req.Logprobs {
+		v, top := llm.Logprobs(row, p.id, s.req.TopLogprobs)
+		p.lp = &TokenLogprob{ID: p.id, Logprob: v, Top: top}
+	}
+	return p
+}
+
+// pickAll samples, in parallel, the next token of every sequence in the
+// batch that decodes (not refilling its cache, not scoring its prompt);
+// the others' picks are left unset. Each sequence has its own sampler.
+func pickAll(batch []*sequence) []pick {
+	picks := make([]pick, len(batch))
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
+	for i, s := range batch {
+		if s.refilling || s.scoring {
+			continue
+		}
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			picks[i] = s.pick(s.logits)
+			<-sem
+		}()
+	}
+	wg.Wait()
+	return picks
 }
 
 // setStep sets the tokens of the sequence's next step: next, after what
