@@ -169,13 +169,15 @@ __global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k,
 
 // Attention runs in two kernels, as flash-decoding does (Dao et al. 2023):
 // attention_kernel splits each (row, head)'s keys 0..row_pos into chunks
-// of `chunk` keys (64 when decoding), one block of 128 threads per chunk
-// and GB query heads of one GQA group (when decoding), and writes each
-// head's running max m, sum l = Σ exp(s − m) and unnormalised output
-// Σ exp(s − m)·v for the chunk; attention_combine merges the chunks. Decoding (few rows,
-// long contexts) gets many blocks per head this way; prefill uses one
-// chunk per row. With a sliding window W (Mistral's, Gemma's sliding
-// layers) a row sees only its last W keys.
+// of `chunk` keys (64 when decoding), one block of 128 threads per
+// (row, head, chunk), and writes the chunk's running max m, sum
+// l = Σ exp(s − m) and unnormalised output Σ exp(s − m)·v;
+// attention_combine merges the chunks. Decoding (few rows, long contexts)
+// gets many blocks per head this way; prefill uses one chunk per row.
+// With a sliding window W (Mistral's, Gemma's sliding layers) a row sees
+// only its last W keys. Decoding usually runs attention_decode_kernel
+// below instead, which reads each key row once for a GQA group; this
+// kernel decodes the head dims that one does not take.
 //
 // In a block, each warp scores keys (lanes over the head dimension, the
 // query in shared memory), then each warp accumulates the output of its
@@ -187,47 +189,39 @@ constexpr int kMaxDimsPerLane = 8;  // head_dim ≤ 256
 constexpr int kUnroll = 4;          // keys a warp loads at once
 constexpr int kDecodeChunk = 64;    // keys per block when decoding
 
-template <int GB>
 __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                                  const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                                  const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads,
                                  int hd, float scale, int chunk, int window) {
-  extern __shared__ float smem[];  // [GB][hd] queries, [GB][chunk] scores, [warps][GB][hd] warp outputs
+  extern __shared__ float smem[];  // [hd] query, [chunk] scores, [4][hd] warp outputs
   __shared__ float red[32];
-  const int t = blockIdx.x, h0 = blockIdx.y * GB, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
+  const int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
   // A sliding window W sees keys n−W … n−1; chunks before it are empty.
   const int j0 = max(c * chunk, window > 0 ? n - window : 0), j1 = min(n, c * chunk + chunk);
-  // part holds (row, head, chunk) records of hd + 2 floats; the block's
-  // GB heads are gridDim.z records apart.
-  float* out = part + (((size_t)t * heads + h0) * gridDim.z + c) * (hd + 2);
-  const size_t head_stride = (size_t)gridDim.z * (hd + 2);
-  if (j0 >= j1) {  // beyond this row's keys: an empty chunk
-    if (threadIdx.x < GB) out[threadIdx.x * head_stride + hd] = -INFINITY, out[threadIdx.x * head_stride + hd + 1] = 0.f;
+  float* out = part + (((size_t)t * heads + h) * gridDim.z + c) * (hd + 2);
+  if (j0 >= j1) {  // beyond this row's keys, or before its window: an empty chunk
+    if (threadIdx.x == 0) out[hd] = -INFINITY, out[hd + 1] = 0.f;
     return;
   }
-  const int kvh = h0 / (heads / kv_heads), kv_dim = kv_heads * hd;
+  const int kvh = h / (heads / kv_heads), kv_dim = kv_heads * hd;
   float* qs = smem;
-  float* sc = smem + GB * hd;
-  float* wo = sc + GB * chunk;
-  const half* qr = q + ((size_t)t * heads + h0) * hd;  // the GB heads are consecutive
-  for (int i = threadIdx.x; i < GB * hd; i += blockDim.x) qs[i] = __half2float(qr[i]) * scale;
+  float* sc = smem + hd;
+  float* wo = sc + chunk;
+  const half* qr = q + ((size_t)t * heads + h) * hd;
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = __half2float(qr[i]) * scale;
   __syncthreads();
   const half* K = cache_row(kv_base, kv_cap, s, 0, layer, layers, 0, kv_dim) + kvh * hd;
   const half* V = cache_row(kv_base, kv_cap, s, 1, layer, layers, 0, kv_dim) + kvh * hd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   // Scores, kUnroll keys per warp at a time so that their loads are in
-  // flight together (a decode step is latency-bound, not bandwidth-bound);
-  // each key row is read once for the GB query heads that share it.
-  float mx[GB];
-#pragma unroll
-  for (int g = 0; g < GB; g++) mx[g] = -INFINITY;
+  // flight together (a decode step is latency-bound, not bandwidth-bound).
+  float mx = -INFINITY;
   for (int j = j0 + warp; j < j1; j += kUnroll * nwarps) {
-    float d[kUnroll][GB];
+    float d[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; u++) {
       const int jj = j + u * nwarps;
-#pragma unroll
-      for (int g = 0; g < GB; g++) d[u][g] = 0.f;
+      d[u] = 0.f;
       if (jj < j1) {
         const half2* kr = (const half2*)(K + (size_t)jj * kv_dim);
 #pragma unroll
@@ -235,8 +229,7 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
           const int i = lane + 32 * r;
           if (i < hd / 2) {
             const float2 kv = __half22float2(kr[i]);
-#pragma unroll
-            for (int g = 0; g < GB; g++) d[u][g] += qs[g * hd + 2 * i] * kv.x + qs[g * hd + 2 * i + 1] * kv.y;
+            d[u] += qs[2 * i] * kv.x + qs[2 * i + 1] * kv.y;
           }
         }
       }
@@ -244,73 +237,49 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
 #pragma unroll
     for (int u = 0; u < kUnroll; u++) {
       const int jj = j + u * nwarps;
-#pragma unroll
-      for (int g = 0; g < GB; g++) {
-        const float v = warp_sum(d[u][g]);
-        if (jj < j1) {
-          if (lane == 0) sc[g * chunk + jj - j0] = v;
-          mx[g] = fmaxf(mx[g], v);
-        }
+      const float v = warp_sum(d[u]);
+      if (jj < j1) {
+        if (lane == 0) sc[jj - j0] = v;
+        mx = fmaxf(mx, v);
       }
     }
   }
-  float sum[GB];
-#pragma unroll
-  for (int g = 0; g < GB; g++) mx[g] = block_max(mx[g], red);
-#pragma unroll
-  for (int g = 0; g < GB; g++) {
-    sum[g] = 0.f;
-    for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) {
-      const float e = __expf(sc[g * chunk + j] - mx[g]);
-      sc[g * chunk + j] = e;
-      sum[g] += e;
-    }
+  mx = block_max(mx, red);
+  float sum = 0.f;
+  for (int j = threadIdx.x; j < j1 - j0; j += blockDim.x) {
+    const float e = __expf(sc[j] - mx);
+    sc[j] = e;
+    sum += e;
   }
-#pragma unroll
-  for (int g = 0; g < GB; g++) sum[g] = block_sum(sum[g], red);  // the barriers publish sc
+  sum = block_sum(sum, red);  // its barriers publish sc
   // Lane l accumulates dimensions l, l + 32, …: loads of a warp stay
-  // contiguous, and any head_dim up to 32·kMaxDimsPerLane works; each
-  // value row is read once for the GB heads.
-  float acc[GB][kMaxDimsPerLane];
+  // contiguous, and any head_dim up to 32·kMaxDimsPerLane works.
+  float acc[kMaxDimsPerLane];
 #pragma unroll
-  for (int g = 0; g < GB; g++)
-#pragma unroll
-    for (int i = 0; i < kMaxDimsPerLane; i++) acc[g][i] = 0.f;
+  for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
   for (int j = j0 + warp; j < j1; j += kUnroll * nwarps) {
 #pragma unroll
     for (int u = 0; u < kUnroll; u++) {
       const int jj = j + u * nwarps;
       if (jj < j1) {
         const half* vr = V + (size_t)jj * kv_dim;
-        float vv[kMaxDimsPerLane];
+        const float p = sc[jj - j0];
 #pragma unroll
-        for (int i = 0; i < kMaxDimsPerLane; i++) vv[i] = lane + 32 * i < hd ? __half2float(vr[lane + 32 * i]) : 0.f;
-#pragma unroll
-        for (int g = 0; g < GB; g++) {
-          const float p = sc[g * chunk + jj - j0];
-#pragma unroll
-          for (int i = 0; i < kMaxDimsPerLane; i++)
-            if (32 * i < hd) acc[g][i] += p * vv[i];  // uniform across the warp: dims past hd skipped
-        }
+        for (int i = 0; i < kMaxDimsPerLane; i++)
+          if (lane + 32 * i < hd) acc[i] += p * __half2float(vr[lane + 32 * i]);
       }
     }
   }
 #pragma unroll
-  for (int g = 0; g < GB; g++)
-#pragma unroll
-    for (int i = 0; i < kMaxDimsPerLane; i++)
-      if (lane + 32 * i < hd) wo[(warp * GB + g) * hd + lane + 32 * i] = acc[g][i];
+  for (int i = 0; i < kMaxDimsPerLane; i++)
+    if (lane + 32 * i < hd) wo[warp * hd + lane + 32 * i] = acc[i];
   __syncthreads();
-  for (int k = threadIdx.x; k < GB * hd; k += blockDim.x) {
-    const int g = k / hd, i = k % hd;
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
     float o = 0.f;
-    for (int w = 0; w < nwarps; w++) o += wo[(w * GB + g) * hd + i];
-    out[g * head_stride + i] = o;
+    for (int w = 0; w < nwarps; w++) o += wo[w * hd + i];
+    out[i] = o;
   }
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int g = 0; g < GB; g++) out[g * head_stride + hd] = mx[g], out[g * head_stride + hd + 1] = sum[g];
-  }
+  if (threadIdx.x == 0) out[hd] = mx, out[hd + 1] = sum;
 }
 
 // attention_decode_kernel is attention_kernel's decoding case (chunks of
@@ -656,19 +625,16 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     return 1;
   }
   // Few rows (decoding): chunks of 64 keys spread a head over many
-  // blocks, and a block takes up to 8 query heads of one GQA group so that
-  // each key and value row is read once for them. Many rows (prefill): one
-  // chunk per row is parallel enough, one head a block (the scores of a
-  // whole row must fit in shared memory).
+  // blocks. Many rows (prefill): one chunk per row is parallel enough
+  // (the scores of a whole row must fit in shared memory).
   const bool decode = T <= 64;
   const int chunk = decode ? kDecodeChunk : max_keys;
   const int chunks = (max_keys + chunk - 1) / chunk;
-  const int group = heads / kv_heads;
   const float qscale = scale > 0 ? scale : 1.f / sqrtf((float)hd);
   if (decode && hd % 8 == 0 && hd <= 256 && ((uintptr_t)q & 15) == 0) {
-    // attention_decode_kernel: up to 4 query heads a block (2 for
-    // head_dim > 128), their q slices and scores in registers.
-    const int vpl = hd <= 128 ? 1 : 2;
+    // attention_decode_kernel: up to 4 query heads of a GQA group a block
+    // (2 for head_dim > 128), their q slices and scores in registers.
+    const int group = heads / kv_heads, vpl = hd <= 128 ? 1 : 2;
     const int gb = group % 4 == 0 && vpl == 1 ? 4 : group % 2 == 0 ? 2 : 1;
     const size_t smem = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float);
     const dim3 grid(T, heads / gb, chunks);
@@ -685,36 +651,19 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     }
 #undef LLMQ_DECODE
     CK_LAUNCH("attention_decode_kernel");
-    attention_combine<<<dim3(T, heads), 32 * kCombineWarps, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
-    CK_LAUNCH("attention_combine");
-    return 0;
+  } else {
+    const size_t smem = (size_t)(hd + chunk + 4 * hd) * sizeof(float);
+    if (smem > c->attn_smem) {
+      CK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      c->attn_smem = smem;
+    }
+    attention_kernel<<<dim3(T, heads, chunks), 128, smem, c->stream>>>((const half*)q, (float*)workspace, row_seq, row_pos,
+                                                                       kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
+                                                                       qscale, chunk, window);
+    CK_LAUNCH("attention_kernel");
   }
-  const int gb = !decode ? 1 : group % 8 == 0 ? 8 : group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
-  const size_t smem = (size_t)gb * (hd + chunk + 4 * hd) * sizeof(float);
-  const dim3 grid(T, heads / gb, chunks);
-  switch (gb) {
-    case 8:  // at most 8·(5·256 + 64) floats: under the default 48 KB
-      attention_kernel<8><<<grid, 128, smem, c->stream>>>((const half*)q, (float*)workspace, row_seq, row_pos, kv_base,
-                                                          kv_cap, layer, layers, heads, kv_heads, hd, qscale, chunk, window);
-      break;
-    case 4:
-      attention_kernel<4><<<grid, 128, smem, c->stream>>>((const half*)q, (float*)workspace, row_seq, row_pos, kv_base,
-                                                          kv_cap, layer, layers, heads, kv_heads, hd, qscale, chunk, window);
-      break;
-    case 2:
-      attention_kernel<2><<<grid, 128, smem, c->stream>>>((const half*)q, (float*)workspace, row_seq, row_pos, kv_base,
-                                                          kv_cap, layer, layers, heads, kv_heads, hd, qscale, chunk, window);
-      break;
-    default:
-      if (smem > c->attn_smem) {
-        CK(cudaFuncSetAttribute(attention_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        c->attn_smem = smem;
-      }
-      attention_kernel<1><<<grid, 128, smem, c->stream>>>((const half*)q, (float*)workspace, row_seq, row_pos, kv_base,
-                                                          kv_cap, layer, layers, heads, kv_heads, hd, qscale, chunk, window);
-  }
-  CK_LAUNCH("attention_kernel");
-  attention_combine<<<dim3(T, heads), 32 * kCombineWarps, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd, chunks);
+  attention_combine<<<dim3(T, heads), 32 * kCombineWarps, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd,
+                                                                          chunks);
   CK_LAUNCH("attention_combine");
   return 0;
 }
