@@ -666,15 +666,9 @@ func (x *Context) GatedAct(g, u Buf, n int, act string) error {
 // FakeQuant writes in quantized and dequantized into out (rows of cols
 // fp16 values) with threshold (per tensor) or each row's max |x|.
 func (x *Context) FakeQuant(in, out Buf, rows, cols int, a *ActQuant, threshold float32) error {
-	fp8, perToken := 0, 0
-	if a.FP8 {
-		fp8 = 1
-	}
-	if a.PerToken {
-		perToken = 1
-	}
 	return x.do("fake_quant", func() C.int {
-		return C.c_fake_quant(x.lib.api, x.c, in.p, out.p, C.int(rows), C.int(cols), C.int(a.Bits), C.int(fp8), C.int(perToken), C.float(threshold))
+		return C.c_fake_quant(x.lib.api, x.c, in.p, out.p, C.int(rows), C.int(cols), C.int(a.Bits), cbool(a.FP8), cbool(a.PerToken),
+			C.float(threshold))
 	})
 }
 

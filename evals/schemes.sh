@@ -27,7 +27,7 @@
 # Go runs STEPS=rows, the table is made where Go is from the perplexities
 # brought back (STEPS=table lists the rows without evaluating any).
 # Activations are simulated (quantize-dequantize). What each row is:
-#   W16A16       the bf16 checkpoint, computed in fp32
+#   W16A16       the bf16 checkpoint, computed in fp32 (fp16 on the GPU)
 #   W8A16        RTN 8-bit, groups of 128, asymmetric (the W8A8 rows' weights)
 #   W4A16        4-bit g128 asymmetric: RTN; GPTQ (NSAMPLES×2048 of calib.txt,
 #                true-sequential); AWQ (NSAMPLES×512) — quality.sh's protocol
@@ -110,8 +110,9 @@ step rows || step table || exit 0
 ids=()
 plan_bits=? raised=?  # the plan is absent where only other rows are evaluated (ONLY_ROWS)
 if [ -f "$W/plan.json" ]; then
-  plan_bits=$(python3 -c 'import json, sys; print(round(json.load(open(sys.argv[1]))["average_bits"], 3))' "$W/plan.json")
-  raised=$(python3 -c 'import json, sys; print(", ".join(json.load(open(sys.argv[1]))["raised"]))' "$W/plan.json")
+  { read -r plan_bits; read -r raised; } < <(python3 -c 'import json, sys
+p = json.load(open(sys.argv[1]))
+print(round(p["average_bits"], 3)); print(", ".join(p["raised"]))' "$W/plan.json")
 fi
 
 # the unquantized activations' precision: the CPU computes in fp32, the GPU in fp16
