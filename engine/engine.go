@@ -773,7 +773,7 @@ func (e *Engine) run() {
 		}
 
 		// One new token for each sequence: the rows that decode are sampled
-		// in parallel first (a pass over the vocabulary each: 0.15–0.2 ms
+		// in parallel first (a pass over the vocabulary each: 0.19–0.21 ms
 		// at 128k logits on a 2-core machine, llm's BenchmarkArgmax, so
 		// several ms a step at batch 32 one after another).
 		picks := pickAll(active)
