@@ -112,43 +112,21 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 			t.Fatal(err)
 		}
 		got := fromF16(got16)
-		scale := 1 / math.Sqrt(float64(tc.hd))
-		if tc.scale > 0 {
-			scale = float64(tc.scale)
-		}
 		var worst float64
 		for row := 0; row < tc.rows; row++ {
 			s, p := int(seqOf[row]), int(pos[row])
-			key := func(kind, j, i int) float64 {
-				return float64(caches[s][((kind*layers+layer)*int(caps[s])+j)*kvd+i])
-			}
 			lo := 0
 			if tc.window > 0 {
 				lo = max(0, p-tc.window+1)
 			}
 			for h := 0; h < tc.heads; h++ {
-				kh := h / (tc.heads / tc.kvHeads)
-				sc := make([]float64, p+1)
-				mx := math.Inf(-1)
-				for j := lo; j <= p; j++ {
-					var d float64
-					for i := 0; i < tc.hd; i++ {
-						d += float64(q[row*qd+h*tc.hd+i]) * key(0, j, kh*tc.hd+i)
-					}
-					sc[j] = d * scale
-					mx = math.Max(mx, sc[j])
+				kv := (h / (tc.heads / tc.kvHeads)) * tc.hd
+				cached := func(kind int) func(j, i int) float64 {
+					return func(j, i int) float64 { return float64(caches[s][((kind*layers+layer)*int(caps[s])+j)*kvd+kv+i]) }
 				}
-				var sum float64
-				for j := lo; j <= p; j++ {
-					sc[j] = math.Exp(sc[j] - mx)
-					sum += sc[j]
-				}
-				for i := 0; i < tc.hd; i++ {
-					var o float64
-					for j := lo; j <= p; j++ {
-						o += sc[j] * key(1, j, kh*tc.hd+i)
-					}
-					worst = math.Max(worst, math.Abs(float64(got[row*qd+h*tc.hd+i])-o/sum))
+				want := refAttention(q[(row*tc.heads+h)*tc.hd:][:tc.hd], cached(0), cached(1), lo, p, tc.scale)
+				for i, o := range want {
+					worst = math.Max(worst, math.Abs(float64(got[(row*tc.heads+h)*tc.hd+i])-o))
 				}
 			}
 		}
@@ -160,6 +138,41 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 			x.Free(b)
 		}
 	}
+}
+
+// refAttention is softmax attention in float64 for one query q of one
+// head over keys lo…hi: key(j, i) and value(j, i) are dimension i of
+// key and value j, the scores are scaled by scale (0: len(q)^-½). It
+// returns the len(q) outputs; the attention tests compare the kernels
+// with it.
+func refAttention(q []float32, key, value func(j, i int) float64, lo, hi int, scale float32) []float64 {
+	sc := 1 / math.Sqrt(float64(len(q)))
+	if scale > 0 {
+		sc = float64(scale)
+	}
+	p := make([]float64, hi-lo+1)
+	mx := math.Inf(-1)
+	for j := lo; j <= hi; j++ {
+		var d float64
+		for i, qi := range q {
+			d += float64(qi) * key(j, i)
+		}
+		p[j-lo] = d * sc
+		mx = math.Max(mx, p[j-lo])
+	}
+	var sum float64
+	for j := range p {
+		p[j] = math.Exp(p[j] - mx)
+		sum += p[j]
+	}
+	out := make([]float64, len(q))
+	for i := range out {
+		for j := lo; j <= hi; j++ {
+			out[i] += p[j-lo] * value(j, i)
+		}
+		out[i] /= sum
+	}
+	return out
 }
 
 // BenchmarkAttentionDecode times one layer's attention in a decode step

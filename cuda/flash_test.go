@@ -55,40 +55,20 @@ func TestAttentionCausalMatchesReference(t *testing.T) {
 		}
 		got := fromF16(got16)
 		var worst float64
-		scale := 1 / math.Sqrt(float64(tc.hd))
-		if tc.scale > 0 {
-			scale = float64(tc.scale)
-		}
 		for w := 0; w < tc.windows; w++ {
 			for p := 0; p < tc.T; p++ {
 				row := w*tc.T + p
+				lo := 0 // keys before a sliding window are not seen
+				if tc.window > 0 {
+					lo = max(0, p-tc.window+1)
+				}
 				for h := 0; h < tc.heads; h++ {
 					kh := h / (tc.heads / tc.kvHeads)
-					s := make([]float64, p+1)
-					mx := math.Inf(-1)
-					lo := 0 // keys before a sliding window are not seen
-					if tc.window > 0 {
-						lo = max(0, p-tc.window+1)
+					of := func(m []float32) func(j, i int) float64 {
+						return func(j, i int) float64 { return float64(m[(w*tc.T+j)*kvd+kh*tc.hd+i]) }
 					}
-					for j := lo; j <= p; j++ {
-						var d float64
-						for i := 0; i < tc.hd; i++ {
-							d += float64(q[row*qd+h*tc.hd+i]) * float64(k[(w*tc.T+j)*kvd+kh*tc.hd+i])
-						}
-						s[j] = d * scale
-						mx = math.Max(mx, s[j])
-					}
-					var sum float64
-					for j := lo; j <= p; j++ {
-						s[j] = math.Exp(s[j] - mx)
-						sum += s[j]
-					}
-					for i := 0; i < tc.hd; i++ {
-						var o float64
-						for j := lo; j <= p; j++ {
-							o += s[j] * float64(v[(w*tc.T+j)*kvd+kh*tc.hd+i])
-						}
-						o /= sum
+					want := refAttention(q[row*qd+h*tc.hd:][:tc.hd], of(k), of(v), lo, p, tc.scale)
+					for i, o := range want {
 						worst = math.Max(worst, math.Abs(float64(got[row*qd+h*tc.hd+i])-o))
 					}
 				}
