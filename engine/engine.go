@@ -325,10 +325,12 @@ type Result struct {
 }
 
 // Chunk is a piece of a streamed generation: new text, and (with
-// Request.Logprobs) the tokens taken since the previous chunk. A token
-// whose text is held back (an incomplete character, a possible stop
-// string) travels with the chunk that carries its text; the last chunk
-// may have logprobs and no text.
+// Request.Logprobs) the tokens taken since the previous chunk. Without
+// stop strings every token with logprobs is streamed at once, in a chunk
+// without text when its text is held back (an incomplete character) or
+// empty (a special token); with stop strings a token travels with the
+// chunk that carries its text, so that a stop sequence's tokens are never
+// streamed, and the last chunk may have logprobs and no text.
 //
 // With Request.PromptLogprobs, the first chunk also carries
 // PromptLogprobs (as Result.PromptLogprobs), even when it has no text.
@@ -454,8 +456,14 @@ func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chun
 	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
 	var pending []TokenLogprob // logprobs not yet sent with a chunk
 	promptSent := !req.PromptLogprobs
+	// Without stop strings no token's text can be withdrawn later, so a
+	// token whose text is held back (an incomplete UTF-8 sequence) or
+	// empty (a special token) still streams its logprobs at once; with
+	// stop strings they wait for the text they belong to, so that a stop
+	// sequence's tokens are never streamed.
+	streamLogprobs := len(req.Stop) == 0
 	send := func(piece string, last bool) error {
-		if piece == "" && promptSent && (!last || len(pending) == 0) {
+		if piece == "" && promptSent && (len(pending) == 0 || !last && !streamLogprobs) {
 			return nil
 		}
 		all.WriteString(piece)

@@ -192,3 +192,48 @@ func TestEOSInLogprobs(t *testing.T) {
 		t.Errorf("%v, %+v", err, res)
 	}
 }
+
+// bosFirst makes the beginning-of-sequence token, a special token with no
+// text, the most likely everywhere.
+type bosFirst struct{ llm.Backend }
+
+func (b bosFirst) Forward(ctx context.Context, steps []llm.Step) error {
+	if err := b.Backend.Forward(ctx, steps); err != nil {
+		return err
+	}
+	V, bos := b.Config().Vocab, b.Config().BOS
+	for _, s := range steps {
+		for r := 0; r < len(s.Logits)/V; r++ {
+			s.Logits[r*V+bos] = 100
+		}
+	}
+	return nil
+}
+
+// Tokens without text stream their logprobs one chunk a token (what a
+// client timing each token sees), unless stop strings are set: then they
+// wait for text, and come in the last chunk.
+func TestLogprobsOfTokensWithoutText(t *testing.T) {
+	m := openTiny(t)
+	e := start(t, NewModel(bosFirst{m.Backend}, m.Tokenizer, m.Template), Options{})
+	for _, c := range []struct {
+		stop   []string
+		chunks []int // logprobs in each chunk
+	}{{nil, []int{1, 1, 1, 1}}, {[]string{"never"}, []int{4}}} {
+		var got []int
+		res, err := e.GenerateChunks(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 4, Logprobs: true, Stop: c.stop},
+			func(ch Chunk) error {
+				if ch.Text != "" {
+					t.Errorf("stop %q: chunk text %q from a special token", c.stop, ch.Text)
+				}
+				got = append(got, len(ch.Logprobs))
+				return nil
+			})
+		if err != nil || len(res.Tokens) != 4 || res.Tokens[0] != m.Backend.Config().BOS {
+			t.Fatalf("stop %q: %v, %+v", c.stop, err, res)
+		}
+		if !equal(got, c.chunks) {
+			t.Errorf("stop %q: logprobs a chunk %v, want %v", c.stop, got, c.chunks)
+		}
+	}
+}
