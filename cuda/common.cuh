@@ -93,6 +93,7 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
                float threshold);
+int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu
 int hessian_add(llmq_ctx* c, const void* X, float* H, int rows, int n);

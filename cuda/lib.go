@@ -160,6 +160,9 @@ static int c_attention_causal(A a, llmq_ctx* c, P q, P k, P v, P out, int window
 static int c_fake_quant(A a, llmq_ctx* c, P in, P out, int rows, int cols, int bits, int fp8, int per_token, float t) {
 	return a->fake_quant(c, (const void*)in, (void*)out, rows, cols, bits, fp8, per_token, t);
 }
+static int c_moe_route(A a, llmq_ctx* c, P logits, P ids, P weights, int T, int E, int k, int norm) {
+	return a->moe_route(c, (const float*)logits, (int32_t*)ids, (float*)weights, T, E, k, norm);
+}
 */
 import "C"
 
@@ -669,6 +672,15 @@ func (x *Context) FakeQuant(in, out Buf, rows, cols int, a *ActQuant, threshold 
 	return x.do("fake_quant", func() C.int {
 		return C.c_fake_quant(x.lib.api, x.c, in.p, out.p, C.int(rows), C.int(cols), C.int(a.Bits), cbool(a.FP8), cbool(a.PerToken),
 			C.float(threshold))
+	})
+}
+
+// MoERoute routes T rows of fp32 router logits [T][E] to their top k
+// experts (int32 ids and fp32 weights [T][k], most probable first), as
+// llm.RouteLogits does; norm renormalises the k weights.
+func (x *Context) MoERoute(logits, ids, weights Buf, T, E, k int, norm bool) error {
+	return x.do("moe_route", func() C.int {
+		return C.c_moe_route(x.lib.api, x.c, logits.p, ids.p, weights.p, C.int(T), C.int(E), C.int(k), cbool(norm))
 	})
 }
 

@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 10
+#define LLMQ_API_VERSION 11
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -220,6 +220,12 @@ typedef struct {
    * threshold; in and out may be the same. */
   int (*fake_quant)(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
                     float threshold);
+
+  /* A mixture of experts' routing (model.cu): for T rows of router logits
+   * [T][E] (fp32), the softmax over all E experts, the top k (ties: the
+   * lower expert), most probable first, into ids and weights [T][k]; the
+   * weights renormalised to sum to 1 when norm. E ≤ 256. */
+  int (*moe_route)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -549,6 +549,58 @@ __global__ void fake_quant_kernel(const half* in, half* out, int cols, float max
   }
 }
 
+// moe_route_kernel: a mixture of experts' routing, one warp per row of
+// router logits [T][E] (fp32), as llm.RouteLogits does it on the CPU:
+// p = softmax(logits) over every expert, the k largest p in turn (ties to
+// the lower expert: each lane keeps its best with a strict >, and the warp
+// prefers the lower expert among equals), their p as weights, divided by
+// their sum when norm is set. ids and weights are [T][k], most probable
+// first. E ≤ 32·kMaxExpertsPerLane.
+constexpr int kMaxExpertsPerLane = 8;  // E ≤ 256
+
+__global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __restrict__ ids,
+                                 float* __restrict__ weights, int T, int E, int k, int norm) {
+  const int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= T) return;  // the whole warp
+  const float* l = logits + (size_t)row * E;
+  float p[kMaxExpertsPerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kMaxExpertsPerLane; i++) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? l[e] : -INFINITY;
+    mx = fmaxf(mx, p[i]);
+  }
+  mx = warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxExpertsPerLane; i++)
+    if (lane + 32 * i < E) sum += p[i] = expf(p[i] - mx);
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kMaxExpertsPerLane; i++) p[i] = lane + 32 * i < E ? p[i] / sum : -1.f;  // −1: not an expert
+  float chosen = 0.f;
+  for (int j = 0; j < k; j++) {
+    float bv = -1.f;
+    int be = E;
+#pragma unroll
+    for (int i = 0; i < kMaxExpertsPerLane; i++)
+      if (p[i] > bv) bv = p[i], be = lane + 32 * i;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
+    }
+    if (lane == 0) ids[(size_t)row * k + j] = be, weights[(size_t)row * k + j] = bv;
+    chosen += bv;
+#pragma unroll
+    for (int i = 0; i < kMaxExpertsPerLane; i++)
+      if (lane + 32 * i == be) p[i] = -1.f;  // taken
+  }
+  if (norm && lane == 0)
+    for (int j = 0; j < k; j++) weights[(size_t)row * k + j] /= chosen;
+}
+
 // nll_kernel: one block per row: −log softmax(logits)[target].
 __global__ void nll_kernel(const float* __restrict__ logits, const int32_t* __restrict__ targets, float* __restrict__ nll,
                            int V) {
@@ -675,6 +727,19 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
   }
   gated_act_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)g, (const half*)u, n, act);
   CK_LAUNCH("gated_act_kernel");
+  return 0;
+}
+
+int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm) {
+  if (T <= 0 || E <= 0 || E > 32 * kMaxExpertsPerLane || k <= 0 || k > E) {
+    set_error(c, "moe_route: %d rows of %d experts, top %d (want 1 ≤ top ≤ experts ≤ %d)", T, E, k,
+              32 * kMaxExpertsPerLane);
+    return 1;
+  }
+  constexpr int kRowsPerBlock = 4;
+  moe_route_kernel<<<(T + kRowsPerBlock - 1) / kRowsPerBlock, 32 * kRowsPerBlock, 0, c->stream>>>(logits, ids, weights, T,
+                                                                                                  E, k, norm);
+  CK_LAUNCH("moe_route_kernel");
   return 0;
 }
 

@@ -286,6 +286,7 @@ const llmq_api kAPI = {
     awq_clip,
     attention_causal,
     fake_quant,
+    moe_route,
 };
 }  // namespace
 }  // namespace llmq

@@ -75,9 +75,16 @@ type Routing struct {
 
 // Route runs the router on rows of normed activations h [rows][hidden].
 func (m *MoE) Route(h []float32, rows int) *Routing {
-	E, k := len(m.Experts), m.TopK
+	E := len(m.Experts)
 	logits := make([]float32, rows*E)
 	m.Router.Forward(logits, h, rows)
+	return RouteLogits(logits, rows, E, m.TopK, m.NormTopK)
+}
+
+// RouteLogits is the routing of rows of router logits [rows][E]: the
+// softmax, the top k (ties: the lower expert) and, when norm is set, their
+// renormalisation (the GPU's route kernel is tested against it).
+func RouteLogits(logits []float32, rows, E, k int, norm bool) *Routing {
 	r := &Routing{TopK: k, Experts: E, Expert: make([]int, rows*k), Weight: make([]float32, rows*k)}
 	p := make([]float32, E)
 	for row := 0; row < rows; row++ {
@@ -105,7 +112,7 @@ func (m *MoE) Route(h []float32, rows int) *Routing {
 			}
 			idx[j], w[j] = best, p[best]
 		}
-		if m.NormTopK {
+		if norm {
 			var s float32
 			for _, v := range w {
 				s += v
