@@ -7,6 +7,7 @@
 #   bash cuda/device-model.sh tiny    # tests + ppl of llama-tiny fp/RTN/GPTQ
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
+#   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
@@ -75,12 +76,12 @@ case "$1" in
   check|zoo) # zoo: the model-family tests only, no sanitizer
     # Packed copies for TestJoinedLinearsMatchSeparate (RTN: deterministic, made here).
     W4=
-    for m in models/llama-tiny models/archzoo/qwen2-rand; do
+    for m in models/llama-tiny models/archzoo/qwen2-rand models/archzoo/mixtral-rand; do
       d=build/q/$(basename $m)-rtn-w4
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group 128 -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
     export LLMQ_TEST_W4_MODELS=${W4#:}
-    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoERoute|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
+    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
     rc=$?
     echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'" | cat - "$OUT/cuda-tests.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests.log"
@@ -268,6 +269,17 @@ case "$1" in
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/w4 --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
     $L bench decode /tmp/w4 --device cuda --context 128 --batch 1 --steps 16 --prefill 0 --json "$OUT/decode-h200-llama3-8b-w4-load.json" 2>&1 | grep -v "^\s*$"
     $L generate $LLMQ_SHARED/models/llama-tiny --prompt "The history of the" --max-tokens 8 2>&1 | tail -3
+    ;;
+  moe) # issue 20's MoE decode: a synthetic qwen3-30b-a3b W4 and, in the same run, the dense llama3-8b W4 it must beat
+    TOK=$LLMQ_SHARED/models/${2:-llama-tiny}
+    for p in ${MOE_PRESETS:-qwen3-30b-a3b llama3-8b}; do
+      d=/tmp/$p-w4; f=decode-h200-$p-w4.json
+      [ $p = llama3-8b ] && f=decode-h200-llama3-8b-w4-beside-moe.json
+      $L synth --preset $p --bits 4 --group 128 -o $d --force --tokenizer "$TOK" 2>&1 | tail -1
+      $L bench decode $d --device cuda --context ${MOE_CTX:-128,2048} --batch ${MOE_BATCH:-1,8} --prefill ${MOE_PREFILL:-512,2048} \
+        --steps 32 --json "$OUT/$f" 2>&1 | grep -v "^\s*$"
+      rm -rf $d
+    done
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}

@@ -163,6 +163,22 @@ static int c_fake_quant(A a, llmq_ctx* c, P in, P out, int rows, int cols, int b
 static int c_moe_route(A a, llmq_ctx* c, P logits, P ids, P weights, int T, int E, int k, int norm) {
 	return a->moe_route(c, (const float*)logits, (int32_t*)ids, (float*)weights, T, E, k, norm);
 }
+static int c_moe_router(A a, llmq_ctx* c, P h, P W, P logits, int T, int E, int H) {
+	return a->moe_router(c, (const void*)h, (const float*)W, (float*)logits, T, E, H);
+}
+static int c_moe_plan(A a, llmq_ctx* c, P ids, int S, int E, int mt, P order, P chunks, int max_chunks) {
+	return a->moe_plan(c, (const int32_t*)ids, S, E, mt, (int32_t*)order, (int32_t*)chunks, max_chunks);
+}
+static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int max_chunks, int mt, P B, P S, P Z, P W16,
+		P c0, P c1, P c2, int n0, int n1, int n2, int n_outs, int N, int K, int g) {
+	void* outs[3] = {(void*)c0, (void*)c1, (void*)c2};
+	int cols[3] = {n0, n1, n2};
+	return a->moe_gemv(c, (const void*)A_, a_div, (const int32_t*)order, (const int32_t*)chunks, max_chunks, mt, (const void*)B,
+		(const void*)S, (const void*)Z, (const void*)W16, outs, cols, n_outs, N, K, g);
+}
+static int c_moe_combine(A a, llmq_ctx* c, P y, P ids, P weights, P out, int T, int k, int H) {
+	return a->moe_combine(c, (const void*)y, (const int32_t*)ids, (const float*)weights, (void*)out, T, k, H);
+}
 */
 import "C"
 
@@ -681,6 +697,61 @@ func (x *Context) FakeQuant(in, out Buf, rows, cols int, a *ActQuant, threshold 
 func (x *Context) MoERoute(logits, ids, weights Buf, T, E, k int, norm bool) error {
 	return x.do("moe_route", func() C.int {
 		return C.c_moe_route(x.lib.api, x.c, logits.p, ids.p, weights.p, C.int(T), C.int(E), C.int(k), cbool(norm))
+	})
+}
+
+// MoERouter writes the router logits [T][E] (fp32) of T rows of normed
+// activations h [T][H] (fp16) by the router W [E][H] (fp32).
+func (x *Context) MoERouter(h, W, logits Buf, T, E, H int) error {
+	return x.do("moe_router", func() C.int {
+		return C.c_moe_router(x.lib.api, x.c, h.p, W.p, logits.p, C.int(T), C.int(E), C.int(H))
+	})
+}
+
+// MoEMaxChunks is the room MoEPlan needs for S slots of E experts cut
+// into chunks of mt: each expert's last chunk may be partial.
+func MoEMaxChunks(S, E, mt int) int { return (S+mt-1)/mt + min(E, S) }
+
+// MoEPlan groups the S slots of a routed pass (ids [S] int32, row t's
+// j-th expert at t·k + j) by expert: order [S] int32 and chunks
+// [maxChunks][3] int32 of at most mt slots of one expert, for MoEGemv.
+func (x *Context) MoEPlan(ids, order, chunks Buf, S, E, mt, maxChunks int) error {
+	return x.do("moe_plan", func() C.int {
+		return C.c_moe_plan(x.lib.api, x.c, ids.p, C.int(S), C.int(E), C.int(mt), order.p, chunks.p, C.int(maxChunks))
+	})
+}
+
+// MoEGemv runs a mixture's experts of one kind (all E alike, N×K) over a
+// plan (MoEPlan with the same mt): output row s = A row s/aDiv · W_e for
+// each slot s of expert e. w holds 4-bit experts one after another
+// (UploadExperts), or w16 fp16 experts [E][N][K]; outs[i] gets cols[i] of
+// the N columns (a joined gate/up: two).
+func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt int, w *W4, w16 Buf, outs []Buf, cols []int, N, K int) error {
+	if len(outs) != len(cols) || len(outs) < 1 || len(outs) > 3 {
+		return fmt.Errorf("moe_gemv: %d outputs for %d column groups (1 to 3)", len(outs), len(cols))
+	}
+	var p [3]C.P
+	var n [3]C.int
+	for i := range outs {
+		p[i], n[i] = outs[i].p, C.int(cols[i])
+	}
+	var b, s, z C.P
+	group := K
+	if w != nil {
+		b, s, z, group = w.B.p, w.S.p, w.Z.p, w.Group
+	}
+	return x.do("moe_gemv", func() C.int {
+		return C.c_moe_gemv(x.lib.api, x.c, A.p, C.int(aDiv), order.p, chunks.p, C.int(maxChunks), C.int(mt), b, s, z, w16.p,
+			p[0], p[1], p[2], n[0], n[1], n[2], C.int(len(outs)), C.int(N), C.int(K), C.int(group))
+	})
+}
+
+// MoECombine writes out [T][H] fp16: each row's k expert outputs y
+// [T·k][H] (fp16) weighted by weights [T][k] and added in fp32 in
+// ascending expert order (ids [T][k]), as the CPU adds them.
+func (x *Context) MoECombine(y, ids, weights, out Buf, T, k, H int) error {
+	return x.do("moe_combine", func() C.int {
+		return C.c_moe_combine(x.lib.api, x.c, y.p, ids.p, weights.p, out.p, C.int(T), C.int(k), C.int(H))
 	})
 }
 

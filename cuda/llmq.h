@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 11
+#define LLMQ_API_VERSION 12
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -226,6 +226,29 @@ typedef struct {
    * lower expert), most probable first, into ids and weights [T][k]; the
    * weights renormalised to sum to 1 when norm. E ≤ 256. */
   int (*moe_route)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);
+  /* logits [T][E] fp32 = h [T][H] fp16 · Wᵀ, W [E][H] fp32: the router,
+   * kept in full precision. H % 4 == 0. */
+  int (*moe_router)(llmq_ctx* c, const void* h, const float* W, float* logits, int T, int E, int H);
+  /* The S = T·k slots of a routed pass (row t's j-th expert, ids[t·k + j],
+   * is slot t·k + j) grouped by expert for moe_gemv: order [S] lists the
+   * slots expert by expert, ascending; chunks [max_chunks][3] = (expert,
+   * first index into order, slots ≤ mt) cut each expert's list, chunks past
+   * the last having 0 slots. max_chunks ≥ ⌈S/mt⌉ + min(E, S) always
+   * suffices. */
+  int (*moe_plan)(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks);
+  /* The experts' linear layer over a plan (moe_plan, the same mt: 1 or 4):
+   * output row s = A row s / a_div · W_e for each slot s of expert e (a_div
+   * k: A holds the pass's rows; 1: A holds a row per slot). The experts'
+   * weights lie one after another: 4-bit in w4a16_gemm's layout (B,
+   * scales, zeros; act order not supported), or fp16 [E][N][K] in W16 (not
+   * NULL: then at most 2 outputs). outs, out_cols, n_outs as for
+   * w4a16_gemm (a joined gate/up writes two). */
+  int (*moe_gemv)(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
+                  const void* B, const void* scales, const void* zeros, const void* W16, void* const* outs,
+                  const int* out_cols, int n_outs, int N, int K, int group);
+  /* out row t (fp16 [T][H]) = Σ_j weights[t·k+j] · y[t·k+j] (y fp16 [T·k][H]),
+   * added in fp32 in ascending expert order (ids), as the CPU does. k ≤ 16. */
+  int (*moe_combine)(llmq_ctx* c, const void* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -601,6 +601,135 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __re
     for (int j = 0; j < k; j++) weights[(size_t)row * k + j] /= chosen;
 }
 
+// moe_router_kernel: router logits [T][E] (fp32) = h [T][H] (fp16) ·
+// Wᵀ, W [E][H] fp32 (the router stays in full precision, as on the CPU);
+// one warp an expert, 8 a block, blockIdx.y the row. H % 4 == 0.
+__global__ void moe_router_kernel(const half* __restrict__ h, const float* __restrict__ W, float* __restrict__ logits,
+                                  int E, int H) {
+  const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
+  if (e >= E) return;  // the whole warp
+  const half2* x = reinterpret_cast<const half2*>(h + (size_t)t * H);
+  const float4* w = reinterpret_cast<const float4*>(W + (size_t)e * H);
+  float acc = 0.f;
+  for (int i = lane; i < H / 4; i += 32) {
+    const float4 wv = __ldg(w + i);
+    const float2 a = __half22float2(x[2 * i]), b = __half22float2(x[2 * i + 1]);
+    acc += a.x * wv.x + a.y * wv.y + b.x * wv.z + b.y * wv.w;
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) logits[(size_t)t * E + e] = acc;
+}
+
+// moe_plan_kernel groups a pass's S slots (row t's j-th expert is slot
+// t·k + j, ids [S]) by expert for the expert GEMVs, in one block: order
+// [S] lists the slots expert by expert (ascending experts; within one,
+// in no fixed order: each slot's output is its own row, so the order does
+// not change any value), and chunks [max_chunks][3] = (expert, first
+// index into order, slots) cut each expert's list into pieces of at most
+// mt; the chunks past the last have 0 slots.
+constexpr int kMaxExperts = 32 * kMaxExpertsPerLane;
+
+__global__ void moe_plan_kernel(const int32_t* __restrict__ ids, int S, int E, int mt, int32_t* __restrict__ order,
+                                int32_t* __restrict__ chunks, int max_chunks) {
+  __shared__ int count[kMaxExperts], first[kMaxExperts], chunk0[kMaxExperts], fill[kMaxExperts];
+  __shared__ int n_chunks;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = fill[e] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < S; s += blockDim.x) atomicAdd(&count[ids[s]], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int at = 0, ch = 0;
+    for (int e = 0; e < E; e++) {
+      first[e] = at, chunk0[e] = ch;
+      at += count[e], ch += (count[e] + mt - 1) / mt;
+    }
+    n_chunks = ch;
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < S; s += blockDim.x) {
+    const int e = ids[s];
+    order[first[e] + atomicAdd(&fill[e], 1)] = s;
+  }
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    for (int j = 0; j * mt < count[e]; j++) {
+      int32_t* c = chunks + 3 * (chunk0[e] + j);
+      c[0] = e, c[1] = first[e] + j * mt, c[2] = min(mt, count[e] - j * mt);
+    }
+  for (int c = n_chunks + threadIdx.x; c < max_chunks; c += blockDim.x) chunks[3 * c] = chunks[3 * c + 1] = chunks[3 * c + 2] = 0;
+}
+
+// moe_gemv_f16_kernel: the grouped expert GEMV for fp16 experts W [E][N][K]
+// (PyTorch's [out][in] layout): output (slot, n) = A row slot / a_div ·
+// W[e][n], for the slots of each plan chunk (moe_plan_kernel), MT at most;
+// one warp a column, 8 a block (blockIdx.x), blockIdx.y the chunk; columns
+// below split go to o0 ([S][split]), the rest to o1 ([S][N − split]).
+// K % 8 == 0.
+template <int MT>
+__global__ void moe_gemv_f16_kernel(const half* __restrict__ A, int a_div, const int32_t* __restrict__ order,
+                                    const int32_t* __restrict__ chunks, const half* __restrict__ W, half* __restrict__ o0,
+                                    half* __restrict__ o1, int split, int N, int K) {
+  const int* ch = chunks + 3 * blockIdx.y;
+  const int e = ch[0], start = ch[1], n = ch[2];
+  const int lane = threadIdx.x & 31, col = blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (n == 0 || col >= N) return;
+  const uint4* w = reinterpret_cast<const uint4*>(W + ((size_t)e * N + col) * K);
+  const uint4* a[MT];
+#pragma unroll
+  for (int m = 0; m < MT; m++) a[m] = reinterpret_cast<const uint4*>(A + (size_t)(order[start + min(m, n - 1)] / a_div) * K);
+  float acc[MT] = {};
+  for (int i = lane; i < K / 8; i += 32) {
+    const uint4 wv = __ldg(w + i);
+    const half2* wh = reinterpret_cast<const half2*>(&wv);
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+      const uint4 av = __ldg(a[m] + i);
+      const half2* ah = reinterpret_cast<const half2*>(&av);
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const float2 x = __half22float2(ah[j]), y = __half22float2(wh[j]);
+        acc[m] += x.x * y.x + x.y * y.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; m++) {
+    const float v = warp_sum(acc[m]);
+    if (lane == 0 && m < n) {
+      const int s = order[start + m];
+      if (col < split)
+        o0[(size_t)s * split + col] = __float2half_rn(v);
+      else
+        o1[(size_t)s * (N - split) + col - split] = __float2half_rn(v);
+    }
+  }
+}
+
+// moe_combine_kernel: out row t (fp16 [T][H]) = Σ_j weight[t][j] · y[t·k + j]
+// in fp32, over row t's k experts in ascending expert order (the CPU's
+// order of additions); one block a row. k ≤ kMaxTopK.
+constexpr int kMaxTopK = 16;
+
+__global__ void moe_combine_kernel(const half* __restrict__ y, const int32_t* __restrict__ ids,
+                                   const float* __restrict__ weights, half* __restrict__ out, int k, int H) {
+  __shared__ int slot[kMaxTopK];
+  __shared__ float wt[kMaxTopK];
+  const int t = blockIdx.x;
+  if (threadIdx.x == 0) {  // insertion sort of the row's k slots by expert
+    for (int j = 0; j < k; j++) {
+      const int id = ids[t * k + j];
+      int i = j;
+      for (; i > 0 && ids[slot[i - 1]] > id; i--) slot[i] = slot[i - 1], wt[i] = wt[i - 1];
+      slot[i] = t * k + j, wt[i] = weights[t * k + j];
+    }
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) acc += wt[j] * __half2float(y[(size_t)slot[j] * H + c]);
+    out[(size_t)t * H + c] = __float2half_rn(acc);
+  }
+}
+
 // nll_kernel: one block per row: −log softmax(logits)[target].
 __global__ void nll_kernel(const float* __restrict__ logits, const int32_t* __restrict__ targets, float* __restrict__ nll,
                            int V) {
@@ -740,6 +869,68 @@ int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, in
   moe_route_kernel<<<(T + kRowsPerBlock - 1) / kRowsPerBlock, 32 * kRowsPerBlock, 0, c->stream>>>(logits, ids, weights, T,
                                                                                                   E, k, norm);
   CK_LAUNCH("moe_route_kernel");
+  return 0;
+}
+
+int moe_router(llmq_ctx* c, const void* h, const float* W, float* logits, int T, int E, int H) {
+  if (T <= 0 || E <= 0 || E > kMaxExperts || H <= 0 || H % 4) {
+    set_error(c, "moe_router: %d rows, %d experts, hidden %d (want experts ≤ %d, hidden a multiple of 4)", T, E, H,
+              kMaxExperts);
+    return 1;
+  }
+  moe_router_kernel<<<dim3((E + 7) / 8, T), 256, 0, c->stream>>>((const half*)h, W, logits, E, H);
+  CK_LAUNCH("moe_router_kernel");
+  return 0;
+}
+
+int moe_plan(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks) {
+  if (S <= 0 || E <= 0 || E > kMaxExperts || mt <= 0 || max_chunks < (S + mt - 1) / mt + min(E, S)) {
+    set_error(c, "moe_plan: %d slots, %d experts, %d a chunk, room for %d chunks (want experts ≤ %d and room for "
+                 "slots/mt + min(experts, slots))",
+              S, E, mt, max_chunks, kMaxExperts);
+    return 1;
+  }
+  moe_plan_kernel<<<1, 1024, 0, c->stream>>>(ids, S, E, mt, order, chunks, max_chunks);
+  CK_LAUNCH("moe_plan_kernel");
+  return 0;
+}
+
+int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
+             const void* B, const void* scales, const void* zeros, const void* W16, void* const* outs,
+             const int* out_cols, int n_outs, int N, int K, int group) {
+  if (max_chunks <= 0 || max_chunks > 65535 || a_div <= 0) {
+    set_error(c, "moe_gemv: %d chunks (want 1–65535), a_div %d", max_chunks, a_div);
+    return 1;
+  }
+  if (!W16)
+    return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, B, scales, zeros, outs, out_cols, n_outs, N, K, group);
+  if (K % 8 || n_outs < 1 || n_outs > 2 || out_cols[0] + (n_outs == 2 ? out_cols[1] : 0) != N) {
+    set_error(c, "moe_gemv: fp16 experts need K %% 8 == 0 (K=%d) and 1 or 2 outputs adding up to N=%d", K, N);
+    return 1;
+  }
+  half* o1 = n_outs == 2 ? (half*)outs[1] : nullptr;
+  const dim3 grid((N + 7) / 8, max_chunks);
+  if (mt == 1)
+    moe_gemv_f16_kernel<1><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16,
+                                                         (half*)outs[0], o1, out_cols[0], N, K);
+  else if (mt == 4)
+    moe_gemv_f16_kernel<4><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16,
+                                                         (half*)outs[0], o1, out_cols[0], N, K);
+  else {
+    set_error(c, "moe_gemv: %d slots a chunk (the kernels run 1 or 4)", mt);
+    return 1;
+  }
+  CK_LAUNCH("moe_gemv_f16_kernel");
+  return 0;
+}
+
+int moe_combine(llmq_ctx* c, const void* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H) {
+  if (T <= 0 || k <= 0 || k > kMaxTopK || H <= 0) {
+    set_error(c, "moe_combine: %d rows, top %d, hidden %d (want 1 ≤ top ≤ %d)", T, k, H, kMaxTopK);
+    return 1;
+  }
+  moe_combine_kernel<<<T, 256, 0, c->stream>>>((const half*)y, ids, weights, (half*)out, k, H);
+  CK_LAUNCH("moe_combine_kernel");
   return 0;
 }
 

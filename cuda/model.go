@@ -112,6 +112,18 @@ type gpuBlock struct {
 	// one joined GEMM that writes three (two) outputs; the parts are then
 	// nil. Fewer launches, and one wider GEMM streams better.
 	qkv, gateUp *gpuLinear
+	// moe replaces gate, up and down in a sparse layer.
+	moe *gpuMoE
+}
+
+// gpuMoE is a sparse layer's mixture of experts (llm.MoE) on the GPU: the
+// router in fp32, and the experts' layers stacked by kind, expert after
+// expert — gate and up joined (an expert's gate columns, then its up
+// columns) and down — either 4-bit (the grouped W4A16 GEMV) or fp16.
+type gpuMoE struct {
+	router           Buf // fp32 [E][hidden]
+	gateUp, down     *W4 // 4-bit experts (UploadExperts), or
+	gateUp16, down16 Buf // fp16 experts [E][2I][hidden], [E][hidden][I]
 }
 
 // gpuLinear is y = x·Wᵀ (+ b) on the GPU: w4 for a packed layer (joined
@@ -171,6 +183,9 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	}
 	// Per-tensor activation thresholds are per layer: such a run keeps
 	// q/k/v and gate/up separate.
+	if opt.Act != nil && c.MoE != nil {
+		return nil, fmt.Errorf("%s: the GPU backend does not simulate activation quantization in a mixture of experts yet", ck.Dir)
+	}
 	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
 	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act,
 		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}}
@@ -237,23 +252,30 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 		if err := g.norms.upload(&norms, m.upload32); err != nil {
 			return err
 		}
-		specs := llm.BlockLinears(c, i) // q, k, v, o, gate, up, down
-		h := make([]*hostLinear, len(specs))
-		for j := range specs {
-			if h[j], err = m.readLinear(ck, q, specs[j]); err != nil {
+		specs := llm.BlockLinears(c, i) // q, k, v, o, then gate, up, down (of each expert in a sparse layer)
+		dense := specs
+		if c.Sparse(i) {
+			dense = specs[:4]
+			if g.moe, err = m.loadMoE(ck, q, i, specs[4:]); err != nil {
 				return err
 			}
 		}
-		for _, u := range []struct {
+		h := make([]*hostLinear, len(dense))
+		for j := range dense {
+			if h[j], err = m.readLinear(ck, q, dense[j]); err != nil {
+				return err
+			}
+		}
+		type unit struct {
 			joined **gpuLinear
 			parts  []**gpuLinear
 			host   []*hostLinear
-		}{
-			{&g.qkv, []**gpuLinear{&g.q, &g.k, &g.v}, h[0:3]},
-			{nil, []**gpuLinear{&g.o}, h[3:4]},
-			{&g.gateUp, []**gpuLinear{&g.gate, &g.up}, h[4:6]},
-			{nil, []**gpuLinear{&g.down}, h[6:7]},
-		} {
+		}
+		units := []unit{{&g.qkv, []**gpuLinear{&g.q, &g.k, &g.v}, h[0:3]}, {nil, []**gpuLinear{&g.o}, h[3:4]}}
+		if g.moe == nil {
+			units = append(units, unit{&g.gateUp, []**gpuLinear{&g.gate, &g.up}, h[4:6]}, unit{nil, []**gpuLinear{&g.down}, h[6:7]})
+		}
+		for _, u := range units {
 			if u.joined != nil && m.join && joinable(u.host) {
 				if *u.joined, err = m.uploadLinear(u.host...); err != nil {
 					return err
@@ -292,6 +314,86 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 		}
 	}
 	return nil
+}
+
+// loadMoE uploads layer's mixture of experts: the router (kept in fp32,
+// as on the CPU) and the experts (specs: each expert's gate, up and down).
+// Experts stored 4-bit go to the grouped W4A16 kernel, gate and up joined;
+// unquantized (or wider-grid, dequantized) experts are uploaded in fp16,
+// one expert at a time.
+func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer int, specs []llm.LinearSpec) (*gpuMoE, error) {
+	c := m.cfg
+	E, H, I := c.MoE.Experts, c.Hidden, c.MoE.Intermediate
+	if len(specs) != 3*E {
+		return nil, fmt.Errorf("layer %d: %d expert layers, want 3 for each of %d experts", layer, len(specs), E)
+	}
+	name := llm.RouterName(c, layer)
+	if err := pack.Unexplained(ck, name); err != nil {
+		return nil, err
+	}
+	w, err := ck.Float32(name+".weight", E, H)
+	if err != nil {
+		return nil, err
+	}
+	mo := &gpuMoE{}
+	if mo.router, err = m.upload32(w); err != nil {
+		return nil, err
+	}
+	var gateUp, down []*pack.GPUWeights
+	for e := 0; e < E; e++ {
+		hs := make([]*hostLinear, 3)
+		for j := range hs {
+			if hs[j], err = m.readLinear(ck, q, specs[3*e+j]); err != nil {
+				return nil, err
+			}
+		}
+		packed := hs[0].gw != nil && hs[1].gw != nil && hs[2].gw != nil
+		if packed != (hs[0].gw != nil || hs[1].gw != nil || hs[2].gw != nil) || e > 0 && packed != (gateUp != nil) {
+			return nil, fmt.Errorf("%s: the GPU backend runs a layer's experts all 4-bit or all fp16, not a mix", specs[3*e].Name)
+		}
+		if packed {
+			if !joinable(hs[:2]) {
+				return nil, fmt.Errorf("%s: the expert's gate and up cannot run as one grouped GEMV (different groups or act order)", specs[3*e].Name)
+			}
+			gu, err := pack.ConcatGPU(hs[0].gw, hs[1].gw)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", specs[3*e].Name, err)
+			}
+			gateUp, down = append(gateUp, gu), append(down, hs[2].gw)
+			continue
+		}
+		if e == 0 {
+			for _, b := range []struct {
+				dst   *Buf
+				bytes int
+			}{{&mo.gateUp16, E * 2 * I * H * 2}, {&mo.down16, E * H * I * 2}} {
+				if *b.dst, err = m.x.Alloc(b.bytes); err != nil {
+					return nil, fmt.Errorf("layer %d's experts: %w", layer, err)
+				}
+				m.weights += int64(b.bytes)
+			}
+		}
+		for j, dst := range []Buf{mo.gateUp16.Offset(e * 2 * I * H * 2), mo.gateUp16.Offset((e*2 + 1) * I * H * 2), mo.down16.Offset(e * H * I * 2)} {
+			if err := Upload(m.x, dst, toF16(hs[j].w)); err != nil {
+				return nil, fmt.Errorf("%s: %w", specs[3*e+j].Name, err)
+			}
+			if hs[j].dequantized {
+				m.wideLayers++
+			}
+		}
+	}
+	if gateUp != nil {
+		if mo.gateUp, err = m.x.UploadExperts(gateUp); err != nil {
+			return nil, fmt.Errorf("layer %d's experts' gate and up: %w", layer, err)
+		}
+		mo.gateUp.Cols = []int{I, I}
+		if mo.down, err = m.x.UploadExperts(down); err != nil {
+			return nil, fmt.Errorf("layer %d's experts' down: %w", layer, err)
+		}
+		m.weights += mo.gateUp.Bytes() + mo.down.Bytes()
+		m.w4Layers += 2
+	}
+	return mo, nil
 }
 
 // checkFits refuses, before anything is allocated, a model that needs
@@ -544,24 +646,36 @@ type acts struct {
 	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
 	meta                                     RowMeta
-	bufs                                     []Buf
-	bytes                                    int64
+	// A mixture of experts' pass (rows·k slots): router logits, each
+	// slot's expert and weight, the plan's order and chunks, the experts'
+	// outputs y [slots][hidden] (their gate and up go to g and u).
+	routerLogits, expert, weight, order, chunks, y Buf
+	bufs                                           []Buf
+	bytes                                          int64
 }
 
 func (m *Model) newActs(rows int) (*acts, error) {
 	c := m.cfg
 	a := &acts{rows: rows}
 	qd, kvd := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
+	inter := c.Intermediate // the gate and up outputs' width a row
+	var E, slots int        // a mixture's experts and slots (rows·k)
+	if c.MoE != nil {
+		E, slots = c.MoE.Experts, rows*c.MoE.TopK
+		inter = max(inter, c.MoE.TopK*c.MoE.Intermediate)
+	}
 	sizes := []struct {
 		b     *Buf
 		bytes int
 	}{
 		{&a.x, rows * c.Hidden * 4}, {&a.h, rows * c.Hidden * 2}, {&a.q, rows * qd * 2}, {&a.k, rows * kvd * 2},
 		{&a.v, rows * kvd * 2}, {&a.att, rows * qd * 2}, {&a.delta, rows * c.Hidden * 2},
-		{&a.g, rows * c.Intermediate * 2}, {&a.u, rows * c.Intermediate * 2}, {&a.logits, rows * c.Vocab * 4},
+		{&a.g, rows * inter * 2}, {&a.u, rows * inter * 2}, {&a.logits, rows * c.Vocab * 4},
 		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
+		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
+		{&a.chunks, MoEMaxChunks(slots, E, 1) * 3 * 4}, {&a.y, slots * c.Hidden * 2},
 	}
 	for _, s := range sizes {
 		if s.bytes == 0 {
@@ -842,9 +956,14 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			},
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
 			func() error { return x.RMSNorm(a.x, a.delta, b.norms.postAttn, Buf{}, b.norms.mlp, a.h, T, H, eps) },
-			func() error { return m.runParts(b.gateUp, []*gpuLinear{b.gate, b.up}, a.h, T, a, a.g, a.u) },
-			func() error { return x.GatedAct(a.g, a.u, T*c.Intermediate, c.Act) },
-			func() error { return m.run(b.down, a.g, T, a, false, a.delta) },
+		}
+		if b.moe != nil {
+			steps = append(steps, func() error { return m.moeMLP(b.moe, a, T) })
+		} else {
+			steps = append(steps,
+				func() error { return m.runParts(b.gateUp, []*gpuLinear{b.gate, b.up}, a.h, T, a, a.g, a.u) },
+				func() error { return x.GatedAct(a.g, a.u, T*c.Intermediate, c.Act) },
+				func() error { return m.run(b.down, a.g, T, a, false, a.delta) })
 		}
 		for _, f := range steps {
 			if err := f(); err != nil {
@@ -858,6 +977,50 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		return x.RMSNorm(a.x, a.delta, last, Buf{}, m.norm, a.h, T, H, eps)
 	}
 	return x.Add(a.x, a.delta, T*H)
+}
+
+// moeMLP queues a mixture of experts on the normed rows a.h (T of them),
+// leaving its output in a.delta, all on the device (no host round trip,
+// so decode graphs capture it): the router's logits and top k (moe_route),
+// the T·k slots grouped by expert (moe_plan), the experts' gate and up as
+// one grouped GEMV over the slots, the gated activation, down, and the
+// weighted sum of each row's k outputs in ascending expert order.
+func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
+	c, x := m.cfg, m.x
+	E, k, H, I := c.MoE.Experts, c.MoE.TopK, c.Hidden, c.MoE.Intermediate
+	S := T * k
+	mt := moeChunk(S, E)
+	chunks := MoEMaxChunks(S, E, mt)
+	for _, f := range []func() error{
+		func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) },
+		func() error { return x.MoERoute(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK) },
+		func() error { return x.MoEPlan(a.expert, a.order, a.chunks, S, E, mt, chunks) },
+		func() error {
+			return x.MoEGemv(a.h, k, a.order, a.chunks, chunks, mt, mo.gateUp, mo.gateUp16, []Buf{a.g, a.u}, []int{I, I}, 2*I, H)
+		},
+		func() error { return x.GatedAct(a.g, a.u, S*I, c.Act) },
+		func() error {
+			return x.MoEGemv(a.g, 1, a.order, a.chunks, chunks, mt, mo.down, mo.down16, []Buf{a.y}, []int{H}, H, I)
+		},
+		func() error { return x.MoECombine(a.y, a.expert, a.weight, a.delta, T, k, H) },
+	} {
+		if err := f(); err != nil {
+			return fmt.Errorf("mixture of experts: %w", err)
+		}
+	}
+	return nil
+}
+
+// moeChunk is how many slots of one expert a grouped GEMV's CTA takes:
+// 4 once the slots average two or more an expert (a large batch, a
+// prefill: the expert's weights are read once for four rows), else 1 (a
+// decode step's slots mostly have an expert each, and the GEMV's
+// arithmetic grows with the rows it carries).
+func moeChunk(slots, experts int) int {
+	if slots >= 2*experts {
+		return 4
+	}
+	return 1
 }
 
 // head queues the final norm of the rows a.rowIdx[:n] and the LM head,
@@ -1216,20 +1379,25 @@ func attnOptions(c *checkpoint.Config, l int) AttnOptions {
 }
 
 // Supports refuses, by name, what the GPU backend does not run yet
-// rather than running it wrongly: the mixtures of experts (Qwen3-MoE,
-// Mixtral); the CPU backend runs them.
+// rather than running it wrongly: a mixture wider than the route kernel
+// (more than 256 experts, or a top k past 16); the CPU backend runs them.
 func Supports(c *checkpoint.Config) error {
-	if c.MoE != nil {
-		return fmt.Errorf("%s: the GPU backend does not run mixtures of experts yet (--device cpu runs them)", c.Architecture)
+	if c.MoE != nil && (c.MoE.Experts > 256 || c.MoE.TopK > 16) {
+		return fmt.Errorf("%s: the GPU backend runs mixtures of up to 256 experts and a top k up to 16, not %d top %d (--device cpu runs it)",
+			c.Architecture, c.MoE.Experts, c.MoE.TopK)
 	}
 	return nil
 }
 
 // CalibratorSupports is Supports for quantizing on the GPU: the
-// calibration forward does not run Gemma 3's sandwich norms yet.
+// calibration forward does not run mixtures of experts or Gemma 3's
+// sandwich norms yet.
 func CalibratorSupports(c *checkpoint.Config) error {
 	if err := Supports(c); err != nil {
 		return err
+	}
+	if c.MoE != nil {
+		return fmt.Errorf("%s: the GPU calibrator does not run mixtures of experts yet (--device cpu quantizes it)", c.Architecture)
 	}
 	if c.SandwichNorm {
 		return fmt.Errorf("%s: the GPU calibrator does not run Gemma 3's sandwich norms yet (--device cpu quantizes it)", c.Architecture)

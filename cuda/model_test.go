@@ -74,13 +74,13 @@ func TestModelLogits(t *testing.T) {
 // The architecture zoo's families the GPU runs (Qwen2's biases, Mistral's
 // head_dim 48 and its sliding window of 64 over 126 positions, Llama-3.1's
 // RoPE scaling, Qwen3's q/k norms, Gemma 3's sandwich norms, GeGLU,
-// embedding and score scales, and its sliding layer with its own RoPE)
-// against
+// embedding and score scales, and its sliding layer with its own RoPE,
+// Qwen3-MoE's and Mixtral's mixtures of experts in fp16) against
 // transformers' fp32 logits, as TestModelLogits; then the last 8 positions
 // again as decode steps after a prefill of the rest (the cache attention
 // and the decode graphs), against the full pass.
 func TestZooLogitsOnGPU(t *testing.T) {
-	for _, name := range []string{"qwen2-rand", "mistral-rand", "mistral-swa-rand", "llama31-rand", "qwen3-rand", "gemma3-rand"} {
+	for _, name := range []string{"qwen2-rand", "mistral-rand", "mistral-swa-rand", "llama31-rand", "qwen3-rand", "gemma3-rand", "qwen3moe-rand", "mixtral-rand"} {
 		t.Run(name, func(t *testing.T) {
 			_, gpu := loadBoth(t, "archzoo/"+name)
 			ids := shared.Int32s(t, "reference/"+name+".logits.input.i32")
@@ -180,8 +180,12 @@ func TestJoinedLinearsMatchSeparate(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if joined := gpu.blocks[0].qkv != nil && gpu.blocks[0].gateUp != nil; joined != join {
+				b := gpu.blocks[0]
+				if joined := b.qkv != nil && (b.gateUp != nil || b.moe != nil); joined != join {
 					t.Fatalf("join %v: block 0 joined %v", join, joined)
+				}
+				if b.moe != nil && b.moe.gateUp == nil { // a mixture (mixtral-rand): its experts on the grouped W4 GEMV
+					t.Fatal("4-bit experts loaded as fp16")
 				}
 				logits[i] = run(gpu)
 				gpu.Close()

@@ -5,9 +5,12 @@ package cuda
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/llmq/llmq/llm"
+	"github.com/llmq/llmq/pack"
+	"github.com/x448/float16"
 )
 
 // TestMoERouteMatchesCPU: the route kernel against llm.RouteLogits on
@@ -67,5 +70,232 @@ func TestMoERouteMatchesCPU(t *testing.T) {
 	}
 	if err := x.MoERoute(Buf{}, Buf{}, Buf{}, 1, 300, 2, false); err == nil {
 		t.Error("300 experts: no error")
+	}
+}
+
+// TestMoEGemvMatchesReference runs the grouped expert GEMV (4-bit and
+// fp16 experts, chunks of 1 and 4 slots, a joined gate/up writing two
+// outputs, inputs shared by a row's k slots or one a slot) on random
+// routings against a float64 reference, after checking the plan: every
+// slot listed once, expert by expert, in chunks of at most mt, the unused
+// chunks empty.
+func TestMoEGemvMatchesReference(t *testing.T) {
+	x := openContext(t)
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, c := range []struct {
+		T, E, k, N, K, group, mt, aDiv int
+		fp16, joined                   bool
+	}{
+		{T: 1, E: 8, k: 2, N: 128, K: 256, group: 128, mt: 1, aDiv: 2, joined: true},
+		{T: 5, E: 16, k: 4, N: 64, K: 128, group: 64, mt: 1, aDiv: 1},
+		{T: 37, E: 8, k: 2, N: 256, K: 512, group: 512, mt: 4, aDiv: 2, joined: true},
+		{T: 9, E: 128, k: 8, N: 192, K: 256, group: 32, mt: 1, aDiv: 8, joined: true},
+		{T: 3, E: 8, k: 2, N: 192, K: 128, mt: 1, aDiv: 2, fp16: true, joined: true},
+		{T: 40, E: 8, k: 2, N: 128, K: 96, mt: 4, aDiv: 1, fp16: true},
+	} {
+		S := c.T * c.k
+		ids := make([]int32, S)
+		for row := 0; row < c.T; row++ {
+			for j, e := range r.Perm(c.E)[:c.k] {
+				ids[row*c.k+j] = int32(e)
+			}
+		}
+		// W[e] in [K][N] order for the reference.
+		W := make([][]float32, c.E)
+		var w4 *W4
+		var w16 Buf
+		if c.fp16 {
+			bits, vals := randomHalf(r, c.E*c.N*c.K) // [E][N][K]
+			for e := range W {
+				W[e] = make([]float32, c.K*c.N)
+				for n := 0; n < c.N; n++ {
+					for k := 0; k < c.K; k++ {
+						h := float16.Fromfloat32(vals[(e*c.N+n)*c.K+k] * 0.05)
+						W[e][k*c.N+n], bits[(e*c.N+n)*c.K+k] = h.Float32(), h.Bits()
+					}
+				}
+			}
+			w16, _ = AllocFrom(x, bits)
+		} else {
+			gs := make([]*pack.GPUWeights, c.E)
+			for e := range gs {
+				var err error
+				if gs[e], err = randomLayer(r, c.K, c.N, c.group, 4, false, false).GPULayout(); err != nil {
+					t.Fatal(err)
+				}
+				W[e] = gs[e].Dequantize()
+			}
+			var err error
+			if w4, err = x.UploadExperts(gs); err != nil {
+				t.Fatal(err)
+			}
+		}
+		arows := S / c.aDiv
+		abits, avals := randomHalf(r, arows*c.K)
+		A, _ := AllocFrom(x, abits)
+		idb, _ := AllocFrom(x, ids)
+		maxChunks := MoEMaxChunks(S, c.E, c.mt)
+		order, _ := x.Alloc(S * 4)
+		chunks, _ := x.Alloc(maxChunks * 3 * 4)
+		x.Memset(chunks, 0x7f, chunks.Bytes) // poison: the plan must clear the unused chunks
+		cols := []int{c.N}
+		if c.joined {
+			cols = []int{c.N / 2, c.N / 2}
+		}
+		outs := make([]Buf, len(cols))
+		for i, n := range cols {
+			outs[i], _ = x.Alloc(S * n * 2)
+			x.Memset(outs[i], 0xff, outs[i].Bytes) // NaN: every output must be written
+		}
+		if err := x.MoEPlan(idb, order, chunks, S, c.E, c.mt, maxChunks); err != nil {
+			t.Fatal(err)
+		}
+		if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, w4, w16, outs, cols, c.N, c.K); err != nil {
+			t.Fatal(err)
+		}
+		ord, ch := make([]int32, S), make([]int32, maxChunks*3)
+		Download(x, ord, order)
+		Download(x, ch, chunks)
+		checkPlan(t, ids, ord, ch, c.E, c.mt)
+
+		var num, den float64
+		off := 0
+		for i, n := range cols {
+			got := make([]uint16, S*n)
+			if err := Download(x, got, outs[i]); err != nil {
+				t.Fatal(err)
+			}
+			for s := 0; s < S; s++ {
+				ref := reference(avals[(s/c.aDiv)*c.K:(s/c.aDiv+1)*c.K], W[ids[s]], nil, 1, c.K, c.N)
+				for j := 0; j < n; j++ {
+					v := float64(float16.Frombits(got[s*n+j]).Float32())
+					if math.IsNaN(v) {
+						t.Fatalf("%+v: slot %d column %d not written", c, s, off+j)
+					}
+					num += (v - ref[off+j]) * (v - ref[off+j])
+					den += ref[off+j] * ref[off+j]
+				}
+			}
+			off += n
+		}
+		rel := math.Sqrt(num / den)
+		t.Logf("%+v: plan checked; relative Frobenius error %.2e", c, rel)
+		if rel > 1e-3 {
+			t.Errorf("%+v: relative error %.3g > 1e-3", c, rel)
+		}
+		for _, b := range append(outs, A, idb, order, chunks, w16) {
+			x.Free(b)
+		}
+		if w4 != nil {
+			w4.Free(x)
+		}
+	}
+}
+
+// checkPlan checks a plan of slots ids: order lists each slot once,
+// grouped by expert in ascending order; the chunks, in order, cover it
+// with at most mt slots of one expert each, then are empty.
+func checkPlan(t *testing.T, ids, order, chunks []int32, E, mt int) {
+	t.Helper()
+	seen := make([]bool, len(ids))
+	for i, s := range order {
+		if s < 0 || int(s) >= len(ids) || seen[s] {
+			t.Fatalf("order[%d] = %d: not a slot, or listed twice", i, s)
+		}
+		seen[s] = true
+		if i > 0 && ids[order[i-1]] > ids[s] {
+			t.Fatalf("order[%d]: expert %d after expert %d", i, ids[s], ids[order[i-1]])
+		}
+	}
+	at := 0
+	for c := 0; c < len(chunks)/3; c++ {
+		e, start, n := chunks[3*c], int(chunks[3*c+1]), int(chunks[3*c+2])
+		if at == len(ids) {
+			if n != 0 {
+				t.Fatalf("chunk %d after the last slot has %d slots", c, n)
+			}
+			continue
+		}
+		if start != at || n < 1 || n > mt {
+			t.Fatalf("chunk %d: start %d, %d slots; want start %d and 1 to %d slots", c, start, n, at, mt)
+		}
+		for _, s := range order[start : start+n] {
+			if ids[s] != e {
+				t.Fatalf("chunk %d of expert %d holds slot %d of expert %d", c, e, s, ids[s])
+			}
+		}
+		at += n
+	}
+	if at != len(ids) {
+		t.Fatalf("the chunks cover %d of %d slots", at, len(ids))
+	}
+}
+
+// TestMoERouterAndCombine: the router's logits (fp16 rows by an fp32
+// router) against float64, and the combine (each row's k expert outputs,
+// weighted, added in ascending expert order) against the CPU's float32
+// sums in that order.
+func TestMoERouterAndCombine(t *testing.T) {
+	x := openContext(t)
+	r := rand.New(rand.NewPCG(9, 10))
+	const T, E, H, k = 7, 12, 96, 3
+	hb, hv := randomHalf(r, T*H)
+	Wr := make([]float32, E*H)
+	for i := range Wr {
+		Wr[i] = float32(r.NormFloat64() * 0.1)
+	}
+	hd, _ := AllocFrom(x, hb)
+	wd, _ := AllocFrom(x, Wr)
+	ld, _ := x.Alloc(T * E * 4)
+	if err := x.MoERouter(hd, wd, ld, T, E, H); err != nil {
+		t.Fatal(err)
+	}
+	logits := make([]float32, T*E)
+	Download(x, logits, ld)
+	worst := 0.0
+	for i := range logits {
+		var ref, mag float64
+		for j := 0; j < H; j++ {
+			p := float64(hv[i/E*H+j]) * float64(Wr[i%E*H+j])
+			ref, mag = ref+p, mag+math.Abs(p)
+		}
+		worst = max(worst, math.Abs(float64(logits[i])-ref)/mag)
+	}
+	t.Logf("router logits within %.1e of float64 (relative to Σ|products|)", worst)
+	if worst > 1e-5 {
+		t.Errorf("router logits off by %.1e", worst)
+	}
+
+	ids, wts := make([]int32, T*k), make([]float32, T*k)
+	for row := 0; row < T; row++ {
+		for j, e := range r.Perm(E)[:k] {
+			ids[row*k+j], wts[row*k+j] = int32(e), float32(r.Float64())
+		}
+	}
+	yb, yv := randomHalf(r, T*k*H)
+	yd, _ := AllocFrom(x, yb)
+	idd, _ := AllocFrom(x, ids)
+	wtd, _ := AllocFrom(x, wts)
+	od, _ := x.Alloc(T * H * 2)
+	if err := x.MoECombine(yd, idd, wtd, od, T, k, H); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]uint16, T*H)
+	Download(x, got, od)
+	for row := 0; row < T; row++ {
+		js := []int{0, 1, 2}
+		slices.SortFunc(js, func(a, b int) int { return int(ids[row*k+a] - ids[row*k+b]) })
+		for c := 0; c < H; c++ {
+			var want float32
+			for _, j := range js {
+				want += yv[(row*k+j)*H+c] * wts[row*k+j]
+			}
+			if g := float16.Frombits(got[row*H+c]).Float32(); math.Abs(float64(g-want)) > 1e-3*math.Abs(float64(want))+1e-4 {
+				t.Fatalf("row %d column %d: %v, want %v", row, c, g, want)
+			}
+		}
+	}
+	for _, b := range []Buf{hd, wd, ld, yd, idd, wtd, od} {
+		x.Free(b)
 	}
 }

@@ -287,6 +287,10 @@ const llmq_api kAPI = {
     attention_causal,
     fake_quant,
     moe_route,
+    moe_router,
+    moe_plan,
+    moe_gemv,
+    moe_combine,
 };
 }  // namespace
 }  // namespace llmq

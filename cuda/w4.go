@@ -2,7 +2,11 @@
 
 package cuda
 
-import "github.com/llmq/llmq/pack"
+import (
+	"fmt"
+
+	"github.com/llmq/llmq/pack"
+)
 
 // W4 is a 4-bit layer resident on the GPU in the kernel's layout.
 type W4 struct {
@@ -21,6 +25,53 @@ func (x *Context) UploadW4(g *pack.GPUWeights) (*W4, error) {
 			if w.Z, err = AllocFrom(x, g.Zeros); err == nil && g.Perm != nil {
 				w.Perm, err = AllocFrom(x, g.Perm)
 			}
+		}
+	}
+	if err != nil {
+		w.Free(x)
+		return nil, err
+	}
+	return w, nil
+}
+
+// UploadExperts copies a mixture's expert layers of one kind, all alike
+// (same K, N, group, no act order), to the GPU one after another, as
+// MoEGemv reads them: a W4 whose K, N and Group are one expert's.
+func (x *Context) UploadExperts(gs []*pack.GPUWeights) (*W4, error) {
+	if len(gs) == 0 {
+		return nil, fmt.Errorf("no experts")
+	}
+	g0 := gs[0]
+	for e, g := range gs {
+		if g.K != g0.K || g.N != g0.N || g.Group != g0.Group || len(g.B) != len(g0.B) || len(g.Scales) != len(g0.Scales) || len(g.Zeros) != len(g0.Zeros) {
+			return nil, fmt.Errorf("expert %d is %d×%d with group %d, expert 0 %d×%d with group %d: the grouped kernel needs them alike",
+				e, g.N, g.K, g.Group, g0.N, g0.K, g0.Group)
+		}
+		if g.Perm != nil {
+			return nil, fmt.Errorf("expert %d has an act-order permutation: the grouped expert kernel does not run act order yet", e)
+		}
+	}
+	w := &W4{K: g0.K, N: g0.N, Group: g0.Group}
+	var err error
+	for _, p := range []struct {
+		dst   *Buf
+		bytes int
+		put   func(Buf, int) error
+	}{
+		{&w.B, len(g0.B) * 4, func(b Buf, e int) error { return Upload(x, b, gs[e].B) }},
+		{&w.S, len(g0.Scales) * 2, func(b Buf, e int) error { return Upload(x, b, gs[e].Scales) }},
+		{&w.Z, len(g0.Zeros) * 4, func(b Buf, e int) error { return Upload(x, b, gs[e].Zeros) }},
+	} {
+		if *p.dst, err = x.Alloc(p.bytes * len(gs)); err != nil {
+			break
+		}
+		for e := range gs {
+			if err = p.put(p.dst.Offset(e*p.bytes), e); err != nil {
+				break
+			}
+		}
+		if err != nil {
+			break
 		}
 	}
 	if err != nil {

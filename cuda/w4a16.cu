@@ -376,34 +376,17 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: no L
 
 __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
 
-// w4a16_gemv: a CTA of kWarps warps owns one 64-column n-tile and one K
-// slice (blockIdx.y of `splits`); its warps split the slice. MT tokens
-// (M ≤ MT; rows past M read row 0 and are not written), U 16-row steps
-// a batch, the next batch's codes and activations loaded while this one
-// is multiplied; MINB asks the compiler to fit MINB CTAs per SM.
-template <int MT, int U, int MINB>
-__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
-                                                          const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                          const Outs C, float* __restrict__ ws,
-                                                          int* __restrict__ counters, int M, int N, int K, int gshift,
-                                                          int splits) {
+// gemv_steps is the GEMV kernels' main loop: one warp's steps [k0, k1)
+// of one n-tile for MT rows, lane's activations of row m at ap[m] (its
+// row's first word + tig), its chunks at bp (step k's at bp + 32k), U
+// steps a batch with the next batch's codes and activations loaded while
+// this one is multiplied. It adds the lane's 8 columns × MT rows into acc.
+template <int MT, int U>
+__device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
+                                           GroupStream& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
-  __shared__ float red[kWarps][MT][64];
-  __shared__ int s_last;
-  const int nt = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int KT = K >> 4, NT = N >> 6;
-  int k0, k1;
-  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
-
   // Step k's activations for this lane, as half2 words: rows 16k + 2·tig
   // (+1) at word 8k + tig, rows 16k + 2·tig + 8 (+9) four words on.
-  const uint32_t* ap[MT];
-#pragma unroll
-  for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
-  const uint4* bp = B + (size_t)nt * KT * 32 + lane;
-
   uint4 qn[U];
   uint32_t xn[U][MT][2];
   auto load = [&](int kb) {
@@ -424,13 +407,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
     }
   };
 
-  GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
   GroupRegs gr;
-  float acc[MT][8];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
   if (k1 > k0) {
     groups.start(gr, k0);
     load(k0);
@@ -484,9 +461,13 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
         }
     }
   }
+}
 
-  // Lanes 4·gid … 4·gid+3 hold the same eight columns (gid + 8j) for
-  // different rows: sum them, then the warps' sums.
+// gemv_reduce: lanes 4·gid … 4·gid+3 hold the same eight columns (gid +
+// 8j) for different rows of K: it sums them into red[warp], and returns
+// once every warp's sums are there (the caller adds the warps').
+template <int MT>
+__device__ __forceinline__ void gemv_reduce(float (&acc)[MT][8], float (&red)[kWarps][MT][64], int warp, int gid, int tig) {
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -497,6 +478,38 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
       if (tig == 0) red[warp][m][j * 8 + gid] = v;
     }
   __syncthreads();
+}
+
+// w4a16_gemv: a CTA of kWarps warps owns one 64-column n-tile and one K
+// slice (blockIdx.y of `splits`); its warps split the slice. MT tokens
+// (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
+// steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
+// SM.
+template <int MT, int U, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                          const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                          const Outs C, float* __restrict__ ws,
+                                                          int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                          int splits) {
+  __shared__ float red[kWarps][MT][64];
+  __shared__ int s_last;
+  const int nt = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6;
+  int k0, k1;
+  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+  const uint32_t* ap[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
+  GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
+  float acc[MT][8];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
+  gemv_steps<MT, U>(acc, ap, B + (size_t)nt * KT * 32 + lane, groups, k0, k1);
+  gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
     if (m < M) {
@@ -507,6 +520,53 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
     }
   }
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+}
+
+// w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
+// weights lie one after another in B, S and Z (each N×K in the layout
+// above). CTA (nt, c) runs chunk c of the expert plan (moe_plan): up to MT
+// slots of one expert, listed in order[start …]; slot s reads A row
+// s / a_div and writes output row s. K is not split: an expert's K is
+// small and the slots × n-tiles fill the GPU. Chunks with no slots exit.
+template <int MT, int U>
+__global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __restrict__ A, int a_div,
+                                                               const int32_t* __restrict__ order,
+                                                               const int32_t* __restrict__ chunks,
+                                                               const uint4* __restrict__ B, const uint4* __restrict__ S,
+                                                               const uint32_t* __restrict__ Z, const Outs C, int N,
+                                                               int K, int gshift) {
+  __shared__ float red[kWarps][MT][64];
+  const int* ch = chunks + 3 * blockIdx.y;
+  const int e = ch[0], start = ch[1], n = ch[2];
+  if (n == 0) return;  // the whole CTA: past the plan's chunks
+  const int nt = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6, G = gshift < 0 ? 1 : KT >> gshift;
+  const size_t per_b = (size_t)NT * KT * 32, per_group = (size_t)G * NT * 8;  // an expert's uint4s of B; of S (= Z's words)
+  int k0, k1;
+  warp_range(KT, 1, 0, warp, k0, k1);
+  const uint32_t* ap[MT];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+    ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(order[start + min(m, n - 1)] / a_div) * K) + tig;
+  GroupStream groups(S + e * per_group, Z + e * per_group, nt, NT, gid, KT, gshift);
+  float acc[MT][8];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
+  gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
+  gemv_reduce<MT>(acc, red, warp, gid, tig);
+  for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
+    const int m = i >> 6, col = i & 63;
+    if (m < n) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += red[w][m][col];
+      *out_at(C, order[start + m], nt * 64 + col) = __float2half_rn(v);
+    }
+  }
 }
 
 // dequant_kernel writes W[K][N] fp16 from the tiled layout, one warp per
@@ -761,11 +821,10 @@ int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, i
   return gemm_f16_cols(c, A, (const half*)W, N, C, M, N, K);
 }
 
-int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
-               int N, int K, int group) {
-  if (check_shape(c, M, N, K, group)) return 1;
-  Outs C{};
+// make_outs checks and gathers a GEMM's outputs (w4a16_gemm's outs,
+// out_cols, n_outs) for N columns.
+int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_cols, int n_outs, int N, Outs& C) {
+  C = Outs{};
   C.n = n_outs;
   int end = 0;
   for (int i = 0; i < n_outs && n_outs <= 3; ++i) {
@@ -774,9 +833,18 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
     C.end[i] = end += out_cols[i];
   }
   if (n_outs < 1 || n_outs > 3 || end != N || C.end[n_outs - 1] != N) {
-    set_error(c, "w4a16_gemm: %d outputs whose widths must be multiples of 64 adding up to N=%d", n_outs, N);
+    set_error(c, "%s: %d outputs whose widths must be multiples of 64 adding up to N=%d", fn, n_outs, N);
     return 1;
   }
+  return 0;
+}
+
+int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
+               void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
+               int N, int K, int group) {
+  if (check_shape(c, M, N, K, group)) return 1;
+  Outs C;
+  if (make_outs(c, "w4a16_gemm", outs, out_cols, n_outs, N, C)) return 1;
   const half* a = (const half*)A;
   if (perm) {
     if (!a_perm) {
@@ -805,6 +873,35 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+}
+
+int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
+                const void* B, const void* scales, const void* zeros, void* const* outs, const int* out_cols, int n_outs,
+                int N, int K, int group) {
+  if (check_shape(c, 1, N, K, group)) return 1;
+  if (group < K && (group & (group - 1))) {
+    set_error(c, "moe_gemv: the grouped W4A16 kernel needs a power-of-two group size or one group per column (group=%d)",
+              group);
+    return 1;
+  }
+  Outs C;
+  if (make_outs(c, "moe_gemv", outs, out_cols, n_outs, N, C)) return 1;
+  const dim3 grid(N / 64, max_chunks);
+  const int gshift = group_shift(group, K);
+  if (mt == 1)
+    w4a16_gemv_grouped<1, 4><<<grid, kWarps * 32, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const uint4*)B,
+                                                                  (const uint4*)scales, (const uint32_t*)zeros, C, N,
+                                                                  K, gshift);
+  else if (mt == 4)
+    w4a16_gemv_grouped<4, 2><<<grid, kWarps * 32, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const uint4*)B,
+                                                                  (const uint4*)scales, (const uint32_t*)zeros, C, N,
+                                                                  K, gshift);
+  else {
+    set_error(c, "moe_gemv: %d slots a chunk (the kernel runs 1 or 4)", mt);
+    return 1;
+  }
+  CK_LAUNCH("w4a16_gemv_grouped");
+  return 0;
 }
 
 int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
