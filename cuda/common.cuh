@@ -77,8 +77,7 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
 int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-                const void* B, const void* scales, const void* zeros, void* const* outs, const int* out_cols, int n_outs,
-                int N, int K, int group);
+                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w, void* out,
@@ -99,10 +98,13 @@ int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int b
 int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);
 int moe_router(llmq_ctx* c, const void* h, const float* W, float* logits, int T, int E, int H);
 int moe_plan(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks);
+int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm, int mt,
+                   int32_t* order, int32_t* chunks, int max_chunks);
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-             const void* B, const void* scales, const void* zeros, const void* W16, void* const* outs,
-             const int* out_cols, int n_outs, int N, int K, int group);
-int moe_combine(llmq_ctx* c, const void* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H);
+             int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
+             int group);
+int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
+int moe_combine(llmq_ctx* c, float* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu
 int hessian_add(llmq_ctx* c, const void* X, float* H, int rows, int n);

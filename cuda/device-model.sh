@@ -8,6 +8,7 @@
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
+#   bash cuda/device-model.sh moeprof # nsys per-kernel times of qwen3-30b-a3b W4 decoding (4 layers)
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
@@ -77,8 +78,9 @@ case "$1" in
     # Packed copies for TestJoinedLinearsMatchSeparate (RTN: deterministic, made here).
     W4=
     for m in models/llama-tiny models/archzoo/qwen2-rand models/archzoo/mixtral-rand; do
-      d=build/q/$(basename $m)-rtn-w4
-      [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group 128 -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
+      d=build/q/$(basename $m)-rtn-w4; g=128
+      [[ $m == *mixtral* ]] && g=64  # its experts' down has 192 inputs
+      [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group $g -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
     export LLMQ_TEST_W4_MODELS=${W4#:}
     run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
@@ -280,6 +282,20 @@ case "$1" in
         --steps 32 --json "$OUT/$f" 2>&1 | grep -v "^\s*$"
       rm -rf $d
     done
+    ;;
+  moeprof) # per-kernel GPU times of qwen3-30b-a3b W4 decoding (4 of its 48 layers), nsys with graph nodes traced
+    TOK=$LLMQ_SHARED/models/${2:-llama-tiny}; d=/tmp/moeprof
+    $L synth --preset qwen3-30b-a3b --bits 4 --group 128 --layers 4 -o $d --force --tokenizer "$TOK" 2>&1 | tail -1
+    if command -v nsys > /dev/null; then
+      nsys profile -t cuda --cuda-graph-trace=node -o /tmp/moeprof --force-overwrite true \
+        $L bench decode $d --device cuda --context 128 --batch 1,8 --prefill 512 --steps 32 > /dev/null 2>&1
+      { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq bench decode (qwen3-30b-a3b W4, --layers 4) --context 128 --batch 1,8 --prefill 512 --steps 32; nsys stats -r cuda_gpu_kern_sum"
+        nsys stats -q -r cuda_gpu_kern_sum /tmp/moeprof.nsys-rep 2>&1 | head -60; } > "$OUT/moe-kernels-h200.txt"
+      head -30 "$OUT/moe-kernels-h200.txt"
+    else
+      echo "no nsys on this machine"
+    fi
+    rm -rf $d /tmp/moeprof.*
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}

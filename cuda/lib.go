@@ -169,15 +169,19 @@ static int c_moe_router(A a, llmq_ctx* c, P h, P W, P logits, int T, int E, int 
 static int c_moe_plan(A a, llmq_ctx* c, P ids, int S, int E, int mt, P order, P chunks, int max_chunks) {
 	return a->moe_plan(c, (const int32_t*)ids, S, E, mt, (int32_t*)order, (int32_t*)chunks, max_chunks);
 }
-static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int max_chunks, int mt, P B, P S, P Z, P W16,
-		P c0, P c1, P c2, int n0, int n1, int n2, int n_outs, int N, int K, int g) {
-	void* outs[3] = {(void*)c0, (void*)c1, (void*)c2};
-	int cols[3] = {n0, n1, n2};
-	return a->moe_gemv(c, (const void*)A_, a_div, (const int32_t*)order, (const int32_t*)chunks, max_chunks, mt, (const void*)B,
-		(const void*)S, (const void*)Z, (const void*)W16, outs, cols, n_outs, N, K, g);
+static int c_moe_route_plan(A a, llmq_ctx* c, P logits, P ids, P weights, int T, int E, int k, int norm, int mt, P order, P chunks,
+		int max_chunks) {
+	return a->moe_route_plan(c, (const float*)logits, (int32_t*)ids, (float*)weights, T, E, k, norm, mt, (int32_t*)order,
+		(int32_t*)chunks, max_chunks);
 }
+static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int max_chunks, int mt, int slots, P B, P S, P Z, P W16,
+		P out, int N, int K, int g) {
+	return a->moe_gemv(c, (const void*)A_, a_div, (const int32_t*)order, (const int32_t*)chunks, max_chunks, mt, slots, (const void*)B,
+		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g);
+}
+static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act) { return a->moe_act(c, (float*)gu, (void*)g, S, I, act); }
 static int c_moe_combine(A a, llmq_ctx* c, P y, P ids, P weights, P out, int T, int k, int H) {
-	return a->moe_combine(c, (const void*)y, (const int32_t*)ids, (const float*)weights, (void*)out, T, k, H);
+	return a->moe_combine(c, (float*)y, (const int32_t*)ids, (const float*)weights, (void*)out, T, k, H);
 }
 */
 import "C"
@@ -675,11 +679,16 @@ type AttnOptions struct {
 // GatedAct does g = act(g)·u over n fp16 values, act a config.json
 // hidden_act: SiLU (SwiGLU) or "gelu_pytorch_tanh" (Gemma's GeGLU).
 func (x *Context) GatedAct(g, u Buf, n int, act string) error {
-	code := 0
+	return x.do("gated_act", func() C.int { return C.c_gated_act(x.lib.api, x.c, g.p, u.p, C.size_t(n), actCode(act)) })
+}
+
+// actCode is the kernels' code for a gated MLP's activation (Config.Act):
+// 1 for GELU with the tanh approximation, 0 for SiLU.
+func actCode(act string) C.int {
 	if act == "gelu_pytorch_tanh" {
-		code = 1
+		return 1
 	}
-	return x.do("gated_act", func() C.int { return C.c_gated_act(x.lib.api, x.c, g.p, u.p, C.size_t(n), C.int(code)) })
+	return 0
 }
 
 // FakeQuant writes in quantized and dequantized into out (rows of cols
@@ -721,34 +730,40 @@ func (x *Context) MoEPlan(ids, order, chunks Buf, S, E, mt, maxChunks int) error
 	})
 }
 
+// MoERoutePlan is MoERoute then MoEPlan of its ids, in one launch.
+func (x *Context) MoERoutePlan(logits, ids, weights Buf, T, E, k int, norm bool, mt int, order, chunks Buf, maxChunks int) error {
+	return x.do("moe_route_plan", func() C.int {
+		return C.c_moe_route_plan(x.lib.api, x.c, logits.p, ids.p, weights.p, C.int(T), C.int(E), C.int(k), cbool(norm), C.int(mt),
+			order.p, chunks.p, C.int(maxChunks))
+	})
+}
+
 // MoEGemv runs a mixture's experts of one kind (all E alike, N×K) over a
-// plan (MoEPlan with the same mt): output row s = A row s/aDiv · W_e for
-// each slot s of expert e. w holds 4-bit experts one after another
-// (UploadExperts), or w16 fp16 experts [E][N][K]; outs[i] gets cols[i] of
-// the N columns (a joined gate/up: two).
-func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt int, w *W4, w16 Buf, outs []Buf, cols []int, N, K int) error {
-	if len(outs) != len(cols) || len(outs) < 1 || len(outs) > 3 {
-		return fmt.Errorf("moe_gemv: %d outputs for %d column groups (1 to 3)", len(outs), len(cols))
-	}
-	var p [3]C.P
-	var n [3]C.int
-	for i := range outs {
-		p[i], n[i] = outs[i].p, C.int(cols[i])
-	}
+// plan of S slots (MoEPlan with the same mt): out row s (fp32 [S][N],
+// zero before) += A row s/aDiv · W_e for each slot s of expert e. w holds
+// 4-bit experts one after another (UploadExperts), or w16 fp16 experts
+// [E][N][K].
+func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S int, w *W4, w16, out Buf, N, K int) error {
 	var b, s, z C.P
 	group := K
 	if w != nil {
 		b, s, z, group = w.B.p, w.S.p, w.Z.p, w.Group
 	}
 	return x.do("moe_gemv", func() C.int {
-		return C.c_moe_gemv(x.lib.api, x.c, A.p, C.int(aDiv), order.p, chunks.p, C.int(maxChunks), C.int(mt), b, s, z, w16.p,
-			p[0], p[1], p[2], n[0], n[1], n[2], C.int(len(outs)), C.int(N), C.int(K), C.int(group))
+		return C.c_moe_gemv(x.lib.api, x.c, A.p, C.int(aDiv), order.p, chunks.p, C.int(maxChunks), C.int(mt), C.int(S), b, s, z, w16.p,
+			out.p, C.int(N), C.int(K), C.int(group))
 	})
 }
 
+// MoEAct writes g [S][I] fp16 = act(gate)·up from a joined gate/up output
+// gu [S][2I] fp32, which it zeroes (act as GatedAct).
+func (x *Context) MoEAct(gu, g Buf, S, I int, act string) error {
+	return x.do("moe_act", func() C.int { return C.c_moe_act(x.lib.api, x.c, gu.p, g.p, C.int(S), C.int(I), actCode(act)) })
+}
+
 // MoECombine writes out [T][H] fp16: each row's k expert outputs y
-// [T·k][H] (fp16) weighted by weights [T][k] and added in fp32 in
-// ascending expert order (ids [T][k]), as the CPU adds them.
+// [T·k][H] (fp32, zeroed on return) weighted by weights [T][k] and added
+// in fp32 in ascending expert order (ids [T][k]), as the CPU adds them.
 func (x *Context) MoECombine(y, ids, weights, out Buf, T, k, H int) error {
 	return x.do("moe_combine", func() C.int {
 		return C.c_moe_combine(x.lib.api, x.c, y.p, ids.p, weights.p, out.p, C.int(T), C.int(k), C.int(H))

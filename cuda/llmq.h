@@ -234,21 +234,28 @@ typedef struct {
    * slots expert by expert, ascending; chunks [max_chunks][3] = (expert,
    * first index into order, slots ≤ mt) cut each expert's list, chunks past
    * the last having 0 slots. max_chunks ≥ ⌈S/mt⌉ + min(E, S) always
-   * suffices. */
+   * suffices. One block. */
   int (*moe_plan)(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks);
-  /* The experts' linear layer over a plan (moe_plan, the same mt: 1 or 4):
-   * output row s = A row s / a_div · W_e for each slot s of expert e (a_div
-   * k: A holds the pass's rows; 1: A holds a row per slot). The experts'
-   * weights lie one after another: 4-bit in w4a16_gemm's layout (B,
-   * scales, zeros; act order not supported), or fp16 [E][N][K] in W16 (not
-   * NULL: then at most 2 outputs). outs, out_cols, n_outs as for
-   * w4a16_gemm (a joined gate/up writes two). */
+  /* moe_route then moe_plan of its ids, in one launch (one block). */
+  int (*moe_route_plan)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm,
+                        int mt, int32_t* order, int32_t* chunks, int max_chunks);
+  /* The experts' linear layer over a plan (moe_plan, the same mt: 1 or 4;
+   * slots its S): out row s (fp32 [S][N], zeroed before, summed into) +=
+   * A row s / a_div · W_e for each slot s of expert e (a_div k: A holds the
+   * pass's rows; 1: A holds a row per slot). The experts' weights lie one
+   * after another: 4-bit in w4a16_gemm's layout (B, scales, zeros; one
+   * group per column or a power of two; act order not supported), or fp16
+   * [E][N][K] in W16 (not NULL). */
   int (*moe_gemv)(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-                  const void* B, const void* scales, const void* zeros, const void* W16, void* const* outs,
-                  const int* out_cols, int n_outs, int N, int K, int group);
-  /* out row t (fp16 [T][H]) = Σ_j weights[t·k+j] · y[t·k+j] (y fp16 [T·k][H]),
-   * added in fp32 in ascending expert order (ids), as the CPU does. k ≤ 16. */
-  int (*moe_combine)(llmq_ctx* c, const void* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H);
+                  int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N,
+                  int K, int group);
+  /* g [S][I] fp16 = act(gu[:, :I]) · gu[:, I:] (act as gated_act) from a
+   * joined gate/up output gu [S][2I] fp32, which it zeroes. */
+  int (*moe_act)(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
+  /* out row t (fp16 [T][H]) = Σ_j weights[t·k+j] · y[t·k+j] (y fp32 [T·k][H],
+   * zeroed on return), added in fp32 in ascending expert order (ids), as
+   * the CPU does. k ≤ 16. */
+  int (*moe_combine)(llmq_ctx* c, float* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H);
 } llmq_api;
 
 /* The library's one exported symbol. */

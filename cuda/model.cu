@@ -500,15 +500,17 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   }
 }
 
-// gated_act_kernel: g = act(g)·u — SiLU (SwiGLU), or GELU with the tanh
-// approximation (Gemma's GeGLU, act 1).
+// act_of is a gated MLP's activation: SiLU (SwiGLU, act 0), or GELU with
+// the tanh approximation (Gemma's GeGLU, act 1).
+__device__ __forceinline__ float act_of(float a, int act) {
+  return act == 1 ? 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a))) : a / (1.f + __expf(-a));
+}
+
+// gated_act_kernel: g = act(g)·u.
 __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ u, size_t n, int act) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  const float a = __half2float(g[i]);
-  const float y = act == 1 ? 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)))
-                           : a / (1.f + __expf(-a));
-  g[i] = __float2half(y * __half2float(u[i]));
+  g[i] = __float2half(act_of(__half2float(g[i]), act) * __half2float(u[i]));
 }
 
 // fake_quant_kernel: one block per row of cols fp16 values, quantized and
@@ -549,20 +551,27 @@ __global__ void fake_quant_kernel(const half* in, half* out, int cols, float max
   }
 }
 
-// moe_route_kernel: a mixture of experts' routing, one warp per row of
-// router logits [T][E] (fp32), as llm.RouteLogits does it on the CPU:
-// p = softmax(logits) over every expert, the k largest p in turn (ties to
-// the lower expert: each lane keeps its best with a strict >, and the warp
-// prefers the lower expert among equals), their p as weights, divided by
-// their sum when norm is set. ids and weights are [T][k], most probable
-// first. E ≤ 32·kMaxExpertsPerLane.
+// Mixtures of experts (llm.MoE) on the device, in the order a layer runs
+// them: moe_router_kernel (the router's logits), moe_route_plan_kernel
+// (each row's top k, then the rows' T·k slots grouped by expert), the
+// grouped expert GEMVs (w4a16.cu's w4a16_gemv_grouped for 4-bit experts,
+// moe_gemv_f16_kernel here for fp16 ones) adding into fp32 outputs,
+// moe_act_kernel between gate/up and down, and moe_combine_kernel. The
+// fp32 outputs start zeroed and the kernel that reads one zeroes it again,
+// so split-K partial sums can be added with atomics and nothing is left
+// for the next layer to clear.
 constexpr int kMaxExpertsPerLane = 8;  // E ≤ 256
+constexpr int kMaxExperts = 32 * kMaxExpertsPerLane;
+constexpr int kMaxTopK = 16;
 
-__global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __restrict__ ids,
-                                 float* __restrict__ weights, int T, int E, int k, int norm) {
-  const int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (row >= T) return;  // the whole warp
-  const float* l = logits + (size_t)row * E;
+// route_row is a warp's routing of one row of router logits l [E] (fp32),
+// as llm.RouteLogits does it on the CPU: p = softmax(l) over every
+// expert, the k largest p in turn (ties to the lower expert: each lane
+// keeps its best with a strict >, the warp prefers the lower expert among
+// equals), their p as weights, divided by their sum when norm is set,
+// into ids and weights [k], most probable first.
+__device__ void route_row(const float* __restrict__ l, int32_t* __restrict__ ids, float* __restrict__ weights, int E,
+                          int k, int norm, int lane) {
   float p[kMaxExpertsPerLane];
   float mx = -INFINITY;
 #pragma unroll
@@ -579,10 +588,11 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __re
   sum = warp_sum(sum);
 #pragma unroll
   for (int i = 0; i < kMaxExpertsPerLane; i++) p[i] = lane + 32 * i < E ? p[i] / sum : -1.f;  // −1: not an expert
-  float chosen = 0.f;
+  float chosen = 0.f, w[kMaxTopK];
+  int be = E;
   for (int j = 0; j < k; j++) {
     float bv = -1.f;
-    int be = E;
+    be = E;
 #pragma unroll
     for (int i = 0; i < kMaxExpertsPerLane; i++)
       if (p[i] > bv) bv = p[i], be = lane + 32 * i;
@@ -591,83 +601,128 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __re
       const int oe = __shfl_xor_sync(0xffffffffu, be, o);
       if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
     }
-    if (lane == 0) ids[(size_t)row * k + j] = be, weights[(size_t)row * k + j] = bv;
+    if (lane == 0) ids[j] = be;
+    if (j < kMaxTopK) w[j] = bv;
     chosen += bv;
 #pragma unroll
     for (int i = 0; i < kMaxExpertsPerLane; i++)
       if (lane + 32 * i == be) p[i] = -1.f;  // taken
   }
-  if (norm && lane == 0)
-    for (int j = 0; j < k; j++) weights[(size_t)row * k + j] /= chosen;
+  if (lane == 0)
+    for (int j = 0; j < k; j++) weights[j] = norm ? w[j] / chosen : w[j];
 }
 
-// moe_router_kernel: router logits [T][E] (fp32) = h [T][H] (fp16) ·
-// Wᵀ, W [E][H] fp32 (the router stays in full precision, as on the CPU);
-// one warp an expert, 8 a block, blockIdx.y the row. H % 4 == 0.
+__global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __restrict__ ids,
+                                 float* __restrict__ weights, int T, int E, int k, int norm) {
+  const int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (row >= T) return;  // the whole warp
+  route_row(logits + (size_t)row * E, ids + (size_t)row * k, weights + (size_t)row * k, E, k, norm, lane);
+}
+
+// plan_slots (one block) groups a pass's S slots (row t's j-th expert is
+// slot t·k + j, ids [S]) by expert for the expert GEMVs: order [S] lists
+// the slots expert by expert (ascending experts; within one, in no fixed
+// order: each slot's output is its own row, so the order changes no
+// value), and chunks [max_chunks][3] = (expert, first index into order,
+// slots) cut each expert's list into pieces of at most mt; the chunks past
+// the last have 0 slots. Warp 0 computes the offsets with a shuffle scan.
+struct PlanShared {
+  int count[kMaxExperts], first[kMaxExperts], chunk0[kMaxExperts], fill[kMaxExperts];
+  int n_chunks;
+};
+
+__device__ void plan_slots(const int32_t* __restrict__ ids, int S, int E, int mt, int32_t* __restrict__ order,
+                           int32_t* __restrict__ chunks, int max_chunks, PlanShared& sh) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) sh.count[e] = sh.fill[e] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < S; s += blockDim.x) atomicAdd(&sh.count[ids[s]], 1);
+  __syncthreads();
+  if (threadIdx.x < 32) {  // lane l scans experts 8l … 8l+7, then the lanes' totals
+    const int lane = threadIdx.x;
+    int slots = 0, pieces = 0;
+    for (int e = lane * kMaxExpertsPerLane; e < min(E, (lane + 1) * kMaxExpertsPerLane); e++)
+      slots += sh.count[e], pieces += (sh.count[e] + mt - 1) / mt;
+    int s_in = slots, p_in = pieces;  // inclusive scans over the lanes
+    for (int o = 1; o < 32; o <<= 1) {
+      const int so = __shfl_up_sync(0xffffffffu, s_in, o), po = __shfl_up_sync(0xffffffffu, p_in, o);
+      if (lane >= o) s_in += so, p_in += po;
+    }
+    int at = s_in - slots, ch = p_in - pieces;
+    for (int e = lane * kMaxExpertsPerLane; e < min(E, (lane + 1) * kMaxExpertsPerLane); e++) {
+      sh.first[e] = at, sh.chunk0[e] = ch;
+      at += sh.count[e], ch += (sh.count[e] + mt - 1) / mt;
+    }
+    if (lane == 31) sh.n_chunks = p_in;
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < S; s += blockDim.x) {
+    const int e = ids[s];
+    order[sh.first[e] + atomicAdd(&sh.fill[e], 1)] = s;
+  }
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    for (int j = 0; j * mt < sh.count[e]; j++) {
+      int32_t* c = chunks + 3 * (sh.chunk0[e] + j);
+      c[0] = e, c[1] = sh.first[e] + j * mt, c[2] = min(mt, sh.count[e] - j * mt);
+    }
+  for (int c = sh.n_chunks + threadIdx.x; c < max_chunks; c += blockDim.x)
+    chunks[3 * c] = chunks[3 * c + 1] = chunks[3 * c + 2] = 0;
+}
+
+__global__ void moe_plan_kernel(const int32_t* __restrict__ ids, int S, int E, int mt, int32_t* __restrict__ order,
+                                int32_t* __restrict__ chunks, int max_chunks) {
+  __shared__ PlanShared sh;
+  plan_slots(ids, S, E, mt, order, chunks, max_chunks, sh);
+}
+
+// moe_route_plan_kernel: route_row for every row (warp w takes rows w,
+// w + 32, …), then plan_slots, in one block: a layer's routing in one
+// launch.
+__global__ void __launch_bounds__(1024) moe_route_plan_kernel(const float* __restrict__ logits, int32_t* __restrict__ ids,
+                                                              float* __restrict__ weights, int T, int E, int k, int norm,
+                                                              int mt, int32_t* __restrict__ order,
+                                                              int32_t* __restrict__ chunks, int max_chunks) {
+  __shared__ PlanShared sh;
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int row = threadIdx.x >> 5; row < T; row += warps)
+    route_row(logits + (size_t)row * E, ids + (size_t)row * k, weights + (size_t)row * k, E, k, norm, lane);
+  __syncthreads();  // the ids, written to global memory, are the block's to read now
+  plan_slots(ids, T * k, E, mt, order, chunks, max_chunks, sh);
+}
+
+// moe_router_kernel: router logits [T][E] (fp32) = h [T][H] (fp16) · Wᵀ,
+// W [E][H] fp32 (the router stays in full precision, as on the CPU); one
+// warp an expert, kRouterWarps a block, blockIdx.y the row; a lane's loads
+// are unrolled so that a warp has its row of W in flight at once. H % 4 == 0.
+constexpr int kRouterWarps = 4;
+
 __global__ void moe_router_kernel(const half* __restrict__ h, const float* __restrict__ W, float* __restrict__ logits,
                                   int E, int H) {
-  const int lane = threadIdx.x & 31, e = blockIdx.x * 8 + (threadIdx.x >> 5), t = blockIdx.y;
+  const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5), t = blockIdx.y;
   if (e >= E) return;  // the whole warp
-  const half2* x = reinterpret_cast<const half2*>(h + (size_t)t * H);
+  const uint2* x = reinterpret_cast<const uint2*>(h + (size_t)t * H);  // 4 fp16 values
   const float4* w = reinterpret_cast<const float4*>(W + (size_t)e * H);
   float acc = 0.f;
+#pragma unroll 8
   for (int i = lane; i < H / 4; i += 32) {
     const float4 wv = __ldg(w + i);
-    const float2 a = __half22float2(x[2 * i]), b = __half22float2(x[2 * i + 1]);
+    const uint2 xv = __ldg(x + i);
+    const float2 a = __half22float2(*reinterpret_cast<const half2*>(&xv.x));
+    const float2 b = __half22float2(*reinterpret_cast<const half2*>(&xv.y));
     acc += a.x * wv.x + a.y * wv.y + b.x * wv.z + b.y * wv.w;
   }
   acc = warp_sum(acc);
   if (lane == 0) logits[(size_t)t * E + e] = acc;
 }
 
-// moe_plan_kernel groups a pass's S slots (row t's j-th expert is slot
-// t·k + j, ids [S]) by expert for the expert GEMVs, in one block: order
-// [S] lists the slots expert by expert (ascending experts; within one,
-// in no fixed order: each slot's output is its own row, so the order does
-// not change any value), and chunks [max_chunks][3] = (expert, first
-// index into order, slots) cut each expert's list into pieces of at most
-// mt; the chunks past the last have 0 slots.
-constexpr int kMaxExperts = 32 * kMaxExpertsPerLane;
-
-__global__ void moe_plan_kernel(const int32_t* __restrict__ ids, int S, int E, int mt, int32_t* __restrict__ order,
-                                int32_t* __restrict__ chunks, int max_chunks) {
-  __shared__ int count[kMaxExperts], first[kMaxExperts], chunk0[kMaxExperts], fill[kMaxExperts];
-  __shared__ int n_chunks;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = fill[e] = 0;
-  __syncthreads();
-  for (int s = threadIdx.x; s < S; s += blockDim.x) atomicAdd(&count[ids[s]], 1);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int at = 0, ch = 0;
-    for (int e = 0; e < E; e++) {
-      first[e] = at, chunk0[e] = ch;
-      at += count[e], ch += (count[e] + mt - 1) / mt;
-    }
-    n_chunks = ch;
-  }
-  __syncthreads();
-  for (int s = threadIdx.x; s < S; s += blockDim.x) {
-    const int e = ids[s];
-    order[first[e] + atomicAdd(&fill[e], 1)] = s;
-  }
-  for (int e = threadIdx.x; e < E; e += blockDim.x)
-    for (int j = 0; j * mt < count[e]; j++) {
-      int32_t* c = chunks + 3 * (chunk0[e] + j);
-      c[0] = e, c[1] = first[e] + j * mt, c[2] = min(mt, count[e] - j * mt);
-    }
-  for (int c = n_chunks + threadIdx.x; c < max_chunks; c += blockDim.x) chunks[3 * c] = chunks[3 * c + 1] = chunks[3 * c + 2] = 0;
-}
-
 // moe_gemv_f16_kernel: the grouped expert GEMV for fp16 experts W [E][N][K]
-// (PyTorch's [out][in] layout): output (slot, n) = A row slot / a_div ·
-// W[e][n], for the slots of each plan chunk (moe_plan_kernel), MT at most;
-// one warp a column, 8 a block (blockIdx.x), blockIdx.y the chunk; columns
-// below split go to o0 ([S][split]), the rest to o1 ([S][N − split]).
+// (PyTorch's [out][in] layout): out (slot s, n) += A row s / a_div ·
+// W[e][n] (out fp32 [S][N]), for the slots of each plan chunk, MT at
+// most; one warp a column, 8 a block (blockIdx.x), blockIdx.y the chunk.
 // K % 8 == 0.
 template <int MT>
 __global__ void moe_gemv_f16_kernel(const half* __restrict__ A, int a_div, const int32_t* __restrict__ order,
-                                    const int32_t* __restrict__ chunks, const half* __restrict__ W, half* __restrict__ o0,
-                                    half* __restrict__ o1, int split, int N, int K) {
+                                    const int32_t* __restrict__ chunks, const half* __restrict__ W,
+                                    float* __restrict__ out, int N, int K) {
   const int* ch = chunks + 3 * blockIdx.y;
   const int e = ch[0], start = ch[1], n = ch[2];
   const int lane = threadIdx.x & 31, col = blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -694,22 +749,25 @@ __global__ void moe_gemv_f16_kernel(const half* __restrict__ A, int a_div, const
 #pragma unroll
   for (int m = 0; m < MT; m++) {
     const float v = warp_sum(acc[m]);
-    if (lane == 0 && m < n) {
-      const int s = order[start + m];
-      if (col < split)
-        o0[(size_t)s * split + col] = __float2half_rn(v);
-      else
-        o1[(size_t)s * (N - split) + col - split] = __float2half_rn(v);
-    }
+    if (lane == 0 && m < n) atomicAdd(&out[(size_t)order[start + m] * N + col], v);
   }
 }
 
-// moe_combine_kernel: out row t (fp16 [T][H]) = Σ_j weight[t][j] · y[t·k + j]
-// in fp32, over row t's k experts in ascending expert order (the CPU's
-// order of additions); one block a row. k ≤ kMaxTopK.
-constexpr int kMaxTopK = 16;
+// moe_act_kernel: g [S][I] fp16 = act(gu[:, :I]) · gu[:, I:] from the
+// joined gate/up output gu [S][2I] (fp32), which it zeroes.
+__global__ void moe_act_kernel(float* __restrict__ gu, half* __restrict__ g, int I, size_t n, int act) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const size_t s = i / I, j = i % I;
+  float* r = gu + s * 2 * I;
+  g[i] = __float2half(act_of(r[j], act) * r[I + j]);
+  r[j] = r[I + j] = 0.f;
+}
 
-__global__ void moe_combine_kernel(const half* __restrict__ y, const int32_t* __restrict__ ids,
+// moe_combine_kernel: out row t (fp16 [T][H]) = Σ_j weight[t][j] · y[t·k + j]
+// over row t's k experts in ascending expert order (the CPU's order of
+// additions), in fp32; it zeroes y (fp32 [T·k][H]). One block a row.
+__global__ void moe_combine_kernel(float* __restrict__ y, const int32_t* __restrict__ ids,
                                    const float* __restrict__ weights, half* __restrict__ out, int k, int H) {
   __shared__ int slot[kMaxTopK];
   __shared__ float wt[kMaxTopK];
@@ -725,7 +783,11 @@ __global__ void moe_combine_kernel(const half* __restrict__ y, const int32_t* __
   __syncthreads();
   for (int c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
-    for (int j = 0; j < k; j++) acc += wt[j] * __half2float(y[(size_t)slot[j] * H + c]);
+    for (int j = 0; j < k; j++) {
+      float* v = y + (size_t)slot[j] * H + c;
+      acc += wt[j] * *v;
+      *v = 0.f;
+    }
     out[(size_t)t * H + c] = __float2half_rn(acc);
   }
 }
@@ -860,9 +922,9 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
 }
 
 int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm) {
-  if (T <= 0 || E <= 0 || E > 32 * kMaxExpertsPerLane || k <= 0 || k > E) {
-    set_error(c, "moe_route: %d rows of %d experts, top %d (want 1 ≤ top ≤ experts ≤ %d)", T, E, k,
-              32 * kMaxExpertsPerLane);
+  if (T <= 0 || E <= 0 || E > kMaxExperts || k <= 0 || k > E || k > kMaxTopK) {
+    set_error(c, "moe_route: %d rows of %d experts, top %d (want 1 ≤ top ≤ experts ≤ %d, top ≤ %d)", T, E, k,
+              kMaxExperts, kMaxTopK);
     return 1;
   }
   constexpr int kRowsPerBlock = 4;
@@ -873,49 +935,64 @@ int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, in
 }
 
 int moe_router(llmq_ctx* c, const void* h, const float* W, float* logits, int T, int E, int H) {
-  if (T <= 0 || E <= 0 || E > kMaxExperts || H <= 0 || H % 4) {
-    set_error(c, "moe_router: %d rows, %d experts, hidden %d (want experts ≤ %d, hidden a multiple of 4)", T, E, H,
-              kMaxExperts);
+  if (T <= 0 || T > 65535 || E <= 0 || E > kMaxExperts || H <= 0 || H % 4) {
+    set_error(c, "moe_router: %d rows, %d experts, hidden %d (want rows ≤ 65535, experts ≤ %d, hidden a multiple of 4)",
+              T, E, H, kMaxExperts);
     return 1;
   }
-  moe_router_kernel<<<dim3((E + 7) / 8, T), 256, 0, c->stream>>>((const half*)h, W, logits, E, H);
+  moe_router_kernel<<<dim3((E + kRouterWarps - 1) / kRouterWarps, T), 32 * kRouterWarps, 0, c->stream>>>(
+      (const half*)h, W, logits, E, H);
   CK_LAUNCH("moe_router_kernel");
   return 0;
 }
 
-int moe_plan(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks) {
+// check_plan checks a plan's sizes (moe_plan, moe_route_plan).
+int check_plan(llmq_ctx* c, const char* fn, int S, int E, int mt, int max_chunks) {
   if (S <= 0 || E <= 0 || E > kMaxExperts || mt <= 0 || max_chunks < (S + mt - 1) / mt + min(E, S)) {
-    set_error(c, "moe_plan: %d slots, %d experts, %d a chunk, room for %d chunks (want experts ≤ %d and room for "
-                 "slots/mt + min(experts, slots))",
-              S, E, mt, max_chunks, kMaxExperts);
+    set_error(c, "%s: %d slots, %d experts, %d a chunk, room for %d chunks (want experts ≤ %d and room for "
+                 "⌈slots/mt⌉ + min(experts, slots))",
+              fn, S, E, mt, max_chunks, kMaxExperts);
     return 1;
   }
+  return 0;
+}
+
+int moe_plan(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks) {
+  if (check_plan(c, "moe_plan", S, E, mt, max_chunks)) return 1;
   moe_plan_kernel<<<1, 1024, 0, c->stream>>>(ids, S, E, mt, order, chunks, max_chunks);
   CK_LAUNCH("moe_plan_kernel");
   return 0;
 }
 
+int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm, int mt,
+                   int32_t* order, int32_t* chunks, int max_chunks) {
+  if (k <= 0 || k > E || k > kMaxTopK) {
+    set_error(c, "moe_route_plan: top %d of %d experts (want 1 ≤ top ≤ experts, top ≤ %d)", k, E, kMaxTopK);
+    return 1;
+  }
+  if (check_plan(c, "moe_route_plan", T * k, E, mt, max_chunks)) return 1;
+  moe_route_plan_kernel<<<1, 1024, 0, c->stream>>>(logits, ids, weights, T, E, k, norm, mt, order, chunks, max_chunks);
+  CK_LAUNCH("moe_route_plan_kernel");
+  return 0;
+}
+
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-             const void* B, const void* scales, const void* zeros, const void* W16, void* const* outs,
-             const int* out_cols, int n_outs, int N, int K, int group) {
-  if (max_chunks <= 0 || max_chunks > 65535 || a_div <= 0) {
-    set_error(c, "moe_gemv: %d chunks (want 1–65535), a_div %d", max_chunks, a_div);
+             int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
+             int group) {
+  if (max_chunks <= 0 || max_chunks > 65535 || a_div <= 0 || slots <= 0 || N <= 0 || K <= 0) {
+    set_error(c, "moe_gemv: %d chunks (want 1–65535), a_div %d, %d slots, N=%d, K=%d", max_chunks, a_div, slots, N, K);
     return 1;
   }
-  if (!W16)
-    return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, B, scales, zeros, outs, out_cols, n_outs, N, K, group);
-  if (K % 8 || n_outs < 1 || n_outs > 2 || out_cols[0] + (n_outs == 2 ? out_cols[1] : 0) != N) {
-    set_error(c, "moe_gemv: fp16 experts need K %% 8 == 0 (K=%d) and 1 or 2 outputs adding up to N=%d", K, N);
+  if (!W16) return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, slots, B, scales, zeros, out, N, K, group);
+  if (K % 8) {
+    set_error(c, "moe_gemv: fp16 experts need K %% 8 == 0 (K=%d)", K);
     return 1;
   }
-  half* o1 = n_outs == 2 ? (half*)outs[1] : nullptr;
   const dim3 grid((N + 7) / 8, max_chunks);
   if (mt == 1)
-    moe_gemv_f16_kernel<1><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16,
-                                                         (half*)outs[0], o1, out_cols[0], N, K);
+    moe_gemv_f16_kernel<1><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16, out, N, K);
   else if (mt == 4)
-    moe_gemv_f16_kernel<4><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16,
-                                                         (half*)outs[0], o1, out_cols[0], N, K);
+    moe_gemv_f16_kernel<4><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16, out, N, K);
   else {
     set_error(c, "moe_gemv: %d slots a chunk (the kernels run 1 or 4)", mt);
     return 1;
@@ -924,12 +1001,23 @@ int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const 
   return 0;
 }
 
-int moe_combine(llmq_ctx* c, const void* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H) {
+int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act) {
+  if (S <= 0 || I <= 0 || act < 0 || act > 1) {
+    set_error(c, "moe_act: %d slots of %d, activation %d (0 SiLU, 1 GELU-tanh)", S, I, act);
+    return 1;
+  }
+  const size_t n = (size_t)S * I;
+  moe_act_kernel<<<blocks(n, 256), 256, 0, c->stream>>>(gu, (half*)g, I, n, act);
+  CK_LAUNCH("moe_act_kernel");
+  return 0;
+}
+
+int moe_combine(llmq_ctx* c, float* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H) {
   if (T <= 0 || k <= 0 || k > kMaxTopK || H <= 0) {
     set_error(c, "moe_combine: %d rows, top %d, hidden %d (want 1 ≤ top ≤ %d)", T, k, H, kMaxTopK);
     return 1;
   }
-  moe_combine_kernel<<<T, 256, 0, c->stream>>>((const half*)y, ids, weights, (half*)out, k, H);
+  moe_combine_kernel<<<T, 256, 0, c->stream>>>(y, ids, weights, (half*)out, k, H);
   CK_LAUNCH("moe_combine_kernel");
   return 0;
 }

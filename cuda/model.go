@@ -386,7 +386,6 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 		if mo.gateUp, err = m.x.UploadExperts(gateUp); err != nil {
 			return nil, fmt.Errorf("layer %d's experts' gate and up: %w", layer, err)
 		}
-		mo.gateUp.Cols = []int{I, I}
 		if mo.down, err = m.x.UploadExperts(down); err != nil {
 			return nil, fmt.Errorf("layer %d's experts' down: %w", layer, err)
 		}
@@ -648,10 +647,12 @@ type acts struct {
 	meta                                     RowMeta
 	// A mixture of experts' pass (rows·k slots): router logits, each
 	// slot's expert and weight, the plan's order and chunks, the experts'
-	// outputs y [slots][hidden] (their gate and up go to g and u).
-	routerLogits, expert, weight, order, chunks, y Buf
-	bufs                                           []Buf
-	bytes                                          int64
+	// joined gate/up outputs gu [slots][2I] and outputs y [slots][hidden]
+	// (fp32, kept zeroed between passes: the kernels that read them clear
+	// them; the activations between go to g).
+	routerLogits, expert, weight, order, chunks, gu, y Buf
+	bufs                                               []Buf
+	bytes                                              int64
 }
 
 func (m *Model) newActs(rows int) (*acts, error) {
@@ -659,10 +660,10 @@ func (m *Model) newActs(rows int) (*acts, error) {
 	a := &acts{rows: rows}
 	qd, kvd := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
 	inter := c.Intermediate // the gate and up outputs' width a row
-	var E, slots int        // a mixture's experts and slots (rows·k)
+	var E, slots, moeI int  // a mixture's experts, slots (rows·k) and intermediate size
 	if c.MoE != nil {
-		E, slots = c.MoE.Experts, rows*c.MoE.TopK
-		inter = max(inter, c.MoE.TopK*c.MoE.Intermediate)
+		E, slots, moeI = c.MoE.Experts, rows*c.MoE.TopK, c.MoE.Intermediate
+		inter = max(inter, c.MoE.TopK*moeI)
 	}
 	sizes := []struct {
 		b     *Buf
@@ -675,7 +676,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
-		{&a.chunks, MoEMaxChunks(slots, E, 1) * 3 * 4}, {&a.y, slots * c.Hidden * 2},
+		{&a.chunks, MoEMaxChunks(slots, E, 1) * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
 	}
 	for _, s := range sizes {
 		if s.bytes == 0 {
@@ -686,9 +687,11 @@ func (m *Model) newActs(rows int) (*acts, error) {
 			return nil, fmt.Errorf("activations for %d rows: %w", rows, err)
 		}
 	}
-	if err := m.x.Memset(a.ws, 0, a.ws.Bytes); err != nil {
-		a.free(m.x)
-		return nil, err
+	for _, b := range []Buf{a.ws, a.gu, a.y} { // kept zeroed by the kernels that use them
+		if err := m.x.Memset(b, 0, b.Bytes); err != nil {
+			a.free(m.x)
+			return nil, err
+		}
 	}
 	return a, nil
 }
@@ -981,9 +984,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 
 // moeMLP queues a mixture of experts on the normed rows a.h (T of them),
 // leaving its output in a.delta, all on the device (no host round trip,
-// so decode graphs capture it): the router's logits and top k (moe_route),
-// the T·k slots grouped by expert (moe_plan), the experts' gate and up as
-// one grouped GEMV over the slots, the gated activation, down, and the
+// so decode graphs capture it): the router's logits; each row's top k and
+// the T·k slots grouped by expert (one launch); the experts' gate and up
+// as one grouped GEMV over the slots; the gated activation; down; and the
 // weighted sum of each row's k outputs in ascending expert order.
 func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 	c, x := m.cfg, m.x
@@ -993,14 +996,15 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 	chunks := MoEMaxChunks(S, E, mt)
 	for _, f := range []func() error{
 		func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) },
-		func() error { return x.MoERoute(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK) },
-		func() error { return x.MoEPlan(a.expert, a.order, a.chunks, S, E, mt, chunks) },
 		func() error {
-			return x.MoEGemv(a.h, k, a.order, a.chunks, chunks, mt, mo.gateUp, mo.gateUp16, []Buf{a.g, a.u}, []int{I, I}, 2*I, H)
+			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, chunks)
 		},
-		func() error { return x.GatedAct(a.g, a.u, S*I, c.Act) },
 		func() error {
-			return x.MoEGemv(a.g, 1, a.order, a.chunks, chunks, mt, mo.down, mo.down16, []Buf{a.y}, []int{H}, H, I)
+			return x.MoEGemv(a.h, k, a.order, a.chunks, chunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
+		},
+		func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act) },
+		func() error {
+			return x.MoEGemv(a.g, 1, a.order, a.chunks, chunks, mt, S, mo.down, mo.down16, a.y, H, I)
 		},
 		func() error { return x.MoECombine(a.y, a.expert, a.weight, a.delta, T, k, H) },
 	} {

@@ -74,11 +74,11 @@ func TestMoERouteMatchesCPU(t *testing.T) {
 }
 
 // TestMoEGemvMatchesReference runs the grouped expert GEMV (4-bit and
-// fp16 experts, chunks of 1 and 4 slots, a joined gate/up writing two
-// outputs, inputs shared by a row's k slots or one a slot) on random
-// routings against a float64 reference, after checking the plan: every
-// slot listed once, expert by expert, in chunks of at most mt, the unused
-// chunks empty.
+// fp16 experts, chunks of 1 and 4 slots, inputs shared by a row's k slots
+// or one a slot) on random routings against a float64 reference, after
+// checking the plan: every slot listed once, expert by expert, in chunks
+// of at most mt, the unused chunks empty. On a joined gate/up output it
+// then runs the activation, which must leave the fp32 output zeroed.
 func TestMoEGemvMatchesReference(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(7, 8))
@@ -89,7 +89,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		{T: 1, E: 8, k: 2, N: 128, K: 256, group: 128, mt: 1, aDiv: 2, joined: true},
 		{T: 5, E: 16, k: 4, N: 64, K: 128, group: 64, mt: 1, aDiv: 1},
 		{T: 37, E: 8, k: 2, N: 256, K: 512, group: 512, mt: 4, aDiv: 2, joined: true},
-		{T: 9, E: 128, k: 8, N: 192, K: 256, group: 32, mt: 1, aDiv: 8, joined: true},
+		{T: 9, E: 128, k: 8, N: 256, K: 2048, group: 32, mt: 1, aDiv: 8, joined: true}, // K split across CTAs
 		{T: 3, E: 8, k: 2, N: 192, K: 128, mt: 1, aDiv: 2, fp16: true, joined: true},
 		{T: 40, E: 8, k: 2, N: 128, K: 96, mt: 4, aDiv: 1, fp16: true},
 	} {
@@ -130,27 +130,19 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		arows := S / c.aDiv
-		abits, avals := randomHalf(r, arows*c.K)
+		abits, avals := randomHalf(r, S/c.aDiv*c.K)
 		A, _ := AllocFrom(x, abits)
 		idb, _ := AllocFrom(x, ids)
 		maxChunks := MoEMaxChunks(S, c.E, c.mt)
 		order, _ := x.Alloc(S * 4)
 		chunks, _ := x.Alloc(maxChunks * 3 * 4)
 		x.Memset(chunks, 0x7f, chunks.Bytes) // poison: the plan must clear the unused chunks
-		cols := []int{c.N}
-		if c.joined {
-			cols = []int{c.N / 2, c.N / 2}
-		}
-		outs := make([]Buf, len(cols))
-		for i, n := range cols {
-			outs[i], _ = x.Alloc(S * n * 2)
-			x.Memset(outs[i], 0xff, outs[i].Bytes) // NaN: every output must be written
-		}
+		out, _ := x.Alloc(S * c.N * 4)
+		x.Memset(out, 0, out.Bytes)
 		if err := x.MoEPlan(idb, order, chunks, S, c.E, c.mt, maxChunks); err != nil {
 			t.Fatal(err)
 		}
-		if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, w4, w16, outs, cols, c.N, c.K); err != nil {
+		if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, w16, out, c.N, c.K); err != nil {
 			t.Fatal(err)
 		}
 		ord, ch := make([]int32, S), make([]int32, maxChunks*3)
@@ -158,36 +150,94 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		Download(x, ch, chunks)
 		checkPlan(t, ids, ord, ch, c.E, c.mt)
 
+		got := make([]float32, S*c.N)
+		if err := Download(x, got, out); err != nil {
+			t.Fatal(err)
+		}
+		ref := make([]float64, S*c.N)
 		var num, den float64
-		off := 0
-		for i, n := range cols {
-			got := make([]uint16, S*n)
-			if err := Download(x, got, outs[i]); err != nil {
-				t.Fatal(err)
-			}
-			for s := 0; s < S; s++ {
-				ref := reference(avals[(s/c.aDiv)*c.K:(s/c.aDiv+1)*c.K], W[ids[s]], nil, 1, c.K, c.N)
-				for j := 0; j < n; j++ {
-					v := float64(float16.Frombits(got[s*n+j]).Float32())
-					if math.IsNaN(v) {
-						t.Fatalf("%+v: slot %d column %d not written", c, s, off+j)
-					}
-					num += (v - ref[off+j]) * (v - ref[off+j])
-					den += ref[off+j] * ref[off+j]
-				}
-			}
-			off += n
+		for s := 0; s < S; s++ {
+			copy(ref[s*c.N:], reference(avals[(s/c.aDiv)*c.K:(s/c.aDiv+1)*c.K], W[ids[s]], nil, 1, c.K, c.N))
+		}
+		for i, v := range got {
+			num += (float64(v) - ref[i]) * (float64(v) - ref[i])
+			den += ref[i] * ref[i]
 		}
 		rel := math.Sqrt(num / den)
 		t.Logf("%+v: plan checked; relative Frobenius error %.2e", c, rel)
 		if rel > 1e-3 {
 			t.Errorf("%+v: relative error %.3g > 1e-3", c, rel)
 		}
-		for _, b := range append(outs, A, idb, order, chunks, w16) {
+
+		if c.joined { // the activation of gate (first half) and up, from the kernel's own sums
+			I := c.N / 2
+			g, _ := x.Alloc(S * I * 2)
+			if err := x.MoEAct(out, g, S, I, "silu"); err != nil {
+				t.Fatal(err)
+			}
+			gh := make([]uint16, S*I)
+			Download(x, gh, g)
+			for s := 0; s < S; s++ {
+				for i := 0; i < I; i++ {
+					a, u := float64(got[s*c.N+i]), float64(got[s*c.N+I+i])
+					want := a / (1 + math.Exp(-a)) * u
+					if v := float64(float16.Frombits(gh[s*I+i]).Float32()); math.Abs(v-want) > 2e-3*math.Abs(want)+1e-5 {
+						t.Fatalf("%+v: act slot %d column %d: %v, want %v", c, s, i, v, want)
+					}
+				}
+			}
+			Download(x, got, out)
+			for i, v := range got {
+				if v != 0 {
+					t.Fatalf("%+v: moe_act left %v at %d of the gate/up sums (they must come back zeroed)", c, v, i)
+				}
+			}
+			x.Free(g)
+		}
+		for _, b := range []Buf{out, A, idb, order, chunks, w16} {
 			x.Free(b)
 		}
 		if w4 != nil {
 			w4.Free(x)
+		}
+	}
+}
+
+// TestMoERoutePlanMatchesCPU: the fused route and plan (one launch) gives
+// llm.RouteLogits' experts and weights and a valid plan of them.
+func TestMoERoutePlanMatchesCPU(t *testing.T) {
+	x := openContext(t)
+	r := rand.New(rand.NewPCG(11, 12))
+	for _, tc := range []struct{ T, E, k, mt int }{{1, 128, 8, 1}, {8, 128, 8, 1}, {300, 8, 2, 4}, {64, 128, 8, 4}} {
+		logits := make([]float32, tc.T*tc.E)
+		for row := 0; row < tc.T; row++ {
+			for e, p := range r.Perm(tc.E) { // distinct values 0.05 apart: no near-ties
+				logits[row*tc.E+e] = float32(p)*0.05 - 2
+			}
+		}
+		S, maxChunks := tc.T*tc.k, MoEMaxChunks(tc.T*tc.k, tc.E, tc.mt)
+		lb, _ := AllocFrom(x, logits)
+		ib, _ := x.Alloc(S * 4)
+		wb, _ := x.Alloc(S * 4)
+		ob, _ := x.Alloc(S * 4)
+		cb, _ := x.Alloc(maxChunks * 3 * 4)
+		if err := x.MoERoutePlan(lb, ib, wb, tc.T, tc.E, tc.k, true, tc.mt, ob, cb, maxChunks); err != nil {
+			t.Fatal(err)
+		}
+		ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, maxChunks*3)
+		Download(x, ids, ib)
+		Download(x, w, wb)
+		Download(x, ord, ob)
+		Download(x, ch, cb)
+		want := llm.RouteLogits(logits, tc.T, tc.E, tc.k, true)
+		for i := range ids {
+			if int(ids[i]) != want.Expert[i] || math.Abs(float64(w[i]-want.Weight[i])) > 1e-5*float64(want.Weight[i]) {
+				t.Fatalf("%+v: slot %d: expert %d weight %v, want %d, %v", tc, i, ids[i], w[i], want.Expert[i], want.Weight[i])
+			}
+		}
+		checkPlan(t, ids, ord, ch, tc.E, tc.mt)
+		for _, b := range []Buf{lb, ib, wb, ob, cb} {
+			x.Free(b)
 		}
 	}
 }
@@ -234,7 +284,7 @@ func checkPlan(t *testing.T, ids, order, chunks []int32, E, mt int) {
 // TestMoERouterAndCombine: the router's logits (fp16 rows by an fp32
 // router) against float64, and the combine (each row's k expert outputs,
 // weighted, added in ascending expert order) against the CPU's float32
-// sums in that order.
+// sums in that order; the combine zeroes the outputs it read.
 func TestMoERouterAndCombine(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(9, 10))
@@ -272,8 +322,8 @@ func TestMoERouterAndCombine(t *testing.T) {
 			ids[row*k+j], wts[row*k+j] = int32(e), float32(r.Float64())
 		}
 	}
-	yb, yv := randomHalf(r, T*k*H)
-	yd, _ := AllocFrom(x, yb)
+	_, yv := randomHalf(r, T*k*H)
+	yd, _ := AllocFrom(x, yv)
 	idd, _ := AllocFrom(x, ids)
 	wtd, _ := AllocFrom(x, wts)
 	od, _ := x.Alloc(T * H * 2)
@@ -282,6 +332,11 @@ func TestMoERouterAndCombine(t *testing.T) {
 	}
 	got := make([]uint16, T*H)
 	Download(x, got, od)
+	left := make([]float32, T*k*H)
+	Download(x, left, yd)
+	if i := slices.IndexFunc(left, func(v float32) bool { return v != 0 }); i >= 0 {
+		t.Fatalf("moe_combine left %v at %d of the expert outputs (they must come back zeroed)", left[i], i)
+	}
 	for row := 0; row < T; row++ {
 		js := []int{0, 1, 2}
 		slices.SortFunc(js, func(a, b int) int { return int(ids[row*k+a] - ids[row*k+b]) })

@@ -289,7 +289,9 @@ const llmq_api kAPI = {
     moe_route,
     moe_router,
     moe_plan,
+    moe_route_plan,
     moe_gemv,
+    moe_act,
     moe_combine,
 };
 }  // namespace

@@ -524,17 +524,18 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
 // weights lie one after another in B, S and Z (each N×K in the layout
-// above). CTA (nt, c) runs chunk c of the expert plan (moe_plan): up to MT
-// slots of one expert, listed in order[start …]; slot s reads A row
-// s / a_div and writes output row s. K is not split: an expert's K is
-// small and the slots × n-tiles fill the GPU. Chunks with no slots exit.
+// above). CTA (nt, c, z) runs chunk c of the expert plan (moe_plan): up to
+// MT slots of one expert, listed in order[start …], over K slice z of
+// `splits`; slot s reads A row s / a_div and adds its partial sums into
+// out row s (fp32 [S][N], atomics: the slices' sums meet there). Chunks
+// with no slots exit.
 template <int MT, int U>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __restrict__ A, int a_div,
                                                                const int32_t* __restrict__ order,
                                                                const int32_t* __restrict__ chunks,
                                                                const uint4* __restrict__ B, const uint4* __restrict__ S,
-                                                               const uint32_t* __restrict__ Z, const Outs C, int N,
-                                                               int K, int gshift) {
+                                                               const uint32_t* __restrict__ Z, float* __restrict__ out,
+                                                               int N, int K, int gshift, int splits) {
   __shared__ float red[kWarps][MT][64];
   const int* ch = chunks + 3 * blockIdx.y;
   const int e = ch[0], start = ch[1], n = ch[2];
@@ -545,7 +546,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   const int KT = K >> 4, NT = N >> 6, G = gshift < 0 ? 1 : KT >> gshift;
   const size_t per_b = (size_t)NT * KT * 32, per_group = (size_t)G * NT * 8;  // an expert's uint4s of B; of S (= Z's words)
   int k0, k1;
-  warp_range(KT, 1, 0, warp, k0, k1);
+  warp_range(KT, splits, blockIdx.z, warp, k0, k1);
   const uint32_t* ap[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
@@ -564,7 +565,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
       float v = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) v += red[w][m][col];
-      *out_at(C, order[start + m], nt * 64 + col) = __float2half_rn(v);
+      atomicAdd(&out[(size_t)order[start + m] * N + nt * 64 + col], v);
     }
   }
 }
@@ -876,26 +877,27 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
 }
 
 int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-                const void* B, const void* scales, const void* zeros, void* const* outs, const int* out_cols, int n_outs,
-                int N, int K, int group) {
+                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group) {
   if (check_shape(c, 1, N, K, group)) return 1;
   if (group < K && (group & (group - 1))) {
     set_error(c, "moe_gemv: the grouped W4A16 kernel needs a power-of-two group size or one group per column (group=%d)",
               group);
     return 1;
   }
-  Outs C;
-  if (make_outs(c, "moe_gemv", outs, out_cols, n_outs, N, C)) return 1;
-  const dim3 grid(N / 64, max_chunks);
+  // K splits: enough CTAs for about four a SM over the chunks the slots
+  // fill, each warp keeping at least two batches of steps.
+  const int NT = N / 64, KT = K / 16, used = (slots + mt - 1) / mt;
+  const int splits = max(1, min((c->sms * 4) / (NT * used), KT / (2 * kWarps * 4)));
+  const dim3 grid(NT, max_chunks, splits);
   const int gshift = group_shift(group, K);
   if (mt == 1)
     w4a16_gemv_grouped<1, 4><<<grid, kWarps * 32, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const uint4*)B,
-                                                                  (const uint4*)scales, (const uint32_t*)zeros, C, N,
-                                                                  K, gshift);
+                                                                  (const uint4*)scales, (const uint32_t*)zeros, out, N,
+                                                                  K, gshift, splits);
   else if (mt == 4)
     w4a16_gemv_grouped<4, 2><<<grid, kWarps * 32, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const uint4*)B,
-                                                                  (const uint4*)scales, (const uint32_t*)zeros, C, N,
-                                                                  K, gshift);
+                                                                  (const uint4*)scales, (const uint32_t*)zeros, out, N,
+                                                                  K, gshift, splits);
   else {
     set_error(c, "moe_gemv: %d slots a chunk (the kernel runs 1 or 4)", mt);
     return 1;
