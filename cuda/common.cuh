@@ -30,6 +30,8 @@ struct llmq_ctx {
   int fused_max_m = 64;
   int resident[6] = {};  // fused instantiations 0–2, GEMV 3–5
   size_t attn_smem = 48 << 10;
+  // Programmatic dependent launch of the model kernels (launch()).
+  bool pdl = false;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).
   void* cusolver = nullptr;
@@ -64,6 +66,39 @@ void set_error(llmq_ctx* c, const char* fmt, ...);
       return 1;                                                           \
     }                                                                     \
   } while (0)
+
+// Programmatic dependent launch (Hopper, LLMQ_PDL=1, off by default):
+// launch() then lets a kernel be scheduled while the kernel before it on
+// the stream is still running, so that a decode step's few hundred small
+// kernels do not each wait out a launch. Every kernel launched through it
+// starts with pdl_gate(): griddepcontrol.wait holds it, before it touches
+// global memory, until the previous grid has finished and its writes are
+// visible (so reads and writes order exactly as without PDL), then
+// griddepcontrol.launch_dependents lets the next kernel be scheduled.
+// Without the attribute both instructions return at once.
+static __device__ __forceinline__ void pdl_gate() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// launch runs kernel<<<grid, block, smem, c->stream>>>(args…), as a
+// programmatic dependent launch when c->pdl.
+template <typename... KArgs, typename... Args>
+cudaError_t launch(llmq_ctx* c, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = c->stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = c->pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
 
 // Entry points, by file; llmq.h documents each.
 namespace llmq {

@@ -9,6 +9,7 @@
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
 #   bash cuda/device-model.sh moeprof # nsys per-kernel times of qwen3-30b-a3b W4 decoding (4 layers)
+#   bash cuda/device-model.sh pdl     # LLMQ_PDL=1 (programmatic dependent launch): tests, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
@@ -282,6 +283,20 @@ case "$1" in
         --steps 32 --json "$OUT/$f" 2>&1 | grep -v "^\s*$"
       rm -rf $d
     done
+    ;;
+  pdl) # programmatic dependent launch (LLMQ_PDL=1): the model tests with it, then llama3-8b W4 decode without and with
+    run='TestModelLogits|TestZoo|TestMoE|TestGreedy|TestWindowNLL|TestLongContext|TestBatched|TestPrefillFlash|TestAttention'
+    { echo "# $LLMQ_COMMIT: LLMQ_PDL=1 cuda.test -test.v -test.run '$run'"; LLMQ_PDL=1 build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-pdl-h200.log"
+    echo "tests with PDL: $(grep -cE '^--- PASS' "$OUT/cuda-tests-pdl-h200.log") passed; $(grep -E '^\s*--- FAIL' "$OUT/cuda-tests-pdl-h200.log" | tr '\n' ' ')"
+    grep -E "Δlogit" "$OUT/cuda-tests-pdl-h200.log" | head -12
+    TOK=$LLMQ_SHARED/models/${2:-llama-tiny}; d=/tmp/pdl8b
+    $L synth --preset llama3-8b --bits 4 --group 128 -o $d --force --tokenizer "$TOK" 2>&1 | tail -1
+    for pdl in 0 1; do
+      echo "== LLMQ_PDL=$pdl"
+      LLMQ_PDL=$pdl $L bench decode $d --device cuda --context 128,2048 --batch ${PDL_BATCH:-1,8,32} --prefill 2048 --steps 32 \
+        --json "$OUT/decode-h200-llama3-8b-w4-pdl$pdl.json" 2>&1 | grep -E "^(decode|prefill)"
+    done
+    rm -rf $d
     ;;
   moeprof) # per-kernel GPU times of qwen3-30b-a3b W4 decoding (4 of its 48 layers), nsys with graph nodes traced
     TOK=$LLMQ_SHARED/models/${2:-llama-tiny}; d=/tmp/moeprof

@@ -52,6 +52,7 @@ __device__ float block_max(float v, float* red) {
 
 __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __restrict__ E, float* __restrict__ x, int H,
                              float scale) {
+  pdl_gate();  // before any global access: see common.cuh
   const half* e = E + (size_t)ids[blockIdx.x] * H;
   float* o = x + (size_t)blockIdx.x * H;
   for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __half2float(e[i]) * scale;
@@ -63,6 +64,7 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 __global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
                                int H, float eps) {
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[32];
   const int r = rows ? rows[blockIdx.x] : blockIdx.x;
   float* xr = x + (size_t)r * H;
@@ -92,11 +94,13 @@ __global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ d
 
 // add_kernel: x += delta over n values (the last block's residual).
 __global__ void add_kernel(float* __restrict__ x, const half* __restrict__ delta, size_t n) {
+  pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] += __half2float(delta[i]);
 }
 
 __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, int N, size_t n) {
+  pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = __float2half(__half2float(y[i]) + __half2float(b[i % N]));
 }
@@ -123,6 +127,7 @@ __global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k,
                                      const uint64_t* __restrict__ kv_base, const int32_t* __restrict__ kv_cap,
                                      const float* __restrict__ cos_t, const float* __restrict__ sin_t, int layer,
                                      int layers, int heads, int kv_heads, int hd) {
+  pdl_gate();  // before any global access: see common.cuh
   const int t = blockIdx.x, y = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (y >= heads + kv_heads) return;  // whole warps leave together: the shuffles below see all 32 lanes
   const bool is_q = y < heads;
@@ -193,6 +198,7 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
                                  const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                                  const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads,
                                  int hd, float scale, int chunk, int window) {
+  pdl_gate();  // before any global access: see common.cuh
   extern __shared__ float smem[];  // [hd] query, [chunk] scores, [4][hd] warp outputs
   __shared__ float red[32];
   const int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
@@ -314,6 +320,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
                             float scale, int window) {
+  pdl_gate();  // before any global access: see common.cuh
   extern __shared__ float smem[];  // [warps][GB] m, [warps][GB] l, [warps][GB][hd] outputs
   const int t = blockIdx.x, h0 = blockIdx.y * GB, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
   const int j0 = max(c * kDecodeChunk, window > 0 ? n - window : 0), j1 = min(n, c * kDecodeChunk + kDecodeChunk);
@@ -461,6 +468,7 @@ constexpr int kCombineWarps = 4;
 
 __global__ void __launch_bounds__(32 * kCombineWarps)
     attention_combine(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[32];
   __shared__ float wo[kCombineWarps][32 * kMaxDimsPerLane];
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -508,6 +516,7 @@ __device__ __forceinline__ float act_of(float a, int act) {
 
 // gated_act_kernel: g = act(g)·u.
 __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ u, size_t n, int act) {
+  pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   g[i] = __float2half(act_of(__half2float(g[i]), act) * __half2float(u[i]));
@@ -523,6 +532,7 @@ __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ 
 // leaves the row as it is; a NaN stays NaN. in and out may be the same.
 __global__ void fake_quant_kernel(const half* in, half* out, int cols, float maxq, int fp8, int per_token,
                                   float threshold) {
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[32];
   const half* x = in + (size_t)blockIdx.x * cols;
   half* y = out + (size_t)blockIdx.x * cols;
@@ -681,6 +691,7 @@ __global__ void __launch_bounds__(1024) moe_route_plan_kernel(const float* __res
                                                               float* __restrict__ weights, int T, int E, int k, int norm,
                                                               int mt, int32_t* __restrict__ order,
                                                               int32_t* __restrict__ chunks, int max_chunks) {
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ PlanShared sh;
   const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   for (int row = threadIdx.x >> 5; row < T; row += warps)
@@ -697,6 +708,7 @@ constexpr int kRouterWarps = 4;
 
 __global__ void moe_router_kernel(const half* __restrict__ h, const float* __restrict__ W, float* __restrict__ logits,
                                   int E, int H) {
+  pdl_gate();  // before any global access: see common.cuh
   const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5), t = blockIdx.y;
   if (e >= E) return;  // the whole warp
   const uint2* x = reinterpret_cast<const uint2*>(h + (size_t)t * H);  // 4 fp16 values
@@ -723,6 +735,7 @@ template <int MT>
 __global__ void moe_gemv_f16_kernel(const half* __restrict__ A, int a_div, const int32_t* __restrict__ order,
                                     const int32_t* __restrict__ chunks, const half* __restrict__ W,
                                     float* __restrict__ out, int N, int K) {
+  pdl_gate();  // before any global access: see common.cuh
   const int* ch = chunks + 3 * blockIdx.y;
   const int e = ch[0], start = ch[1], n = ch[2];
   const int lane = threadIdx.x & 31, col = blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -756,6 +769,7 @@ __global__ void moe_gemv_f16_kernel(const half* __restrict__ A, int a_div, const
 // moe_act_kernel: g [S][I] fp16 = act(gu[:, :I]) · gu[:, I:] from the
 // joined gate/up output gu [S][2I] (fp32), which it zeroes.
 __global__ void moe_act_kernel(float* __restrict__ gu, half* __restrict__ g, int I, size_t n, int act) {
+  pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const size_t s = i / I, j = i % I;
@@ -769,6 +783,7 @@ __global__ void moe_act_kernel(float* __restrict__ gu, half* __restrict__ g, int
 // additions), in fp32; it zeroes y (fp32 [T·k][H]). One block a row.
 __global__ void moe_combine_kernel(float* __restrict__ y, const int32_t* __restrict__ ids,
                                    const float* __restrict__ weights, half* __restrict__ out, int k, int H) {
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ int slot[kMaxTopK];
   __shared__ float wt[kMaxTopK];
   const int t = blockIdx.x;
@@ -813,28 +828,24 @@ inline unsigned blocks(size_t n, int per) { return (unsigned)((n + per - 1) / pe
 namespace llmq {
 
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale) {
-  embed_kernel<<<T, 256, 0, c->stream>>>(ids, (const half*)E, x, H, scale > 0 ? scale : 1.f);
-  CK_LAUNCH("embed_kernel");
+  CK(launch(c, (embed_kernel), T, 256, 0, ids, (const half*)E, x, H, scale > 0 ? scale : 1.f));
   return 0;
 }
 
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w, void* out,
             int n, int H, float eps) {
-  rmsnorm_kernel<<<n, 256, 0, c->stream>>>(x, (const half*)delta, delta_norm, rows, w, (half*)out, H, eps);
-  CK_LAUNCH("rmsnorm_kernel");
+  CK(launch(c, (rmsnorm_kernel), n, 256, 0, x, (const half*)delta, delta_norm, rows, w, (half*)out, H, eps));
   return 0;
 }
 
 int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
-  add_kernel<<<blocks(n, 256), 256, 0, c->stream>>>(x, (const half*)delta, n);
-  CK_LAUNCH("add_kernel");
+  CK(launch(c, (add_kernel), blocks(n, 256), 256, 0, x, (const half*)delta, n));
   return 0;
 }
 
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N) {
   const size_t n = (size_t)T * N;
-  bias_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)y, (const half*)b, N, n);
-  CK_LAUNCH("bias_kernel");
+  CK(launch(c, (bias_kernel), blocks(n, 256), 256, 0, (half*)y, (const half*)b, N, n));
   return 0;
 }
 
@@ -847,10 +858,8 @@ int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_n
     return 1;
   }
   constexpr int kHeadsPerBlock = 4;
-  qk_rope_store_kernel<<<dim3(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock), 32 * kHeadsPerBlock, 0,
-                         c->stream>>>((half*)q, (half*)k, (const half*)v, q_norm, k_norm, eps, row_seq, row_pos, kv_base,
-                                      kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd);
-  CK_LAUNCH("qk_rope_store_kernel");
+  CK(launch(c, (qk_rope_store_kernel), dim3(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock), 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (const half*)v, q_norm, k_norm, eps, row_seq, row_pos, kv_base,
+                                      kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
   return 0;
 }
 
@@ -882,9 +891,9 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const size_t smem = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float);
     const dim3 grid(T, heads / gb, chunks);
 #define LLMQ_DECODE(GB, VPL)                                                                                          \
-  attention_decode_kernel<GB, VPL><<<grid, 32 * kDecodeWarps, smem, c->stream>>>(                                     \
+  CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
-      window)
+      window))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;
@@ -900,14 +909,12 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
       CK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
       c->attn_smem = smem;
     }
-    attention_kernel<<<dim3(T, heads, chunks), 128, smem, c->stream>>>((const half*)q, (float*)workspace, row_seq, row_pos,
+    CK(launch(c, (attention_kernel), dim3(T, heads, chunks), 128, smem, (const half*)q, (float*)workspace, row_seq, row_pos,
                                                                        kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
-                                                                       qscale, chunk, window);
-    CK_LAUNCH("attention_kernel");
+                                                                       qscale, chunk, window));
   }
-  attention_combine<<<dim3(T, heads), 32 * kCombineWarps, 0, c->stream>>>((const float*)workspace, (half*)out, heads, hd,
-                                                                          chunks);
-  CK_LAUNCH("attention_combine");
+  CK(launch(c, (attention_combine), dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
+                                                                          chunks));
   return 0;
 }
 
@@ -916,8 +923,7 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
     set_error(c, "gated_act: activation %d (0 SiLU, 1 GELU-tanh)", act);
     return 1;
   }
-  gated_act_kernel<<<blocks(n, 256), 256, 0, c->stream>>>((half*)g, (const half*)u, n, act);
-  CK_LAUNCH("gated_act_kernel");
+  CK(launch(c, (gated_act_kernel), blocks(n, 256), 256, 0, (half*)g, (const half*)u, n, act));
   return 0;
 }
 
@@ -940,9 +946,8 @@ int moe_router(llmq_ctx* c, const void* h, const float* W, float* logits, int T,
               T, E, H, kMaxExperts);
     return 1;
   }
-  moe_router_kernel<<<dim3((E + kRouterWarps - 1) / kRouterWarps, T), 32 * kRouterWarps, 0, c->stream>>>(
-      (const half*)h, W, logits, E, H);
-  CK_LAUNCH("moe_router_kernel");
+  CK(launch(c, (moe_router_kernel), dim3((E + kRouterWarps - 1) / kRouterWarps, T), 32 * kRouterWarps, 0, 
+      (const half*)h, W, logits, E, H));
   return 0;
 }
 
@@ -971,8 +976,7 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
     return 1;
   }
   if (check_plan(c, "moe_route_plan", T * k, E, mt, max_chunks)) return 1;
-  moe_route_plan_kernel<<<1, 1024, 0, c->stream>>>(logits, ids, weights, T, E, k, norm, mt, order, chunks, max_chunks);
-  CK_LAUNCH("moe_route_plan_kernel");
+  CK(launch(c, (moe_route_plan_kernel), 1, 1024, 0, logits, ids, weights, T, E, k, norm, mt, order, chunks, max_chunks));
   return 0;
 }
 
@@ -990,9 +994,9 @@ int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const 
   }
   const dim3 grid((N + 7) / 8, max_chunks);
   if (mt == 1)
-    moe_gemv_f16_kernel<1><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16, out, N, K);
+    CK(launch(c, (moe_gemv_f16_kernel<1>), grid, 256, 0, (const half*)A, a_div, order, chunks, (const half*)W16, out, N, K));
   else if (mt == 4)
-    moe_gemv_f16_kernel<4><<<grid, 256, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const half*)W16, out, N, K);
+    CK(launch(c, (moe_gemv_f16_kernel<4>), grid, 256, 0, (const half*)A, a_div, order, chunks, (const half*)W16, out, N, K));
   else {
     set_error(c, "moe_gemv: %d slots a chunk (the kernels run 1 or 4)", mt);
     return 1;
@@ -1007,8 +1011,7 @@ int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act) {
     return 1;
   }
   const size_t n = (size_t)S * I;
-  moe_act_kernel<<<blocks(n, 256), 256, 0, c->stream>>>(gu, (half*)g, I, n, act);
-  CK_LAUNCH("moe_act_kernel");
+  CK(launch(c, (moe_act_kernel), blocks(n, 256), 256, 0, gu, (half*)g, I, n, act));
   return 0;
 }
 
@@ -1017,8 +1020,7 @@ int moe_combine(llmq_ctx* c, float* y, const int32_t* ids, const float* weights,
     set_error(c, "moe_combine: %d rows, top %d, hidden %d (want 1 ≤ top ≤ %d)", T, k, H, kMaxTopK);
     return 1;
   }
-  moe_combine_kernel<<<T, 256, 0, c->stream>>>(y, ids, weights, (half*)out, k, H);
-  CK_LAUNCH("moe_combine_kernel");
+  CK(launch(c, (moe_combine_kernel), T, 256, 0, y, ids, weights, (half*)out, k, H));
   return 0;
 }
 
@@ -1030,8 +1032,7 @@ int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int b
     return 1;
   }
   const float maxq = fp8 ? 448.f : (float)((1 << (bits - 1)) - 1);
-  fake_quant_kernel<<<rows, 256, 0, c->stream>>>((const half*)in, (half*)out, cols, maxq, fp8, per_token, threshold);
-  CK_LAUNCH("fake_quant_kernel");
+  CK(launch(c, (fake_quant_kernel), rows, 256, 0, (const half*)in, (half*)out, cols, maxq, fp8, per_token, threshold));
   return 0;
 }
 

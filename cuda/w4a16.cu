@@ -263,6 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
                                                            const Outs C, float* __restrict__ ws,
                                                            int* __restrict__ counters, int M, int N, int K, int gshift,
                                                            int splits) {
+  pdl_gate();  // before any global access: see common.cuh
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;
   const int nt = blockIdx.x, split = blockIdx.y;
@@ -491,6 +492,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
                                                           const Outs C, float* __restrict__ ws,
                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
                                                           int splits) {
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
   const int nt = blockIdx.x;
@@ -536,6 +538,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
                                                                const uint4* __restrict__ B, const uint4* __restrict__ S,
                                                                const uint32_t* __restrict__ Z, float* __restrict__ out,
                                                                int N, int K, int gshift, int splits) {
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   const int* ch = chunks + 3 * blockIdx.y;
   const int e = ch[0], start = ch[1], n = ch[2];
@@ -613,6 +616,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ 
 
 __global__ void gather_cols(const half* __restrict__ A, const int32_t* __restrict__ perm, half* __restrict__ out, int M,
                             int K) {
+  pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (size_t)M * K) return;
   const size_t m = i / K;
@@ -656,18 +660,18 @@ constexpr int kGemvMaxM = 4;
 static_assert(3 + kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
 
 // gemv_variant does one thing with GEMV instantiation V: query its
-// resident CTAs (launch false) or launch it.
+// resident CTAs (run false) or launch it.
 template <int V>
-int gemv_variant(llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
+int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift);
 
 // with_gemv calls gemv_variant<v> for a variant index known only at run time.
-int with_gemv(int v, llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
+int with_gemv(int v, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
               const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   switch (v) {
 #define LLMQ_GEMV_CASE(V) \
   case V:                 \
-    return gemv_variant<V>(c, launch, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+    return gemv_variant<V>(c, run, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
     LLMQ_GEMV_CASE(0)
     LLMQ_GEMV_CASE(1)
     LLMQ_GEMV_CASE(2)
@@ -762,23 +766,21 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  w4a16_fused<MB, U, STAGES, MINB><<<dim3(NT, p.splits, mblocks), kWarps * 32, smem, c->stream>>>(
+  CK(launch(c, (w4a16_fused<MB, U, STAGES, MINB>), dim3(NT, p.splits, mblocks), kWarps * 32, smem, 
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
-      p.splits);
-  CK_LAUNCH("w4a16_fused");
+      p.splits));
   return 0;
 }
 
 template <int V>
-int gemv_variant(llmq_ctx* c, bool launch, int splits, const half* A, const void* B, const void* S, const void* Z,
+int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb>;
-  if (!launch) return resident_of(c, 3 + V, kernel, 0);
+  if (!run) return resident_of(c, 3 + V, kernel, 0);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  kernel<<<dim3(N / 64, splits), kWarps * 32, 0, c->stream>>>(A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
-                                                              C, ws, counters, M, N, K, gshift, splits);
-  CK_LAUNCH("w4a16_gemv");
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+                                                              C, ws, counters, M, N, K, gshift, splits));
   return 0;
 }
 
@@ -853,8 +855,7 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
       return 1;
     }
     const size_t n = (size_t)M * K;
-    gather_cols<<<(unsigned)((n + 255) / 256), 256, 0, c->stream>>>(a, perm, (half*)a_perm, M, K);
-    CK_LAUNCH("gather_cols");
+    CK(launch(c, (gather_cols), (unsigned)((n + 255) / 256), 256, 0, a, perm, (half*)a_perm, M, K));
     a = (const half*)a_perm;
   }
   Plan p;
@@ -891,13 +892,13 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
   const dim3 grid(NT, max_chunks, splits);
   const int gshift = group_shift(group, K);
   if (mt == 1)
-    w4a16_gemv_grouped<1, 4><<<grid, kWarps * 32, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const uint4*)B,
+    CK(launch(c, (w4a16_gemv_grouped<1, 4>), grid, kWarps * 32, 0, (const half*)A, a_div, order, chunks, (const uint4*)B,
                                                                   (const uint4*)scales, (const uint32_t*)zeros, out, N,
-                                                                  K, gshift, splits);
+                                                                  K, gshift, splits));
   else if (mt == 4)
-    w4a16_gemv_grouped<4, 2><<<grid, kWarps * 32, 0, c->stream>>>((const half*)A, a_div, order, chunks, (const uint4*)B,
+    CK(launch(c, (w4a16_gemv_grouped<4, 2>), grid, kWarps * 32, 0, (const half*)A, a_div, order, chunks, (const uint4*)B,
                                                                   (const uint4*)scales, (const uint32_t*)zeros, out, N,
-                                                                  K, gshift, splits);
+                                                                  K, gshift, splits));
   else {
     set_error(c, "moe_gemv: %d slots a chunk (the kernel runs 1 or 4)", mt);
     return 1;
