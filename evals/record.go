@@ -20,17 +20,35 @@ type Record struct {
 	Data    map[string]any `json:"data"`
 }
 
-// NewRecord stamps data with the command line, the commit the binary was
-// built from (see Commit) and the device.
+// NewRecord stamps data with the command line (after the tuning variables
+// set in its environment, see tuningEnv), the commit the binary was built
+// from (see Commit) and the device.
 func NewRecord(kind string, data map[string]any) Record {
 	return Record{
 		Kind:    kind,
-		Command: strings.Join(os.Args, " "),
+		Command: commandLine(),
 		Commit:  Commit(),
 		Device:  Device(),
 		Date:    time.Now().UTC().Format(time.RFC3339),
 		Data:    data,
 	}
+}
+
+// tuningEnv are the environment variables the CUDA library reads to
+// change how it runs (runtime.cu's ctx_create): a result measured with one
+// set must say so.
+var tuningEnv = []string{"LLMQ_PDL", "LLMQ_W4_FUSED_MAX_M", "LLMQ_W4_GEMV_MAX_M"}
+
+// commandLine is the running command as a shell would repeat it: the
+// tuning variables that are set, then the arguments.
+func commandLine() string {
+	var parts []string
+	for _, k := range tuningEnv {
+		if v, ok := os.LookupEnv(k); ok {
+			parts = append(parts, k+"="+v)
+		}
+	}
+	return strings.Join(append(parts, os.Args...), " ")
 }
 
 // revision is the commit the Makefile links in (-ldflags "-X

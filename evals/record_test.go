@@ -1,7 +1,9 @@
 package evals
 
 import (
+	"os"
 	"runtime/debug"
+	"strings"
 	"testing"
 )
 
@@ -41,5 +43,16 @@ func TestCommitFallsBackToLinkedRevision(t *testing.T) {
 	revision = "feedface-dirty"
 	if got := Commit(); got != "feedface-dirty" {
 		t.Errorf("with a linked revision, Commit() = %q", got)
+	}
+}
+
+// A result measured with one of the library's tuning variables set says
+// so in its command, before the arguments; others are left out.
+func TestCommandLineNamesTuningVariables(t *testing.T) {
+	t.Setenv("LLMQ_PDL", "1")
+	t.Setenv("LLMQ_SHARED", "/somewhere")
+	got := NewRecord("test", nil).Command
+	if !strings.HasPrefix(got, "LLMQ_PDL=1 "+os.Args[0]) || strings.Contains(got, "LLMQ_SHARED") {
+		t.Errorf("command %q, want LLMQ_PDL=1 then the arguments, without LLMQ_SHARED", got)
 	}
 }
