@@ -70,3 +70,17 @@ func BenchmarkArgmax(b *testing.B) {
 		llm.Argmax(row)
 	}
 }
+
+// BenchmarkLogprobs: one token's log-probability and its top 5 over
+// llama3's 128,256 logits, what the engine does per token when a request
+// asks for logprobs.
+func BenchmarkLogprobs(b *testing.B) {
+	row := make([]float32, 128256)
+	for i := range row {
+		row[i] = float32((i*7919)%10007)/1000 - 5
+	}
+	b.SetBytes(int64(4 * len(row)))
+	for i := 0; i < b.N; i++ {
+		llm.Logprobs(row, 17, 5)
+	}
+}
