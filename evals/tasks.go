@@ -230,8 +230,7 @@ func scoreItem(ctx context.Context, b llm.Backend, tok Encoder, it TaskItem) (It
 		sc.Greedy[c] = true
 		for k, id := range cont {
 			row := steps[c].Logits[(ctxLens[c]-1+k)*V : (ctxLens[c]+k)*V]
-			lp, _ := llm.Logprobs(row, id, 0)
-			sc.Loglik[c] += lp
+			sc.Loglik[c] -= llm.NLL(row, id) // float64 throughout, as perplexity (Logprobs trades 1e-7 for speed)
 			if llm.Argmax(row) != id {
 				sc.Greedy[c] = false
 			}
