@@ -4,7 +4,6 @@ package cuda
 
 import (
 	"cmp"
-	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -239,38 +238,9 @@ func BenchmarkAttentionDecode(b *testing.B) {
 			}
 			out := alloc(tc.batch * heads * hd * 2)
 			ws := alloc(x.Lib().AttentionWorkspaceBytes(tc.batch, heads, hd, tc.ctx))
-			g, err := x.Capture(func() error {
-				for i := 0; i < reps; i++ {
-					if err := x.Attention(q, out, ws, m, i%layers, layers, tc.batch, heads, kvHeads, hd, tc.ctx, AttnOptions{}); err != nil {
-						return err
-					}
-				}
-				return nil
+			us := timeGraph(b, x, reps, func(i int) error {
+				return x.Attention(q, out, ws, m, i%layers, layers, tc.batch, heads, kvHeads, hd, tc.ctx, AttnOptions{})
 			})
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer x.DestroyGraph(g)
-			e0, _ := x.NewEvent()
-			e1, _ := x.NewEvent()
-			defer x.DestroyEvent(e0)
-			defer x.DestroyEvent(e1)
-			if err := x.Launch(g); err != nil { // warm-up
-				b.Fatal(err)
-			}
-			var ms float64
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				if err := errors.Join(x.Record(e0), x.Launch(g), x.Record(e1), x.Sync()); err != nil {
-					b.Fatal(err)
-				}
-				t, err := x.Elapsed(e0, e1)
-				if err != nil {
-					b.Fatal(err)
-				}
-				ms += t
-			}
-			us := ms * 1e3 / float64(b.N*reps)
 			b.ReportMetric(us, "µs/call")
 			b.ReportMetric(float64(tc.batch*kvBytes)/(us*1e-6)/1e9, "GB/s")
 		})

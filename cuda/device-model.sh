@@ -8,7 +8,7 @@
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
-#   bash cuda/device-model.sh moeprof # nsys per-kernel times of qwen3-30b-a3b W4 decoding (4 layers)
+#   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
 #   bash cuda/device-model.sh pdl     # LLMQ_PDL=1 (programmatic dependent launch): tests, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
@@ -298,19 +298,9 @@ case "$1" in
     done
     rm -rf $d
     ;;
-  moeprof) # per-kernel GPU times of qwen3-30b-a3b W4 decoding (4 of its 48 layers), nsys with graph nodes traced
-    TOK=$LLMQ_SHARED/models/${2:-llama-tiny}; d=/tmp/moeprof
-    $L synth --preset qwen3-30b-a3b --bits 4 --group 128 --layers 4 -o $d --force --tokenizer "$TOK" 2>&1 | tail -1
-    if command -v nsys > /dev/null; then
-      nsys profile -t cuda --cuda-graph-trace=node -o /tmp/moeprof --force-overwrite true \
-        $L bench decode $d --device cuda --context 128 --batch 1,8 --prefill 512 --steps 32 > /dev/null 2>&1
-      { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq bench decode (qwen3-30b-a3b W4, --layers 4) --context 128 --batch 1,8 --prefill 512 --steps 32; nsys stats -r cuda_gpu_kern_sum"
-        nsys stats -q -r cuda_gpu_kern_sum /tmp/moeprof.nsys-rep 2>&1 | head -60; } > "$OUT/moe-kernels-h200.txt"
-      head -30 "$OUT/moe-kernels-h200.txt"
-    else
-      echo "no nsys on this machine"
-    fi
-    rm -rf $d /tmp/moeprof.*
+  ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
+    { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"
+      build/device/cuda.test -test.run '^$' -test.bench DecodeOps -test.benchtime 10x 2>&1; } | tee "$OUT/decode-ops-h200.txt" | grep -E "µs/call|FAIL|panic"
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}
