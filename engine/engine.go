@@ -600,6 +600,10 @@ type sequence struct {
 	logits      []float32
 	scoring     bool // the prefill of a PromptLogprobs request is running
 	scored      int  // prompt positions prefilled so far, when scoring
+	// greedy: the last step asked the backend for its argmax, greedyID
+	// (llm.Step.Greedy); logits then holds nothing new.
+	greedy   bool
+	greedyID int
 	next        []int
 	n           int
 	eos         bool
@@ -635,6 +639,7 @@ func (e *Engine) run() {
 	// (a client gone, a deadline passed) leave the queue at once, not when
 	// a batch slot frees.
 	var active, waiting []*sequence
+	answersGreedy := llm.GreedyNext(e.Backend)
 	defer func() {
 		for _, s := range active {
 			s.finish(ErrClosed)
@@ -756,8 +761,9 @@ func (e *Engine) run() {
 			case s.scoring: // every position's logits, in a buffer the caller will own
 				s.logits = make([]float32, len(s.step)*cfg.Vocab)
 				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits})
-			default:
-				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits, LastOnly: true})
+			default: // a greedy request without logprobs asks the backend for the argmax only
+				greedy := answersGreedy && s.req.Sample.Temperature == 0 && !s.req.Logprobs
+				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits, LastOnly: true, Greedy: greedy})
 			}
 		}
 		active = live
@@ -772,12 +778,13 @@ func (e *Engine) run() {
 			active = active[:0]
 			continue
 		}
-		for _, s := range active {
+		for i, s := range active { // steps[i] is s's
 			if s.refill != nil {
 				s.fed, s.refill = s.step, nil
 			} else {
 				s.fed = append(s.fed, s.step...)
 			}
+			s.greedy, s.greedyID = steps[i].Greedy, steps[i].Next
 		}
 
 		// One new token for each sequence: the rows that decode are sampled
@@ -862,6 +869,10 @@ func pickAll(batch []*sequence) []pick {
 	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
 	for i, s := range batch {
 		if s.refilling || s.scoring {
+			continue
+		}
+		if s.greedy { // the backend picked it
+			picks[i] = pick{id: s.greedyID, ok: true}
 			continue
 		}
 		wg.Add(1)

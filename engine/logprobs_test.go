@@ -237,3 +237,41 @@ func TestLogprobsOfTokensWithoutText(t *testing.T) {
 		}
 	}
 }
+
+// pickedOnDevice answers Greedy steps the way a GPU backend may: it sets
+// Next (here always token 42) and leaves the logits as garbage (NaN), so
+// a greedy request that read them would not get 42.
+type pickedOnDevice struct{ llm.Backend }
+
+func (b pickedOnDevice) AnswersGreedy() {}
+
+func (b pickedOnDevice) Forward(ctx context.Context, steps []llm.Step) error {
+	if err := b.Backend.Forward(ctx, steps); err != nil {
+		return err
+	}
+	for i, s := range steps {
+		if s.Greedy {
+			steps[i].Next = 42
+			for j := range s.Logits {
+				s.Logits[j] = float32(math.NaN())
+			}
+		}
+	}
+	return nil
+}
+
+// A greedy request without logprobs takes the backend's own pick
+// (Step.Greedy); one that asks for logprobs, or samples, still reads the
+// logits.
+func TestGreedyStepsTakeTheBackendsPick(t *testing.T) {
+	m := openTiny(t)
+	e := start(t, NewModel(pickedOnDevice{m.Backend}, m.Tokenizer, m.Template), Options{})
+	res, err := e.Generate(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 3}, nil)
+	if err != nil || !equal(res.Tokens, []int{42, 42, 42}) {
+		t.Errorf("greedy: %v, %v; want the backend's 42s", err, res)
+	}
+	res, err = e.Generate(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 3, Logprobs: true}, nil)
+	if err != nil || len(res.Tokens) != 3 || res.Tokens[0] == 42 || math.IsNaN(res.Logprobs[0].Logprob) {
+		t.Errorf("greedy with logprobs: %v, %+v; want tokens from the logits", err, res)
+	}
+}

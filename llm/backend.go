@@ -130,4 +130,24 @@ type Step struct {
 	// position's) when LastOnly is set.
 	Logits   []float32
 	LastOnly bool
+	// Greedy, with LastOnly, asks for the last position's argmax (as
+	// Argmax: the first on ties) in Next. A Greedier backend then need not
+	// write Logits — the GPU copies one id to the host instead of a
+	// vocabulary of floats; callers send Greedy steps only to Greediers.
+	Greedy bool
+	Next   int
+}
+
+// Greedier is a Backend that answers Step.Greedy: it sets Next, and may
+// leave Logits unwritten, on the steps that ask. A wrapper that changes
+// logits after Forward is not one, so callers fall back to the logits.
+type Greedier interface {
+	Backend
+	AnswersGreedy()
+}
+
+// GreedyNext reports whether a step of b can ask for its argmax only.
+func GreedyNext(b Backend) bool {
+	_, ok := b.(Greedier)
+	return ok
 }

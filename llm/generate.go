@@ -163,13 +163,18 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 	}
 	sampler := NewSampler(opt.Sample)
 	logits := make([]float32, b.Config().Vocab)
+	greedy := opt.Sample.Temperature == 0 && GreedyNext(b) // the backend picks the token (on the GPU: only its id comes back)
 	var out []int
 	next := prompt
 	for len(out) < opt.MaxTokens {
-		if err := b.Forward(ctx, []Step{{Cache: cache, Tokens: next, Logits: logits, LastOnly: true}}); err != nil {
+		step := []Step{{Cache: cache, Tokens: next, Logits: logits, LastOnly: true, Greedy: greedy}}
+		if err := b.Forward(ctx, step); err != nil {
 			return out, err
 		}
-		id := sampler.Sample(logits)
+		id := step[0].Next
+		if !greedy {
+			id = sampler.Sample(logits)
+		}
 		if stop[id] {
 			break
 		}
