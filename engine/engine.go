@@ -604,10 +604,10 @@ type sequence struct {
 	// (llm.Step.Greedy); logits then holds nothing new.
 	greedy   bool
 	greedyID int
-	next        []int
-	n           int
-	eos         bool
-	err         error
+	next     []int
+	n        int
+	eos      bool
+	err      error
 }
 
 // token is one sampled token as the scheduler hands it over; lp is set
