@@ -747,6 +747,9 @@ func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S i
 	var b, s, z C.P
 	group := K
 	if w != nil {
+		if w.N != N || w.K != K {
+			return fmt.Errorf("moe_gemv: experts of %d×%d run as %d×%d", w.N, w.K, N, K)
+		}
 		b, s, z, group = w.B.p, w.S.p, w.Z.p, w.Group
 	}
 	return x.do("moe_gemv", func() C.int {

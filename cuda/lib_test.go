@@ -3,6 +3,7 @@
 package cuda
 
 import (
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -34,9 +35,10 @@ func TestOpenSaysWhereItLooked(t *testing.T) {
 	}
 }
 
-// TestSupports: what the GPU backend runs is accepted, the rest refused by
-// name (a Mistral sliding window rather than run with full attention, the
-// mixtures of experts and Gemma 3 by architecture).
+// TestSupports: the GPU backend accepts every zoo family, mixtures of
+// experts included, and refuses a mixture past its route kernel (300
+// experts, or a top k of 17); the GPU calibrator refuses the mixtures and
+// Gemma 3 by architecture.
 func TestSupports(t *testing.T) {
 	for name, calib := range map[string]string{
 		"mistral-swa-rand": "", "mistral-rand": "", "qwen2-rand": "", "llama31-rand": "", "qwen3-rand": "",
@@ -55,14 +57,16 @@ func TestSupports(t *testing.T) {
 		if (err != nil) != (calib != "") || err != nil && !strings.Contains(err.Error(), calib) {
 			t.Errorf("%s: the calibrator says %v, want a refusal naming %q", name, err, calib)
 		}
-		// A mixture past the route kernel's 256 experts is refused.
+		// A mixture past the route kernel's 256 experts or top 16 is refused.
 		if cfg.MoE != nil {
-			wide := *cfg.MoE
-			wide.Experts = 300
-			c := *cfg
-			c.MoE = &wide
-			if err := Supports(&c); err == nil || !strings.Contains(err.Error(), "300") {
-				t.Errorf("%s with 300 experts: %v", name, err)
+			for _, edit := range []func(*checkpoint.MoE){func(m *checkpoint.MoE) { m.Experts = 300 }, func(m *checkpoint.MoE) { m.TopK = 17 }} {
+				wide := *cfg.MoE
+				edit(&wide)
+				c := *cfg
+				c.MoE = &wide
+				if err := Supports(&c); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("%d top %d", wide.Experts, wide.TopK)) {
+					t.Errorf("%s with %d experts, top %d: %v", name, wide.Experts, wide.TopK, err)
+				}
 			}
 		}
 	}

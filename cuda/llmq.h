@@ -224,28 +224,30 @@ typedef struct {
   /* A mixture of experts' routing (model.cu): for T rows of router logits
    * [T][E] (fp32), the softmax over all E experts, the top k (ties: the
    * lower expert), most probable first, into ids and weights [T][k]; the
-   * weights renormalised to sum to 1 when norm. E ≤ 256. */
+   * weights renormalised to sum to 1 when norm. E ≤ 256, k ≤ 16. A row of
+   * NaN logits gets the lowest experts with NaN weights (as the CPU). */
   int (*moe_route)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);
   /* logits [T][E] fp32 = h [T][H] fp16 · Wᵀ, W [E][H] fp32: the router,
-   * kept in full precision. H % 4 == 0. */
+   * kept in full precision. H % 4 == 0, T ≤ 65535. */
   int (*moe_router)(llmq_ctx* c, const void* h, const float* W, float* logits, int T, int E, int H);
   /* The S = T·k slots of a routed pass (row t's j-th expert, ids[t·k + j],
    * is slot t·k + j) grouped by expert for moe_gemv: order [S] lists the
    * slots expert by expert, ascending; chunks [max_chunks][3] = (expert,
    * first index into order, slots ≤ mt) cut each expert's list, chunks past
-   * the last having 0 slots. max_chunks ≥ ⌈S/mt⌉ + min(E, S) always
-   * suffices. One block. */
+   * the last having 0 slots. max_chunks must be ≥ ⌈S/mt⌉ + min(E, S) (a
+   * bound for every routing). ids outside [0, E) are left out. One block. */
   int (*moe_plan)(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks);
   /* moe_route then moe_plan of its ids, in one launch (one block). */
   int (*moe_route_plan)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm,
                         int mt, int32_t* order, int32_t* chunks, int max_chunks);
   /* The experts' linear layer over a plan (moe_plan, the same mt: 1 or 4;
-   * slots its S): out row s (fp32 [S][N], zeroed before, summed into) +=
-   * A row s / a_div · W_e for each slot s of expert e (a_div k: A holds the
-   * pass's rows; 1: A holds a row per slot). The experts' weights lie one
-   * after another: 4-bit in w4a16_gemm's layout (B, scales, zeros; one
-   * group per column or a power of two; act order not supported), or fp16
-   * [E][N][K] in W16 (not NULL). */
+   * slots its S, which only tunes how K is split): out row s (fp32 [S][N],
+   * zeroed before, summed into with atomics) += A row s / a_div · W_e for
+   * each slot s of expert e (a_div k: A holds the pass's rows; 1: A holds a
+   * row per slot). The experts' weights lie one after another: 4-bit in
+   * w4a16_gemm's layout (B, scales, zeros; N % 64 == 0, group a power of
+   * two or K; act order not supported), or fp16 [E][N][K] in W16 (not
+   * NULL; K % 8 == 0). */
   int (*moe_gemv)(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                   int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N,
                   int K, int group);

@@ -579,7 +579,9 @@ constexpr int kMaxTopK = 16;
 // expert, the k largest p in turn (ties to the lower expert: each lane
 // keeps its best with a strict >, the warp prefers the lower expert among
 // equals), their p as weights, divided by their sum when norm is set,
-// into ids and weights [k], most probable first.
+// into ids and weights [k], most probable first. A row whose p are NaN
+// (an overflow upstream) gets, as on the CPU, the lowest experts not yet
+// taken, with NaN weights: every id stays a valid expert.
 __device__ void route_row(const float* __restrict__ l, int32_t* __restrict__ ids, float* __restrict__ weights, int E,
                           int k, int norm, int lane) {
   float p[kMaxExpertsPerLane];
@@ -611,6 +613,13 @@ __device__ void route_row(const float* __restrict__ l, int32_t* __restrict__ ids
       const int oe = __shfl_xor_sync(0xffffffffu, be, o);
       if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
     }
+    if (be == E) {  // no p above −1: NaNs; the lowest expert not taken (p ≠ −1)
+#pragma unroll
+      for (int i = kMaxExpertsPerLane - 1; i >= 0; i--)
+        if (lane + 32 * i < E && p[i] != -1.f) be = lane + 32 * i;
+      for (int o = 16; o > 0; o >>= 1) be = min(be, __shfl_xor_sync(0xffffffffu, be, o));
+      bv = __int_as_float(0x7fc00000);  // NaN, the CPU's weight there
+    }
     if (lane == 0) ids[j] = be;
     if (j < kMaxTopK) w[j] = bv;
     chosen += bv;
@@ -629,6 +638,13 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __re
   route_row(logits + (size_t)row * E, ids + (size_t)row * k, weights + (size_t)row * k, E, k, norm, lane);
 }
 
+// PlanShared is plan_slots' shared memory: each expert's slot count, its
+// first index into order and first chunk, and the slots placed so far.
+struct PlanShared {
+  int count[kMaxExperts], first[kMaxExperts], chunk0[kMaxExperts], fill[kMaxExperts];
+  int n_chunks;
+};
+
 // plan_slots (one block) groups a pass's S slots (row t's j-th expert is
 // slot t·k + j, ids [S]) by expert for the expert GEMVs: order [S] lists
 // the slots expert by expert (ascending experts; within one, in no fixed
@@ -636,16 +652,16 @@ __global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __re
 // value), and chunks [max_chunks][3] = (expert, first index into order,
 // slots) cut each expert's list into pieces of at most mt; the chunks past
 // the last have 0 slots. Warp 0 computes the offsets with a shuffle scan.
-struct PlanShared {
-  int count[kMaxExperts], first[kMaxExperts], chunk0[kMaxExperts], fill[kMaxExperts];
-  int n_chunks;
-};
-
-__device__ void plan_slots(const int32_t* __restrict__ ids, int S, int E, int mt, int32_t* __restrict__ order,
+// ids outside [0, E) are left out (route_row writes none; a bad one must
+// not write out of bounds). ids is not __restrict__: moe_route_plan_kernel
+// writes it in the same launch, and a read-only (.nc) load of it would not
+// be ordered after those writes.
+__device__ void plan_slots(const int32_t* ids, int S, int E, int mt, int32_t* __restrict__ order,
                            int32_t* __restrict__ chunks, int max_chunks, PlanShared& sh) {
   for (int e = threadIdx.x; e < E; e += blockDim.x) sh.count[e] = sh.fill[e] = 0;
   __syncthreads();
-  for (int s = threadIdx.x; s < S; s += blockDim.x) atomicAdd(&sh.count[ids[s]], 1);
+  for (int s = threadIdx.x; s < S; s += blockDim.x)
+    if ((unsigned)ids[s] < (unsigned)E) atomicAdd(&sh.count[ids[s]], 1);
   __syncthreads();
   if (threadIdx.x < 32) {  // lane l scans experts 8l … 8l+7, then the lanes' totals
     const int lane = threadIdx.x;
@@ -667,7 +683,7 @@ __device__ void plan_slots(const int32_t* __restrict__ ids, int S, int E, int mt
   __syncthreads();
   for (int s = threadIdx.x; s < S; s += blockDim.x) {
     const int e = ids[s];
-    order[sh.first[e] + atomicAdd(&sh.fill[e], 1)] = s;
+    if ((unsigned)e < (unsigned)E) order[sh.first[e] + atomicAdd(&sh.fill[e], 1)] = s;
   }
   for (int e = threadIdx.x; e < E; e += blockDim.x)
     for (int j = 0; j * mt < sh.count[e]; j++) {
@@ -678,7 +694,7 @@ __device__ void plan_slots(const int32_t* __restrict__ ids, int S, int E, int mt
     chunks[3 * c] = chunks[3 * c + 1] = chunks[3 * c + 2] = 0;
 }
 
-__global__ void moe_plan_kernel(const int32_t* __restrict__ ids, int S, int E, int mt, int32_t* __restrict__ order,
+__global__ void __launch_bounds__(1024) moe_plan_kernel(const int32_t* ids, int S, int E, int mt, int32_t* __restrict__ order,
                                 int32_t* __restrict__ chunks, int max_chunks) {
   __shared__ PlanShared sh;
   plan_slots(ids, S, E, mt, order, chunks, max_chunks, sh);
@@ -687,7 +703,7 @@ __global__ void moe_plan_kernel(const int32_t* __restrict__ ids, int S, int E, i
 // moe_route_plan_kernel: route_row for every row (warp w takes rows w,
 // w + 32, …), then plan_slots, in one block: a layer's routing in one
 // launch.
-__global__ void __launch_bounds__(1024) moe_route_plan_kernel(const float* __restrict__ logits, int32_t* __restrict__ ids,
+__global__ void __launch_bounds__(1024) moe_route_plan_kernel(const float* __restrict__ logits, int32_t* ids,
                                                               float* __restrict__ weights, int T, int E, int k, int norm,
                                                               int mt, int32_t* __restrict__ order,
                                                               int32_t* __restrict__ chunks, int max_chunks) {
@@ -983,8 +999,9 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
              int group) {
-  if (max_chunks <= 0 || max_chunks > 65535 || a_div <= 0 || slots <= 0 || N <= 0 || K <= 0) {
-    set_error(c, "moe_gemv: %d chunks (want 1–65535), a_div %d, %d slots, N=%d, K=%d", max_chunks, a_div, slots, N, K);
+  if (max_chunks <= 0 || max_chunks > 65535 || a_div <= 0 || slots <= 0 || N <= 0 || K <= 0 || (mt != 1 && mt != 4)) {
+    set_error(c, "moe_gemv: %d chunks (want 1–65535), a_div %d, %d slots, %d a chunk (1 or 4), N=%d, K=%d", max_chunks,
+              a_div, slots, mt, N, K);
     return 1;
   }
   if (!W16) return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, slots, B, scales, zeros, out, N, K, group);

@@ -174,6 +174,9 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", ck.Dir, err)
 	}
+	if opt.Act != nil && c.MoE != nil {
+		return nil, fmt.Errorf("%s: the GPU backend does not simulate activation quantization in a mixture of experts yet", ck.Dir)
+	}
 	if err := checkFits(ck.Dir, estimateBytes(ck, q), dev); err != nil {
 		return nil, err
 	}
@@ -183,9 +186,6 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	}
 	// Per-tensor activation thresholds are per layer: such a run keeps
 	// q/k/v and gate/up separate.
-	if opt.Act != nil && c.MoE != nil {
-		return nil, fmt.Errorf("%s: the GPU backend does not simulate activation quantization in a mixture of experts yet", ck.Dir)
-	}
 	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
 	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act,
 		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}}
@@ -352,6 +352,11 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 			return nil, fmt.Errorf("%s: the GPU backend runs a layer's experts all 4-bit or all fp16, not a mix", specs[3*e].Name)
 		}
 		if packed {
+			for j, in := range []int{H, H, I} {
+				if g := hs[j].gw.Group; g < in && g&(g-1) != 0 {
+					return nil, fmt.Errorf("%s: the grouped expert kernel runs power-of-two groups or one group per column, not %d", specs[3*e+j].Name, g)
+				}
+			}
 			if !joinable(hs[:2]) {
 				return nil, fmt.Errorf("%s: the expert's gate and up cannot run as one grouped GEMV (different groups or act order)", specs[3*e].Name)
 			}
@@ -423,6 +428,13 @@ func estimateBytes(ck *checkpoint.Checkpoint, q *pack.QuantConfig) int64 {
 	}
 	c := ck.Config
 	n += 2 * int64(c.Intermediate) * int64(c.Hidden) * 2 // W4 scratch: gate and up joined
+	if c.MoE != nil {
+		for l := 0; l < c.Layers; l++ {
+			if c.Sparse(l) { // the router: stored in 16 bits, held in fp32
+				n += int64(c.MoE.Experts) * int64(c.Hidden) * 2
+			}
+		}
+	}
 	return n + n/20 + 512<<20
 }
 
@@ -659,11 +671,19 @@ func (m *Model) newActs(rows int) (*acts, error) {
 	c := m.cfg
 	a := &acts{rows: rows}
 	qd, kvd := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
-	inter := c.Intermediate // the gate and up outputs' width a row
-	var E, slots, moeI int  // a mixture's experts, slots (rows·k) and intermediate size
+	// The dense MLP's gate and up outputs a row (none when every layer is
+	// a mixture); g also holds a mixture's activations, k·I a row.
+	var dense int
+	for l := 0; l < c.Layers; l++ {
+		if !c.Sparse(l) {
+			dense = c.Intermediate
+		}
+	}
+	gWidth := dense
+	var E, slots, moeI int // a mixture's experts, slots (rows·k) and intermediate size
 	if c.MoE != nil {
 		E, slots, moeI = c.MoE.Experts, rows*c.MoE.TopK, c.MoE.Intermediate
-		inter = max(inter, c.MoE.TopK*moeI)
+		gWidth = max(gWidth, c.MoE.TopK*moeI)
 	}
 	sizes := []struct {
 		b     *Buf
@@ -671,7 +691,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 	}{
 		{&a.x, rows * c.Hidden * 4}, {&a.h, rows * c.Hidden * 2}, {&a.q, rows * qd * 2}, {&a.k, rows * kvd * 2},
 		{&a.v, rows * kvd * 2}, {&a.att, rows * qd * 2}, {&a.delta, rows * c.Hidden * 2},
-		{&a.g, rows * inter * 2}, {&a.u, rows * inter * 2}, {&a.logits, rows * c.Vocab * 4},
+		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4},
 		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
@@ -993,18 +1013,18 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 	E, k, H, I := c.MoE.Experts, c.MoE.TopK, c.Hidden, c.MoE.Intermediate
 	S := T * k
 	mt := moeChunk(S, E)
-	chunks := MoEMaxChunks(S, E, mt)
+	maxChunks := MoEMaxChunks(S, E, mt)
 	for _, f := range []func() error{
 		func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) },
 		func() error {
-			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, chunks)
+			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
 		},
 		func() error {
-			return x.MoEGemv(a.h, k, a.order, a.chunks, chunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
+			return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
 		},
 		func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act) },
 		func() error {
-			return x.MoEGemv(a.g, 1, a.order, a.chunks, chunks, mt, S, mo.down, mo.down16, a.y, H, I)
+			return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, H, I)
 		},
 		func() error { return x.MoECombine(a.y, a.expert, a.weight, a.delta, T, k, H) },
 	} {

@@ -3,6 +3,7 @@
 package cuda
 
 import (
+	"errors"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -89,7 +90,8 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		{T: 1, E: 8, k: 2, N: 128, K: 256, group: 128, mt: 1, aDiv: 2, joined: true},
 		{T: 5, E: 16, k: 4, N: 64, K: 128, group: 64, mt: 1, aDiv: 1},
 		{T: 37, E: 8, k: 2, N: 256, K: 512, group: 512, mt: 4, aDiv: 2, joined: true},
-		{T: 9, E: 128, k: 8, N: 256, K: 2048, group: 32, mt: 1, aDiv: 8, joined: true}, // K split across CTAs
+		{T: 9, E: 128, k: 8, N: 256, K: 2048, group: 32, mt: 1, aDiv: 8, joined: true},
+		{T: 1, E: 8, k: 2, N: 64, K: 2048, group: 128, mt: 1, aDiv: 2}, // K split 4 ways on the H200's 132 SMs
 		{T: 3, E: 8, k: 2, N: 192, K: 128, mt: 1, aDiv: 2, fp16: true, joined: true},
 		{T: 40, E: 8, k: 2, N: 128, K: 96, mt: 4, aDiv: 1, fp16: true},
 	} {
@@ -146,8 +148,9 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 			t.Fatal(err)
 		}
 		ord, ch := make([]int32, S), make([]int32, maxChunks*3)
-		Download(x, ord, order)
-		Download(x, ch, chunks)
+		if err := errors.Join(Download(x, ord, order), Download(x, ch, chunks)); err != nil {
+			t.Fatal(err)
+		}
 		checkPlan(t, ids, ord, ch, c.E, c.mt)
 
 		got := make([]float32, S*c.N)
@@ -176,7 +179,9 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 				t.Fatal(err)
 			}
 			gh := make([]uint16, S*I)
-			Download(x, gh, g)
+			if err := Download(x, gh, g); err != nil {
+				t.Fatal(err)
+			}
 			for s := 0; s < S; s++ {
 				for i := 0; i < I; i++ {
 					a, u := float64(got[s*c.N+i]), float64(got[s*c.N+I+i])
@@ -186,7 +191,9 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 					}
 				}
 			}
-			Download(x, got, out)
+			if err := Download(x, got, out); err != nil {
+				t.Fatal(err)
+			}
 			for i, v := range got {
 				if v != 0 {
 					t.Fatalf("%+v: moe_act left %v at %d of the gate/up sums (they must come back zeroed)", c, v, i)
@@ -208,7 +215,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 func TestMoERoutePlanMatchesCPU(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(11, 12))
-	for _, tc := range []struct{ T, E, k, mt int }{{1, 128, 8, 1}, {8, 128, 8, 1}, {300, 8, 2, 4}, {64, 128, 8, 4}} {
+	for _, tc := range []struct{ T, E, k, mt int }{{1, 128, 8, 1}, {8, 128, 8, 1}, {300, 8, 2, 4}, {64, 128, 8, 4}, {40, 256, 16, 4}} {
 		logits := make([]float32, tc.T*tc.E)
 		for row := 0; row < tc.T; row++ {
 			for e, p := range r.Perm(tc.E) { // distinct values 0.05 apart: no near-ties
@@ -225,10 +232,9 @@ func TestMoERoutePlanMatchesCPU(t *testing.T) {
 			t.Fatal(err)
 		}
 		ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, maxChunks*3)
-		Download(x, ids, ib)
-		Download(x, w, wb)
-		Download(x, ord, ob)
-		Download(x, ch, cb)
+		if err := errors.Join(Download(x, ids, ib), Download(x, w, wb), Download(x, ord, ob), Download(x, ch, cb)); err != nil {
+			t.Fatal(err)
+		}
 		want := llm.RouteLogits(logits, tc.T, tc.E, tc.k, true)
 		for i := range ids {
 			if int(ids[i]) != want.Expert[i] || math.Abs(float64(w[i]-want.Weight[i])) > 1e-5*float64(want.Weight[i]) {
@@ -239,6 +245,36 @@ func TestMoERoutePlanMatchesCPU(t *testing.T) {
 		for _, b := range []Buf{lb, ib, wb, ob, cb} {
 			x.Free(b)
 		}
+	}
+	// A row of NaN logits (an overflow upstream) routes, as on the CPU, to
+	// the lowest experts with NaN weights, and the plan stays in bounds.
+	const T, E, k = 2, 8, 3
+	logits := make([]float32, T*E)
+	for e := range E {
+		logits[e], logits[E+e] = float32(math.NaN()), float32(e)
+	}
+	maxChunks := MoEMaxChunks(T*k, E, 1)
+	lb, _ := AllocFrom(x, logits)
+	ib, _ := x.Alloc(T * k * 4)
+	wb, _ := x.Alloc(T * k * 4)
+	ob, _ := x.Alloc(T * k * 4)
+	cb, _ := x.Alloc(maxChunks * 3 * 4)
+	if err := x.MoERoutePlan(lb, ib, wb, T, E, k, true, 1, ob, cb, maxChunks); err != nil {
+		t.Fatal(err)
+	}
+	ids, w, ord, ch := make([]int32, T*k), make([]float32, T*k), make([]int32, T*k), make([]int32, maxChunks*3)
+	if err := errors.Join(Download(x, ids, ib), Download(x, w, wb), Download(x, ord, ob), Download(x, ch, cb)); err != nil {
+		t.Fatal(err)
+	}
+	want := llm.RouteLogits(logits, T, E, k, true)
+	for i := range ids {
+		if int(ids[i]) != want.Expert[i] || math.IsNaN(float64(w[i])) != math.IsNaN(float64(want.Weight[i])) {
+			t.Errorf("NaN row test, slot %d: expert %d weight %v, want %d, %v", i, ids[i], w[i], want.Expert[i], want.Weight[i])
+		}
+	}
+	checkPlan(t, ids, ord, ch, E, 1)
+	for _, b := range []Buf{lb, ib, wb, ob, cb} {
+		x.Free(b)
 	}
 }
 
@@ -323,6 +359,12 @@ func TestMoERouterAndCombine(t *testing.T) {
 		}
 	}
 	_, yv := randomHalf(r, T*k*H)
+	// Row 0, column 0 tells the order of the additions: experts 5, 1, 3 in
+	// slot order carry −2²⁴, 2²⁴, 1 (weights 1); in expert order the sum is
+	// 2²⁴ + 1 = 2²⁴ (fp32), − 2²⁴ = 0; in slot order it would be 1.
+	copy(ids, []int32{5, 1, 3})
+	copy(wts, []float32{1, 1, 1})
+	yv[0], yv[H], yv[2*H] = -(1 << 24), 1<<24, 1
 	yd, _ := AllocFrom(x, yv)
 	idd, _ := AllocFrom(x, ids)
 	wtd, _ := AllocFrom(x, wts)
@@ -331,9 +373,13 @@ func TestMoERouterAndCombine(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make([]uint16, T*H)
-	Download(x, got, od)
 	left := make([]float32, T*k*H)
-	Download(x, left, yd)
+	if err := errors.Join(Download(x, got, od), Download(x, left, yd)); err != nil {
+		t.Fatal(err)
+	}
+	if v := float16.Frombits(got[0]).Float32(); v != 0 {
+		t.Errorf("row 0 column 0: %v, want 0 (the experts' outputs added in ascending expert order)", v)
+	}
 	if i := slices.IndexFunc(left, func(v float32) bool { return v != 0 }); i >= 0 {
 		t.Fatalf("moe_combine left %v at %d of the expert outputs (they must come back zeroed)", left[i], i)
 	}

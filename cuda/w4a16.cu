@@ -886,9 +886,10 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
     return 1;
   }
   // K splits: enough CTAs for about four a SM over the chunks the slots
-  // fill, each warp keeping at least two batches of steps.
-  const int NT = N / 64, KT = K / 16, used = (slots + mt - 1) / mt;
-  const int splits = max(1, min((c->sms * 4) / (NT * used), KT / (2 * kWarps * 4)));
+  // fill, each warp keeping at least two batches of U steps (U: 4 for one
+  // slot a chunk, 2 for four, the instantiations below).
+  const int NT = N / 64, KT = K / 16, used = (slots + mt - 1) / mt, U = mt == 1 ? 4 : 2;
+  const int splits = max(1, min((c->sms * 4) / (NT * used), KT / (2 * kWarps * U)));
   const dim3 grid(NT, max_chunks, splits);
   const int gshift = group_shift(group, K);
   if (mt == 1)
