@@ -325,12 +325,11 @@ type Result struct {
 }
 
 // Chunk is a piece of a streamed generation: new text, and (with
-// Request.Logprobs) the tokens taken since the previous chunk. Without
-// stop strings every token with logprobs is streamed at once, in a chunk
-// without text when its text is held back (an incomplete character) or
-// empty (a special token); with stop strings a token travels with the
-// chunk that carries its text, so that a stop sequence's tokens are never
-// streamed, and the last chunk may have logprobs and no text.
+// Request.Logprobs) the tokens taken since the previous chunk. Every
+// token with logprobs is streamed at once, in a chunk without text when
+// its text is held back (an incomplete character, the start of a possible
+// stop string) or empty (a special token). As in Result.Logprobs, the
+// tokens of a stop string that ended the generation are listed too.
 //
 // With Request.PromptLogprobs, the first chunk also carries
 // PromptLogprobs (as Result.PromptLogprobs), even when it has no text.
@@ -456,14 +455,11 @@ func (e *Engine) GenerateChunks(ctx context.Context, req Request, emit func(Chun
 	text := newStopText(e.Tokenizer.NewStream(), req.Stop)
 	var pending []TokenLogprob // logprobs not yet sent with a chunk
 	promptSent := !req.PromptLogprobs
-	// Without stop strings no token's text can be withdrawn later, so a
-	// token whose text is held back (an incomplete UTF-8 sequence) or
-	// empty (a special token) still streams its logprobs at once; with
-	// stop strings they wait for the text they belong to, so that a stop
-	// sequence's tokens are never streamed.
-	streamLogprobs := len(req.Stop) == 0
-	send := func(piece string, last bool) error {
-		if piece == "" && promptSent && (len(pending) == 0 || !last && !streamLogprobs) {
+	// A token's logprobs go out at once, in a chunk without text when its
+	// text is held back (an incomplete UTF-8 sequence, a possible stop
+	// string) or empty (a special token).
+	send := func(piece string) error {
+		if piece == "" && promptSent && len(pending) == 0 {
 			return nil
 		}
 		all.WriteString(piece)
@@ -506,7 +502,7 @@ tokens:
 		}
 		res.Tokens = append(res.Tokens, t.id)
 		piece, stopped := text.add(t.id)
-		if err := send(piece, stopped); err != nil {
+		if err := send(piece); err != nil {
 			return res, err
 		}
 		if stopped {
@@ -523,7 +519,7 @@ tokens:
 		if s.eos || stopped {
 			res.FinishReason = "stop"
 		}
-		if err := send(piece, true); err != nil {
+		if err := send(piece); err != nil {
 			return res, err
 		}
 	}
@@ -600,10 +596,10 @@ type sequence struct {
 	logits      []float32
 	scoring     bool // the prefill of a PromptLogprobs request is running
 	scored      int  // prompt positions prefilled so far, when scoring
-	// greedy: the last step asked the backend for its argmax, greedyID
-	// (llm.Step.Greedy); logits then holds nothing new.
-	greedy   bool
-	greedyID int
+	// picked: the last step asked the backend for its argmax
+	// (llm.Step.Greedy), which is pickedID; logits then holds nothing new.
+	picked   bool
+	pickedID int
 	next     []int
 	n        int
 	eos      bool
@@ -639,7 +635,7 @@ func (e *Engine) run() {
 	// (a client gone, a deadline passed) leave the queue at once, not when
 	// a batch slot frees.
 	var active, waiting []*sequence
-	answersGreedy := llm.GreedyNext(e.Backend)
+	answersGreedy := llm.IsGreedier(e.Backend)
 	defer func() {
 		for _, s := range active {
 			s.finish(ErrClosed)
@@ -784,7 +780,7 @@ func (e *Engine) run() {
 			} else {
 				s.fed = append(s.fed, s.step...)
 			}
-			s.greedy, s.greedyID = steps[i].Greedy, steps[i].Next
+			s.picked, s.pickedID = steps[i].Greedy, steps[i].Argmax
 		}
 
 		// One new token for each sequence: the rows that decode are sampled
@@ -861,8 +857,9 @@ func (s *sequence) pick(row []float32) pick {
 }
 
 // pickAll samples, in parallel, the next token of every sequence in the
-// batch that decodes (not refilling its cache, not scoring its prompt);
-// the others' picks are left unset. Each sequence has its own sampler.
+// batch that decodes (not refilling its cache, not scoring its prompt),
+// or takes the backend's argmax where a greedy step asked for it; the
+// others' picks are left unset. Each sequence has its own sampler.
 func pickAll(batch []*sequence) []pick {
 	picks := make([]pick, len(batch))
 	var wg sync.WaitGroup
@@ -871,8 +868,8 @@ func pickAll(batch []*sequence) []pick {
 		if s.refilling || s.scoring {
 			continue
 		}
-		if s.greedy { // the backend picked it
-			picks[i] = pick{id: s.greedyID, ok: true}
+		if s.picked { // the backend did: its argmax
+			picks[i] = pick{id: s.pickedID, ok: true}
 			continue
 		}
 		wg.Add(1)

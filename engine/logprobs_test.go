@@ -211,15 +211,14 @@ func (b bosFirst) Forward(ctx context.Context, steps []llm.Step) error {
 }
 
 // Tokens without text stream their logprobs one chunk a token (what a
-// client timing each token sees), unless stop strings are set: then they
-// wait for text, and come in the last chunk.
+// client timing each token sees), stop strings set or not.
 func TestLogprobsOfTokensWithoutText(t *testing.T) {
 	m := openTiny(t)
 	e := start(t, NewModel(bosFirst{m.Backend}, m.Tokenizer, m.Template), Options{})
 	for _, c := range []struct {
 		stop   []string
 		chunks []int // logprobs in each chunk
-	}{{nil, []int{1, 1, 1, 1}}, {[]string{"never"}, []int{4}}} {
+	}{{nil, []int{1, 1, 1, 1}}, {[]string{"never"}, []int{1, 1, 1, 1}}} {
 		var got []int
 		res, err := e.GenerateChunks(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 4, Logprobs: true, Stop: c.stop},
 			func(ch Chunk) error {
@@ -239,8 +238,9 @@ func TestLogprobsOfTokensWithoutText(t *testing.T) {
 }
 
 // pickedOnDevice answers Greedy steps the way a GPU backend may: it sets
-// Next (here always token 42) and leaves the logits as garbage (NaN), so
-// a greedy request that read them would not get 42.
+// Argmax — here not the real one but the step's last token + 1000, so a
+// greedy request that took it is recognisable — and leaves NaN in the
+// logits, so one that read them would not get it.
 type pickedOnDevice struct{ llm.Backend }
 
 func (b pickedOnDevice) AnswersGreedy() {}
@@ -251,7 +251,7 @@ func (b pickedOnDevice) Forward(ctx context.Context, steps []llm.Step) error {
 	}
 	for i, s := range steps {
 		if s.Greedy {
-			steps[i].Next = 42
+			steps[i].Argmax = s.Tokens[len(s.Tokens)-1] + 1000
 			for j := range s.Logits {
 				s.Logits[j] = float32(math.NaN())
 			}
@@ -260,18 +260,42 @@ func (b pickedOnDevice) Forward(ctx context.Context, steps []llm.Step) error {
 	return nil
 }
 
-// A greedy request without logprobs takes the backend's own pick
-// (Step.Greedy); one that asks for logprobs, or samples, still reads the
-// logits.
+// In one batch, a greedy request without logprobs takes the backend's own
+// pick (Step.Greedy) at every step, while a greedy one with logprobs and
+// a sampled one, beside it, get what they get from the plain backend.
 func TestGreedyStepsTakeTheBackendsPick(t *testing.T) {
 	m := openTiny(t)
-	e := start(t, NewModel(pickedOnDevice{m.Backend}, m.Tokenizer, m.Template), Options{})
-	res, err := e.Generate(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 3}, nil)
-	if err != nil || !equal(res.Tokens, []int{42, 42, 42}) {
-		t.Errorf("greedy: %v, %v; want the backend's 42s", err, res)
+	plain := start(t, m, Options{})
+	e := start(t, NewModel(pickedOnDevice{m.Backend}, m.Tokenizer, m.Template), Options{MaxBatch: 4})
+	prompt := []int{0, 791}
+	reqs := []Request{
+		{Prompt: prompt, MaxTokens: 4},
+		{Prompt: prompt, MaxTokens: 4, Logprobs: true},
+		{Prompt: prompt, MaxTokens: 4, Sample: llm.SampleOptions{Temperature: 0.8, Seed: 7}},
 	}
-	res, err = e.Generate(context.Background(), Request{Prompt: []int{0, 791}, MaxTokens: 3, Logprobs: true}, nil)
-	if err != nil || len(res.Tokens) != 3 || res.Tokens[0] == 42 || math.IsNaN(res.Logprobs[0].Logprob) {
-		t.Errorf("greedy with logprobs: %v, %+v; want tokens from the logits", err, res)
+	got := make([]*Result, len(reqs))
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var err error
+			if got[i], err = e.Generate(context.Background(), r, nil); err != nil {
+				t.Errorf("request %d: %v", i, err)
+			}
+		}()
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	if want := []int{791 + 1000, 1791 + 1000, 2791 + 1000, 3791 + 1000}; !equal(got[0].Tokens, want) {
+		t.Errorf("greedy: %v, want the backend's picks %v", got[0].Tokens, want)
+	}
+	for i, r := range reqs[1:] {
+		want, err := plain.Generate(context.Background(), r, nil)
+		if err != nil || !equal(got[i+1].Tokens, want.Tokens) {
+			t.Errorf("request %d: %v, want %v from the logits (%v)", i+1, got[i+1].Tokens, want.Tokens, err)
+		}
 	}
 }

@@ -2,7 +2,9 @@ package evals
 
 import (
 	"os"
+	"regexp"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -49,10 +51,31 @@ func TestCommitFallsBackToLinkedRevision(t *testing.T) {
 // A result measured with one of the library's tuning variables set says
 // so in its command, before the arguments; others are left out.
 func TestCommandLineNamesTuningVariables(t *testing.T) {
+	for _, k := range tuningEnv { // unset, whatever this shell has, and restored after
+		t.Setenv(k, "")
+		os.Unsetenv(k)
+	}
 	t.Setenv("LLMQ_PDL", "1")
 	t.Setenv("LLMQ_SHARED", "/somewhere")
-	got := NewRecord("test", nil).Command
-	if !strings.HasPrefix(got, "LLMQ_PDL=1 "+os.Args[0]) || strings.Contains(got, "LLMQ_SHARED") {
-		t.Errorf("command %q, want LLMQ_PDL=1 then the arguments, without LLMQ_SHARED", got)
+	if got, want := NewRecord("test", nil).Command, "LLMQ_PDL=1 "+strings.Join(os.Args, " "); got != want {
+		t.Errorf("command %q, want %q", got, want)
+	}
+}
+
+// tuningEnv lists exactly the LLMQ_ variables the CUDA library reads
+// (getenv in cuda/runtime.cu), so that none is run without being
+// recorded.
+func TestTuningEnvMatchesTheLibrary(t *testing.T) {
+	src, err := os.ReadFile("../cuda/runtime.cu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var read []string
+	for _, m := range regexp.MustCompile(`getenv\("(LLMQ_\w+)"\)`).FindAllSubmatch(src, -1) {
+		read = append(read, string(m[1]))
+	}
+	slices.Sort(read)
+	if listed := slices.Sorted(slices.Values(tuningEnv)); !slices.Equal(read, listed) {
+		t.Errorf("runtime.cu reads %v, tuningEnv lists %v", read, listed)
 	}
 }

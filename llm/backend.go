@@ -130,24 +130,28 @@ type Step struct {
 	// position's) when LastOnly is set.
 	Logits   []float32
 	LastOnly bool
-	// Greedy, with LastOnly, asks for the last position's argmax (as
-	// Argmax: the first on ties) in Next. A Greedier backend then need not
-	// write Logits — the GPU copies one id to the host instead of a
-	// vocabulary of floats; callers send Greedy steps only to Greediers.
+	// Greedy, with LastOnly, asks for the last position's argmax (as the
+	// function Argmax takes it: the first on ties) in the field Argmax,
+	// instead of the logits: the GPU then copies one id to the host, not a
+	// vocabulary of floats. Callers send Greedy steps only to Greediers
+	// (IsGreedier); other backends ignore the flag.
 	Greedy bool
-	Next   int
+	Argmax int
 }
 
-// Greedier is a Backend that answers Step.Greedy: it sets Next, and may
-// leave Logits unwritten, on the steps that ask. A wrapper that changes
-// logits after Forward is not one, so callers fall back to the logits.
+// Greedier is a Backend that answers Step.Greedy: it sets Step.Argmax and
+// may leave Logits unwritten on the steps that ask. The CPU model is not
+// one (it computes the logits anyway); the GPU model is. A wrapper that
+// edits logits after Forward must not be one either: embedding the
+// llm.Backend interface keeps it out, but embedding a concrete Greedier
+// would pass the method on, and greedy steps would skip the edits.
 type Greedier interface {
 	Backend
 	AnswersGreedy()
 }
 
-// GreedyNext reports whether a step of b can ask for its argmax only.
-func GreedyNext(b Backend) bool {
+// IsGreedier reports whether b answers Step.Greedy.
+func IsGreedier(b Backend) bool {
 	_, ok := b.(Greedier)
 	return ok
 }

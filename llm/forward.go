@@ -65,10 +65,6 @@ func (m *Model) Memory() (Memory, error) {
 // nothing to release.
 func (m *Model) Close() error { return nil }
 
-// AnswersGreedy implements Greedier: a Greedy step still gets its logits
-// (the CPU computes them anyway), and its argmax in Next.
-func (m *Model) AnswersGreedy() {}
-
 // Forward implements Backend: the whole network for a batch of sequences.
 // Linear layers run on all rows of the batch at once; attention runs per
 // sequence against its own cache.
@@ -97,8 +93,6 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		want := len(s.Tokens) * c.Vocab
 		if s.LastOnly {
 			want = c.Vocab
-		} else if s.Greedy {
-			return fmt.Errorf("step %d: Greedy needs LastOnly (the argmax of the last position)", i)
 		}
 		if len(s.Logits) < want {
 			return fmt.Errorf("step %d: logits buffer holds %d values, need %d", i, len(s.Logits), want)
@@ -230,9 +224,6 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		cnt := r + n - first
 		RMSNorm(h, x[first*H:(r+n)*H], m.Norm, cnt, eps)
 		m.LMHead.Forward(s.Logits, h, cnt)
-		if s.Greedy {
-			steps[i].Next = Argmax(s.Logits[:c.Vocab])
-		}
 		r += n
 	}
 	done = true

@@ -163,7 +163,7 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 	}
 	sampler := NewSampler(opt.Sample)
 	logits := make([]float32, b.Config().Vocab)
-	greedy := opt.Sample.Temperature == 0 && GreedyNext(b) // the backend picks the token (on the GPU: only its id comes back)
+	greedy := opt.Sample.Temperature == 0 && IsGreedier(b) // the backend picks the token (on the GPU: only its id comes back)
 	var out []int
 	next := prompt
 	for len(out) < opt.MaxTokens {
@@ -171,7 +171,7 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 		if err := b.Forward(ctx, step); err != nil {
 			return out, err
 		}
-		id := step[0].Next
+		id := step[0].Argmax
 		if !greedy {
 			id = sampler.Sample(logits)
 		}

@@ -19,7 +19,9 @@ type Logprob struct {
 // of its cost: this runs for every token a request wants logprobs of, over
 // the whole vocabulary (BenchmarkLogprobs).
 //
-// k ≤ 0 returns no alternatives; id outside the logits returns NaN.
+// k ≤ 0 returns no alternatives, and at most k come back: −∞ and NaN
+// logits are never listed. id outside the logits returns NaN, as does a
+// NaN among the logits.
 func Logprobs(logits []float32, id, k int) (float64, []Logprob) {
 	if len(logits) == 0 {
 		return math.NaN(), nil
@@ -66,8 +68,9 @@ func Logprobs(logits []float32, id, k int) (float64, []Logprob) {
 
 // logSumExp32 is logSumExp with float32 exponentials (exp32), summed in
 // float64 in four interleaved partial sums (independent chains the CPU
-// overlaps); terms below e⁻⁸⁷ (under float32's normal range, and nothing
-// a sum holding e⁰ = 1 can feel) are taken at e⁻⁸⁷.
+// overlaps); terms below e⁻⁸⁷ (near the bottom of float32's normal range,
+// and nothing a sum holding e⁰ = 1 can feel) are taken at e⁻⁸⁷, exp32's
+// domain.
 func logSumExp32(logits []float32) float64 {
 	mx := logits[0]
 	for _, v := range logits {
@@ -100,12 +103,14 @@ func logSumExp32(logits []float32) float64 {
 	return float64(mx) + math.Log(s0+s1+s2+s3)
 }
 
-// exp32 is eˣ for −87 ≤ x ≤ 0 in float32, within a few float32 ulps:
-// x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two so that n·ln2 is exact,
-// as Cephes' expf does), eʳ by its Taylor polynomial to degree 7
-// (truncation under 1e-8) evaluated in Estrin's order (a shorter chain of
-// dependent operations than Horner's), 2ⁿ written into the exponent bits.
-// Small enough for the compiler to inline.
+// exp32 is eˣ for −87 ≤ x ≤ 0 in float32, within a few float32 ulps;
+// outside that domain its result is meaningless (the exponent bits wrap),
+// so callers clamp. x = n·ln2 + r with |r| ≤ ln2/2 (ln2 split in two so
+// that n·ln2 is exact, as Cephes' expf does), eʳ by its Taylor polynomial
+// to degree 7 (truncation under 1e-8) evaluated in Estrin's order (a
+// shorter chain of dependent operations than Horner's), 2ⁿ written into
+// the exponent bits. Small enough for the compiler to inline, which a
+// clamp inside would not leave it (BenchmarkLogprobs slows down by half).
 func exp32(x float32) float32 {
 	const log2e, ln2hi, ln2lo = 1.44269504, 0.693359375, -2.12194440e-4
 	n := int32(x*log2e - 0.5) // the nearest integer, for x ≤ 0
