@@ -381,11 +381,15 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 // of one n-tile for MT rows, lane's activations of row m at ap[m] (its
 // row's first word + tig), its chunks at bp (step k's at bp + 32k), U
 // steps a batch with the next batch's codes and activations loaded while
-// this one is multiplied. It adds the lane's 8 columns × MT rows into acc.
+// this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
 template <int MT, int U>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
                                            GroupStream& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
   // Step k's activations for this lane, as half2 words: rows 16k + 2·tig
   // (+1) at word 8k + tig, rows 16k + 2·tig + 8 (+9) four words on.
   uint4 qn[U];
@@ -466,7 +470,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
 
 // gemv_reduce: lanes 4·gid … 4·gid+3 hold the same eight columns (gid +
 // 8j) for different rows of K: it sums them into red[warp], and returns
-// once every warp's sums are there (the caller adds the warps').
+// once every warp's sums are there (red_total adds the warps').
 template <int MT>
 __device__ __forceinline__ void gemv_reduce(float (&acc)[MT][8], float (&red)[kWarps][MT][64], int warp, int gid, int tig) {
 #pragma unroll
@@ -479,6 +483,16 @@ __device__ __forceinline__ void gemv_reduce(float (&acc)[MT][8], float (&red)[kW
       if (tig == 0) red[warp][m][j * 8 + gid] = v;
     }
   __syncthreads();
+}
+
+// red_total is the CTA's sum for row m, column col of its tile: the warps'
+// partial sums that gemv_reduce left in red.
+template <int MT>
+__device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], int m, int col) {
+  float v = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) v += red[w][m][col];
+  return v;
 }
 
 // w4a16_gemv: a CTA of kWarps warps owns one 64-column n-tile and one K
@@ -506,20 +520,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
   GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
   float acc[MT][8];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
   gemv_steps<MT, U>(acc, ap, B + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
-    if (m < M) {
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += red[w][m][col];
-      emit(C, ws, m, nt * 64 + col, N, v, splits);
-    }
+    if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<MT>(red, m, col), splits);
   }
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
@@ -556,20 +561,11 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
     ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(order[start + min(m, n - 1)] / a_div) * K) + tig;
   GroupStream groups(S + e * per_group, Z + e * per_group, nt, NT, gid, KT, gshift);
   float acc[MT][8];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
   gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
-    if (m < n) {
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += red[w][m][col];
-      atomicAdd(&out[(size_t)order[start + m] * N + nt * 64 + col], v);
-    }
+    if (m < n) atomicAdd(&out[(size_t)order[start + m] * N + nt * 64 + col], red_total<MT>(red, m, col));
   }
 }
 

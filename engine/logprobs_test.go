@@ -150,17 +150,20 @@ func TestValidateLogprobs(t *testing.T) {
 	}
 }
 
-// eosFirst makes the end-of-sequence token the most likely everywhere.
-type eosFirst struct{ llm.Backend }
+// favour makes one token the most likely everywhere (its logit 100).
+type favour struct {
+	llm.Backend
+	id int
+}
 
-func (b eosFirst) Forward(ctx context.Context, steps []llm.Step) error {
+func (b favour) Forward(ctx context.Context, steps []llm.Step) error {
 	if err := b.Backend.Forward(ctx, steps); err != nil {
 		return err
 	}
-	V, eos := b.Config().Vocab, b.Config().EOS[0]
+	V := b.Config().Vocab
 	for _, s := range steps {
 		for r := 0; r < len(s.Logits)/V; r++ {
-			s.Logits[r*V+eos] = 100
+			s.Logits[r*V+b.id] = 100
 		}
 	}
 	return nil
@@ -172,8 +175,8 @@ func (b eosFirst) Forward(ctx context.Context, steps []llm.Step) error {
 // one. Streamed, it comes in the last chunk.
 func TestEOSInLogprobs(t *testing.T) {
 	m := openTiny(t)
-	e := start(t, NewModel(eosFirst{m.Backend}, m.Tokenizer, m.Template), Options{})
 	eos := m.Backend.Config().EOS[0]
+	e := start(t, NewModel(favour{m.Backend, eos}, m.Tokenizer, m.Template), Options{})
 	var chunks []Chunk
 	res, err := e.GenerateChunks(context.Background(), Request{Prompt: []int{0, 791, 3925}, MaxTokens: 1, Logprobs: true, TopLogprobs: 1, PromptLogprobs: true},
 		func(c Chunk) error { chunks = append(chunks, c); return nil })
@@ -193,28 +196,12 @@ func TestEOSInLogprobs(t *testing.T) {
 	}
 }
 
-// bosFirst makes the beginning-of-sequence token, a special token with no
-// text, the most likely everywhere.
-type bosFirst struct{ llm.Backend }
-
-func (b bosFirst) Forward(ctx context.Context, steps []llm.Step) error {
-	if err := b.Backend.Forward(ctx, steps); err != nil {
-		return err
-	}
-	V, bos := b.Config().Vocab, b.Config().BOS
-	for _, s := range steps {
-		for r := 0; r < len(s.Logits)/V; r++ {
-			s.Logits[r*V+bos] = 100
-		}
-	}
-	return nil
-}
-
 // Tokens without text stream their logprobs one chunk a token (what a
 // client timing each token sees), stop strings set or not.
 func TestLogprobsOfTokensWithoutText(t *testing.T) {
 	m := openTiny(t)
-	e := start(t, NewModel(bosFirst{m.Backend}, m.Tokenizer, m.Template), Options{})
+	// The beginning-of-sequence token: a special token, with no text.
+	e := start(t, NewModel(favour{m.Backend, m.Backend.Config().BOS}, m.Tokenizer, m.Template), Options{})
 	for _, c := range []struct {
 		stop   []string
 		chunks []int // logprobs in each chunk
