@@ -78,9 +78,10 @@ case "$1" in
   check|zoo) # zoo: the model-family tests only, no sanitizer
     # Packed copies for TestJoinedLinearsMatchSeparate (RTN: deterministic, made here).
     W4=
-    for m in models/llama-tiny models/archzoo/qwen2-rand models/archzoo/mixtral-rand; do
+    for m in models/llama-tiny models/archzoo/qwen2-rand models/archzoo/mixtral-rand models/archzoo/qwen3moe-rand; do
       d=build/q/$(basename $m)-rtn-w4; g=128
-      [[ $m == *mixtral* ]] && g=64  # its experts' down has 192 inputs
+      [[ $m == *mixtral* ]] && g=64    # its experts' down has 192 inputs
+      [[ $m == *qwen3moe* ]] && g=32   # 96: its experts then run dequantized in fp16
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group $g -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
     export LLMQ_TEST_W4_MODELS=${W4#:}

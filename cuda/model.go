@@ -51,7 +51,7 @@ type Model struct {
 	maxN       int          // widest linear (workspace sizing)
 	maxPermK   int          // widest act-order input (a_perm sizing)
 	w4Layers   int          // linears the W4A16 kernel runs
-	wideLayers int          // linears stored on wider grids (8-bit, FP8), dequantized to fp16 at load
+	wideLayers int          // quantized linears run in fp16, dequantized at load (wider grids: 8-bit, FP8; experts the grouped kernel cannot run)
 	join       bool         // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
 	act        *ActQuant    // simulated quantization of the decoder linears' inputs, or nil
 	maxIn      int          // widest decoder linear input (the fake-quant buffer)
@@ -319,7 +319,8 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 // loadMoE uploads layer's mixture of experts: the router (kept in fp32,
 // as on the CPU) and the experts (specs: each expert's gate, up and down).
 // Experts stored 4-bit go to the grouped W4A16 kernel, gate and up joined;
-// unquantized (or wider-grid, dequantized) experts are uploaded in fp16,
+// unquantized experts, and packed ones the grouped kernel cannot run (act
+// order, wider grids, other groups), are uploaded in fp16, dequantized,
 // one expert at a time.
 func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer int, specs []llm.LinearSpec) (*gpuMoE, error) {
 	c := m.cfg
@@ -339,53 +340,32 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 	if mo.router, err = m.upload32(w); err != nil {
 		return nil, err
 	}
+	// The grouped 4-bit kernel runs the layer when every expert's three
+	// linears are packed in a layout it takes: no act order (a permutation
+	// per expert), a power-of-two group or one group, gate and up
+	// joinable. Otherwise the whole layer runs in fp16, its packed experts
+	// dequantized (slower, but every checkpoint runs), one expert at a
+	// time.
+	grouped := func(gw *pack.GPUWeights) bool {
+		return gw.Perm == nil && (gw.Group >= gw.K || gw.Group&(gw.Group-1) == 0)
+	}
 	var gateUp, down []*pack.GPUWeights
 	for e := 0; e < E; e++ {
 		hs := make([]*hostLinear, 3)
 		for j := range hs {
-			if hs[j], err = m.readLinear(ck, q, specs[3*e+j]); err != nil {
+			if hs[j], err = m.readLinearAs(ck, q, specs[3*e+j], grouped); err != nil {
 				return nil, err
 			}
 		}
-		packed := hs[0].gw != nil && hs[1].gw != nil && hs[2].gw != nil
-		if packed != (hs[0].gw != nil || hs[1].gw != nil || hs[2].gw != nil) || e > 0 && packed != (gateUp != nil) {
-			return nil, fmt.Errorf("%s: the GPU backend runs a layer's experts all 4-bit or all fp16, not a mix", specs[3*e].Name)
+		if hs[0].gw == nil || hs[1].gw == nil || hs[2].gw == nil || !joinable(hs[:2]) {
+			gateUp, down = nil, nil
+			break
 		}
-		if packed {
-			for j, in := range []int{H, H, I} {
-				if g := hs[j].gw.Group; g < in && g&(g-1) != 0 {
-					return nil, fmt.Errorf("%s: the grouped expert kernel runs power-of-two groups or one group per column, not %d", specs[3*e+j].Name, g)
-				}
-			}
-			if !joinable(hs[:2]) {
-				return nil, fmt.Errorf("%s: the expert's gate and up cannot run as one grouped GEMV (different groups or act order)", specs[3*e].Name)
-			}
-			gu, err := pack.ConcatGPU(hs[0].gw, hs[1].gw)
-			if err != nil {
-				return nil, fmt.Errorf("%s: %w", specs[3*e].Name, err)
-			}
-			gateUp, down = append(gateUp, gu), append(down, hs[2].gw)
-			continue
+		gu, err := pack.ConcatGPU(hs[0].gw, hs[1].gw)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", specs[3*e].Name, err)
 		}
-		if e == 0 {
-			for _, b := range []struct {
-				dst   *Buf
-				bytes int
-			}{{&mo.gateUp16, E * 2 * I * H * 2}, {&mo.down16, E * H * I * 2}} {
-				if *b.dst, err = m.x.Alloc(b.bytes); err != nil {
-					return nil, fmt.Errorf("layer %d's experts: %w", layer, err)
-				}
-				m.weights += int64(b.bytes)
-			}
-		}
-		for j, dst := range []Buf{mo.gateUp16.Offset(e * 2 * I * H * 2), mo.gateUp16.Offset((e*2 + 1) * I * H * 2), mo.down16.Offset(e * H * I * 2)} {
-			if err := Upload(m.x, dst, toF16(hs[j].w)); err != nil {
-				return nil, fmt.Errorf("%s: %w", specs[3*e+j].Name, err)
-			}
-			if hs[j].dequantized {
-				m.wideLayers++
-			}
-		}
+		gateUp, down = append(gateUp, gu), append(down, hs[2].gw)
 	}
 	if gateUp != nil {
 		if mo.gateUp, err = m.x.UploadExperts(gateUp); err != nil {
@@ -396,6 +376,31 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 		}
 		m.weights += mo.gateUp.Bytes() + mo.down.Bytes()
 		m.w4Layers += 2
+		return mo, nil
+	}
+	for _, b := range []struct {
+		dst   *Buf
+		bytes int
+	}{{&mo.gateUp16, E * 2 * I * H * 2}, {&mo.down16, E * H * I * 2}} {
+		if *b.dst, err = m.x.Alloc(b.bytes); err != nil {
+			return nil, fmt.Errorf("layer %d's experts: %w", layer, err)
+		}
+		m.weights += int64(b.bytes)
+	}
+	fp16 := func(*pack.GPUWeights) bool { return false }
+	for e := 0; e < E; e++ {
+		for j, dst := range []Buf{mo.gateUp16.Offset(e * 2 * I * H * 2), mo.gateUp16.Offset((e*2 + 1) * I * H * 2), mo.down16.Offset(e * H * I * 2)} {
+			h, err := m.readLinearAs(ck, q, specs[3*e+j], fp16)
+			if err != nil {
+				return nil, err
+			}
+			if err := Upload(m.x, dst, toF16(h.w)); err != nil {
+				return nil, fmt.Errorf("%s: %w", specs[3*e+j].Name, err)
+			}
+			if h.dequantized {
+				m.wideLayers++
+			}
+		}
 	}
 	return mo, nil
 }
@@ -513,16 +518,30 @@ func (m *Model) markActInputs(g *gpuBlock) error {
 // the checkpoint stores it packed at 2–4 bits, dequantized otherwise
 // (wider grids) or read as stored (unquantized layers).
 func (m *Model) readLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm.LinearSpec) (*hostLinear, error) {
+	return m.readLinearAs(ck, q, s, nil)
+}
+
+// readLinearAs is readLinear where packed (a function of the repacked
+// layer, nil: every layer) says which packed layers stay packed; the
+// others, those the GPU layout cannot hold included, are dequantized.
+func (m *Model) readLinearAs(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm.LinearSpec, packed func(*pack.GPUWeights) bool) (*hostLinear, error) {
 	h := &hostLinear{name: s.Name, in: s.In, out: s.Out}
 	if q != nil && q.Stored(ck, s.Name) {
 		pl, err := q.Read(ck, s.Name, s.In, s.Out)
 		if err != nil {
 			return nil, err
 		}
-		if !pl.Grid.GPUPacked() {
+		if pl.Grid.GPUPacked() {
+			gw, err := pl.GPULayout()
+			switch {
+			case err == nil && (packed == nil || packed(gw)):
+				h.gw = gw
+			case err != nil && packed == nil:
+				return nil, fmt.Errorf("%s: %w", s.Name, err)
+			}
+		}
+		if h.gw == nil {
 			h.w, h.dequantized = pl.Dequantize(), true
-		} else if h.gw, err = pl.GPULayout(); err != nil {
-			return nil, fmt.Errorf("%s: %w", s.Name, err)
 		}
 	} else {
 		if err := pack.Unexplained(ck, s.Name); err != nil {
@@ -807,11 +826,11 @@ func (m *Model) Name() string {
 	kind := "fp16"
 	switch {
 	case m.w4Layers > 0 && m.wideLayers > 0:
-		kind = "W4A16, wider grids dequantized to fp16"
+		kind = "W4A16, some layers dequantized to fp16"
 	case m.w4Layers > 0:
 		kind = "W4A16"
 	case m.wideLayers > 0:
-		kind = "fp16, wider grids dequantized"
+		kind = "fp16, quantized layers dequantized"
 	}
 	return fmt.Sprintf("cuda (%s, %s)", m.dev.Name, kind)
 }
