@@ -604,6 +604,56 @@ func (x *Context) DestroyGraph(g Graph) error {
 	return x.do("graph_destroy", func() C.int { return C.c_graph_destroy(x.lib.api, x.c, g.p) })
 }
 
+// TimeGraph captures calls calls of op (i: the call's index, to rotate
+// through copies of its inputs) in one CUDA graph, replays it warmup
+// times, then replays times between events, and returns each timed
+// replay's milliseconds a call: launch latency is amortised, as it is
+// when a model's decode step runs as one graph.
+func (x *Context) TimeGraph(calls int, op func(i int) error, warmup, replays int) ([]float64, error) {
+	g, err := x.Capture(func() error {
+		for i := 0; i < calls; i++ {
+			if err := op(i); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer x.DestroyGraph(g)
+	start, err := x.NewEvent()
+	if err != nil {
+		return nil, err
+	}
+	defer x.DestroyEvent(start)
+	stop, err := x.NewEvent()
+	if err != nil {
+		return nil, err
+	}
+	defer x.DestroyEvent(stop)
+	for i := 0; i < warmup; i++ {
+		if err := x.Launch(g); err != nil {
+			return nil, err
+		}
+	}
+	if err := x.Sync(); err != nil {
+		return nil, err
+	}
+	times := make([]float64, replays)
+	for i := range times {
+		if err := errors.Join(x.Record(start), x.Launch(g), x.Record(stop)); err != nil {
+			return nil, err
+		}
+		ms, err := x.Elapsed(start, stop)
+		if err != nil {
+			return nil, err
+		}
+		times[i] = ms / float64(calls)
+	}
+	return times, nil
+}
+
 // The model kernels (model.cu); see llmq.h for their contracts.
 
 // Embed gathers fp16 embedding rows E[ids[t]] into the fp32 rows x,

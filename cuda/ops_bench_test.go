@@ -3,7 +3,6 @@
 package cuda
 
 import (
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"testing"
@@ -11,44 +10,21 @@ import (
 	"github.com/llmq/llmq/pack"
 )
 
-// timeGraph captures reps calls of op (i: the call's index, to rotate
-// through copies of its inputs) in one CUDA graph, replays it once to
-// warm up, then b.N times between events, and returns the microseconds a
-// call took on the GPU.
+// timeGraph is Context.TimeGraph for a benchmark: reps calls of op in a
+// graph, one warm-up replay, then b.N timed ones; it returns the mean
+// microseconds a call took on the GPU.
 func timeGraph(b *testing.B, x *Context, reps int, op func(i int) error) float64 {
 	b.Helper()
-	g, err := x.Capture(func() error {
-		for i := 0; i < reps; i++ {
-			if err := op(i); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
+	b.ResetTimer()
+	times, err := x.TimeGraph(reps, op, 1, b.N)
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer x.DestroyGraph(g)
-	e0, _ := x.NewEvent()
-	e1, _ := x.NewEvent()
-	defer x.DestroyEvent(e0)
-	defer x.DestroyEvent(e1)
-	if err := errors.Join(x.Launch(g), x.Sync()); err != nil { // warm-up
-		b.Fatal(err)
-	}
 	var ms float64
-	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		if err := errors.Join(x.Record(e0), x.Launch(g), x.Record(e1), x.Sync()); err != nil {
-			b.Fatal(err)
-		}
-		t, err := x.Elapsed(e0, e1)
-		if err != nil {
-			b.Fatal(err)
-		}
+	for _, t := range times {
 		ms += t
 	}
-	return ms * 1e3 / float64(b.N*reps)
+	return ms * 1e3 / float64(len(times))
 }
 
 // decodeOp is one kernel call of a decode layer (BenchmarkDecodeOps): run

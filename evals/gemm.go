@@ -77,48 +77,14 @@ func (b *GemmBench) MeasureReadBW() (float64, error) {
 // perCall is how many calls one timed CUDA graph holds.
 const perCall = 20
 
-// median captures perCall calls of fn (given the call number) in a CUDA
-// graph, replays it (warm-up, then iters timed replays between events) and
-// returns the median milliseconds per call: launch latency is amortised,
-// as it is when a model's decode step runs as one graph.
+// median times perCall calls of fn (given the call number) in a CUDA
+// graph (cuda.Context.TimeGraph: three warm-up replays, then
+// max(iters/perCall, 5) timed ones) and returns the median milliseconds
+// per call.
 func (b *GemmBench) median(fn func(i int) error, iters int) (float64, error) {
-	l := b.GPU
-	g, err := l.Capture(func() error {
-		for i := 0; i < perCall; i++ {
-			if err := fn(i); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
+	times, err := b.GPU.TimeGraph(perCall, fn, 3, max(iters/perCall, 5))
 	if err != nil {
 		return 0, err
-	}
-	defer l.DestroyGraph(g)
-	start, _ := l.NewEvent()
-	stop, _ := l.NewEvent()
-	defer l.DestroyEvent(start)
-	defer l.DestroyEvent(stop)
-	for i := 0; i < 3; i++ {
-		if err := l.Launch(g); err != nil {
-			return 0, err
-		}
-	}
-	if err := l.Sync(); err != nil {
-		return 0, err
-	}
-	times := make([]float64, max(iters/perCall, 5))
-	for i := range times {
-		l.Record(start)
-		if err := l.Launch(g); err != nil {
-			return 0, err
-		}
-		l.Record(stop)
-		ms, err := l.Elapsed(start, stop)
-		if err != nil {
-			return 0, err
-		}
-		times[i] = ms / perCall
 	}
 	return Median(times), nil
 }
