@@ -39,8 +39,8 @@ func NewRecord(kind string, data map[string]any) Record {
 // set must say so.
 var tuningEnv = []string{"LLMQ_PDL", "LLMQ_W4_FUSED_MAX_M", "LLMQ_W4_GEMV_MAX_M"}
 
-// commandLine is the running command as a shell would repeat it: the
-// tuning variables that are set, then the arguments.
+// commandLine is the running command: the tuning variables that are set
+// (NAME=value), then the arguments, joined by spaces, unquoted.
 func commandLine() string {
 	var parts []string
 	for _, k := range tuningEnv {
