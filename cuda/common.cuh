@@ -115,8 +115,8 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
                 int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
-int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w, void* out,
-            int n, int H, float eps);
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
+            const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
 int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
@@ -128,6 +128,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
               int hd, int max_keys, int window, float scale);
 int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
+int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V);
 int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
                float threshold);
 int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);
@@ -139,7 +140,6 @@ int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const 
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
              int group);
 int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
-int moe_combine(llmq_ctx* c, float* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu
 int hessian_add(llmq_ctx* c, const void* X, float* H, int rows, int n);

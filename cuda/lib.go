@@ -101,8 +101,9 @@ static int c_probe(A a, llmq_ctx* c, P p, size_t n, P out) { return a->read_prob
 static int c_embed(A a, llmq_ctx* c, P ids, P E, P x, int T, int H, float scale) {
 	return a->embed(c, (const int32_t*)ids, (const void*)E, (float*)x, T, H, scale);
 }
-static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P dn, P rows, P w, P out, int n, int H, float eps) {
-	return a->rmsnorm(c, (float*)x, (const void*)d, (const float*)dn, (const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
+static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P dn, P y, P ids, P wts, int k, P rows, P w, P out, int n, int H, float eps) {
+	return a->rmsnorm(c, (float*)x, (const void*)d, (const float*)dn, (float*)y, (const int32_t*)ids, (const float*)wts, k,
+		(const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
 }
 static int c_add(A a, llmq_ctx* c, P x, P d, size_t n) { return a->add(c, (float*)x, (const void*)d, n); }
 static int c_bias(A a, llmq_ctx* c, P y, P b, int T, int N) { return a->add_bias(c, (void*)y, (const void*)b, T, N); }
@@ -121,6 +122,9 @@ static int c_attention(A a, llmq_ctx* c, P q, P out, P ws, P rs, P rp, P base, P
 static int c_gated_act(A a, llmq_ctx* c, P g, P u, size_t n, int act) { return a->gated_act(c, (void*)g, (const void*)u, n, act); }
 static int c_nll(A a, llmq_ctx* c, P logits, P targets, P nll, int T, int V) {
 	return a->nll(c, (const float*)logits, (const int32_t*)targets, (float*)nll, T, V);
+}
+static int c_argmax_rows(A a, llmq_ctx* c, P logits, P out, int T, int V) {
+	return a->argmax_rows(c, (const float*)logits, (int32_t*)out, T, V);
 }
 static int c_gemm_nt(A a, llmq_ctx* c, P A_, P W, P C, int M, int N, int K, int c32) {
 	return a->gemm_nt(c, (const void*)A_, (const void*)W, (void*)C, M, N, K, c32);
@@ -180,9 +184,6 @@ static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int 
 		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g);
 }
 static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act) { return a->moe_act(c, (float*)gu, (void*)g, S, I, act); }
-static int c_moe_combine(A a, llmq_ctx* c, P y, P ids, P weights, P out, int T, int k, int H) {
-	return a->moe_combine(c, (float*)y, (const int32_t*)ids, (const float*)weights, (void*)out, T, k, H);
-}
 */
 import "C"
 
@@ -666,10 +667,28 @@ func (x *Context) Embed(ids, E, xs Buf, T, H int, scale float32) error {
 
 // RMSNorm: with rows unset, x += delta (when set; with deltaNorm set, x +=
 // RMSNorm(delta)·deltaNorm, Gemma 3's post norms) and out = RMSNorm(x)·w
-// over n rows; with rows, out row i = RMSNorm(x[rows[i]])·w.
+// over n rows; with rows, out row i = RMSNorm(x[rows[i]])·w. H is a
+// multiple of 4, at most 32768.
 func (x *Context) RMSNorm(xs, delta, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
+	return x.RMSNormExperts(xs, delta, ExpertSum{}, deltaNorm, rows, w, out, n, H, eps)
+}
+
+// ExpertSum is a mixture of experts' output still spread over its slots:
+// row t's delta is Σ_j Weights[t][j] · Y[t·K + j] over its K experts (Y
+// fp32 [T·K][H], IDs and Weights [T][K]).
+type ExpertSum struct {
+	Y, IDs, Weights Buf
+	K               int
+}
+
+// RMSNormExperts is RMSNorm whose delta also holds e, a mixture's output:
+// the mixture's combine joined to the norm after it. e's slots are added
+// in fp32 in ascending expert order (the CPU's order of additions), and
+// e.Y is zeroed on return (the expert GEMVs accumulate into it).
+func (x *Context) RMSNormExperts(xs, delta Buf, e ExpertSum, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
 	return x.do("rmsnorm", func() C.int {
-		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, deltaNorm.p, rows.p, w.p, out.p, C.int(n), C.int(H), C.float(eps))
+		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, deltaNorm.p, e.Y.p, e.IDs.p, e.Weights.p, C.int(e.K), rows.p, w.p,
+			out.p, C.int(n), C.int(H), C.float(eps))
 	})
 }
 
@@ -814,13 +833,10 @@ func (x *Context) MoEAct(gu, g Buf, S, I int, act string) error {
 	return x.do("moe_act", func() C.int { return C.c_moe_act(x.lib.api, x.c, gu.p, g.p, C.int(S), C.int(I), actCode(act)) })
 }
 
-// MoECombine writes out [T][H] fp16: each row's k expert outputs y
-// [T·k][H] (fp32, zeroed on return) weighted by weights [T][k] and added
-// in fp32 in ascending expert order (ids [T][k]), as the CPU adds them.
-func (x *Context) MoECombine(y, ids, weights, out Buf, T, k, H int) error {
-	return x.do("moe_combine", func() C.int {
-		return C.c_moe_combine(x.lib.api, x.c, y.p, ids.p, weights.p, out.p, C.int(T), C.int(k), C.int(H))
-	})
+// ArgmaxRows writes out[t] (int32) = llm.Argmax of row t of logits (fp32
+// [T][V]): the first index of the largest value, 0 when the first is NaN.
+func (x *Context) ArgmaxRows(logits, out Buf, T, V int) error {
+	return x.do("argmax_rows", func() C.int { return C.c_argmax_rows(x.lib.api, x.c, logits.p, out.p, C.int(T), C.int(V)) })
 }
 
 // NLL writes −log softmax(logits row t)[targets[t]] for T fp32 rows of V.

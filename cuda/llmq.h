@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 12
+#define LLMQ_API_VERSION 13
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -132,9 +132,12 @@ typedef struct {
   /* rows NULL: x += delta (if not NULL; with delta_norm, fp32 [H], x +=
    * RMSNorm(delta)·delta_norm: Gemma 3's post-attention and
    * post-feedforward norms), out = RMSNorm(x)·w over n rows; otherwise
-   * out row i = RMSNorm(x[rows[i]])·w. */
-  int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w,
-                 void* out, int n, int H, float eps);
+   * out row i = RMSNorm(x[rows[i]])·w. With y (fp32 [n·k][H], zeroed on
+   * return), the delta is also a mixture's output: row t's Σ_j
+   * weights[t·k+j] · y[t·k+j], added in fp32 in ascending expert order
+   * (ids), as the CPU does; k ≤ 16. H % 4 == 0, H ≤ 32768. */
+  int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
+                 const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
   int (*add)(llmq_ctx* c, float* x, const void* delta, size_t n);
   int (*add_bias)(llmq_ctx* c, void* y, const void* b, int T, int N);
   /* q [T][heads·hd] and k [T][kv_heads·hd] fp16, in place: per-head
@@ -158,6 +161,10 @@ typedef struct {
   /* g = act(g)·u over n fp16 values: act 0 SiLU, 1 GELU (tanh approximation). */
   int (*gated_act)(llmq_ctx* c, void* g, const void* u, size_t n, int act);
   int (*nll)(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
+  /* out[t] = the index of row t's largest logit (logits fp32 [T][V]): the
+   * first on ties, NaNs never chosen, 0 when logits[t][0] is NaN or no
+   * value exceeds it (llm.Argmax's rules). */
+  int (*argmax_rows)(llmq_ctx* c, const float* logits, int32_t* out, int T, int V);
   /* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
   int (*gemm_nt)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 
@@ -254,10 +261,6 @@ typedef struct {
   /* g [S][I] fp16 = act(gu[:, :I]) · gu[:, I:] (act as gated_act) from a
    * joined gate/up output gu [S][2I] fp32, which it zeroes. */
   int (*moe_act)(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
-  /* out row t (fp16 [T][H]) = Σ_j weights[t·k+j] · y[t·k+j] (y fp32 [T·k][H],
-   * zeroed on return), added in fp32 in ascending expert order (ids), as
-   * the CPU does. k ≤ 16. */
-  int (*moe_combine)(llmq_ctx* c, float* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -15,6 +15,7 @@
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <limits.h>
 #include <math.h>
 #include "common.cuh"
 
@@ -28,6 +29,8 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+
+constexpr int kMaxTopK = 16;  // a mixture's experts a row (rmsnorm_kernel, route_row)
 
 // block_sum / block_max reduce over a block of up to 1024 threads; red is
 // 32 floats of shared memory. Every thread gets the result.
@@ -61,35 +64,116 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // rmsnorm_kernel: one block per output row. Without rows: x += delta (if
 // any; Gemma 3's sandwich norms: x += RMSNorm(delta)·dw when dw is given),
 // out = RMSNorm(x)·w. With rows: out row i = RMSNorm(x[rows[i]])·w.
+//
+// With y, the delta is a mixture's output: row t's Σ_j weight[t][j] ·
+// y[t·k + j] over its k experts (y fp32 [T·k][H], ids and weights [T][k])
+// added in ascending expert order, the CPU's order of additions, in fp32;
+// the kernel zeroes the rows of y it read (the expert GEMVs accumulate into
+// them). This is the mixture's combine, joined to the norm that follows it.
+//
+// A row is held in registers, V chunks of 4 values a thread (float4 of x
+// and w, 4 halves of delta), so every load of the row is issued before the
+// first reduction and x is read once: at batch 1 the kernel is one block,
+// and a strided scalar loop paid a dependent round trip per 256 values
+// (6.7 µs for 4096 of them, decode-ops-h200.txt). H is a multiple of 4.
+template <int V>
 __global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
+                               float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
                                int H, float eps) {
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[32];
+  __shared__ int slot[kMaxTopK];
+  __shared__ float wt[kMaxTopK];
   const int r = rows ? rows[blockIdx.x] : blockIdx.x;
-  float* xr = x + (size_t)r * H;
-  const half* dr = delta ? delta + (size_t)r * H : nullptr;
-  float dinv = 1.f;
-  if (dr && dw) {
-    float ds = 0.f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-      const float d = __half2float(dr[i]);
-      ds += d * d;
+  const int H4 = H >> 2;
+  float4* xr = reinterpret_cast<float4*>(x + (size_t)r * H);
+  const uint2* dr = delta ? reinterpret_cast<const uint2*>(delta + (size_t)r * H) : nullptr;
+  float4 v[V], d[V];
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    const int i = threadIdx.x + j * blockDim.x;
+    v[j] = i < H4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+    d[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (dr && i < H4) {
+      const uint2 u = dr[i];
+      const float2 a = __half22float2(*reinterpret_cast<const half2*>(&u.x));
+      const float2 b = __half22float2(*reinterpret_cast<const half2*>(&u.y));
+      d[j] = make_float4(a.x, a.y, b.x, b.y);
     }
-    dinv = rsqrtf(block_sum(ds, red) / H + eps);
+  }
+  if (y) {
+    if (threadIdx.x == 0) {  // insertion sort of the row's k slots by expert
+      for (int e = 0; e < k; e++) {
+        const int id = ids[r * k + e];
+        int i = e;
+        for (; i > 0 && ids[slot[i - 1]] > id; i--) slot[i] = slot[i - 1], wt[i] = wt[i - 1];
+        slot[i] = r * k + e, wt[i] = ew[r * k + e];
+      }
+    }
+    __syncthreads();
+    for (int e = 0; e < k; e++) {
+      const float4* ye = reinterpret_cast<const float4*>(y + (size_t)slot[e] * H);
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < H4) {
+          const float4 u = ye[i];
+          d[j] = make_float4(d[j].x + wt[e] * u.x, d[j].y + wt[e] * u.y, d[j].z + wt[e] * u.z, d[j].w + wt[e] * u.w);
+        }
+      }
+    }
+    for (int e = 0; e < k; e++) {
+      float4* ye = reinterpret_cast<float4*>(y + (size_t)slot[e] * H);
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < H4) ye[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  }
+  if (dr || y) {
+    if (dw) {  // the delta's own norm first: x += RMSNorm(delta)·dw
+      float ds = 0.f;
+#pragma unroll
+      for (int j = 0; j < V; j++) ds += d[j].x * d[j].x + d[j].y * d[j].y + d[j].z * d[j].z + d[j].w * d[j].w;
+      const float dinv = rsqrtf(block_sum(ds, red) / H + eps);
+      const float4* dw4 = reinterpret_cast<const float4*>(dw);
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < H4) {
+          const float4 g = dw4[i];
+          d[j] = make_float4(d[j].x * dinv * g.x, d[j].y * dinv * g.y, d[j].z * dinv * g.z, d[j].w * dinv * g.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      const int i = threadIdx.x + j * blockDim.x;
+      v[j] = make_float4(v[j].x + d[j].x, v[j].y + d[j].y, v[j].z + d[j].z, v[j].w + d[j].w);
+      if (i < H4) xr[i] = v[j];
+    }
   }
   float ss = 0.f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    float v = xr[i];
-    if (dr) {
-      v += dw ? __half2float(dr[i]) * dinv * dw[i] : __half2float(dr[i]);
-      xr[i] = v;
-    }
-    ss += v * v;
-  }
+#pragma unroll
+  for (int j = 0; j < V; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
   const float inv = rsqrtf(block_sum(ss, red) / H + eps);
-  half* o = out + (size_t)blockIdx.x * H;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) o[i] = __float2half(xr[i] * inv * w[i]);
+  const float4* w4 = reinterpret_cast<const float4*>(w);
+  uint2* o = reinterpret_cast<uint2*>(out + (size_t)blockIdx.x * H);
+#pragma unroll
+  for (int j = 0; j < V; j++) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < H4) {
+      const float4 g = w4[i];
+      const half2 a = __floats2half2_rn(v[j].x * inv * g.x, v[j].y * inv * g.y);
+      const half2 b = __floats2half2_rn(v[j].z * inv * g.z, v[j].w * inv * g.w);
+      uint2 u;
+      u.x = *reinterpret_cast<const uint32_t*>(&a);
+      u.y = *reinterpret_cast<const uint32_t*>(&b);
+      o[i] = u;
+    }
+  }
 }
 
 // add_kernel: x += delta over n values (the last block's residual).
@@ -566,13 +650,13 @@ __global__ void fake_quant_kernel(const half* in, half* out, int cols, float max
 // (each row's top k, then the rows' T·k slots grouped by expert), the
 // grouped expert GEMVs (w4a16.cu's w4a16_gemv_grouped for 4-bit experts,
 // moe_gemv_f16_kernel here for fp16 ones) adding into fp32 outputs,
-// moe_act_kernel between gate/up and down, and moe_combine_kernel. The
-// fp32 outputs start zeroed and the kernel that reads one zeroes it again,
-// so split-K partial sums can be added with atomics and nothing is left
-// for the next layer to clear.
+// moe_act_kernel between gate/up and down, and the weighted sum of each
+// row's experts in the rmsnorm_kernel that follows the layer. The fp32
+// outputs start zeroed and the kernel that reads one zeroes it again, so
+// split-K partial sums can be added with atomics and nothing is left for
+// the next layer to clear.
 constexpr int kMaxExpertsPerLane = 8;  // E ≤ 256
 constexpr int kMaxExperts = 32 * kMaxExpertsPerLane;
-constexpr int kMaxTopK = 16;
 
 // route_row is a warp's routing of one row of router logits l [E] (fp32),
 // as llm.RouteLogits does it on the CPU: p = softmax(l) over every
@@ -794,35 +878,6 @@ __global__ void moe_act_kernel(float* __restrict__ gu, half* __restrict__ g, int
   r[j] = r[I + j] = 0.f;
 }
 
-// moe_combine_kernel: out row t (fp16 [T][H]) = Σ_j weight[t][j] · y[t·k + j]
-// over row t's k experts in ascending expert order (the CPU's order of
-// additions), in fp32; it zeroes y (fp32 [T·k][H]). One block a row.
-__global__ void moe_combine_kernel(float* __restrict__ y, const int32_t* __restrict__ ids,
-                                   const float* __restrict__ weights, half* __restrict__ out, int k, int H) {
-  pdl_gate();  // before any global access: see common.cuh
-  __shared__ int slot[kMaxTopK];
-  __shared__ float wt[kMaxTopK];
-  const int t = blockIdx.x;
-  if (threadIdx.x == 0) {  // insertion sort of the row's k slots by expert
-    for (int j = 0; j < k; j++) {
-      const int id = ids[t * k + j];
-      int i = j;
-      for (; i > 0 && ids[slot[i - 1]] > id; i--) slot[i] = slot[i - 1], wt[i] = wt[i - 1];
-      slot[i] = t * k + j, wt[i] = weights[t * k + j];
-    }
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < H; c += blockDim.x) {
-    float acc = 0.f;
-    for (int j = 0; j < k; j++) {
-      float* v = y + (size_t)slot[j] * H + c;
-      acc += wt[j] * *v;
-      *v = 0.f;
-    }
-    out[(size_t)t * H + c] = __float2half_rn(acc);
-  }
-}
-
 // nll_kernel: one block per row: −log softmax(logits)[target].
 __global__ void nll_kernel(const float* __restrict__ logits, const int32_t* __restrict__ targets, float* __restrict__ nll,
                            int V) {
@@ -837,6 +892,58 @@ __global__ void nll_kernel(const float* __restrict__ logits, const int32_t* __re
   if (threadIdx.x == 0) nll[blockIdx.x] = logf(s) + mx - l[targets[blockIdx.x]];
 }
 
+// argmax_kernel: one block a row of logits; out[row] = llm.Argmax of the
+// row: the first index of the largest value, NaNs skipped, 0 when the
+// first value is NaN or nothing exceeds it. VEC reads four floats a load
+// (V % 4 == 0). Each thread keeps its best (value, index), preferring the
+// lower index among equals, so any order of merging gives the first.
+__device__ __forceinline__ void argmax_merge(float& bv, int& bi, float v, int i) {
+  if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+}
+
+template <bool VEC>
+__global__ void argmax_kernel(const float* __restrict__ logits, int32_t* __restrict__ out, int V) {
+  pdl_gate();  // before any global access: see common.cuh
+  __shared__ float rv[32];
+  __shared__ int ri[32];
+  const float* l = logits + (size_t)blockIdx.x * V;
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  if (VEC) {
+    const float4* l4 = reinterpret_cast<const float4*>(l);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < V / 4; i += blockDim.x) {
+      const float4 u = l4[i];
+      argmax_merge(bv, bi, u.x, 4 * i);
+      argmax_merge(bv, bi, u.y, 4 * i + 1);
+      argmax_merge(bv, bi, u.z, 4 * i + 2);
+      argmax_merge(bv, bi, u.w, 4 * i + 3);
+    }
+  } else {
+    for (int i = threadIdx.x; i < V; i += blockDim.x) argmax_merge(bv, bi, l[i], i);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    argmax_merge(bv, bi, ov, oi);
+  }
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) rv[w] = bv, ri[w] = bi;
+  __syncthreads();
+  if (w == 0) {
+    bv = lane < (int)(blockDim.x >> 5) ? rv[lane] : -INFINITY;
+    bi = lane < (int)(blockDim.x >> 5) ? ri[lane] : INT_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      argmax_merge(bv, bi, ov, oi);
+    }
+    // llm.Argmax starts from index 0 and moves only on a strictly larger
+    // value: a NaN first value (or only NaNs) leaves 0.
+    if (lane == 0) out[blockIdx.x] = (l[0] != l[0] || bi == INT_MAX) ? 0 : bi;
+  }
+}
+
 inline unsigned blocks(size_t n, int per) { return (unsigned)((n + per - 1) / per); }
 
 }  // namespace
@@ -848,9 +955,27 @@ int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H
   return 0;
 }
 
-int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, const int32_t* rows, const float* w, void* out,
-            int n, int H, float eps) {
-  CK(launch(c, (rmsnorm_kernel), n, 256, 0, x, (const half*)delta, delta_norm, rows, w, (half*)out, H, eps));
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
+            const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
+  // Up to 1024 threads a row, each with V chunks of 4 values.
+  const int H4 = H / 4, V = (H4 + 1023) / 1024;
+  if (H <= 0 || H % 4 != 0 || V > 8) {
+    set_error(c, "rmsnorm: hidden size %d (want a multiple of 4, at most %d)", H, 8 * 4096);
+    return 1;
+  }
+  if (y && (k <= 0 || k > kMaxTopK)) {
+    set_error(c, "rmsnorm: the experts' sum of %d a row (want 1 to %d)", k, kMaxTopK);
+    return 1;
+  }
+  const int threads = ((H4 + V - 1) / V + 31) / 32 * 32;
+  const half* d = (const half*)delta;
+  switch (V) {
+    case 1: CK(launch(c, (rmsnorm_kernel<1>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
+    case 2: CK(launch(c, (rmsnorm_kernel<2>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
+    case 3:
+    case 4: CK(launch(c, (rmsnorm_kernel<4>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
+    default: CK(launch(c, (rmsnorm_kernel<8>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
+  }
   return 0;
 }
 
@@ -1032,15 +1157,6 @@ int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act) {
   return 0;
 }
 
-int moe_combine(llmq_ctx* c, float* y, const int32_t* ids, const float* weights, void* out, int T, int k, int H) {
-  if (T <= 0 || k <= 0 || k > kMaxTopK || H <= 0) {
-    set_error(c, "moe_combine: %d rows, top %d, hidden %d (want 1 ≤ top ≤ %d)", T, k, H, kMaxTopK);
-    return 1;
-  }
-  CK(launch(c, (moe_combine_kernel), T, 256, 0, y, ids, weights, (half*)out, k, H));
-  return 0;
-}
-
 int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
                float threshold) {
   if (rows <= 0 || cols <= 0 || bits < 2 || bits > 8 || (fp8 && bits != 8) || (!per_token && !(threshold >= 0.f))) {
@@ -1061,6 +1177,18 @@ int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, in
 
 // C[M,N] = A[M,K]·W[N,K]ᵀ with W in PyTorch's [out][in] layout, fp32
 // accumulation; C is fp16, or fp32 when c_fp32 (logits).
+int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V) {
+  if (T <= 0 || V <= 0) {
+    set_error(c, "argmax_rows: %d rows of %d logits (want positive counts)", T, V);
+    return 1;
+  }
+  if (V % 4 == 0)
+    CK(launch(c, (argmax_kernel<true>), T, 1024, 0, logits, out, V));
+  else
+    CK(launch(c, (argmax_kernel<false>), T, 1024, 0, logits, out, V));
+  return 0;
+}
+
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32) {
   const float alpha = 1.f, beta = 0.f;
   // Row-major C = A·Wᵀ is column-major Cᵀ = W·Aᵀ, W being column-major [K][N]ᵀ.

@@ -675,6 +675,7 @@ type acts struct {
 	x, h, q, k, v, att, delta, g, u, logits  Buf
 	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
+	next                                     Buf // greedy steps' argmax ids
 	meta                                     RowMeta
 	// A mixture of experts' pass (rows·k slots): router logits, each
 	// slot's expert and weight, the plan's order and chunks, the experts'
@@ -713,7 +714,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4},
 		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
-		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
+		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
 		{&a.chunks, MoEMaxChunks(slots, E, 1) * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
 	}
@@ -976,15 +977,16 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			}
 		}
 		// The previous block's MLP output joins the residual stream here
-		// (through its post-feedforward norm in Gemma 3).
-		delta, deltaNorm := a.delta, Buf{}
-		if l == 0 {
-			delta = Buf{}
-		} else {
-			deltaNorm = m.blocks[l-1].norms.postMLP
+		// (through its post-feedforward norm in Gemma 3; a mixture's
+		// experts are summed here too).
+		delta, experts, deltaNorm := Buf{}, ExpertSum{}, Buf{}
+		if l > 0 {
+			delta, experts, deltaNorm = m.mlpOutput(m.blocks[l-1], a)
 		}
 		steps := []func() error{
-			func() error { return x.RMSNorm(a.x, delta, deltaNorm, Buf{}, b.norms.attn, a.h, T, H, eps) },
+			func() error {
+				return x.RMSNormExperts(a.x, delta, experts, deltaNorm, Buf{}, b.norms.attn, a.h, T, H, eps)
+			},
 			func() error { return m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v) },
 			func() error {
 				r := m.ropes[l]
@@ -1013,20 +1015,33 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			}
 		}
 	}
-	if last := m.blocks[len(m.blocks)-1].norms.postMLP; !last.Nil() {
-		// Gemma 3: the last MLP output through its norm; the normed rows
-		// written to a.h are not used (head norms the rows it needs).
-		return x.RMSNorm(a.x, a.delta, last, Buf{}, m.norm, a.h, T, H, eps)
+	delta, experts, last := m.mlpOutput(m.blocks[len(m.blocks)-1], a)
+	if !last.Nil() || experts.K > 0 {
+		// The last MLP output through Gemma 3's norm, or a mixture's
+		// experts summed; the normed rows written to a.h are not used
+		// (head norms the rows it needs).
+		return x.RMSNormExperts(a.x, delta, experts, last, Buf{}, m.norm, a.h, T, H, eps)
 	}
 	return x.Add(a.x, a.delta, T*H)
 }
 
+// mlpOutput is where block b leaves its MLP's output for the norm after
+// it: a.delta (fp16), or a mixture's expert slots not yet summed; and the
+// norm it goes through first (Gemma 3's post-feedforward norm, else nil).
+func (m *Model) mlpOutput(b *gpuBlock, a *acts) (Buf, ExpertSum, Buf) {
+	if b.moe != nil {
+		return Buf{}, ExpertSum{Y: a.y, IDs: a.expert, Weights: a.weight, K: m.cfg.MoE.TopK}, b.norms.postMLP
+	}
+	return a.delta, ExpertSum{}, b.norms.postMLP
+}
+
 // moeMLP queues a mixture of experts on the normed rows a.h (T of them),
-// leaving its output in a.delta, all on the device (no host round trip,
-// so decode graphs capture it): the router's logits; each row's top k and
-// the T·k slots grouped by expert (one launch); the experts' gate and up
-// as one grouped GEMV over the slots; the gated activation; down; and the
-// weighted sum of each row's k outputs in ascending expert order.
+// leaving each slot's output in a.y, all on the device (no host round
+// trip, so decode graphs capture it): the router's logits; each row's top
+// k and the T·k slots grouped by expert (one launch); the experts' gate
+// and up as one grouped GEMV over the slots; the gated activation; down.
+// The weighted sum of each row's k outputs, in ascending expert order, is
+// the next norm's (mlpOutput, RMSNormExperts).
 func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 	c, x := m.cfg, m.x
 	E, k, H, I := c.MoE.Experts, c.MoE.TopK, c.Hidden, c.MoE.Intermediate
@@ -1045,7 +1060,6 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 		func() error {
 			return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, H, I)
 		},
-		func() error { return x.MoECombine(a.y, a.expert, a.weight, a.delta, T, k, H) },
 	} {
 		if err := f(); err != nil {
 			return fmt.Errorf("mixture of experts: %w", err)
@@ -1114,6 +1128,11 @@ func (m *Model) eagerAttnWS(p *pass, T int) (Buf, error) {
 	return b, nil
 }
 
+// AnswersGreedy marks the model an llm.Greedier: when every step of a
+// Forward is Greedy, the argmax runs on the device and only the ids come
+// back (a batch that mixes them gets its argmaxes from the logits).
+func (m *Model) AnswersGreedy() {}
+
 // Forward implements llm.Backend.
 func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	m.mu.Lock()
@@ -1127,15 +1146,19 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	}
 	T := len(p.ids)
 	V := m.cfg.Vocab
-	// Rows whose logits are wanted, in step order.
+	// Rows whose logits are wanted, in step order; greedy when every step
+	// asks only for its last row's argmax (llm.Step.Greedy).
 	var out []int32
 	r := 0
+	greedy := true
 	for i, s := range steps {
+		picks := s.Greedy && s.LastOnly
+		greedy = greedy && picks
 		want := len(s.Tokens) * V
 		if s.LastOnly {
 			want = V
 		}
-		if len(s.Logits) < want {
+		if len(s.Logits) < want && !picks {
 			return fmt.Errorf("step %d: logits buffer holds %d values, need %d", i, len(s.Logits), want)
 		}
 		first := r
@@ -1174,6 +1197,22 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 			return err
 		}
 	}
+	if greedy {
+		// Every step wants only its next token: the argmax on the device,
+		// and one int32 a step to the host instead of a row of logits.
+		next := make([]int32, len(out))
+		if err := m.x.ArgmaxRows(a.logits, a.next, len(out), V); err != nil {
+			return err
+		}
+		if err := Download(m.x, next, a.next); err != nil {
+			return err
+		}
+		for i := range steps {
+			steps[i].Argmax = int(next[i])
+			caches[i].n += len(steps[i].Tokens)
+		}
+		return nil
+	}
 	logits := make([]float32, len(out)*V)
 	if err := Download(m.x, logits, a.logits); err != nil {
 		return err
@@ -1185,6 +1224,9 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 			n = 1
 		}
 		copy(s.Logits, logits[r*V:(r+n)*V])
+		if s.Greedy && s.LastOnly {
+			steps[i].Argmax = llm.Argmax(logits[r*V : (r+1)*V])
+		}
 		r += n
 		caches[i].n += len(s.Tokens)
 	}

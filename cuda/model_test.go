@@ -247,6 +247,65 @@ func TestGreedyMatchesReference(t *testing.T) {
 	}
 }
 
+// TestGreedyStepsOnDevice: decode steps that ask only for their argmax
+// (llm.Step.Greedy, no logits buffer) get the id the host would pick from
+// the logits, whether every step of the batch asks (the argmax kernel, the
+// ids copied back) or only some do (the logits copied back and the argmax
+// taken on the host).
+func TestGreedyStepsOnDevice(t *testing.T) {
+	_, gpu := loadBoth(t, "llama-tiny")
+	if !llm.IsGreedier(gpu) {
+		t.Fatal("the GPU model does not answer greedy steps")
+	}
+	ctx := context.Background()
+	prompt := []int{1, 450, 4955, 310, 278}
+	V := gpu.Config().Vocab
+	caches := make([]llm.Cache, 3)
+	for i := range caches {
+		c, err := gpu.NewCache(32)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		caches[i] = c
+		if err := gpu.Forward(ctx, []llm.Step{{Cache: c, Tokens: prompt, Logits: make([]float32, V), LastOnly: true}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	next := 2931
+	for step := range 4 {
+		logits := make([]float32, V)
+		all := []llm.Step{
+			{Cache: caches[0], Tokens: []int{next}, LastOnly: true, Greedy: true},
+			{Cache: caches[1], Tokens: []int{next}, LastOnly: true, Greedy: true},
+		}
+		if err := gpu.Forward(ctx, all); err != nil {
+			t.Fatal(err)
+		}
+		mixed := []llm.Step{{Cache: caches[2], Tokens: []int{next}, Logits: logits, LastOnly: true}}
+		if err := gpu.Forward(ctx, mixed); err != nil {
+			t.Fatal(err)
+		}
+		want := llm.Argmax(logits)
+		if all[0].Argmax != want || all[1].Argmax != want {
+			t.Fatalf("step %d: greedy steps picked %d and %d on the device, the host picks %d from the logits", step, all[0].Argmax, all[1].Argmax, want)
+		}
+		next = want
+	}
+	// A batch mixing a greedy step with one that wants its logits.
+	logits := make([]float32, V)
+	mixed := []llm.Step{
+		{Cache: caches[0], Tokens: []int{next}, LastOnly: true, Greedy: true},
+		{Cache: caches[2], Tokens: []int{next}, Logits: logits, LastOnly: true},
+	}
+	if err := gpu.Forward(ctx, mixed); err != nil {
+		t.Fatal(err)
+	}
+	if want := llm.Argmax(logits); mixed[0].Argmax != want {
+		t.Errorf("mixed batch: the greedy step picked %d, the host picks %d from the same position's logits", mixed[0].Argmax, want)
+	}
+}
+
 // A batch mixing a prefill with decodes, then batched decode steps (a
 // graph for batch 3), gives each sequence the tokens it gets alone.
 func TestBatchedSteps(t *testing.T) {

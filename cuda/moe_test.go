@@ -368,20 +368,30 @@ func TestMoERouterAndCombine(t *testing.T) {
 	yd, _ := AllocFrom(x, yv)
 	idd, _ := AllocFrom(x, ids)
 	wtd, _ := AllocFrom(x, wts)
+	// The combine is the next norm's: x (zero here) += each row's sum.
+	ones := make([]float32, H)
+	for i := range ones {
+		ones[i] = 1
+	}
+	xd, _ := x.Alloc(T * H * 4)
+	nd, _ := AllocFrom(x, ones)
 	od, _ := x.Alloc(T * H * 2)
-	if err := x.MoECombine(yd, idd, wtd, od, T, k, H); err != nil {
+	if err := x.Memset(xd, 0, T*H*4); err != nil {
 		t.Fatal(err)
 	}
-	got := make([]uint16, T*H)
+	if err := x.RMSNormExperts(xd, Buf{}, ExpertSum{Y: yd, IDs: idd, Weights: wtd, K: k}, Buf{}, Buf{}, nd, od, T, H, 1e-6); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]float32, T*H)
 	left := make([]float32, T*k*H)
-	if err := errors.Join(Download(x, got, od), Download(x, left, yd)); err != nil {
+	if err := errors.Join(Download(x, got, xd), Download(x, left, yd)); err != nil {
 		t.Fatal(err)
 	}
-	if v := float16.Frombits(got[0]).Float32(); v != 0 {
-		t.Errorf("row 0 column 0: %v, want 0 (the experts' outputs added in ascending expert order)", v)
+	if got[0] != 0 {
+		t.Errorf("row 0 column 0: %v, want 0 (the experts' outputs added in ascending expert order)", got[0])
 	}
 	if i := slices.IndexFunc(left, func(v float32) bool { return v != 0 }); i >= 0 {
-		t.Fatalf("moe_combine left %v at %d of the expert outputs (they must come back zeroed)", left[i], i)
+		t.Fatalf("the experts' sum left %v at %d of the expert outputs (they must come back zeroed)", left[i], i)
 	}
 	for row := 0; row < T; row++ {
 		js := []int{0, 1, 2}
@@ -391,12 +401,12 @@ func TestMoERouterAndCombine(t *testing.T) {
 			for _, j := range js {
 				want += yv[(row*k+j)*H+c] * wts[row*k+j]
 			}
-			if g := float16.Frombits(got[row*H+c]).Float32(); math.Abs(float64(g-want)) > 1e-3*math.Abs(float64(want))+1e-4 {
+			if g := got[row*H+c]; math.Abs(float64(g-want)) > 1e-6*math.Abs(float64(want))+1e-6 {
 				t.Fatalf("row %d column %d: %v, want %v", row, c, g, want)
 			}
 		}
 	}
-	for _, b := range []Buf{hd, wd, ld, yd, idd, wtd, od} {
+	for _, b := range []Buf{hd, wd, ld, yd, idd, wtd, xd, nd, od} {
 		x.Free(b)
 	}
 }

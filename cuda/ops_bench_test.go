@@ -44,9 +44,10 @@ type decodeShape struct {
 }
 
 // BenchmarkDecodeOps times each kernel of a decode step's layer on its
-// own — norm, q/k/v, RoPE and the cache store, attention over 2048 keys,
-// o, the MLP or the mixture's router, routing, experts, activation and
-// combine, and the lm_head — each replayed in a graph of many calls with
+// own — the residual add and norm, q/k/v, RoPE and the cache store,
+// attention over 2048 keys, o, the MLP or the mixture's router, routing,
+// experts, activation and the experts' sum joined to the next norm, the
+// lm_head and the greedy argmax — each replayed in a graph of many calls with
 // its weights rotating through copies (or, for the experts, random
 // routings over all 128) so that they come from memory, not L2; for
 // llama3-8b's dense layer and qwen3-30b-a3b's sparse one, at batch 1 and
@@ -154,7 +155,7 @@ func BenchmarkDecodeOps(b *testing.B) {
 					}
 				}
 				ops := []decodeOp{
-					{"rmsnorm", 0, func(int) error { return x.RMSNorm(xs, Buf{}, Buf{}, Buf{}, norm, h, B, H, 1e-6) }},
+					{"add+rmsnorm", 0, func(int) error { return x.RMSNorm(xs, delta, Buf{}, Buf{}, norm, h, B, H, 1e-6) }},
 					{"qkv", qkv[0].Bytes(), w4(h, qkv, []int{qd, kvd, kvd}, q, k, v)},
 					{"rope+store", 0, func(i int) error {
 						return x.QKRoPEStore(q, k, v, Buf{}, Buf{}, 1e-6, m, cos, sin, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, true)
@@ -213,9 +214,13 @@ func BenchmarkDecodeOps(b *testing.B) {
 						decodeOp{"experts down", expertBytes(experts[1]), func(i int) error {
 							return x.MoEGemv(g, 1, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, experts[1], Buf{}, y, H, I)
 						}},
-						decodeOp{"combine", 0, func(i int) error { return x.MoECombine(y, pIDs[i%plans], wts, delta, B, kk, H) }})
+						decodeOp{"combine+rmsnorm", 0, func(i int) error {
+							return x.RMSNormExperts(xs, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: kk}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
+						}})
 				}
-				ops = append(ops, decodeOp{"lm_head", int64(sh.vocab * H * 2), func(int) error { return x.GemmNT(h, lmHead, logits, B, sh.vocab, H, true) }})
+				next := alloc(B * 4)
+				ops = append(ops, decodeOp{"lm_head", int64(sh.vocab * H * 2), func(int) error { return x.GemmNT(h, lmHead, logits, B, sh.vocab, H, true) }},
+					decodeOp{"argmax", 0, func(int) error { return x.ArgmaxRows(logits, next, B, sh.vocab) }})
 				for _, o := range ops {
 					b.Run(o.name, func(b *testing.B) {
 						us := timeGraph(b, x, reps, o.run)

@@ -273,6 +273,7 @@ const llmq_api kAPI = {
     attention,
     gated_act,
     nll,
+    argmax_rows,
     gemm_nt,
     hessian_add,
     hessian_diag,
@@ -293,7 +294,6 @@ const llmq_api kAPI = {
     moe_route_plan,
     moe_gemv,
     moe_act,
-    moe_combine,
 };
 }  // namespace
 }  // namespace llmq

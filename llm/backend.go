@@ -141,11 +141,11 @@ type Step struct {
 
 // Greedier is a Backend that answers Step.Greedy: it sets Step.Argmax and
 // may leave Logits unwritten on the steps that ask. The CPU model is not
-// one (it computes the logits anyway); the GPU model is meant to be (its
-// argmax kernel is on the branch gpu-argmax, not yet built). A wrapper that
-// edits logits after Forward must not be one either: embedding the
-// llm.Backend interface keeps it out, but embedding a concrete Greedier
-// would pass the method on, and greedy steps would skip the edits.
+// one (it computes the logits anyway); the GPU model (cuda.Model) is. A
+// wrapper that edits logits after Forward must not be one either:
+// embedding the llm.Backend interface keeps it out, but embedding a
+// concrete Greedier would pass the method on, and greedy steps would skip
+// the edits.
 type Greedier interface {
 	Backend
 	AnswersGreedy()

@@ -15,12 +15,16 @@ import (
 func newBenchDecode() *cobra.Command {
 	var device, contexts, batches, prefills, jsonOut string
 	var steps, reps int
+	var allLogits bool
 	cmd := &cobra.Command{
 		Use:   "decode MODEL_DIR",
 		Short: "Decode and prefill speed: tokens/s at given context lengths and batch sizes",
 		Long: `For each context length C and batch size B, decode prefills B sequences with
 C tokens, then times --steps decode steps of B tokens (one per sequence,
-greedy, logits copied to the host as a server would). It also times the
+greedy, as a server decodes a request at temperature 0: where the backend
+picks greedy tokens itself (the GPU), only the ids come back; --logits
+copies every step's logits to the host instead, as a sampled or logprobs
+request needs). It also times the
 prefill of each --prefill length (batch 1). On the GPU, decode steps replay
 CUDA graphs; the memory in use on the GPU is reported.`,
 		Example: `  llmq bench decode /tmp/llama3-8b-w4 --device cuda --context 128,2048 --batch 1,8,32 --json evals/results/decode-h200-llama3-8b-w4.json
@@ -88,9 +92,13 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 				fmt.Fprintf(w, "prefill %5d tokens            %8.1f ms  %9.0f tokens/s\n", prefill, t*1e3, float64(prefill)/t)
 				results = append(results, map[string]any{"kind": "prefill", "tokens": prefill, "ms": t * 1e3, "tokens_per_s": float64(prefill) / t})
 			}
+			greedy := !allLogits && llm.IsGreedier(b)
+			if greedy {
+				fmt.Fprintln(w, "decode steps pick their tokens on the device (--logits: copy the logits to the host)")
+			}
 			for _, c := range ctxs {
 				for _, B := range bs {
-					per, err := timeDecode(cmd.Context(), b, c, B, steps, gpuUsed)
+					per, err := timeDecode(cmd.Context(), b, c, B, steps, greedy, gpuUsed)
 					if err != nil {
 						return fmt.Errorf("context %d, batch %d: %w", c, B, err)
 					}
@@ -98,7 +106,8 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 					results = append(results, map[string]any{"kind": "decode", "context": c, "batch": B, "ms_per_step": per * 1e3, "tokens_per_s": float64(B) / per})
 				}
 			}
-			data := map[string]any{"model": args[0], "backend": b.Name(), "load_s": m.LoadTime.Seconds(), "steps": steps, "results": results}
+			data := map[string]any{"model": args[0], "backend": b.Name(), "load_s": m.LoadTime.Seconds(), "steps": steps,
+				"greedy_on_device": greedy, "results": results}
 			if peak > 0 { // a device with its own memory
 				data["weight_bytes"] = most.Weights
 				data["gpu_memory_used_bytes"] = peak
@@ -120,6 +129,7 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 	f.StringVar(&prefills, "prefill", "2048", "comma-separated token counts of the timed prefills (0: skip)")
 	f.IntVar(&reps, "reps", 3, "prefill repetitions (median reported)")
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
+	f.BoolVar(&allLogits, "logits", false, "copy every decode step's logits to the host, even where the backend picks greedy tokens itself")
 	return cmd
 }
 
@@ -152,7 +162,7 @@ func timePrefill(ctx context.Context, b llm.Backend, n int) (float64, error) {
 
 // timeDecode prefills B sequences of n tokens, then returns the seconds
 // per decode step of B tokens (median of steps steps after two warm-ups).
-func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, sample func()) (float64, error) {
+func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, greedy bool, sample func()) (float64, error) {
 	V := b.Config().Vocab
 	caches := make([]llm.Cache, B)
 	logits := make([][]float32, B)
@@ -169,9 +179,13 @@ func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, sample func
 	}
 	var times []float64
 	st := make([]llm.Step, B)
+	next := make([]int, B)
+	for i := range next {
+		next[i] = llm.Argmax(logits[i])
+	}
 	for s := 0; s < steps+2; s++ {
 		for i := range st {
-			st[i] = llm.Step{Cache: caches[i], Tokens: []int{llm.Argmax(logits[i])}, Logits: logits[i], LastOnly: true}
+			st[i] = llm.Step{Cache: caches[i], Tokens: []int{next[i]}, Logits: logits[i], LastOnly: true, Greedy: greedy}
 		}
 		start := time.Now()
 		if err := b.Forward(ctx, st); err != nil {
@@ -179,6 +193,13 @@ func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, sample func
 		}
 		if s >= 2 {
 			times = append(times, time.Since(start).Seconds())
+		}
+		for i := range next {
+			if greedy {
+				next[i] = st[i].Argmax
+			} else {
+				next[i] = llm.Argmax(logits[i])
+			}
 		}
 	}
 	sample()

@@ -1,0 +1,110 @@
+//go:build cgo
+
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"github.com/x448/float16"
+)
+
+// TestRMSNormMatchesReference checks rmsnorm_kernel against float64 on
+// every form the model calls — the plain norm, the residual add before it,
+// Gemma 3's normed residual, the gathered rows of a last-token norm — at
+// hidden sizes that take each register layout (1, 2 and 4 chunks of four
+// values a thread, a last warp partly idle), and that a hidden size the
+// kernel cannot hold is refused with its name.
+func TestRMSNormMatchesReference(t *testing.T) {
+	x := openContext(t)
+	r := rand.New(rand.NewPCG(11, 12))
+	const eps = 1e-6
+	for _, H := range []int{128, 260, 4096, 5120, 12288} {
+		for _, form := range []string{"plain", "delta", "normed delta", "rows"} {
+			t.Run(fmt.Sprintf("H%d/%s", H, form), func(t *testing.T) {
+				const T = 3
+				xv := make([]float32, T*H)
+				for i := range xv {
+					xv[i] = float32(r.NormFloat64() * 4)
+				}
+				w, dw := make([]float32, H), make([]float32, H)
+				for i := range w {
+					w[i], dw[i] = float32(0.5+r.Float64()), float32(r.NormFloat64())
+				}
+				db, dv := randomHalf(r, T*H)
+				rows := []int32{2, 0}
+				xs, _ := AllocFrom(x, xv)
+				wd, _ := AllocFrom(x, w)
+				out, _ := x.Alloc(T * H * 2)
+				var delta, deltaNorm, rowsd Buf
+				n := T
+				switch form {
+				case "normed delta":
+					deltaNorm, _ = AllocFrom(x, dw)
+					fallthrough
+				case "delta":
+					delta, _ = AllocFrom(x, db)
+				case "rows":
+					rowsd, _ = AllocFrom(x, rows)
+					n = len(rows)
+				}
+				defer func() {
+					for _, b := range []Buf{xs, wd, out, delta, deltaNorm, rowsd} {
+						x.Free(b)
+					}
+				}()
+				if err := x.RMSNorm(xs, delta, deltaNorm, rowsd, wd, out, n, H, eps); err != nil {
+					t.Fatal(err)
+				}
+				got, gotX := make([]uint16, n*H), make([]float32, T*H)
+				if err := errors.Join(Download(x, got, out), Download(x, gotX, xs)); err != nil {
+					t.Fatal(err)
+				}
+				for i := 0; i < n; i++ {
+					src := i
+					if form == "rows" {
+						src = int(rows[i])
+					}
+					// The residual row after the add, in float64.
+					res := make([]float64, H)
+					var dss float64
+					for j := range res {
+						d := float64(dv[src*H+j])
+						dss += d * d
+					}
+					dinv := 1 / math.Sqrt(dss/float64(H)+eps)
+					var ss float64
+					for j := range res {
+						res[j] = float64(xv[src*H+j])
+						switch form {
+						case "delta":
+							res[j] += float64(dv[src*H+j])
+						case "normed delta":
+							res[j] += float64(dv[src*H+j]) * dinv * float64(dw[j])
+						}
+						ss += res[j] * res[j]
+					}
+					inv := 1 / math.Sqrt(ss/float64(H)+eps)
+					for j := range res {
+						if g := float64(gotX[src*H+j]); math.Abs(g-res[j]) > 1e-5*(1+math.Abs(res[j])) {
+							t.Fatalf("row %d: x[%d] = %v after the add, want %v", src, j, g, res[j])
+						}
+						want := res[j] * inv * float64(w[j])
+						if g := float64(float16.Frombits(got[i*H+j]).Float32()); math.Abs(g-want) > 1e-3*math.Abs(want)+1e-4 {
+							t.Fatalf("out row %d column %d: %v, want %v", i, j, g, want)
+						}
+					}
+				}
+			})
+		}
+	}
+	xs, _ := x.Alloc(4 * 4 * 130)
+	defer x.Free(xs)
+	if err := x.RMSNorm(xs, Buf{}, Buf{}, Buf{}, xs, xs, 1, 130, eps); err == nil || !strings.Contains(err.Error(), "hidden size 130") {
+		t.Errorf("hidden size 130: %v, want a refusal naming it", err)
+	}
+}
