@@ -7,6 +7,8 @@
 #   bash cuda/device-model.sh tiny    # tests + ppl of llama-tiny fp/RTN/GPTQ
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ
 #   bash cuda/device-model.sh synth   # synthetic llama3-8b W4 and bf16: decode/prefill/ppl speed
+#                                     # (SYNTH_BITS, SYNTH_CTX, SYNTH_BATCH, SYNTH_PREFILL, SYNTH_PPL=0: no ppl,
+#                                     # SYNTH_LOGITS=1: the decode again with --logits)
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
 #   bash cuda/device-model.sh pdl     # LLMQ_PDL=1 (programmatic dependent launch): tests, llama3-8b W4 decode off/on
@@ -85,7 +87,7 @@ case "$1" in
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group $g -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
     export LLMQ_TEST_W4_MODELS=${W4#:}
-    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL'
+    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL|TestRMSNorm|TestArgmax|TestBatched'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
     rc=$?
     echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'" | cat - "$OUT/cuda-tests.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests.log"
@@ -312,6 +314,11 @@ case "$1" in
       # Issue 16's matrix; llama3-8b's 8192 positions leave 8158 of context for 32 steps and the 2 warm-up steps.
       $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048,8158} --batch ${SYNTH_BATCH:-1,8,32,64} --prefill ${SYNTH_PREFILL:-512,2048,8192} \
         --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
+      if [ -n "${SYNTH_LOGITS:-}" ]; then  # the same steps copying every step's logits to the host
+        echo "== --logits"
+        $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048,8158} --batch ${SYNTH_BATCH:-1,8,32,64} --prefill 0 \
+          --steps 32 --logits --json "$OUT/decode-h200-llama3-8b-b$b-logits.json" 2>&1 | grep -E "^decode"
+      fi
       if [ $b = 4 ] && [ "${SYNTH_PPL:-1}" = 1 ]; then
         echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"
         ppl llama3-8b-b$b $d
