@@ -103,13 +103,19 @@ __global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ d
     }
   }
   if (y) {
-    if (threadIdx.x == 0) {  // insertion sort of the row's k slots by expert
-      for (int e = 0; e < k; e++) {
-        const int id = ids[r * k + e];
-        int i = e;
-        for (; i > 0 && ids[slot[i - 1]] > id; i--) slot[i] = slot[i - 1], wt[i] = wt[i - 1];
-        slot[i] = r * k + e, wt[i] = ew[r * k + e];
+    // The row's k slots in ascending expert order: lane e of warp 0 reads
+    // slot e's expert and counts the slots that go before it (a lower
+    // expert, or the same one at a lower slot) — its place, at once for
+    // all k instead of one dependent read after another.
+    if (threadIdx.x < 32) {
+      const int e = threadIdx.x;
+      const int id = e < k ? ids[r * k + e] : INT_MAX;
+      int place = 0;
+      for (int j = 0; j < k; j++) {
+        const int other = __shfl_sync(0xffffffffu, id, j);
+        place += other < id || (other == id && j < e);
       }
+      if (e < k) slot[place] = r * k + e, wt[place] = ew[r * k + e];
     }
     __syncthreads();
     for (int e = 0; e < k; e++) {

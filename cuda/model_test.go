@@ -3,12 +3,14 @@
 package cuda
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -100,6 +102,17 @@ func TestZooLogitsOnGPU(t *testing.T) {
 			}
 			maxd, mean, argmax := logitDiff(got, ref, V)
 			t.Logf("%s on %s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", name, gpu.Name(), maxd, mean, argmax, n)
+			if gpu.Config().MoE != nil {
+				// A router's near-tie flips with fp16 noise: qwen3moe-rand's
+				// layer 0 at position 107 has its 2nd and 3rd experts'
+				// logits 1.1e-4 apart (measured on the CPU), and a
+				// different expert there moves that position's logits by
+				// units. A mixture may have n/50 such positions; the rest
+				// must be as close as a dense model's.
+				var flipped []int
+				maxd, flipped = logitDiffExcept(got, ref, V, n/50)
+				t.Logf("%s: positions %v left out (router near-ties); max |Δlogit| over the rest %.4f", name, flipped, maxd)
+			}
 			if maxd > 0.25 || mean > 0.02 || argmax < n-n/20 {
 				t.Errorf("GPU logits too far from the reference")
 			}
@@ -223,6 +236,23 @@ func logitDiff(got, want []float32, V int) (maxd, mean float64, argmax int) {
 		}
 	}
 	return maxd, mean / float64(len(got)), argmax
+}
+
+// logitDiffExcept is logitDiff's max |Δlogit| over the positions but the
+// skip farthest (returned).
+func logitDiffExcept(got, want []float32, V, skip int) (float64, []int) {
+	n := len(got) / V
+	worst := make([]float64, n)
+	for r := range n {
+		worst[r], _, _ = logitDiff(got[r*V:(r+1)*V], want[r*V:(r+1)*V], V)
+	}
+	order := make([]int, n)
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(worst[b], worst[a]) })
+	skip = min(skip, n-1)
+	return worst[order[skip]], order[:skip]
 }
 
 // Greedy decoding on the GPU (decode steps through CUDA graphs) gives
