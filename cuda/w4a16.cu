@@ -203,33 +203,6 @@ __device__ __forceinline__ void warp_range(int KT, int splits, int split, int wa
   k1 = min(s1, k0 + per_warp);
 }
 
-// prefetch_slice asks L2 for what the CTA of n-tile nt and K slice `split`
-// will read of the weights: its stripe of B (one bulk prefetch) and its
-// groups' scales and zeros. Weights are never written by the kernels
-// before a GEMM, so the kernels call it before pdl_gate(): under
-// programmatic dependent launch (LLMQ_PDL=1) the weights then stream in
-// while the previous kernel (a norm, RoPE, attention: little DRAM
-// traffic at decode) finishes, instead of after it.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void prefetch_slice(const uint4* B, const uint4* S, const uint32_t* Z, int nt, int NT, int KT,
-                                               int gshift, int splits, int split) {
-  const int per_split = (KT + splits - 1) / splits;
-  const int s0 = split * per_split, s1 = min(KT, s0 + per_split);
-  if (s1 <= s0) return;
-  if (threadIdx.x == 0) prefetch_l2(B + ((size_t)nt * KT + s0) * 32, (uint32_t)(s1 - s0) * 512);
-  const int g0 = gshift < 0 ? 0 : s0 >> gshift, g1 = gshift < 0 ? 0 : (s1 - 1) >> gshift;
-  for (int g = g0 + (int)threadIdx.x; g <= g1; g += blockDim.x) {
-    const size_t at = ((size_t)g * NT + nt) * 8;  // the group's 8 uint4 of S, 8 words of Z
-    prefetch_l2(S + at, 128);
-    prefetch_l2(Z + at, 32);
-  }
-}
-
 // Outs is where a GEMM's output columns go: up to three row-major fp16
 // tensors side by side (a joined layer's q, k and v), each a multiple of
 // 64 columns wide, so an n-tile lies in one of them.
@@ -290,8 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
                                                            const Outs C, float* __restrict__ ws,
                                                            int* __restrict__ counters, int M, int N, int K, int gshift,
                                                            int splits) {
-  if (blockIdx.z == 0) prefetch_slice(B, S, Z, blockIdx.x, N >> 6, K >> 4, gshift, splits, blockIdx.y);
-  pdl_gate();  // before any other global access: see common.cuh
+  pdl_gate();  // before any global access: see common.cuh
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int s_last;
   const int nt = blockIdx.x, split = blockIdx.y;
@@ -534,8 +506,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
                                                           const Outs C, float* __restrict__ ws,
                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
                                                           int splits) {
-  prefetch_slice(B, S, Z, blockIdx.x, N >> 6, K >> 4, gshift, splits, blockIdx.y);
-  pdl_gate();  // before any other global access: see common.cuh
+  pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
   const int nt = blockIdx.x;
