@@ -134,8 +134,6 @@ int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int b
 int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);
 int moe_router(llmq_ctx* c, const void* h, const float* W, float* logits, int T, int E, int H);
 int moe_plan(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks);
-int moe_router_plan(llmq_ctx* c, const void* h, const float* W, float* logits, int32_t* ids, float* weights, int T, int E,
-                    int H, int k, int norm, int mt, int32_t* order, int32_t* chunks, int max_chunks, int32_t* done);
 int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm, int mt,
                    int32_t* order, int32_t* chunks, int max_chunks);
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,

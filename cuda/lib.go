@@ -173,11 +173,6 @@ static int c_moe_router(A a, llmq_ctx* c, P h, P W, P logits, int T, int E, int 
 static int c_moe_plan(A a, llmq_ctx* c, P ids, int S, int E, int mt, P order, P chunks, int max_chunks) {
 	return a->moe_plan(c, (const int32_t*)ids, S, E, mt, (int32_t*)order, (int32_t*)chunks, max_chunks);
 }
-static int c_moe_router_plan(A a, llmq_ctx* c, P h, P W, P logits, P ids, P weights, int T, int E, int H, int k, int norm,
-		int mt, P order, P chunks, int max_chunks, P done) {
-	return a->moe_router_plan(c, (const void*)h, (const float*)W, (float*)logits, (int32_t*)ids, (float*)weights, T, E, H,
-		k, norm, mt, (int32_t*)order, (int32_t*)chunks, max_chunks, (int32_t*)done);
-}
 static int c_moe_route_plan(A a, llmq_ctx* c, P logits, P ids, P weights, int T, int E, int k, int norm, int mt, P order, P chunks,
 		int max_chunks) {
 	return a->moe_route_plan(c, (const float*)logits, (int32_t*)ids, (float*)weights, T, E, k, norm, mt, (int32_t*)order,
@@ -809,20 +804,6 @@ func (x *Context) MoERoutePlan(logits, ids, weights Buf, T, E, k int, norm bool,
 	return x.do("moe_route_plan", func() C.int {
 		return C.c_moe_route_plan(x.lib.api, x.c, logits.p, ids.p, weights.p, C.int(T), C.int(E), C.int(k), cbool(norm), C.int(mt),
 			order.p, chunks.p, C.int(maxChunks))
-	})
-}
-
-// MoEFusedRouteRows is the most rows MoERouterPlan takes.
-const MoEFusedRouteRows = 16
-
-// MoERouterPlan is MoERouter then MoERoutePlan in one launch, for at most
-// MoEFusedRouteRows rows (a decode step): the CTA that finishes the
-// router's logits last routes and plans. done is an int32 of device
-// memory, zero before the call; the kernel leaves it zero.
-func (x *Context) MoERouterPlan(h, W, logits, ids, weights Buf, T, E, H, k int, norm bool, mt int, order, chunks Buf, maxChunks int, done Buf) error {
-	return x.do("moe_router_plan", func() C.int {
-		return C.c_moe_router_plan(x.lib.api, x.c, h.p, W.p, logits.p, ids.p, weights.p, C.int(T), C.int(E), C.int(H), C.int(k),
-			cbool(norm), C.int(mt), order.p, chunks.p, C.int(maxChunks), done.p)
 	})
 }
 

@@ -247,12 +247,6 @@ typedef struct {
   /* moe_route then moe_plan of its ids, in one launch (one block). */
   int (*moe_route_plan)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm,
                         int mt, int32_t* order, int32_t* chunks, int max_chunks);
-  /* moe_router then moe_route_plan in one launch, for T ≤ 16 rows (a
-   * decode step): the CTA that finishes the logits last routes and plans.
-   * done is an int32 in device memory, 0 before the call and after it. */
-  int (*moe_router_plan)(llmq_ctx* c, const void* h, const float* W, float* logits, int32_t* ids, float* weights, int T,
-                         int E, int H, int k, int norm, int mt, int32_t* order, int32_t* chunks, int max_chunks,
-                         int32_t* done);
   /* The experts' linear layer over a plan (moe_plan, the same mt: 1 or 4;
    * slots its S, which only tunes how K is split): out row s (fp32 [S][N],
    * zeroed before, summed into with atomics) += A row s / a_div · W_e for

@@ -806,12 +806,17 @@ __global__ void __launch_bounds__(1024) moe_route_plan_kernel(const float* __res
   plan_slots(ids, T * k, E, mt, order, chunks, max_chunks, sh);
 }
 
-// router_dot: router logit (t, e) = h row t (fp16 [T][H]) · W row e (fp32
-// [E][H]: the router stays in full precision, as on the CPU), by one warp;
-// a lane's loads are unrolled so that the warp has its row of W in flight
-// at once. H % 4 == 0.
-__device__ __forceinline__ float router_dot(const half* __restrict__ h, const float* __restrict__ W, int t, int e, int H,
-                                            int lane) {
+// moe_router_kernel: router logits [T][E] (fp32) = h [T][H] (fp16) · Wᵀ,
+// W [E][H] fp32 (the router stays in full precision, as on the CPU); one
+// warp an expert, kRouterWarps a block, blockIdx.y the row; a lane's loads
+// are unrolled so that a warp has its row of W in flight at once. H % 4 == 0.
+constexpr int kRouterWarps = 4;
+
+__global__ void moe_router_kernel(const half* __restrict__ h, const float* __restrict__ W, float* __restrict__ logits,
+                                  int E, int H) {
+  pdl_gate();  // before any global access: see common.cuh
+  const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5), t = blockIdx.y;
+  if (e >= E) return;  // the whole warp
   const uint2* x = reinterpret_cast<const uint2*>(h + (size_t)t * H);  // 4 fp16 values
   const float4* w = reinterpret_cast<const float4*>(W + (size_t)e * H);
   float acc = 0.f;
@@ -823,57 +828,8 @@ __device__ __forceinline__ float router_dot(const half* __restrict__ h, const fl
     const float2 b = __half22float2(*reinterpret_cast<const half2*>(&xv.y));
     acc += a.x * wv.x + a.y * wv.y + b.x * wv.z + b.y * wv.w;
   }
-  return warp_sum(acc);
-}
-
-// moe_router_kernel: router logits [T][E] (fp32) = h · Wᵀ; one warp an
-// expert, kRouterWarps a block, blockIdx.y the row.
-constexpr int kRouterWarps = 4;
-
-__global__ void moe_router_kernel(const half* __restrict__ h, const float* __restrict__ W, float* __restrict__ logits,
-                                  int E, int H) {
-  pdl_gate();  // before any global access: see common.cuh
-  const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5), t = blockIdx.y;
-  if (e >= E) return;  // the whole warp
-  const float v = router_dot(h, W, t, e, H, lane);
-  if (lane == 0) logits[(size_t)t * E + e] = v;
-}
-
-// moe_router_plan_kernel: a decode step's whole routing in one launch
-// (T ≤ kFusedRouteRows): moe_router_kernel's logits, then, in the CTA that
-// finishes last, moe_route_plan_kernel's work — each row's top k and the
-// plan. The CTAs count themselves in *done, which the last one sets back
-// to 0 for the next launch; it reads the logits the others wrote through
-// L2 (__ldcg) into shared memory after the count, and the writers fence
-// before counting.
-constexpr int kFusedRouteRows = 16;
-
-__global__ void __launch_bounds__(32 * kRouterWarps)
-    moe_router_plan_kernel(const half* __restrict__ h, const float* __restrict__ W, float* logits, int32_t* ids,
-                           float* __restrict__ weights, int T, int E, int H, int k, int norm, int mt,
-                           int32_t* __restrict__ order, int32_t* __restrict__ chunks, int max_chunks, int* done) {
-  pdl_gate();  // before any global access: see common.cuh
-  __shared__ float lg[kFusedRouteRows * kMaxExperts];
-  __shared__ PlanShared sh;
-  __shared__ bool last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, e = blockIdx.x * kRouterWarps + warp, t = blockIdx.y;
-  if (e < E) {
-    const float v = router_dot(h, W, t, e, H, lane);
-    if (lane == 0) logits[(size_t)t * E + e] = v;
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < T * E; i += blockDim.x) lg[i] = __ldcg(logits + i);
-  __syncthreads();
-  for (int row = warp; row < T; row += kRouterWarps)
-    route_row(lg + row * E, ids + (size_t)row * k, weights + (size_t)row * k, E, k, norm, lane);
-  __syncthreads();  // the ids, written to global memory, are the block's to read now
-  plan_slots(ids, T * k, E, mt, order, chunks, max_chunks, sh);
-  if (threadIdx.x == 0) *done = 0;
+  acc = warp_sum(acc);
+  if (lane == 0) logits[(size_t)t * E + e] = acc;
 }
 
 // moe_gemv_f16_kernel: the grouped expert GEMV for fp16 experts W [E][N][K]
@@ -1142,7 +1098,7 @@ int moe_router(llmq_ctx* c, const void* h, const float* W, float* logits, int T,
   return 0;
 }
 
-// check_plan checks a plan's sizes (moe_plan, moe_route_plan, moe_router_plan).
+// check_plan checks a plan's sizes (moe_plan, moe_route_plan).
 int check_plan(llmq_ctx* c, const char* fn, int S, int E, int mt, int max_chunks) {
   if (S <= 0 || E <= 0 || E > kMaxExperts || mt <= 0 || max_chunks < (S + mt - 1) / mt + min(E, S)) {
     set_error(c, "%s: %d slots, %d experts, %d a chunk, room for %d chunks (want experts ≤ %d and room for "
@@ -1168,20 +1124,6 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
   }
   if (check_plan(c, "moe_route_plan", T * k, E, mt, max_chunks)) return 1;
   CK(launch(c, (moe_route_plan_kernel), 1, 1024, 0, logits, ids, weights, T, E, k, norm, mt, order, chunks, max_chunks));
-  return 0;
-}
-
-int moe_router_plan(llmq_ctx* c, const void* h, const float* W, float* logits, int32_t* ids, float* weights, int T, int E,
-                    int H, int k, int norm, int mt, int32_t* order, int32_t* chunks, int max_chunks, int32_t* done) {
-  if (T <= 0 || T > kFusedRouteRows || H <= 0 || H % 4 || k <= 0 || k > E || k > kMaxTopK) {
-    set_error(c, "moe_router_plan: %d rows, hidden %d, top %d of %d experts (want 1–%d rows, hidden a multiple of 4, "
-                 "1 ≤ top ≤ experts, top ≤ %d)",
-              T, H, k, E, kFusedRouteRows, kMaxTopK);
-    return 1;
-  }
-  if (check_plan(c, "moe_router_plan", T * k, E, mt, max_chunks)) return 1;
-  CK(launch(c, (moe_router_plan_kernel), dim3((E + kRouterWarps - 1) / kRouterWarps, T), 32 * kRouterWarps, 0,
-            (const half*)h, W, logits, ids, weights, T, E, H, k, norm, mt, order, chunks, max_chunks, (int*)done));
   return 0;
 }
 

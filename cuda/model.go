@@ -681,11 +681,10 @@ type acts struct {
 	// slot's expert and weight, the plan's order and chunks, the experts'
 	// joined gate/up outputs gu [slots][2I] and outputs y [slots][hidden]
 	// (fp32, kept zeroed between passes: the kernels that read them clear
-	// them; the activations between go to g); routeDone is the fused
-	// router's count of finished CTAs (zero between launches).
-	routerLogits, expert, weight, order, chunks, gu, y, routeDone Buf
-	bufs                                                          []Buf
-	bytes                                                         int64
+	// them; the activations between go to g).
+	routerLogits, expert, weight, order, chunks, gu, y Buf
+	bufs                                               []Buf
+	bytes                                              int64
 }
 
 func (m *Model) newActs(rows int) (*acts, error) {
@@ -718,7 +717,6 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
 		{&a.chunks, MoEMaxChunks(slots, E, 1) * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
-		{&a.routeDone, min(E, 1) * 4},
 	}
 	for _, s := range sizes {
 		if s.bytes == 0 {
@@ -729,7 +727,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 			return nil, fmt.Errorf("activations for %d rows: %w", rows, err)
 		}
 	}
-	for _, b := range []Buf{a.ws, a.gu, a.y, a.routeDone} { // kept zeroed by the kernels that use them
+	for _, b := range []Buf{a.ws, a.gu, a.y} { // kept zeroed by the kernels that use them
 		if err := m.x.Memset(b, 0, b.Bytes); err != nil {
 			a.free(m.x)
 			return nil, err
@@ -1050,21 +1048,11 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 	S := T * k
 	mt := moeChunk(S, E)
 	maxChunks := MoEMaxChunks(S, E, mt)
-	// The router's logits, each row's top k and the plan: one launch for a
-	// decode step's few rows, two for more.
-	route := func() error {
-		return x.MoERouterPlan(a.h, mo.router, a.routerLogits, a.expert, a.weight, T, E, H, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks, a.routeDone)
-	}
-	if T > MoEFusedRouteRows {
-		route = func() error {
-			if err := x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H); err != nil {
-				return err
-			}
-			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
-		}
-	}
 	for _, f := range []func() error{
-		route,
+		func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) },
+		func() error {
+			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
+		},
 		func() error {
 			return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
 		},

@@ -318,7 +318,7 @@ func checkPlan(t *testing.T, ids, order, chunks []int32, E, mt int) {
 }
 
 // TestMoERouterAndCombine: the router's logits (fp16 rows by an fp32
-// router) against float64, the fused router's routing and plan, and the combine (each row's k expert outputs,
+// router) against float64, and the combine (each row's k expert outputs,
 // weighted, added in ascending expert order) against the CPU's float32
 // sums in that order; the combine zeroes the outputs it read.
 func TestMoERouterAndCombine(t *testing.T) {
@@ -350,48 +350,6 @@ func TestMoERouterAndCombine(t *testing.T) {
 	t.Logf("router logits within %.1e of float64 (relative to Σ|products|)", worst)
 	if worst > 1e-5 {
 		t.Errorf("router logits off by %.1e", worst)
-	}
-
-	// The fused router (logits, then routing and plan by the last CTA),
-	// twice: the same logits bit for bit, the CPU's routing of them, a
-	// valid plan, and its CTA count back at zero for the second launch.
-	{
-		S, mt := T*k, 1
-		maxChunks := MoEMaxChunks(S, E, mt)
-		fl, _ := x.Alloc(T * E * 4)
-		ib, _ := x.Alloc(S * 4)
-		wb, _ := x.Alloc(S * 4)
-		ob, _ := x.Alloc(S * 4)
-		cb, _ := x.Alloc(maxChunks * 3 * 4)
-		done, _ := AllocFrom(x, []int32{0})
-		for range 2 {
-			if err := x.MoERouterPlan(hd, wd, fl, ib, wb, T, E, H, k, true, mt, ob, cb, maxChunks, done); err != nil {
-				t.Fatal(err)
-			}
-			fused, ids, w, ord, ch, left := make([]float32, T*E), make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, maxChunks*3), []int32{-1}
-			if err := errors.Join(Download(x, fused, fl), Download(x, ids, ib), Download(x, w, wb), Download(x, ord, ob), Download(x, ch, cb), Download(x, left, done)); err != nil {
-				t.Fatal(err)
-			}
-			if !slices.Equal(fused, logits) {
-				t.Fatal("the fused router's logits differ from moe_router's")
-			}
-			want := llm.RouteLogits(logits, T, E, k, true)
-			for i := range ids {
-				if int(ids[i]) != want.Expert[i] || math.Abs(float64(w[i]-want.Weight[i])) > 1e-5*float64(want.Weight[i]) {
-					t.Fatalf("fused router, slot %d: expert %d weight %v, want %d, %v", i, ids[i], w[i], want.Expert[i], want.Weight[i])
-				}
-			}
-			checkPlan(t, ids, ord, ch, E, mt)
-			if left[0] != 0 {
-				t.Fatalf("the fused router left its CTA count at %d, want 0", left[0])
-			}
-		}
-		if err := x.MoERouterPlan(hd, wd, fl, ib, wb, MoEFusedRouteRows+1, E, H, k, true, mt, ob, cb, maxChunks, done); err == nil {
-			t.Errorf("%d rows: the fused router took them", MoEFusedRouteRows+1)
-		}
-		for _, b := range []Buf{fl, ib, wb, ob, cb, done} {
-			x.Free(b)
-		}
 	}
 
 	ids, wts := make([]int32, T*k), make([]float32, T*k)

@@ -176,7 +176,7 @@ func BenchmarkDecodeOps(b *testing.B) {
 					S := B * kk
 					mt := moeChunk(S, E)
 					chunks := MoEMaxChunks(S, E, mt)
-					rl, ids, wts, done := alloc(B*E*4), alloc(S*4), alloc(S*4), alloc(4)
+					rl, ids, wts := alloc(B*E*4), alloc(S*4), alloc(S*4)
 					order, chunk := alloc(S*4), alloc(chunks*3*4)
 					gu, g, y := alloc(S*2*I*4), alloc(S*I*2), alloc(S*H*4)
 					// Random routings, planned before the capture: the
@@ -203,8 +203,9 @@ func BenchmarkDecodeOps(b *testing.B) {
 					// batch 8 some are shared, so this overstates GB/s there.
 					expertBytes := func(w *W4) int64 { return w.Bytes() / int64(E) * int64(min(S, E)) }
 					ops = append(ops,
-						decodeOp{"router+route+plan", int64(E * H * 4), func(int) error {
-							return x.MoERouterPlan(h, router, rl, ids, wts, B, E, H, kk, true, mt, order, chunk, chunks, done)
+						decodeOp{"router", int64(E * H * 4), func(int) error { return x.MoERouter(h, router, rl, B, E, H) }},
+						decodeOp{"route+plan", 0, func(int) error {
+							return x.MoERoutePlan(rl, ids, wts, B, E, kk, true, mt, order, chunk, chunks)
 						}},
 						decodeOp{"experts gate+up", expertBytes(experts[0]), func(i int) error {
 							return x.MoEGemv(h, kk, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, experts[0], Buf{}, gu, 2*I, H)

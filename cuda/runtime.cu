@@ -292,7 +292,6 @@ const llmq_api kAPI = {
     moe_router,
     moe_plan,
     moe_route_plan,
-    moe_router_plan,
     moe_gemv,
     moe_act,
 };
