@@ -32,9 +32,6 @@ struct llmq_ctx {
   size_t attn_smem = 48 << 10;
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;
-  // The GEMV kernel's K slices as one thread-block cluster, reduced in
-  // distributed shared memory (compute capability 9.0 and up; LLMQ_W4_CLUSTER=0: off).
-  bool cluster = false;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).
   void* cusolver = nullptr;
@@ -86,38 +83,21 @@ static __device__ __forceinline__ void pdl_gate() {
 #endif
 }
 
-// launch_clustered runs kernel<<<grid, block, smem, c->stream>>>(args…)
-// in thread-block clusters of the given shape (Hopper; 1×1×1: none), as a
+// launch runs kernel<<<grid, block, smem, c->stream>>>(args…), as a
 // programmatic dependent launch when c->pdl.
 template <typename... KArgs, typename... Args>
-cudaError_t launch_clustered(llmq_ctx* c, dim3 cluster, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                             Args... args) {
-  cudaLaunchAttribute attr[2];
-  int n = 0;
-  if (c->pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster.x * cluster.y * cluster.z > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster.x;
-    attr[n].val.clusterDim.y = cluster.y;
-    attr[n++].val.clusterDim.z = cluster.z;
-  }
+cudaError_t launch(llmq_ctx* c, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = c->stream;
   cfg.attrs = attr;
-  cfg.numAttrs = n;
+  cfg.numAttrs = c->pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, args...);
-}
-
-// launch is launch_clustered without clusters.
-template <typename... KArgs, typename... Args>
-cudaError_t launch(llmq_ctx* c, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
-  return launch_clustered(c, dim3(1, 1, 1), kernel, grid, block, smem, args...);
 }
 
 // Entry points, by file; llmq.h documents each.

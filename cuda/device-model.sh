@@ -11,7 +11,6 @@
 #                                     # SYNTH_LOGITS=1: the decode again with --logits)
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
-#   bash cuda/device-model.sh cluster # the GEMV's K slices as clusters or not: GEMM tests, bench gemm M 1–2, decode batch 1/8
 #   bash cuda/device-model.sh pdl     # LLMQ_PDL=1 (programmatic dependent launch): tests, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
@@ -299,23 +298,6 @@ case "$1" in
       echo "== LLMQ_PDL=$pdl"
       LLMQ_PDL=$pdl $L bench decode $d --device cuda --context 128,2048 --batch ${PDL_BATCH:-1,8,32} --prefill 2048 --steps 32 \
         --json "$OUT/decode-h200-llama3-8b-w4-pdl$pdl.json" 2>&1 | grep -E "^(decode|prefill)"
-    done
-    rm -rf $d
-    ;;
-  cluster) # the GEMV's K slices as thread-block clusters (LLMQ_W4_CLUSTER=1, the default) against the workspace tail (0)
-    build/device/cuda.test -test.v -test.run 'TestW4A16|TestGEMV|TestBadShape|TestModelLogits|TestGreedy|TestJoined' > "$OUT/cuda-kernel-tests.log" 2>&1
-    echo "kernel tests rc=$?"; grep -E "^(--- |ok|FAIL)|panic|rel err [0-9.e-]+$" "$OUT/cuda-kernel-tests.log" | grep -v "^    " | head -20
-    grep -E "rel err" "$OUT/cuda-kernel-tests.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
-    for cl in 1 0; do
-      echo "# $LLMQ_COMMIT: LLMQ_W4_CLUSTER=$cl llmq bench gemm --m 1,2 --iters 100"
-      LLMQ_W4_CLUSTER=$cl $L bench gemm --m 1,2 --iters 100 2>&1 | tail -11
-    done | tee "$OUT/gemm-h200-cluster.txt" | cut -c1-120
-    d=/tmp/cl8b
-    $L synth --preset llama3-8b --bits 4 --group 128 -o $d --force --tokenizer "$LLMQ_SHARED/models/llama-tiny" 2>&1 | tail -1
-    for cl in 1 0; do
-      echo "== LLMQ_W4_CLUSTER=$cl"
-      LLMQ_W4_CLUSTER=$cl $L bench decode $d --device cuda --context 128 --batch 1,8 --prefill 0 --steps 32 \
-        --json "$OUT/decode-h200-llama3-8b-w4-cluster$cl.json" 2>&1 | grep -E "^decode"
     done
     rm -rf $d
     ;;

@@ -71,8 +71,6 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);  // tuning overrides
   if (const char* e = getenv("LLMQ_W4_GEMV_MAX_M")) c->gemv_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
-  bool cluster = true;
-  if (const char* e = getenv("LLMQ_W4_CLUSTER")) cluster = atoi(e) != 0;
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);
@@ -82,9 +80,6 @@ int ctx_create(int device, llmq_ctx** out) {
     set_error(c, "cudaSetDevice(%d): %s", device, cudaGetErrorString(cudaGetLastError()));
     return fail();
   }
-  int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  c->cluster = cluster && major >= 9;
   cudaError_t e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
     set_error(c, "cudaStreamCreateWithFlags failed: %s", cudaGetErrorString(e));

@@ -35,10 +35,7 @@
 // at small M: the whole layer is dequantized per call).
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
-#include <cooperative_groups.h>
 #include "common.cuh"
-
-namespace cg = cooperative_groups;
 
 namespace {
 
@@ -498,40 +495,8 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
   return v;
 }
 
-// reduce_cluster: the tail of a GEMV whose `splits` K slices of one n-tile
-// run as one thread-block cluster. Each CTA's warps left their sums in red
-// (gemv_reduce); after a cluster barrier CTA rank r adds, for its share of
-// the tile's outputs (every splits-th), all the CTAs' red through
-// distributed shared memory, in rank order, and writes fp16; a second
-// barrier keeps each CTA's shared memory until every CTA has read it. It
-// replaces the workspace's atomics, the counter and the last CTA's pass
-// (finish_splits): two barriers instead of three dependent round trips to
-// L2, and a sum in a fixed order.
-template <int MT>
-__device__ __forceinline__ void reduce_cluster(float (&red)[kWarps][MT][64], const Outs& C, int M, int nt, int splits) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cg::cluster_group cl = cg::this_cluster();
-  cl.sync();
-  const int rank = (int)cl.block_rank();
-  for (int i = rank + splits * (int)threadIdx.x; i < MT * 64; i += splits * (int)blockDim.x) {
-    const int m = i >> 6, col = i & 63;
-    if (m >= M) continue;
-    float v = 0.f;
-    for (int q = 0; q < splits; ++q) {
-      const float* peer = cl.map_shared_rank(&red[0][0][0], q);
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += peer[(w * MT + m) * 64 + col];
-    }
-    *out_at(C, m, nt * 64 + col) = __float2half_rn(v);
-  }
-  cl.sync();
-#endif
-}
-
 // w4a16_gemv: a CTA of kWarps warps owns one 64-column n-tile and one K
-// slice (blockIdx.y of `splits`); its warps split the slice. With cluster
-// set, the slices of a tile are one cluster (reduce_cluster), else they
-// meet in the workspace (emit, finish_splits). MT tokens
+// slice (blockIdx.y of `splits`); its warps split the slice. MT tokens
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
@@ -540,7 +505,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
-                                                          int splits, int cluster) {
+                                                          int splits) {
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
@@ -557,10 +522,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   float acc[MT][8];
   gemv_steps<MT, U>(acc, ap, B + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
-  if (cluster) {
-    reduce_cluster<MT>(red, C, M, nt, splits);
-    return;
-  }
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
     if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<MT>(red, m, col), splits);
@@ -814,12 +775,8 @@ int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B
   if (!run) return resident_of(c, 3 + V, kernel, 0);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  // The K slices of a tile as one cluster where the device has clusters
-  // and the slices fit one (8, the portable size).
-  const int cluster = c->cluster && splits > 1 && splits <= 8;
-  CK(launch_clustered(c, dim3(1, cluster ? splits : 1, 1), (kernel), dim3(N / 64, splits), kWarps * 32, 0, A,
-                      (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, gshift, splits,
-                      cluster));
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+                                                              C, ws, counters, M, N, K, gshift, splits));
   return 0;
 }
 
