@@ -78,13 +78,13 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		if !ok {
 			return fmt.Errorf("step %d: cache is %T, not a CPU KVCache", i, s.Cache)
 		}
-		if kc.closed {
+		if kc.Closed() {
 			return fmt.Errorf("step %d: the cache is closed", i)
 		}
-		if kc.pool != pool {
+		if kc.Pool() != pool {
 			return fmt.Errorf("step %d: the cache belongs to another model", i)
 		}
-		if err := kc.ringsLost(); err != nil {
+		if err := kc.RingsLost(); err != nil {
 			return fmt.Errorf("step %d: %w", i, err)
 		}
 		if kc.n+len(s.Tokens) > kc.cap {
@@ -119,9 +119,9 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		return fmt.Errorf("KV cache pool exhausted: this step needs %d more blocks, %d of %d are free", need, pool.Free(), pool.Blocks())
 	}
 	for i, s := range steps {
-		if err := caches[i].reserve(len(s.Tokens)); err != nil {
+		if err := caches[i].Reserve(len(s.Tokens)); err != nil {
 			for _, kc := range caches[:i+1] {
-				kc.releaseFrom(kc.n)
+				kc.Rollback()
 			}
 			return err
 		}
@@ -133,7 +133,7 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 	defer func() {
 		if !done { // cancelled or panicked: give back what was reserved
 			for _, kc := range caches {
-				kc.releaseFrom(kc.n)
+				kc.Rollback()
 			}
 		}
 	}()
@@ -214,9 +214,7 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 	r = 0
 	for i, s := range steps {
 		n := len(s.Tokens)
-		caches[i].n += n
-		caches[i].written = caches[i].n
-		caches[i].trim()
+		caches[i].Advance(n)
 		first := r
 		if s.LastOnly {
 			first = r + n - 1

@@ -5,44 +5,21 @@ import (
 	"runtime/debug"
 )
 
-// KVCache is the CPU backend's cache, paged: per layer, a table of blocks
-// from the model's BlockPool, block i holding the keys and values of
-// positions i·B … i·B+B−1 (B = BlockTokens), each stored
-// [kv_heads][B][head_dim]. A block is allocated when the first of its
-// positions is written and handed back when the cache is truncated before
-// it or closed, so the cache's memory follows the tokens it holds, not
-// its capacity. A sliding-window layer (window W) keeps only the blocks
-// of its last W positions, since no query will look further back; the
-// blocks before them go back to the pool as the sequence moves on.
+// KVCache is the CPU backend's cache, paged (BlockTable): per layer, a
+// table of blocks from the model's BlockPool, each block's keys and values
+// stored [kv_heads][B][head_dim] in memory allocated when the pool hands
+// the block out and dropped when it comes back.
 //
 // Attention gathers a layer's keys and values from the blocks into one
 // contiguous matrix per kv head, in position order: the products it runs
 // are those of a contiguous cache, to the bit.
 type KVCache struct {
-	pool    *BlockPool
-	layers  []kvLayer
-	n, cap  int
+	*BlockTable[*kvBlock]
 	kvh, hd int
-	bt      int // positions per block
-	held    int // blocks held, over all layers
-	// written is the number of positions whose keys the sliding layers
-	// saw since they were last known whole: Truncate can go back only as
-	// far as they still hold the window before the new end.
-	written int
-	closed  bool
-}
-
-// kvLayer is one layer's block table.
-type kvLayer struct {
-	window int        // the sliding window, or 0 when the layer sees every position
-	blocks []*kvBlock // nil where a block was handed back (before a sliding layer's window)
 }
 
 // kvBlock is one block's memory: keys and values [kv_heads][B][head_dim].
-type kvBlock struct {
-	id   int
-	k, v []float32
-}
+type kvBlock struct{ k, v []float32 }
 
 // KVPool implements Paged: the model's pool, unbounded until
 // SetKVCacheBytes bounds it.
@@ -88,161 +65,20 @@ func (m *Model) NewCache(capacity int) (Cache, error) {
 }
 
 func newKVCache(pool *BlockPool, windows []int, capacity, kvh, hd int) *KVCache {
-	kc := &KVCache{pool: pool, cap: capacity, kvh: kvh, hd: hd, bt: pool.BlockTokens()}
-	for _, w := range windows {
-		kc.layers = append(kc.layers, kvLayer{window: w})
-	}
-	return kc
-}
-
-// Close implements Cache: it hands every block back to the pool.
-func (c *KVCache) Close() error {
-	if c.closed {
-		return nil
-	}
-	c.releaseFrom(0)
-	c.closed, c.n, c.cap = true, 0, 0
-	return nil
-}
-
-func (c *KVCache) Len() int { return c.n }
-func (c *KVCache) Cap() int { return c.cap }
-
-// Blocks implements PagedCache.
-func (c *KVCache) Blocks() int { return c.held }
-
-// Bytes is the memory of the blocks the cache holds (keys and values, all
-// layers).
-func (c *KVCache) Bytes() int64 { return int64(c.held) * c.pool.BlockBytes() }
-
-// Truncate forgets everything after the first n tokens, and hands back
-// the blocks past them. A sliding layer has handed back what lay a
-// window before the tokens it forgets, so the next Forward fails if more
-// than one token was dropped past the window (its error says so); full
-// layers can go back anywhere.
-func (c *KVCache) Truncate(n int) {
-	if n >= 0 && n < c.n {
-		c.n = n
-		c.releaseFrom(n)
-	}
-}
-
-// ringsLost reports whether a sliding layer no longer holds the window
-// before position c.n (Truncate went back too far).
-func (c *KVCache) ringsLost() error {
-	for l, L := range c.layers {
-		if w := L.window; w > 0 && w < c.cap && c.written > max(w, c.n+1) {
-			return fmt.Errorf("layer %d keeps only the last %d positions (its sliding window) and the cache was truncated from %d to %d tokens: start a new cache", l, w, c.written, c.n)
-		}
-	}
-	return nil
-}
-
-// stored is the positions [lo, hi) of n new tokens that layer l stores:
-// all of them, or a sliding layer's last window of them.
-func (c *KVCache) stored(l, n int) (lo, hi int) {
-	lo, hi = c.n, c.n+n
-	if w := c.layers[l].window; w > 0 {
-		lo = max(lo, hi-w)
-	}
-	return lo, hi
-}
-
-// missing calls f with each block index that storing n new tokens in
-// layer l writes to and the layer does not hold yet.
-func (c *KVCache) missing(l, n int, f func(b int)) {
-	lo, hi := c.stored(l, n)
-	if lo >= hi {
-		return
-	}
-	bl := c.layers[l].blocks
-	for b := lo / c.bt; b <= (hi-1)/c.bt; b++ {
-		if b >= len(bl) || bl[b] == nil {
-			f(b)
-		}
-	}
-}
-
-// Need implements PagedCache.
-func (c *KVCache) Need(n int) int {
-	k := 0
-	for l := range c.layers {
-		c.missing(l, n, func(int) { k++ })
-	}
-	return k
-}
-
-// reserve takes from the pool the blocks that appending n tokens writes
-// to, all or none.
-func (c *KVCache) reserve(n int) error {
-	ids, err := c.pool.Alloc(c.Need(n))
-	if err != nil {
-		return err
-	}
-	size := c.kvh * c.bt * c.hd
-	for l := range c.layers {
-		L := &c.layers[l]
-		c.missing(l, n, func(b int) {
-			for len(L.blocks) <= b {
-				L.blocks = append(L.blocks, nil)
-			}
-			kv := make([]float32, 2*size)
-			L.blocks[b] = &kvBlock{id: ids[0], k: kv[:size:size], v: kv[size:]}
-			ids = ids[1:]
-			c.held++
-		})
-	}
-	return nil
-}
-
-// releaseFrom hands back every block whose first position is n or later.
-func (c *KVCache) releaseFrom(n int) {
-	first := (n + c.bt - 1) / c.bt
-	var ids []int
-	for l := range c.layers {
-		L := &c.layers[l]
-		if first >= len(L.blocks) {
-			continue
-		}
-		for _, b := range L.blocks[first:] {
-			if b != nil {
-				ids = append(ids, b.id)
-			}
-		}
-		clear(L.blocks[first:])
-		L.blocks = L.blocks[:first]
-	}
-	c.held -= len(ids)
-	c.pool.Release(ids...)
-}
-
-// trim hands back the blocks of the sliding layers that lie wholly before
-// their window: positions before c.n − W.
-func (c *KVCache) trim() {
-	var ids []int
-	for l := range c.layers {
-		L := &c.layers[l]
-		if L.window <= 0 {
-			continue
-		}
-		for b := 0; b < len(L.blocks) && (b+1)*c.bt <= c.n-L.window; b++ {
-			if L.blocks[b] != nil {
-				ids = append(ids, L.blocks[b].id)
-				L.blocks[b] = nil
-			}
-		}
-	}
-	c.held -= len(ids)
-	c.pool.Release(ids...)
+	size := kvh * pool.BlockTokens() * hd
+	return &KVCache{BlockTable: NewBlockTable(pool, windows, capacity, func(int) *kvBlock {
+		kv := make([]float32, 2*size)
+		return &kvBlock{k: kv[:size:size], v: kv[size:]}
+	}), kvh: kvh, hd: hd}
 }
 
 // store writes the rows of n new tokens' keys and values
 // ([n][kv_heads×hd]) that layer l keeps into its blocks (reserved).
 func (c *KVCache) store(l int, k, v []float32, n int) {
-	lo, hi := c.stored(l, n)
+	lo, hi := c.Stored(l, n)
 	bl, bt, hd := c.layers[l].blocks, c.bt, c.hd
 	for p := lo; p < hi; p++ {
-		b, off, t := bl[p/bt], p%bt, p-c.n
+		b, off, t := bl[p/bt].mem, p%bt, p-c.n
 		for j := 0; j < c.kvh; j++ {
 			dst := (j*bt + off) * hd
 			src := (t*c.kvh + j) * hd
@@ -265,7 +101,7 @@ func (c *KVCache) gather(l int, k, v []float32, n int, K, V []float32) (base, S 
 	S = c.n - base + n
 	bl, bt, hd, kvh := c.layers[l].blocks, c.bt, c.hd, c.kvh
 	for p := base; p < c.n; {
-		b, off := bl[p/bt], p%bt
+		b, off := bl[p/bt].mem, p%bt
 		run := min(bt-off, c.n-p)
 		for j := 0; j < kvh; j++ {
 			src := (j*bt + off) * hd

@@ -33,7 +33,7 @@ func (s *Stages) Attention(b *Block, n []float32, T int) []float32 {
 	pool := NewBlockPool(&checkpoint.Config{Layers: 1}, T, 0, int64(2*c.KVHeads*T*hd)*4)
 	kc := newKVCache(pool, []int{0}, T, c.KVHeads, hd)
 	defer kc.Close()
-	if err := kc.reserve(T); err != nil {
+	if err := kc.Reserve(T); err != nil {
 		panic(err) // an unbounded pool
 	}
 	cos, sin := s.m.ropes[b.Layer].table(0, T)
