@@ -20,8 +20,11 @@ import (
 // queries 40× larger (scores past e^88, float32's largest exponential:
 // the softmax must subtract its max) and 24 rows of one sequence (a short prefill into a filled cache)
 // — head_dim 36 (not a multiple of 8: attention_kernel decodes it), and a
-// prefill-sized pass (attention_kernel, one head a block). The workspace
-// starts as huge values, so a chunk record left unwritten fails the test.
+// prefill-sized pass (attention_kernel, one head a block). Every case runs
+// twice: contiguous caches, then the same caches paged (blocks of 16
+// positions in shuffled order through block tables, what cuda.Cache
+// uses). The workspace starts as huge values, so a chunk record left
+// unwritten fails the test.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(21, 22))
@@ -38,105 +41,169 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 		{2, 8, 4, 256, 0, 0, 0, 0, false}, {2, 4, 4, 256, 300, 0, 700, 0, false}, {3, 8, 2, 36, 0, 0, 0, 0, false},
 		{4, 8, 2, 64, 0, 0, 0, 40, false}, {24, 8, 2, 128, 0, 0, 300, 0, true}, {5, 16, 2, 128, 0, 0, 0, 0, false},
 	} {
-		const layers, layer = 2, 1
-		seqs := tc.rows
-		if tc.oneSeq {
-			seqs = 1
-		}
-		caps := make([]int32, seqs)
-		pos := make([]int32, tc.rows)
-		seqOf := make([]int32, tc.rows)
-		maxKeys := 0
-		start := int32(r.IntN(cmp.Or(tc.maxPos, 200)))
-		for i := range pos {
-			if tc.oneSeq { // a short prefill into a cache that holds start keys
-				pos[i] = start + int32(i)
-				caps[0] = pos[i] + 1 + int32(r.IntN(8))
-			} else {
-				seqOf[i] = int32(i)
-				pos[i] = int32(r.IntN(cmp.Or(tc.maxPos, 200)))
-				caps[i] = pos[i] + 1 + int32(r.IntN(8))
+		for _, paged := range []bool{false, true} {
+			const layers, layer = 2, 1
+			seqs := tc.rows
+			if tc.oneSeq {
+				seqs = 1
 			}
-			maxKeys = max(maxKeys, int(pos[i])+1)
-		}
-		kvd, qd := tc.kvHeads*tc.hd, tc.heads*tc.hd
-		gen := func(n int) []float32 {
-			v := make([]float32, n)
-			for i := range v {
-				v[i] = float32(r.NormFloat64())
+			caps := make([]int32, seqs)
+			pos := make([]int32, tc.rows)
+			seqOf := make([]int32, tc.rows)
+			maxKeys := 0
+			start := int32(r.IntN(cmp.Or(tc.maxPos, 200)))
+			for i := range pos {
+				if tc.oneSeq { // a short prefill into a cache that holds start keys
+					pos[i] = start + int32(i)
+					caps[0] = pos[i] + 1 + int32(r.IntN(8))
+				} else {
+					seqOf[i] = int32(i)
+					pos[i] = int32(r.IntN(cmp.Or(tc.maxPos, 200)))
+					caps[i] = pos[i] + 1 + int32(r.IntN(8))
+				}
+				maxKeys = max(maxKeys, int(pos[i])+1)
 			}
-			return fromF16(toF16(v)) // the values the GPU sees
-		}
-		// Each sequence's cache: [2][layers][cap][kv_dim] fp16.
-		caches := make([][]float32, seqs)
-		bases := make([]uint64, seqs)
-		var bufs []Buf
-		for s := range caches {
-			caches[s] = gen(2 * layers * int(caps[s]) * kvd)
-			b, err := AllocFrom(x, toF16(caches[s]))
-			if err != nil {
+			kvd, qd := tc.kvHeads*tc.hd, tc.heads*tc.hd
+			gen := func(n int) []float32 {
+				v := make([]float32, n)
+				for i := range v {
+					v[i] = float32(r.NormFloat64())
+				}
+				return fromF16(toF16(v)) // the values the GPU sees
+			}
+			// Each sequence's cache: [2][layers][cap][kv_dim] fp16.
+			caches := make([][]float32, seqs)
+			bases := make([]uint64, seqs)
+			var bufs []Buf
+			for s := range caches {
+				caches[s] = gen(2 * layers * int(caps[s]) * kvd)
+				b, err := AllocFrom(x, toF16(caches[s]))
+				if err != nil {
+					t.Fatal(err)
+				}
+				bufs = append(bufs, b)
+				bases[s] = b.Ptr()
+			}
+			q := gen(tc.rows * qd)
+			if tc.qScale != 0 {
+				for i := range q {
+					q[i] *= tc.qScale
+				}
+				q = fromF16(toF16(q))
+			}
+			qb, _ := AllocFrom(x, toF16(q))
+			out, _ := x.Alloc(tc.rows * qd * 2)
+			// The workspace starts as 3.4e38s (bytes 0x7F): a chunk record the
+			// kernels leave unwritten wins the combine's max and shows.
+			wsBytes := x.Lib().AttentionWorkspaceBytes(tc.rows, tc.heads, tc.hd, maxKeys)
+			ws, _ := x.Alloc(wsBytes)
+			if err := x.Memset(ws, 0x7F, wsBytes); err != nil {
 				t.Fatal(err)
 			}
-			bufs = append(bufs, b)
-			bases[s] = b.Ptr()
-		}
-		q := gen(tc.rows * qd)
-		if tc.qScale != 0 {
-			for i := range q {
-				q[i] *= tc.qScale
-			}
-			q = fromF16(toF16(q))
-		}
-		qb, _ := AllocFrom(x, toF16(q))
-		out, _ := x.Alloc(tc.rows * qd * 2)
-		// The workspace starts as 3.4e38s (bytes 0x7F): a chunk record the
-		// kernels leave unwritten wins the combine's max and shows.
-		wsBytes := x.Lib().AttentionWorkspaceBytes(tc.rows, tc.heads, tc.hd, maxKeys)
-		ws, _ := x.Alloc(wsBytes)
-		if err := x.Memset(ws, 0x7F, wsBytes); err != nil {
-			t.Fatal(err)
-		}
-		var m RowMeta
-		m.RowSeq, _ = AllocFrom(x, seqOf)
-		m.RowPos, _ = AllocFrom(x, pos)
-		m.KVBase, _ = AllocFrom(x, bases)
-		m.KVCap, _ = AllocFrom(x, caps)
-		bufs = append(bufs, qb, out, ws, m.RowSeq, m.RowPos, m.KVBase, m.KVCap)
-		if err := x.Attention(qb, out, ws, m, layer, layers, tc.rows, tc.heads, tc.kvHeads, tc.hd, maxKeys,
-			AttnOptions{Window: tc.window, Scale: tc.scale}); err != nil {
-			t.Fatal(err)
-		}
-		got16 := make([]uint16, tc.rows*qd)
-		if err := Download(x, got16, out); err != nil {
-			t.Fatal(err)
-		}
-		got := fromF16(got16)
-		var worst float64
-		for row := 0; row < tc.rows; row++ {
-			s, p := int(seqOf[row]), int(pos[row])
-			lo := 0
-			if tc.window > 0 {
-				lo = max(0, p-tc.window+1)
-			}
-			for h := 0; h < tc.heads; h++ {
-				kv := (h / (tc.heads / tc.kvHeads)) * tc.hd
-				cached := func(kind int) func(j, i int) float64 {
-					return func(j, i int) float64 { return float64(caches[s][((kind*layers+layer)*int(caps[s])+j)*kvd+kv+i]) }
-				}
-				want := refAttention(q[(row*tc.heads+h)*tc.hd:][:tc.hd], cached(0), cached(1), lo, p, tc.scale)
-				for i, o := range want {
-					worst = math.Max(worst, math.Abs(float64(got[(row*tc.heads+h)*tc.hd+i])-o))
+			kvCap := caps
+			if paged { // the same caches in blocks of 16 positions, in shuffled order
+				var pb []Buf
+				bases, pb = pagedCaches(t, x, r, caches, caps, layers, kvd)
+				bufs = append(bufs, pb...)
+				kvCap = make([]int32, seqs)
+				for s := range kvCap {
+					kvCap[s] = -1
 				}
 			}
-		}
-		t.Logf("%+v: max |error| %.2e", tc, worst)
-		if worst > 4e-3 || math.IsNaN(worst) {
-			t.Errorf("%+v: output differs from the reference by %.2e", tc, worst)
-		}
-		for _, b := range bufs {
-			x.Free(b)
+			var m RowMeta
+			m.RowSeq, _ = AllocFrom(x, seqOf)
+			m.RowPos, _ = AllocFrom(x, pos)
+			m.KVBase, _ = AllocFrom(x, bases)
+			m.KVCap, _ = AllocFrom(x, kvCap)
+			bufs = append(bufs, qb, out, ws, m.RowSeq, m.RowPos, m.KVBase, m.KVCap)
+			if err := x.Attention(qb, out, ws, m, layer, layers, tc.rows, tc.heads, tc.kvHeads, tc.hd, maxKeys,
+				AttnOptions{Window: tc.window, Scale: tc.scale}); err != nil {
+				t.Fatal(err)
+			}
+			got16 := make([]uint16, tc.rows*qd)
+			if err := Download(x, got16, out); err != nil {
+				t.Fatal(err)
+			}
+			got := fromF16(got16)
+			var worst float64
+			for row := 0; row < tc.rows; row++ {
+				s, p := int(seqOf[row]), int(pos[row])
+				lo := 0
+				if tc.window > 0 {
+					lo = max(0, p-tc.window+1)
+				}
+				for h := 0; h < tc.heads; h++ {
+					kv := (h / (tc.heads / tc.kvHeads)) * tc.hd
+					cached := func(kind int) func(j, i int) float64 {
+						return func(j, i int) float64 { return float64(caches[s][((kind*layers+layer)*int(caps[s])+j)*kvd+kv+i]) }
+					}
+					want := refAttention(q[(row*tc.heads+h)*tc.hd:][:tc.hd], cached(0), cached(1), lo, p, tc.scale)
+					for i, o := range want {
+						worst = math.Max(worst, math.Abs(float64(got[(row*tc.heads+h)*tc.hd+i])-o))
+					}
+				}
+			}
+			t.Logf("%+v paged=%v: max |error| %.2e", tc, paged, worst)
+			if worst > 4e-3 || math.IsNaN(worst) {
+				t.Errorf("%+v paged=%v: output differs from the reference by %.2e", tc, paged, worst)
+			}
+			for _, b := range bufs {
+				x.Free(b)
+			}
 		}
 	}
+}
+
+// pagedCaches lays contiguous caches ([2][layers][cap][kvd] each) out as
+// the paged layout the kernels read when kv_cap < 0 (cache_row): blocks
+// of 16 positions of one layer, [2][16][kvd], in one buffer in shuffled
+// order, and per sequence a block table [block][layer] of their device
+// addresses. It returns the tables' addresses (kv_base) and the buffers.
+func pagedCaches(t *testing.T, x *Context, r *rand.Rand, caches [][]float32, caps []int32, layers, kvd int) ([]uint64, []Buf) {
+	t.Helper()
+	const B = 16
+	total := 0
+	for _, c := range caps {
+		total += (int(c) + B - 1) / B * layers
+	}
+	blockHalves := 2 * B * kvd
+	pool := make([]float32, total*blockHalves)
+	pb, err := x.Alloc(len(pool) * 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bufs := []Buf{pb}
+	perm := r.Perm(total)
+	k := 0
+	bases := make([]uint64, len(caches))
+	for s, c := range caches {
+		cp := int(caps[s])
+		nb := (cp + B - 1) / B
+		table := make([]uint64, nb*layers)
+		for b := range nb {
+			for l := range layers {
+				id := perm[k]
+				k++
+				table[b*layers+l] = pb.Ptr() + uint64(id*blockHalves*2)
+				for kind := range 2 {
+					for o := 0; o < B && b*B+o < cp; o++ {
+						src := ((kind*layers+l)*cp + b*B + o) * kvd
+						copy(pool[((id*2+kind)*B+o)*kvd:][:kvd], c[src:src+kvd])
+					}
+				}
+			}
+		}
+		tb, err := AllocFrom(x, table)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bufs = append(bufs, tb)
+		bases[s] = tb.Ptr()
+	}
+	if err := Upload(x, pb, toF16(pool)); err != nil {
+		t.Fatal(err)
+	}
+	return bases, bufs
 }
 
 // refAttention is softmax attention in float64 for one query q of one

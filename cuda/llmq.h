@@ -34,7 +34,10 @@
  * Model kernels (model.cu): residual stream x fp32, activations fp16.
  * Row t of a forward pass belongs to sequence row_seq[t] at position
  * row_pos[t]; sequence s's cache is fp16 [2][layers][kv_cap[s]][kv_dim]
- * at kv_base[s] (keys, then values). All these arrays are device memory.
+ * at kv_base[s] (keys, then values), or, when kv_cap[s] < 0, paged:
+ * kv_base[s] is then a block table of device addresses [pos/16][layers],
+ * each block fp16 [2][16][kv_dim] (keys, then values; llm.BlockTable).
+ * All these arrays are device memory.
  */
 #ifndef LLMQ_H
 #define LLMQ_H

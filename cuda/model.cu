@@ -11,7 +11,8 @@
 // sequence row_seq[t] and position row_pos[t] in device memory, so a
 // captured CUDA graph replays a decode step for new positions after a copy
 // of these arrays. Sequence s's cache is one fp16 buffer at kv_base[s]
-// holding [2][layers][kv_cap[s]][kv_dim]: keys, then values.
+// holding [2][layers][kv_cap[s]][kv_dim] (keys, then values), or, when
+// kv_cap[s] < 0, blocks of 16 positions through a block table (cache_row).
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -195,9 +196,22 @@ __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, in
   if (i < n) y[i] = __float2half(__half2float(y[i]) + __half2float(b[i % N]));
 }
 
+// cache_row is the address of position pos's keys (kind 0) or values (1)
+// in layer `layer` of sequence s's cache, in either layout:
+// - contiguous (kv_cap[s] > 0, the capacity): one buffer at kv_base[s],
+//   [2][layers][cap][kv_dim];
+// - paged (kv_cap[s] < 0): kv_base[s] is the sequence's block table,
+//   [pos / kPageTokens][layers] device addresses of blocks (llm.BlockTable),
+//   each block [2][kPageTokens][kv_dim]: keys, then values.
+constexpr int kPageTokens = 16;  // llm.DefaultBlockTokens
+
 __device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_t* kv_cap, int s, int kind, int layer,
                                            int layers, int pos, int kv_dim) {
-  const size_t cap = kv_cap[s];
+  const int cap = kv_cap[s];
+  if (cap < 0) {
+    const uint64_t block = reinterpret_cast<const uint64_t*>(kv_base[s])[(size_t)(pos / kPageTokens) * layers + layer];
+    return (half*)block + ((size_t)kind * kPageTokens + pos % kPageTokens) * kv_dim;
+  }
   return (half*)kv_base[s] + (((size_t)kind * layers + layer) * cap + pos) * kv_dim;
 }
 
@@ -306,8 +320,6 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
   const half* qr = q + ((size_t)t * heads + h) * hd;
   for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = __half2float(qr[i]) * scale;
   __syncthreads();
-  const half* K = cache_row(kv_base, kv_cap, s, 0, layer, layers, 0, kv_dim) + kvh * hd;
-  const half* V = cache_row(kv_base, kv_cap, s, 1, layer, layers, 0, kv_dim) + kvh * hd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   // Scores, kUnroll keys per warp at a time so that their loads are in
   // flight together (a decode step is latency-bound, not bandwidth-bound).
@@ -319,7 +331,7 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
       const int jj = j + u * nwarps;
       d[u] = 0.f;
       if (jj < j1) {
-        const half2* kr = (const half2*)(K + (size_t)jj * kv_dim);
+        const half2* kr = (const half2*)(cache_row(kv_base, kv_cap, s, 0, layer, layers, jj, kv_dim) + kvh * hd);
 #pragma unroll
         for (int r = 0; r < kMaxDimsPerLane / 2; r++) {
           const int i = lane + 32 * r;
@@ -358,7 +370,7 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
     for (int u = 0; u < kUnroll; u++) {
       const int jj = j + u * nwarps;
       if (jj < j1) {
-        const half* vr = V + (size_t)jj * kv_dim;
+        const half* vr = cache_row(kv_base, kv_cap, s, 1, layer, layers, jj, kv_dim) + kvh * hd;
         const float p = sc[jj - j0];
 #pragma unroll
         for (int i = 0; i < kMaxDimsPerLane; i++)
@@ -439,8 +451,6 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
 #pragma unroll
       for (int e = 0; e < 8; e++) qf[g][i][e] *= scale;
     }
-  const half* K = cache_row(kv_base, kv_cap, s, 0, layer, layers, 0, kv_dim) + kvh * hd;
-  const half* V = cache_row(kv_base, kv_cap, s, 1, layer, layers, 0, kv_dim) + kvh * hd;
   // Slot k of the lane is key c·chunk + warp·2·kSlots + 2·k + kg; every
   // load is issued before the first is used.
   uint4 kr[kSlots][VPL], vr[kSlots][VPL];
@@ -449,11 +459,13 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   for (int k = 0; k < kSlots; k++) {
     const int j = c * kDecodeChunk + warp * 2 * kSlots + 2 * k + kg;
     act[k] = j >= j0 && j < j1;
+    const half* K = act[k] ? cache_row(kv_base, kv_cap, s, 0, layer, layers, j, kv_dim) + kvh * hd : nullptr;
+    const half* V = act[k] ? cache_row(kv_base, kv_cap, s, 1, layer, layers, j, kv_dim) + kvh * hd : nullptr;
 #pragma unroll
     for (int i = 0; i < VPL; i++) {
       kr[k][i] = vr[k][i] = make_uint4(0, 0, 0, 0);
       if (act[k] && on[i]) {
-        const size_t off = (size_t)j * kv_dim + 8 * (tl + 16 * i);
+        const int off = 8 * (tl + 16 * i);
         kr[k][i] = *reinterpret_cast<const uint4*>(K + off);
         vr[k][i] = *reinterpret_cast<const uint4*>(V + off);
       }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"sync"
 
@@ -56,8 +57,9 @@ type Model struct {
 	act        *ActQuant    // simulated quantization of the decoder linears' inputs, or nil
 	maxIn      int          // widest decoder linear input (the fake-quant buffer)
 
-	weights int64 // bytes of weights (and rotary tables) on the GPU
-	caches  int64 // bytes of open caches
+	weights int64   // bytes of weights (and rotary tables) on the GPU
+	caches  int64   // bytes of key/value blocks' segments and caches' tables
+	kv      kvPages // the caches' blocks (kvcache.go)
 
 	eager  *acts
 	attnWS Buf // the eager passes' attention scratch
@@ -188,7 +190,7 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	// q/k/v and gate/up separate.
 	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
 	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act,
-		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}}
+		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}, kv: newKVPages(c.Layers, c.KVHeads*c.HeadDim)}
 	if err := m.load(ck, q); err != nil {
 		m.Close()
 		return nil, fmt.Errorf("loading %s on the GPU: %w", ck.Dir, err)
@@ -756,68 +758,7 @@ func (a *acts) free(x *Context) {
 	a.bufs, a.bytes = nil, 0
 }
 
-// Cache is a sequence's key/value cache on the GPU: fp16
-// [2][layers][cap][kv_dim], allocated through its model's context.
-type Cache struct {
-	m      *Model
-	buf    Buf
-	n, cap int
-}
-
-func (c *Cache) Len() int { return c.n }
-func (c *Cache) Cap() int { return c.cap }
-func (c *Cache) Truncate(n int) {
-	if n < c.n {
-		c.n = max(n, 0)
-	}
-}
-
-// Close implements llm.Cache: it frees the cache's GPU memory (nothing
-// when its model is closed already: the context freed it).
-func (c *Cache) Close() error {
-	m := c.m
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if c.buf.Nil() {
-		return nil
-	}
-	b := c.buf
-	c.buf, c.n, c.cap = Buf{}, 0, 0
-	if m.x == nil {
-		return nil
-	}
-	m.caches -= int64(b.Bytes)
-	if err := m.x.Free(b); err != nil {
-		return fmt.Errorf("closing a GPU cache: %w", err)
-	}
-	return nil
-}
-
 var errModelClosed = errors.New("cuda: the model is closed")
-
-// NewCache implements llm.Backend.
-func (m *Model) NewCache(capacity int) (llm.Cache, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.newCache(capacity)
-}
-
-func (m *Model) newCache(capacity int) (*Cache, error) {
-	if m.x == nil {
-		return nil, errModelClosed
-	}
-	c := m.cfg
-	if capacity <= 0 || capacity > c.MaxPositions {
-		return nil, fmt.Errorf("cache capacity %d outside 1..%d (max_position_embeddings)", capacity, c.MaxPositions)
-	}
-	bytes := 2 * c.Layers * capacity * c.KVHeads * c.HeadDim * 2
-	b, err := m.x.Alloc(bytes)
-	if err != nil {
-		return nil, fmt.Errorf("key/value cache of %d tokens (%.2f GiB): %w", capacity, gib(int64(bytes)), err)
-	}
-	m.caches += int64(bytes)
-	return &Cache{m: m, buf: b, cap: capacity}, nil
-}
 
 // Config implements llm.Backend.
 func (m *Model) Config() *checkpoint.Config { return m.cfg }
@@ -913,11 +854,14 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		if !ok || c.m != m {
 			return nil, nil, fmt.Errorf("step %d: cache %T does not belong to this GPU model", i, s.Cache)
 		}
-		if c.buf.Nil() {
+		if c.Closed() {
 			return nil, nil, fmt.Errorf("step %d: the cache is closed", i)
 		}
-		if c.n+len(s.Tokens) > c.cap {
-			return nil, nil, fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, c.n, len(s.Tokens), c.cap)
+		if c.Len()+len(s.Tokens) > c.Cap() {
+			return nil, nil, fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, c.Len(), len(s.Tokens), c.Cap())
+		}
+		if slices.Contains(caches[:i], c) {
+			return nil, nil, fmt.Errorf("step %d: the cache of step %d again", i, slices.Index(caches, c))
 		}
 		for j, t := range s.Tokens {
 			if t < 0 || t >= m.cfg.Vocab {
@@ -925,17 +869,38 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 			}
 			p.ids = append(p.ids, int32(t))
 			p.rowSeq = append(p.rowSeq, int32(i))
-			p.rowPos = append(p.rowPos, int32(c.n+j))
+			p.rowPos = append(p.rowPos, int32(c.Len()+j))
 		}
-		p.kvBase = append(p.kvBase, c.buf.Ptr())
-		p.kvCap = append(p.kvCap, int32(c.cap))
-		p.maxKeys = max(p.maxKeys, c.n+len(s.Tokens))
+		p.kvBase = append(p.kvBase, c.table.Ptr())
+		p.kvCap = append(p.kvCap, -1) // paged: kv_base is the block table
+		p.maxKeys = max(p.maxKeys, c.Len()+len(s.Tokens))
 		caches[i] = c
+	}
+	// The blocks the new tokens go to, for every step or none: the
+	// caller advances the caches after the pass, or rolls them back.
+	need := 0
+	for i, s := range steps {
+		need += caches[i].Need(len(s.Tokens))
+	}
+	if pool := m.kv.pool; need > pool.Free() {
+		return nil, nil, fmt.Errorf("KV cache pool exhausted: this step needs %d more blocks, %d of %d are free", need, pool.Free(), pool.Blocks())
+	}
+	for i, s := range steps {
+		err := caches[i].Reserve(len(s.Tokens))
+		if err == nil {
+			err = caches[i].sync(len(s.Tokens))
+		}
+		if err != nil {
+			for _, c := range caches[:i+1] {
+				c.Rollback()
+			}
+			return nil, nil, fmt.Errorf("step %d: %w", i, err)
+		}
 	}
 	if CausalHeadDims(m.cfg.HeadDim) {
 		p.windows = len(steps)
 		for i, s := range steps {
-			if caches[i].n != 0 || len(s.Tokens) != len(steps[0].Tokens) {
+			if caches[i].Len() != 0 || len(s.Tokens) != len(steps[0].Tokens) {
 				p.windows = 0
 			}
 		}
@@ -1144,6 +1109,14 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	if err != nil || len(p.ids) == 0 {
 		return err
 	}
+	done := false
+	defer func() {
+		if !done { // the pass failed: give back the blocks prepare took
+			for _, c := range caches {
+				c.Rollback()
+			}
+		}
+	}()
 	T := len(p.ids)
 	V := m.cfg.Vocab
 	// Rows whose logits are wanted, in step order; greedy when every step
@@ -1209,8 +1182,9 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		}
 		for i := range steps {
 			steps[i].Argmax = int(next[i])
-			caches[i].n += len(steps[i].Tokens)
+			caches[i].Advance(len(steps[i].Tokens))
 		}
+		done = true
 		return nil
 	}
 	logits := make([]float32, len(out)*V)
@@ -1228,8 +1202,9 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 			steps[i].Argmax = llm.Argmax(logits[r*V : (r+1)*V])
 		}
 		r += n
-		caches[i].n += len(s.Tokens)
+		caches[i].Advance(len(s.Tokens))
 	}
+	done = true
 	return nil
 }
 
@@ -1378,8 +1353,7 @@ func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) 
 		return 0, 0, err
 	}
 	defer func() {
-		m.caches -= int64(cache.buf.Bytes)
-		m.x.Free(cache.buf)
+		cache.close()
 	}()
 	sum, n, err := m.windowNLL(ctx, cache, ids)
 	if err != nil {

@@ -277,6 +277,78 @@ func TestGreedyMatchesReference(t *testing.T) {
 	}
 }
 
+// TestPagedCache: a GPU cache takes blocks of 16 positions per layer from
+// the model's pool as it grows (none when opened), gives back those past a
+// truncation and all of them when closed; a pass the pool cannot hold
+// fails whole (no block taken, the length unchanged) and the cache goes on
+// once there is room; Trim returns the segments once no block is in use.
+// (Logits through the blocks are every other GPU test's; the attention
+// test also runs its cases on shuffled blocks, and TestLongContextMatchesCPU
+// decodes in blocks another sequence held before.)
+func TestPagedCache(t *testing.T) {
+	_, gpu := loadBoth(t, "llama-tiny")
+	var _ llm.Paged = gpu
+	ctx := context.Background()
+	L, V := gpu.Config().Layers, gpu.Config().Vocab
+	pool := gpu.KVPool()
+	c, err := gpu.NewCache(512)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc := c.(llm.PagedCache)
+	if pc.Blocks() != 0 || pool.Used() != 0 {
+		t.Fatalf("a new cache holds %d blocks (pool: %d in use), want none", pc.Blocks(), pool.Used())
+	}
+	step := func(n int) error {
+		ids := make([]int, n)
+		for i := range ids {
+			ids[i] = (c.Len()*7 + i*13 + 5) % V
+		}
+		return gpu.Forward(ctx, []llm.Step{{Cache: c, Tokens: ids, Logits: make([]float32, V), LastOnly: true}})
+	}
+	if err := step(40); err != nil {
+		t.Fatal(err)
+	}
+	if pc.Blocks() != 3*L || pool.Used() != 3*L || c.Len() != 40 {
+		t.Errorf("40 tokens: %d blocks held (pool %d), length %d; want %d, 40", pc.Blocks(), pool.Used(), c.Len(), 3*L)
+	}
+	c.Truncate(20)
+	if pc.Blocks() != 2*L {
+		t.Errorf("truncated to 20: %d blocks held, want %d", pc.Blocks(), 2*L)
+	}
+	// A pool of the blocks held plus one layer's block: the next 20 tokens
+	// (to 40, block 2 in every layer) do not fit.
+	if err := gpu.SetKVCacheBytes(int64(2*L+1) * pool.BlockBytes()); err != nil {
+		t.Fatal(err)
+	}
+	if err := step(20); err == nil || !strings.Contains(err.Error(), "exhausted") {
+		t.Errorf("a pass past the pool: %v, want the pool exhausted", err)
+	}
+	if pc.Blocks() != 2*L || c.Len() != 20 {
+		t.Errorf("after the refused pass: %d blocks, length %d; want %d, 20", pc.Blocks(), c.Len(), 2*L)
+	}
+	if err := gpu.SetKVCacheBytes(0); err != nil {
+		t.Fatal(err)
+	}
+	if err := step(20); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if pool.Used() != 0 {
+		t.Errorf("closed: the pool has %d blocks in use, want 0", pool.Used())
+	}
+	gpu.Trim()
+	mem, err := gpu.Memory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mem.Caches != 0 {
+		t.Errorf("after Trim with no cache open: %d bytes of caches, want 0", mem.Caches)
+	}
+}
+
 // TestGreedyStepsOnDevice: decode steps that ask only for their argmax
 // (llm.Step.Greedy, no logits buffer) get the id the host would pick from
 // the logits, whether every step of the batch asks (the argmax kernel, the
@@ -748,7 +820,7 @@ func TestLongContextMatchesCPU(t *testing.T) {
 	if err := gpu.Forward(ctx, []llm.Step{{Cache: other, Tokens: ids[steps:], Logits: make([]float32, V), LastOnly: true}}); err != nil {
 		t.Fatal(err)
 	}
-	other.Close()
+	other.Close() // its blocks go back to the pool: the runs below reuse them
 	// run returns the logits after the prefill and after each decode step.
 	run := func(b llm.Backend) [][]float32 {
 		c, err := b.NewCache(prompt + steps)

@@ -20,7 +20,7 @@
 // the ones that finished. A request therefore never waits for another to
 // end, and batch-1 decoding turns into batch-N matrix products.
 //
-// On a backend that pages its key/value caches (llm.Paged: the CPU) the
+// On a backend that pages its key/value caches (llm.Paged: the CPU and the GPU) the
 // batch is bounded by memory too: a waiting request is admitted only when
 // the block pool has what its prefill takes, and when the running
 // sequences run out of blocks the one that arrived last is preempted —
@@ -88,8 +88,8 @@ type Options struct {
 	// long prompt on a large vocabulary cannot exhaust memory.
 	MaxScoreLogits int
 	// KVCacheBytes bounds the key/value cache memory of a backend that
-	// pages it (llm.Paged: the CPU), in bytes; 0 leaves the backend's
-	// pool as it is (the CPU's is unbounded until bounded). With a bound,
+	// pages it (llm.Paged: the CPU, the GPU), in bytes; 0 leaves the
+	// backend's pool as it is (unbounded until bounded). With a bound,
 	// a waiting request joins the batch only when the pool has the blocks
 	// its next step takes; when decoding sequences run out of blocks the
 	// one that arrived last is preempted — its blocks freed, its prompt and

@@ -80,7 +80,7 @@ type Cache interface {
 // are truncated or closed: a cache's memory follows the tokens it holds,
 // not its capacity. A scheduler admits sequences while the pool has room
 // and preempts one when it runs out (package engine does). The CPU
-// backend is one; the GPU's caches still reserve their capacity up front.
+// backend is one, and so is the GPU's (cuda.Model).
 type Paged interface {
 	Backend
 	// KVPool is the pool the backend's caches draw from.

@@ -14,15 +14,15 @@ import "fmt"
 // them go back to the pool as the sequence moves on (Advance).
 //
 // What a block holds is the backend's: M is its handle to the block's
-// memory (the CPU's KVCache: the block's floats), made by newBlock when
-// the pool hands the block out.
+// memory (the CPU's KVCache: the block's floats; the GPU's: a device
+// address), made by newBlock when the pool hands the block out.
 //
 // A forward pass of n new tokens calls Need(n) (to check the pool),
 // Reserve(n), writes and reads the blocks (Stored, Block), then Advance(n);
 // on failure Rollback gives back what Reserve took.
 type BlockTable[M any] struct {
 	pool     *BlockPool
-	newBlock func(id int) M
+	newBlock func(id int) (M, error)
 	layers   []tableLayer[M]
 	n, cap   int
 	bt       int // positions per block
@@ -48,7 +48,7 @@ type tableBlock[M any] struct {
 // NewBlockTable is an empty table of len(windows) layers (windows[l]: layer
 // l's sliding window, or 0) for up to capacity tokens, its blocks from
 // pool, each block's memory made by newBlock.
-func NewBlockTable[M any](pool *BlockPool, windows []int, capacity int, newBlock func(id int) M) *BlockTable[M] {
+func NewBlockTable[M any](pool *BlockPool, windows []int, capacity int, newBlock func(id int) (M, error)) *BlockTable[M] {
 	t := &BlockTable[M]{pool: pool, newBlock: newBlock, cap: capacity, bt: pool.BlockTokens()}
 	for _, w := range windows {
 		t.layers = append(t.layers, tableLayer[M]{window: w})
@@ -153,7 +153,7 @@ func (t *BlockTable[M]) Need(n int) int {
 }
 
 // Reserve takes from the pool the blocks that appending n tokens writes
-// to, all or none.
+// to, all or none (newBlock failing gives back what it took).
 func (t *BlockTable[M]) Reserve(n int) error {
 	ids, err := t.pool.Alloc(t.Need(n))
 	if err != nil {
@@ -162,15 +162,26 @@ func (t *BlockTable[M]) Reserve(n int) error {
 	for l := range t.layers {
 		L := &t.layers[l]
 		t.missing(l, n, func(b int) {
+			if err != nil {
+				return
+			}
+			var mem M
+			if mem, err = t.newBlock(ids[0]); err != nil {
+				return
+			}
 			for len(L.blocks) <= b {
 				L.blocks = append(L.blocks, nil)
 			}
-			L.blocks[b] = &tableBlock[M]{id: ids[0], mem: t.newBlock(ids[0])}
+			L.blocks[b] = &tableBlock[M]{id: ids[0], mem: mem}
 			ids = ids[1:]
 			t.held++
 		})
 	}
-	return nil
+	if err != nil {
+		t.pool.Release(ids...)
+		t.Rollback()
+	}
+	return err
 }
 
 // Rollback hands back the blocks Reserve took past the tokens stored (a

@@ -1,6 +1,7 @@
 package llm
 
 import (
+	"errors"
 	"slices"
 	"testing"
 
@@ -16,7 +17,14 @@ import (
 func TestBlockTableBookkeeping(t *testing.T) {
 	pool := NewBlockPool(&checkpoint.Config{Layers: 2}, 16, 0, 1)
 	made := map[int]int{} // handle → times made
-	tb := NewBlockTable(pool, []int{0, 20}, 100, func(id int) int { made[id]++; return id })
+	fail := false
+	tb := NewBlockTable(pool, []int{0, 20}, 100, func(id int) (int, error) {
+		if fail {
+			return 0, errors.New("no memory")
+		}
+		made[id]++
+		return id, nil
+	})
 	held := func(l int) (bs []int) {
 		for b := 0; b < 8; b++ {
 			if _, ok := tb.Block(l, b); ok {
@@ -75,6 +83,13 @@ func TestBlockTableBookkeeping(t *testing.T) {
 	if tb.Len() != 53 {
 		t.Errorf("Len after Rollback = %d, want 53", tb.Len())
 	}
+	// A pass whose memory cannot be had: nothing is taken.
+	fail = true
+	if err := tb.Reserve(20); err == nil {
+		t.Error("Reserve with failing memory: no error")
+	}
+	fail = false
+	check("memory refused", []int{0, 1, 2, 3}, []int{2, 3}, 6)
 	// Truncating into block 3 keeps it; to 48, block 3 (48–63) goes.
 	tb.Truncate(50)
 	check("truncated to 50", []int{0, 1, 2, 3}, []int{2, 3}, 6)

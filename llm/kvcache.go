@@ -33,17 +33,7 @@ func (m *Model) KVPool() *BlockPool {
 }
 
 // SetKVCacheBytes implements Paged.
-func (m *Model) SetKVCacheBytes(bytes int64) error {
-	p := m.KVPool()
-	if bytes <= 0 {
-		return p.Resize(0)
-	}
-	blocks := bytes / p.BlockBytes()
-	if blocks < 1 {
-		return fmt.Errorf("a KV cache of %d bytes holds no block (one block is %d bytes: %d positions of one layer)", bytes, p.BlockBytes(), p.BlockTokens())
-	}
-	return p.Resize(int(min(blocks, Unbounded-1)))
-}
+func (m *Model) SetKVCacheBytes(bytes int64) error { return m.KVPool().ResizeBytes(bytes) }
 
 // Trim implements Paged: the blocks handed back are garbage (the pool
 // keeps no memory), so a collection returns them; FreeOSMemory runs one
@@ -57,18 +47,14 @@ func (m *Model) NewCache(capacity int) (Cache, error) {
 		return nil, fmt.Errorf("cache capacity must be positive, got %d", capacity)
 	}
 	c := m.Cfg
-	windows := make([]int, c.Layers)
-	for l := range windows {
-		windows[l] = c.Window(l)
-	}
-	return newKVCache(m.KVPool(), windows, capacity, c.KVHeads, c.HeadDim), nil
+	return newKVCache(m.KVPool(), m.KVPool().Windows(), capacity, c.KVHeads, c.HeadDim), nil
 }
 
 func newKVCache(pool *BlockPool, windows []int, capacity, kvh, hd int) *KVCache {
 	size := kvh * pool.BlockTokens() * hd
-	return &KVCache{BlockTable: NewBlockTable(pool, windows, capacity, func(int) *kvBlock {
+	return &KVCache{BlockTable: NewBlockTable(pool, windows, capacity, func(int) (*kvBlock, error) {
 		kv := make([]float32, 2*size)
-		return &kvBlock{k: kv[:size:size], v: kv[size:]}
+		return &kvBlock{k: kv[:size:size], v: kv[size:]}, nil
 	}), kvh: kvh, hd: hd}
 }
 

@@ -3,6 +3,7 @@ package llm
 import (
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 
 	"github.com/llmq/llmq/llm/checkpoint"
@@ -41,14 +42,38 @@ const Unbounded = math.MaxInt32
 // each block blockTokens positions of one layer's keys and values taking
 // blockBytes of memory.
 func NewBlockPool(cfg *checkpoint.Config, blockTokens, blocks int, blockBytes int64) *BlockPool {
+	windows := make([]int, cfg.Layers)
+	for l := range windows {
+		windows[l] = cfg.Window(l)
+	}
+	return NewBlockPoolFor(windows, blockTokens, blocks, blockBytes)
+}
+
+// NewBlockPoolFor is NewBlockPool for layers whose caches keep the given
+// windows (0: every position), which a backend may set wider than the
+// model's (the GPU keeps every position of a sliding layer).
+func NewBlockPoolFor(windows []int, blockTokens, blocks int, blockBytes int64) *BlockPool {
 	if blocks <= 0 {
 		blocks = Unbounded
 	}
-	p := &BlockPool{blockTokens: blockTokens, blockBytes: blockBytes, total: blocks}
-	for l := 0; l < cfg.Layers; l++ {
-		p.windows = append(p.windows, cfg.Window(l))
+	return &BlockPool{blockTokens: blockTokens, blockBytes: blockBytes, total: blocks, windows: slices.Clone(windows)}
+}
+
+// Windows is the window each layer's caches keep (0: every position).
+func (p *BlockPool) Windows() []int { return slices.Clone(p.windows) }
+
+// ResizeBytes bounds the pool to bytes of blocks (≤ 0: Unbounded), what a
+// Paged backend's SetKVCacheBytes does; it fails when bytes hold no block
+// or caches already hold more.
+func (p *BlockPool) ResizeBytes(bytes int64) error {
+	if bytes <= 0 {
+		return p.Resize(0)
 	}
-	return p
+	blocks := bytes / p.blockBytes
+	if blocks < 1 {
+		return fmt.Errorf("a KV cache of %d bytes holds no block (one block is %d bytes: %d positions of one layer)", bytes, p.blockBytes, p.blockTokens)
+	}
+	return p.Resize(int(min(blocks, Unbounded-1)))
 }
 
 // BlockTokens is the positions one block holds.

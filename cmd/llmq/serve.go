@@ -43,17 +43,17 @@ stderr) carries its id, also sent back as X-Request-Id. SIGTERM or Ctrl-C
 stops accepting connections and lets running requests finish for up to
 --grace.
 
-Memory: on the CPU the key/value caches are paged — blocks of 16 positions
-of one layer, taken as a sequence grows and given back when it ends — from
-a pool of --kv-cache-gb (default 4 GiB). A request joins the batch when
-the pool has room for it and otherwise waits; when running sequences fill
-the pool, the latest to arrive is preempted (its blocks freed) and
-prefilled again later, so its text is unchanged. A request whose prompt +
+Memory: the key/value caches are paged — blocks of 16 positions of one
+layer, taken as a sequence grows and given back when it ends — from a pool
+of --kv-cache-gb (default 4 GiB), on the CPU and the GPU alike. A request
+joins the batch when the pool has room for it and otherwise waits; when
+running sequences fill the pool, the latest to arrive is preempted (its
+blocks freed) and prefilled again later, so its text is unchanged. A request whose prompt +
 max_tokens could never fit the pool, or exceed the model's context, gets
 400 context_length_exceeded; one that sets no max_tokens gets
 --default-max-tokens, bounded by what the context and the pool can hold.
-The GPU still reserves each request's prompt + max_tokens when it starts
-and ignores --kv-cache-gb.`,
+(The GPU keeps every position of a sliding-window layer, where the CPU
+keeps its window.)`,
 		Example: `  llmq serve ../shared/models/llama-tiny --addr 127.0.0.1:8080
   curl -N localhost:8080/v1/chat/completions -d '{"model":"llama-tiny","stream":true,"max_tokens":32,"messages":[{"role":"user","content":"Hi"}]}'
   LLMQ_API_KEY=secret llmq serve ../shared/models/llama-tiny --addr 0.0.0.0:8080 --rate-limit 20 --max-concurrent 64
