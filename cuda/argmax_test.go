@@ -16,13 +16,15 @@ import (
 // 4 and one not, which take the kernel's two load paths), a maximum tied
 // at several places far apart (the first wins), NaNs around the maximum
 // (never chosen), a NaN first value (0, as the CPU's loop leaves it), all
-// −Inf (0), and the maximum in the last place.
+// −Inf (0), the maximum in the last place, and a tie whose lower index
+// a higher-numbered thread holds (4092 and 4096: the merge goes by index,
+// not by thread).
 func TestArgmaxRowsMatchesCPU(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(13, 14))
 	nan, inf := float32(math.NaN()), float32(math.Inf(1))
 	for _, V := range []int{128256, 32003, 7} {
-		const T = 7
+		const T = 8
 		logits := make([]float32, T*V)
 		for i := range logits {
 			logits[i] = float32(r.NormFloat64())
@@ -37,6 +39,9 @@ func TestArgmaxRowsMatchesCPU(t *testing.T) {
 		row(5)[V-1] = inf                    // the last place
 		for i := 1; i < V; i += 2 {
 			row(6)[i] = nan
+		}
+		if V > 4096 {
+			row(7)[4096], row(7)[4092] = 70, 70
 		}
 		ld, err := AllocFrom(x, logits)
 		if err != nil {

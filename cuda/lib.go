@@ -668,10 +668,14 @@ func (x *Context) Embed(ids, E, xs Buf, T, H int, scale float32) error {
 // RMSNorm: with rows unset, x += delta (when set; with deltaNorm set, x +=
 // RMSNorm(delta)·deltaNorm, Gemma 3's post norms) and out = RMSNorm(x)·w
 // over n rows; with rows, out row i = RMSNorm(x[rows[i]])·w. H is a
-// multiple of 4, at most 32768.
+// multiple of 4, at most MaxNormHidden.
 func (x *Context) RMSNorm(xs, delta, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
 	return x.RMSNormExperts(xs, delta, ExpertSum{}, deltaNorm, rows, w, out, n, H, eps)
 }
+
+// MaxNormHidden is the widest row RMSNorm takes (a thread holds 4 chunks
+// of 4 values, 1024 threads a row).
+const MaxNormHidden = 16384
 
 // ExpertSum is a mixture of experts' output still spread over its slots:
 // row t's delta is Σ_j Weights[t][j] · Y[t·K + j] over its K experts (Y
@@ -686,6 +690,9 @@ type ExpertSum struct {
 // in fp32 in ascending expert order (the CPU's order of additions), and
 // e.Y is zeroed on return (the expert GEMVs accumulate into it).
 func (x *Context) RMSNormExperts(xs, delta Buf, e ExpertSum, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
+	if e.K > 0 && (e.Y.Nil() || e.IDs.Nil() || e.Weights.Nil()) || e.K == 0 && !e.Y.Nil() {
+		return fmt.Errorf("rmsnorm: an experts' sum needs its outputs, ids and weights and a top k (have k=%d)", e.K)
+	}
 	return x.do("rmsnorm", func() C.int {
 		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, deltaNorm.p, e.Y.p, e.IDs.p, e.Weights.p, C.int(e.K), rows.p, w.p,
 			out.p, C.int(n), C.int(H), C.float(eps))

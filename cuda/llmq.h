@@ -138,7 +138,9 @@ typedef struct {
    * out row i = RMSNorm(x[rows[i]])·w. With y (fp32 [n·k][H], zeroed on
    * return), the delta is also a mixture's output: row t's Σ_j
    * weights[t·k+j] · y[t·k+j], added in fp32 in ascending expert order
-   * (ids), as the CPU does; k ≤ 16. H % 4 == 0, H ≤ 32768. */
+   * (ids), as the CPU does; k ≤ 16. H % 4 == 0, H ≤ 16384; x, w,
+   * delta_norm and y 16-byte aligned, delta and out 8-byte aligned (rows
+   * of H values from an aligned start are). */
   int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
                  const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
   int (*add)(llmq_ctx* c, float* x, const void* delta, size_t n);
@@ -166,7 +168,8 @@ typedef struct {
   int (*nll)(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
   /* out[t] = the index of row t's largest logit (logits fp32 [T][V]): the
    * first on ties, NaNs never chosen, 0 when logits[t][0] is NaN or no
-   * value exceeds it (llm.Argmax's rules). */
+   * value exceeds it (llm.Argmax's rules). logits 16-byte aligned when
+   * V % 4 == 0. */
   int (*argmax_rows)(llmq_ctx* c, const float* logits, int32_t* out, int T, int V);
   /* C[M,N] = A[M,K]·W[N,K]ᵀ (W in PyTorch's [out][in] layout); C fp32 when c_fp32. */
   int (*gemm_nt)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);

@@ -31,7 +31,8 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-constexpr int kMaxTopK = 16;  // a mixture's experts a row (rmsnorm_kernel, route_row)
+constexpr int kMaxTopK = 16;           // a mixture's experts a row (rmsnorm_kernel, route_row)
+constexpr int kMaxNormHidden = 16384;  // rmsnorm_kernel's widest row (llmq.h)
 
 // block_sum / block_max reduce over a block of up to 1024 threads; red is
 // 32 floats of shared memory. Every thread gets the result.
@@ -76,9 +77,10 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // and w, 4 halves of delta), so every load of the row is issued before the
 // first reduction and x is read once: at batch 1 the kernel is one block,
 // and a strided scalar loop paid a dependent round trip per 256 values
-// (6.7 µs for 4096 of them, decode-ops-h200.txt). H is a multiple of 4.
+// (6.7 µs for 4096 of them, decode-ops-h200.txt). H is a multiple of 4, at
+// most 16384 (V ≤ 4: at 1024 threads a thread has 64 registers).
 template <int V>
-__global__ void rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
+__global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
                                float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
                                int H, float eps) {
@@ -975,10 +977,10 @@ int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H
 
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
             const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
-  // Up to 1024 threads a row, each with V chunks of 4 values.
-  const int H4 = H / 4, V = (H4 + 1023) / 1024;
-  if (H <= 0 || H % 4 != 0 || V > 8) {
-    set_error(c, "rmsnorm: hidden size %d (want a multiple of 4, at most %d)", H, 8 * 4096);
+  // Up to 1024 threads a row, each with V chunks of 4 values (V 1, 2 or 4).
+  const int H4 = H / 4, V = H4 <= 1024 ? 1 : H4 <= 2048 ? 2 : 4;
+  if (H <= 0 || H % 4 != 0 || H4 > 4 * 1024) {
+    set_error(c, "rmsnorm: hidden size %d (want a multiple of 4, at most %d)", H, kMaxNormHidden);
     return 1;
   }
   if (y && (k <= 0 || k > kMaxTopK)) {
@@ -990,9 +992,7 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, f
   switch (V) {
     case 1: CK(launch(c, (rmsnorm_kernel<1>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
     case 2: CK(launch(c, (rmsnorm_kernel<2>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
-    case 3:
-    case 4: CK(launch(c, (rmsnorm_kernel<4>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
-    default: CK(launch(c, (rmsnorm_kernel<8>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
+    default: CK(launch(c, (rmsnorm_kernel<4>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
   }
   return 0;
 }
@@ -1193,8 +1193,6 @@ int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, in
   return 0;
 }
 
-// C[M,N] = A[M,K]·W[N,K]ᵀ with W in PyTorch's [out][in] layout, fp32
-// accumulation; C is fp16, or fp32 when c_fp32 (logits).
 int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V) {
   if (T <= 0 || V <= 0) {
     set_error(c, "argmax_rows: %d rows of %d logits (want positive counts)", T, V);
@@ -1207,6 +1205,8 @@ int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V) {
   return 0;
 }
 
+// C[M,N] = A[M,K]·W[N,K]ᵀ with W in PyTorch's [out][in] layout, fp32
+// accumulation; C is fp16, or fp32 when c_fp32 (logits).
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32) {
   const float alpha = 1.f, beta = 0.f;
   // Row-major C = A·Wᵀ is column-major Cᵀ = W·Aᵀ, W being column-major [K][N]ᵀ.

@@ -857,6 +857,9 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		if c.Closed() {
 			return nil, nil, fmt.Errorf("step %d: the cache is closed", i)
 		}
+		if len(s.Tokens) == 0 {
+			return nil, nil, fmt.Errorf("step %d: no tokens", i)
+		}
 		if c.Len()+len(s.Tokens) > c.Cap() {
 			return nil, nil, fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, c.Len(), len(s.Tokens), c.Cap())
 		}
@@ -938,6 +941,12 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 	for l, b := range m.blocks {
 		if ctx != nil {
 			if err := ctx.Err(); err != nil {
+				if l > 0 && m.blocks[l-1].moe != nil {
+					// The experts' outputs wait in a.y for this layer's
+					// norm, which would have zeroed them: zero them here,
+					// or the next pass adds its own to them.
+					err = errors.Join(err, x.Memset(a.y, 0, a.y.Bytes))
+				}
 				return err
 			}
 		}
@@ -1094,8 +1103,9 @@ func (m *Model) eagerAttnWS(p *pass, T int) (Buf, error) {
 }
 
 // AnswersGreedy marks the model an llm.Greedier: when every step of a
-// Forward is Greedy, the argmax runs on the device and only the ids come
-// back (a batch that mixes them gets its argmaxes from the logits).
+// Forward is Greedy and LastOnly, the argmax runs on the device and only
+// the ids come back (a batch that mixes them gets its argmaxes from the
+// logits; a Greedy step without LastOnly is an ordinary one).
 func (m *Model) AnswersGreedy() {}
 
 // Forward implements llm.Backend.
@@ -1441,6 +1451,10 @@ func attnOptions(c *checkpoint.Config, l int) AttnOptions {
 // rather than running it wrongly: a mixture wider than the route kernel
 // (more than 256 experts, or a top k past 16); the CPU backend runs them.
 func Supports(c *checkpoint.Config) error {
+	if c.Hidden%4 != 0 || c.Hidden > MaxNormHidden {
+		return fmt.Errorf("%s: the GPU backend runs hidden sizes that are multiples of 4 up to %d, not %d (--device cpu runs it)",
+			c.Architecture, MaxNormHidden, c.Hidden)
+	}
 	if c.MoE != nil && (c.MoE.Experts > 256 || c.MoE.TopK > 16) {
 		return fmt.Errorf("%s: the GPU backend runs mixtures of up to 256 experts and a top k up to 16, not %d top %d (--device cpu runs it)",
 			c.Architecture, c.MoE.Experts, c.MoE.TopK)

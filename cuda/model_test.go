@@ -3,7 +3,6 @@
 package cuda
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 	"math"
@@ -102,16 +101,18 @@ func TestZooLogitsOnGPU(t *testing.T) {
 			}
 			maxd, mean, argmax := logitDiff(got, ref, V)
 			t.Logf("%s on %s: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", name, gpu.Name(), maxd, mean, argmax, n)
-			if gpu.Config().MoE != nil {
-				// A router's near-tie flips with fp16 noise: qwen3moe-rand's
-				// layer 0 at position 107 has its 2nd and 3rd experts'
-				// logits 1.1e-4 apart (measured on the CPU), and a
-				// different expert there moves that position's logits by
-				// units. A mixture may have n/50 such positions; the rest
-				// must be as close as a dense model's.
-				var flipped []int
-				maxd, flipped = logitDiffExcept(got, ref, V, n/50)
-				t.Logf("%s: positions %v left out (router near-ties); max |Δlogit| over the rest %.4f", name, flipped, maxd)
+			if tie, ok := routerNearTie[name]; ok {
+				// A router's near-tie flips with fp16 noise and moves that
+				// position's logits by units (and, through attention, the
+				// positions after it a little). Up to n/50 positions past
+				// tol, none before the known near-tie, may be left out;
+				// the rest must be as close as a dense model's.
+				var out []int
+				maxd, out = logitDiffOver(got, ref, V, 0.25)
+				t.Logf("%s: positions %v left out (router near-tie at %d); max |Δlogit| over the rest %.4f", name, out, tie, maxd)
+				if len(out) > n/50 || len(out) > 0 && slices.Min(out) < tie {
+					t.Errorf("%s: positions %v are off by more than 0.25: more than %d, or before the near-tie at %d", name, out, n/50, tie)
+				}
 			}
 			if maxd > 0.25 || mean > 0.02 || argmax < n-n/20 {
 				t.Errorf("GPU logits too far from the reference")
@@ -238,21 +239,26 @@ func logitDiff(got, want []float32, V int) (maxd, mean float64, argmax int) {
 	return maxd, mean / float64(len(got)), argmax
 }
 
-// logitDiffExcept is logitDiff's max |Δlogit| over the positions but the
-// skip farthest (returned).
-func logitDiffExcept(got, want []float32, V, skip int) (float64, []int) {
-	n := len(got) / V
-	worst := make([]float64, n)
-	for r := range n {
-		worst[r], _, _ = logitDiff(got[r*V:(r+1)*V], want[r*V:(r+1)*V], V)
+// routerNearTie is, for a mixture of the zoo, the first position where
+// its routing is a near-tie on the CPU: qwen3moe-rand's layer 0 at
+// position 107 has its 2nd and 3rd experts' logits 1.1e-4 apart
+// (measured with the CPU model), so fp16 noise may pick either.
+var routerNearTie = map[string]int{"qwen3moe-rand": 107}
+
+// logitDiffOver is logitDiff's max |Δlogit| over the positions within tol,
+// and the positions past it.
+func logitDiffOver(got, want []float32, V int, tol float64) (float64, []int) {
+	var maxd float64
+	var out []int
+	for r := range len(got) / V {
+		d, _, _ := logitDiff(got[r*V:(r+1)*V], want[r*V:(r+1)*V], V)
+		if d > tol {
+			out = append(out, r)
+		} else {
+			maxd = max(maxd, d)
+		}
 	}
-	order := make([]int, n)
-	for i := range order {
-		order[i] = i
-	}
-	slices.SortFunc(order, func(a, b int) int { return cmp.Compare(worst[b], worst[a]) })
-	skip = min(skip, n-1)
-	return worst[order[skip]], order[:skip]
+	return maxd, out
 }
 
 // Greedy decoding on the GPU (decode steps through CUDA graphs) gives
@@ -350,19 +356,23 @@ func TestPagedCache(t *testing.T) {
 }
 
 // TestGreedyStepsOnDevice: decode steps that ask only for their argmax
-// (llm.Step.Greedy, no logits buffer) get the id the host would pick from
-// the logits, whether every step of the batch asks (the argmax kernel, the
-// ids copied back) or only some do (the logits copied back and the argmax
-// taken on the host).
+// (llm.Step.Greedy, no logits buffer) get the id the host picks from the
+// logits of the same sequence in a batch of the same make-up, whether
+// every step of the batch asks (the argmax kernel, ids copied back) or
+// only some do (the logits copied back, the argmax taken on the host).
+// Two sequences with different prompts, each run twice: once greedy, once
+// with logits; a swapped or repeated row picks the other sequence's token.
 func TestGreedyStepsOnDevice(t *testing.T) {
 	_, gpu := loadBoth(t, "llama-tiny")
 	if !llm.IsGreedier(gpu) {
 		t.Fatal("the GPU model does not answer greedy steps")
 	}
 	ctx := context.Background()
-	prompt := []int{1, 450, 4955, 310, 278}
+	prompts := [][]int{{1, 450, 4955, 310, 278}, {1, 3118, 263, 931, 727, 471}}
 	V := gpu.Config().Vocab
-	caches := make([]llm.Cache, 3)
+	// caches[0], [1]: the two sequences, greedy; [2], [3]: the same, with logits.
+	caches := make([]llm.Cache, 4)
+	next := make([]int, 2)
 	for i := range caches {
 		c, err := gpu.NewCache(32)
 		if err != nil {
@@ -370,41 +380,46 @@ func TestGreedyStepsOnDevice(t *testing.T) {
 		}
 		defer c.Close()
 		caches[i] = c
-		if err := gpu.Forward(ctx, []llm.Step{{Cache: c, Tokens: prompt, Logits: make([]float32, V), LastOnly: true}}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	next := 2931
-	for step := range 4 {
 		logits := make([]float32, V)
-		all := []llm.Step{
-			{Cache: caches[0], Tokens: []int{next}, LastOnly: true, Greedy: true},
-			{Cache: caches[1], Tokens: []int{next}, LastOnly: true, Greedy: true},
-		}
-		if err := gpu.Forward(ctx, all); err != nil {
+		if err := gpu.Forward(ctx, []llm.Step{{Cache: c, Tokens: prompts[i%2], Logits: logits, LastOnly: true}}); err != nil {
 			t.Fatal(err)
 		}
-		mixed := []llm.Step{{Cache: caches[2], Tokens: []int{next}, Logits: logits, LastOnly: true}}
-		if err := gpu.Forward(ctx, mixed); err != nil {
-			t.Fatal(err)
+		next[i%2] = llm.Argmax(logits)
+	}
+	if next[0] == next[1] {
+		t.Logf("both prompts continue with %d: the first step cannot tell the rows apart", next[0])
+	}
+	logits := [][]float32{make([]float32, V), make([]float32, V)}
+	for step := range 4 {
+		greedy := []llm.Step{
+			{Cache: caches[0], Tokens: []int{next[0]}, LastOnly: true, Greedy: true},
+			{Cache: caches[1], Tokens: []int{next[1]}, LastOnly: true, Greedy: true},
 		}
-		want := llm.Argmax(logits)
-		if all[0].Argmax != want || all[1].Argmax != want {
-			t.Fatalf("step %d: greedy steps picked %d and %d on the device, the host picks %d from the logits", step, all[0].Argmax, all[1].Argmax, want)
+		plain := []llm.Step{
+			{Cache: caches[2], Tokens: []int{next[0]}, Logits: logits[0], LastOnly: true},
+			{Cache: caches[3], Tokens: []int{next[1]}, Logits: logits[1], LastOnly: true},
 		}
-		next = want
-	}
-	// A batch mixing a greedy step with one that wants its logits.
-	logits := make([]float32, V)
-	mixed := []llm.Step{
-		{Cache: caches[0], Tokens: []int{next}, LastOnly: true, Greedy: true},
-		{Cache: caches[2], Tokens: []int{next}, Logits: logits, LastOnly: true},
-	}
-	if err := gpu.Forward(ctx, mixed); err != nil {
-		t.Fatal(err)
-	}
-	if want := llm.Argmax(logits); mixed[0].Argmax != want {
-		t.Errorf("mixed batch: the greedy step picked %d, the host picks %d from the same position's logits", mixed[0].Argmax, want)
+		if step == 3 { // a batch mixing a greedy step with one that wants its logits, both ways round
+			greedy[1], plain[1] = plain[1], greedy[1]
+		}
+		for _, b := range [][]llm.Step{greedy, plain} {
+			if err := gpu.Forward(ctx, b); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for i := range 2 {
+			want := llm.Argmax(logits[i])
+			var got int
+			if step == 3 && i == 1 {
+				got = plain[1].Argmax
+			} else {
+				got = greedy[i].Argmax
+			}
+			if got != want {
+				t.Fatalf("step %d, sequence %d: the greedy step picked %d, the host picks %d from the same sequence's logits", step, i, got, want)
+			}
+			next[i] = want
+		}
 	}
 }
 

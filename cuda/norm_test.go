@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -15,16 +16,17 @@ import (
 
 // TestRMSNormMatchesReference checks rmsnorm_kernel against float64 on
 // every form the model calls — the plain norm, the residual add before it,
-// Gemma 3's normed residual, the gathered rows of a last-token norm — at
-// hidden sizes that take each register layout (1, 2 and 4 chunks of four
-// values a thread, a last warp partly idle), and that a hidden size the
-// kernel cannot hold is refused with its name.
+// Gemma 3's normed residual, the gathered rows of a last-token norm, a
+// mixture's experts summed into the residual (k = 8 of 16, the sum zeroed
+// after) — at hidden sizes that take each register layout (1, 2 and 4
+// chunks of four values a thread, a last warp partly idle), and that a
+// hidden size the kernel cannot hold is refused with its name.
 func TestRMSNormMatchesReference(t *testing.T) {
 	x := openContext(t)
 	r := rand.New(rand.NewPCG(11, 12))
 	const eps = 1e-6
 	for _, H := range []int{128, 260, 4096, 5120, 12288} {
-		for _, form := range []string{"plain", "delta", "normed delta", "rows"} {
+		for _, form := range []string{"plain", "delta", "normed delta", "rows", "experts"} {
 			t.Run(fmt.Sprintf("H%d/%s", H, form), func(t *testing.T) {
 				const T = 3
 				xv := make([]float32, T*H)
@@ -37,6 +39,18 @@ func TestRMSNormMatchesReference(t *testing.T) {
 				}
 				db, dv := randomHalf(r, T*H)
 				rows := []int32{2, 0}
+				// A mixture's outputs: row t's 8 of 16 experts, slot t·8+j.
+				const E, k = 16, 8
+				yv, ids, wts := make([]float32, T*k*H), make([]int32, T*k), make([]float32, T*k)
+				for i := range yv {
+					yv[i] = float32(r.NormFloat64())
+				}
+				for t := range T {
+					for j, e := range r.Perm(E)[:k] {
+						ids[t*k+j], wts[t*k+j] = int32(e), float32(r.Float64())
+					}
+				}
+				var experts ExpertSum
 				xs, _ := AllocFrom(x, xv)
 				wd, _ := AllocFrom(x, w)
 				out, _ := x.Alloc(T * H * 2)
@@ -51,14 +65,28 @@ func TestRMSNormMatchesReference(t *testing.T) {
 				case "rows":
 					rowsd, _ = AllocFrom(x, rows)
 					n = len(rows)
+				case "experts":
+					experts.Y, _ = AllocFrom(x, yv)
+					experts.IDs, _ = AllocFrom(x, ids)
+					experts.Weights, _ = AllocFrom(x, wts)
+					experts.K = k
 				}
 				defer func() {
-					for _, b := range []Buf{xs, wd, out, delta, deltaNorm, rowsd} {
+					for _, b := range []Buf{xs, wd, out, delta, deltaNorm, rowsd, experts.Y, experts.IDs, experts.Weights} {
 						x.Free(b)
 					}
 				}()
-				if err := x.RMSNorm(xs, delta, deltaNorm, rowsd, wd, out, n, H, eps); err != nil {
+				if err := x.RMSNormExperts(xs, delta, experts, deltaNorm, rowsd, wd, out, n, H, eps); err != nil {
 					t.Fatal(err)
+				}
+				if form == "experts" {
+					left := make([]float32, len(yv))
+					if err := Download(x, left, experts.Y); err != nil {
+						t.Fatal(err)
+					}
+					if i := slices.IndexFunc(left, func(v float32) bool { return v != 0 }); i >= 0 {
+						t.Fatalf("the experts' outputs hold %v at %d after the sum (want them zeroed)", left[i], i)
+					}
 				}
 				got, gotX := make([]uint16, n*H), make([]float32, T*H)
 				if err := errors.Join(Download(x, got, out), Download(x, gotX, xs)); err != nil {
@@ -85,6 +113,10 @@ func TestRMSNormMatchesReference(t *testing.T) {
 							res[j] += float64(dv[src*H+j])
 						case "normed delta":
 							res[j] += float64(dv[src*H+j]) * dinv * float64(dw[j])
+						case "experts":
+							for e := range k {
+								res[j] += float64(wts[src*k+e]) * float64(yv[(src*k+e)*H+j])
+							}
 						}
 						ss += res[j] * res[j]
 					}
@@ -102,9 +134,11 @@ func TestRMSNormMatchesReference(t *testing.T) {
 			})
 		}
 	}
-	xs, _ := x.Alloc(4 * 4 * 130)
+	xs, _ := x.Alloc(4 * (MaxNormHidden + 4))
 	defer x.Free(xs)
-	if err := x.RMSNorm(xs, Buf{}, Buf{}, Buf{}, xs, xs, 1, 130, eps); err == nil || !strings.Contains(err.Error(), "hidden size 130") {
-		t.Errorf("hidden size 130: %v, want a refusal naming it", err)
+	for _, H := range []int{130, MaxNormHidden + 4} {
+		if err := x.RMSNorm(xs, Buf{}, Buf{}, Buf{}, xs, xs, 1, H, eps); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("hidden size %d", H)) {
+			t.Errorf("hidden size %d: %v, want a refusal naming it", H, err)
+		}
 	}
 }

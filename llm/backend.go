@@ -134,7 +134,8 @@ type Step struct {
 	// function Argmax takes it: the first on ties) in the field Argmax,
 	// instead of the logits: the GPU then copies one id to the host, not a
 	// vocabulary of floats. Callers send Greedy steps only to Greediers
-	// (IsGreedier); other backends ignore the flag.
+	// (IsGreedier); other backends ignore the flag, and so does a
+	// Greedier on a step without LastOnly (its Logits buffer is needed).
 	Greedy bool
 	Argmax int
 }
