@@ -87,7 +87,7 @@ case "$1" in
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group $g -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
     export LLMQ_TEST_W4_MODELS=${W4#:}
-    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL|TestRMSNorm|TestArgmax|TestBatched'
+    run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL|TestRMSNorm|TestArgmax|TestBatched|TestPaged'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
     rc=$?
     echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'" | cat - "$OUT/cuda-tests.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests.log"
