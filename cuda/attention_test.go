@@ -21,9 +21,9 @@ import (
 // the softmax must subtract its max) and 24 rows of one sequence (a short prefill into a filled cache)
 // — head_dim 36 (not a multiple of 8: attention_kernel decodes it), and a
 // prefill-sized pass (attention_kernel, one head a block). Every case runs
-// twice: contiguous caches, then the same caches paged (blocks of 16
-// positions in shuffled order through block tables, what cuda.Cache
-// uses). The workspace starts as huge values, so a chunk record left
+// twice: on contiguous caches, then on caches drawn the same way but paged
+// (blocks of 16 positions in shuffled order through block tables, what
+// cuda.Cache uses). The workspace starts as huge values, so a chunk record left
 // unwritten fails the test.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	x := openContext(t)

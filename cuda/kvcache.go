@@ -89,23 +89,39 @@ func (m *Model) Trim() {
 		return
 	}
 	for i, b := range m.kv.segs {
-		if !b.Nil() {
+		if !b.Nil() && m.x.Free(b) == nil {
 			m.caches -= int64(b.Bytes)
-			m.x.Free(b)
 			m.kv.segs[i] = Buf{}
 		}
 	}
 }
 
 // Cache is a sequence's key/value cache on the GPU: an llm.BlockTable of
-// device addresses, and its copy on the device (table, [block][layer];
-// host holds the same).
+// device addresses (blocks; its Reserve, Advance and Rollback only under
+// the model's lock, from Forward), and its copy on the device (table,
+// [block][layer]; host holds what was uploaded).
 type Cache struct {
-	*llm.BlockTable[uint64]
-	m     *Model
-	table Buf
-	host  []uint64
+	blocks *llm.BlockTable[uint64]
+	m      *Model
+	table  Buf
+	host   []uint64
 }
+
+func (c *Cache) Len() int       { return c.blocks.Len() }
+func (c *Cache) Cap() int       { return c.blocks.Cap() }
+func (c *Cache) Truncate(n int) { c.blocks.Truncate(n) }
+
+// Need implements llm.PagedCache.
+func (c *Cache) Need(n int) int { return c.blocks.Need(n) }
+
+// Blocks implements llm.PagedCache.
+func (c *Cache) Blocks() int { return c.blocks.Blocks() }
+
+// Bytes is the memory of the blocks the cache holds.
+func (c *Cache) Bytes() int64 { return c.blocks.Bytes() }
+
+// Closed reports whether the cache was closed.
+func (c *Cache) Closed() bool { return c.blocks.Closed() }
 
 // NewCache implements llm.Backend: an empty cache that may grow to
 // capacity tokens, holding only its block table until tokens are written.
@@ -129,7 +145,7 @@ func (m *Model) newCache(capacity int) (*Cache, error) {
 		return nil, fmt.Errorf("the block table of a %d-token cache: %w", capacity, err)
 	}
 	m.caches += int64(t.Bytes)
-	return &Cache{BlockTable: llm.NewBlockTable(m.kv.pool, m.kv.pool.Windows(), capacity, m.blockAddr),
+	return &Cache{blocks: llm.NewBlockTable(m.kv.pool, m.kv.pool.Windows(), capacity, m.blockAddr),
 		m: m, table: t, host: make([]uint64, rows*c.Layers)}, nil
 }
 
@@ -148,16 +164,16 @@ func (c *Cache) close() error {
 	if c.Closed() {
 		return nil
 	}
-	c.BlockTable.Close()
+	c.blocks.Close()
 	t := c.table
 	c.table = Buf{}
 	if c.m.x == nil {
 		return nil
 	}
-	c.m.caches -= int64(t.Bytes)
 	if err := c.m.x.Free(t); err != nil {
 		return fmt.Errorf("closing a GPU cache: %w", err)
 	}
+	c.m.caches -= int64(t.Bytes)
 	return nil
 }
 
@@ -170,12 +186,13 @@ func (c *Cache) sync(n int) error {
 	}
 	L, B := c.m.cfg.Layers, llm.DefaultBlockTokens
 	first, last := c.Len()/B, (c.Len()+n-1)/B
+	rows := make([]uint64, (last-first+1)*L)
 	lo, hi := -1, -1
 	for b := first; b <= last; b++ {
 		for l := 0; l < L; l++ {
-			addr, _ := c.Block(l, b) // 0 where the cache holds none
-			if i := b*L + l; c.host[i] != addr {
-				c.host[i] = addr
+			addr, _ := c.blocks.Block(l, b) // 0 where the cache holds none
+			rows[(b-first)*L+l] = addr
+			if c.host[b*L+l] != addr {
 				if lo < 0 {
 					lo = b
 				}
@@ -186,7 +203,12 @@ func (c *Cache) sync(n int) error {
 	if lo < 0 {
 		return nil
 	}
-	return Upload(c.m.x, c.table.Offset(lo*L*8), c.host[lo*L:hi*L])
+	// host records only what reached the device.
+	if err := Upload(c.m.x, c.table.Offset(lo*L*8), rows[(lo-first)*L:(hi-first)*L]); err != nil {
+		return err
+	}
+	copy(c.host[lo*L:hi*L], rows[(lo-first)*L:(hi-first)*L])
+	return nil
 }
 
 var (

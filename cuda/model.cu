@@ -217,6 +217,16 @@ __device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_
   return (half*)kv_base[s] + (((size_t)kind * layers + layer) * cap + pos) * kv_dim;
 }
 
+// cache_kv is cache_row's key and value rows of one position, with one
+// read of the block table: a paged block holds the values 16 rows after
+// the keys, a contiguous cache layers·cap rows after.
+__device__ __forceinline__ void cache_kv(const uint64_t* kv_base, const int32_t* kv_cap, int s, int layer, int layers,
+                                         int pos, int kv_dim, const half*& k, const half*& v) {
+  k = cache_row(kv_base, kv_cap, s, 0, layer, layers, pos, kv_dim);
+  const int cap = kv_cap[s];
+  v = k + (size_t)(cap < 0 ? kPageTokens : layers * cap) * kv_dim;
+}
+
 // qk_rope_store_kernel prepares q and k for attention, one warp per
 // (row, head) of q (heads) and then k (kv_heads), in place: Qwen3's
 // per-head RMSNorm when its weights are given (the sum of squares in
@@ -461,8 +471,11 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   for (int k = 0; k < kSlots; k++) {
     const int j = c * kDecodeChunk + warp * 2 * kSlots + 2 * k + kg;
     act[k] = j >= j0 && j < j1;
-    const half* K = act[k] ? cache_row(kv_base, kv_cap, s, 0, layer, layers, j, kv_dim) + kvh * hd : nullptr;
-    const half* V = act[k] ? cache_row(kv_base, kv_cap, s, 1, layer, layers, j, kv_dim) + kvh * hd : nullptr;
+    const half *K = nullptr, *V = nullptr;
+    if (act[k]) {
+      cache_kv(kv_base, kv_cap, s, layer, layers, j, kv_dim, K, V);
+      K += kvh * hd, V += kvh * hd;
+    }
 #pragma unroll
     for (int i = 0; i < VPL; i++) {
       kr[k][i] = vr[k][i] = make_uint4(0, 0, 0, 0);

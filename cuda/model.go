@@ -889,13 +889,13 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		return nil, nil, fmt.Errorf("KV cache pool exhausted: this step needs %d more blocks, %d of %d are free", need, pool.Free(), pool.Blocks())
 	}
 	for i, s := range steps {
-		err := caches[i].Reserve(len(s.Tokens))
+		err := caches[i].blocks.Reserve(len(s.Tokens))
 		if err == nil {
 			err = caches[i].sync(len(s.Tokens))
 		}
 		if err != nil {
 			for _, c := range caches[:i+1] {
-				c.Rollback()
+				c.blocks.Rollback()
 			}
 			return nil, nil, fmt.Errorf("step %d: %w", i, err)
 		}
@@ -1123,7 +1123,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	defer func() {
 		if !done { // the pass failed: give back the blocks prepare took
 			for _, c := range caches {
-				c.Rollback()
+				c.blocks.Rollback()
 			}
 		}
 	}()
@@ -1192,7 +1192,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		}
 		for i := range steps {
 			steps[i].Argmax = int(next[i])
-			caches[i].Advance(len(steps[i].Tokens))
+			caches[i].blocks.Advance(len(steps[i].Tokens))
 		}
 		done = true
 		return nil
@@ -1212,7 +1212,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 			steps[i].Argmax = llm.Argmax(logits[r*V : (r+1)*V])
 		}
 		r += n
-		caches[i].Advance(len(s.Tokens))
+		caches[i].blocks.Advance(len(s.Tokens))
 	}
 	done = true
 	return nil

@@ -318,6 +318,9 @@ func TestPagedCache(t *testing.T) {
 	if pc.Blocks() != 3*L || pool.Used() != 3*L || c.Len() != 40 {
 		t.Errorf("40 tokens: %d blocks held (pool %d), length %d; want %d, 40", pc.Blocks(), pool.Used(), c.Len(), 3*L)
 	}
+	if mem, err := gpu.Memory(); err != nil || mem.Caches < int64(3*L)*pool.BlockBytes() {
+		t.Errorf("40 tokens: memory %+v, %v; want the context's count to agree and at least the blocks held", mem, err)
+	}
 	c.Truncate(20)
 	if pc.Blocks() != 2*L {
 		t.Errorf("truncated to 20: %d blocks held, want %d", pc.Blocks(), 2*L)

@@ -96,7 +96,7 @@ type Options struct {
 	// the tokens generated so far prefilled again once blocks are free —
 	// and a request that could not fit the pool even alone is refused
 	// (ErrInvalid). Backends that reserve each cache's capacity up front
-	// (the GPU for now) ignore it.
+	// ignore it.
 	KVCacheBytes int64
 }
 
@@ -213,8 +213,9 @@ type Stats struct {
 	// the last iteration of the scheduler.
 	KVTokens int64 `json:"kv_cache_tokens"`
 	// KVBytes is the memory of the backend's caches (Memory().Caches: on
-	// the CPU the blocks held now, on the GPU each cache's whole
-	// capacity).
+	// a paged backend the blocks held now; on the GPU, the segments of
+	// blocks allocated, idle ones included until Trim, and the caches'
+	// block tables).
 	KVBytes int64 `json:"kv_cache_bytes,omitempty"`
 	// KVBytesKnown: the backend's caches report their size (seen once a
 	// request ran); KVBytes means nothing otherwise.
@@ -241,6 +242,15 @@ func (e *Engine) Stats() Stats {
 		}
 	}
 	return st
+}
+
+// KVPoolBytes is the memory a bounded key/value pool may hold (0 when the
+// backend does not page its caches or the pool has no bound).
+func (e *Engine) KVPoolBytes() int64 {
+	if e.pool == nil || e.pool.Blocks() == llm.Unbounded {
+		return 0
+	}
+	return int64(e.pool.Blocks()) * e.pool.BlockBytes()
 }
 
 // MaxSequence is the most tokens, prompt and generation together, one

@@ -109,7 +109,7 @@ type PagedCache interface {
 // the GPU they are every byte allocated through the model's context.
 type Memory struct {
 	Weights     int64 `json:"weights_bytes"`
-	Caches      int64 `json:"caches_bytes"`      // key/value caches not yet closed (the CPU: the blocks they hold now)
+	Caches      int64 `json:"caches_bytes"`      // key/value caches: the CPU, the blocks open caches hold now; the GPU, its segments of blocks and the caches' tables
 	Activations int64 `json:"activations_bytes"` // buffers kept between forward passes, decode graphs' included
 	Workspace   int64 `json:"workspace_bytes"`   // library scratch (cuBLAS workspace, dequantize scratch)
 	Graphs      int   `json:"graphs"`            // captured decode graphs held

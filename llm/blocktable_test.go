@@ -2,6 +2,7 @@ package llm
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 
@@ -17,10 +18,13 @@ import (
 func TestBlockTableBookkeeping(t *testing.T) {
 	pool := NewBlockPool(&checkpoint.Config{Layers: 2}, 16, 0, 1)
 	made := map[int]int{} // handle → times made
-	fail := false
+	fail := -1            // newBlock fails after this many more blocks (−1: never)
 	tb := NewBlockTable(pool, []int{0, 20}, 100, func(id int) (int, error) {
-		if fail {
+		if fail == 0 {
 			return 0, errors.New("no memory")
+		}
+		if fail > 0 {
+			fail--
 		}
 		made[id]++
 		return id, nil
@@ -83,13 +87,16 @@ func TestBlockTableBookkeeping(t *testing.T) {
 	if tb.Len() != 53 {
 		t.Errorf("Len after Rollback = %d, want 53", tb.Len())
 	}
-	// A pass whose memory cannot be had: nothing is taken.
-	fail = true
-	if err := tb.Reserve(20); err == nil {
-		t.Error("Reserve with failing memory: no error")
+	// A pass whose memory cannot be had, at once or after one of its two
+	// blocks (the full layer's): nothing is taken.
+	for _, after := range []int{0, 1} {
+		fail = after
+		if err := tb.Reserve(20); err == nil {
+			t.Errorf("Reserve with memory failing after %d blocks: no error", after)
+		}
+		fail = -1
+		check(fmt.Sprintf("memory refused after %d", after), []int{0, 1, 2, 3}, []int{2, 3}, 6)
 	}
-	fail = false
-	check("memory refused", []int{0, 1, 2, 3}, []int{2, 3}, 6)
 	// Truncating into block 3 keeps it; to 48, block 3 (48–63) goes.
 	tb.Truncate(50)
 	check("truncated to 50", []int{0, 1, 2, 3}, []int{2, 3}, 6)

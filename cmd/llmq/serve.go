@@ -99,7 +99,7 @@ keeps its window.)`,
 			}
 			fmt.Fprintf(os.Stderr, "llmq: listening on http://%s (%s); loading %s\n", ln.Addr(), auth, args[0])
 
-			m, e, err := loadForServe(ctx, args[0], device, opt)
+			m, e, err := loadForServe(ctx, args[0], device, opt, !cmd.Flags().Changed("kv-cache-gb"))
 			if err != nil {
 				stop()
 				<-served
@@ -119,10 +119,10 @@ keeps its window.)`,
 			if st := e.Stats(); st.KVPaged {
 				kvNote = "KV cache unbounded, paged"
 				if st.KVBlocksTotal > 0 {
-					kvNote = fmt.Sprintf("KV cache %.2g GiB, paged: %d tokens at most per request", kvGB, e.MaxSequence())
+					kvNote = fmt.Sprintf("KV cache %.3g GiB, paged: %d tokens at most per request", float64(e.KVPoolBytes())/(1<<30), e.MaxSequence())
 				}
 			} else if cmd.Flags().Changed("kv-cache-gb") {
-				fmt.Fprintf(os.Stderr, "llmq: --kv-cache-gb applies to the CPU's paged cache; %s reserves each request's cache up front\n", e.Backend.Name())
+				fmt.Fprintf(os.Stderr, "llmq: --kv-cache-gb applies to a backend that pages its caches; %s reserves each request's cache up front\n", e.Backend.Name())
 			}
 			fmt.Fprintf(os.Stderr, "llmq: serving %q on http://%s (%s, batch ≤ %d, queue ≤ %d; %s; %s)\n",
 				name, ln.Addr(), e.Backend.Name(), opt.MaxBatch, opt.MaxQueue, kvNote, chatNote)
@@ -137,7 +137,7 @@ keeps its window.)`,
 	f.StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu or cuda")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot before 503")
-	f.Float64Var(&kvGB, "kv-cache-gb", 4, "memory for the key/value caches of all requests together, in GiB (CPU; paged in blocks of 16 positions; 0: unbounded)")
+	f.Float64Var(&kvGB, "kv-cache-gb", 4, "memory for the key/value caches of all requests together, in GiB (paged in blocks of 16 positions; 0: unbounded; unset on the GPU: three quarters of the device memory free after loading)")
 	f.DurationVar(&tout.Grace, "grace", 30*time.Second, "on SIGTERM, how long running requests may take to finish")
 	f.Int64Var(&sopt.MaxBodyBytes, "max-body", 1<<20, "request body limit in bytes (413 beyond)")
 	f.IntVar(&sopt.DefaultMaxTokens, "default-max-tokens", server.DefaultMaxTokensValue, "max_tokens of a request that sets none (bounded by the room left in the context and the KV cache)")
@@ -154,7 +154,10 @@ keeps its window.)`,
 
 // loadForServe opens the model and starts its engine, giving up (nil, nil,
 // nil) when ctx ends first: a SIGTERM during a long load exits at once.
-func loadForServe(ctx context.Context, dir, device string, opt engine.Options) (*backend.Model, *engine.Engine, error) {
+// loadForServe loads the model and starts its engine, unless ctx ends
+// first. With kvAuto (--kv-cache-gb not given) a GPU's key/value pool is
+// three quarters of the device memory free once the weights are loaded.
+func loadForServe(ctx context.Context, dir, device string, opt engine.Options, kvAuto bool) (*backend.Model, *engine.Engine, error) {
 	type loaded struct {
 		m   *backend.Model
 		e   *engine.Engine
@@ -169,6 +172,9 @@ func loadForServe(ctx context.Context, dir, device string, opt engine.Options) (
 		}
 		if m.Fallback != "" {
 			fmt.Fprintln(os.Stderr, "llmq:", m.Fallback)
+		}
+		if mem, err := m.Backend.Memory(); kvAuto && err == nil && mem.DeviceTotal > 0 {
+			opt.KVCacheBytes = (mem.DeviceTotal - mem.DeviceUsed) / 4 * 3
 		}
 		e, err := engine.New(m, opt)
 		if err != nil {
