@@ -2,7 +2,9 @@
 # One call on the GPU machine for the GPU runtime (cuda.Model): build the
 # library, run the model tests, and measure perplexity, decoding and
 # prefill. Run from the repository root with build/device (make device)
-# and .carry/shared (the shared assets the mode needs) carried:
+# and .carry/shared (the shared assets the mode needs) carried — `make
+# device && bash cuda/carry.sh` packs both into .carry/*.tar.xz, which
+# this script unpacks (carry those files):
 #
 #   bash cuda/device-model.sh tiny    # tests + ppl of llama-tiny fp/RTN/GPTQ
 #   bash cuda/device-model.sh small   # tests + ppl of llama-small fp/RTN/GPTQ

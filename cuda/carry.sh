@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Packs what a device call needs into .carry/ (ignored by git), as
+# device-model.sh unpacks it: archives of repository-relative paths
+# (.carry/shared/... from ../shared, build/device/... from make device),
+# xz-compressed so that they fit the device tool's 64 MiB carry beside
+# the repository.
+#
+#   bash cuda/carry.sh            # dev + tinynodata + zoolite + moe (≈ 54 MB)
+#   bash cuda/carry.sh dev tiny   # only those
+#
+# dev:      build/device/{llmq,cuda.test,COMMIT} (run make device first)
+# tiny:     llama-tiny and its reference logits and greedy outputs
+# zoolite:  qwen2, qwen3, llama31 (weights and references), the gemma3 and
+#           mistral-swa configs only (their zoo subtests then fail on the
+#           missing weights: the full zoo does not fit beside the rest)
+# moe:      mixtral-rand and qwen3moe-rand with their references
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -d ../shared ] || { echo "carry.sh: ../shared is absent" >&2; exit 1; }
+mkdir -p .carry
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/.carry"
+ln -s "$(cd ../shared && pwd)" "$stage/.carry/shared"
+S=.carry/shared
+pack() { # name patterns... (expanded in the staging folder, where .carry/shared is)
+  local name=$1; shift
+  # shellcheck disable=SC2068 # the patterns are globbed there, not here
+  (cd "$stage" && tar -chf - $@) | xz -T0 -6 > ".carry/$name.tar.xz"
+  echo "$name: $(du -h ".carry/$name.tar.xz" | cut -f1)"
+}
+for what in "${@:-dev tiny zoolite moe}"; do
+  for w in $what; do
+    case $w in
+      dev)
+        [ -x build/device/llmq ] || { echo "carry.sh: run make device first" >&2; exit 1; }
+        tar -cf - build/device/llmq build/device/cuda.test build/device/COMMIT | xz -T0 -6 > .carry/dev.tar.xz
+        echo "dev: $(du -h .carry/dev.tar.xz | cut -f1) ($(cat build/device/COMMIT))" ;;
+      tiny) pack tinynodata "$S/models/llama-tiny" "$S/reference/llama-tiny.*" ;;
+      zoolite)
+        pack zoolite "$S/models/archzoo/qwen2-rand" "$S/models/archzoo/qwen3-rand" "$S/models/archzoo/llama31-rand" \
+          "$S/models/archzoo/gemma3-rand/config.json" "$S/models/archzoo/mistral-swa-rand/config.json" \
+          "$S/reference/qwen2-rand.*" "$S/reference/qwen3-rand.*" "$S/reference/llama31-rand.*" ;;
+      moe) pack moe "$S/models/archzoo/mixtral-rand" "$S/models/archzoo/qwen3moe-rand" "$S/reference/mixtral-rand.*" "$S/reference/qwen3moe-rand.*" ;;
+      *) echo "carry.sh: unknown archive $w (want dev, tiny, zoolite, moe)" >&2; exit 1 ;;
+    esac
+  done
+done
