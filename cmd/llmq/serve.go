@@ -45,12 +45,13 @@ stops accepting connections and lets running requests finish for up to
 
 Memory: the key/value caches are paged — blocks of 16 positions of one
 layer, taken as a sequence grows and given back when it ends — from a pool
-of --kv-cache-gb (default 4 GiB), on the CPU and the GPU alike. A request
-joins the batch when the pool has room for it and otherwise waits; when
-running sequences fill the pool, the latest to arrive is preempted (its
-blocks freed) and prefilled again later, so its text is unchanged. A request whose prompt +
-max_tokens could never fit the pool, or exceed the model's context, gets
-400 context_length_exceeded; one that sets no max_tokens gets
+of --kv-cache-gb (default 4 GiB on the CPU, three quarters of the device
+memory free after loading on the GPU). A request joins the batch when the
+pool has room for it and otherwise waits; when running sequences fill the
+pool, the latest to arrive is preempted (its blocks freed) and prefilled
+again later, so its text is unchanged. A request whose prompt + max_tokens
+could never fit the pool, or exceed the model's context, gets 400
+context_length_exceeded; one that sets no max_tokens gets
 --default-max-tokens, bounded by what the context and the pool can hold.
 (The GPU keeps every position of a sliding-window layer, where the CPU
 keeps its window.)`,
