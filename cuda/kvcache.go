@@ -185,29 +185,30 @@ func (c *Cache) sync(n int) error {
 		return nil
 	}
 	L, B := c.m.cfg.Layers, llm.DefaultBlockTokens
-	first, last := c.Len()/B, (c.Len()+n-1)/B
-	rows := make([]uint64, (last-first+1)*L)
+	addr := func(i int) uint64 { a, _ := c.blocks.Block(i%L, i/L); return a } // 0 where the cache holds none
+	// The changed entries [lo, hi) of the rows the pass writes; a decode
+	// step mostly finds none and allocates nothing.
 	lo, hi := -1, -1
-	for b := first; b <= last; b++ {
-		for l := 0; l < L; l++ {
-			addr, _ := c.blocks.Block(l, b) // 0 where the cache holds none
-			rows[(b-first)*L+l] = addr
-			if c.host[b*L+l] != addr {
-				if lo < 0 {
-					lo = b
-				}
-				hi = b + 1
+	for i := c.Len() / B * L; i < ((c.Len()+n-1)/B+1)*L; i++ {
+		if c.host[i] != addr(i) {
+			if lo < 0 {
+				lo = i
 			}
+			hi = i + 1
 		}
 	}
 	if lo < 0 {
 		return nil
 	}
+	rows := make([]uint64, hi-lo)
+	for i := range rows {
+		rows[i] = addr(lo + i)
+	}
 	// host records only what reached the device.
-	if err := Upload(c.m.x, c.table.Offset(lo*L*8), rows[(lo-first)*L:(hi-first)*L]); err != nil {
+	if err := Upload(c.m.x, c.table.Offset(lo*8), rows); err != nil {
 		return err
 	}
-	copy(c.host[lo*L:hi*L], rows[(lo-first)*L:(hi-first)*L])
+	copy(c.host[lo:hi], rows)
 	return nil
 }
 

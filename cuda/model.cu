@@ -221,7 +221,7 @@ __device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_
 // read of the block table: a paged block holds the values 16 rows after
 // the keys, a contiguous cache layers·cap rows after.
 __device__ __forceinline__ void cache_kv(const uint64_t* kv_base, const int32_t* kv_cap, int s, int layer, int layers,
-                                         int pos, int kv_dim, const half*& k, const half*& v) {
+                                         int pos, int kv_dim, half*& k, half*& v) {
   k = cache_row(kv_base, kv_cap, s, 0, layer, layers, pos, kv_dim);
   const int cap = kv_cap[s];
   v = k + (size_t)(cap < 0 ? kPageTokens : layers * cap) * kv_dim;
@@ -266,8 +266,8 @@ __global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k,
   const half* vr = nullptr;
   if (!is_q && kv_base) {
     const int kv_dim = kv_heads * hd;
-    kc = cache_row(kv_base, kv_cap, row_seq[t], 0, layer, layers, pos, kv_dim) + h * hd;
-    vc = cache_row(kv_base, kv_cap, row_seq[t], 1, layer, layers, pos, kv_dim) + h * hd;
+    cache_kv(kv_base, kv_cap, row_seq[t], layer, layers, pos, kv_dim, kc, vc);
+    kc += h * hd, vc += h * hd;
     vr = v + (size_t)t * kv_dim + h * hd;
   }
   for (int j = lane; j < half_d; j += 32) {
@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   for (int k = 0; k < kSlots; k++) {
     const int j = c * kDecodeChunk + warp * 2 * kSlots + 2 * k + kg;
     act[k] = j >= j0 && j < j1;
-    const half *K = nullptr, *V = nullptr;
+    half *K = nullptr, *V = nullptr;
     if (act[k]) {
       cache_kv(kv_base, kv_cap, s, layer, layers, j, kv_dim, K, V);
       K += kvh * hd, V += kvh * hd;
@@ -934,6 +934,15 @@ __device__ __forceinline__ void argmax_merge(float& bv, int& bi, float v, int i)
   if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
 }
 
+// warp_argmax merges the warp's (value, index) pairs into every lane's.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    argmax_merge(bv, bi, ov, oi);
+  }
+}
+
 template <bool VEC>
 __global__ void argmax_kernel(const float* __restrict__ logits, int32_t* __restrict__ out, int V) {
   pdl_gate();  // before any global access: see common.cuh
@@ -955,22 +964,14 @@ __global__ void argmax_kernel(const float* __restrict__ logits, int32_t* __restr
   } else {
     for (int i = threadIdx.x; i < V; i += blockDim.x) argmax_merge(bv, bi, l[i], i);
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    argmax_merge(bv, bi, ov, oi);
-  }
+  warp_argmax(bv, bi);
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   if (lane == 0) rv[w] = bv, ri[w] = bi;
   __syncthreads();
   if (w == 0) {
     bv = lane < (int)(blockDim.x >> 5) ? rv[lane] : -INFINITY;
     bi = lane < (int)(blockDim.x >> 5) ? ri[lane] : INT_MAX;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      argmax_merge(bv, bi, ov, oi);
-    }
+    warp_argmax(bv, bi);
     // llm.Argmax starts from index 0 and moves only on a strictly larger
     // value: a NaN first value (or only NaNs) leaves 0.
     if (lane == 0) out[blockIdx.x] = (l[0] != l[0] || bi == INT_MAX) ? 0 : bi;
@@ -992,7 +993,7 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, f
             const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
   // Up to 1024 threads a row, each with V chunks of 4 values (V 1, 2 or 4).
   const int H4 = H / 4, V = H4 <= 1024 ? 1 : H4 <= 2048 ? 2 : 4;
-  if (H <= 0 || H % 4 != 0 || H4 > 4 * 1024) {
+  if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden) {
     set_error(c, "rmsnorm: hidden size %d (want a multiple of 4, at most %d)", H, kMaxNormHidden);
     return 1;
   }

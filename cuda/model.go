@@ -879,22 +879,19 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		p.maxKeys = max(p.maxKeys, c.Len()+len(s.Tokens))
 		caches[i] = c
 	}
-	// The blocks the new tokens go to, for every step or none: the
-	// caller advances the caches after the pass, or rolls them back.
-	need := 0
+	// The blocks the new tokens go to, for every step or none, and the
+	// device tables' rows for them: the caller advances the caches after
+	// the pass, or rolls them back.
+	tables, ns := make([]*llm.BlockTable[uint64], len(steps)), make([]int, len(steps))
 	for i, s := range steps {
-		need += caches[i].Need(len(s.Tokens))
+		tables[i], ns[i] = caches[i].blocks, len(s.Tokens)
 	}
-	if pool := m.kv.pool; need > pool.Free() {
-		return nil, nil, fmt.Errorf("KV cache pool exhausted: this step needs %d more blocks, %d of %d are free", need, pool.Free(), pool.Blocks())
+	if err := llm.ReserveAll(m.kv.pool, tables, ns); err != nil {
+		return nil, nil, err
 	}
 	for i, s := range steps {
-		err := caches[i].blocks.Reserve(len(s.Tokens))
-		if err == nil {
-			err = caches[i].sync(len(s.Tokens))
-		}
-		if err != nil {
-			for _, c := range caches[:i+1] {
+		if err := caches[i].sync(len(s.Tokens)); err != nil {
+			for _, c := range caches {
 				c.blocks.Rollback()
 			}
 			return nil, nil, fmt.Errorf("step %d: %w", i, err)
@@ -1192,26 +1189,26 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		}
 		for i := range steps {
 			steps[i].Argmax = int(next[i])
-			caches[i].blocks.Advance(len(steps[i].Tokens))
 		}
-		done = true
-		return nil
+	} else {
+		logits := make([]float32, len(out)*V)
+		if err := Download(m.x, logits, a.logits); err != nil {
+			return err
+		}
+		r = 0
+		for i, s := range steps {
+			n := len(s.Tokens)
+			if s.LastOnly {
+				n = 1
+			}
+			copy(s.Logits, logits[r*V:(r+n)*V])
+			if s.Greedy && s.LastOnly {
+				steps[i].Argmax = llm.Argmax(logits[r*V : (r+1)*V])
+			}
+			r += n
+		}
 	}
-	logits := make([]float32, len(out)*V)
-	if err := Download(m.x, logits, a.logits); err != nil {
-		return err
-	}
-	r = 0
 	for i, s := range steps {
-		n := len(s.Tokens)
-		if s.LastOnly {
-			n = 1
-		}
-		copy(s.Logits, logits[r*V:(r+n)*V])
-		if s.Greedy && s.LastOnly {
-			steps[i].Argmax = llm.Argmax(logits[r*V : (r+1)*V])
-		}
-		r += n
 		caches[i].blocks.Advance(len(s.Tokens))
 	}
 	done = true

@@ -293,7 +293,6 @@ func TestGreedyMatchesReference(t *testing.T) {
 // decodes in blocks another sequence held before.)
 func TestPagedCache(t *testing.T) {
 	_, gpu := loadBoth(t, "llama-tiny")
-	var _ llm.Paged = gpu
 	ctx := context.Background()
 	L, V := gpu.Config().Layers, gpu.Config().Vocab
 	pool := gpu.KVPool()

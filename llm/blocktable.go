@@ -184,6 +184,28 @@ func (t *BlockTable[M]) Reserve(n int) error {
 	return err
 }
 
+// ReserveAll is a forward pass's reservation: for each table i the blocks
+// appending ns[i] tokens writes to, for every table or none. A pool
+// without room for all of them is refused before any block is taken.
+func ReserveAll[M any](pool *BlockPool, tables []*BlockTable[M], ns []int) error {
+	need := 0
+	for i, t := range tables {
+		need += t.Need(ns[i])
+	}
+	if need > pool.Free() {
+		return fmt.Errorf("KV cache pool exhausted: this step needs %d more blocks, %d of %d are free", need, pool.Free(), pool.Blocks())
+	}
+	for i, t := range tables {
+		if err := t.Reserve(ns[i]); err != nil {
+			for _, u := range tables[:i+1] {
+				u.Rollback()
+			}
+			return err
+		}
+	}
+	return nil
+}
+
 // Rollback hands back the blocks Reserve took past the tokens stored (a
 // pass that failed or was cancelled).
 func (t *BlockTable[M]) Rollback() { t.releaseFrom(t.n) }

@@ -111,20 +111,12 @@ func (m *Model) Forward(ctx context.Context, steps []Step) error {
 		rows += len(s.Tokens)
 	}
 	// The blocks the new tokens are written to, for all steps or none.
-	need := 0
+	blocks, ns := make([]*BlockTable[*kvBlock], len(steps)), make([]int, len(steps))
 	for i, s := range steps {
-		need += caches[i].Need(len(s.Tokens))
+		blocks[i], ns[i] = caches[i].BlockTable, len(s.Tokens)
 	}
-	if need > pool.Free() {
-		return fmt.Errorf("KV cache pool exhausted: this step needs %d more blocks, %d of %d are free", need, pool.Free(), pool.Blocks())
-	}
-	for i, s := range steps {
-		if err := caches[i].Reserve(len(s.Tokens)); err != nil {
-			for _, kc := range caches[:i+1] {
-				kc.Rollback()
-			}
-			return err
-		}
+	if err := ReserveAll(pool, blocks, ns); err != nil {
+		return err
 	}
 	if rows == 0 {
 		return nil

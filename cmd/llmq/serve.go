@@ -155,9 +155,8 @@ keeps its window.)`,
 
 // loadForServe opens the model and starts its engine, giving up (nil, nil,
 // nil) when ctx ends first: a SIGTERM during a long load exits at once.
-// loadForServe loads the model and starts its engine, unless ctx ends
-// first. With kvAuto (--kv-cache-gb not given) a GPU's key/value pool is
-// three quarters of the device memory free once the weights are loaded.
+// With kvAuto (--kv-cache-gb not given) a GPU's key/value pool is three
+// quarters of the device memory free once the weights are loaded.
 func loadForServe(ctx context.Context, dir, device string, opt engine.Options, kvAuto bool) (*backend.Model, *engine.Engine, error) {
 	type loaded struct {
 		m   *backend.Model
