@@ -84,7 +84,7 @@ static __device__ __forceinline__ void pdl_gate() {
 }
 
 // launch runs kernel<<<grid, block, smem, c->stream>>>(args…), as a
-// programmatic dependent launch when c->pdl.
+// programmatic dependent launch when c->pdl, and returns the launch's error.
 template <typename... KArgs, typename... Args>
 cudaError_t launch(llmq_ctx* c, void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args... args) {
   cudaLaunchAttribute attr[1];
@@ -97,7 +97,12 @@ cudaError_t launch(llmq_ctx* c, void (*kernel)(KArgs...), dim3 grid, dim3 block,
   cfg.stream = c->stream;
   cfg.attrs = attr;
   cfg.numAttrs = c->pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, args...);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  // A refused launch also leaves its error as the thread's last error, which
+  // the next CK_LAUNCH would then report against an innocent kernel: the
+  // caller gets it here, so clear it.
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
 }
 
 // Entry points, by file; llmq.h documents each.

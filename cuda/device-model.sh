@@ -99,7 +99,7 @@ case "$1" in
     echo "# $LLMQ_COMMIT: compute-sanitizer --tool memcheck --leak-check full cuda.test -test.run '$r'" > "$OUT/cuda-memcheck.log"
     timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run "$r" >> "$OUT/cuda-memcheck.log" 2>&1
     echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
-    r='TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash|TestJoined'
+    r='TestLoadUnloadReleasesMemory|TestConcurrentGenerate|TestClosedModel|TestZooLogitsOnGPU|TestPrefillFlash|TestJoined|TestPagedCache|TestGreedyStepsOnDevice'
     echo "# $LLMQ_COMMIT: compute-sanitizer --tool memcheck --leak-check full cuda.test -test.v -test.run '$r'" > "$OUT/cuda-model-memcheck.log"
     timeout 200 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.v -test.run "$r" >> "$OUT/cuda-model-memcheck.log" 2>&1
     echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"

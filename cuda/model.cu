@@ -198,8 +198,7 @@ __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, in
   if (i < n) y[i] = __float2half(__half2float(y[i]) + __half2float(b[i % N]));
 }
 
-// cache_row is the address of position pos's keys (kind 0) or values (1)
-// in layer `layer` of sequence s's cache, in either layout:
+// A sequence's key/value cache, in either layout:
 // - contiguous (kv_cap[s] > 0, the capacity): one buffer at kv_base[s],
 //   [2][layers][cap][kv_dim];
 // - paged (kv_cap[s] < 0): kv_base[s] is the sequence's block table,
@@ -207,24 +206,36 @@ __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, in
 //   each block [2][kPageTokens][kv_dim]: keys, then values.
 constexpr int kPageTokens = 16;  // llm.DefaultBlockTokens
 
-__device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_t* kv_cap, int s, int kind, int layer,
-                                           int layers, int pos, int kv_dim) {
+// cache_span is where the keys and values of positions p0 … p0+15 lie
+// (p0 a multiple of kPageTokens): in either layout they are 16 rows of
+// kv_dim one after another, keys from k, values from v, and a paged cache
+// finds them with one read of its block table.
+__device__ __forceinline__ void cache_span(const uint64_t* kv_base, const int32_t* kv_cap, int s, int layer, int layers,
+                                           int p0, int kv_dim, half*& k, half*& v) {
   const int cap = kv_cap[s];
   if (cap < 0) {
-    const uint64_t block = reinterpret_cast<const uint64_t*>(kv_base[s])[(size_t)(pos / kPageTokens) * layers + layer];
-    return (half*)block + ((size_t)kind * kPageTokens + pos % kPageTokens) * kv_dim;
+    k = (half*)reinterpret_cast<const uint64_t*>(kv_base[s])[(size_t)(p0 / kPageTokens) * layers + layer];
+    v = k + (size_t)kPageTokens * kv_dim;
+  } else {
+    k = (half*)kv_base[s] + ((size_t)layer * cap + p0) * kv_dim;
+    v = k + (size_t)layers * cap * kv_dim;
   }
-  return (half*)kv_base[s] + (((size_t)kind * layers + layer) * cap + pos) * kv_dim;
 }
 
-// cache_kv is cache_row's key and value rows of one position, with one
-// read of the block table: a paged block holds the values 16 rows after
-// the keys, a contiguous cache layers·cap rows after.
+// cache_kv is the key and value rows of one position.
 __device__ __forceinline__ void cache_kv(const uint64_t* kv_base, const int32_t* kv_cap, int s, int layer, int layers,
                                          int pos, int kv_dim, half*& k, half*& v) {
-  k = cache_row(kv_base, kv_cap, s, 0, layer, layers, pos, kv_dim);
-  const int cap = kv_cap[s];
-  v = k + (size_t)(cap < 0 ? kPageTokens : layers * cap) * kv_dim;
+  const int r = pos % kPageTokens;
+  cache_span(kv_base, kv_cap, s, layer, layers, pos - r, kv_dim, k, v);
+  k += (size_t)r * kv_dim, v += (size_t)r * kv_dim;
+}
+
+// cache_row is the address of position pos's keys (kind 0) or values (1).
+__device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_t* kv_cap, int s, int kind, int layer,
+                                           int layers, int pos, int kv_dim) {
+  half *k, *v;
+  cache_kv(kv_base, kv_cap, s, layer, layers, pos, kv_dim, k, v);
+  return kind ? v : k;
 }
 
 // qk_rope_store_kernel prepares q and k for attention, one warp per
@@ -465,22 +476,26 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     }
   // Slot k of the lane is key c·chunk + warp·2·kSlots + 2·k + kg; every
   // load is issued before the first is used.
+  // A warp's 2·kSlots keys are one span of the cache (cache_span): one
+  // pair of base pointers, read from the block table at most once.
+  static_assert(2 * kSlots == kPageTokens && kDecodeChunk % kPageTokens == 0, "a warp's keys are one cache span");
+  const int p0 = c * kDecodeChunk + warp * 2 * kSlots;
+  half *K = nullptr, *V = nullptr;
+  if (p0 < j1 && p0 + 2 * kSlots > j0) {
+    cache_span(kv_base, kv_cap, s, layer, layers, p0, kv_dim, K, V);
+    K += (size_t)kg * kv_dim + kvh * hd, V += (size_t)kg * kv_dim + kvh * hd;
+  }
   uint4 kr[kSlots][VPL], vr[kSlots][VPL];
   bool act[kSlots];
 #pragma unroll
   for (int k = 0; k < kSlots; k++) {
-    const int j = c * kDecodeChunk + warp * 2 * kSlots + 2 * k + kg;
+    const int j = p0 + 2 * k + kg;
     act[k] = j >= j0 && j < j1;
-    half *K = nullptr, *V = nullptr;
-    if (act[k]) {
-      cache_kv(kv_base, kv_cap, s, layer, layers, j, kv_dim, K, V);
-      K += kvh * hd, V += kvh * hd;
-    }
 #pragma unroll
     for (int i = 0; i < VPL; i++) {
       kr[k][i] = vr[k][i] = make_uint4(0, 0, 0, 0);
       if (act[k] && on[i]) {
-        const int off = 8 * (tl + 16 * i);
+        const size_t off = (size_t)2 * k * kv_dim + 8 * (tl + 16 * i);
         kr[k][i] = *reinterpret_cast<const uint4*>(K + off);
         vr[k][i] = *reinterpret_cast<const uint4*>(V + off);
       }
