@@ -46,6 +46,7 @@ device:
 	go build $(DEVICE_LDFLAGS) -o build/device/llmq ./cmd/llmq
 	go test -c $(DEVICE_LDFLAGS) -o build/device/cuda.test ./cuda
 	go test -c $(DEVICE_LDFLAGS) -o build/device/quantize.test ./quantize
+	go test -c $(DEVICE_LDFLAGS) -o build/device/engine.test ./engine
 	echo "$(REVISION)" > build/device/COMMIT
 
 build:

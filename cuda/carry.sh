@@ -8,8 +8,8 @@
 #   bash cuda/carry.sh            # dev + tinynodata + zoolite + moe (≈ 54 MB)
 #   bash cuda/carry.sh dev tiny   # only those
 #
-# dev:      build/device/{llmq,cuda.test,COMMIT} (run make device first)
-# tiny:     llama-tiny and its reference logits and greedy outputs
+# dev:      build/device/{llmq,cuda.test,engine.test,COMMIT} (run make device first)
+# tiny:     llama-tiny, its reference logits and greedy outputs, WikiText-2's token ids
 # zoolite:  qwen2, qwen3, llama31 (weights and references), the gemma3 and
 #           mistral-swa configs only (their zoo subtests then fail on the
 #           missing weights: the full zoo does not fit beside the rest)
@@ -34,9 +34,9 @@ for what in "${@:-dev tiny zoolite moe}"; do
     case $w in
       dev)
         [ -x build/device/llmq ] || { echo "carry.sh: run make device first" >&2; exit 1; }
-        tar -cf - build/device/llmq build/device/cuda.test build/device/COMMIT | xz -T0 -6 > .carry/dev.tar.xz
+        tar -cf - build/device/llmq build/device/cuda.test build/device/engine.test build/device/COMMIT | xz -T0 -6 > .carry/dev.tar.xz
         echo "dev: $(du -h .carry/dev.tar.xz | cut -f1) ($(cat build/device/COMMIT))" ;;
-      tiny) pack tinynodata "$S/models/llama-tiny" "$S/reference/llama-tiny.*" ;;
+      tiny) pack tinynodata "$S/models/llama-tiny" "$S/reference/llama-tiny.*" "$S/reference/wikitext2-test.tokens.i32" ;;
       zoolite)
         pack zoolite "$S/models/archzoo/qwen2-rand" "$S/models/archzoo/qwen3-rand" "$S/models/archzoo/llama31-rand" \
           "$S/models/archzoo/gemma3-rand/config.json" "$S/models/archzoo/mistral-swa-rand/config.json" \

@@ -15,6 +15,8 @@
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
 #   bash cuda/device-model.sh pdl     # LLMQ_PDL=1 (programmatic dependent launch): tests, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
+#   bash cuda/device-model.sh engine  # the engine's paged-cache tests on the GPU (admission, preemption,
+#                                     # cancellation, nothing lost under load; llama-tiny)
 #   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
@@ -182,6 +184,14 @@ case "$1" in
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/s8b --force --tokenizer "$TOK" 2>&1 | tail -1
     $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
       --max-tokens ${SERVE_TOKENS:-128} --logprobs --json "$OUT/serve-h200-llama3-8b-w4.json" 2>&1 | grep -v "^\s*$"
+    ;;
+  engine) # issue 16, items 3 and 6, on the GPU: the engine package's paged-cache tests with cuda.Model as the backend
+    run='TestContinuousBatching|TestPreemption|TestPreemptScoredPrompt|TestNothingLostUnderLoad|TestCancelFreesBlocks|TestValidatePool'
+    { echo "# $LLMQ_COMMIT: LLMQ_TEST_DEVICE=cuda engine.test -test.v -test.run '$run'"
+      LLMQ_TEST_DEVICE=cuda build/device/engine.test -test.v -test.run "$run" 2>&1; } > "$OUT/engine-tests-h200.log"
+    rc=$?
+    grep -E "^(\s*--- |ok|FAIL|PASS)|completed|preempt|panic|rror" "$OUT/engine-tests-h200.log" | head -40
+    exit $rc
     ;;
   tasks) # multiple-choice scoring and the server's echoed logprobs on the GPU (llama-tiny)
     D=$LLMQ_SHARED/models/llama-tiny

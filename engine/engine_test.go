@@ -1,8 +1,10 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -15,10 +17,13 @@ import (
 	"github.com/llmq/llmq/llm/chat"
 )
 
-// openTiny opens llama-tiny on the CPU; it is closed when the test ends.
+// openTiny opens llama-tiny on the CPU, or on the device LLMQ_TEST_DEVICE
+// names (cuda: device-model.sh engine runs the paged-cache tests on the
+// GPU); it is closed when the test ends.
 func openTiny(t *testing.T) *backend.Model {
 	t.Helper()
-	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
+	device := cmp.Or(os.Getenv("LLMQ_TEST_DEVICE"), "cpu")
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), device)
 	if err != nil {
 		t.Fatal(err)
 	}
