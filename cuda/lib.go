@@ -507,9 +507,6 @@ const (
 	PathFused  = 1
 	PathCuBLAS = 2
 	PathGEMV   = 3 // M ≤ 4
-	// PathGEMVRing is the GEMV kernel with its codes through a shared-memory
-	// ring of 4 batches (v8; M ≤ 4; not yet measured).
-	PathGEMVRing = 4
 )
 
 // SetPath forces the context's W4A16 path (tests and benchmarks).

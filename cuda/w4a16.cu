@@ -382,18 +382,9 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 // row's first word + tig), its chunks at bp (step k's at bp + 32k), U
 // steps a batch with the next batch's codes and activations loaded while
 // this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
-//
-// With RING > 0 the codes come through shared memory instead of
-// registers: the lane copies its own chunks (cp.async, 16 bytes each) into
-// its RING slots of U chunks (ring[(s·U + u)·32], ring offset by the
-// lane), RING batches ahead, so RING·U·16 bytes a lane are in flight
-// without the registers to hold them (v8, NOTES: the register batch of v7
-// stops at 4 steps, more costs occupancy). A lane reads only what it
-// copied, so no barrier is needed: cp.async.wait_group orders each slot's
-// copy before its read.
-template <int MT, int U, int RING = 0>
+template <int MT, int U>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
-                                           GroupStream& groups, int k0, int k1, uint4* ring = nullptr) {
+                                           GroupStream& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
 #pragma unroll
   for (int m = 0; m < MT; ++m)
@@ -411,7 +402,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
 #pragma unroll
       for (int m = 0; m < MT; ++m) xn[u][m][0] = xn[u][m][1] = 0;
       if (k < k1) {
-        if constexpr (RING == 0) qn[u] = ld_stream(bp + (size_t)k * 32);
+        qn[u] = ld_stream(bp + (size_t)k * 32);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
@@ -420,40 +411,18 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
       }
     }
   };
-  // issue copies batch kb's codes into ring slot s (RING > 0); a batch past
-  // the end commits an empty group, so that group b is always batch b.
-  auto issue = [&](int kb, int s) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (kb + u < k1) cp_async16(ring + (s * U + u) * 32, bp + (size_t)(kb + u) * 32);
-    cp_async_commit();
-  };
 
   GroupRegs gr;
   if (k1 > k0) {
     groups.start(gr, k0);
-    if constexpr (RING > 0) {
-#pragma unroll
-      for (int s = 0; s < RING; ++s) issue(k0 + s * U, s);
-    }
     load(k0);
   }
-  int b = 0;
-  for (int kb = k0; kb < k1; kb += U, ++b) {
+  for (int kb = k0; kb < k1; kb += U) {
     uint4 q[U];
     uint32_t x[U][MT][2];
-    if constexpr (RING > 0) {
-      cp_async_wait<RING - 1>();        // batch b's group is in
-      asm volatile("" ::: "memory");  // and the reads below after the wait
-      const int s = b % RING;
-#pragma unroll
-      for (int u = 0; u < U; ++u) q[u] = ring[(s * U + u) * 32];
-      asm volatile("" ::: "memory");  // the reads above before the slot's refill
-      issue(kb + RING * U, s);
-    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if constexpr (RING == 0) q[u] = qn[u];
+      q[u] = qn[u];
 #pragma unroll
       for (int m = 0; m < MT; ++m) x[u][m][0] = xn[u][m][0], x[u][m][1] = xn[u][m][1];
     }
@@ -497,7 +466,6 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
         }
     }
   }
-  if constexpr (RING > 0) cp_async_wait<0>();  // the empty groups past the end
 }
 
 // gemv_reduce: lanes 4·gid … 4·gid+3 hold the same eight columns (gid +
@@ -532,7 +500,7 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
-template <int MT, int U, int MINB, int RING>
+template <int MT, int U, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
@@ -541,7 +509,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
-  __shared__ uint4 ring[RING > 0 ? kWarps * RING * U * 32 : 1];  // gemv_steps' code slots (RING > 0)
   const int nt = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gid = lane >> 2, tig = lane & 3;
@@ -553,7 +520,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
   GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
   float acc[MT][8];
-  gemv_steps<MT, U, RING>(acc, ap, B + (size_t)nt * KT * 32 + lane, groups, k0, k1, ring + warp * RING * U * 32 + lane);
+  gemv_steps<MT, U>(acc, ap, B + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
@@ -678,13 +645,12 @@ struct Variant {
 };
 constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
 struct GemvVariant {
-  int mt, u, minb, ring;
+  int mt, u, minb;
 };
 // They serve M = 1, 2 and 3–4; M = 2 takes 2 steps a batch, the sweep's
 // winner on four of five shapes (NOTES.md, "v7"), the other alternatives
-// lost and were removed. Variants 3–5 are the same through a shared-memory
-// ring of 4 batches (path 4, "gemv ring": v8, not yet measured).
-constexpr GemvVariant kGemv[] = {{1, 4, 1, 0}, {2, 2, 1, 0}, {4, 2, 1, 0}, {1, 4, 1, 4}, {2, 2, 1, 4}, {4, 2, 1, 4}};
+// lost and were removed.
+constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}, {4, 2, 1}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
 static_assert(3 + kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
@@ -705,9 +671,6 @@ int with_gemv(int v, llmq_ctx* c, bool run, int splits, const half* A, const voi
     LLMQ_GEMV_CASE(0)
     LLMQ_GEMV_CASE(1)
     LLMQ_GEMV_CASE(2)
-    LLMQ_GEMV_CASE(3)
-    LLMQ_GEMV_CASE(4)
-    LLMQ_GEMV_CASE(5)
 #undef LLMQ_GEMV_CASE
   }
   llmq::set_error(c, "no GEMV variant %d", v);
@@ -728,8 +691,7 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
 
 // The resident slots: fused variants 0–2, GEMV variant v at 3 + v.
 int query_resident(llmq_ctx* c, int path, int variant) {
-  if (path == 3 || path == 4)
-    return with_gemv(variant, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
+  if (path == 3) return with_gemv(variant, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   switch (variant) {
     case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
     case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
@@ -759,14 +721,13 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch
                     group);
     return 1;
   }
-  if ((p.path == 3 || p.path == 4) && M > kGemvMaxM) {
+  if (p.path == 3 && M > kGemvMaxM) {
     llmq::set_error(c, "the GEMV W4A16 kernel runs M ≤ %d, not M=%d", kGemvMaxM, M);
     return 1;
   }
   const int NT = N / 64, KT = K / 16;
-  if (p.path == 3 || p.path == 4) {  // 4: the same through the shared-memory ring
-    p.variant = (M == 1 ? 0 : M == 2 ? 1 : 2) + (p.path == 4 ? 3 : 0);
-    p.path = 3;
+  if (p.path == 3) {
+    p.variant = M == 1 ? 0 : M == 2 ? 1 : 2;
     if (query_resident(c, 3, p.variant)) return 1;
     int splits = max(1, (c->sms * max(c->resident[3 + p.variant], 1)) / NT);
     p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
@@ -810,7 +771,7 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
 template <int V>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, kGemv[V].ring>;
+  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb>;
   if (!run) return resident_of(c, 3 + V, kernel, 0);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
@@ -950,8 +911,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
   if (p.path == 2)
     snprintf(out, n, "dequant+cublas");
   else if (p.path == 3)
-    snprintf(out, n, "gemv mt%d u%d b%d%s splits%d", kGemv[p.variant].mt, kGemv[p.variant].u, kGemv[p.variant].minb,
-             kGemv[p.variant].ring ? " ring4" : "", p.splits);
+    snprintf(out, n, "gemv mt%d u%d b%d splits%d", kGemv[p.variant].mt, kGemv[p.variant].u, kGemv[p.variant].minb,
+             p.splits);
   else
     snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   return 0;
