@@ -22,14 +22,16 @@ import (
 // GPU); it is closed when the test ends.
 func openTiny(t *testing.T) *backend.Model {
 	t.Helper()
-	device := cmp.Or(os.Getenv("LLMQ_TEST_DEVICE"), "cpu")
-	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), device)
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), testDevice())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.Close() })
 	return m
 }
+
+// testDevice is the device the tests run on: LLMQ_TEST_DEVICE, or cpu.
+func testDevice() string { return cmp.Or(os.Getenv("LLMQ_TEST_DEVICE"), "cpu") }
 
 // start starts an engine on m; it is closed when the test ends (before
 // the model, which t.Cleanup closes later).

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,18 +27,52 @@ func pagedRequests(t *testing.T, n int) []Request {
 	return reqs
 }
 
-// alone runs each request by itself on an engine with an unbounded pool.
-func alone(t *testing.T, e *Engine, reqs []Request) [][]int {
+// alone runs each request by itself on an engine with an unbounded pool,
+// asking for the two most likely tokens at each step (sameAsAlone's
+// near-ties).
+func alone(t *testing.T, e *Engine, reqs []Request) []*Result {
 	t.Helper()
-	out := make([][]int, len(reqs))
+	out := make([]*Result, len(reqs))
 	for i, r := range reqs {
+		r.Logprobs, r.TopLogprobs = true, 2
 		res, err := e.Generate(context.Background(), r, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		out[i] = res.Tokens
+		out[i] = res
 	}
 	return out
+}
+
+// nearTie is the largest gap, in log-probability, between the two most
+// likely tokens at which the GPU may pick either: its activations are
+// fp16 and its kernels depend on the batch (the W4A16 GEMV or the MMA
+// kernel by the number of rows, cuBLAS's choice for the lm_head, split-K
+// sums in the order CTAs finish, a preempted sequence's tokens prefilled
+// again), so a row's logits move by about 1e-2 with what it is batched
+// with (TestModelLogits: 0.0104 against the CPU).
+const nearTie = 0.05
+
+// sameAsAlone reports whether tokens are what the request generated
+// alone: equal on the CPU, whose rows do not depend on the batch; on
+// another device equal up to the first position where the two most
+// likely tokens alone were within nearTie, if tokens took the other one
+// there (after which the texts may part).
+func sameAsAlone(tokens []int, alone *Result) bool {
+	if equal(tokens, alone.Tokens) {
+		return true
+	}
+	if testDevice() == "cpu" {
+		return false
+	}
+	for i := range min(len(tokens), len(alone.Tokens)) {
+		if tokens[i] == alone.Tokens[i] {
+			continue
+		}
+		top := alone.Logprobs[i].Top
+		return len(top) == 2 && top[1].ID == tokens[i] && top[0].Logprob-top[1].Logprob < nearTie
+	}
+	return false
 }
 
 // bounded is an engine on a fresh llama-tiny whose KV pool holds blocks
@@ -69,8 +104,8 @@ func TestPreemption(t *testing.T) {
 				t.Errorf("request %d: %v", i, err)
 				return
 			}
-			if !equal(res.Tokens, want[i]) {
-				t.Errorf("request %d:\n got %v\nwant %v (alone)", i, res.Tokens, want[i])
+			if !sameAsAlone(res.Tokens, want[i]) {
+				t.Errorf("request %d:\n got %v\nwant %v (alone)", i, res.Tokens, want[i].Tokens)
 			}
 		}()
 	}
@@ -115,7 +150,7 @@ func waitIdle(t *testing.T, e *Engine, p *llm.BlockPool) {
 func TestPreemptScoredPrompt(t *testing.T) {
 	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
 	long := Request{Prompt: ids[1000:1100], MaxTokens: 40}
-	scored := Request{Prompt: ids[2000:2060], MaxTokens: 5, Logprobs: true, PromptLogprobs: true}
+	scored := Request{Prompt: ids[2000:2060], MaxTokens: 5, Logprobs: true, TopLogprobs: 2, PromptLogprobs: true}
 	opt := Options{MaxScoreLogits: 4 * 8192}
 	ref, err := tiny(t, opt).Generate(context.Background(), scored, nil)
 	if err != nil {
@@ -142,11 +177,17 @@ func TestPreemptScoredPrompt(t *testing.T) {
 	if err := <-longDone; err != nil {
 		t.Fatal(err)
 	}
-	if !equal(res.Tokens, ref.Tokens) || len(res.PromptLogprobs) != len(ref.PromptLogprobs) {
+	// The CPU scores a prompt the same in any batch; the GPU (nearTie)
+	// within a few thousandths.
+	tol := 1e-4
+	if testDevice() != "cpu" {
+		tol = 1e-2
+	}
+	if !sameAsAlone(res.Tokens, ref) || len(res.PromptLogprobs) != len(ref.PromptLogprobs) {
 		t.Fatalf("scored request: tokens %v, %d prompt logprobs; alone %v, %d", res.Tokens, len(res.PromptLogprobs), ref.Tokens, len(ref.PromptLogprobs))
 	}
 	for j := range ref.PromptLogprobs {
-		if d := res.PromptLogprobs[j].Logprob - ref.PromptLogprobs[j].Logprob; d > 1e-4 || d < -1e-4 || res.PromptLogprobs[j].ID != ref.PromptLogprobs[j].ID {
+		if d := res.PromptLogprobs[j].Logprob - ref.PromptLogprobs[j].Logprob; math.Abs(d) > tol || res.PromptLogprobs[j].ID != ref.PromptLogprobs[j].ID {
 			t.Errorf("prompt logprob %d: %+v, alone %+v", j, res.PromptLogprobs[j], ref.PromptLogprobs[j])
 		}
 	}
@@ -202,8 +243,8 @@ func TestNothingLostUnderLoad(t *testing.T) {
 				return
 			}
 			completed++
-			if !equal(res.Tokens, want[i]) || streamed.String() != res.Text {
-				t.Errorf("request %d:\n got %v\nwant %v (alone); streamed %q of %q", i, res.Tokens, want[i], streamed.String(), res.Text)
+			if !sameAsAlone(res.Tokens, want[i]) || streamed.String() != res.Text {
+				t.Errorf("request %d:\n got %v\nwant %v (alone); streamed %q of %q", i, res.Tokens, want[i].Tokens, streamed.String(), res.Text)
 			}
 		}()
 	}
