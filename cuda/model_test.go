@@ -658,9 +658,16 @@ func use(t *testing.T, gpu *Model) llm.Memory {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := int64(2 * 2 * gpu.cfg.Layers * 32 * gpu.cfg.KVHeads * gpu.cfg.HeadDim * 2)
+	// The two open caches hold 5 positions, one block a layer each, from
+	// the one segment of blocks the pool has needed, and a table each of
+	// two rows (capacity 32) of a block address a layer.
+	kv, L := &gpu.kv, gpu.cfg.Layers
+	if kv.pool.Used() != 2*L {
+		t.Errorf("%d blocks in use, want %d (one a layer for each open cache)", kv.pool.Used(), 2*L)
+	}
+	want := int64(kv.segBlocks)*kv.blockBytes + int64(2*2*L*8)
 	if mem.Caches != want || mem.Graphs < 2 || mem.Weights != gpu.WeightBytes() || mem.Activations == 0 {
-		t.Errorf("memory while in use: %+v; want %d bytes of caches (two open) and ≥ 2 graphs", mem, want)
+		t.Errorf("memory while in use: %+v; want %d bytes of caches (a segment of blocks, two tables) and ≥ 2 graphs", mem, want)
 	}
 	return mem
 }
