@@ -29,7 +29,8 @@
 #   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
-#   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt)
+#   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
+#                                     # PATHS="fused wide" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
@@ -140,9 +141,9 @@ case "$1" in
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
     ;;
   paths) # the GEMV kernel against the fused one where both run
-    for p in gemv fused; do
+    for p in ${PATHS:-gemv fused}; do
       echo "# $LLMQ_COMMIT: llmq bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100"
-      $L bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100 2>&1 | tail -16
+      $L bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100 2>&1 | grep -E "^(shape|8B|70B)"
     done | tee "$OUT/gemm-h200-paths.txt" | cut -c1-150
     ;;
   profile)
