@@ -774,20 +774,6 @@ static_assert(6 + 3 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resid
 
 // gemv_variant does one thing with GEMV instantiation V: query its
 // resident CTAs (run false) or launch it.
-// launch_wide runs one instantiation of the wide kernel as planned.
-template <int MB, int U>
-int launch_wide(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, const Outs& C,
-                void* workspace, int M, int N, int K, int group) {
-  constexpr size_t smem = wide_smem_bytes<MB, U>();
-  const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
-  float* ws = (float*)workspace;
-  int* counters = (int*)(ws + (size_t)M * N);
-  CK(launch(c, (w4a16_wide<MB, U, 4>), dim3((NT + kWarps - 1) / kWarps, p.splits, mblocks), kWarps * 32, smem, A,
-            (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
-            p.splits));
-  return 0;
-}
-
 template <int V>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift);
@@ -916,6 +902,20 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   CK(launch(c, (w4a16_fused<MB, U, STAGES, MINB>), dim3(NT, p.splits, mblocks), kWarps * 32, smem, 
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
       p.splits));
+  return 0;
+}
+
+// launch_wide runs one instantiation of the wide kernel as planned.
+template <int MB, int U>
+int launch_wide(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, const Outs& C,
+                void* workspace, int M, int N, int K, int group) {
+  constexpr size_t smem = wide_smem_bytes<MB, U>();
+  const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
+  float* ws = (float*)workspace;
+  int* counters = (int*)(ws + (size_t)M * N);
+  CK(launch(c, (w4a16_wide<MB, U, 4>), dim3((NT + kWarps - 1) / kWarps, p.splits, mblocks), kWarps * 32, smem, A,
+            (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
+            p.splits));
   return 0;
 }
 
