@@ -28,7 +28,7 @@ struct llmq_ctx {
   int w4_path = 0;
   int gemv_max_m = 2;
   int fused_max_m = 64;
-  int resident[9] = {};  // fused instantiations 0–2, GEMV 3–5, wide 6–8
+  int resident[6] = {};  // fused instantiations 0–2, GEMV 3–5
   size_t attn_smem = 48 << 10;
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;

@@ -30,7 +30,7 @@
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
-#                                     # PATHS="fused wide" QUICK_M=8,16,32,64: other paths and M)
+#                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized

@@ -507,7 +507,6 @@ const (
 	PathFused  = 1
 	PathCuBLAS = 2
 	PathGEMV   = 3 // M ≤ 4
-	PathWide   = 4 // the fused kernel's steps, a CTA's warps side by side in N (v9)
 )
 
 // SetPath forces the context's W4A16 path (tests and benchmarks).

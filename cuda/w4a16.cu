@@ -367,123 +367,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
   finish_splits(C, ws, &counters[blockIdx.z * NT + nt], row0, 16 * MB, M, N, nt, splits, s_last);
 }
 
-// w4a16_wide (v9, path 4): the fused kernel's steps with the CTA's warps
-// side by side in N instead of one after another in K. A CTA owns kWarps
-// n-tiles (warp w the 64 columns of n-tile kWarps·blockIdx.x + w), one K
-// slice (blockIdx.y of `splits`) and 16·MB rows (blockIdx.z); the slice's
-// A tiles are copied once into a ring the warps share (cp.async, STAGES
-// stages of U steps, a barrier a stage), each warp's B chunks into its own
-// part of it. In the fused kernel every warp copies A for its own 64
-// columns, so A crosses L2 N/64 times, M/16 times more bytes than B at
-// M = 64; here N/256 times, and the warps' sums need no reduction.
-template <int MB, int U, int STAGES>
-struct WideRing {
-  uint4 a[STAGES][U][MB][32];
-  uint4 b[kWarps][STAGES][U][32];
-};
-
-template <int MB, int U, int STAGES>
-__global__ void __launch_bounds__(kWarps * 32, 1) w4a16_wide(const half* __restrict__ A, const uint4* __restrict__ B,
-                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                            const Outs C, float* __restrict__ ws,
-                                                            int* __restrict__ counters, int M, int N, int K,
-                                                            int gshift, int splits) {
-  pdl_gate();  // before any global access: see common.cuh
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int s_last;
-  WideRing<MB, U, STAGES>& ring = *reinterpret_cast<WideRing<MB, U, STAGES>*>(smem);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int KT = K >> 4, NT = N >> 6;
-  const int nt = blockIdx.x * kWarps + warp, row0 = blockIdx.z * 16 * MB;
-  const bool live = nt < NT;  // the last CTA's warps past N only copy A
-  const int per_split = (KT + splits - 1) / splits;
-  const int k0 = blockIdx.y * per_split, k1 = min(KT, k0 + per_split);
-
-  float acc[MB][8][4];
-#pragma unroll
-  for (int m = 0; m < MB; ++m)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
-
-  const uint4* Bp = B + (size_t)(live ? nt : 0) * KT * 32 + lane;
-  auto issue = [&](int b) {
-    const int stage = b % STAGES;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = k0 + b * U + u;
-      if (k < k1) {
-        if (live) cp_async16(&ring.b[warp][stage][u][lane], Bp + (size_t)k * 32);
-        // A's 16·MB × 16 tile: 16-byte piece i is row i/2, columns (i%2)·8.
-        for (int i = threadIdx.x; i < MB * 32; i += kWarps * 32) {
-          const int m = i >> 5, l = i & 31, r = row0 + m * 16 + (l >> 1);
-          cp_async16_zfill(&ring.a[stage][u][m][l], A + (size_t)(r < M ? r : 0) * K + k * 16 + (l & 1) * 8, r < M);
-        }
-      }
-    }
-    cp_async_commit();
-  };
-
-  const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
-#pragma unroll
-  for (int b = 0; b < STAGES - 1; ++b) issue(b);
-  GroupStream groups(S, Z, live ? nt : 0, NT, gid, KT, gshift);
-  GroupRegs gr;
-  if (live && k1 > k0) groups.start(gr, k0);
-  const int lm_off = (lane & 15) * 2 + (lane >> 4);  // ldmatrix row address, in 16-byte units
-
-  for (int b = 0; b < batches; ++b) {
-    issue(b + STAGES - 1);
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();  // every thread's copies of stage b are in
-    const int stage = b % STAGES;
-    if (live) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = k0 + b * U + u;
-        if (k < k1) {
-          groups.at(gr, k);
-          uint32_t af[MB][4];
-#pragma unroll
-          for (int m = 0; m < MB; ++m) ldmatrix_x4(af[m], &ring.a[stage][u][m][0].x + 4 * lm_off);
-          compute_step<MB>(acc, ring.b[warp][stage][u][lane], af, gr);
-        }
-      }
-    }
-    __syncthreads();  // stage b is read before it is refilled
-  }
-  cp_async_wait<0>();
-
-  // Each lane's outputs: rows gid and gid+8 of each m-tile, columns
-  // 2·tig, 2·tig+1 of each n8 sub-tile.
-  if (live) {
-#pragma unroll
-    for (int m = 0; m < MB; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row0 + m * 16 + gid + 8 * h;
-        if (r >= M) continue;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int col = nt * 64 + j * 8 + 2 * tig;
-          const float v0 = acc[m][j][2 * h], v1 = acc[m][j][2 * h + 1];
-          if (splits == 1) {
-            *reinterpret_cast<half2*>(out_at(C, r, col)) = __floats2half2_rn(v0, v1);
-          } else {
-            atomicAdd(&ws[(size_t)r * N + col], v0);
-            atomicAdd(&ws[(size_t)r * N + col + 1], v1);
-          }
-        }
-      }
-  }
-  for (int w = 0; w < kWarps; ++w) {  // uniform across the CTA
-    const int t = blockIdx.x * kWarps + w;
-    if (t < NT) finish_splits(C, ws, &counters[blockIdx.z * NT + t], row0, 16 * MB, M, N, t, splits, s_last);
-  }
-}
-
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: no L1 allocation
   uint4 r;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
@@ -748,8 +631,8 @@ int check_shape(llmq_ctx* c, int M, int N, int K, int group) {
 // Plan is what one call runs: the GEMV kernel's or the fused kernel's
 // instantiation and its K splits, or dequantize + cuBLAS.
 struct Plan {
-  int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel, 4 wide kernel
-  int variant;  // the instantiation: kVariants[variant] (fused and wide), kGemv[variant] (GEMV)
+  int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel
+  int variant;  // the instantiation: kVariants[variant] (fused), kGemv[variant] (GEMV)
   int splits;
 };
 
@@ -770,7 +653,7 @@ struct GemvVariant {
 constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}, {4, 2, 1}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
-static_assert(6 + 3 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
+static_assert(3 + kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
 
 // gemv_variant does one thing with GEMV instantiation V: query its
 // resident CTAs (run false) or launch it.
@@ -806,21 +689,9 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
   return 0;
 }
 
-// The wide kernel's instantiations, by kVariants' index: STAGES 4.
-template <int MB, int U>
-constexpr size_t wide_smem_bytes() {
-  return sizeof(WideRing<MB, U, 4>);
-}
-
-// The resident slots: fused variants 0–2, GEMV variant v at 3 + v, wide
-// variant v at 6 + v.
+// The resident slots: fused variants 0–2, GEMV variant v at 3 + v.
 int query_resident(llmq_ctx* c, int path, int variant) {
   if (path == 3) return with_gemv(variant, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
-  if (path == 4) switch (variant) {
-      case 0: return resident_of(c, 6, w4a16_wide<1, 2, 4>, wide_smem_bytes<1, 2>());
-      case 1: return resident_of(c, 7, w4a16_wide<2, 2, 4>, wide_smem_bytes<2, 2>());
-      default: return resident_of(c, 8, w4a16_wide<4, 1, 4>, wide_smem_bytes<4, 1>());
-    }
   switch (variant) {
     case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
     case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
@@ -864,16 +735,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch
   }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
   const Variant v = kVariants[p.variant];
-  if (query_resident(c, p.path, p.variant)) return 1;
+  if (query_resident(c, 1, p.variant)) return 1;
   const int mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
-  if (p.path == 4) {  // the wide kernel: kWarps n-tiles a CTA, its warps on the same K steps
-    const int ctas = (NT + kWarps - 1) / kWarps * mblocks;
-    int splits = max(1, (c->sms * max(c->resident[6 + p.variant], 1)) / ctas);
-    splits = min(splits, max(1, KT / (4 * v.u)));
-    if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
-    p.splits = splits;
-    return 0;
-  }
   int splits = max(1, (c->sms * max(c->resident[p.variant], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
@@ -902,20 +765,6 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   CK(launch(c, (w4a16_fused<MB, U, STAGES, MINB>), dim3(NT, p.splits, mblocks), kWarps * 32, smem, 
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
       p.splits));
-  return 0;
-}
-
-// launch_wide runs one instantiation of the wide kernel as planned.
-template <int MB, int U>
-int launch_wide(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, const Outs& C,
-                void* workspace, int M, int N, int K, int group) {
-  constexpr size_t smem = wide_smem_bytes<MB, U>();
-  const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
-  float* ws = (float*)workspace;
-  int* counters = (int*)(ws + (size_t)M * N);
-  CK(launch(c, (w4a16_wide<MB, U, 4>), dim3((NT + kWarps - 1) / kWarps, p.splits, mblocks), kWarps * 32, smem, A,
-            (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
-            p.splits));
   return 0;
 }
 
@@ -1019,11 +868,6 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   }
   if (p.path == 3)
     return with_gemv(p.variant, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, group_shift(group, K));
-  if (p.path == 4) {
-    if (p.variant == 0) return launch_wide<1, 2>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-    if (p.variant == 1) return launch_wide<2, 2>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-    return launch_wide<4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-  }
   if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
@@ -1069,8 +913,6 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
   else if (p.path == 3)
     snprintf(out, n, "gemv mt%d u%d b%d splits%d", kGemv[p.variant].mt, kGemv[p.variant].u, kGemv[p.variant].minb,
              p.splits);
-  else if (p.path == 4)
-    snprintf(out, n, "wide v9 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   else
     snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   return 0;

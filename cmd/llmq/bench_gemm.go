@@ -54,10 +54,10 @@ func newBenchGemm() *cobra.Command {
 				return err
 			}
 			defer gpu.Close()
-			paths := map[string]int{"auto": cuda.PathAuto, "fused": cuda.PathFused, "wide": cuda.PathWide, "gemv": cuda.PathGEMV, "dequant": cuda.PathCuBLAS}
+			paths := map[string]int{"auto": cuda.PathAuto, "fused": cuda.PathFused, "gemv": cuda.PathGEMV, "dequant": cuda.PathCuBLAS}
 			p, ok := paths[path]
 			if !ok {
-				return fmt.Errorf("--path %q: want auto, gemv, fused, wide or dequant", path)
+				return fmt.Errorf("--path %q: want auto, gemv, fused or dequant", path)
 			}
 			if err := gpu.SetPath(p); err != nil {
 				return err
@@ -110,6 +110,6 @@ func newBenchGemm() *cobra.Command {
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
 	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
 	cmd.Flags().StringVar(&peer, "peer", "", "JSON of evals/torchref/tinygemm.py from the same machine, shown beside")
-	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 4), fused, wide (v9: the fused steps with a CTA's warps side by side in N) or dequant (+cuBLAS)")
+	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 4), fused or dequant (+cuBLAS)")
 	return cmd
 }
