@@ -14,6 +14,7 @@
 #           mistral-swa configs only (their zoo subtests then fail on the
 #           missing weights: the full zoo does not fit beside the rest)
 # moe:      mixtral-rand and qwen3moe-rand with their references
+# wiki:     WikiText-2's test text (the perplexity modes: tiny, small, lowbit, ...)
 # swa:      gemma3-rand and mistral-swa-rand (the sliding-window checkpoints zoolite leaves out), with
 #           their references: bash cuda/carry.sh swa, then carry dev and swa alone
 set -euo pipefail
@@ -44,9 +45,10 @@ for what in "${@:-dev tiny zoolite moe}"; do
           "$S/models/archzoo/gemma3-rand/config.json" "$S/models/archzoo/mistral-swa-rand/config.json" \
           "$S/reference/qwen2-rand.*" "$S/reference/qwen3-rand.*" "$S/reference/llama31-rand.*" ;;
       moe) pack moe "$S/models/archzoo/mixtral-rand" "$S/models/archzoo/qwen3moe-rand" "$S/reference/mixtral-rand.*" "$S/reference/qwen3moe-rand.*" ;;
+      wiki) pack wiki "$S/data/wikitext2/wiki.test.raw" ;;
       swa) pack swa "$S/models/archzoo/gemma3-rand" "$S/models/archzoo/mistral-swa-rand" "$S/reference/gemma3-rand.*" \
           "$S/reference/mistral-swa-rand.*" ;;
-      *) echo "carry.sh: unknown archive $w (want dev, tiny, zoolite, moe, swa)" >&2; exit 1 ;;
+      *) echo "carry.sh: unknown archive $w (want dev, tiny, zoolite, moe, swa, wiki)" >&2; exit 1 ;;
     esac
   done
 done

@@ -28,7 +28,7 @@ struct llmq_ctx {
   int w4_path = 0;
   int gemv_max_m = 2;
   int fused_max_m = 64;
-  int resident[6] = {};  // fused instantiations 0–2, GEMV 3–5
+  int resident[9] = {};  // fused instantiations 0–2, GEMV 3–5 (4-bit codes) and 6–8 (8-bit)
   size_t attn_smem = 48 << 10;
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;
@@ -111,10 +111,11 @@ namespace llmq {
 size_t w4a16_workspace_bytes(int M, int N);
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
                void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
-               int N, int K, int group);
+               int N, int K, int group, int bits);
 int w4a16_set_path(llmq_ctx* c, int path);
-int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
-int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
+int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n);
+int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group,
+               int bits);
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                 int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group);

@@ -29,6 +29,8 @@
 #   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
+#   bash cuda/device-model.sh w8      # W8A16: the 8-bit kernels' tests, llmq bench gemm --bits 8 (gemm-w8-h200.json),
+#                                     # llama-tiny RTN w8 perplexity on the GPU (carry.sh dev tiny wiki)
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
@@ -136,6 +138,14 @@ case "$1" in
       $L quantize "$D" --method rtn --bits $b --group 128 -o build/q/llama-tiny-rtn-w$b --force > /dev/null 2>&1 || echo "rtn w$b quantize failed"
       echo "== llama-tiny rtn-w$b"; ppl llama-tiny-rtn-w$b build/q/llama-tiny-rtn-w$b
     done
+    ;;
+  w8) # issue 15, item 3: 8-bit codes through the GEMV kernel (M ≤ 4) and dequantize + cuBLAS
+    run='TestW8A16|TestW4A16MatchesReference|TestDequantMatchesCPU|TestGEMVRefuses|TestPlanFallsBack|TestBadShape|TestModelLogits|TestGreedy'
+    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-w8-tests-h200.log"
+    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic|w8" "$OUT/cuda-w8-tests-h200.log" | grep -v "rel err" | head -30
+    grep -E "rel err" "$OUT/cuda-w8-tests-h200.log" | grep "bits:8" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest 8-bit rel err: /'
+    $L bench gemm --bits 8 --m ${W8_M:-1,2,4,16,64} --json "$OUT/gemm-w8-h200.json" 2>&1 | grep -E "^(shape|8B|70B)|rror"
+    LOWBIT_BITS=8 SKIP_BUILD=1 bash "$0" lowbit
     ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150

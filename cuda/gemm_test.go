@@ -42,7 +42,7 @@ func openContext(t testing.TB) *Context {
 	return x
 }
 
-// randomLayer makes a layer of 2 to 4 bits with random grid indices,
+// randomLayer makes a layer of 2 to 4 or 8 bits with random grid indices,
 // scales and zeros (or the midpoint zero when sym), and a random act-order
 // g_idx if asked.
 func randomLayer(r *rand.Rand, K, N, group, bits int, sym, actOrder bool) *pack.Linear {
@@ -326,6 +326,58 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	}
 }
 
+// TestW8A16MatchesReference: 8-bit codes (one a byte) through the GEMV
+// kernel at every M it runs, and through dequantize + cuBLAS beyond, on
+// the shapes and edges of the 4-bit tests; the automatic plan takes them
+// so, and the fused kernel refuses them.
+func TestW8A16MatchesReference(t *testing.T) {
+	l := openContext(t)
+	r := rand.New(rand.NewPCG(8, 8))
+	for _, M := range []int{1, 2, 3, 4, 9, 100} {
+		for _, v := range []struct {
+			group    int
+			sym, act bool
+		}{{128, false, false}, {128, true, false}, {-1, false, false}, {128, false, true}, {32, true, true}} {
+			paths := []int{PathAuto, PathCuBLAS}
+			if M <= 4 {
+				paths = append(paths, PathGEMV)
+			}
+			for _, p := range paths {
+				runCase(t, l, r, gemmCase{M: M, K: 1024, N: 192, group: v.group, bits: 8, sym: v.sym, act: v.act, path: p})
+			}
+		}
+	}
+	for _, c := range []gemmCase{
+		{M: 1, K: 14336, N: 256, group: 128}, {M: 4, K: 512, N: 4096, group: 128}, {M: 1, K: 16, N: 64, group: -1},
+		{M: 2, K: 48, N: 64, group: 16}, {M: 1, K: 4096, N: 448, group: 128, split: []int{256, 64, 128}},
+		{M: 3, K: 256, N: 448, group: 64, act: true, split: []int{256, 64, 128}},
+	} {
+		c.bits, c.path = 8, PathGEMV
+		runCase(t, l, r, c)
+	}
+	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
+		for _, p := range []int{PathGEMV, PathCuBLAS} {
+			runCase(t, l, r, gemmCase{M: 4, K: 1024, N: 64, group: 128, bits: 8, path: p, edit: edit})
+		}
+	}
+	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 8, false, false))
+	defer w.Free(l)
+	for M, want := range map[int]string{1: "gemv w8 mt1", 2: "gemv w8 mt2", 3: "gemv w8 mt4", 4: "gemv w8 mt4", 5: "dequant w8+cublas"} {
+		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
+			t.Errorf("automatic plan for 8-bit codes, M=%d: %q, %v; want %s…", M, v, err, want)
+		}
+	}
+	if err := l.SetPath(PathFused); err != nil {
+		t.Fatal(err)
+	}
+	defer l.SetPath(PathAuto)
+	if _, err := l.Plan(w, 8); err == nil || !strings.Contains(err.Error(), "8-bit") {
+		t.Errorf("forced fused kernel on 8-bit codes: %v; want an error naming them", err)
+	} else {
+		t.Log(err)
+	}
+}
+
 // TestPlanFallsBack: a group size that is not a power of two is refused
 // by the forced fused kernel and runs on the automatic path (dequantize +
 // cuBLAS).
@@ -358,20 +410,22 @@ func TestPlanFallsBack(t *testing.T) {
 func TestDequantMatchesCPU(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(3, 3))
-	g, w := upload(t, l, randomLayer(r, 512, 256, 128, 4, false, false))
-	defer w.Free(l)
-	W, _ := l.Alloc(512 * 256 * 2)
-	defer l.Free(W)
-	if err := l.Dequant(w, W); err != nil {
-		t.Fatal(err)
-	}
-	got := make([]uint16, 512*256)
-	if err := Download(l, got, W); err != nil {
-		t.Fatal(err)
-	}
-	for i, want := range g.Dequantize() {
-		if float16.Frombits(got[i]).Float32() != want {
-			t.Fatalf("element %d: GPU %v, CPU %v", i, float16.Frombits(got[i]).Float32(), want)
+	for _, bits := range []int{4, 8} {
+		g, w := upload(t, l, randomLayer(r, 512, 256, 128, bits, false, false))
+		defer w.Free(l)
+		W, _ := l.Alloc(512 * 256 * 2)
+		defer l.Free(W)
+		if err := l.Dequant(w, W); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]uint16, 512*256)
+		if err := Download(l, got, W); err != nil {
+			t.Fatal(err)
+		}
+		for i, want := range g.Dequantize() {
+			if float16.Frombits(got[i]).Float32() != want {
+				t.Fatalf("%d-bit codes, element %d: GPU %v, CPU %v", bits, i, float16.Frombits(got[i]).Float32(), want)
+			}
 		}
 	}
 }

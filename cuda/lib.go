@@ -83,16 +83,18 @@ static int c_event_elapsed(A a, llmq_ctx* c, P s, P e, float* ms) { return a->ev
 
 static size_t c_ws(A a, int m, int n) { return a->w4a16_workspace_bytes(m, n); }
 static int c_gemm_w4(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P c0, P c1, P c2, int n0, int n1, int n2, P ws,
-		P scratch, int M, int N, int K, int g) {
+		P scratch, int M, int N, int K, int g, int bits) {
 	void* outs[3] = {(void*)c0, (void*)c1, (void*)c2};
 	int cols[3] = {n0, n1, n2};
 	return a->w4a16_gemm(c, (const void*)A_, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm, (void*)aperm,
-		outs, cols, n2 ? 3 : n1 ? 2 : 1, (void*)ws, (void*)scratch, M, N, K, g);
+		outs, cols, n2 ? 3 : n1 ? 2 : 1, (void*)ws, (void*)scratch, M, N, K, g, bits);
 }
 static int c_set_path(A a, llmq_ctx* c, int p) { return a->w4a16_set_path(c, p); }
-static int c_plan(A a, llmq_ctx* c, int M, int N, int K, int g, char* out, int n) { return a->w4a16_plan(c, M, N, K, g, out, n); }
-static int c_dequant(A a, llmq_ctx* c, P B, P S, P Z, P W, int N, int K, int g) {
-	return a->w4_dequant(c, (const void*)B, (const void*)S, (const void*)Z, (void*)W, N, K, g);
+static int c_plan(A a, llmq_ctx* c, int M, int N, int K, int g, int bits, char* out, int n) {
+	return a->w4a16_plan(c, M, N, K, g, bits, out, n);
+}
+static int c_dequant(A a, llmq_ctx* c, P B, P S, P Z, P W, int N, int K, int g, int bits) {
+	return a->w4_dequant(c, (const void*)B, (const void*)S, (const void*)Z, (void*)W, N, K, g, bits);
 }
 static int c_gemm_f16(A a, llmq_ctx* c, P A_, P W, P C, int M, int N, int K) {
 	return a->gemm_f16(c, (const void*)A_, (const void*)W, (void*)C, M, N, K);
@@ -540,7 +542,7 @@ func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm
 	}
 	return x.do("w4a16_gemm", func() C.int {
 		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, p[0], p[1], p[2], n[0], n[1], n[2],
-			ws.p, scratch.p, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group))
+			ws.p, scratch.p, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()))
 	})
 }
 
@@ -549,7 +551,7 @@ func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm
 func (x *Context) Plan(w *W4, M int) (string, error) {
 	var buf [128]C.char
 	err := x.do("w4a16_plan", func() C.int {
-		return C.c_plan(x.lib.api, x.c, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), &buf[0], C.int(len(buf)))
+		return C.c_plan(x.lib.api, x.c, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()), &buf[0], C.int(len(buf)))
 	})
 	return C.GoString(&buf[0]), err
 }
@@ -557,7 +559,7 @@ func (x *Context) Plan(w *W4, M int) (string, error) {
 // Dequant writes W[K,N] fp16 = dequant(w).
 func (x *Context) Dequant(w *W4, W Buf) error {
 	return x.do("w4_dequant", func() C.int {
-		return C.c_dequant(x.lib.api, x.c, w.B.p, w.S.p, w.Z.p, W.p, C.int(w.N), C.int(w.K), C.int(w.Group))
+		return C.c_dequant(x.lib.api, x.c, w.B.p, w.S.p, w.Z.p, W.p, C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()))
 	})
 }
 

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 13
+#define LLMQ_API_VERSION 14
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -112,19 +112,22 @@ typedef struct {
    * are gathered through perm into a_perm (M·K fp16 scratch) first.
    * scratch (may be NULL): K·N fp16, used for large M and for group sizes
    * the kernels do not run (not powers of two), where B is dequantized
-   * and multiplied by cuBLAS. */
+   * and multiplied by cuBLAS. bits: 4 (codes of 2 to 4 bits, one a
+   * nibble) or 8 (one a byte: the GEMV kernel at M ≤ 4, dequantize +
+   * cuBLAS beyond). */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
                     void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch,
-                    int M, int N, int K, int group);
+                    int M, int N, int K, int group, int bits);
   /* The kernel variant w4a16_gemm runs for this shape on c (path,
    * instantiation, K splits), written to out (n bytes): for benchmark
    * tables. */
-  int (*w4a16_plan)(llmq_ctx* c, int M, int N, int K, int group, char* out, int n);
+  int (*w4a16_plan)(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n);
   /* Force a path on c, for tests and benchmarks: 0 automatic, 1 fused
    * kernel, 2 dequantize + cuBLAS, 3 GEMV kernel (M ≤ 4). */
   int (*w4a16_set_path)(llmq_ctx* c, int path);
-  /* W[K,N] fp16 = dequant(B). */
-  int (*w4_dequant)(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group);
+  /* W[K,N] fp16 = dequant(B), codes of `bits` (4 or 8, as w4a16_gemm). */
+  int (*w4_dequant)(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group,
+                    int bits);
   /* cuBLAS fp16 baseline: C[M,N] = A[M,K] · W[K,N], fp32 accumulation. */
   int (*gemm_f16)(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
   /* Reads bytes of p once (bandwidth probe); out is a 4-byte scratch. */

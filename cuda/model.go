@@ -51,8 +51,9 @@ type Model struct {
 	scratch    Buf          // K·N fp16: large-M W4 layers dequantize here for cuBLAS
 	maxN       int          // widest linear (workspace sizing)
 	maxPermK   int          // widest act-order input (a_perm sizing)
-	w4Layers   int          // linears the W4A16 kernel runs
-	wideLayers int          // quantized linears run in fp16, dequantized at load (wider grids: 8-bit, FP8; experts the grouped kernel cannot run)
+	w4Layers   int          // linears the W4A16 kernels run, 8-bit codes included
+	w8Layers   int          // of those, the ones with 8-bit codes
+	wideLayers int          // quantized linears run in fp16, dequantized at load (other grids: 5–7-bit, FP8; experts the grouped kernel cannot run)
 	join       bool         // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
 	act        *ActQuant    // simulated quantization of the decoder linears' inputs, or nil
 	maxIn      int          // widest decoder linear input (the fake-quant buffer)
@@ -343,13 +344,13 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 		return nil, err
 	}
 	// The grouped 4-bit kernel runs the layer when every expert's three
-	// linears are packed in a layout it takes: no act order (a permutation
-	// per expert), a power-of-two group or one group, gate and up
+	// linears are packed in a layout it takes: 2- to 4-bit codes, no act
+	// order (a permutation per expert), a power-of-two group or one group, gate and up
 	// joinable. Otherwise the whole layer runs in fp16, its packed experts
 	// dequantized (slower, but every checkpoint runs), one expert at a
 	// time.
 	grouped := func(gw *pack.GPUWeights) bool {
-		return gw.Perm == nil && (gw.Group >= gw.K || gw.Group&(gw.Group-1) == 0)
+		return gw.Perm == nil && gw.Bits == 4 && (gw.Group >= gw.K || gw.Group&(gw.Group-1) == 0)
 	}
 	var gateUp, down []*pack.GPUWeights
 	for e := 0; e < E; e++ {
@@ -454,8 +455,11 @@ func tensorGPUBytes(t checkpoint.Tensor, q *pack.QuantConfig) int64 {
 	if prefix, ok := strings.CutSuffix(t.Name, ".qweight"); ok && q != nil {
 		if g, ok := q.GridFor(prefix); ok && g.Bits > 0 {
 			weights := bytes * 8 / int64(g.Bits) // a stored byte holds 8/bits codes
-			if g.GPUPacked() {
-				return weights / 2
+			switch {
+			case g.GPUPacked() && g.Bits == 8:
+				return weights // a byte a code
+			case g.GPUPacked():
+				return weights / 2 // a nibble a code
 			}
 			return weights * 2
 		}
@@ -614,6 +618,9 @@ func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 	if l.w4 != nil {
 		m.weights += l.w4.Bytes()
 		m.w4Layers++
+		if l.w4.Bits == 8 {
+			m.w8Layers++
+		}
 	}
 	if h.dequantized {
 		m.wideLayers++
@@ -765,12 +772,18 @@ func (m *Model) Config() *checkpoint.Config { return m.cfg }
 
 // Name implements llm.Backend.
 func (m *Model) Name() string {
-	kind := "fp16"
+	kind, packed := "fp16", "W4A16"
+	switch {
+	case m.w8Layers == m.w4Layers:
+		packed = "W8A16"
+	case m.w8Layers > 0:
+		packed = "W4A16 and W8A16"
+	}
 	switch {
 	case m.w4Layers > 0 && m.wideLayers > 0:
-		kind = "W4A16, some layers dequantized to fp16"
+		kind = packed + ", some layers dequantized to fp16"
 	case m.w4Layers > 0:
-		kind = "W4A16"
+		kind = packed
 	case m.wideLayers > 0:
 		kind = "fp16, quantized layers dequantized"
 	}

@@ -591,11 +591,11 @@ func TestKernelErrorIsRecoverable(t *testing.T) {
 }
 
 // TestEstimateCountsCodesAsTheGPUHoldsThem: a GPTQ qweight of K×N weights
-// takes K·N/2 bytes on the GPU at 2 to 4 bits (nibbles) and K·N·2 at 8 bits
-// (fp16), whatever its size on disk; other tensors count as stored.
+// takes K·N/2 bytes on the GPU at 2 to 4 bits (nibbles) and K·N at 8 bits
+// (bytes), whatever its size on disk; other tensors count as stored.
 func TestEstimateCountsCodesAsTheGPUHoldsThem(t *testing.T) {
 	const K, N = 4096, 1024
-	for _, c := range []struct{ bits, want int64 }{{2, K * N / 2}, {3, K * N / 2}, {4, K * N / 2}, {8, K * N * 2}} {
+	for _, c := range []struct{ bits, want int64 }{{2, K * N / 2}, {3, K * N / 2}, {4, K * N / 2}, {8, K * N}} {
 		q := &pack.QuantConfig{QuantMethod: "gptq", Bits: int(c.bits), GroupSize: 128}
 		qweight := checkpoint.Tensor{Name: "model.layers.0.mlp.down_proj.qweight", DType: safetensors.I32, Shape: []int{K * int(c.bits) / 32, N}}
 		if got := tensorGPUBytes(qweight, q); got != c.want {

@@ -8,17 +8,27 @@ import (
 	"github.com/llmq/llmq/pack"
 )
 
-// W4 is a 4-bit layer resident on the GPU in the kernel's layout.
+// W4 is a layer of 2- to 4-bit codes (Bits 4) or 8-bit codes (Bits 8)
+// resident on the GPU in the kernels' layout (pack.GPUWeights).
 type W4 struct {
 	K, N, Group int
+	Bits        int // 4 or 8; 0 reads as 4
 	B, S, Z     Buf
 	Perm        Buf   // zero when the layer has no act-order permutation
 	Cols        []int // a joined layer's parts (pack.ConcatGPU), their widths; nil for one layer
 }
 
+// codeBits is the layout's code width, as the library takes it.
+func (w *W4) codeBits() int {
+	if w.Bits == 8 {
+		return 8
+	}
+	return 4
+}
+
 // UploadW4 copies a repacked layer to the GPU.
 func (x *Context) UploadW4(g *pack.GPUWeights) (*W4, error) {
-	w := &W4{K: g.K, N: g.N, Group: g.Group}
+	w := &W4{K: g.K, N: g.N, Group: g.Group, Bits: g.Bits}
 	var err error
 	if w.B, err = AllocFrom(x, g.B); err == nil {
 		if w.S, err = AllocFrom(x, g.Scales); err == nil {
@@ -49,6 +59,9 @@ func (x *Context) UploadExperts(gs []*pack.GPUWeights) (*W4, error) {
 		}
 		if g.Perm != nil {
 			return nil, fmt.Errorf("expert %d has an act-order permutation: the grouped expert kernel does not run act order yet", e)
+		}
+		if g.Bits == 8 {
+			return nil, fmt.Errorf("expert %d has 8-bit codes: the grouped expert kernel runs 2- to 4-bit codes", e)
 		}
 	}
 	w := &W4{K: g0.K, N: g0.N, Group: g0.Group}

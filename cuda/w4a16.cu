@@ -35,6 +35,7 @@
 // at small M: the whole layer is dequantized per call).
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
+#include <type_traits>
 #include "common.cuh"
 
 namespace {
@@ -121,6 +122,21 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t z
   }
 }
 
+// convert_group for 8-bit codes: zeros one a byte (sub-tile j in byte j
+// of zv), the offsets 1024 + z in zlo (zhi unused).
+__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) {
+  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
+    r.s[j] = h | (h << 16);
+    const uint32_t z = ((j < 4 ? zv.x : zv.y) >> (8 * (j & 3))) & 0xffu;
+    const uint32_t lo = 0x6400u | z;
+    r.zlo[j] = lo | (lo << 16);
+    r.zhi[j] = 0;
+  }
+}
+
 // dequant_word turns word i of a lane's chunk into the fp16 weights
 // (q − z)·s of its two n8 sub-tiles ja = 2i, jb = 2i + 1: b[0], b[1] are
 // sub-tile ja's mma B fragments (rows 2·tig, 2·tig+1 and 2·tig+8,
@@ -137,6 +153,24 @@ __device__ __forceinline__ void dequant_word(uint32_t (&b)[4], uint32_t q, int i
   b[1] = deq(p1, gr.zhi[ja], gr.s[ja]);
   b[2] = deq(p2, gr.zlo[jb], gr.s[jb]);
   b[3] = deq(p3, gr.zhi[jb], gr.s[jb]);
+}
+
+// dequant_pair is dequant_word for a lane's step of BITS-bit codes, its
+// words w (4 for 4-bit codes, one chunk; 8 for 8-bit, two): the fragments
+// b of sub-tiles 2i and 2i+1. An 8-bit word is one sub-tile's rows 2·tig,
+// 2·tig+1, 2·tig+8, 2·tig+9, a byte each; permuting its bytes against
+// 0x64 makes the fp16 pairs 1024 + q of b0 and b1.
+template <int BITS>
+__device__ __forceinline__ void dequant_pair(uint32_t (&b)[4], const uint32_t* w, int i, const GroupRegs& gr) {
+  if constexpr (BITS == 4) {
+    dequant_word(b, w[i], i, gr);
+  } else {
+    const int ja = 2 * i, jb = 2 * i + 1;
+    b[0] = deq(__byte_perm(w[ja], 0x64646464u, 0x4140), gr.zlo[ja], gr.s[ja]);
+    b[1] = deq(__byte_perm(w[ja], 0x64646464u, 0x4342), gr.zlo[ja], gr.s[ja]);
+    b[2] = deq(__byte_perm(w[jb], 0x64646464u, 0x4140), gr.zlo[jb], gr.s[jb]);
+    b[3] = deq(__byte_perm(w[jb], 0x64646464u, 0x4342), gr.zlo[jb], gr.s[jb]);
+  }
 }
 
 // compute_step: dequantize one lane's B chunk and run the mma for MB m-tiles.
@@ -159,18 +193,21 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
 // GroupStream keeps a warp's current group's scales and zeros in
 // registers (GroupRegs) and the next group's raw values loaded ahead, as
 // the warp walks its K range in order. gshift: a group spans 2^gshift
-// 16-row steps (−1: a single group).
+// 16-row steps (−1: a single group). BITS: the codes' width, 4 (a lane's
+// zeros in one word) or 8 (two).
+template <int BITS = 4>
 struct GroupStream {
+  using ZV = typename std::conditional<BITS == 8, uint2, uint32_t>::type;
   const uint4* S;
-  const uint32_t* Z;
+  const ZV* Z;
   size_t off, stride;  // this lane's entry of group 0; entries per group
   int gshift, G, cur;
   uint4 sv_next;
-  uint32_t zv_next;
+  ZV zv_next;
 
   __device__ __forceinline__ GroupStream(const uint4* S_, const uint32_t* Z_, int nt, int NT, int gid, int KT, int gshift_)
-      : S(S_), Z(Z_), off((size_t)nt * 8 + gid), stride((size_t)NT * 8), gshift(gshift_),
-        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(make_uint4(0, 0, 0, 0)), zv_next(0) {}
+      : S(S_), Z(reinterpret_cast<const ZV*>(Z_)), off((size_t)nt * 8 + gid), stride((size_t)NT * 8), gshift(gshift_),
+        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(make_uint4(0, 0, 0, 0)), zv_next() {}
 
   __device__ __forceinline__ void prefetch() {
     if (cur + 1 < G) {
@@ -313,7 +350,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
 
   // Scales and zeros: the current group's in registers, the next one's
   // loaded ahead.
-  GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupStream<4> groups(S, Z, nt, NT, gid, KT, gshift);
   GroupRegs gr;
   if (k1 > k0) groups.start(gr, k0);
   // ldmatrix row address within a 16×16 A tile: row lane%16, half lane/16.
@@ -382,27 +419,30 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 // row's first word + tig), its chunks at bp (step k's at bp + 32k), U
 // steps a batch with the next batch's codes and activations loaded while
 // this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
-template <int MT, int U>
+template <int MT, int U, int BITS = 4>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
-                                           GroupStream& groups, int k0, int k1) {
+                                           GroupStream<BITS>& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
+  constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[m][j] = 0.f;
   // Step k's activations for this lane, as half2 words: rows 16k + 2·tig
   // (+1) at word 8k + tig, rows 16k + 2·tig + 8 (+9) four words on.
-  uint4 qn[U];
+  uint4 qn[U][CH];
   uint32_t xn[U][MT][2];
   auto load = [&](int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u;
-      qn[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int c = 0; c < CH; ++c) qn[u][c] = make_uint4(0, 0, 0, 0);
 #pragma unroll
       for (int m = 0; m < MT; ++m) xn[u][m][0] = xn[u][m][1] = 0;
       if (k < k1) {
-        qn[u] = ld_stream(bp + (size_t)k * 32);
+#pragma unroll
+        for (int c = 0; c < CH; ++c) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
@@ -418,11 +458,12 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
     load(k0);
   }
   for (int kb = k0; kb < k1; kb += U) {
-    uint4 q[U];
+    uint4 q[U][CH];
     uint32_t x[U][MT][2];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      q[u] = qn[u];
+#pragma unroll
+      for (int c = 0; c < CH; ++c) q[u][c] = qn[u][c];
 #pragma unroll
       for (int m = 0; m < MT; ++m) x[u][m][0] = xn[u][m][0], x[u][m][1] = xn[u][m][1];
     }
@@ -441,11 +482,15 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
         const int k = kb + u + v;
         if (k < k1) {
           groups.at(gr, k);
-          const uint32_t w[4] = {q[u + v].x, q[u + v].y, q[u + v].z, q[u + v].w};
+          uint32_t w[4 * CH];
+#pragma unroll
+          for (int c = 0; c < CH; ++c)
+            w[4 * c] = q[u + v][c].x, w[4 * c + 1] = q[u + v][c].y, w[4 * c + 2] = q[u + v][c].z,
+                  w[4 * c + 3] = q[u + v][c].w;
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             uint32_t b[4];
-            dequant_word(b, w[i], i, gr);
+            dequant_pair<BITS>(b, w, i, gr);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
               const half2 x01 = as_h2(x[u + v][m][0]), x89 = as_h2(x[u + v][m][1]);
@@ -500,7 +545,7 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
-template <int MT, int U, int MINB>
+template <int MT, int U, int MINB, int BITS>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
@@ -518,9 +563,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   const uint32_t* ap[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
-  GroupStream groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
   float acc[MT][8];
-  gemv_steps<MT, U>(acc, ap, B + (size_t)nt * KT * 32 + lane, groups, k0, k1);
+  gemv_steps<MT, U, BITS>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
@@ -559,7 +604,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
 #pragma unroll
   for (int m = 0; m < MT; ++m)
     ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(order[start + min(m, n - 1)] / a_div) * K) + tig;
-  GroupStream groups(S + e * per_group, Z + e * per_group, nt, NT, gid, KT, gshift);
+  GroupStream<4> groups(S + e * per_group, Z + e * per_group, nt, NT, gid, KT, gshift);
   float acc[MT][8];
   gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
@@ -570,9 +615,10 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
 }
 
 // dequant_kernel writes W[K][N] fp16 from the tiled layout, one warp per
-// 16×64 chunk, with the fused kernels' dequantization (dequant_word): lanes
+// 16×64 tile, with the kernels' dequantization (dequant_pair): lanes
 // dequantize their fragments into a shared tile, then store it as 16 rows
 // of 128 contiguous bytes.
+template <int BITS>
 __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ B, const uint4* __restrict__ S,
                                                       const uint32_t* __restrict__ Z, half* __restrict__ W, int N,
                                                       int K, int group) {
@@ -585,13 +631,21 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ 
   const int gid = lane >> 2, tig = lane & 3;
   const size_t g = (size_t)((kt << 4) / group) * NT + nt;
   GroupRegs gr;
-  convert_group(gr, __ldg(S + g * 8 + gid), __ldg(Z + g * 8 + gid));
-  const uint4 v = __ldg(B + chunk * 32 + lane);
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  constexpr int CH = BITS / 4;  // chunks a tile
+  if constexpr (BITS == 8)
+    convert_group(gr, __ldg(S + g * 8 + gid), __ldg(reinterpret_cast<const uint2*>(Z) + g * 8 + gid));
+  else
+    convert_group(gr, __ldg(S + g * 8 + gid), __ldg(Z + g * 8 + gid));
+  uint32_t w[4 * CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const uint4 v = __ldg(B + (chunk * CH + c) * 32 + lane);
+    w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+  }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     uint32_t b[4];  // the fused kernels' fragments: rows k, k+8 of sub-tile 2i, then of 2i+1
-    dequant_word(b, w[i], i, gr);
+    dequant_pair<BITS>(b, w, i, gr);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int j = 2 * i + (s >> 1);              // n8 sub-tile
@@ -628,9 +682,20 @@ int check_shape(llmq_ctx* c, int M, int N, int K, int group) {
   return 0;
 }
 
+// check_bits: the kernels read codes in nibbles (2 to 4 bits, bits 4) or
+// bytes (bits 8).
+int check_bits(llmq_ctx* c, int bits) {
+  if (bits != 4 && bits != 8) {
+    llmq::set_error(c, "W4A16 codes of %d bits: the layout holds 4 (2- to 4-bit codes) or 8", bits);
+    return 1;
+  }
+  return 0;
+}
+
 // Plan is what one call runs: the GEMV kernel's or the fused kernel's
 // instantiation and its K splits, or dequantize + cuBLAS.
 struct Plan {
+  int bits;     // the codes' width: 4 (2- to 4-bit codes, in nibbles) or 8
   int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel
   int variant;  // the instantiation: kVariants[variant] (fused), kGemv[variant] (GEMV)
   int splits;
@@ -653,27 +718,31 @@ struct GemvVariant {
 constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}, {4, 2, 1}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
-static_assert(3 + kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
+static_assert(3 + 2 * kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
 
-// gemv_variant does one thing with GEMV instantiation V: query its
-// resident CTAs (run false) or launch it.
-template <int V>
+// gemv_variant does one thing with GEMV instantiation V for BITS-bit
+// codes: query its resident CTAs (run false) or launch it.
+template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift);
 
-// with_gemv calls gemv_variant<v> for a variant index known only at run time.
-int with_gemv(int v, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-              const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  switch (v) {
-#define LLMQ_GEMV_CASE(V) \
-  case V:                 \
-    return gemv_variant<V>(c, run, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
-    LLMQ_GEMV_CASE(0)
-    LLMQ_GEMV_CASE(1)
-    LLMQ_GEMV_CASE(2)
+// with_gemv calls gemv_variant<v, bits> for a variant index and a code
+// width known only at run time.
+int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
+              const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  switch (v + (bits == 8 ? kGemvVariants : 0)) {
+#define LLMQ_GEMV_CASE(V, BITS) \
+  case V + (BITS == 8 ? kGemvVariants : 0): \
+    return gemv_variant<V, BITS>(c, run, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+    LLMQ_GEMV_CASE(0, 4)
+    LLMQ_GEMV_CASE(1, 4)
+    LLMQ_GEMV_CASE(2, 4)
+    LLMQ_GEMV_CASE(0, 8)
+    LLMQ_GEMV_CASE(1, 8)
+    LLMQ_GEMV_CASE(2, 8)
 #undef LLMQ_GEMV_CASE
   }
-  llmq::set_error(c, "no GEMV variant %d", v);
+  llmq::set_error(c, "no GEMV variant %d for %d-bit codes", v, bits);
   return 1;
 }
 
@@ -689,9 +758,11 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
   return 0;
 }
 
-// The resident slots: fused variants 0–2, GEMV variant v at 3 + v.
-int query_resident(llmq_ctx* c, int path, int variant) {
-  if (path == 3) return with_gemv(variant, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
+// The resident slots: fused variants 0–2, GEMV variant v at 3 + v (4-bit
+// codes) and 6 + v (8-bit).
+int query_resident(llmq_ctx* c, int path, int variant, int bits) {
+  if (path == 3)
+    return with_gemv(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   switch (variant) {
     case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
     case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
@@ -704,16 +775,27 @@ int query_resident(llmq_ctx* c, int path, int variant) {
 // each warp keeping at least two batches (GEMV) or four stages (fused) of
 // steps; fewer splits as M grows (the cross-CTA reduction costs
 // M·N·splits atomics).
-int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch) {
+int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool have_scratch) {
   p = Plan{};
+  p.bits = bits;
   const bool pow2 = group >= K || !(group & (group - 1));
+  // 8-bit codes have no fused kernel: the GEMV kernel up to its largest M,
+  // dequantize + cuBLAS beyond.
+  const int gemv_max = bits == 8 ? kGemvMaxM : min(c->gemv_max_m, kGemvMaxM);
   if (c->w4_path)
     p.path = c->w4_path;
-  else if (M <= min(c->gemv_max_m, kGemvMaxM) && pow2)
+  else if (M <= gemv_max && pow2)
     p.path = 3;
+  else if (bits == 8)
+    p.path = 2;
   else
     p.path = (M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2;
   if (p.path == 2) return 0;
+  if (p.path == 1 && bits == 8) {
+    llmq::set_error(c, "the fused W4A16 kernel runs 2- to 4-bit codes; 8-bit layers run the GEMV kernel (M ≤ %d) or "
+                       "dequantize + cuBLAS", kGemvMaxM);
+    return 1;
+  }
   if (!pow2) {
     llmq::set_error(c,
                     "the fused and GEMV W4A16 kernels need a power-of-two group size or one group per column "
@@ -728,14 +810,14 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, bool have_scratch
   const int NT = N / 64, KT = K / 16;
   if (p.path == 3) {
     p.variant = M == 1 ? 0 : M == 2 ? 1 : 2;
-    if (query_resident(c, 3, p.variant)) return 1;
-    int splits = max(1, (c->sms * max(c->resident[3 + p.variant], 1)) / NT);
+    if (query_resident(c, 3, p.variant, bits)) return 1;
+    int splits = max(1, (c->sms * max(c->resident[3 + p.variant + (bits == 8 ? kGemvVariants : 0)], 1)) / NT);
     p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
     return 0;
   }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
   const Variant v = kVariants[p.variant];
-  if (query_resident(c, 1, p.variant)) return 1;
+  if (query_resident(c, 1, p.variant, bits)) return 1;
   const int mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
   int splits = max(1, (c->sms * max(c->resident[p.variant], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
@@ -768,11 +850,11 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   return 0;
 }
 
-template <int V>
+template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb>;
-  if (!run) return resident_of(c, 3 + V, kernel, 0);
+  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>;
+  if (!run) return resident_of(c, 3 + V + (BITS == 8 ? kGemvVariants : 0), kernel, 0);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
   CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
@@ -793,11 +875,15 @@ int w4a16_set_path(llmq_ctx* c, int path) {
   return 0;
 }
 
-int w4_dequant(llmq_ctx* c, const void* B, const void* S, const void* Z, void* W, int N, int K, int group) {
-  if (check_shape(c, 1, N, K, group)) return 1;
+int w4_dequant(llmq_ctx* c, const void* B, const void* S, const void* Z, void* W, int N, int K, int group, int bits) {
+  if (check_shape(c, 1, N, K, group) || check_bits(c, bits)) return 1;
   const size_t chunks = (size_t)(N / 64) * (K / 16);
-  dequant_kernel<<<(unsigned)((chunks + 7) / 8), 256, 0, c->stream>>>(
-      (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, (half*)W, N, K, group);
+  if (bits == 8)
+    dequant_kernel<8><<<(unsigned)((chunks + 7) / 8), 256, 0, c->stream>>>(
+        (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, (half*)W, N, K, group);
+  else
+    dequant_kernel<4><<<(unsigned)((chunks + 7) / 8), 256, 0, c->stream>>>(
+        (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, (half*)W, N, K, group);
   CK_LAUNCH("dequant_kernel");
   return 0;
 }
@@ -840,8 +926,8 @@ int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_col
 
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
                void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
-               int N, int K, int group) {
-  if (check_shape(c, M, N, K, group)) return 1;
+               int N, int K, int group, int bits) {
+  if (check_shape(c, M, N, K, group) || check_bits(c, bits)) return 1;
   Outs C;
   if (make_outs(c, "w4a16_gemm", outs, out_cols, n_outs, N, C)) return 1;
   const half* a = (const half*)A;
@@ -855,19 +941,20 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
     a = (const half*)a_perm;
   }
   Plan p;
-  if (plan(c, p, M, N, K, group, scratch != nullptr)) return 1;
+  if (plan(c, p, M, N, K, group, bits, scratch != nullptr)) return 1;
   if (p.path == 2) {
     if (!scratch) {
       set_error(c, "the dequantize+cuBLAS path needs a K·N fp16 scratch");
       return 1;
     }
-    if (w4_dequant(c, B, scales, zeros, scratch, N, K, group)) return 1;
+    if (w4_dequant(c, B, scales, zeros, scratch, N, K, group, bits)) return 1;
     for (int i = 0, start = 0; i < n_outs; start = C.end[i++])
       if (gemm_f16_cols(c, a, (const half*)scratch + start, N, C.c[i], M, C.end[i] - start, K)) return 1;
     return 0;
   }
   if (p.path == 3)
-    return with_gemv(p.variant, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, group_shift(group, K));
+    return with_gemv(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                     group_shift(group, K));
   if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
@@ -904,15 +991,15 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
   return 0;
 }
 
-int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, char* out, int n) {
-  if (check_shape(c, M, N, K, group)) return 1;
+int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n) {
+  if (check_shape(c, M, N, K, group) || check_bits(c, bits)) return 1;
   Plan p;
-  if (plan(c, p, M, N, K, group, true)) return 1;
+  if (plan(c, p, M, N, K, group, bits, true)) return 1;
   if (p.path == 2)
-    snprintf(out, n, "dequant+cublas");
+    snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 3)
-    snprintf(out, n, "gemv mt%d u%d b%d splits%d", kGemv[p.variant].mt, kGemv[p.variant].u, kGemv[p.variant].minb,
-             p.splits);
+    snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
+             kGemv[p.variant].minb, p.splits);
   else
     snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   return 0;

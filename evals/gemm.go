@@ -51,6 +51,7 @@ type GemmResult struct {
 type GemmBench struct {
 	GPU   *cuda.Context // the context the weights and timings live in
 	Iters int
+	Bits  int // the weights' codes: 4 (0 reads as 4) or 8
 	// ReadBW is the measured read bandwidth in bytes/s (MeasureReadBW).
 	ReadBW float64
 }
@@ -89,18 +90,18 @@ func (b *GemmBench) median(fn func(i int) error, iters int) (float64, error) {
 	return Median(times), nil
 }
 
-// randomGPUWeights makes a random 4-bit layer in the kernel layout (values
-// uniform over the grid, realistic scales; act-order off).
-func randomGPUWeights(r *rand.Rand, K, N int) (*pack.GPUWeights, error) {
+// randomGPUWeights makes a random layer of bits-bit codes in the kernel
+// layout (values uniform over the grid, realistic scales; act-order off).
+func randomGPUWeights(r *rand.Rand, K, N, bits int) (*pack.GPUWeights, error) {
 	G := K / 128
-	l := &pack.Linear{In: K, Out: N, Grid: pack.Grid{Bits: 4, GroupSize: 128}, Q: make([]uint8, N*K),
+	l := &pack.Linear{In: K, Out: N, Grid: pack.Grid{Bits: bits, GroupSize: 128}, Q: make([]uint8, N*K),
 		Scale: make([]float32, G*N), Zero: make([]uint8, G*N), GIdx: pack.SequentialGIdx(K, 128)}
 	for i := range l.Q {
-		l.Q[i] = uint8(r.Uint32() & 15)
+		l.Q[i] = uint8(r.IntN(1 << bits))
 	}
 	for i := range l.Scale {
 		l.Scale[i] = pack.RoundF16(0.001 + 0.01*r.Float32())
-		l.Zero[i] = uint8(r.IntN(16))
+		l.Zero[i] = uint8(r.IntN(1 << bits))
 	}
 	return l.GPULayout()
 }
@@ -109,7 +110,11 @@ func randomGPUWeights(r *rand.Rand, K, N int) (*pack.GPUWeights, error) {
 func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 	l := b.GPU
 	r := rand.New(rand.NewPCG(uint64(s.K), uint64(s.N)))
-	g, err := randomGPUWeights(r, s.K, s.N)
+	bits := b.Bits
+	if bits == 0 {
+		bits = 4
+	}
+	g, err := randomGPUWeights(r, s.K, s.N, bits)
 	if err != nil {
 		return nil, err
 	}

@@ -9,39 +9,52 @@ import (
 	"github.com/x448/float16"
 )
 
-// GPUWeights is a 2-, 3- or 4-bit layer (smaller codes sit in the low
-// bits of a nibble, so they run at 4-bit speed) in the layout the CUDA
-// W4A16 kernel reads
-// (cuda/llmq.h): B in 16-byte chunks, one per lane of a warp, each holding
-// the lane's mma.m16n8k16 B fragments for a 16×64 tile; scales and zeros
-// reordered so a lane reads its eight columns' values with one load.
+// GPUWeights is a layer in the layout the CUDA W4A16 kernels read
+// (cuda/llmq.h): 2-, 3- and 4-bit codes one per nibble (Bits 4: smaller
+// codes sit in a nibble's low bits and run at 4-bit speed), 8-bit codes
+// one per byte (Bits 8). B is in 16-byte chunks, one per lane of a warp,
+// each holding the lane's mma.m16n8k16 B fragments for a 16×64 tile;
+// scales and zeros are reordered so a lane reads its eight columns'
+// values with one load.
 //
-// For K = In rows and N = Out columns, chunk (nt, kt) covers columns
-// nt·64 … nt·64+63 and rows kt·16 … kt·16+15 and sits at chunk index
-// nt·(K/16) + kt; lane l = 4·gid + tig holds 4 words w0…w3, and word i
-// holds, for the n8 sub-tiles j = 2i and 2i+1 (column n = nt·64 + j·8 + gid):
+// For K = In rows and N = Out columns, tile (nt, kt) covers columns
+// nt·64 … nt·64+63 and rows kt·16 … kt·16+15. Lane l = 4·gid + tig holds,
+// for each n8 sub-tile j (column n = nt·64 + j·8 + gid), the codes of rows
+// 2·tig, 2·tig+1 (mma register b0) and 2·tig+8, 2·tig+9 (b1).
+//
+// Bits 4: chunk index nt·(K/16) + kt, 4 words w0…w3; word i holds sub-tiles
+// j = 2i and 2i+1:
 //
 //	nibble 0/4: rows 2·tig, 2·tig+1 of sub-tile 2i     (mma b0, low/high half)
 //	nibble 1/5: rows 2·tig+8, 2·tig+9 of sub-tile 2i   (mma b1)
 //	nibble 2/6, 3/7: the same rows of sub-tile 2i+1
 //
 // so that (w >> 4p) & 0x000F000F extracts fragment register p as two fp16
-// mantissas. Act-order layers are handled once here: input channels are
-// sorted by g_idx (Perm), so groups are contiguous and the kernel never
-// reads g_idx; the runtime gathers A's columns through Perm.
+// mantissas. Bits 8: two chunks a tile, index 2·(nt·(K/16) + kt) + h;
+// word i of chunk h is sub-tile j = 4h + i, bytes 0–3 its rows 2·tig,
+// 2·tig+1, 2·tig+8, 2·tig+9, so that a byte permute against 0x64 makes b0
+// and b1 as fp16 1024 + q. Act-order layers are handled once here: input
+// channels are sorted by g_idx (Perm), so groups are contiguous and the
+// kernel never reads g_idx; the runtime gathers A's columns through Perm.
 type GPUWeights struct {
 	K, N, Group int
-	B           []uint32 // K·N/8 words
+	Bits        int      // 4 (codes of 2 to 4 bits, in nibbles) or 8 (bytes)
+	B           []uint32 // K·N·Bits/32 words
 	Scales      []uint16 // fp16 bits, [G][N/64][8][8]
-	Zeros       []uint32 // [G][N/64][8], nibble j = zero of sub-tile j
-	Perm        []int32  // nil when g_idx is sequential
+	// [G][N/64][8][Bits/4]: the zeros of a lane's eight sub-tiles, sub-tile
+	// j in nibble j (Bits 4) or byte j (Bits 8).
+	Zeros []uint32
+	Perm  []int32 // nil when g_idx is sequential
 }
 
-// GPULayout repacks a 2-, 3- or 4-bit layer for the kernel.
+// zeroWords is how many words of Zeros hold one lane's eight zeros.
+func (g *GPUWeights) zeroWords() int { return g.Bits / 4 }
+
+// GPULayout repacks a 2-, 3-, 4- or 8-bit integer layer for the kernels.
 func (l *Linear) GPULayout() (*GPUWeights, error) {
 	K, N := l.In, l.Out
 	if !l.Grid.GPUPacked() {
-		return nil, fmt.Errorf("the GPU kernel runs 2-, 3- and 4-bit integer weights, this layer has %s", l.Grid.Describe())
+		return nil, fmt.Errorf("the GPU kernels run 2-, 3-, 4- and 8-bit integer weights, this layer has %s", l.Grid.Describe())
 	}
 	group := l.Grid.Group(K)
 	if N%64 != 0 || K%16 != 0 || group%16 != 0 || K%group != 0 {
@@ -58,8 +71,12 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 		}
 		return int(perm[k])
 	}
-	g := &GPUWeights{K: K, N: N, Group: group, Perm: perm,
-		B: make([]uint32, K*N/8), Scales: make([]uint16, G*N), Zeros: make([]uint32, G*N/8)}
+	bits := 4
+	if l.Grid.Bits == 8 {
+		bits = 8
+	}
+	g := &GPUWeights{K: K, N: N, Group: group, Bits: bits, Perm: perm,
+		B: make([]uint32, K*N*bits/32), Scales: make([]uint16, G*N), Zeros: make([]uint32, G*N/8*bits/4)}
 	q := func(k, n int) uint32 { return uint32(l.Q[n*K+src(k)]) }
 	KT, NT := K/16, N/64
 	// Tiles are independent: repack them in parallel (an 8B model has
@@ -70,6 +87,14 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 				for lane := 0; lane < 32; lane++ {
 					gid, tig := lane/4, lane%4
 					k := kt*16 + 2*tig
+					if bits == 8 {
+						for j := 0; j < 8; j++ {
+							n := nt*64 + j*8 + gid
+							h, i := j/4, j%4
+							g.B[(((nt*KT+kt)*2+h)*32+lane)*4+i] = q(k, n) | q(k+1, n)<<8 | q(k+8, n)<<16 | q(k+9, n)<<24
+						}
+						continue
+					}
 					base := ((nt*KT+kt)*32 + lane) * 4
 					for i := 0; i < 4; i++ {
 						na := nt*64 + (2*i)*8 + gid
@@ -82,16 +107,16 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 			}
 		}
 	})
+	zw := g.zeroWords()
 	for grp := 0; grp < G; grp++ {
 		for nt := 0; nt < NT; nt++ {
 			for gid := 0; gid < 8; gid++ {
-				var z uint32
 				for j := 0; j < 8; j++ {
 					n := nt*64 + j*8 + gid
 					g.Scales[((grp*NT+nt)*8+gid)*8+j] = float16.Fromfloat32(l.Scale[grp*N+n]).Bits()
-					z |= uint32(l.Zero[grp*N+n]) << (4 * j)
+					per := 32 / bits // zeros a word
+					g.Zeros[((grp*NT+nt)*8+gid)*zw+j/per] |= uint32(l.Zero[grp*N+n]) << (bits * (j % per))
 				}
-				g.Zeros[(grp*NT+nt)*8+gid] = z
 			}
 		}
 	}
@@ -134,22 +159,31 @@ func groupOrder(gidx []int32, G, group int) ([]int32, error) {
 func (g *GPUWeights) Dequantize() []float32 {
 	K, N := g.K, g.N
 	KT, NT := K/16, N/64
+	zw, per := g.zeroWords(), 32/g.Bits
 	W := make([]float32, K*N)
 	for nt := 0; nt < NT; nt++ {
 		for kt := 0; kt < KT; kt++ {
 			grp := kt * 16 / g.Group
 			for lane := 0; lane < 32; lane++ {
 				gid, tig := lane/4, lane%4
-				for i := 0; i < 4; i++ {
-					w := g.B[((nt*KT+kt)*32+lane)*4+i]
-					for nib := 0; nib < 8; nib++ {
-						j := 2*i + (nib>>1)&1
-						k := kt*16 + 2*tig + 8*(nib&1) + nib/4
-						n := nt*64 + j*8 + gid
-						q := int(w>>(4*nib)) & 15
-						s := float16.Frombits(g.Scales[((grp*NT+nt)*8+gid)*8+j]).Float32()
-						z := int(g.Zeros[(grp*NT+nt)*8+gid]>>(4*j)) & 15
-						W[k*N+n] = RoundF16(float32(q-z) * s)
+				// code is the code of sub-tile j's r-th row of the lane
+				// (rows 2·tig, 2·tig+1, 2·tig+8, 2·tig+9).
+				code := func(j, r int) int {
+					if g.Bits == 8 {
+						w := g.B[(((nt*KT+kt)*2+j/4)*32+lane)*4+j%4]
+						return int(w>>(8*r)) & 255
+					}
+					w := g.B[((nt*KT+kt)*32+lane)*4+j/2]
+					nib := (j&1)*2 + (r/2)&1 + (r&1)*4 // nibble 0/4, 1/5 for sub-tile 2i; 2/6, 3/7 for 2i+1
+					return int(w>>(4*nib)) & 15
+				}
+				for j := 0; j < 8; j++ {
+					n := nt*64 + j*8 + gid
+					s := float16.Frombits(g.Scales[((grp*NT+nt)*8+gid)*8+j]).Float32()
+					z := int(g.Zeros[((grp*NT+nt)*8+gid)*zw+j/per]>>(g.Bits*(j%per))) & (1<<g.Bits - 1)
+					for r := 0; r < 4; r++ {
+						k := kt*16 + 2*tig + r%2 + 8*(r/2)
+						W[k*N+n] = RoundF16(float32(code(j, r)-z) * s)
 					}
 				}
 			}
@@ -169,7 +203,7 @@ func ConcatGPU(ws ...*GPUWeights) (*GPUWeights, error) {
 		return nil, err
 	}
 	first := ws[0]
-	out := &GPUWeights{K: first.K, Group: first.Group, Perm: first.Perm}
+	out := &GPUWeights{K: first.K, Group: first.Group, Bits: first.Bits, Perm: first.Perm}
 	for _, w := range ws {
 		out.N += w.N
 		out.B = append(out.B, w.B...)
@@ -177,24 +211,25 @@ func ConcatGPU(ws ...*GPUWeights) (*GPUWeights, error) {
 	G := first.K / first.Group
 	for grp := 0; grp < G; grp++ {
 		for _, w := range ws {
-			NT := w.N / 64
+			NT, zw := w.N/64, w.zeroWords()
 			out.Scales = append(out.Scales, w.Scales[grp*NT*64:(grp+1)*NT*64]...)
-			out.Zeros = append(out.Zeros, w.Zeros[grp*NT*8:(grp+1)*NT*8]...)
+			out.Zeros = append(out.Zeros, w.Zeros[grp*NT*8*zw:(grp+1)*NT*8*zw]...)
 		}
 	}
 	return out, nil
 }
 
 // CanConcatGPU says why ConcatGPU cannot join ws, or nil: the layers must
-// agree on K, the group size and the act-order permutation.
+// agree on K, the group size, the code width and the act-order permutation.
 func CanConcatGPU(ws ...*GPUWeights) error {
 	if len(ws) == 0 {
 		return fmt.Errorf("ConcatGPU: no layers")
 	}
 	first := ws[0]
 	for i, w := range ws {
-		if w.K != first.K || w.Group != first.Group {
-			return fmt.Errorf("ConcatGPU: layer %d has in %d, group %d; layer 0 has in %d, group %d", i, w.K, w.Group, first.K, first.Group)
+		if w.K != first.K || w.Group != first.Group || w.Bits != first.Bits {
+			return fmt.Errorf("ConcatGPU: layer %d has in %d, group %d, %d-bit codes; layer 0 has in %d, group %d, %d-bit codes",
+				i, w.K, w.Group, w.Bits, first.K, first.Group, first.Bits)
 		}
 		if !slices.Equal(w.Perm, first.Perm) {
 			return fmt.Errorf("ConcatGPU: layer %d's act-order permutation differs from layer 0's", i)

@@ -183,9 +183,10 @@ func (g Grid) Group(in int) int {
 }
 
 // GPUPacked says whether the GPU runtime holds a layer of this grid packed
-// for the W4A16 kernel (integer codes of 2 to 4 bits, one per nibble);
-// wider and FP8 grids are dequantized to fp16 there.
-func (g Grid) GPUPacked() bool { return !g.FP8 && g.Bits >= 2 && g.Bits <= 4 }
+// for its kernels (integer codes of 2 to 4 bits, one per nibble, or of 8
+// bits, one per byte); other widths and FP8 grids are dequantized to fp16
+// there.
+func (g Grid) GPUPacked() bool { return !g.FP8 && (g.Bits >= 2 && g.Bits <= 4 || g.Bits == 8) }
 
 // MaxQ is 2^bits − 1.
 func (g Grid) MaxQ() int { return 1<<g.Bits - 1 }

@@ -312,13 +312,15 @@ func assertSameWeights(t *testing.T, got, want []float32) {
 
 // TestGPULayoutDecodes: the kernel layout decodes back to the layer's
 // weights (rows in kernel order), with and without act-order, for 4-bit
-// codes and the 2- and 3-bit codes it holds in nibbles; 8-bit and FP8
-// layers are refused with an error naming their grid.
+// codes, the 2- and 3-bit codes it holds in nibbles and 8-bit codes in
+// bytes; FP8 and 5- to 7-bit layers are refused with an error naming their
+// grid.
 func TestGPULayoutDecodes(t *testing.T) {
 	r := rand.New(rand.NewPCG(11, 12))
 	for _, act := range []bool{false, true} {
 		for _, grid := range []Grid{{Bits: 4, GroupSize: 128}, {Bits: 4, GroupSize: -1, Sym: true}, {Bits: 4, GroupSize: 32},
-			{Bits: 3, GroupSize: 64}, {Bits: 2, GroupSize: 32, Sym: true}} {
+			{Bits: 3, GroupSize: 64}, {Bits: 2, GroupSize: 32, Sym: true}, {Bits: 8, GroupSize: 128}, {Bits: 8, GroupSize: -1, Sym: true},
+			{Bits: 8, GroupSize: 32}} {
 			l := randomLinear(r, 128, 256, grid, act && grid.GroupSize > 0)
 			g, err := l.GPULayout()
 			if err != nil {
@@ -342,7 +344,7 @@ func TestGPULayoutDecodes(t *testing.T) {
 			}
 		}
 	}
-	for _, grid := range []Grid{{Bits: 8, GroupSize: 128}, {Bits: 8, FP8: true, GroupSize: -1}} {
+	for _, grid := range []Grid{{Bits: 6, GroupSize: 128}, {Bits: 8, FP8: true, GroupSize: -1}} {
 		l := randomLinear(r, 64, 128, Grid{Bits: 4, GroupSize: 128}, false)
 		l.Grid = grid
 		if _, err := l.GPULayout(); err == nil || !strings.Contains(err.Error(), grid.Describe()) {
@@ -357,7 +359,7 @@ func TestGPULayoutDecodes(t *testing.T) {
 // K, group or permutation are refused.
 func TestConcatGPU(t *testing.T) {
 	r := rand.New(rand.NewPCG(13, 14))
-	for _, grid := range []Grid{{Bits: 4, GroupSize: 32}, {Bits: 4, GroupSize: -1, Sym: true}} {
+	for _, grid := range []Grid{{Bits: 4, GroupSize: 32}, {Bits: 4, GroupSize: -1, Sym: true}, {Bits: 8, GroupSize: 32}} {
 		ls := []*Linear{randomLinear(r, 128, 96, grid, false), randomLinear(r, 64, 96, grid, false), randomLinear(r, 192, 96, grid, false)}
 		var gs []*GPUWeights
 		for _, l := range ls {
@@ -392,7 +394,8 @@ func TestConcatGPU(t *testing.T) {
 	b, _ := randomLinear(r, 64, 96, Grid{Bits: 4, GroupSize: 96}, false).GPULayout()
 	c, _ := randomLinear(r, 64, 64, Grid{Bits: 4, GroupSize: 32}, false).GPULayout()
 	d, _ := randomLinear(r, 64, 96, Grid{Bits: 4, GroupSize: 32}, true).GPULayout()
-	for name, pair := range map[string][2]*GPUWeights{"group": {a, b}, "in": {a, c}, "permutation": {a, d}} {
+	e, _ := randomLinear(r, 64, 96, Grid{Bits: 8, GroupSize: 32}, false).GPULayout()
+	for name, pair := range map[string][2]*GPUWeights{"group": {a, b}, "in": {a, c}, "permutation": {a, d}, "bits": {a, e}} {
 		if _, err := ConcatGPU(pair[0], pair[1]); err == nil {
 			t.Errorf("layers differing in %s were joined", name)
 		} else {

@@ -15,12 +15,13 @@ import (
 
 func newBenchGemm() *cobra.Command {
 	var ms, jsonOut, only, peer, path string
-	var iters int
+	var bits, iters int
 	cmd := &cobra.Command{
 		Use:   "gemm",
 		Short: "Time the W4A16 kernel against cuBLAS fp16 (and tinygemm) on Llama-3 8B/70B shapes",
 		Example: `  llmq bench gemm --json evals/results/gemm-h200.json --peer tinygemm.json
-  llmq bench gemm --m 1,16,64 --iters 50`,
+  llmq bench gemm --m 1,16,64 --iters 50
+  llmq bench gemm --bits 8 --m 1,2,4,16,64 --json evals/results/gemm-w8-h200.json`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			Ms, err := parseInts(ms)
@@ -62,7 +63,13 @@ func newBenchGemm() *cobra.Command {
 			if err := gpu.SetPath(p); err != nil {
 				return err
 			}
-			b := &evals.GemmBench{GPU: gpu, Iters: iters}
+			if bits != 4 && bits != 8 {
+				return fmt.Errorf("--bits %d: the kernels run 4-bit (2 to 4) and 8-bit codes", bits)
+			}
+			if bits == 8 && pr != nil {
+				return fmt.Errorf("--peer is PyTorch's int4 kernel: it compares with --bits 4")
+			}
+			b := &evals.GemmBench{GPU: gpu, Iters: iters, Bits: bits}
 			bw, err := b.MeasureReadBW()
 			if err != nil {
 				return err
@@ -75,7 +82,7 @@ func newBenchGemm() *cobra.Command {
 				peerHead = fmt.Sprintf(" %10s %8s", "tinygemm", "vs tiny")
 				peerRow = func(r evals.GemmResult) string { return fmt.Sprintf(" %10.2f %7.2fx", r.PeerMicros, r.VsPeer) }
 			}
-			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s%s %8s %6s  %s\n", "shape", "M", "w4a16 µs", "cuBLAS µs", "speedup", peerHead, "TFLOP/s", "%BW", "kernel")
+			fmt.Fprintf(w, "%-24s %6s %10s %10s %8s%s %8s %6s  %s\n", "shape", "M", fmt.Sprintf("w%da16 µs", bits), "cuBLAS µs", "speedup", peerHead, "TFLOP/s", "%BW", "kernel")
 			var all []evals.GemmResult
 			for _, s := range evals.LlamaShapes {
 				if only != "" && !strings.Contains(s.Name, only) {
@@ -94,7 +101,7 @@ func newBenchGemm() *cobra.Command {
 				all = append(all, res...)
 			}
 			if jsonOut != "" {
-				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "path": path, "results": all}
+				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "path": path, "bits": bits, "results": all}
 				if pr != nil {
 					data["peer"] = map[string]any{"kernel": "torch " + pr.Torch + " _weight_int4pack_mm (tinygemm)", "gpu": pr.GPU, "command": pr.Command, "date": pr.Date}
 				}
@@ -107,6 +114,7 @@ func newBenchGemm() *cobra.Command {
 	}
 	cmd.Flags().StringVar(&ms, "m", "1,2,4,8,16,32,64,128,256,1024,4096", "comma-separated M (tokens) values")
 	cmd.Flags().IntVar(&iters, "iters", 100, "timed runs per measurement (median reported)")
+	cmd.Flags().IntVar(&bits, "bits", 4, "the weights' codes: 4 or 8 (W8A16; its JSON fields keep the w4a16_ names)")
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
 	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
 	cmd.Flags().StringVar(&peer, "peer", "", "JSON of evals/torchref/tinygemm.py from the same machine, shown beside")
