@@ -28,7 +28,10 @@ struct llmq_ctx {
   int w4_path = 0;
   int gemv_max_m = 2;
   int fused_max_m = 64;
-  int resident[9] = {};  // fused instantiations 0–2, GEMV 3–5 (4-bit codes) and 6–8 (8-bit)
+  int resident[12] = {};  // fused instantiations 0–2, GEMV 3–6 (4-bit codes) and 7–10 (8-bit)
+  // The GEMV at M = 1 with the activations staged in shared memory and 8
+  // steps of codes a batch (LLMQ_GEMV_SMEM_A=1, v10; off by default).
+  bool gemv_smem_a = false;
   size_t attn_smem = 48 << 10;
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;

@@ -419,9 +419,17 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 // row's first word + tig), its chunks at bp (step k's at bp + 32k), U
 // steps a batch with the next batch's codes and activations loaded while
 // this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
-template <int MT, int U, int BITS = 4>
+//
+// SA (v10): the activations come from the CTA's copy of its K slice in
+// shared memory instead of registers loaded a batch ahead — step k's words
+// for row m at xs[m·xstride + 8k] (+4), the copy issued by cp.async before
+// the call — so the registers they took hold more steps of codes in
+// flight. Every thread of the CTA calls it (it waits at a barrier for the
+// copy).
+template <int MT, int U, int BITS = 4, bool SA = false>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
-                                           GroupStream<BITS>& groups, int k0, int k1) {
+                                           GroupStream<BITS>& groups, int k0, int k1, const uint32_t* xs = nullptr,
+                                           int xstride = 0) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
   constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
 #pragma unroll
@@ -443,10 +451,12 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
       if (k < k1) {
 #pragma unroll
         for (int c = 0; c < CH; ++c) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
+        if constexpr (!SA) {
 #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
-          xn[u][m][1] = __ldg(ap[m] + (size_t)k * 8 + 4);
+          for (int m = 0; m < MT; ++m) {
+            xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
+            xn[u][m][1] = __ldg(ap[m] + (size_t)k * 8 + 4);
+          }
         }
       }
     }
@@ -456,6 +466,10 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
   if (k1 > k0) {
     groups.start(gr, k0);
     load(k0);
+  }
+  if constexpr (SA) {  // the CTA's copy of A is in (its cp.async group, then every thread's)
+    cp_async_wait<0>();
+    __syncthreads();
   }
   for (int kb = k0; kb < k1; kb += U) {
     uint4 q[U][CH];
@@ -493,7 +507,11 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
             dequant_pair<BITS>(b, w, i, gr);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-              const half2 x01 = as_h2(x[u + v][m][0]), x89 = as_h2(x[u + v][m][1]);
+              half2 x01, x89;
+              if constexpr (SA)
+                x01 = as_h2(xs[m * xstride + k * 8]), x89 = as_h2(xs[m * xstride + k * 8 + 4]);
+              else
+                x01 = as_h2(x[u + v][m][0]), x89 = as_h2(x[u + v][m][1]);
               h[m][2 * i] = __hfma2(as_h2(b[0]), x01, h[m][2 * i]);
               h[m][2 * i] = __hfma2(as_h2(b[1]), x89, h[m][2 * i]);
               h[m][2 * i + 1] = __hfma2(as_h2(b[2]), x01, h[m][2 * i + 1]);
@@ -545,7 +563,7 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
-template <int MT, int U, int MINB, int BITS>
+template <int MT, int U, int MINB, int BITS, bool SA>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
@@ -564,8 +582,23 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 #pragma unroll
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
   GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
+  // SA: the CTA's K slice of A's MT rows, [MT][per_split·8] words, copied
+  // by all its threads (dynamic shared memory: MT·per_split·32 bytes).
+  extern __shared__ __align__(16) uint32_t xa[];
+  const uint32_t* xs = nullptr;
+  int xstride = 0;
+  if constexpr (SA) {
+    const int per_split = (KT + splits - 1) / splits, s0 = blockIdx.y * per_split, n = min(KT, s0 + per_split) - s0;
+    xstride = per_split * 8;
+    for (int i = threadIdx.x; i < MT * n * 2; i += kWarps * 32) {  // 16-byte pieces, two a step
+      const int m = i / (n * 2), j = i % (n * 2);
+      cp_async16(xa + m * xstride + j * 4, A + (size_t)min(m, M - 1) * K + (size_t)s0 * 16 + j * 8);
+    }
+    cp_async_commit();
+    xs = xa - s0 * 8 + tig;
+  }
   float acc[MT][8];
-  gemv_steps<MT, U, BITS>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
+  gemv_steps<MT, U, BITS, SA>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1, xs, xstride);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
@@ -711,11 +744,13 @@ struct Variant {
 constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
 struct GemvVariant {
   int mt, u, minb;
+  bool sa;  // the activations from shared memory (v10)
 };
 // They serve M = 1, 2 and 3–4; M = 2 takes 2 steps a batch, the sweep's
 // winner on four of five shapes (NOTES.md, "v7"), the other alternatives
-// lost and were removed.
-constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}, {4, 2, 1}};
+// lost and were removed. The fourth, v10, serves M = 1 when
+// LLMQ_GEMV_SMEM_A=1 (4-bit codes).
+constexpr GemvVariant kGemv[] = {{1, 4, 1, false}, {2, 2, 1, false}, {4, 2, 1, false}, {1, 8, 1, true}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
 static_assert(3 + 2 * kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
@@ -737,6 +772,7 @@ int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A,
     LLMQ_GEMV_CASE(0, 4)
     LLMQ_GEMV_CASE(1, 4)
     LLMQ_GEMV_CASE(2, 4)
+    LLMQ_GEMV_CASE(3, 4)
     LLMQ_GEMV_CASE(0, 8)
     LLMQ_GEMV_CASE(1, 8)
     LLMQ_GEMV_CASE(2, 8)
@@ -759,7 +795,7 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
 }
 
 // The resident slots: fused variants 0–2, GEMV variant v at 3 + v (4-bit
-// codes) and 6 + v (8-bit).
+// codes) and 3 + kGemvVariants + v (8-bit).
 int query_resident(llmq_ctx* c, int path, int variant, int bits) {
   if (path == 3)
     return with_gemv(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
@@ -809,10 +845,12 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   }
   const int NT = N / 64, KT = K / 16;
   if (p.path == 3) {
-    p.variant = M == 1 ? 0 : M == 2 ? 1 : 2;
+    p.variant = M == 1 ? (c->gemv_smem_a && bits == 4 ? 3 : 0) : M == 2 ? 1 : 2;
     if (query_resident(c, 3, p.variant, bits)) return 1;
     int splits = max(1, (c->sms * max(c->resident[3 + p.variant + (bits == 8 ? kGemvVariants : 0)], 1)) / NT);
     p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
+    // v10's copy of A's slice fits 48 KiB of shared memory.
+    while (kGemv[p.variant].sa && (KT + p.splits - 1) / p.splits * 32 * kGemv[p.variant].mt > (48 << 10)) ++p.splits;
     return 0;
   }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
@@ -853,11 +891,13 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
 template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>;
+  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS, kGemv[V].sa>;
   if (!run) return resident_of(c, 3 + V + (BITS == 8 ? kGemvVariants : 0), kernel, 0);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+  const int KT = K / 16;
+  const size_t smem = kGemv[V].sa ? (size_t)(KT + splits - 1) / splits * 32 * kGemv[V].mt : 0;
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
                                                               C, ws, counters, M, N, K, gshift, splits));
   return 0;
 }
@@ -998,8 +1038,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 3)
-    snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
-             kGemv[p.variant].minb, p.splits);
+    snprintf(out, n, "gemv%s mt%d u%d b%d%s splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
+             kGemv[p.variant].minb, kGemv[p.variant].sa ? " sa" : "", p.splits);
   else
     snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
   return 0;
