@@ -28,7 +28,7 @@ struct llmq_ctx {
   int w4_path = 0;
   int gemv_max_m = 2;
   int fused_max_m = 64;
-  int resident[12] = {};  // fused instantiations 0–2, GEMV 3–6 (4-bit codes) and 7–10 (8-bit)
+  int resident[14] = {};  // fused 0–2 (4-bit codes) and 11–13 (8-bit), GEMV 3–6 (4-bit) and 7–10 (8-bit)
   // The GEMV at M = 1 with the activations staged in shared memory and 8
   // steps of codes a batch (LLMQ_GEMV_SMEM_A=1, v10; off by default).
   bool gemv_smem_a = false;

@@ -145,6 +145,8 @@ case "$1" in
     grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic|w8" "$OUT/cuda-w8-tests-h200.log" | grep -v "rel err" | head -30
     grep -E "rel err" "$OUT/cuda-w8-tests-h200.log" | grep "bits:8" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest 8-bit rel err: /'
     $L bench gemm --bits 8 --m ${W8_M:-1,2,4,16,64} --json "$OUT/gemm-w8-h200.json" 2>&1 | grep -E "^(shape|8B|70B)|rror"
+    { echo "# $LLMQ_COMMIT: llmq bench gemm --bits 8 --path fused --m 8,16,32,64"
+      $L bench gemm --bits 8 --path fused --m 8,16,32,64 2>&1 | grep -E "^(shape|8B|70B)|rror"; } | tee "$OUT/gemm-w8-h200-fused.txt"
     LOWBIT_BITS=8 SKIP_BUILD=1 bash "$0" lowbit
     ;;
   quick)

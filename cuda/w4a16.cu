@@ -88,19 +88,21 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint3
 
 constexpr int kWarps = 4;  // warps per CTA, splitting the CTA's K slice
 
-// Per-warp ring, U 16-row steps a stage: each lane's 16-byte B chunk, and
-// the step's A tile (16·MB rows × 16 columns; lane l copies row l/2,
-// columns (l%2)·8 …, zero-filled past M).
-template <int MB, int U, int STAGES>
+// Per-warp ring, U 16-row steps a stage: each lane's CH 16-byte B chunks
+// (CH = BITS/4: one for 4-bit codes, two for 8-bit), and the step's A tile
+// (16·MB rows × 16 columns; lane l copies row l/2, columns (l%2)·8 …,
+// zero-filled past M).
+template <int MB, int U, int STAGES, int CH = 1>
 struct Ring {
-  uint4 b[STAGES][U][32];
+  uint4 b[STAGES][U][CH][32];
   uint4 a[STAGES][U][MB][32];
 };
 
-template <int MB, int U, int STAGES>
+template <int MB, int U, int STAGES, int CH = 1>
 constexpr size_t fused_smem_bytes() {
-  return kWarps * sizeof(Ring<MB, U, STAGES>) > kWarps * 16 * 64 * sizeof(float) ? kWarps * sizeof(Ring<MB, U, STAGES>)
-                                                                                  : kWarps * 16 * 64 * sizeof(float);
+  return kWarps * sizeof(Ring<MB, U, STAGES, CH>) > kWarps * 16 * 64 * sizeof(float)
+             ? kWarps * sizeof(Ring<MB, U, STAGES, CH>)
+             : kWarps * 16 * 64 * sizeof(float);
 }
 
 // Group scales/zeros in the form the dequant needs: half2 scale, and the
@@ -173,15 +175,22 @@ __device__ __forceinline__ void dequant_pair(uint32_t (&b)[4], const uint32_t* w
   }
 }
 
-// compute_step: dequantize one lane's B chunk and run the mma for MB m-tiles.
-template <int MB>
-__device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4 bq, const uint32_t (&af)[MB][4],
+// compute_step: dequantize one lane's B chunks of a step (BITS/4 of them,
+// 32 uint4 apart from bq) and run the mma for MB m-tiles.
+template <int MB, int BITS = 4>
+__device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4* bq, const uint32_t (&af)[MB][4],
                                              const GroupRegs& gr) {
-  const uint32_t w[4] = {bq.x, bq.y, bq.z, bq.w};
+  constexpr int CH = BITS / 4;
+  uint32_t w[4 * CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const uint4 v = bq[c * 32];
+    w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+  }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     uint32_t b[4];
-    dequant_word(b, w[i], i, gr);
+    dequant_pair<BITS>(b, w, i, gr);
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
       mma16816(acc[m][2 * i], af[m], b[0], b[1]);
@@ -293,8 +302,9 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
 // (blockIdx.y of `splits`) and 16·MB rows (blockIdx.z). Each warp streams
 // its part of the slice through its own cp.async ring of STAGES stages, U
 // steps a stage; MINB asks the compiler to fit MINB CTAs per SM.
-// gshift: a group spans 2^gshift steps (−1: a single group).
-template <int MB, int U, int STAGES, int MINB>
+// gshift: a group spans 2^gshift steps (−1: a single group). BITS: the
+// codes' width, 4 or 8 (two chunks a lane a step).
+template <int MB, int U, int STAGES, int MINB, int BITS = 4>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                            const Outs C, float* __restrict__ ws,
@@ -310,7 +320,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
   const int KT = K >> 4, NT = N >> 6;
   int k0, k1;
   warp_range(KT, splits, split, warp, k0, k1);
-  Ring<MB, U, STAGES>& ring = reinterpret_cast<Ring<MB, U, STAGES>*>(smem)[warp];
+  constexpr int CH = BITS / 4;
+  Ring<MB, U, STAGES, CH>& ring = reinterpret_cast<Ring<MB, U, STAGES, CH>*>(smem)[warp];
 
   float acc[MB][8][4];
 #pragma unroll
@@ -329,14 +340,15 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
     aok[m] = r < M;
     asrc[m] = A + (size_t)(aok[m] ? r : 0) * K + (lane & 1) * 8;
   }
-  const uint4* Bp = B + (size_t)nt * KT * 32 + lane;
+  const uint4* Bp = B + (size_t)nt * KT * 32 * CH + lane;
   auto issue = [&](int b) {
     const int stage = b % STAGES;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = k0 + b * U + u;
       if (k < k1) {
-        cp_async16(&ring.b[stage][u][lane], Bp + (size_t)k * 32);
+#pragma unroll
+        for (int c = 0; c < CH; ++c) cp_async16(&ring.b[stage][u][c][lane], Bp + ((size_t)k * CH + c) * 32);
 #pragma unroll
         for (int m = 0; m < MB; ++m) cp_async16_zfill(&ring.a[stage][u][m][lane], asrc[m] + k * 16, aok[m]);
       }
@@ -350,7 +362,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
 
   // Scales and zeros: the current group's in registers, the next one's
   // loaded ahead.
-  GroupStream<4> groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
   GroupRegs gr;
   if (k1 > k0) groups.start(gr, k0);
   // ldmatrix row address within a 16×16 A tile: row lane%16, half lane/16.
@@ -369,7 +381,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
         uint32_t af[MB][4];
 #pragma unroll
         for (int m = 0; m < MB; ++m) ldmatrix_x4(af[m], &ring.a[stage][u][m][0].x + 4 * lm_off);
-        compute_step<MB>(acc, ring.b[stage][u][lane], af, gr);
+        compute_step<MB, BITS>(acc, &ring.b[stage][u][0][lane], af, gr);
       }
     }
     __syncwarp();  // all lanes done with this stage before it is refilled
@@ -753,7 +765,8 @@ struct GemvVariant {
 constexpr GemvVariant kGemv[] = {{1, 4, 1, false}, {2, 2, 1, false}, {4, 2, 1, false}, {1, 8, 1, true}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
-static_assert(3 + 2 * kGemvVariants <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
+static_assert(3 + 2 * kGemvVariants == 11 && 14 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)),
+              "a resident slot per variant");
 
 // gemv_variant does one thing with GEMV instantiation V for BITS-bit
 // codes: query its resident CTAs (run false) or launch it.
@@ -794,11 +807,16 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
   return 0;
 }
 
-// The resident slots: fused variants 0–2, GEMV variant v at 3 + v (4-bit
-// codes) and 3 + kGemvVariants + v (8-bit).
+// The resident slots: fused variants 0–2 (4-bit codes) and 11–13 (8-bit),
+// GEMV variant v at 3 + v (4-bit) and 3 + kGemvVariants + v (8-bit).
 int query_resident(llmq_ctx* c, int path, int variant, int bits) {
   if (path == 3)
     return with_gemv(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
+  if (bits == 8) switch (variant) {  // slots 3 + 2·kGemvVariants …
+      case 0: return resident_of(c, 11, w4a16_fused<1, 2, 4, 1, 8>, fused_smem_bytes<1, 2, 4, 2>());
+      case 1: return resident_of(c, 12, w4a16_fused<2, 2, 4, 1, 8>, fused_smem_bytes<2, 2, 4, 2>());
+      default: return resident_of(c, 13, w4a16_fused<4, 1, 4, 1, 8>, fused_smem_bytes<4, 1, 4, 2>());
+    }
   switch (variant) {
     case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
     case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
@@ -827,11 +845,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   else
     p.path = (M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2;
   if (p.path == 2) return 0;
-  if (p.path == 1 && bits == 8) {
-    llmq::set_error(c, "the fused W4A16 kernel runs 2- to 4-bit codes; 8-bit layers run the GEMV kernel (M ≤ %d) or "
-                       "dequantize + cuBLAS", kGemvMaxM);
-    return 1;
-  }
+  // 8-bit codes run the fused kernel only when it is forced (path 1),
+  // until it is measured against dequantize + cuBLAS.
   if (!pow2) {
     llmq::set_error(c,
                     "the fused and GEMV W4A16 kernels need a power-of-two group size or one group per column "
@@ -857,7 +872,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const Variant v = kVariants[p.variant];
   if (query_resident(c, 1, p.variant, bits)) return 1;
   const int mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
-  int splits = max(1, (c->sms * max(c->resident[p.variant], 1)) / (NT * mblocks));
+  int splits = max(1, (c->sms * max(c->resident[p.variant + (bits == 8 ? 11 : 0)], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   p.splits = splits;
@@ -875,14 +890,14 @@ int group_shift(int group, int K) {
 }
 
 // launch_fused runs one instantiation of the fused kernel as planned.
-template <int MB, int U, int STAGES, int MINB>
+template <int MB, int U, int STAGES, int MINB, int BITS = 4>
 int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, const Outs& C,
                  void* workspace, int M, int N, int K, int group) {
-  constexpr size_t smem = fused_smem_bytes<MB, U, STAGES>();
+  constexpr size_t smem = fused_smem_bytes<MB, U, STAGES, BITS / 4>();
   const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
-  CK(launch(c, (w4a16_fused<MB, U, STAGES, MINB>), dim3(NT, p.splits, mblocks), kWarps * 32, smem, 
+  CK(launch(c, (w4a16_fused<MB, U, STAGES, MINB, BITS>), dim3(NT, p.splits, mblocks), kWarps * 32, smem, 
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
       p.splits));
   return 0;
@@ -995,6 +1010,11 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (p.path == 3)
     return with_gemv(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
                      group_shift(group, K));
+  if (bits == 8) {
+    if (p.variant == 0) return launch_fused<1, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+    if (p.variant == 1) return launch_fused<2, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+    return launch_fused<4, 1, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+  }
   if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
@@ -1041,7 +1061,7 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     snprintf(out, n, "gemv%s mt%d u%d b%d%s splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
              kGemv[p.variant].minb, kGemv[p.variant].sa ? " sa" : "", p.splits);
   else
-    snprintf(out, n, "fused v5 mb%d splits%d", kVariants[p.variant].mb, p.splits);
+    snprintf(out, n, "fused v5%s mb%d splits%d", bits == 8 ? " w8" : "", kVariants[p.variant].mb, p.splits);
   return 0;
 }
 
