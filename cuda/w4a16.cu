@@ -111,12 +111,23 @@ struct GroupRegs {
   uint32_t s[8], zlo[8], zhi[8];
 };
 
-__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
+// set_scales puts the eight sub-tiles' scales of sv (fp16, sub-tile j in
+// half j) into r.s, each as a half2 pair.
+__device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
     r.s[j] = h | (h << 16);
+  }
+}
+
+// convert_group for 2- to 4-bit codes: zeros a nibble each (sub-tile j
+// in nibble j of zv).
+__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
+  set_scales(r, sv);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
     const uint32_t z = (zv >> (4 * j)) & 0xfu;
     const uint32_t lo = 0x6400u | z, hi = 0x5400u | (z << 4);
     r.zlo[j] = lo | (lo << 16);
@@ -124,14 +135,12 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t z
   }
 }
 
-// convert_group for 8-bit codes: zeros one a byte (sub-tile j in byte j
+// convert_group for 8-bit codes: zeros a byte each (sub-tile j in byte j
 // of zv), the offsets 1024 + z in zlo (zhi unused).
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) {
-  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+  set_scales(r, sv);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
-    r.s[j] = h | (h << 16);
     const uint32_t z = ((j < 4 ? zv.x : zv.y) >> (8 * (j & 3))) & 0xffu;
     const uint32_t lo = 0x6400u | z;
     r.zlo[j] = lo | (lo << 16);
