@@ -443,14 +443,14 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 //
 // SA (v10): the activations come from the CTA's copy of its K slice in
 // shared memory instead of registers loaded a batch ahead — step k's words
-// for row m at xs[m·xstride + 8k] (+4), the copy issued by cp.async before
+// for row m at xs[m·xstride + 8(k − xk0)] (+4), the copy issued by cp.async before
 // the call — so the registers they took hold more steps of codes in
 // flight. Every thread of the CTA calls it (it waits at a barrier for the
 // copy).
 template <int MT, int U, int BITS = 4, bool SA = false>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
                                            GroupStream<BITS>& groups, int k0, int k1, const uint32_t* xs = nullptr,
-                                           int xstride = 0) {
+                                           int xstride = 0, int xk0 = 0) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
   constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
 #pragma unroll
@@ -530,7 +530,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
             for (int m = 0; m < MT; ++m) {
               half2 x01, x89;
               if constexpr (SA)
-                x01 = as_h2(xs[m * xstride + k * 8]), x89 = as_h2(xs[m * xstride + k * 8 + 4]);
+                x01 = as_h2(xs[m * xstride + (k - xk0) * 8]), x89 = as_h2(xs[m * xstride + (k - xk0) * 8 + 4]);
               else
                 x01 = as_h2(x[u + v][m][0]), x89 = as_h2(x[u + v][m][1]);
               h[m][2 * i] = __hfma2(as_h2(b[0]), x01, h[m][2 * i]);
@@ -607,7 +607,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   // by all its threads (dynamic shared memory: MT·per_split·32 bytes).
   extern __shared__ __align__(16) uint32_t xa[];
   const uint32_t* xs = nullptr;
-  int xstride = 0;
+  int xstride = 0, xk0 = 0;
   if constexpr (SA) {
     const int per_split = (KT + splits - 1) / splits, s0 = blockIdx.y * per_split, n = min(KT, s0 + per_split) - s0;
     xstride = per_split * 8;
@@ -616,10 +616,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
       cp_async16(xa + m * xstride + j * 4, A + (size_t)min(m, M - 1) * K + (size_t)s0 * 16 + j * 8);
     }
     cp_async_commit();
-    xs = xa - s0 * 8 + tig;
+    xs = xa + tig, xk0 = s0;
   }
   float acc[MT][8];
-  gemv_steps<MT, U, BITS, SA>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1, xs, xstride);
+  gemv_steps<MT, U, BITS, SA>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1, xs, xstride, xk0);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
@@ -774,6 +774,10 @@ struct GemvVariant {
 constexpr GemvVariant kGemv[] = {{1, 4, 1, false}, {2, 2, 1, false}, {4, 2, 1, false}, {1, 8, 1, true}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
+// The most dynamic shared memory v10's copy of A takes: under the 48 KiB a
+// CTA has without opting in, less the kernel's static reduction buffer
+// (its occupancy is queried, and the attribute set, at this size).
+constexpr int kSmemA = 46 << 10;
 static_assert(3 + 2 * kGemvVariants == 11 && 14 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)),
               "a resident slot per variant");
 
@@ -842,8 +846,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   p = Plan{};
   p.bits = bits;
   const bool pow2 = group >= K || !(group & (group - 1));
-  // 8-bit codes have no fused kernel: the GEMV kernel up to its largest M,
-  // dequantize + cuBLAS beyond.
+  // 8-bit codes: the GEMV kernel up to its largest M, dequantize + cuBLAS
+  // beyond (their fused kernel runs only when forced, until measured).
   const int gemv_max = bits == 8 ? kGemvMaxM : min(c->gemv_max_m, kGemvMaxM);
   if (c->w4_path)
     p.path = c->w4_path;
@@ -873,8 +877,9 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     if (query_resident(c, 3, p.variant, bits)) return 1;
     int splits = max(1, (c->sms * max(c->resident[3 + p.variant + (bits == 8 ? kGemvVariants : 0)], 1)) / NT);
     p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
-    // v10's copy of A's slice fits 48 KiB of shared memory.
-    while (kGemv[p.variant].sa && (KT + p.splits - 1) / p.splits * 32 * kGemv[p.variant].mt > (48 << 10)) ++p.splits;
+    // v10's copy of A's slice fits kSmemA beside the kernel's static
+    // shared memory.
+    while (kGemv[p.variant].sa && (KT + p.splits - 1) / p.splits * 32 * kGemv[p.variant].mt > kSmemA) ++p.splits;
     return 0;
   }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
@@ -916,7 +921,7 @@ template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS, kGemv[V].sa>;
-  if (!run) return resident_of(c, 3 + V + (BITS == 8 ? kGemvVariants : 0), kernel, 0);
+  if (!run) return resident_of(c, 3 + V + (BITS == 8 ? kGemvVariants : 0), kernel, kGemv[V].sa ? kSmemA : 0);
   float* ws = (float*)workspace;
   int* counters = (int*)(ws + (size_t)M * N);
   const int KT = K / 16;
