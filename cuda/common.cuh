@@ -28,9 +28,9 @@ struct llmq_ctx {
   int w4_path = 0;
   int gemv_max_m = 2;
   int fused_max_m = 64;
-  int resident[14] = {};  // fused 0–2 (4-bit codes) and 11–13 (8-bit), GEMV 3–6 (4-bit) and 7–10 (8-bit)
-  // The GEMV at M = 1 with the activations staged in shared memory and 8
-  // steps of codes a batch (LLMQ_GEMV_SMEM_A=1, v10; off by default).
+  int resident[16] = {};  // fused 0–2 (4-bit codes) and 13–15 (8-bit), GEMV 3–7 (4-bit) and 8–12 (8-bit)
+  // The GEMV at M ≤ 2 with the activations staged in shared memory and
+  // twice the steps of codes a batch (LLMQ_GEMV_SMEM_A=1, v10; off by default).
   bool gemv_smem_a = false;
   size_t attn_smem = 48 << 10;
   // Programmatic dependent launch of the model kernels (launch()).

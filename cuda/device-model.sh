@@ -32,7 +32,7 @@
 #   bash cuda/device-model.sh w8      # W8A16: the 8-bit kernels' tests, llmq bench gemm --bits 8 (gemm-w8-h200.json),
 #                                     # llama-tiny RTN w8 perplexity on the GPU (carry.sh dev tiny wiki)
 #   bash cuda/device-model.sh v10     # the GEMV with A in shared memory (LLMQ_GEMV_SMEM_A=1): its tests, then
-#                                     # bench gemm --path gemv --m 1 without and with it (gemm-h200-gemv-smem-a.txt)
+#                                     # bench gemm --path gemv --m 1,2 without and with it (gemm-h200-gemv-smem-a.txt)
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
@@ -152,13 +152,13 @@ case "$1" in
     LOWBIT_BITS=8 SKIP_BUILD=1 bash "$0" lowbit
     ;;
   v10)
-    grep -A3 "Compiling entry function '_ZN.*w4a16_gemvILi1ELi8.*sm_90a" "$OUT/build.log" 2>/dev/null | grep -E "registers|spill"
+    grep -A3 "Compiling entry function '_ZN.*w4a16_gemvILi[12]ELi[48]ELi1ELi4ELb1.*sm_90a" "$OUT/build.log" 2>/dev/null | grep -E "registers|spill"
     { echo "# $LLMQ_COMMIT: LLMQ_GEMV_SMEM_A=1 cuda.test -test.v -test.run 'TestW4A16MatchesReference|TestGEMVRefuses|TestModelLogits|TestGreedy'"
       LLMQ_GEMV_SMEM_A=1 build/device/cuda.test -test.v -test.run 'TestW4A16MatchesReference|TestGEMVRefuses|TestModelLogits|TestGreedy' 2>&1; } > "$OUT/cuda-tests-gemv-smem-a-h200.log"
     grep -E "^(--- |ok|FAIL|PASS)|panic" "$OUT/cuda-tests-gemv-smem-a-h200.log" | head -12
     for sa in 0 1; do
-      echo "# $LLMQ_COMMIT: LLMQ_GEMV_SMEM_A=$sa llmq bench gemm --path gemv --m ${QUICK_M:-1} --iters 100"
-      LLMQ_GEMV_SMEM_A=$sa $L bench gemm --path gemv --m ${QUICK_M:-1} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
+      echo "# $LLMQ_COMMIT: LLMQ_GEMV_SMEM_A=$sa llmq bench gemm --path gemv --m ${QUICK_M:-1,2} --iters 100"
+      LLMQ_GEMV_SMEM_A=$sa $L bench gemm --path gemv --m ${QUICK_M:-1,2} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
     done | tee "$OUT/gemm-h200-gemv-smem-a.txt"
     ;;
   quick)

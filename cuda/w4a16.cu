@@ -769,17 +769,19 @@ struct GemvVariant {
 };
 // They serve M = 1, 2 and 3–4; M = 2 takes 2 steps a batch, the sweep's
 // winner on four of five shapes (NOTES.md, "v7"), the other alternatives
-// lost and were removed. The fourth, v10, serves M = 1 when
-// LLMQ_GEMV_SMEM_A=1 (4-bit codes).
-constexpr GemvVariant kGemv[] = {{1, 4, 1, false}, {2, 2, 1, false}, {4, 2, 1, false}, {1, 8, 1, true}};
+// lost and were removed. The fourth and fifth, v10, serve M = 1 and 2
+// when LLMQ_GEMV_SMEM_A=1 (4-bit codes).
+constexpr GemvVariant kGemv[] = {{1, 4, 1, false}, {2, 2, 1, false}, {4, 2, 1, false}, {1, 8, 1, true}, {2, 4, 1, true}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 4;
 // The most dynamic shared memory v10's copy of A takes: under the 48 KiB a
 // CTA has without opting in, less the kernel's static reduction buffer
 // (its occupancy is queried, and the attribute set, at this size).
 constexpr int kSmemA = 46 << 10;
-static_assert(3 + 2 * kGemvVariants == 11 && 14 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)),
-              "a resident slot per variant");
+// The first resident slot of the fused kernel's 8-bit instantiations
+// (query_resident lists the slots).
+constexpr int kFused8Slot = 3 + 2 * kGemvVariants;
+static_assert(kFused8Slot + 3 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
 
 // gemv_variant does one thing with GEMV instantiation V for BITS-bit
 // codes: query its resident CTAs (run false) or launch it.
@@ -799,6 +801,7 @@ int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A,
     LLMQ_GEMV_CASE(1, 4)
     LLMQ_GEMV_CASE(2, 4)
     LLMQ_GEMV_CASE(3, 4)
+    LLMQ_GEMV_CASE(4, 4)
     LLMQ_GEMV_CASE(0, 8)
     LLMQ_GEMV_CASE(1, 8)
     LLMQ_GEMV_CASE(2, 8)
@@ -820,15 +823,15 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
   return 0;
 }
 
-// The resident slots: fused variants 0–2 (4-bit codes) and 11–13 (8-bit),
+// The resident slots: fused variants 0–2 (4-bit codes) and kFused8Slot + v (8-bit),
 // GEMV variant v at 3 + v (4-bit) and 3 + kGemvVariants + v (8-bit).
 int query_resident(llmq_ctx* c, int path, int variant, int bits) {
   if (path == 3)
     return with_gemv(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   if (bits == 8) switch (variant) {  // slots 3 + 2·kGemvVariants …
-      case 0: return resident_of(c, 11, w4a16_fused<1, 2, 4, 1, 8>, fused_smem_bytes<1, 2, 4, 2>());
-      case 1: return resident_of(c, 12, w4a16_fused<2, 2, 4, 1, 8>, fused_smem_bytes<2, 2, 4, 2>());
-      default: return resident_of(c, 13, w4a16_fused<4, 1, 4, 1, 8>, fused_smem_bytes<4, 1, 4, 2>());
+      case 0: return resident_of(c, kFused8Slot, w4a16_fused<1, 2, 4, 1, 8>, fused_smem_bytes<1, 2, 4, 2>());
+      case 1: return resident_of(c, kFused8Slot + 1, w4a16_fused<2, 2, 4, 1, 8>, fused_smem_bytes<2, 2, 4, 2>());
+      default: return resident_of(c, kFused8Slot + 2, w4a16_fused<4, 1, 4, 1, 8>, fused_smem_bytes<4, 1, 4, 2>());
     }
   switch (variant) {
     case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
@@ -873,7 +876,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   }
   const int NT = N / 64, KT = K / 16;
   if (p.path == 3) {
-    p.variant = M == 1 ? (c->gemv_smem_a && bits == 4 ? 3 : 0) : M == 2 ? 1 : 2;
+    const bool sa = c->gemv_smem_a && bits == 4;
+    p.variant = M == 1 ? (sa ? 3 : 0) : M == 2 ? (sa ? 4 : 1) : 2;
     if (query_resident(c, 3, p.variant, bits)) return 1;
     int splits = max(1, (c->sms * max(c->resident[3 + p.variant + (bits == 8 ? kGemvVariants : 0)], 1)) / NT);
     p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
@@ -886,7 +890,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const Variant v = kVariants[p.variant];
   if (query_resident(c, 1, p.variant, bits)) return 1;
   const int mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
-  int splits = max(1, (c->sms * max(c->resident[p.variant + (bits == 8 ? 11 : 0)], 1)) / (NT * mblocks));
+  int splits = max(1, (c->sms * max(c->resident[p.variant + (bits == 8 ? kFused8Slot : 0)], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   p.splits = splits;
