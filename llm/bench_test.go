@@ -2,6 +2,7 @@ package llm_test
 
 import (
 	"context"
+	"math/rand/v2"
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
@@ -82,5 +83,33 @@ func BenchmarkLogprobs(b *testing.B) {
 	b.SetBytes(int64(4 * len(row)))
 	for i := 0; i < b.N; i++ {
 		llm.Logprobs(row, 17, 5)
+	}
+}
+
+// BenchmarkSample: one sampled token (temperature 0.8, top-p 0.95) from
+// llama3's 128,256 logits on the host, what the engine does for every
+// sequence of a decode step that samples: on flat logits (uniform over
+// 10 units: a nucleus of most of the vocabulary) and on peaked ones (a
+// few tokens 10 above a normal spread of 2.5, as a language model's).
+func BenchmarkSample(b *testing.B) {
+	for _, peaked := range []bool{false, true} {
+		row := make([]float32, 128256)
+		r := rand.New(rand.NewPCG(1, 2))
+		for i := range row {
+			row[i] = float32((i*7919)%10007)/1000 - 5
+			if peaked {
+				row[i] = float32(r.NormFloat64() * 2.5)
+				if i%5000 == 0 {
+					row[i] += 10
+				}
+			}
+		}
+		name := map[bool]string{false: "flat", true: "peaked"}[peaked]
+		b.Run(name, func(b *testing.B) {
+			s := llm.NewSampler(llm.SampleOptions{Temperature: 0.8, TopP: 0.95, Seed: 1})
+			for i := 0; i < b.N; i++ {
+				s.Sample(row)
+			}
+		})
 	}
 }

@@ -35,10 +35,11 @@ func (o SampleOptions) Validate() error {
 
 // Sampler draws tokens according to SampleOptions.
 type Sampler struct {
-	opt SampleOptions
-	rng *rand.Rand
-	idx []int
-	p   []float64
+	opt    SampleOptions
+	rng    *rand.Rand
+	p      []float64 // exp((logit − max)/T) of each token
+	bucket []uint8   // each token's bucket (see Sample)
+	cand   []int     // the tokens a walk may visit, in its order
 }
 
 // NewSampler makes a sampler; its random stream starts from opt.Seed.
@@ -83,51 +84,130 @@ func Argmax(x []float32) int {
 	return best
 }
 
-// Sample picks a token id from one row of logits.
+// Buckets of (max − logit)/T, sampleBucketsPerNat to a unit; the last
+// holds every token at least 32 units below the most likely.
+const (
+	sampleBucketsPerNat = 8
+	sampleBuckets       = 256
+)
+
+// Sample picks a token id from one row of logits: the tokens in
+// descending order of logit (ties by id), cut to the TopK first and to the
+// smallest prefix whose probability reaches TopP, walked until a uniform
+// draw's share of their mass is used up.
+//
+// A walk visits only the first tokens of that order, so the vocabulary is
+// not sorted (128,256 tokens took ~15 ms a token on the host,
+// bench-sample-cpu.txt): tokens fall in buckets of (max − logit)/T, and
+// only the first buckets, as many as hold the TopK tokens and the mass the
+// walk can reach (TopP or the draw's share of the whole, with a margin),
+// are sorted. Should a walk still run past them, it is redone on the
+// whole vocabulary.
 func (s *Sampler) Sample(logits []float32) int {
 	if s.opt.Temperature == 0 {
 		return Argmax(logits)
 	}
-	n := len(logits)
-	if cap(s.idx) < n {
-		s.idx, s.p = make([]int, n), make([]float64, n)
+	n, T := len(logits), s.opt.Temperature
+	if cap(s.p) < n {
+		s.p, s.bucket = make([]float64, n), make([]uint8, n)
 	}
-	idx, p := s.idx[:n], s.p[:n]
-	for i := range idx {
-		idx[i] = i
+	p, bucket := s.p[:n], s.bucket[:n]
+	mx := float64(logits[Argmax(logits)])
+	var count [sampleBuckets]int
+	var mass [sampleBuckets]float64
+	var total float64
+	for i, l := range logits {
+		d := (mx - float64(l)) / T
+		p[i] = math.Exp(-d)
+		total += p[i]
+		b := sampleBuckets - 1
+		if d < sampleBuckets/sampleBucketsPerNat { // false for NaN: the last bucket
+			b = int(d * sampleBucketsPerNat)
+		}
+		bucket[i] = uint8(b)
+		count[b]++
+		mass[b] += p[i]
 	}
-	sort.Slice(idx, func(a, b int) bool { return logits[idx[a]] > logits[idx[b]] })
+	keep := n // the TopK cut
 	if s.opt.TopK > 0 && s.opt.TopK < n {
-		n = s.opt.TopK
+		keep = s.opt.TopK
 	}
-	mx := float64(logits[idx[0]])
-	var sum float64
-	for i := 0; i < n; i++ {
-		p[i] = math.Exp((float64(logits[idx[i]]) - mx) / s.opt.Temperature)
-		sum += p[i]
-	}
+	u := s.rng.Float64()
+	// The mass a walk can reach: TopP of the kept tokens' (at most of all
+	// tokens'), or without a TopP cut the draw's share of it.
+	reach := u * total
 	if s.opt.TopP > 0 && s.opt.TopP < 1 {
-		var c float64
-		for i := 0; i < n; i++ {
-			c += p[i] / sum
-			if c >= s.opt.TopP {
-				n = i + 1
-				break
-			}
+		reach = s.opt.TopP * total
+	}
+	nb, tokens, have := 0, 0, 0.0
+	for nb < sampleBuckets && (tokens < keep && keep < n || have < reach*(1+1e-9)) {
+		tokens += count[nb]
+		have += mass[nb]
+		nb++
+	}
+	if id, ok := s.walk(logits, bucket, min(nb+1, sampleBuckets), keep, total, u); ok {
+		return id
+	}
+	id, _ := s.walk(logits, bucket, sampleBuckets, keep, total, u)
+	return id
+}
+
+// walk is Sample's walk over the tokens of the first nb buckets, sorted:
+// it reports false when the walk would need tokens beyond them.
+func (s *Sampler) walk(logits []float32, bucket []uint8, nb, keep int, total, u float64) (int, bool) {
+	p := s.p
+	s.cand = s.cand[:0]
+	for i, b := range bucket {
+		if int(b) < nb {
+			s.cand = append(s.cand, i)
+		}
+	}
+	cand := s.cand
+	sort.Slice(cand, func(a, b int) bool {
+		la, lb := logits[cand[a]], logits[cand[b]]
+		return la > lb || la == lb && cand[a] < cand[b]
+	})
+	all := len(cand) == len(logits)
+	sum := total
+	if keep < len(logits) {
+		if len(cand) < keep {
+			return 0, false
 		}
 		sum = 0
-		for i := 0; i < n; i++ {
+		for _, i := range cand[:keep] {
 			sum += p[i]
 		}
 	}
-	r := s.rng.Float64() * sum
-	for i := 0; i < n; i++ {
-		r -= p[i]
-		if r <= 0 {
-			return idx[i]
+	limit := keep
+	if s.opt.TopP > 0 && s.opt.TopP < 1 {
+		var c float64
+		for k, i := range cand[:min(keep, len(cand))] {
+			c += p[i] / sum
+			if c >= s.opt.TopP {
+				limit = k + 1
+				break
+			}
+		}
+		if limit > len(cand) && !all {
+			return 0, false
+		}
+		limit = min(limit, len(cand))
+		sum = 0
+		for _, i := range cand[:limit] {
+			sum += p[i]
 		}
 	}
-	return idx[n-1]
+	r := u * sum
+	for _, i := range cand[:min(limit, len(cand))] {
+		r -= p[i]
+		if r <= 0 {
+			return i, true
+		}
+	}
+	if limit > len(cand) && !all {
+		return 0, false
+	}
+	return cand[min(limit, len(cand))-1], true
 }
 
 // GenerateOptions bound a generation.
