@@ -459,7 +459,7 @@ func TestBadShapeIsAnError(t *testing.T) {
 }
 
 // TestSmallForSanitizer is a quick case for compute-sanitizer (memcheck,
-// racecheck): every path, act-order, and a K deep enough to split across
+// racecheck): every path at both code widths, act-order, and a K deep enough to split across
 // CTAs so the workspace and last-CTA counter logic runs.
 func TestSmallForSanitizer(t *testing.T) {
 	l := openContext(t)
@@ -471,4 +471,9 @@ func TestSmallForSanitizer(t *testing.T) {
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, path: PathCuBLAS})
+	// 8-bit codes: the GEMV, the fused kernel (forced) and the dequantizer.
+	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, bits: 8, act: true, path: PathGEMV})
+	runCase(t, l, r, gemmCase{M: 1, K: 4096, N: 192, group: 64, bits: 8, path: PathGEMV, split: []int{64, 128}})
+	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, bits: 8, path: PathFused})
+	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, bits: 8, path: PathCuBLAS})
 }
