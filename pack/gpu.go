@@ -50,6 +50,13 @@ type GPUWeights struct {
 // zeroWords is how many words of Zeros hold one lane's eight zeros.
 func (g *GPUWeights) zeroWords() int { return g.Bits / 4 }
 
+// zeroAt is where the zero of sub-tile j of lane gid's columns in tile
+// column nt, group grp sits: the word of Zeros and the shift in it.
+func (g *GPUWeights) zeroAt(grp, nt, gid, j int) (word int, shift uint) {
+	per := 32 / g.Bits // zeros a word
+	return ((grp*g.N/64+nt)*8+gid)*g.zeroWords() + j/per, uint(g.Bits * (j % per))
+}
+
 // GPULayout repacks a 2-, 3-, 4- or 8-bit integer layer for the kernels.
 func (l *Linear) GPULayout() (*GPUWeights, error) {
 	K, N := l.In, l.Out
@@ -107,15 +114,14 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 			}
 		}
 	})
-	zw := g.zeroWords()
 	for grp := 0; grp < G; grp++ {
 		for nt := 0; nt < NT; nt++ {
 			for gid := 0; gid < 8; gid++ {
 				for j := 0; j < 8; j++ {
 					n := nt*64 + j*8 + gid
 					g.Scales[((grp*NT+nt)*8+gid)*8+j] = float16.Fromfloat32(l.Scale[grp*N+n]).Bits()
-					per := 32 / bits // zeros a word
-					g.Zeros[((grp*NT+nt)*8+gid)*zw+j/per] |= uint32(l.Zero[grp*N+n]) << (bits * (j % per))
+					w, shift := g.zeroAt(grp, nt, gid, j)
+					g.Zeros[w] |= uint32(l.Zero[grp*N+n]) << shift
 				}
 			}
 		}
@@ -159,7 +165,6 @@ func groupOrder(gidx []int32, G, group int) ([]int32, error) {
 func (g *GPUWeights) Dequantize() []float32 {
 	K, N := g.K, g.N
 	KT, NT := K/16, N/64
-	zw, per := g.zeroWords(), 32/g.Bits
 	W := make([]float32, K*N)
 	for nt := 0; nt < NT; nt++ {
 		for kt := 0; kt < KT; kt++ {
@@ -180,7 +185,8 @@ func (g *GPUWeights) Dequantize() []float32 {
 				for j := 0; j < 8; j++ {
 					n := nt*64 + j*8 + gid
 					s := float16.Frombits(g.Scales[((grp*NT+nt)*8+gid)*8+j]).Float32()
-					z := int(g.Zeros[((grp*NT+nt)*8+gid)*zw+j/per]>>(g.Bits*(j%per))) & (1<<g.Bits - 1)
+					w, shift := g.zeroAt(grp, nt, gid, j)
+					z := int(g.Zeros[w]>>shift) & (1<<g.Bits - 1)
 					for r := 0; r < 4; r++ {
 						k := kt*16 + 2*tig + r%2 + 8*(r/2)
 						W[k*N+n] = RoundF16(float32(code(j, r)-z) * s)
