@@ -153,7 +153,8 @@ func (s *Sampler) Sample(logits []float32) int {
 }
 
 // walk is Sample's walk over the tokens of the first nb buckets, sorted:
-// it reports false when the walk would need tokens beyond them.
+// it reports false when the walk would need tokens beyond them (never
+// when they are the whole vocabulary).
 func (s *Sampler) walk(logits []float32, bucket []uint8, nb, keep int, total, u float64) (int, bool) {
 	p := s.p
 	s.cand = s.cand[:0]
@@ -167,7 +168,6 @@ func (s *Sampler) walk(logits []float32, bucket []uint8, nb, keep int, total, u 
 		la, lb := logits[cand[a]], logits[cand[b]]
 		return la > lb || la == lb && cand[a] < cand[b]
 	})
-	all := len(cand) == len(logits)
 	sum := total
 	if keep < len(logits) {
 		if len(cand) < keep {
@@ -178,7 +178,7 @@ func (s *Sampler) walk(logits []float32, bucket []uint8, nb, keep int, total, u 
 			sum += p[i]
 		}
 	}
-	limit := keep
+	limit := keep // the tokens the walk may visit
 	if s.opt.TopP > 0 && s.opt.TopP < 1 {
 		var c float64
 		for k, i := range cand[:min(keep, len(cand))] {
@@ -188,10 +188,9 @@ func (s *Sampler) walk(logits []float32, bucket []uint8, nb, keep int, total, u 
 				break
 			}
 		}
-		if limit > len(cand) && !all {
+		if limit > len(cand) {
 			return 0, false
 		}
-		limit = min(limit, len(cand))
 		sum = 0
 		for _, i := range cand[:limit] {
 			sum += p[i]
@@ -204,10 +203,10 @@ func (s *Sampler) walk(logits []float32, bucket []uint8, nb, keep int, total, u 
 			return i, true
 		}
 	}
-	if limit > len(cand) && !all {
+	if limit > len(cand) {
 		return 0, false
 	}
-	return cand[min(limit, len(cand))-1], true
+	return cand[limit-1], true
 }
 
 // GenerateOptions bound a generation.
