@@ -33,9 +33,12 @@
 #                                     # llama-tiny RTN w8 perplexity on the GPU (carry.sh dev tiny wiki)
 #   bash cuda/device-model.sh v10     # the GEMV with A in shared memory (LLMQ_GEMV_SMEM_A=1): its tests, then
 #                                     # bench gemm --path gemv --m 1,2 without and with it (gemm-h200-gemv-smem-a.txt)
+#   bash cuda/device-model.sh v11     # the GEMV on the Tensor Cores (path mma): its tests, then bench gemm --path auto
+#                                     # and mma at M ≤ 16, 4- and 8-bit (gemm-h200-mma.txt; V11_BITS, QUICK_M)
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
-#   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL)
+#   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
+#                                     # PROFILE_ARGS: more bench gemm flags, PROFILE_TAG: ncu$TAG.txt)
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -161,6 +164,17 @@ case "$1" in
       LLMQ_GEMV_SMEM_A=$sa $L bench gemm --path gemv --m ${QUICK_M:-1,2} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
     done | tee "$OUT/gemm-h200-gemv-smem-a.txt"
     ;;
+  v11) # the GEMV on the Tensor Cores: registers, tests, then bench gemm --path mma against the automatic plan
+    grep -A3 "Compiling entry function '_ZN.*w4a16_gemv_mma.*sm_90a" "$OUT/build.log" 2>/dev/null | grep -E "registers|spill"
+    run='TestW4A16MatchesReference|TestW8A16MatchesReference|TestSmallForSanitizer|TestGEMVRefuses|TestBadShape'
+    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-mma-h200.log"
+    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic" "$OUT/cuda-tests-mma-h200.log" | head -20
+    grep -E "rel err" "$OUT/cuda-tests-mma-h200.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
+    for b in ${V11_BITS:-4 8}; do for p in auto mma; do
+      echo "# $LLMQ_COMMIT: llmq bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16} --iters 100"
+      $L bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
+    done; done | tee "$OUT/gemm-h200-mma.txt" | cut -c1-150
+    ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
     ;;
@@ -174,8 +188,8 @@ case "$1" in
     # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).
     timeout 300 ncu --clock-control none -k regex:${PROFILE_KERNEL:-w4a16_fused} -c 1 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-      $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 > "$OUT/ncu.txt" 2>&1
-    grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible" | head -50
+      $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 ${PROFILE_ARGS:-} > "$OUT/ncu${PROFILE_TAG:-}.txt" 2>&1
+    grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu${PROFILE_TAG:-}.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible" | head -50
     ;;
   tiny|small)
     M=llama-$1

@@ -248,7 +248,7 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 func TestW4A16MatchesReference(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(uint64(rand.Int64()), 7))
-	for _, M := range []int{1, 3, 16, 17, 64, 100, 256, 1000, 4096} {
+	for _, M := range []int{1, 3, 8, 16, 17, 64, 100, 256, 1000, 4096} {
 		K, N := 1024, 192
 		if M >= 1000 {
 			K, N = 256, 128
@@ -260,6 +260,9 @@ func TestW4A16MatchesReference(t *testing.T) {
 			paths := []int{PathFused}
 			if M <= 4 {
 				paths = append(paths, PathGEMV)
+			}
+			if M <= 16 {
+				paths = append(paths, PathMMA)
 			}
 			if M >= 64 {
 				paths = append(paths, PathCuBLAS)
@@ -283,6 +286,15 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 1, K: 16, N: 64, group: -1, path: PathGEMV}, {M: 1, K: 48, N: 64, group: 16, path: PathGEMV},
 		{M: 3, K: 1024, N: 192, group: 32, bits: 3, path: PathGEMV},
 		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathGEMV},
+		// The GEMV on the Tensor Cores (v11): both of its row counts (8,
+		// 16) at their edges, the same deep, wide, smallest and small-group
+		// cases, 2/3-bit.
+		{M: 9, K: 14336, N: 256, group: 128, path: PathMMA}, {M: 16, K: 512, N: 4096, group: 128, path: PathMMA},
+		{M: 1, K: 16, N: 64, group: -1, path: PathMMA}, {M: 5, K: 48, N: 64, group: 16, path: PathMMA},
+		{M: 12, K: 1024, N: 192, group: 32, bits: 3, path: PathMMA},
+		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathMMA},
+		{M: 1, K: 4096, N: 448, group: 128, path: PathMMA, split: []int{256, 64, 128}},
+		{M: 13, K: 256, N: 448, group: 128, path: PathMMA, split: []int{256, 64, 128}},
 		// A joined layer's columns into three outputs, on every path, with
 		// K split across CTAs (the last-CTA store) and without.
 		{M: 1, K: 4096, N: 448, group: 128, path: PathGEMV, split: []int{256, 64, 128}},
@@ -299,6 +311,7 @@ func TestW4A16MatchesReference(t *testing.T) {
 			runCase(t, l, r, gemmCase{M: 9, K: 1024, N: 64, group: 128, path: p, edit: edit})
 		}
 		runCase(t, l, r, gemmCase{M: 4, K: 1024, N: 64, group: 128, path: PathGEMV, edit: edit})
+		runCase(t, l, r, gemmCase{M: 11, K: 1024, N: 64, group: 128, path: PathMMA, edit: edit})
 	}
 }
 
@@ -334,7 +347,7 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 func TestW8A16MatchesReference(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(8, 8))
-	for _, M := range []int{1, 2, 3, 4, 9, 17, 64, 100} {
+	for _, M := range []int{1, 2, 3, 4, 9, 16, 17, 64, 100} {
 		for _, v := range []struct {
 			group    int
 			sym, act bool
@@ -342,6 +355,9 @@ func TestW8A16MatchesReference(t *testing.T) {
 			paths := []int{PathAuto, PathCuBLAS, PathFused}
 			if M <= 4 {
 				paths = append(paths, PathGEMV)
+			}
+			if M <= 16 {
+				paths = append(paths, PathMMA)
 			}
 			for _, p := range paths {
 				runCase(t, l, r, gemmCase{M: M, K: 1024, N: 192, group: v.group, bits: 8, sym: v.sym, act: v.act, path: p})
@@ -353,7 +369,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 		{M: 2, K: 48, N: 64, group: 16}, {M: 1, K: 4096, N: 448, group: 128, split: []int{256, 64, 128}},
 		{M: 3, K: 256, N: 448, group: 64, act: true, split: []int{256, 64, 128}},
 	} {
-		for _, p := range []int{PathGEMV, PathFused} {
+		for _, p := range []int{PathGEMV, PathFused, PathMMA} {
 			c.bits, c.path = 8, p
 			runCase(t, l, r, c)
 		}
@@ -366,7 +382,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 		runCase(t, l, r, c)
 	}
 	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
-		for _, p := range []int{PathGEMV, PathFused, PathCuBLAS} {
+		for _, p := range []int{PathGEMV, PathFused, PathCuBLAS, PathMMA} {
 			runCase(t, l, r, gemmCase{M: 4, K: 1024, N: 64, group: 128, bits: 8, path: p, edit: edit})
 		}
 	}
@@ -476,4 +492,8 @@ func TestSmallForSanitizer(t *testing.T) {
 	runCase(t, l, r, gemmCase{M: 1, K: 4096, N: 192, group: 64, bits: 8, path: PathGEMV, split: []int{64, 128}})
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, bits: 8, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, bits: 8, path: PathCuBLAS})
+	// The GEMV on the Tensor Cores at both of its row counts and widths.
+	runCase(t, l, r, gemmCase{M: 6, K: 4096, N: 128, group: 128, act: true, path: PathMMA})
+	runCase(t, l, r, gemmCase{M: 14, K: 4096, N: 192, group: 64, path: PathMMA, split: []int{64, 128}})
+	runCase(t, l, r, gemmCase{M: 16, K: 4096, N: 128, group: 128, bits: 8, path: PathMMA})
 }

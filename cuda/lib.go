@@ -509,6 +509,7 @@ const (
 	PathFused  = 1
 	PathCuBLAS = 2
 	PathGEMV   = 3 // M ≤ 4
+	PathMMA    = 4 // the GEMV on the Tensor Cores (v11), M ≤ 16
 )
 
 // SetPath forces the context's W4A16 path (tests and benchmarks).

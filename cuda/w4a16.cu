@@ -184,18 +184,11 @@ __device__ __forceinline__ void dequant_pair(uint32_t (&b)[4], const uint32_t* w
   }
 }
 
-// compute_step: dequantize one lane's B chunks of a step (BITS/4 of them,
-// 32 uint4 apart from bq) and run the mma for MB m-tiles.
+// mma_step: dequantize one lane's words w of a step (4 for 4-bit codes,
+// 8 for 8-bit) and run the mma for MB m-tiles of A fragments af.
 template <int MB, int BITS = 4>
-__device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4* bq, const uint32_t (&af)[MB][4],
-                                             const GroupRegs& gr) {
-  constexpr int CH = BITS / 4;
-  uint32_t w[4 * CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const uint4 v = bq[c * 32];
-    w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
-  }
+__device__ __forceinline__ void mma_step(float (&acc)[MB][8][4], const uint32_t* w, const uint32_t (&af)[MB][4],
+                                         const GroupRegs& gr) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     uint32_t b[4];
@@ -206,6 +199,21 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
       mma16816(acc[m][2 * i + 1], af[m], b[2], b[3]);
     }
   }
+}
+
+// compute_step: mma_step on one lane's B chunks of a step (BITS/4 of
+// them, 32 uint4 apart from bq).
+template <int MB, int BITS = 4>
+__device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4* bq, const uint32_t (&af)[MB][4],
+                                             const GroupRegs& gr) {
+  constexpr int CH = BITS / 4;
+  uint32_t w[4 * CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) {
+    const uint4 v = bq[c * 32];
+    w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+  }
+  mma_step<MB, BITS>(acc, w, af, gr);
 }
 
 // GroupStream keeps a warp's current group's scales and zeros in
@@ -628,6 +636,109 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
+// w4a16_gemv_mma (v11): the GEMV kernel's streaming — a lane's chunks
+// loaded straight into registers, U steps a batch with the next batch in
+// flight, the group's scales and zeros in registers — with the products
+// on the Tensor Cores instead of HFMA2: per step and lane, 8 mma.m16n8k16
+// whose B fragments are the dequantized chunk (mma_step, the fused
+// kernel's) and whose 16 A rows are the tokens (lane's rows gid and
+// gid + 8; rows past M repeat row M − 1, rows past MT are zero). The sums
+// stay in fp32, and the cost per byte of codes does not grow with M up to
+// MT (8 or 16): the mma's rows that the CUDA-core GEMV pays for one by one
+// come free. CTA and K split as w4a16_gemv.
+template <int MT, int U, int BITS>
+__global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                            const Outs C, float* __restrict__ ws,
+                                                            int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                            int splits) {
+  static_assert(MT == 8 || MT == 16, "an m16 tile's rows: 8 (rows gid) or 16 (gid and gid + 8)");
+  constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
+  pdl_gate();  // before any global access: see common.cuh
+  __shared__ float red[kWarps][MT][64];
+  __shared__ int s_last;
+  const int nt = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6;
+  int k0, k1;
+  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+  // Step k's A fragment: a0/a2 = row gid's words 8k + tig and 8k + tig + 4,
+  // a1/a3 the same of row gid + 8.
+  const uint32_t* alo = reinterpret_cast<const uint32_t*>(A + (size_t)min(gid, M - 1) * K) + tig;
+  const uint32_t* ahi = reinterpret_cast<const uint32_t*>(A + (size_t)min(gid + 8, M - 1) * K) + tig;
+  const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
+  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
+  float acc[1][8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.f;
+  uint4 qn[U][CH];
+  uint32_t xn[U][4];
+  auto load = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) qn[u][c] = make_uint4(0, 0, 0, 0);
+      xn[u][0] = xn[u][1] = xn[u][2] = xn[u][3] = 0;
+      if (k < k1) {
+#pragma unroll
+        for (int c = 0; c < CH; ++c) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
+        xn[u][0] = __ldg(alo + (size_t)k * 8);
+        xn[u][2] = __ldg(alo + (size_t)k * 8 + 4);
+        if constexpr (MT == 16) {
+          xn[u][1] = __ldg(ahi + (size_t)k * 8);
+          xn[u][3] = __ldg(ahi + (size_t)k * 8 + 4);
+        }
+      }
+    }
+  };
+  GroupRegs gr;
+  if (k1 > k0) {
+    groups.start(gr, k0);
+    load(k0);
+  }
+  for (int kb = k0; kb < k1; kb += U) {
+    uint4 q[U][CH];
+    uint32_t af[U][1][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int c = 0; c < CH; ++c) q[u][c] = qn[u][c];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) af[u][0][i] = xn[u][i];
+    }
+    if (kb + U < k1) load(kb + U);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u;
+      if (k < k1) {
+        groups.at(gr, k);
+        uint32_t w[4 * CH];
+#pragma unroll
+        for (int c = 0; c < CH; ++c)
+          w[4 * c] = q[u][c].x, w[4 * c + 1] = q[u][c].y, w[4 * c + 2] = q[u][c].z, w[4 * c + 3] = q[u][c].w;
+        mma_step<1, BITS>(acc, w, af[u], gr);
+      }
+    }
+  }
+  // The warps' sums: row gid's columns 8j + 2·tig (+1) in acc[0][j][0..1],
+  // row gid + 8's in [2..3].
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int col = j * 8 + 2 * tig;
+    *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[0][j][0], acc[0][j][1]);
+    if constexpr (MT == 16)
+      *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[0][j][2], acc[0][j][3]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
+    const int m = i >> 6, col = i & 63;
+    if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<MT>(red, m, col), splits);
+  }
+  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+}
+
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
 // weights lie one after another in B, S and Z (each N×K in the layout
 // above). CTA (nt, c, z) runs chunk c of the expert plan (moe_plan): up to
@@ -750,8 +861,8 @@ int check_bits(llmq_ctx* c, int bits) {
 // instantiation and its K splits, or dequantize + cuBLAS.
 struct Plan {
   int bits;     // the codes' width: 4 (2- to 4-bit codes, in nibbles) or 8
-  int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel
-  int variant;  // the instantiation: kVariants[variant] (fused), kGemv[variant] (GEMV)
+  int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel, 4 GEMV on the Tensor Cores (v11)
+  int variant;  // the instantiation: kVariants[variant] (fused), kGemv[variant] (GEMV), kMma[variant] (v11)
   int splits;
 };
 
@@ -778,10 +889,18 @@ constexpr int kGemvMaxM = 4;
 // CTA has without opting in, less the kernel's static reduction buffer
 // (its occupancy is queried, and the attribute set, at this size).
 constexpr int kSmemA = 46 << 10;
-// The first resident slot of the fused kernel's 8-bit instantiations
-// (query_resident lists the slots).
+// v11's instantiations (w4a16_gemv_mma): the A rows (MT) and steps a
+// batch (U); M ≤ 8 runs the first, M ≤ 16 the second.
+struct MmaVariant {
+  int mt, u;
+};
+constexpr MmaVariant kMma[] = {{8, 4}, {16, 4}};
+constexpr int kMmaMaxM = 16;
+// The first resident slot of the fused kernel's 8-bit instantiations and
+// of v11's (query_resident lists the slots).
 constexpr int kFused8Slot = 3 + 2 * kGemvVariants;
-static_assert(kFused8Slot + 3 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
+constexpr int kMmaSlot = kFused8Slot + 3;
+static_assert(kMmaSlot + 4 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
 
 // gemv_variant does one thing with GEMV instantiation V for BITS-bit
 // codes: query its resident CTAs (run false) or launch it.
@@ -826,6 +945,12 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
 // The resident slots: fused variants 0–2 (4-bit codes) and kFused8Slot + v (8-bit),
 // GEMV variant v at 3 + v (4-bit) and 3 + kGemvVariants + v (8-bit).
 int query_resident(llmq_ctx* c, int path, int variant, int bits) {
+  if (path == 4) {  // slots kMmaSlot + 2·(bits == 8) + variant
+    const int slot = kMmaSlot + (bits == 8 ? 2 : 0) + variant;
+    if (bits == 8)
+      return variant ? resident_of(c, slot, w4a16_gemv_mma<16, 4, 8>, 0) : resident_of(c, slot, w4a16_gemv_mma<8, 4, 8>, 0);
+    return variant ? resident_of(c, slot, w4a16_gemv_mma<16, 4, 4>, 0) : resident_of(c, slot, w4a16_gemv_mma<8, 4, 4>, 0);
+  }
   if (path == 3)
     return with_gemv(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   if (bits == 8) switch (variant) {  // slots 3 + 2·kGemvVariants …
@@ -854,6 +979,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const int gemv_max = bits == 8 ? kGemvMaxM : min(c->gemv_max_m, kGemvMaxM);
   if (c->w4_path)
     p.path = c->w4_path;
+  else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
+    p.path = 4;
   else if (M <= gemv_max && pow2)
     p.path = 3;
   else if (bits == 8)
@@ -874,7 +1001,18 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     llmq::set_error(c, "the GEMV W4A16 kernel runs M ≤ %d, not M=%d", kGemvMaxM, M);
     return 1;
   }
+  if (p.path == 4 && M > kMmaMaxM) {
+    llmq::set_error(c, "the Tensor Core GEMV W4A16 kernel runs M ≤ %d, not M=%d", kMmaMaxM, M);
+    return 1;
+  }
   const int NT = N / 64, KT = K / 16;
+  if (p.path == 4) {  // as the GEMV kernel: one full wave, two batches a warp at least
+    p.variant = M <= 8 ? 0 : 1;
+    if (query_resident(c, 4, p.variant, bits)) return 1;
+    const int splits = max(1, (c->sms * max(c->resident[kMmaSlot + (bits == 8 ? 2 : 0) + p.variant], 1)) / NT);
+    p.splits = min(splits, max(1, KT / (2 * kWarps * kMma[p.variant].u)));
+    return 0;
+  }
   if (p.path == 3) {
     const bool sa = c->gemv_smem_a && bits == 4;
     p.variant = M == 1 ? (sa ? 3 : 0) : M == 2 ? (sa ? 4 : 1) : 2;
@@ -918,6 +1056,17 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   CK(launch(c, (w4a16_fused<MB, U, STAGES, MINB, BITS>), dim3(NT, p.splits, mblocks), kWarps * 32, smem, 
       A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
       p.splits));
+  return 0;
+}
+
+// launch_gemv_mma runs one instantiation of v11 as planned.
+template <int MT, int U, int BITS>
+int launch_gemv_mma(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z,
+                    const Outs& C, void* workspace, int M, int N, int K, int group) {
+  float* ws = (float*)workspace;
+  int* counters = (int*)(ws + (size_t)M * N);
+  CK(launch(c, (w4a16_gemv_mma<MT, U, BITS>), dim3(N / 64, p.splits), kWarps * 32, 0, A, (const uint4*)B,
+            (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K), p.splits));
   return 0;
 }
 
@@ -1028,6 +1177,13 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (p.path == 3)
     return with_gemv(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
                      group_shift(group, K));
+  if (p.path == 4) {
+    if (bits == 8)
+      return p.variant ? launch_gemv_mma<16, 4, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group)
+                       : launch_gemv_mma<8, 4, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+    return p.variant ? launch_gemv_mma<16, 4, 4>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group)
+                     : launch_gemv_mma<8, 4, 4>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+  }
   if (bits == 8) {
     if (p.variant == 0) return launch_fused<1, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
     if (p.variant == 1) return launch_fused<2, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
@@ -1075,6 +1231,9 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (plan(c, p, M, N, K, group, bits, true)) return 1;
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
+  else if (p.path == 4)
+    snprintf(out, n, "gemv-mma v11%s mt%d u%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt, kMma[p.variant].u,
+             p.splits);
   else if (p.path == 3)
     snprintf(out, n, "gemv%s mt%d u%d b%d%s splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
              kGemv[p.variant].minb, kGemv[p.variant].sa ? " sa" : "", p.splits);
