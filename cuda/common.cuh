@@ -26,14 +26,10 @@ struct llmq_ctx {
   // instantiation's resident CTAs per SM (queried on first use), the
   // attention kernel's raised dynamic shared memory limit.
   int w4_path = 0;
-  int gemv_max_m = 2;
+  int gemv_max_m = -1;  // the CUDA-core GEMV serves M ≤ this (−1: the measured 1, 2 for 8-bit codes)
+  int mma_max_m = 16;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int fused_max_m = 64;
-  int mma_max_m = 0;  // v11 (the GEMV on the Tensor Cores) serves M ≤ this; 0: off until measured
-  int resident[20] = {};  // fused 0–2 (4-bit codes) and 13–15 (8-bit), GEMV 3–7 (4-bit) and 8–12 (8-bit),
-                          // v11 16–17 (4-bit) and 18–19 (8-bit)
-  // The GEMV at M ≤ 2 with the activations staged in shared memory and
-  // twice the steps of codes a batch (LLMQ_GEMV_SMEM_A=1, v10; off by default).
-  bool gemv_smem_a = false;
+  int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   size_t attn_smem = 48 << 10;
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;

@@ -31,10 +31,8 @@
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
 #   bash cuda/device-model.sh w8      # W8A16: the 8-bit kernels' tests, llmq bench gemm --bits 8 (gemm-w8-h200.json),
 #                                     # llama-tiny RTN w8 perplexity on the GPU (carry.sh dev tiny wiki)
-#   bash cuda/device-model.sh v10     # the GEMV with A in shared memory (LLMQ_GEMV_SMEM_A=1): its tests, then
-#                                     # bench gemm --path gemv --m 1,2 without and with it (gemm-h200-gemv-smem-a.txt)
 #   bash cuda/device-model.sh v11     # the GEMV on the Tensor Cores (path mma): its tests, then bench gemm --path auto
-#                                     # and mma at M ≤ 16, 4- and 8-bit (gemm-h200-mma.txt; V11_BITS, QUICK_M)
+#                                     # and mma at M ≤ 64, 4- and 8-bit (gemm-h200-mma.txt; V11_BITS, QUICK_M)
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
@@ -154,25 +152,15 @@ case "$1" in
       $L bench gemm --bits 8 --path fused --m 8,16,32,64 2>&1 | grep -E "^(shape|8B|70B)|rror"; } | tee "$OUT/gemm-w8-h200-fused.txt"
     LOWBIT_BITS=8 SKIP_BUILD=1 bash "$0" lowbit
     ;;
-  v10)
-    grep -A3 "Compiling entry function '_ZN.*w4a16_gemvILi[12]ELi[48]ELi1ELi4ELb1.*sm_90a" "$OUT/build.log" 2>/dev/null | grep -E "registers|spill"
-    { echo "# $LLMQ_COMMIT: LLMQ_GEMV_SMEM_A=1 cuda.test -test.v -test.run 'TestW4A16MatchesReference|TestGEMVRefuses|TestModelLogits|TestGreedy'"
-      LLMQ_GEMV_SMEM_A=1 build/device/cuda.test -test.v -test.run 'TestW4A16MatchesReference|TestGEMVRefuses|TestModelLogits|TestGreedy' 2>&1; } > "$OUT/cuda-tests-gemv-smem-a-h200.log"
-    grep -E "^(--- |ok|FAIL|PASS)|panic" "$OUT/cuda-tests-gemv-smem-a-h200.log" | head -12
-    for sa in 0 1; do
-      echo "# $LLMQ_COMMIT: LLMQ_GEMV_SMEM_A=$sa llmq bench gemm --path gemv --m ${QUICK_M:-1,2} --iters 100"
-      LLMQ_GEMV_SMEM_A=$sa $L bench gemm --path gemv --m ${QUICK_M:-1,2} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
-    done | tee "$OUT/gemm-h200-gemv-smem-a.txt"
-    ;;
   v11) # the GEMV on the Tensor Cores: registers, tests, then bench gemm --path mma against the automatic plan
     grep -A3 "Compiling entry function '_ZN.*w4a16_gemv_mma.*sm_90a" "$OUT/build.log" 2>/dev/null | grep -E "registers|spill"
-    run='TestW4A16MatchesReference|TestW8A16MatchesReference|TestSmallForSanitizer|TestGEMVRefuses|TestBadShape'
+    run='TestW4A16MatchesReference|TestW8A16MatchesReference|TestSmallForSanitizer|TestGEMVRefuses|TestBadShape|TestModelLogits|TestGreedy|TestBatched|TestWindowNLL'
     { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-mma-h200.log"
     grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic" "$OUT/cuda-tests-mma-h200.log" | head -20
     grep -E "rel err" "$OUT/cuda-tests-mma-h200.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
     for b in ${V11_BITS:-4 8}; do for p in auto mma; do
-      echo "# $LLMQ_COMMIT: llmq bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16} --iters 100"
-      $L bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
+      echo "# $LLMQ_COMMIT: llmq bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100"
+      $L bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
     done; done | tee "$OUT/gemm-h200-mma.txt" | cut -c1-150
     ;;
   quick)

@@ -258,10 +258,10 @@ func TestW4A16MatchesReference(t *testing.T) {
 			sym, act bool
 		}{{128, false, false}, {128, true, false}, {-1, false, false}, {128, false, true}, {32, true, true}} {
 			paths := []int{PathFused}
-			if M <= 4 {
+			if M <= 2 {
 				paths = append(paths, PathGEMV)
 			}
-			if M <= 16 {
+			if M <= 64 {
 				paths = append(paths, PathMMA)
 			}
 			if M >= 64 {
@@ -282,12 +282,12 @@ func TestW4A16MatchesReference(t *testing.T) {
 		// The GEMV kernel: every M it runs, a deep K, a wide N, the
 		// smallest shape, small groups (a batch of steps crossing groups),
 		// 2/3-bit, and M past its limit refused below.
-		{M: 2, K: 14336, N: 256, group: 128, path: PathGEMV}, {M: 4, K: 512, N: 4096, group: 128, path: PathGEMV},
+		{M: 2, K: 14336, N: 256, group: 128, path: PathGEMV}, {M: 2, K: 512, N: 4096, group: 128, path: PathGEMV},
 		{M: 1, K: 16, N: 64, group: -1, path: PathGEMV}, {M: 1, K: 48, N: 64, group: 16, path: PathGEMV},
-		{M: 3, K: 1024, N: 192, group: 32, bits: 3, path: PathGEMV},
+		{M: 1, K: 1024, N: 192, group: 32, bits: 3, path: PathGEMV},
 		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathGEMV},
-		// The GEMV on the Tensor Cores (v11): both of its row counts (8,
-		// 16) at their edges, the same deep, wide, smallest and small-group
+		// The GEMV on the Tensor Cores (v11): its row counts (8, 16, 32,
+		// 64) at their edges, the same deep, wide, smallest and small-group
 		// cases, 2/3-bit.
 		{M: 9, K: 14336, N: 256, group: 128, path: PathMMA}, {M: 16, K: 512, N: 4096, group: 128, path: PathMMA},
 		{M: 1, K: 16, N: 64, group: -1, path: PathMMA}, {M: 5, K: 48, N: 64, group: 16, path: PathMMA},
@@ -295,6 +295,8 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathMMA},
 		{M: 1, K: 4096, N: 448, group: 128, path: PathMMA, split: []int{256, 64, 128}},
 		{M: 13, K: 256, N: 448, group: 128, path: PathMMA, split: []int{256, 64, 128}},
+		{M: 33, K: 14336, N: 256, group: 128, path: PathMMA}, {M: 24, K: 1024, N: 192, group: 16, bits: 3, act: true, path: PathMMA},
+		{M: 47, K: 4096, N: 448, group: 128, path: PathMMA, split: []int{256, 64, 128}},
 		// A joined layer's columns into three outputs, on every path, with
 		// K split across CTAs (the last-CTA store) and without.
 		{M: 1, K: 4096, N: 448, group: 128, path: PathGEMV, split: []int{256, 64, 128}},
@@ -310,20 +312,23 @@ func TestW4A16MatchesReference(t *testing.T) {
 		for _, p := range []int{PathFused, PathCuBLAS} {
 			runCase(t, l, r, gemmCase{M: 9, K: 1024, N: 64, group: 128, path: p, edit: edit})
 		}
-		runCase(t, l, r, gemmCase{M: 4, K: 1024, N: 64, group: 128, path: PathGEMV, edit: edit})
+		runCase(t, l, r, gemmCase{M: 2, K: 1024, N: 64, group: 128, path: PathGEMV, edit: edit})
 		runCase(t, l, r, gemmCase{M: 11, K: 1024, N: 64, group: 128, path: PathMMA, edit: edit})
+		runCase(t, l, r, gemmCase{M: 50, K: 1024, N: 64, group: 128, path: PathMMA, edit: edit})
 	}
 }
 
-// TestGEMVRefusesLargeM: the forced GEMV kernel says which M it runs, and
-// the automatic plan gives M ≤ 2 to it (where it is faster, NOTES.md) and
-// larger M to the fused kernel.
+// TestGEMVRefusesLargeM: the forced GEMV kernels say which M they run,
+// and the automatic plan gives M = 1 to the CUDA-core GEMV, M = 2–16 to
+// the Tensor Core one (where each is faster, NOTES.md v11) and larger M to
+// the fused kernel.
 func TestGEMVRefusesLargeM(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(5, 5))
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
 	defer w.Free(l)
-	for M, want := range map[int]string{1: "gemv mt1", 2: "gemv mt2", 3: "fused", 5: "fused"} {
+	for M, want := range map[int]string{1: "gemv mt1", 2: "gemv-mma v11 mt8", 8: "gemv-mma v11 mt8", 9: "gemv-mma v11 mt16",
+		16: "gemv-mma v11 mt16", 17: "fused"} {
 		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
 			t.Errorf("automatic plan for M=%d: %q, %v; want %s…", M, v, err, want)
 		}
@@ -332,18 +337,27 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.SetPath(PathAuto)
-	if _, err := l.Plan(w, 5); err == nil || !strings.Contains(err.Error(), "M ≤ 4") {
-		t.Errorf("forced GEMV at M=5: %v; want an error naming M ≤ 4", err)
+	if _, err := l.Plan(w, 3); err == nil || !strings.Contains(err.Error(), "M ≤ 2") {
+		t.Errorf("forced GEMV at M=3: %v; want an error naming M ≤ 2", err)
+	} else {
+		t.Log(err)
+	}
+	if err := l.SetPath(PathMMA); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Plan(w, 65); err == nil || !strings.Contains(err.Error(), "M ≤ 64") {
+		t.Errorf("forced Tensor Core GEMV at M=65: %v; want an error naming M ≤ 64", err)
 	} else {
 		t.Log(err)
 	}
 }
 
-// TestW8A16MatchesReference: 8-bit codes (one a byte) through the GEMV
-// kernel at every M it runs, through the fused kernel (forced: the
-// automatic plan does not take it for them yet) and through dequantize +
+// TestW8A16MatchesReference: 8-bit codes (one a byte) through both GEMV
+// kernels at every M they run, through the fused kernel (forced: the
+// automatic plan does not take it for them) and through dequantize +
 // cuBLAS, on the shapes and edges of the 4-bit tests; the automatic plan
-// takes the GEMV to M = 4 and dequantize + cuBLAS beyond.
+// takes the CUDA-core GEMV to M = 2, the Tensor Core one to M = 16 and
+// dequantize + cuBLAS beyond.
 func TestW8A16MatchesReference(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(8, 8))
@@ -353,10 +367,10 @@ func TestW8A16MatchesReference(t *testing.T) {
 			sym, act bool
 		}{{128, false, false}, {128, true, false}, {-1, false, false}, {128, false, true}, {32, true, true}} {
 			paths := []int{PathAuto, PathCuBLAS, PathFused}
-			if M <= 4 {
+			if M <= 2 {
 				paths = append(paths, PathGEMV)
 			}
-			if M <= 16 {
+			if M <= 64 {
 				paths = append(paths, PathMMA)
 			}
 			for _, p := range paths {
@@ -365,9 +379,9 @@ func TestW8A16MatchesReference(t *testing.T) {
 		}
 	}
 	for _, c := range []gemmCase{
-		{M: 1, K: 14336, N: 256, group: 128}, {M: 4, K: 512, N: 4096, group: 128}, {M: 1, K: 16, N: 64, group: -1},
+		{M: 1, K: 14336, N: 256, group: 128}, {M: 2, K: 512, N: 4096, group: 128}, {M: 1, K: 16, N: 64, group: -1},
 		{M: 2, K: 48, N: 64, group: 16}, {M: 1, K: 4096, N: 448, group: 128, split: []int{256, 64, 128}},
-		{M: 3, K: 256, N: 448, group: 64, act: true, split: []int{256, 64, 128}},
+		{M: 2, K: 256, N: 448, group: 64, act: true, split: []int{256, 64, 128}},
 	} {
 		for _, p := range []int{PathGEMV, PathFused, PathMMA} {
 			c.bits, c.path = 8, p
@@ -383,12 +397,13 @@ func TestW8A16MatchesReference(t *testing.T) {
 	}
 	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
 		for _, p := range []int{PathGEMV, PathFused, PathCuBLAS, PathMMA} {
-			runCase(t, l, r, gemmCase{M: 4, K: 1024, N: 64, group: 128, bits: 8, path: p, edit: edit})
+			runCase(t, l, r, gemmCase{M: 2, K: 1024, N: 64, group: 128, bits: 8, path: p, edit: edit})
 		}
 	}
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 8, false, false))
 	defer w.Free(l)
-	for M, want := range map[int]string{1: "gemv w8 mt1", 2: "gemv w8 mt2", 3: "gemv w8 mt4", 4: "gemv w8 mt4", 5: "dequant w8+cublas"} {
+	for M, want := range map[int]string{1: "gemv w8 mt1", 2: "gemv w8 mt2", 3: "gemv-mma v11 w8 mt8", 9: "gemv-mma v11 w8 mt16",
+		16: "gemv-mma v11 w8 mt16", 17: "dequant w8+cublas"} {
 		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
 			t.Errorf("automatic plan for 8-bit codes, M=%d: %q, %v; want %s…", M, v, err, want)
 		}
@@ -481,14 +496,14 @@ func TestSmallForSanitizer(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(9, 9))
 	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathFused})
-	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, act: true, path: PathGEMV})
+	runCase(t, l, r, gemmCase{M: 2, K: 4096, N: 128, group: 128, act: true, path: PathGEMV})
 	runCase(t, l, r, gemmCase{M: 1, K: 4096, N: 128, group: 64, path: PathGEMV})
 	runCase(t, l, r, gemmCase{M: 2, K: 4096, N: 192, group: 128, path: PathGEMV, split: []int{64, 128}})
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 512, N: 128, group: 128, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, path: PathCuBLAS})
 	// 8-bit codes: the GEMV, the fused kernel (forced) and the dequantizer.
-	runCase(t, l, r, gemmCase{M: 3, K: 4096, N: 128, group: 128, bits: 8, act: true, path: PathGEMV})
+	runCase(t, l, r, gemmCase{M: 2, K: 4096, N: 128, group: 128, bits: 8, act: true, path: PathGEMV})
 	runCase(t, l, r, gemmCase{M: 1, K: 4096, N: 192, group: 64, bits: 8, path: PathGEMV, split: []int{64, 128}})
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, bits: 8, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, bits: 8, path: PathCuBLAS})
@@ -496,4 +511,6 @@ func TestSmallForSanitizer(t *testing.T) {
 	runCase(t, l, r, gemmCase{M: 6, K: 4096, N: 128, group: 128, act: true, path: PathMMA})
 	runCase(t, l, r, gemmCase{M: 14, K: 4096, N: 192, group: 64, path: PathMMA, split: []int{64, 128}})
 	runCase(t, l, r, gemmCase{M: 16, K: 4096, N: 128, group: 128, bits: 8, path: PathMMA})
+	runCase(t, l, r, gemmCase{M: 40, K: 1024, N: 128, group: 128, path: PathMMA})
+	runCase(t, l, r, gemmCase{M: 64, K: 1024, N: 128, group: 128, bits: 8, path: PathMMA})
 }

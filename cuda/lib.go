@@ -508,8 +508,8 @@ const (
 	PathAuto   = 0
 	PathFused  = 1
 	PathCuBLAS = 2
-	PathGEMV   = 3 // M ≤ 4
-	PathMMA    = 4 // the GEMV on the Tensor Cores (v11), M ≤ 16
+	PathGEMV   = 3 // M ≤ 2
+	PathMMA    = 4 // the GEMV on the Tensor Cores (v11), M ≤ 64
 )
 
 // SetPath forces the context's W4A16 path (tests and benchmarks).

@@ -72,7 +72,6 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_GEMV_MAX_M")) c->gemv_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_W4_MMA_MAX_M")) c->mma_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
-  if (const char* e = getenv("LLMQ_GEMV_SMEM_A")) c->gemv_smem_a = atoi(e) != 0;
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);

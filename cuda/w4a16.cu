@@ -15,19 +15,20 @@
 // (a per-tile counter) converts it to fp16 and re-zeroes the workspace and
 // counter, so one launch does the whole product.
 //
-// GEMV path (M ≤ 4, the decode of a few sequences): at such M an
-// m16n8k16 mma wastes 12 of its 16 rows and the fused kernel's per-step
-// machinery (ring, barriers, ldmatrix) is paid per 512 bytes of B, so it
-// runs out of instruction issue long before bandwidth (NOTES.md, v5, v6).
-// w4a16_gemv reads the same layout with the CUDA cores instead: a lane
-// loads its 16-byte chunk straight into registers (two batches of U
-// chunks in flight), dequantizes it exactly as the fused kernel does, so
-// the fp16 weights (q − z)·s are the same bits, and multiplies them by
-// the four activations of its rows with fp16 FMAs (HFMA2), two chunks
-// into one half2 partial before it is added to fp32 accumulators —
-// 8 columns × M tokens a lane. The four lanes that share columns are
-// reduced with shuffles, the CTA's warps in shared memory, the K splits
-// through the fused kernel's workspace and last-CTA rule.
+// GEMV paths (the decode of a few sequences): at such M the fused
+// kernel's per-step machinery (ring, barriers, ldmatrix) is paid per 512
+// bytes of B, so it runs out of instruction issue long before bandwidth
+// (NOTES.md, v5, v6). The GEMV kernels load a lane's 16-byte chunk
+// straight into registers instead (two batches of U chunks in flight) and
+// dequantize it exactly as the fused kernel does, so the fp16 weights
+// (q − z)·s are the same bits. w4a16_gemv (M = 1, and 2 for 8-bit codes)
+// multiplies them by its rows' activations with fp16 FMAs (HFMA2), two
+// chunks into one half2 partial before it is added to fp32 accumulators;
+// the four lanes that share columns are reduced with shuffles.
+// w4a16_gemv_mma (v11, M = 2–16; forced, to 64) hands the same fragments
+// to mma.m16n8k16 with the tokens as its 16 rows, so the cost per byte does
+// not grow with M. Both reduce the CTA's warps in shared memory and the K
+// splits through the fused kernel's workspace and last-CTA rule.
 //
 // Large M (compute-bound): B is dequantized once to fp16 and multiplied by
 // cuBLAS; the extra K·N·2 bytes are small next to the arithmetic there.
@@ -448,17 +449,9 @@ __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<ha
 // row's first word + tig), its chunks at bp (step k's at bp + 32k), U
 // steps a batch with the next batch's codes and activations loaded while
 // this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
-//
-// SA (v10): the activations come from the CTA's copy of its K slice in
-// shared memory instead of registers loaded a batch ahead — step k's words
-// for row m at xs[m·xstride + 8(k − xk0)] (+4), the copy issued by cp.async before
-// the call — so the registers they took hold more steps of codes in
-// flight. Every thread of the CTA calls it (it waits at a barrier for the
-// copy).
-template <int MT, int U, int BITS = 4, bool SA = false>
+template <int MT, int U, int BITS = 4>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
-                                           GroupStream<BITS>& groups, int k0, int k1, const uint32_t* xs = nullptr,
-                                           int xstride = 0, int xk0 = 0) {
+                                           GroupStream<BITS>& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
   constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
 #pragma unroll
@@ -480,12 +473,10 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
       if (k < k1) {
 #pragma unroll
         for (int c = 0; c < CH; ++c) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
-        if constexpr (!SA) {
 #pragma unroll
-          for (int m = 0; m < MT; ++m) {
-            xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
-            xn[u][m][1] = __ldg(ap[m] + (size_t)k * 8 + 4);
-          }
+        for (int m = 0; m < MT; ++m) {
+          xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
+          xn[u][m][1] = __ldg(ap[m] + (size_t)k * 8 + 4);
         }
       }
     }
@@ -495,10 +486,6 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
   if (k1 > k0) {
     groups.start(gr, k0);
     load(k0);
-  }
-  if constexpr (SA) {  // the CTA's copy of A is in (its cp.async group, then every thread's)
-    cp_async_wait<0>();
-    __syncthreads();
   }
   for (int kb = k0; kb < k1; kb += U) {
     uint4 q[U][CH];
@@ -536,11 +523,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
             dequant_pair<BITS>(b, w, i, gr);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-              half2 x01, x89;
-              if constexpr (SA)
-                x01 = as_h2(xs[m * xstride + (k - xk0) * 8]), x89 = as_h2(xs[m * xstride + (k - xk0) * 8 + 4]);
-              else
-                x01 = as_h2(x[u + v][m][0]), x89 = as_h2(x[u + v][m][1]);
+              const half2 x01 = as_h2(x[u + v][m][0]), x89 = as_h2(x[u + v][m][1]);
               h[m][2 * i] = __hfma2(as_h2(b[0]), x01, h[m][2 * i]);
               h[m][2 * i] = __hfma2(as_h2(b[1]), x89, h[m][2 * i]);
               h[m][2 * i + 1] = __hfma2(as_h2(b[2]), x01, h[m][2 * i + 1]);
@@ -592,7 +575,7 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
-template <int MT, int U, int MINB, int BITS, bool SA>
+template <int MT, int U, int MINB, int BITS>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
@@ -611,23 +594,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 #pragma unroll
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
   GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
-  // SA: the CTA's K slice of A's MT rows, [MT][per_split·8] words, copied
-  // by all its threads (dynamic shared memory: MT·per_split·32 bytes).
-  extern __shared__ __align__(16) uint32_t xa[];
-  const uint32_t* xs = nullptr;
-  int xstride = 0, xk0 = 0;
-  if constexpr (SA) {
-    const int per_split = (KT + splits - 1) / splits, s0 = blockIdx.y * per_split, n = min(KT, s0 + per_split) - s0;
-    xstride = per_split * 8;
-    for (int i = threadIdx.x; i < MT * n * 2; i += kWarps * 32) {  // 16-byte pieces, two a step
-      const int m = i / (n * 2), j = i % (n * 2);
-      cp_async16(xa + m * xstride + j * 4, A + (size_t)min(m, M - 1) * K + (size_t)s0 * 16 + j * 8);
-    }
-    cp_async_commit();
-    xs = xa + tig, xk0 = s0;
-  }
   float acc[MT][8];
-  gemv_steps<MT, U, BITS, SA>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1, xs, xstride, xk0);
+  gemv_steps<MT, U, BITS>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
@@ -639,23 +607,26 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 // w4a16_gemv_mma (v11): the GEMV kernel's streaming — a lane's chunks
 // loaded straight into registers, U steps a batch with the next batch in
 // flight, the group's scales and zeros in registers — with the products
-// on the Tensor Cores instead of HFMA2: per step and lane, 8 mma.m16n8k16
-// whose B fragments are the dequantized chunk (mma_step, the fused
-// kernel's) and whose 16 A rows are the tokens (lane's rows gid and
-// gid + 8; rows past M repeat row M − 1, rows past MT are zero). The sums
-// stay in fp32, and the cost per byte of codes does not grow with M up to
-// MT (8 or 16): the mma's rows that the CUDA-core GEMV pays for one by one
-// come free. CTA and K split as w4a16_gemv.
+// on the Tensor Cores instead of HFMA2: per step and lane, 8·MB
+// mma.m16n8k16 whose B fragments are the dequantized chunk (mma_step, the
+// fused kernel's) and whose A rows are the tokens: m-tile mb's rows
+// 16·mb + gid and 16·mb + gid + 8 in a lane (rows past M repeat row M − 1;
+// with MT = 8 the second row is zero). The sums stay in fp32, and the cost
+// per byte of codes does not grow with M up to an m-tile: the rows the
+// CUDA-core GEMV pays for one by one come free. MT: 8, 16, 32 or 64 rows
+// (MB = 1, 1, 2, 4 m-tiles). CTA and K split as w4a16_gemv.
 template <int MT, int U, int BITS>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __restrict__ A, const uint4* __restrict__ B,
                                                             const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                             const Outs C, float* __restrict__ ws,
                                                             int* __restrict__ counters, int M, int N, int K, int gshift,
                                                             int splits) {
-  static_assert(MT == 8 || MT == 16, "an m16 tile's rows: 8 (rows gid) or 16 (gid and gid + 8)");
-  constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
+  static_assert(MT == 8 || MT == 16 || MT == 32 || MT == 64, "rows: half an m-tile or 1, 2, 4 m-tiles");
+  constexpr int MB = MT <= 16 ? 1 : MT / 16;  // m-tiles
+  constexpr int RT = MT <= 16 ? MT : 16;      // rows an m-tile holds
+  constexpr int CH = BITS / 4;                // chunks a step: step k's are at bp + 32·(CH·k + c)
   pdl_gate();  // before any global access: see common.cuh
-  __shared__ float red[kWarps][MT][64];
+  __shared__ float red[kWarps][RT][64];
   __shared__ int s_last;
   const int nt = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -663,32 +634,42 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   const int KT = K >> 4, NT = N >> 6;
   int k0, k1;
   warp_range(KT, splits, blockIdx.y, warp, k0, k1);
-  // Step k's A fragment: a0/a2 = row gid's words 8k + tig and 8k + tig + 4,
-  // a1/a3 the same of row gid + 8.
-  const uint32_t* alo = reinterpret_cast<const uint32_t*>(A + (size_t)min(gid, M - 1) * K) + tig;
-  const uint32_t* ahi = reinterpret_cast<const uint32_t*>(A + (size_t)min(gid + 8, M - 1) * K) + tig;
+  // Step k's A fragment of m-tile mb: a0/a2 = row 16·mb + gid's words
+  // 8k + tig and 8k + tig + 4, a1/a3 the same of row 16·mb + gid + 8.
+  const uint32_t* ar[MB][2];
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      ar[mb][h] = reinterpret_cast<const uint32_t*>(A + (size_t)min(16 * mb + 8 * h + gid, M - 1) * K) + tig;
   const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
   GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
-  float acc[1][8][4];
+  float acc[MB][8][4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) acc[0][j][0] = acc[0][j][1] = acc[0][j][2] = acc[0][j][3] = 0.f;
+  for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[mb][j][0] = acc[mb][j][1] = acc[mb][j][2] = acc[mb][j][3] = 0.f;
   uint4 qn[U][CH];
-  uint32_t xn[U][4];
+  uint32_t xn[U][MB][4];
   auto load = [&](int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u;
 #pragma unroll
       for (int c = 0; c < CH; ++c) qn[u][c] = make_uint4(0, 0, 0, 0);
-      xn[u][0] = xn[u][1] = xn[u][2] = xn[u][3] = 0;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) xn[u][mb][0] = xn[u][mb][1] = xn[u][mb][2] = xn[u][mb][3] = 0;
       if (k < k1) {
 #pragma unroll
         for (int c = 0; c < CH; ++c) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
-        xn[u][0] = __ldg(alo + (size_t)k * 8);
-        xn[u][2] = __ldg(alo + (size_t)k * 8 + 4);
-        if constexpr (MT == 16) {
-          xn[u][1] = __ldg(ahi + (size_t)k * 8);
-          xn[u][3] = __ldg(ahi + (size_t)k * 8 + 4);
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          xn[u][mb][0] = __ldg(ar[mb][0] + (size_t)k * 8);
+          xn[u][mb][2] = __ldg(ar[mb][0] + (size_t)k * 8 + 4);
+          if constexpr (MT > 8) {
+            xn[u][mb][1] = __ldg(ar[mb][1] + (size_t)k * 8);
+            xn[u][mb][3] = __ldg(ar[mb][1] + (size_t)k * 8 + 4);
+          }
         }
       }
     }
@@ -700,13 +681,15 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   }
   for (int kb = k0; kb < k1; kb += U) {
     uint4 q[U][CH];
-    uint32_t af[U][1][4];
+    uint32_t af[U][MB][4];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int c = 0; c < CH; ++c) q[u][c] = qn[u][c];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) af[u][0][i] = xn[u][i];
+      for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) af[u][mb][i] = xn[u][mb][i];
     }
     if (kb + U < k1) load(kb + U);
 #pragma unroll
@@ -718,23 +701,28 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 #pragma unroll
         for (int c = 0; c < CH; ++c)
           w[4 * c] = q[u][c].x, w[4 * c + 1] = q[u][c].y, w[4 * c + 2] = q[u][c].z, w[4 * c + 3] = q[u][c].w;
-        mma_step<1, BITS>(acc, w, af[u], gr);
+        mma_step<MB, BITS>(acc, w, af[u], gr);
       }
     }
   }
-  // The warps' sums: row gid's columns 8j + 2·tig (+1) in acc[0][j][0..1],
-  // row gid + 8's in [2..3].
+  // The warps' sums, an m-tile at a time: row gid's columns 8j + 2·tig
+  // (+1) in acc[mb][j][0..1], row gid + 8's in [2..3].
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int col = j * 8 + 2 * tig;
-    *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[0][j][0], acc[0][j][1]);
-    if constexpr (MT == 16)
-      *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[0][j][2], acc[0][j][3]);
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
-    const int m = i >> 6, col = i & 63;
-    if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<MT>(red, m, col), splits);
+  for (int mb = 0; mb < MB; ++mb) {
+    if (16 * mb >= M) break;  // uniform across the CTA
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = j * 8 + 2 * tig;
+      *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[mb][j][0], acc[mb][j][1]);
+      if constexpr (RT == 16)
+        *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < RT * 64; i += kWarps * 32) {
+      const int m = 16 * mb + (i >> 6), col = i & 63;
+      if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<RT>(red, i >> 6, col), splits);
+    }
+    __syncthreads();
   }
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
@@ -876,31 +864,32 @@ struct Variant {
 constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
 struct GemvVariant {
   int mt, u, minb;
-  bool sa;  // the activations from shared memory (v10)
 };
-// They serve M = 1, 2 and 3–4; M = 2 takes 2 steps a batch, the sweep's
-// winner on four of five shapes (NOTES.md, "v7"), the other alternatives
-// lost and were removed. The fourth and fifth, v10, serve M = 1 and 2
-// when LLMQ_GEMV_SMEM_A=1 (4-bit codes).
-constexpr GemvVariant kGemv[] = {{1, 4, 1, false}, {2, 2, 1, false}, {4, 2, 1, false}, {1, 8, 1, true}, {2, 4, 1, true}};
+// They serve M = 1 and 2; M = 2 takes 2 steps a batch, the sweep's winner
+// on four of five shapes (NOTES.md, "v7"). v11 (below) took M = 3–4 from
+// it, and M = 2 at 4 bits; v10's activations in shared memory lost.
+constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
-constexpr int kGemvMaxM = 4;
-// The most dynamic shared memory v10's copy of A takes: under the 48 KiB a
-// CTA has without opting in, less the kernel's static reduction buffer
-// (its occupancy is queried, and the attribute set, at this size).
-constexpr int kSmemA = 46 << 10;
+constexpr int kGemvMaxM = 2;
 // v11's instantiations (w4a16_gemv_mma): the A rows (MT) and steps a
-// batch (U); M ≤ 8 runs the first, M ≤ 16 the second.
+// batch (U), for M ≤ 8, 16, 32 and 64; fewer steps as the rows' fragments
+// and accumulators take the registers.
 struct MmaVariant {
   int mt, u;
 };
-constexpr MmaVariant kMma[] = {{8, 4}, {16, 4}};
-constexpr int kMmaMaxM = 16;
-// The first resident slot of the fused kernel's 8-bit instantiations and
-// of v11's (query_resident lists the slots).
-constexpr int kFused8Slot = 3 + 2 * kGemvVariants;
-constexpr int kMmaSlot = kFused8Slot + 3;
-static_assert(kMmaSlot + 4 <= (int)(sizeof(llmq_ctx::resident) / sizeof(int)), "a resident slot per variant");
+constexpr MmaVariant kMma[] = {{8, 4}, {16, 4}, {32, 2}, {64, 1}};
+constexpr int kMmaVariants = sizeof(kMma) / sizeof(kMma[0]);
+constexpr int kMmaMaxM = 64;
+// resident_slot: where a kernel instantiation's resident CTAs per SM are
+// kept (llmq_ctx::resident): the fused kernel's three variants, then the
+// GEMV's, then v11's, each 4-bit then 8-bit.
+constexpr int resident_slot(int path, int variant, int bits) {
+  return path == 1   ? 3 * (bits == 8) + variant
+         : path == 3 ? 6 + kGemvVariants * (bits == 8) + variant
+                     : 6 + 2 * kGemvVariants + kMmaVariants * (bits == 8) + variant;
+}
+static_assert(resident_slot(4, kMmaVariants - 1, 8) < (int)(sizeof(llmq_ctx::resident) / sizeof(int)),
+              "a resident slot per variant");
 
 // gemv_variant does one thing with GEMV instantiation V for BITS-bit
 // codes: query its resident CTAs (run false) or launch it.
@@ -918,15 +907,39 @@ int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A,
     return gemv_variant<V, BITS>(c, run, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
     LLMQ_GEMV_CASE(0, 4)
     LLMQ_GEMV_CASE(1, 4)
-    LLMQ_GEMV_CASE(2, 4)
-    LLMQ_GEMV_CASE(3, 4)
-    LLMQ_GEMV_CASE(4, 4)
     LLMQ_GEMV_CASE(0, 8)
     LLMQ_GEMV_CASE(1, 8)
-    LLMQ_GEMV_CASE(2, 8)
 #undef LLMQ_GEMV_CASE
   }
   llmq::set_error(c, "no GEMV variant %d for %d-bit codes", v, bits);
+  return 1;
+}
+
+// mma_variant does one thing with v11's instantiation V for BITS-bit
+// codes: query its resident CTAs (run false) or launch it.
+template <int V, int BITS>
+int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                const Outs& C, void* workspace, int M, int N, int K, int gshift);
+
+// with_mma calls mma_variant<v, bits> for a variant index and a code
+// width known only at run time.
+int with_mma(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
+             const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  switch (v + (bits == 8 ? kMmaVariants : 0)) {
+#define LLMQ_MMA_CASE(V, BITS) \
+  case V + (BITS == 8 ? kMmaVariants : 0): \
+    return mma_variant<V, BITS>(c, run, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+    LLMQ_MMA_CASE(0, 4)
+    LLMQ_MMA_CASE(1, 4)
+    LLMQ_MMA_CASE(2, 4)
+    LLMQ_MMA_CASE(3, 4)
+    LLMQ_MMA_CASE(0, 8)
+    LLMQ_MMA_CASE(1, 8)
+    LLMQ_MMA_CASE(2, 8)
+    LLMQ_MMA_CASE(3, 8)
+#undef LLMQ_MMA_CASE
+  }
+  llmq::set_error(c, "no Tensor Core GEMV variant %d for %d-bit codes", v, bits);
   return 1;
 }
 
@@ -942,26 +955,22 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
   return 0;
 }
 
-// The resident slots: fused variants 0–2 (4-bit codes) and kFused8Slot + v (8-bit),
-// GEMV variant v at 3 + v (4-bit) and 3 + kGemvVariants + v (8-bit).
+// query_resident fills the resident slot of a path's instantiation.
 int query_resident(llmq_ctx* c, int path, int variant, int bits) {
-  if (path == 4) {  // slots kMmaSlot + 2·(bits == 8) + variant
-    const int slot = kMmaSlot + (bits == 8 ? 2 : 0) + variant;
-    if (bits == 8)
-      return variant ? resident_of(c, slot, w4a16_gemv_mma<16, 4, 8>, 0) : resident_of(c, slot, w4a16_gemv_mma<8, 4, 8>, 0);
-    return variant ? resident_of(c, slot, w4a16_gemv_mma<16, 4, 4>, 0) : resident_of(c, slot, w4a16_gemv_mma<8, 4, 4>, 0);
-  }
+  if (path == 4)
+    return with_mma(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   if (path == 3)
     return with_gemv(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
-  if (bits == 8) switch (variant) {  // slots 3 + 2·kGemvVariants …
-      case 0: return resident_of(c, kFused8Slot, w4a16_fused<1, 2, 4, 1, 8>, fused_smem_bytes<1, 2, 4, 2>());
-      case 1: return resident_of(c, kFused8Slot + 1, w4a16_fused<2, 2, 4, 1, 8>, fused_smem_bytes<2, 2, 4, 2>());
-      default: return resident_of(c, kFused8Slot + 2, w4a16_fused<4, 1, 4, 1, 8>, fused_smem_bytes<4, 1, 4, 2>());
+  const int slot = resident_slot(1, variant, bits);
+  if (bits == 8) switch (variant) {
+      case 0: return resident_of(c, slot, w4a16_fused<1, 2, 4, 1, 8>, fused_smem_bytes<1, 2, 4, 2>());
+      case 1: return resident_of(c, slot, w4a16_fused<2, 2, 4, 1, 8>, fused_smem_bytes<2, 2, 4, 2>());
+      default: return resident_of(c, slot, w4a16_fused<4, 1, 4, 1, 8>, fused_smem_bytes<4, 1, 4, 2>());
     }
   switch (variant) {
-    case 0: return resident_of(c, 0, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
-    case 1: return resident_of(c, 1, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
-    default: return resident_of(c, 2, w4a16_fused<4, 1, 4, 1>, fused_smem_bytes<4, 1, 4>());
+    case 0: return resident_of(c, slot, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
+    case 1: return resident_of(c, slot, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
+    default: return resident_of(c, slot, w4a16_fused<4, 1, 4, 1>, fused_smem_bytes<4, 1, 4>());
   }
 }
 
@@ -974,22 +983,22 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   p = Plan{};
   p.bits = bits;
   const bool pow2 = group >= K || !(group & (group - 1));
-  // 8-bit codes: the GEMV kernel up to its largest M, dequantize + cuBLAS
-  // beyond (their fused kernel runs only when forced, until measured).
-  const int gemv_max = bits == 8 ? kGemvMaxM : min(c->gemv_max_m, kGemvMaxM);
+  // The measured choice (NOTES.md, v11): the CUDA-core GEMV at M = 1 (and
+  // M = 2 for 8-bit codes), v11 from there to mma_max_m, then the fused
+  // kernel (4-bit codes) or dequantize + cuBLAS (8-bit: their fused
+  // kernel runs only when forced).
+  const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   if (c->w4_path)
     p.path = c->w4_path;
-  else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
-    p.path = 4;
   else if (M <= gemv_max && pow2)
     p.path = 3;
+  else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
+    p.path = 4;
   else if (bits == 8)
     p.path = 2;
   else
     p.path = (M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2;
   if (p.path == 2) return 0;
-  // 8-bit codes run the fused kernel only when it is forced (path 1),
-  // until it is measured against dequantize + cuBLAS.
   if (!pow2) {
     llmq::set_error(c,
                     "the fused and GEMV W4A16 kernels need a power-of-two group size or one group per column "
@@ -1006,29 +1015,21 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     return 1;
   }
   const int NT = N / 64, KT = K / 16;
-  if (p.path == 4) {  // as the GEMV kernel: one full wave, two batches a warp at least
-    p.variant = M <= 8 ? 0 : 1;
-    if (query_resident(c, 4, p.variant, bits)) return 1;
-    const int splits = max(1, (c->sms * max(c->resident[kMmaSlot + (bits == 8 ? 2 : 0) + p.variant], 1)) / NT);
-    p.splits = min(splits, max(1, KT / (2 * kWarps * kMma[p.variant].u)));
-    return 0;
-  }
-  if (p.path == 3) {
-    const bool sa = c->gemv_smem_a && bits == 4;
-    p.variant = M == 1 ? (sa ? 3 : 0) : M == 2 ? (sa ? 4 : 1) : 2;
-    if (query_resident(c, 3, p.variant, bits)) return 1;
-    int splits = max(1, (c->sms * max(c->resident[3 + p.variant + (bits == 8 ? kGemvVariants : 0)], 1)) / NT);
-    p.splits = min(splits, max(1, KT / (2 * kWarps * kGemv[p.variant].u)));
-    // v10's copy of A's slice fits kSmemA beside the kernel's static
-    // shared memory.
-    while (kGemv[p.variant].sa && (KT + p.splits - 1) / p.splits * 32 * kGemv[p.variant].mt > kSmemA) ++p.splits;
+  if (p.path == 3 || p.path == 4) {  // the GEMV kernels: one full wave, two batches a warp at least
+    p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3;
+    const int u = p.path == 3 ? kGemv[p.variant].u : kMma[p.variant].u;
+    if (query_resident(c, p.path, p.variant, bits)) return 1;
+    int splits = max(1, (c->sms * max(c->resident[resident_slot(p.path, p.variant, bits)], 1)) / NT);
+    splits = min(splits, max(1, KT / (2 * kWarps * u)));
+    if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
+    p.splits = splits;
     return 0;
   }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
   const Variant v = kVariants[p.variant];
   if (query_resident(c, 1, p.variant, bits)) return 1;
   const int mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
-  int splits = max(1, (c->sms * max(c->resident[p.variant + (bits == 8 ? kFused8Slot : 0)], 1)) / (NT * mblocks));
+  int splits = max(1, (c->sms * max(c->resident[resident_slot(1, p.variant, bits)], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   p.splits = splits;
@@ -1059,28 +1060,25 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   return 0;
 }
 
-// launch_gemv_mma runs one instantiation of v11 as planned.
-template <int MT, int U, int BITS>
-int launch_gemv_mma(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z,
-                    const Outs& C, void* workspace, int M, int N, int K, int group) {
+template <int V, int BITS>
+int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>;
+  if (!run) return resident_of(c, resident_slot(3, V, BITS), kernel, 0);
   float* ws = (float*)workspace;
-  int* counters = (int*)(ws + (size_t)M * N);
-  CK(launch(c, (w4a16_gemv_mma<MT, U, BITS>), dim3(N / 64, p.splits), kWarps * 32, 0, A, (const uint4*)B,
-            (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K), p.splits));
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+            C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
 
 template <int V, int BITS>
-int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS, kGemv[V].sa>;
-  if (!run) return resident_of(c, 3 + V + (BITS == 8 ? kGemvVariants : 0), kernel, kGemv[V].sa ? kSmemA : 0);
+int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  const auto kernel = w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS>;
+  if (!run) return resident_of(c, resident_slot(4, V, BITS), kernel, 0);
   float* ws = (float*)workspace;
-  int* counters = (int*)(ws + (size_t)M * N);
-  const int KT = K / 16;
-  const size_t smem = kGemv[V].sa ? (size_t)(KT + splits - 1) / splits * 32 * kGemv[V].mt : 0;
-  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
-                                                              C, ws, counters, M, N, K, gshift, splits));
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+            C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
 
@@ -1177,13 +1175,9 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (p.path == 3)
     return with_gemv(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
                      group_shift(group, K));
-  if (p.path == 4) {
-    if (bits == 8)
-      return p.variant ? launch_gemv_mma<16, 4, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group)
-                       : launch_gemv_mma<8, 4, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-    return p.variant ? launch_gemv_mma<16, 4, 4>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group)
-                     : launch_gemv_mma<8, 4, 4>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-  }
+  if (p.path == 4)
+    return with_mma(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                    group_shift(group, K));
   if (bits == 8) {
     if (p.variant == 0) return launch_fused<1, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
     if (p.variant == 1) return launch_fused<2, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
@@ -1235,8 +1229,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     snprintf(out, n, "gemv-mma v11%s mt%d u%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt, kMma[p.variant].u,
              p.splits);
   else if (p.path == 3)
-    snprintf(out, n, "gemv%s mt%d u%d b%d%s splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
-             kGemv[p.variant].minb, kGemv[p.variant].sa ? " sa" : "", p.splits);
+    snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
+             kGemv[p.variant].minb, p.splits);
   else
     snprintf(out, n, "fused v5%s mb%d splits%d", bits == 8 ? " w8" : "", kVariants[p.variant].mb, p.splits);
   return 0;

@@ -118,6 +118,6 @@ func newBenchGemm() *cobra.Command {
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
 	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
 	cmd.Flags().StringVar(&peer, "peer", "", "JSON of evals/torchref/tinygemm.py from the same machine, shown beside")
-	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 4), mma (the GEMV on the Tensor Cores, M ≤ 16), fused or dequant (+cuBLAS)")
+	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 2), mma (the GEMV on the Tensor Cores, M ≤ 64), fused or dequant (+cuBLAS)")
 	return cmd
 }
