@@ -27,7 +27,7 @@ struct llmq_ctx {
   // attention kernel's raised dynamic shared memory limit.
   int w4_path = 0;
   int gemv_max_m = -1;  // the CUDA-core GEMV serves M ≤ this (−1: the measured 1, 2 for 8-bit codes)
-  int mma_max_m = 16;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
+  int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int fused_max_m = 64;
   int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   size_t attn_smem = 48 << 10;

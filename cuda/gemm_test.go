@@ -319,16 +319,16 @@ func TestW4A16MatchesReference(t *testing.T) {
 }
 
 // TestGEMVRefusesLargeM: the forced GEMV kernels say which M they run,
-// and the automatic plan gives M = 1 to the CUDA-core GEMV, M = 2–16 to
+// and the automatic plan gives M = 1 to the CUDA-core GEMV, M = 2–64 to
 // the Tensor Core one (where each is faster, NOTES.md v11) and larger M to
-// the fused kernel.
+// dequantize + cuBLAS.
 func TestGEMVRefusesLargeM(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(5, 5))
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
 	defer w.Free(l)
 	for M, want := range map[int]string{1: "gemv mt1", 2: "gemv-mma v11 mt8", 8: "gemv-mma v11 mt8", 9: "gemv-mma v11 mt16",
-		16: "gemv-mma v11 mt16", 17: "fused"} {
+		16: "gemv-mma v11 mt16", 17: "gemv-mma v11 mt32", 33: "gemv-mma v11 mt64", 65: "dequant+cublas"} {
 		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
 			t.Errorf("automatic plan for M=%d: %q, %v; want %s…", M, v, err, want)
 		}
@@ -356,7 +356,7 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 // kernels at every M they run, through the fused kernel (forced: the
 // automatic plan does not take it for them) and through dequantize +
 // cuBLAS, on the shapes and edges of the 4-bit tests; the automatic plan
-// takes the CUDA-core GEMV to M = 2, the Tensor Core one to M = 16 and
+// takes the CUDA-core GEMV to M = 2, the Tensor Core one to M = 64 and
 // dequantize + cuBLAS beyond.
 func TestW8A16MatchesReference(t *testing.T) {
 	l := openContext(t)
@@ -403,7 +403,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 8, false, false))
 	defer w.Free(l)
 	for M, want := range map[int]string{1: "gemv w8 mt1", 2: "gemv w8 mt2", 3: "gemv-mma v11 w8 mt8", 9: "gemv-mma v11 w8 mt16",
-		16: "gemv-mma v11 w8 mt16", 17: "dequant w8+cublas"} {
+		16: "gemv-mma v11 w8 mt16", 17: "gemv-mma v11 w8 mt32", 64: "gemv-mma v11 w8 mt64", 65: "dequant w8+cublas"} {
 		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
 			t.Errorf("automatic plan for 8-bit codes, M=%d: %q, %v; want %s…", M, v, err, want)
 		}

@@ -25,7 +25,7 @@
 // multiplies them by its rows' activations with fp16 FMAs (HFMA2), two
 // chunks into one half2 partial before it is added to fp32 accumulators;
 // the four lanes that share columns are reduced with shuffles.
-// w4a16_gemv_mma (v11, M = 2–16; forced, to 64) hands the same fragments
+// w4a16_gemv_mma (v11, M = 2–64) hands the same fragments
 // to mma.m16n8k16 with the tokens as its 16 rows, so the cost per byte does
 // not grow with M. Both reduce the CTA's warps in shared memory and the K
 // splits through the fused kernel's workspace and last-CTA rule.
@@ -873,7 +873,8 @@ constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 2;
 // v11's instantiations (w4a16_gemv_mma): the A rows (MT) and steps a
 // batch (U), for M ≤ 8, 16, 32 and 64; fewer steps as the rows' fragments
-// and accumulators take the registers.
+// and accumulators take the registers (128, 150, 164 and 226 of them at 4
+// bits: evals/results/ptxas-registers-h200.txt).
 struct MmaVariant {
   int mt, u;
 };
@@ -984,9 +985,9 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   p.bits = bits;
   const bool pow2 = group >= K || !(group & (group - 1));
   // The measured choice (NOTES.md, v11): the CUDA-core GEMV at M = 1 (and
-  // M = 2 for 8-bit codes), v11 from there to mma_max_m, then the fused
-  // kernel (4-bit codes) or dequantize + cuBLAS (8-bit: their fused
-  // kernel runs only when forced).
+  // M = 2 for 8-bit codes), v11 from there to mma_max_m (64), then the
+  // fused kernel up to fused_max_m (4-bit codes; also 64, so only when
+  // tuned or forced) or dequantize + cuBLAS.
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   if (c->w4_path)
     p.path = c->w4_path;
