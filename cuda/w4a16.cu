@@ -826,7 +826,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_ring(const half* __res
     for (int s = 0; s < STAGES; ++s) mbar_init(&bar[s], 1);
   __syncwarp();
   // fill(t): slot t % STAGES ← stage t, steps k0 + t·SU … (lane 0 announces
-  // the bytes, then lane 0 copies the codes and the lanes the R rows).
+  // the bytes, then lane 0 copies the codes and lanes 0 … R−1 a row each).
   const unsigned char* Bw = reinterpret_cast<const unsigned char*>(B + (size_t)nt * KT * 32 * CH);
   const unsigned char* Ab = reinterpret_cast<const unsigned char*>(A);
   auto fill = [&](int t) {
@@ -837,8 +837,9 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_ring(const half* __res
     if (lane == 0) mbar_expect(b, (uint32_t)n * (512 * CH + 32 * R));
     __syncwarp();
     if (lane == 0) bulk_copy(slot, Bw + (size_t)ks * 512 * CH, n * 512 * CH, b);
-    for (int r = lane; r < R; r += 32)
-      bulk_copy(slot + Shape::kCodeBytes + r * Shape::kRowBytes, Ab + ((size_t)r * K + (size_t)ks * 16) * 2, n * 32, b);
+    if (lane < R)
+      bulk_copy(slot + Shape::kCodeBytes + lane * Shape::kRowBytes, Ab + ((size_t)lane * K + (size_t)ks * 16) * 2, n * 32,
+                b);
   };
   const int stages = (k1 - k0 + SU - 1) / SU;
   if (k1 > k0)
