@@ -28,10 +28,8 @@ struct llmq_ctx {
   int w4_path = 0;
   int gemv_max_m = -1;  // the CUDA-core GEMV serves M ≤ this (−1: the measured 1, 2 for 8-bit codes)
   int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
-  int cc_major = 0;     // the device's compute capability (9: Hopper's bulk copies)
-  bool ring_gemv = false;  // v12 (the ring GEMV) in v11's place where it runs (LLMQ_W4_RING=1; off until measured)
   int fused_max_m = 64;
-  int resident[26] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
+  int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   size_t attn_smem = 48 << 10;
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;

@@ -32,8 +32,7 @@
 #   bash cuda/device-model.sh w8      # W8A16: the 8-bit kernels' tests, llmq bench gemm --bits 8 (gemm-w8-h200.json),
 #                                     # llama-tiny RTN w8 perplexity on the GPU (carry.sh dev tiny wiki)
 #   bash cuda/device-model.sh v11     # the GEMV on the Tensor Cores (path mma): its tests, then bench gemm --path auto
-#                                     # and mma at M ≤ 64, 4- and 8-bit (gemm-h200-mma.txt; V11_BITS, QUICK_M,
-#                                     # V11_PATHS="mma ring" V11_OUT=gemm-h200-ring.txt: v12 against v11)
+#                                     # and mma at M ≤ 64, 4- and 8-bit (gemm-h200-mma.txt; V11_BITS, QUICK_M)
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
@@ -159,10 +158,10 @@ case "$1" in
     { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-mma-h200.log"
     grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic" "$OUT/cuda-tests-mma-h200.log" | head -20
     grep -E "rel err" "$OUT/cuda-tests-mma-h200.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
-    for b in ${V11_BITS:-4 8}; do for p in ${V11_PATHS:-auto mma}; do
+    for b in ${V11_BITS:-4 8}; do for p in auto mma; do
       echo "# $LLMQ_COMMIT: llmq bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100"
       $L bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
-    done; done | tee "$OUT/${V11_OUT:-gemm-h200-mma.txt}" | cut -c1-150
+    done; done | tee "$OUT/gemm-h200-mma.txt" | cut -c1-150
     ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150

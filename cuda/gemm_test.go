@@ -262,7 +262,7 @@ func TestW4A16MatchesReference(t *testing.T) {
 				paths = append(paths, PathGEMV)
 			}
 			if M <= 64 {
-				paths = append(paths, PathMMA, PathRing)
+				paths = append(paths, PathMMA)
 			}
 			if M >= 64 {
 				paths = append(paths, PathCuBLAS)
@@ -306,10 +306,6 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 100, K: 512, N: 448, group: 128, path: PathCuBLAS, split: []int{256, 64, 128}},
 	} {
 		runCase(t, l, r, c)
-		if c.path == PathMMA { // and v12, v11 through its ring
-			c.path = PathRing
-			runCase(t, l, r, c)
-		}
 	}
 	// Adversarial values on both paths.
 	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
@@ -317,10 +313,8 @@ func TestW4A16MatchesReference(t *testing.T) {
 			runCase(t, l, r, gemmCase{M: 9, K: 1024, N: 64, group: 128, path: p, edit: edit})
 		}
 		runCase(t, l, r, gemmCase{M: 2, K: 1024, N: 64, group: 128, path: PathGEMV, edit: edit})
-		for _, p := range []int{PathMMA, PathRing} {
-			runCase(t, l, r, gemmCase{M: 11, K: 1024, N: 64, group: 128, path: p, edit: edit})
-			runCase(t, l, r, gemmCase{M: 50, K: 1024, N: 64, group: 128, path: p, edit: edit})
-		}
+		runCase(t, l, r, gemmCase{M: 11, K: 1024, N: 64, group: 128, path: PathMMA, edit: edit})
+		runCase(t, l, r, gemmCase{M: 50, K: 1024, N: 64, group: 128, path: PathMMA, edit: edit})
 	}
 }
 
@@ -377,7 +371,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 				paths = append(paths, PathGEMV)
 			}
 			if M <= 64 {
-				paths = append(paths, PathMMA, PathRing)
+				paths = append(paths, PathMMA)
 			}
 			for _, p := range paths {
 				runCase(t, l, r, gemmCase{M: M, K: 1024, N: 192, group: v.group, bits: 8, sym: v.sym, act: v.act, path: p})
@@ -389,7 +383,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 		{M: 2, K: 48, N: 64, group: 16}, {M: 1, K: 4096, N: 448, group: 128, split: []int{256, 64, 128}},
 		{M: 2, K: 256, N: 448, group: 64, act: true, split: []int{256, 64, 128}},
 	} {
-		for _, p := range []int{PathGEMV, PathFused, PathMMA, PathRing} {
+		for _, p := range []int{PathGEMV, PathFused, PathMMA} {
 			c.bits, c.path = 8, p
 			runCase(t, l, r, c)
 		}
@@ -402,7 +396,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 		runCase(t, l, r, c)
 	}
 	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
-		for _, p := range []int{PathGEMV, PathFused, PathCuBLAS, PathMMA, PathRing} {
+		for _, p := range []int{PathGEMV, PathFused, PathCuBLAS, PathMMA} {
 			runCase(t, l, r, gemmCase{M: 2, K: 1024, N: 64, group: 128, bits: 8, path: p, edit: edit})
 		}
 	}
@@ -514,12 +508,9 @@ func TestSmallForSanitizer(t *testing.T) {
 	runCase(t, l, r, gemmCase{M: 20, K: 512, N: 128, group: 128, bits: 8, path: PathFused})
 	runCase(t, l, r, gemmCase{M: 70, K: 256, N: 128, group: 128, bits: 8, path: PathCuBLAS})
 	// The GEMV on the Tensor Cores at both of its row counts and widths.
-	// v12 (the ring) at every row count and both widths.
-	for _, p := range []int{PathMMA, PathRing} {
-		runCase(t, l, r, gemmCase{M: 6, K: 4096, N: 128, group: 128, act: true, path: p})
-		runCase(t, l, r, gemmCase{M: 14, K: 4096, N: 192, group: 64, path: p, split: []int{64, 128}})
-		runCase(t, l, r, gemmCase{M: 16, K: 4096, N: 128, group: 128, bits: 8, path: p})
-		runCase(t, l, r, gemmCase{M: 40, K: 1024, N: 128, group: 128, path: p})
-		runCase(t, l, r, gemmCase{M: 64, K: 1024, N: 128, group: 128, bits: 8, path: p})
-	}
+	runCase(t, l, r, gemmCase{M: 6, K: 4096, N: 128, group: 128, act: true, path: PathMMA})
+	runCase(t, l, r, gemmCase{M: 14, K: 4096, N: 192, group: 64, path: PathMMA, split: []int{64, 128}})
+	runCase(t, l, r, gemmCase{M: 16, K: 4096, N: 128, group: 128, bits: 8, path: PathMMA})
+	runCase(t, l, r, gemmCase{M: 40, K: 1024, N: 128, group: 128, path: PathMMA})
+	runCase(t, l, r, gemmCase{M: 64, K: 1024, N: 128, group: 128, bits: 8, path: PathMMA})
 }

@@ -510,7 +510,6 @@ const (
 	PathCuBLAS = 2
 	PathGEMV   = 3 // M ≤ 2
 	PathMMA    = 4 // the GEMV on the Tensor Cores (v11), M ≤ 64
-	PathRing   = 5 // v11 through a shared-memory ring of bulk copies (v12), M ≤ 64, Hopper
 )
 
 // SetPath forces the context's W4A16 path (tests and benchmarks).

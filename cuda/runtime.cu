@@ -71,15 +71,13 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_FUSED_MAX_M")) c->fused_max_m = atoi(e);  // tuning overrides
   if (const char* e = getenv("LLMQ_W4_GEMV_MAX_M")) c->gemv_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_W4_MMA_MAX_M")) c->mma_max_m = atoi(e);
-  if (const char* e = getenv("LLMQ_W4_RING")) c->ring_gemv = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);
     return 1;
   };
-  if (cudaSetDevice(device) != cudaSuccess || cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&c->cc_major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+  if (cudaSetDevice(device) != cudaSuccess || cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     set_error(c, "cudaSetDevice(%d): %s", device, cudaGetErrorString(cudaGetLastError()));
     return fail();
   }

@@ -727,194 +727,6 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
-// Bulk copies into shared memory (Hopper's TMA engine, 1-D): one
-// instruction moves a contiguous run of bytes and signals an mbarrier when
-// they have landed. Only sm_90 has them; on older GPUs the plan never
-// picks the kernel below, whose body is then empty.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// mbar_expect arrives on bar (its one arrival a phase) announcing bytes
-// of copies to come.
-__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-#endif
-}
-// mbar_wait returns once bar's phase of parity `phase` has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(phase)
-        : "memory");
-#endif
-}
-// bulk_copy copies bytes (a multiple of 16, both ends 16-byte aligned)
-// from global src to shared dst, completing on bar.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-#endif
-}
-// async_fence orders this thread's earlier shared-memory accesses before
-// its later bulk copies (the generic and the async proxy).
-__device__ __forceinline__ void async_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// RingShape is v12's shared memory: each warp a ring of STAGES slots, a
-// slot SU steps of the warp's codes (its 32 lanes' chunks, as in global
-// memory) and of R activation rows (a row's SU·16 values, padded by 16
-// bytes so that the 8 rows a load touches fall in different banks).
-template <int MT, int SU, int STAGES, int BITS>
-struct RingShape {
-  static constexpr int kCodeBytes = SU * 512 * (BITS / 4);  // a slot's codes
-  static constexpr int kRowBytes = SU * 32 + 16;            // a slot's stride between activation rows
-  static constexpr int kSlotBytes = kCodeBytes + MT * kRowBytes;
-  static constexpr int kWarpBytes = STAGES * kSlotBytes;
-  static constexpr int kBytes = kWarps * kWarpBytes;  // the CTA's dynamic shared memory
-};
-
-// w4a16_gemv_ring (v12): v11 with its loads through shared memory — each
-// warp streams its K range through its own ring of STAGES slots of SU
-// steps, filled by bulk copies (one for the slot's codes, one per
-// activation row) that signal the slot's mbarrier, so that the bytes in
-// flight are STAGES slots a warp instead of the registers of one batch.
-// A lane reads its chunks and A fragments from the slot, then the warp
-// refills it STAGES slots ahead. Products, reduction and K splits as v11.
-// A must be 16-byte aligned (the plan falls back to v11 otherwise).
-template <int MT, int SU, int STAGES, int BITS>
-__global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_ring(const half* __restrict__ A, const uint4* __restrict__ B,
-                                                             const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                             const Outs C, float* __restrict__ ws,
-                                                             int* __restrict__ counters, int M, int N, int K, int gshift,
-                                                             int splits) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(MT == 8 || MT == 16 || MT == 32 || MT == 64, "rows: half an m-tile or 1, 2, 4 m-tiles");
-  using Shape = RingShape<MT, SU, STAGES, BITS>;
-  constexpr int MB = MT <= 16 ? 1 : MT / 16;  // m-tiles
-  constexpr int RT = MT <= 16 ? MT : 16;      // rows an m-tile holds
-  constexpr int CH = BITS / 4;                // chunks a step
-  pdl_gate();  // before any global access: see common.cuh
-  extern __shared__ __align__(128) unsigned char ring_smem[];
-  __shared__ float red[kWarps][RT][64];
-  __shared__ uint64_t bars[kWarps][STAGES];
-  __shared__ int s_last;
-  const int nt = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int KT = K >> 4, NT = N >> 6;
-  int k0, k1;
-  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
-  const int R = min(M, MT);  // distinct rows: rows past M read row M − 1
-  unsigned char* ring = ring_smem + warp * Shape::kWarpBytes;
-  uint64_t* bar = bars[warp];
-  if (lane == 0)
-    for (int s = 0; s < STAGES; ++s) mbar_init(&bar[s], 1);
-  __syncwarp();
-  // fill(t): slot t % STAGES ← stage t, steps k0 + t·SU … (lane 0 announces
-  // the bytes, then lane 0 copies the codes and lanes 0 … R−1 a row each).
-  const unsigned char* Bw = reinterpret_cast<const unsigned char*>(B + (size_t)nt * KT * 32 * CH);
-  const unsigned char* Ab = reinterpret_cast<const unsigned char*>(A);
-  auto fill = [&](int t) {
-    const int ks = k0 + t * SU, n = min(SU, k1 - ks);
-    if (n <= 0) return;
-    unsigned char* slot = ring + (t % STAGES) * Shape::kSlotBytes;
-    uint64_t* b = &bar[t % STAGES];
-    if (lane == 0) mbar_expect(b, (uint32_t)n * (512 * CH + 32 * R));
-    __syncwarp();
-    if (lane == 0) bulk_copy(slot, Bw + (size_t)ks * 512 * CH, n * 512 * CH, b);
-    if (lane < R)
-      bulk_copy(slot + Shape::kCodeBytes + lane * Shape::kRowBytes, Ab + ((size_t)lane * K + (size_t)ks * 16) * 2, n * 32,
-                b);
-  };
-  const int stages = (k1 - k0 + SU - 1) / SU;
-  if (k1 > k0)
-    for (int t = 0; t < STAGES; ++t) fill(t);
-  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
-  GroupRegs gr;
-  if (k1 > k0) groups.start(gr, k0);
-  // Lane's A rows in a slot: m-tile mb's rows 16·mb + gid and + 8, as
-  // byte offsets past the codes (rows past R read row R − 1).
-  int arow[MB][2];
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) arow[mb][h] = Shape::kCodeBytes + min(16 * mb + 8 * h + gid, R - 1) * Shape::kRowBytes + tig * 4;
-  float acc[MB][8][4];
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[mb][j][0] = acc[mb][j][1] = acc[mb][j][2] = acc[mb][j][3] = 0.f;
-  for (int t = 0; t < stages; ++t) {
-    mbar_wait(&bar[t % STAGES], (t / STAGES) & 1);
-    const unsigned char* slot = ring + (t % STAGES) * Shape::kSlotBytes;
-#pragma unroll
-    for (int u = 0; u < SU; ++u) {
-      const int k = k0 + t * SU + u;
-      if (k < k1) {
-        groups.at(gr, k);
-        uint32_t w[4 * CH];
-#pragma unroll
-        for (int c = 0; c < CH; ++c) {
-          const uint4 v = reinterpret_cast<const uint4*>(slot)[(u * CH + c) * 32 + lane];
-          w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
-        }
-        uint32_t af[MB][4];
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-          const unsigned char* lo = slot + arow[mb][0] + u * 32;
-          af[mb][0] = *reinterpret_cast<const uint32_t*>(lo);
-          af[mb][2] = *reinterpret_cast<const uint32_t*>(lo + 16);
-          af[mb][1] = af[mb][3] = 0;
-          if constexpr (MT > 8) {
-            const unsigned char* hi = slot + arow[mb][1] + u * 32;
-            af[mb][1] = *reinterpret_cast<const uint32_t*>(hi);
-            af[mb][3] = *reinterpret_cast<const uint32_t*>(hi + 16);
-          }
-        }
-        mma_step<MB, BITS>(acc, w, af, gr);
-      }
-    }
-    // Every lane has its values of this slot in registers: refill it.
-    __syncwarp();
-    async_fence();
-    fill(t + STAGES);
-  }
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb) {
-    if (16 * mb >= M) break;  // uniform across the CTA
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = j * 8 + 2 * tig;
-      *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[mb][j][0], acc[mb][j][1]);
-      if constexpr (RT == 16)
-        *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < RT * 64; i += kWarps * 32) {
-      const int m = 16 * mb + (i >> 6), col = i & 63;
-      if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<RT>(red, i >> 6, col), splits);
-    }
-    __syncthreads();
-  }
-  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
-#endif
-}
-
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
 // weights lie one after another in B, S and Z (each N×K in the layout
 // above). CTA (nt, c, z) runs chunk c of the expert plan (moe_plan): up to
@@ -1059,18 +871,15 @@ struct GemvVariant {
 constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 2;
-// The Tensor Core GEMV's instantiations: the A rows (MT), for M ≤ 8, 16,
-// 32 and 64, first v11's (w4a16_gemv_mma: U steps a batch; fewer steps as
-// the rows' fragments and accumulators take the registers, 128, 150, 164
-// and 226 of them at 4 bits, evals/results/ptxas-registers-h200.txt),
-// then v12's (w4a16_gemv_ring: slots of U steps, STAGES of them a warp).
+// v11's instantiations (w4a16_gemv_mma): the A rows (MT) and steps a
+// batch (U), for M ≤ 8, 16, 32 and 64; fewer steps as the rows' fragments
+// and accumulators take the registers (128, 150, 164 and 226 of them at 4
+// bits: evals/results/ptxas-registers-h200.txt).
 struct MmaVariant {
-  int mt, u, stages;  // stages 0: v11
+  int mt, u;
 };
-constexpr MmaVariant kMma[] = {{8, 4, 0}, {16, 4, 0}, {32, 2, 0}, {64, 1, 0},
-                               {8, 4, 4}, {16, 4, 4}, {32, 2, 4}, {64, 2, 3}};
+constexpr MmaVariant kMma[] = {{8, 4}, {16, 4}, {32, 2}, {64, 1}};
 constexpr int kMmaVariants = sizeof(kMma) / sizeof(kMma[0]);
-constexpr int kRingVariant = 4;  // the first of v12's
 constexpr int kMmaMaxM = 64;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the
@@ -1125,18 +934,10 @@ int with_mma(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, 
     LLMQ_MMA_CASE(1, 4)
     LLMQ_MMA_CASE(2, 4)
     LLMQ_MMA_CASE(3, 4)
-    LLMQ_MMA_CASE(4, 4)
-    LLMQ_MMA_CASE(5, 4)
-    LLMQ_MMA_CASE(6, 4)
-    LLMQ_MMA_CASE(7, 4)
     LLMQ_MMA_CASE(0, 8)
     LLMQ_MMA_CASE(1, 8)
     LLMQ_MMA_CASE(2, 8)
     LLMQ_MMA_CASE(3, 8)
-    LLMQ_MMA_CASE(4, 8)
-    LLMQ_MMA_CASE(5, 8)
-    LLMQ_MMA_CASE(6, 8)
-    LLMQ_MMA_CASE(7, 8)
 #undef LLMQ_MMA_CASE
   }
   llmq::set_error(c, "no Tensor Core GEMV variant %d for %d-bit codes", v, bits);
@@ -1188,14 +989,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // fused kernel up to fused_max_m (4-bit codes; also 64, so only when
   // tuned or forced) or dequantize + cuBLAS.
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
-  // v12 (path 5 when forced) is v11's path with the ring's instantiations.
-  const bool ring = c->w4_path == 5 || (!c->w4_path && c->ring_gemv && c->cc_major >= 9);
-  if (c->w4_path == 5 && c->cc_major < 9) {
-    llmq::set_error(c, "the ring GEMV (v12) needs bulk copies: compute capability 9.0 or later, not %d.x", c->cc_major);
-    return 1;
-  }
   if (c->w4_path)
-    p.path = c->w4_path == 5 ? 4 : c->w4_path;
+    p.path = c->w4_path;
   else if (M <= gemv_max && pow2)
     p.path = 3;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
@@ -1222,7 +1017,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   }
   const int NT = N / 64, KT = K / 16;
   if (p.path == 3 || p.path == 4) {  // the GEMV kernels: one full wave, two batches a warp at least
-    p.variant = p.path == 3 ? M - 1 : (M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3) + (ring ? kRingVariant : 0);
+    p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3;
     const int u = p.path == 3 ? kGemv[p.variant].u : kMma[p.variant].u;
     if (query_resident(c, p.path, p.variant, bits)) return 1;
     int splits = max(1, (c->sms * max(c->resident[resident_slot(p.path, p.variant, bits)], 1)) / NT);
@@ -1266,36 +1061,26 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   return 0;
 }
 
-// gemv_kernel queries a GEMV kernel's resident CTAs into slot (run false)
-// or launches it over N/64 tiles × splits with smem bytes of dynamic
-// shared memory.
-template <typename Kernel>
-int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, size_t smem, int splits, const half* A, const void* B,
-                const void* S, const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  if (!run) return resident_of(c, slot, kernel, smem);
+template <int V, int BITS>
+int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>;
+  if (!run) return resident_of(c, resident_slot(3, V, BITS), kernel, 0);
   float* ws = (float*)workspace;
-  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
             C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
 
 template <int V, int BITS>
-int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  return gemv_kernel(c, run, resident_slot(3, V, BITS), w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>, 0,
-                     splits, A, B, S, Z, C, workspace, M, N, K, gshift);
-}
-
-template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  constexpr MmaVariant v = kMma[V];
-  if constexpr (v.stages > 0)
-    return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_ring<v.mt, v.u, v.stages, BITS>,
-                       RingShape<v.mt, v.u, v.stages, BITS>::kBytes, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
-  else
-    return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<v.mt, v.u, BITS>, 0, splits, A, B, S, Z, C,
-                       workspace, M, N, K, gshift);
+  const auto kernel = w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS>;
+  if (!run) return resident_of(c, resident_slot(4, V, BITS), kernel, 0);
+  float* ws = (float*)workspace;
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+            C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
+  return 0;
 }
 
 }  // namespace
@@ -1391,11 +1176,9 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (p.path == 3)
     return with_gemv(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
                      group_shift(group, K));
-  if (p.path == 4) {
-    // v12's bulk copies need 16-byte aligned rows of A: v11 otherwise.
-    const int v = p.variant >= kRingVariant && ((uintptr_t)a & 15) ? p.variant - kRingVariant : p.variant;
-    return with_mma(v, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, group_shift(group, K));
-  }
+  if (p.path == 4)
+    return with_mma(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                    group_shift(group, K));
   if (bits == 8) {
     if (p.variant == 0) return launch_fused<1, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
     if (p.variant == 1) return launch_fused<2, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
@@ -1443,9 +1226,6 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (plan(c, p, M, N, K, group, bits, true)) return 1;
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
-  else if (p.path == 4 && kMma[p.variant].stages)
-    snprintf(out, n, "gemv-ring v12%s mt%d su%d st%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
-             kMma[p.variant].u, kMma[p.variant].stages, p.splits);
   else if (p.path == 4)
     snprintf(out, n, "gemv-mma v11%s mt%d u%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt, kMma[p.variant].u,
              p.splits);
