@@ -84,6 +84,22 @@ static __device__ __forceinline__ void pdl_gate() {
 #endif
 }
 
+// argmax_merge keeps the better of (bv, bi) and (v, i): the larger value,
+// the lower index among equals (so any order of merging gives the first
+// index of the largest value, as llm.Argmax); NaNs never win.
+static __device__ __forceinline__ void argmax_merge(float& bv, int& bi, float v, int i) {
+  if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
+}
+
+// warp_argmax merges the warp's (value, index) pairs into every lane's.
+static __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    argmax_merge(bv, bi, ov, oi);
+  }
+}
+
 // launch runs kernel<<<grid, block, smem, c->stream>>>(args…), as a
 // programmatic dependent launch when c->pdl, and returns the launch's error.
 template <typename... KArgs, typename... Args>
@@ -136,6 +152,8 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
 int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V);
+// sample.cu
+int sample_rows(llmq_ctx* c, const float* logits, const double* params, int32_t* out, int T, int V);
 int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,
                float threshold);
 int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm);

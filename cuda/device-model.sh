@@ -33,6 +33,7 @@
 #                                     # llama-tiny RTN w8 perplexity on the GPU (carry.sh dev tiny wiki)
 #   bash cuda/device-model.sh v11     # the GEMV on the Tensor Cores (path mma): its tests, then bench gemm --path auto
 #                                     # and mma at M ≤ 64, 4- and 8-bit (gemm-h200-mma.txt; V11_BITS, QUICK_M)
+#   bash cuda/device-model.sh sample  # sampled tokens on the GPU: tests, memcheck, racecheck, BenchmarkSampleRows
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
@@ -162,6 +163,19 @@ case "$1" in
       echo "# $LLMQ_COMMIT: llmq bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100"
       $L bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
     done; done | tee "$OUT/gemm-h200-mma.txt" | cut -c1-150
+    ;;
+  sample) # sampled tokens on the GPU (sample_rows): tests, sanitizers, the kernel's time against argmax
+    run='TestSampleRowsMatchesHost|TestSampledStepsOnDevice|TestArgmaxRows|TestGreedy'
+    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-sample-h200.log"
+    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic|left to the host|GPU picked" "$OUT/cuda-tests-sample-h200.log" | head -20
+    for tool in memcheck racecheck; do
+      log="$OUT/cuda-$tool-sample-h200.log"
+      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run TestSampleRowsMatchesHost" > "$log"
+      timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool $tool build/device/cuda.test -test.run TestSampleRowsMatchesHost >> "$log" 2>&1
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+    done
+    { echo "# $LLMQ_COMMIT: cuda.test -test.run '^$' -test.bench SampleRows -test.benchtime 10x"
+      build/device/cuda.test -test.run '^$' -test.bench SampleRows -test.benchtime 10x 2>&1; } | tee "$OUT/bench-sample-h200.txt" | grep -E "µs/call"
     ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150

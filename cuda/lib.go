@@ -186,6 +186,9 @@ static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int 
 		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g);
 }
 static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act) { return a->moe_act(c, (float*)gu, (void*)g, S, I, act); }
+static int c_sample_rows(A a, llmq_ctx* c, P logits, P params, P out, int T, int V) {
+	return a->sample_rows(c, (const float*)logits, (const double*)params, (int32_t*)out, T, V);
+}
 */
 import "C"
 
@@ -847,6 +850,17 @@ func (x *Context) MoEAct(gu, g Buf, S, I int, act string) error {
 // [T][V]): the first index of the largest value, 0 when the first is NaN.
 func (x *Context) ArgmaxRows(logits, out Buf, T, V int) error {
 	return x.do("argmax_rows", func() C.int { return C.c_argmax_rows(x.lib.api, x.c, logits.p, out.p, C.int(T), C.int(V)) })
+}
+
+// SampleRows writes out[t] (int32) = the token llm.Sampler.SampleWith
+// picks from row t of logits (fp32 [T][V]) with params[4t:4t+4] (fp64:
+// temperature, top-k, top-p, the draw u; temperature 0: ArgmaxRows's
+// answer), or −1 where its candidates do not fit the kernel (pick that row
+// on the host).
+func (x *Context) SampleRows(logits, params, out Buf, T, V int) error {
+	return x.do("sample_rows", func() C.int {
+		return C.c_sample_rows(x.lib.api, x.c, logits.p, params.p, out.p, C.int(T), C.int(V))
+	})
 }
 
 // NLL writes −log softmax(logits row t)[targets[t]] for T fp32 rows of V.

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 14
+#define LLMQ_API_VERSION 15
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -270,6 +270,12 @@ typedef struct {
   /* g [S][I] fp16 = act(gu[:, :I]) · gu[:, I:] (act as gated_act) from a
    * joined gate/up output gu [S][2I] fp32, which it zeroes. */
   int (*moe_act)(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
+  /* out[t] = the token llm.Sampler would pick from row t of logits (fp32
+   * [T][V]) with params[4t … 4t+3] = temperature, top-k, top-p and its
+   * uniform draw u (fp64); temperature 0 gives argmax_rows's answer. −1
+   * where the candidates the walk needs do not fit the kernel (then pick
+   * on the host with the same u). */
+  int (*sample_rows)(llmq_ctx* c, const float* logits, const double* params, int32_t* out, int T, int V);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -943,20 +943,8 @@ __global__ void nll_kernel(const float* __restrict__ logits, const int32_t* __re
 // argmax_kernel: one block a row of logits; out[row] = llm.Argmax of the
 // row: the first index of the largest value, NaNs skipped, 0 when the
 // first value is NaN or nothing exceeds it. VEC reads four floats a load
-// (V % 4 == 0). Each thread keeps its best (value, index), preferring the
-// lower index among equals, so any order of merging gives the first.
-__device__ __forceinline__ void argmax_merge(float& bv, int& bi, float v, int i) {
-  if (v > bv || (v == bv && i < bi)) bv = v, bi = i;
-}
-
-// warp_argmax merges the warp's (value, index) pairs into every lane's.
-__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    argmax_merge(bv, bi, ov, oi);
-  }
-}
+// (V % 4 == 0). Each thread keeps its best (value, index) (argmax_merge,
+// common.cuh), so any order of merging gives the first.
 
 template <bool VEC>
 __global__ void argmax_kernel(const float* __restrict__ logits, int32_t* __restrict__ out, int V) {

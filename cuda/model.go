@@ -684,7 +684,8 @@ type acts struct {
 	x, h, q, k, v, att, delta, g, u, logits  Buf
 	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
-	next                                     Buf // greedy steps' argmax ids
+	next                                     Buf // the ids picked on the device (argmax or sampled)
+	draws                                    Buf // sample_rows's parameters, 4 fp64 a row
 	meta                                     RowMeta
 	// A mixture of experts' pass (rows·k slots): router logits, each
 	// slot's expert and weight, the plan's order and chunks, the experts'
@@ -723,7 +724,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4},
 		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
-		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
+		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
 		{&a.chunks, MoEMaxChunks(slots, E, 1) * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
 	}
@@ -1118,6 +1119,13 @@ func (m *Model) eagerAttnWS(p *pass, T int) (Buf, error) {
 // logits; a Greedy step without LastOnly is an ordinary one).
 func (m *Model) AnswersGreedy() {}
 
+// AnswersDraw marks the model an llm.Drawer: when every step of a Forward
+// is Greedy or has a Draw, and LastOnly, the tokens are picked on the
+// device (sample_rows: the sampler's rule with the step's draw) and only
+// the ids come back; a row whose candidates do not fit the kernel is
+// picked on the host from its logits, with the same draw.
+func (m *Model) AnswersDraw() {}
+
 // Forward implements llm.Backend.
 func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	m.mu.Lock()
@@ -1139,14 +1147,15 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	}()
 	T := len(p.ids)
 	V := m.cfg.Vocab
-	// Rows whose logits are wanted, in step order; greedy when every step
-	// asks only for its last row's argmax (llm.Step.Greedy).
+	// Rows whose logits are wanted, in step order; picked on the device
+	// when every step asks only for its last row's token (llm.Step.Greedy
+	// or Draw).
 	var out []int32
 	r := 0
-	greedy := true
+	onDevice := true
 	for i, s := range steps {
-		picks := s.Greedy && s.LastOnly
-		greedy = greedy && picks
+		picks := (s.Greedy || s.Draw != nil) && s.LastOnly
+		onDevice = onDevice && picks
 		want := len(s.Tokens) * V
 		if s.LastOnly {
 			want = V
@@ -1190,18 +1199,11 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 			return err
 		}
 	}
-	if greedy {
-		// Every step wants only its next token: the argmax on the device,
-		// and one int32 a step to the host instead of a row of logits.
-		next := make([]int32, len(out))
-		if err := m.x.ArgmaxRows(a.logits, a.next, len(out), V); err != nil {
+	if onDevice {
+		// Every step wants only its next token: picked on the device, and
+		// one int32 a step to the host instead of a row of logits.
+		if err := m.pick(a, steps, V); err != nil {
 			return err
-		}
-		if err := Download(m.x, next, a.next); err != nil {
-			return err
-		}
-		for i := range steps {
-			steps[i].Argmax = int(next[i])
 		}
 	} else {
 		logits := make([]float32, len(out)*V)
@@ -1215,7 +1217,9 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 				n = 1
 			}
 			copy(s.Logits, logits[r*V:(r+n)*V])
-			if s.Greedy && s.LastOnly {
+			if s.LastOnly && s.Draw != nil {
+				steps[i].Argmax = s.Draw.Pick(logits[r*V : (r+1)*V])
+			} else if s.Greedy && s.LastOnly {
 				steps[i].Argmax = llm.Argmax(logits[r*V : (r+1)*V])
 			}
 			r += n
@@ -1225,6 +1229,50 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		caches[i].blocks.Advance(len(s.Tokens))
 	}
 	done = true
+	return nil
+}
+
+// pick sets each step's Argmax from its row of a.logits (one a step) on
+// the device: argmax_rows when every step is greedy, else sample_rows with
+// each step's draw (temperature 0 for the greedy ones); a row sample_rows
+// leaves to the host (−1) is copied back and picked by Draw.Pick.
+func (m *Model) pick(a *acts, steps []llm.Step, V int) error {
+	n := len(steps)
+	params := make([]float64, 4*n)
+	drawn := false
+	for i, s := range steps {
+		if d := s.Draw; d != nil {
+			params[4*i], params[4*i+1], params[4*i+2], params[4*i+3] = d.Temperature, float64(d.TopK), d.TopP, d.U
+			drawn = true
+		}
+	}
+	if drawn {
+		if err := Upload(m.x, a.draws, params); err != nil {
+			return err
+		}
+		if err := m.x.SampleRows(a.logits, a.draws, a.next, n, V); err != nil {
+			return err
+		}
+	} else if err := m.x.ArgmaxRows(a.logits, a.next, n, V); err != nil {
+		return err
+	}
+	next := make([]int32, n)
+	if err := Download(m.x, next, a.next); err != nil {
+		return err
+	}
+	for i := range steps {
+		steps[i].Argmax = int(next[i])
+		if next[i] < 0 { // too many candidates for the kernel
+			if steps[i].Draw == nil {
+				return fmt.Errorf("sample_rows left greedy row %d to the host", i)
+			}
+			row := make([]float32, V)
+			if err := Download(m.x, row, a.logits.Offset(i*V*4)); err != nil {
+				return err
+			}
+			steps[i].Argmax = steps[i].Draw.Pick(row)
+		}
+	}
 	return nil
 }
 

@@ -295,6 +295,7 @@ const llmq_api kAPI = {
     moe_route_plan,
     moe_gemv,
     moe_act,
+    sample_rows,
 };
 }  // namespace
 }  // namespace llmq

@@ -606,8 +606,9 @@ type sequence struct {
 	logits      []float32
 	scoring     bool // the prefill of a PromptLogprobs request is running
 	scored      int  // prompt positions prefilled so far, when scoring
-	// picked: the last step asked the backend for its argmax
-	// (llm.Step.Greedy), which is pickedID; logits then holds nothing new.
+	// picked: the last step asked the backend for its token (the argmax,
+	// llm.Step.Greedy, or a draw's pick, llm.Step.Draw), which is pickedID;
+	// logits then holds nothing new.
 	picked   bool
 	pickedID int
 	next     []int
@@ -645,7 +646,7 @@ func (e *Engine) run() {
 	// (a client gone, a deadline passed) leave the queue at once, not when
 	// a batch slot frees.
 	var active, waiting []*sequence
-	answersGreedy := llm.IsGreedier(e.Backend)
+	answersGreedy, answersDraw := llm.IsGreedier(e.Backend), llm.IsDrawer(e.Backend)
 	defer func() {
 		for _, s := range active {
 			s.finish(ErrClosed)
@@ -767,9 +768,14 @@ func (e *Engine) run() {
 			case s.scoring: // every position's logits, in a buffer the caller will own
 				s.logits = make([]float32, len(s.step)*cfg.Vocab)
 				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits})
-			default: // a greedy request without logprobs asks the backend for the argmax only
-				greedy := answersGreedy && s.req.Sample.Temperature == 0 && !s.req.Logprobs
-				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits, LastOnly: true, Greedy: greedy})
+			default: // a request without logprobs asks the backend for its token only: the argmax or a draw's pick
+				step := llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits, LastOnly: true}
+				step.Greedy = answersGreedy && s.req.Sample.Temperature == 0 && !s.req.Logprobs
+				if answersDraw && s.req.Sample.Temperature > 0 && !s.req.Logprobs {
+					d := s.sampler.Draw()
+					step.Draw = &d
+				}
+				steps = append(steps, step)
 			}
 		}
 		active = live
@@ -790,7 +796,7 @@ func (e *Engine) run() {
 			} else {
 				s.fed = append(s.fed, s.step...)
 			}
-			s.picked, s.pickedID = steps[i].Greedy, steps[i].Argmax
+			s.picked, s.pickedID = steps[i].Greedy || steps[i].Draw != nil, steps[i].Argmax
 		}
 
 		// One new token for each sequence: the rows that decode are sampled

@@ -224,32 +224,41 @@ func TestLogprobsOfTokensWithoutText(t *testing.T) {
 	}
 }
 
-// pickedOnDevice answers Greedy steps the way a GPU backend may: it sets
-// Argmax — here not the real one but the step's last token + 1000, so a
-// greedy request that took it is recognisable — and leaves NaN in the
-// logits, so one that read them would not get it.
+// pickedOnDevice answers Greedy and Draw steps the way a GPU backend may:
+// it sets Argmax — for Greedy not the real one but the step's last token +
+// 1000, so a greedy request that took it is recognisable; for Draw the
+// draw's pick — and leaves NaN in the logits, so one that read them would
+// not get it.
 type pickedOnDevice struct{ llm.Backend }
 
 func (b pickedOnDevice) AnswersGreedy() {}
+func (b pickedOnDevice) AnswersDraw()   {}
 
 func (b pickedOnDevice) Forward(ctx context.Context, steps []llm.Step) error {
 	if err := b.Backend.Forward(ctx, steps); err != nil {
 		return err
 	}
 	for i, s := range steps {
-		if s.Greedy {
+		switch {
+		case s.Greedy:
 			steps[i].Argmax = s.Tokens[len(s.Tokens)-1] + 1000
-			for j := range s.Logits {
-				s.Logits[j] = float32(math.NaN())
-			}
+		case s.Draw != nil:
+			steps[i].Argmax = s.Draw.Pick(s.Logits)
+		default:
+			continue
+		}
+		for j := range s.Logits {
+			s.Logits[j] = float32(math.NaN())
 		}
 	}
 	return nil
 }
 
 // In one batch, a greedy request without logprobs takes the backend's own
-// pick (Step.Greedy) at every step, while a greedy one with logprobs and
-// a sampled one, beside it, get what they get from the plain backend.
+// pick (Step.Greedy) at every step and a sampled one its pick from the
+// request's draws (Step.Draw: the same tokens as the host's sampling),
+// while a greedy and a sampled one with logprobs, beside them, get what
+// they get from the plain backend's logits.
 func TestGreedyStepsTakeTheBackendsPick(t *testing.T) {
 	m := openTiny(t)
 	plain := start(t, m, Options{})
@@ -259,6 +268,7 @@ func TestGreedyStepsTakeTheBackendsPick(t *testing.T) {
 		{Prompt: prompt, MaxTokens: 4},
 		{Prompt: prompt, MaxTokens: 4, Logprobs: true},
 		{Prompt: prompt, MaxTokens: 4, Sample: llm.SampleOptions{Temperature: 0.8, Seed: 7}},
+		{Prompt: prompt, MaxTokens: 4, Sample: llm.SampleOptions{Temperature: 0.8, Seed: 7}, Logprobs: true},
 	}
 	got := make([]*Result, len(reqs))
 	var wg sync.WaitGroup

@@ -138,6 +138,10 @@ type Step struct {
 	// Greedier on a step without LastOnly (its Logits buffer is needed).
 	Greedy bool
 	Argmax int
+	// Draw, with LastOnly, asks a Drawer (IsDrawer) for the token
+	// Draw.Pick would choose from the last position's logits, in Argmax,
+	// instead of the logits. Other backends ignore it.
+	Draw *Draw
 }
 
 // Greedier is a Backend that answers Step.Greedy: it sets Step.Argmax and
@@ -155,5 +159,19 @@ type Greedier interface {
 // IsGreedier reports whether b answers Step.Greedy.
 func IsGreedier(b Backend) bool {
 	_, ok := b.(Greedier)
+	return ok
+}
+
+// Drawer is a Backend that answers Step.Draw: it sets Step.Argmax to the
+// sampled token and may leave Logits unwritten on the steps that ask
+// (cuda.Model; the same caution as Greedier for wrappers).
+type Drawer interface {
+	Backend
+	AnswersDraw()
+}
+
+// IsDrawer reports whether b answers Step.Draw.
+func IsDrawer(b Backend) bool {
+	_, ok := b.(Drawer)
 	return ok
 }

@@ -91,6 +91,30 @@ const (
 	sampleBuckets       = 256
 )
 
+// Draw is one sampled pick with its uniform draw made: the options and
+// the draw U that Sample would take from its stream. A backend that picks
+// on the device (a Drawer) chooses with it the token SampleWith(logits, U)
+// would, and only the id crosses to the host.
+type Draw struct {
+	Temperature float64
+	TopK        int
+	TopP        float64
+	U           float64
+}
+
+// Draw takes the next draw from the sampler's stream, as Sample does for
+// a temperature above 0, so that picks made from Draws (on a Drawer) and
+// by Sample follow the same seeded sequence.
+func (s *Sampler) Draw() Draw {
+	return Draw{Temperature: s.opt.Temperature, TopK: s.opt.TopK, TopP: s.opt.TopP, U: s.rng.Float64()}
+}
+
+// Pick is the token SampleWith picks from logits with d's options and
+// draw: the host's answer for a Draw.
+func (d Draw) Pick(logits []float32) int {
+	return NewSampler(SampleOptions{Temperature: d.Temperature, TopK: d.TopK, TopP: d.TopP}).SampleWith(logits, d.U)
+}
+
 // Sample picks a token id from one row of logits: the tokens in
 // descending order of logit (ties by id), cut to the TopK first and to the
 // smallest prefix whose probability reaches TopP, walked until a uniform
@@ -104,6 +128,15 @@ const (
 // are sorted. Should a walk still run past them, it is redone on the
 // whole vocabulary.
 func (s *Sampler) Sample(logits []float32) int {
+	if s.opt.Temperature == 0 {
+		return Argmax(logits)
+	}
+	return s.SampleWith(logits, s.rng.Float64())
+}
+
+// SampleWith is Sample with the uniform draw u in [0, 1) given instead of
+// taken from the stream (Draw.Pick; a temperature of 0 ignores it).
+func (s *Sampler) SampleWith(logits []float32, u float64) int {
 	if s.opt.Temperature == 0 {
 		return Argmax(logits)
 	}
@@ -132,7 +165,6 @@ func (s *Sampler) Sample(logits []float32) int {
 	if s.opt.TopK > 0 && s.opt.TopK < n {
 		keep = s.opt.TopK
 	}
-	u := s.rng.Float64()
 	// The mass a walk can reach: TopP of the kept tokens' (at most of all
 	// tokens'), or without a TopP cut the draw's share of it.
 	reach := u * total
@@ -242,16 +274,23 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 	}
 	sampler := NewSampler(opt.Sample)
 	logits := make([]float32, b.Config().Vocab)
-	greedy := opt.Sample.Temperature == 0 && IsGreedier(b) // the backend picks the token (on the GPU: only its id comes back)
+	// The backend picks the token where it can (on the GPU: only its id
+	// comes back): the argmax, or a sampled token from the sampler's draw.
+	greedy := opt.Sample.Temperature == 0 && IsGreedier(b)
+	drawn := opt.Sample.Temperature > 0 && IsDrawer(b)
 	var out []int
 	next := prompt
 	for len(out) < opt.MaxTokens {
 		step := []Step{{Cache: cache, Tokens: next, Logits: logits, LastOnly: true, Greedy: greedy}}
+		if drawn {
+			d := sampler.Draw()
+			step[0].Draw = &d
+		}
 		if err := b.Forward(ctx, step); err != nil {
 			return out, err
 		}
 		id := step[0].Argmax
-		if !greedy {
+		if !greedy && !drawn {
 			id = sampler.Sample(logits)
 		}
 		if stop[id] {

@@ -55,6 +55,28 @@ func assertCachedEqualsFullPrefix(t *testing.T, name string, m *llm.Model, promp
 	}
 }
 
+// drawer answers Step.Draw on the host, as cuda.Model does on the GPU:
+// the logits, then Draw.Pick; it counts the draws it answered.
+type drawer struct {
+	llm.Backend
+	draws int
+}
+
+func (*drawer) AnswersDraw() {}
+
+func (d *drawer) Forward(ctx context.Context, steps []llm.Step) error {
+	if err := d.Backend.Forward(ctx, steps); err != nil {
+		return err
+	}
+	for i, s := range steps {
+		if s.Draw != nil && s.LastOnly {
+			steps[i].Argmax = s.Draw.Pick(s.Logits)
+			d.draws++
+		}
+	}
+	return nil
+}
+
 // TestSamplingIsSeeded: the same seed gives the same tokens, another seed
 // (almost surely) different ones, and top-k 1 is greedy.
 func TestSamplingIsSeeded(t *testing.T) {
@@ -75,6 +97,16 @@ func TestSamplingIsSeeded(t *testing.T) {
 	}
 	if reflect.DeepEqual(a, c) {
 		t.Errorf("seeds 7 and 8 gave identical samples %v", a)
+	}
+	// A backend that picks sampled tokens itself (a Drawer, as the GPU)
+	// gets each token's draw and gives the same text.
+	d := &drawer{Backend: m}
+	drawn, err := llm.Generate(context.Background(), d, prompt, llm.GenerateOptions{MaxTokens: 24, Sample: llm.SampleOptions{Temperature: 1, TopP: 0.95, Seed: 7}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(drawn, a) || d.draws != len(a) {
+		t.Fatalf("picked by the backend from %d draws:\n%v\npicked by the sampler:\n%v", d.draws, drawn, a)
 	}
 	greedy := run(llm.SampleOptions{})
 	if k1 := run(llm.SampleOptions{Temperature: 1.3, TopK: 1, Seed: 3}); !reflect.DeepEqual(k1, greedy) {

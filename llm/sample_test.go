@@ -97,3 +97,26 @@ func TestSampleMatchesFullSort(t *testing.T) {
 		t.Errorf("temperature 1e-9: %d, argmax %d", id, Argmax(x))
 	}
 }
+
+// TestDrawPicksWhatSampleDoes: a sampler's Draws, picked on the host,
+// follow the same seeded sequence as its Sample calls — the contract a
+// Drawer (the GPU) keeps; TestSamplingIsSeeded runs Generate on one.
+func TestDrawPicksWhatSampleDoes(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	rows := make([][]float32, 50)
+	for i := range rows {
+		rows[i] = make([]float32, 3000)
+		for j := range rows[i] {
+			rows[i][j] = float32(r.NormFloat64() * 3)
+		}
+	}
+	for _, o := range []SampleOptions{{Temperature: 0.8, TopP: 0.95, Seed: 9}, {Temperature: 1.3, TopK: 20, Seed: 10}} {
+		a, b := NewSampler(o), NewSampler(o)
+		for i, x := range rows {
+			d := b.Draw()
+			if got, want := d.Pick(x), a.Sample(x); got != want {
+				t.Fatalf("%+v, row %d: Draw().Pick chose %d, Sample %d", o, i, got, want)
+			}
+		}
+	}
+}
