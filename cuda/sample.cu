@@ -12,9 +12,7 @@
 // not sorted: tokens fall in buckets of (max − logit)/T, eight to a nat,
 // and only the first buckets — as many as hold the TopK tokens and the
 // mass the walk can reach, and one more — are gathered (at most kCand of
-// them) and sorted in shared memory, their weights summed by a parallel
-// prefix scan, the cuts and the walk found as the first prefix past each
-// bound. A row whose
+// them) and sorted in shared memory; thread 0 walks them. A row whose
 // candidates do not fit, or whose walk would run past them, gets −1: the
 // caller picks it on the host from its logits with the same u.
 #include <cuda_fp16.h>
@@ -29,7 +27,7 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kBuckets = 256;  // the last holds every token 32 nats or more below the most likely
 constexpr int kPerNat = 8;
-constexpr int kCand = 2048;  // candidates sorted in shared memory (two a thread in the scan)
+constexpr int kCand = 4096;  // candidates sorted in shared memory
 
 // bucket_of is the host's bucket of a token d = (max − logit)/T nats down
 // (NaN: the last).
@@ -47,11 +45,10 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
   __shared__ int count[kBuckets];
   __shared__ float cl[kCand];
   __shared__ int ci[kCand];
-  __shared__ double cs[kCand];  // the sorted candidates' weights, then their prefix sums
   __shared__ double dred[32];
   __shared__ float rv[32];
   __shared__ int ri[32];
-  __shared__ int s_best, s_nbw, s_n, s_first;
+  __shared__ int s_best, s_nbw, s_n;
   __shared__ double s_total;
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
   const float* l = logits + (size_t)blockIdx.x * V;
@@ -152,67 +149,40 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(const float* __restric
       }
       __syncthreads();
     }
-  // Inclusive prefix sums cs[k] of the sorted weights p_k (two a thread:
-  // a warp's scan, then the warps' totals'), zero past n.
-  {
-    const int e = 2 * tid;
-    const double a0 = e < n ? exp(-(mx - (double)cl[e]) / T) : 0, a1 = e + 1 < n ? exp(-(mx - (double)cl[e + 1]) / T) : 0;
-    double v = a0 + a1;
-    for (int o = 1; o < 32; o <<= 1) {
-      const double up = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += up;
-    }
-    if (lane == 31) dred[w] = v;
-    __syncthreads();
-    if (w == 0) {
-      double t = lane < nw ? dred[lane] : 0;
-      for (int o = 1; o < 32; o <<= 1) {
-        const double up = __shfl_up_sync(0xffffffffu, t, o);
-        if (lane >= o) t += up;
-      }
-      dred[lane] = t;
-    }
-    __syncthreads();
-    const double before_pair = (w > 0 ? dred[w - 1] : 0) + v - (a0 + a1);
-    if (e < kCand) cs[e] = before_pair + a0;
-    if (e + 1 < kCand) cs[e + 1] = before_pair + a0 + a1;
-  }
-  __syncthreads();
-  // first_at is the first k < end with cs[k] ≥ bound (end when none).
-  // Every thread calls it (the bounds are the same in all).
-  auto first_at = [&](double bound, int end) {
-    __syncthreads();  // the last call's answer has been read
-    if (tid == 0) s_first = end;
-    __syncthreads();
-    for (int k = tid; k < end; k += blockDim.x)
-      if (cs[k] >= bound && (k == 0 || cs[k - 1] < bound)) atomicMin(&s_first, k);
-    __syncthreads();
-    return s_first;
-  };
-  // walk (llm/generate.go) over the n sorted candidates: cs[k] ≥ r is its
-  // "r − p_0 − … − p_k ≤ 0".
+  if (tid != 0) return;
+  // walk (llm/generate.go) over the n sorted candidates.
+  auto p = [&](int k) { return exp(-(mx - (double)cl[k]) / T); };
   int id = -1;
   double sum = total;
   bool ok = true;
   if (keep < V) {
     ok = n >= keep;
-    if (ok) sum = cs[keep - 1];
+    sum = 0;
+    for (int k = 0; ok && k < keep; ++k) sum += p(k);
   }
   int limit = keep;
   if (ok && topP > 0 && topP < 1) {
-    const int k = first_at(topP * sum, min(keep, n));
-    if (k < min(keep, n)) limit = k + 1;
+    double c = 0;
+    for (int k = 0; k < min(keep, n); ++k) {
+      c += p(k) / sum;
+      if (c >= topP) {
+        limit = k + 1;
+        break;
+      }
+    }
     ok = limit <= n;
-    if (ok) sum = cs[limit - 1];
+    sum = 0;
+    for (int k = 0; ok && k < limit; ++k) sum += p(k);
   }
   if (ok) {
-    const int end = min(limit, n), k = first_at(u * sum, end);
-    if (k < end)
-      id = ci[k];
-    else if (limit <= n)
-      id = ci[limit - 1];
+    double r = u * sum;
+    for (int k = 0; k < min(limit, n) && id < 0; ++k) {
+      r -= p(k);
+      if (r <= 0) id = ci[k];
+    }
+    if (id < 0 && limit <= n) id = ci[limit - 1];
   }
-  if (tid == 0) out[blockIdx.x] = id;
+  out[blockIdx.x] = id;
 }
 
 }  // namespace
