@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -922,12 +923,20 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 	return p, caches, nil
 }
 
-func (m *Model) upload(a *acts, p *pass) error {
+// upload copies a pass's inputs to a's buffers, and the draws of a step
+// whose tokens are picked on the device (sample_rows's parameters) when
+// there are any.
+func (m *Model) upload(a *acts, p *pass, draws []float64) error {
 	for _, u := range []struct {
 		dst Buf
 		src []int32
 	}{{a.ids, p.ids}, {a.meta.RowSeq, p.rowSeq}, {a.meta.RowPos, p.rowPos}, {a.meta.KVCap, p.kvCap}} {
 		if err := Upload(m.x, u.dst, u.src); err != nil {
+			return err
+		}
+	}
+	if draws != nil {
+		if err := Upload(m.x, a.draws, draws); err != nil {
 			return err
 		}
 	}
@@ -1121,9 +1130,11 @@ func (m *Model) AnswersGreedy() {}
 
 // AnswersDraw marks the model an llm.Drawer: when every step of a Forward
 // is Greedy or has a Draw, and LastOnly, the tokens are picked on the
-// device (sample_rows: the sampler's rule with the step's draw) and only
-// the ids come back; a row whose candidates do not fit the kernel is
-// picked on the host from its logits, with the same draw.
+// device (sample_rows: the sampler's rule with the step's draw; argmax
+// for the greedy ones) and only the ids come back; a row whose candidates
+// do not fit the kernel is picked on the host from its logits, with the
+// same draw. In a batch with a step that wants its logits, the drawn
+// steps are picked on the host from theirs, in parallel.
 func (m *Model) AnswersDraw() {}
 
 // Forward implements llm.Backend.
@@ -1173,16 +1184,29 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 		r += len(s.Tokens)
 	}
 
+	// The draws of a step picked on the device (sample_rows's parameters),
+	// uploaded with the pass's inputs: an upload waits for the stream.
+	var draws []float64
+	if onDevice {
+		for i, s := range steps {
+			if d := s.Draw; d != nil {
+				if draws == nil {
+					draws = make([]float64, 4*len(steps))
+				}
+				draws[4*i], draws[4*i+1], draws[4*i+2], draws[4*i+3] = d.Temperature, float64(d.TopK), d.TopP, d.U
+			}
+		}
+	}
 	var a *acts
 	if T == len(steps) && len(out) == T { // a decode step: replay a graph
-		if a, err = m.decode(p); err != nil {
+		if a, err = m.decode(p, draws); err != nil {
 			return err
 		}
 	} else {
 		if a, err = m.eagerActs(T); err != nil {
 			return err
 		}
-		if err := m.upload(a, p); err != nil {
+		if err := m.upload(a, p, draws); err != nil {
 			return err
 		}
 		if err := Upload(m.x, a.rowIdx, out); err != nil {
@@ -1202,7 +1226,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	if onDevice {
 		// Every step wants only its next token: picked on the device, and
 		// one int32 a step to the host instead of a row of logits.
-		if err := m.pick(a, steps, V); err != nil {
+		if err := m.pick(a, steps, draws != nil, V); err != nil {
 			return err
 		}
 	} else {
@@ -1211,6 +1235,8 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 			return err
 		}
 		r = 0
+		var drawRows []int
+		var rows [][]float32
 		for i, s := range steps {
 			n := len(s.Tokens)
 			if s.LastOnly {
@@ -1218,12 +1244,13 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 			}
 			copy(s.Logits, logits[r*V:(r+n)*V])
 			if s.LastOnly && s.Draw != nil {
-				steps[i].Argmax = s.Draw.Pick(logits[r*V : (r+1)*V])
+				drawRows, rows = append(drawRows, i), append(rows, logits[r*V:(r+1)*V])
 			} else if s.Greedy && s.LastOnly {
 				steps[i].Argmax = llm.Argmax(logits[r*V : (r+1)*V])
 			}
 			r += n
 		}
+		pickOnHost(steps, drawRows, rows)
 	}
 	for i, s := range steps {
 		caches[i].blocks.Advance(len(s.Tokens))
@@ -1233,23 +1260,12 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 }
 
 // pick sets each step's Argmax from its row of a.logits (one a step) on
-// the device: argmax_rows when every step is greedy, else sample_rows with
-// each step's draw (temperature 0 for the greedy ones); a row sample_rows
-// leaves to the host (−1) is copied back and picked by Draw.Pick.
-func (m *Model) pick(a *acts, steps []llm.Step, V int) error {
+// the device: sample_rows with the draws upload put in a.draws (temperature 0
+// for the greedy steps) when drawn, else argmax_rows. The rows sample_rows
+// leaves to the host (−1) are copied back and picked there.
+func (m *Model) pick(a *acts, steps []llm.Step, drawn bool, V int) error {
 	n := len(steps)
-	params := make([]float64, 4*n)
-	drawn := false
-	for i, s := range steps {
-		if d := s.Draw; d != nil {
-			params[4*i], params[4*i+1], params[4*i+2], params[4*i+3] = d.Temperature, float64(d.TopK), d.TopP, d.U
-			drawn = true
-		}
-	}
 	if drawn {
-		if err := Upload(m.x, a.draws, params); err != nil {
-			return err
-		}
 		if err := m.x.SampleRows(a.logits, a.draws, a.next, n, V); err != nil {
 			return err
 		}
@@ -1260,20 +1276,41 @@ func (m *Model) pick(a *acts, steps []llm.Step, V int) error {
 	if err := Download(m.x, next, a.next); err != nil {
 		return err
 	}
+	var left []int
+	var rows [][]float32
 	for i := range steps {
 		steps[i].Argmax = int(next[i])
-		if next[i] < 0 { // too many candidates for the kernel
-			if steps[i].Draw == nil {
-				return fmt.Errorf("sample_rows left greedy row %d to the host", i)
-			}
-			row := make([]float32, V)
-			if err := Download(m.x, row, a.logits.Offset(i*V*4)); err != nil {
-				return err
-			}
-			steps[i].Argmax = steps[i].Draw.Pick(row)
+		if next[i] >= 0 {
+			continue
 		}
+		if steps[i].Draw == nil {
+			return fmt.Errorf("sample_rows left greedy row %d to the host", i)
+		}
+		row := make([]float32, V)
+		if err := Download(m.x, row, a.logits.Offset(i*V*4)); err != nil {
+			return err
+		}
+		left, rows = append(left, i), append(rows, row)
 	}
+	pickOnHost(steps, left, rows)
 	return nil
+}
+
+// pickOnHost sets steps[idx[j]].Argmax to its draw's pick from rows[j],
+// the rows in parallel (a pick over 128k logits takes milliseconds).
+func pickOnHost(steps []llm.Step, idx []int, rows [][]float32) {
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
+	for j, i := range idx {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			steps[i].Argmax = steps[i].Draw.Pick(rows[j])
+			<-sem
+		}()
+	}
+	wg.Wait()
 }
 
 // graphKey is a decode graph's batch size and bound on the keys attended
@@ -1289,7 +1326,7 @@ type decodeGraph struct {
 
 // decode runs a step where each sequence adds one token, through the
 // CUDA graph for its batch size and key bound (captured on first use).
-func (m *Model) decode(p *pass) (*acts, error) {
+func (m *Model) decode(p *pass, draws []float64) (*acts, error) {
 	B := len(p.ids)
 	keys := 256
 	for keys < p.maxKeys {
@@ -1307,7 +1344,7 @@ func (m *Model) decode(p *pass) (*acts, error) {
 	m.tick++
 	dg.used = m.tick
 	a := m.batchActs[B]
-	if err := m.upload(a, p); err != nil {
+	if err := m.upload(a, p, draws); err != nil {
 		return nil, err
 	}
 	if err := m.x.Launch(dg.g); err != nil {
@@ -1444,7 +1481,7 @@ func (m *Model) windowNLL(ctx context.Context, cache *Cache, ids []int) (float64
 	for i := range rows {
 		rows[i], targets[i] = int32(i), int32(ids[i+1])
 	}
-	if err := m.upload(a, p); err != nil {
+	if err := m.upload(a, p, nil); err != nil {
 		return 0, 0, err
 	}
 	if err := Upload(m.x, a.rowIdx, rows); err != nil {

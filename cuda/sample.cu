@@ -6,8 +6,8 @@
 // descending order of logit (ties by id), cut to the TopK first and to the
 // smallest prefix whose probability reaches TopP, walked until the share
 // u·Σp of their mass is used up, p = exp(−(max − logit)/T). The host draws
-// u from the request's seeded stream and passes it in, so a seed gives the
-// same text on both backends (up to the rounding of a sum: the host adds
+// u from the request's seeded stream and passes it in, so from the same
+// logits a seed gives the same text (up to the rounding of a sum: the host adds
 // in index order, the block in a tree). As on the host, the vocabulary is
 // not sorted: tokens fall in buckets of (max − logit)/T, eight to a nat,
 // and only the first buckets — as many as hold the TopK tokens and the

@@ -97,6 +97,9 @@ func TestSampleRowsMatchesHost(t *testing.T) {
 		}
 	}
 	t.Logf("%d rows, %d left to the host", rows, fallbacks)
+	if fallbacks > rows/4 { // the flat and uncut rows are about a seventh
+		t.Errorf("%d of %d rows left to the host", fallbacks, rows)
+	}
 }
 
 // hostPicks hides the model's Drawer and Greedier methods: Generate then
@@ -129,6 +132,38 @@ func TestSampledStepsOnDevice(t *testing.T) {
 		if !reflect.DeepEqual(device, host) {
 			t.Errorf("%+v: drawn on the device %v, sampled on the host %v", o, device, host)
 		}
+	}
+	// A batch of a greedy step and two drawn ones, one so hot and uncut
+	// that its candidates likely overflow the kernel (picked on the host
+	// from its row), against the same batch picked on the host from the
+	// logits (another pass: the rounding caveat above).
+	hot := llm.Draw{Temperature: 5, U: 0.6}
+	warm := llm.Draw{Temperature: 0.8, TopP: 0.95, U: 0.25}
+	var ids [2][3]int
+	for k, b := range []llm.Backend{gpu, hostPicks{gpu}} {
+		steps := make([]llm.Step, 3)
+		for i := range steps {
+			c, err := gpu.NewCache(16)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			steps[i] = llm.Step{Cache: c, Tokens: prompt, Logits: make([]float32, gpu.Config().Vocab), LastOnly: true}
+		}
+		steps[0].Greedy, steps[1].Draw, steps[2].Draw = k == 0, &hot, &warm
+		if err := b.Forward(ctx, steps); err != nil {
+			t.Fatal(err)
+		}
+		if k == 0 {
+			for i := range steps {
+				ids[0][i] = steps[i].Argmax
+			}
+		} else {
+			ids[1] = [3]int{llm.Argmax(steps[0].Logits), hot.Pick(steps[1].Logits), warm.Pick(steps[2].Logits)}
+		}
+	}
+	if ids[0] != ids[1] {
+		t.Errorf("greedy, hot and warm rows picked on the device %v, on the host %v", ids[0], ids[1])
 	}
 	// A batch mixing a drawn step with one that wants its logits: the
 	// logits come to the host and the drawn step is picked there, from its

@@ -874,8 +874,9 @@ func (s *sequence) pick(row []float32) pick {
 
 // pickAll samples, in parallel, the next token of every sequence in the
 // batch that decodes (not refilling its cache, not scoring its prompt),
-// or takes the backend's argmax where a greedy step asked for it; the
-// others' picks are left unset. Each sequence has its own sampler.
+// or takes the backend's pick where a step asked for it (the argmax, or a
+// draw's pick); the others' picks are left unset. Each sequence has its
+// own sampler.
 func pickAll(batch []*sequence) []pick {
 	picks := make([]pick, len(batch))
 	var wg sync.WaitGroup
@@ -884,7 +885,7 @@ func pickAll(batch []*sequence) []pick {
 		if s.refilling || s.scoring {
 			continue
 		}
-		if s.picked { // the backend did: its argmax
+		if s.picked { // the backend did: its argmax or its draw's pick
 			picks[i] = pick{id: s.pickedID, ok: true}
 			continue
 		}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
@@ -228,8 +229,11 @@ func TestLogprobsOfTokensWithoutText(t *testing.T) {
 // it sets Argmax — for Greedy not the real one but the step's last token +
 // 1000, so a greedy request that took it is recognisable; for Draw the
 // draw's pick — and leaves NaN in the logits, so one that read them would
-// not get it.
-type pickedOnDevice struct{ llm.Backend }
+// not get it. draws counts the Draw steps it answered.
+type pickedOnDevice struct {
+	llm.Backend
+	draws *atomic.Int64
+}
 
 func (b pickedOnDevice) AnswersGreedy() {}
 func (b pickedOnDevice) AnswersDraw()   {}
@@ -244,6 +248,7 @@ func (b pickedOnDevice) Forward(ctx context.Context, steps []llm.Step) error {
 			steps[i].Argmax = s.Tokens[len(s.Tokens)-1] + 1000
 		case s.Draw != nil:
 			steps[i].Argmax = s.Draw.Pick(s.Logits)
+			b.draws.Add(1)
 		default:
 			continue
 		}
@@ -256,13 +261,15 @@ func (b pickedOnDevice) Forward(ctx context.Context, steps []llm.Step) error {
 
 // In one batch, a greedy request without logprobs takes the backend's own
 // pick (Step.Greedy) at every step and a sampled one its pick from the
-// request's draws (Step.Draw: the same tokens as the host's sampling),
-// while a greedy and a sampled one with logprobs, beside them, get what
-// they get from the plain backend's logits.
+// request's draws (Step.Draw, one a token: the same tokens as the host's
+// sampling), while a greedy and a sampled one with logprobs, beside them,
+// get their tokens and logprobs from the plain backend's logits (no
+// draws).
 func TestGreedyStepsTakeTheBackendsPick(t *testing.T) {
 	m := openTiny(t)
 	plain := start(t, m, Options{})
-	e := start(t, NewModel(pickedOnDevice{m.Backend}, m.Tokenizer, m.Template), Options{MaxBatch: 4})
+	draws := new(atomic.Int64)
+	e := start(t, NewModel(pickedOnDevice{m.Backend, draws}, m.Tokenizer, m.Template), Options{MaxBatch: 4})
 	prompt := []int{0, 791}
 	reqs := []Request{
 		{Prompt: prompt, MaxTokens: 4},
@@ -291,8 +298,17 @@ func TestGreedyStepsTakeTheBackendsPick(t *testing.T) {
 	}
 	for i, r := range reqs[1:] {
 		want, err := plain.Generate(context.Background(), r, nil)
-		if err != nil || !equal(got[i+1].Tokens, want.Tokens) {
-			t.Errorf("request %d: %v, want %v from the logits (%v)", i+1, got[i+1].Tokens, want.Tokens, err)
+		if err != nil || !equal(got[i+1].Tokens, want.Tokens) || len(got[i+1].Logprobs) != len(want.Logprobs) {
+			t.Errorf("request %d: %v %v, want %v %v from the logits (%v)", i+1, got[i+1].Tokens, got[i+1].Logprobs, want.Tokens, want.Logprobs, err)
+			continue
 		}
+		for j, lp := range want.Logprobs { // batched beside others, alone: the same up to float rounding
+			if g := got[i+1].Logprobs[j]; g.ID != lp.ID || math.Abs(g.Logprob-lp.Logprob) > 1e-4 {
+				t.Errorf("request %d, token %d: logprob %+v, want %+v", i+1, j, g, lp)
+			}
+		}
+	}
+	if n := draws.Load(); n != int64(reqs[2].MaxTokens) {
+		t.Errorf("the backend answered %d draws, want %d: one a token of the sampled request without logprobs", n, reqs[2].MaxTokens)
 	}
 }

@@ -137,10 +137,14 @@ type Step struct {
 	// (IsGreedier); other backends ignore the flag, and so does a
 	// Greedier on a step without LastOnly (its Logits buffer is needed).
 	Greedy bool
+	// Argmax is the token the backend picked: the argmax of a Greedy step,
+	// or a Draw's pick.
 	Argmax int
 	// Draw, with LastOnly, asks a Drawer (IsDrawer) for the token
-	// Draw.Pick would choose from the last position's logits, in Argmax,
-	// instead of the logits. Other backends ignore it.
+	// Draw.Pick would choose from the last position's logits (on a device,
+	// up to the rounding of its sums), in Argmax, instead of the logits.
+	// Callers take a draw from the request's sampler only for a Drawer, and
+	// then use Argmax instead of sampling; other backends ignore it.
 	Draw *Draw
 }
 

@@ -94,7 +94,8 @@ const (
 // Draw is one sampled pick with its uniform draw made: the options and
 // the draw U that Sample would take from its stream. A backend that picks
 // on the device (a Drawer) chooses with it the token SampleWith(logits, U)
-// would, and only the id crosses to the host.
+// would (up to the rounding of the device's sums, which may move a draw
+// that falls on a boundary), and only the id crosses to the host.
 type Draw struct {
 	Temperature float64
 	TopK        int
@@ -104,13 +105,14 @@ type Draw struct {
 
 // Draw takes the next draw from the sampler's stream, as Sample does for
 // a temperature above 0, so that picks made from Draws (on a Drawer) and
-// by Sample follow the same seeded sequence.
+// by Sample follow the same seeded sequence. Call it only for a
+// temperature above 0: it takes a draw at 0 too, where Sample takes none.
 func (s *Sampler) Draw() Draw {
 	return Draw{Temperature: s.opt.Temperature, TopK: s.opt.TopK, TopP: s.opt.TopP, U: s.rng.Float64()}
 }
 
 // Pick is the token SampleWith picks from logits with d's options and
-// draw: the host's answer for a Draw.
+// draw: the host's answer for a Draw (a new sampler's scratch each call).
 func (d Draw) Pick(logits []float32) int {
 	return NewSampler(SampleOptions{Temperature: d.Temperature, TopK: d.TopK, TopP: d.TopP}).SampleWith(logits, d.U)
 }
