@@ -1061,11 +1061,13 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
   return 0;
 }
 
-template <int V, int BITS>
-int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  const auto kernel = w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>;
-  if (!run) return resident_of(c, resident_slot(3, V, BITS), kernel, 0);
+// gemv_kernel queries a GEMV kernel's resident CTAs into slot (run false)
+// or launches it over N/64 tiles × splits: the one launch of both GEMV
+// kernels, which take the same arguments.
+template <typename Kernel>
+int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, int splits, const half* A, const void* B, const void* S,
+                const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  if (!run) return resident_of(c, slot, kernel, 0);
   float* ws = (float*)workspace;
   CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
             C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
@@ -1073,14 +1075,17 @@ int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B
 }
 
 template <int V, int BITS>
+int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  return gemv_kernel(c, run, resident_slot(3, V, BITS), w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>,
+                     splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+}
+
+template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  const auto kernel = w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS>;
-  if (!run) return resident_of(c, resident_slot(4, V, BITS), kernel, 0);
-  float* ws = (float*)workspace;
-  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
-            C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
-  return 0;
+  return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS>, splits, A, B, S,
+                     Z, C, workspace, M, N, K, gshift);
 }
 
 }  // namespace
