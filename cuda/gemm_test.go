@@ -318,6 +318,17 @@ func TestW4A16MatchesReference(t *testing.T) {
 	}
 }
 
+// checkPlans checks the automatic plan for w at each M: the kernel and
+// variant it names start with want[M].
+func checkPlans(t *testing.T, l *Context, w *W4, want map[int]string) {
+	t.Helper()
+	for M, prefix := range want {
+		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, prefix) {
+			t.Errorf("automatic plan for %d-bit codes, M=%d: %q, %v; want %s…", w.codeBits(), M, v, err, prefix)
+		}
+	}
+}
+
 // TestGEMVRefusesLargeM: the forced GEMV kernels say which M they run,
 // and the automatic plan gives M = 1 to the CUDA-core GEMV, M = 2–64 to
 // the Tensor Core one (where each is faster, NOTES.md v11) and larger M to
@@ -327,12 +338,8 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	r := rand.New(rand.NewPCG(5, 5))
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
 	defer w.Free(l)
-	for M, want := range map[int]string{1: "gemv mt1", 2: "gemv-mma v11 mt8", 8: "gemv-mma v11 mt8", 9: "gemv-mma v11 mt16",
-		16: "gemv-mma v11 mt16", 17: "gemv-mma v11 mt32", 33: "gemv-mma v11 mt64", 65: "dequant+cublas"} {
-		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
-			t.Errorf("automatic plan for M=%d: %q, %v; want %s…", M, v, err, want)
-		}
-	}
+	checkPlans(t, l, w, map[int]string{1: "gemv mt1", 2: "gemv-mma v11 mt8", 8: "gemv-mma v11 mt8", 9: "gemv-mma v11 mt16",
+		16: "gemv-mma v11 mt16", 17: "gemv-mma v11 mt32", 33: "gemv-mma v11 mt64", 65: "dequant+cublas"})
 	if err := l.SetPath(PathGEMV); err != nil {
 		t.Fatal(err)
 	}
@@ -402,12 +409,8 @@ func TestW8A16MatchesReference(t *testing.T) {
 	}
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 8, false, false))
 	defer w.Free(l)
-	for M, want := range map[int]string{1: "gemv w8 mt1", 2: "gemv w8 mt2", 3: "gemv-mma v11 w8 mt8", 9: "gemv-mma v11 w8 mt16",
-		16: "gemv-mma v11 w8 mt16", 17: "gemv-mma v11 w8 mt32", 64: "gemv-mma v11 w8 mt64", 65: "dequant w8+cublas"} {
-		if v, err := l.Plan(w, M); err != nil || !strings.HasPrefix(v, want) {
-			t.Errorf("automatic plan for 8-bit codes, M=%d: %q, %v; want %s…", M, v, err, want)
-		}
-	}
+	checkPlans(t, l, w, map[int]string{1: "gemv w8 mt1", 2: "gemv w8 mt2", 3: "gemv-mma v11 w8 mt8", 9: "gemv-mma v11 w8 mt16",
+		16: "gemv-mma v11 w8 mt16", 17: "gemv-mma v11 w8 mt32", 64: "gemv-mma v11 w8 mt64", 65: "dequant w8+cublas"})
 	if err := l.SetPath(PathFused); err != nil {
 		t.Fatal(err)
 	}

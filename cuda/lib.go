@@ -854,9 +854,9 @@ func (x *Context) ArgmaxRows(logits, out Buf, T, V int) error {
 
 // SampleRows writes out[t] (int32) = the token llm.Sampler.SampleWith
 // picks from row t of logits (fp32 [T][V]) with params[4t:4t+4] (fp64:
-// temperature, top-k, top-p, the draw u; temperature 0: ArgmaxRows's
-// answer), or −1 where its candidates do not fit the kernel (pick that row
-// on the host).
+// temperature, top-k, top-p, the draw u, as drawParams lays them out;
+// temperature 0: ArgmaxRows's answer), or −1 where its candidates do not
+// fit the kernel (pick that row on the host).
 func (x *Context) SampleRows(logits, params, out Buf, T, V int) error {
 	return x.do("sample_rows", func() C.int {
 		return C.c_sample_rows(x.lib.api, x.c, logits.p, params.p, out.p, C.int(T), C.int(V))

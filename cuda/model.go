@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -1187,15 +1186,12 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	// The draws of a step picked on the device (sample_rows's parameters),
 	// uploaded with the pass's inputs: an upload waits for the stream.
 	var draws []float64
-	if onDevice {
-		for i, s := range steps {
-			if d := s.Draw; d != nil {
-				if draws == nil {
-					draws = make([]float64, 4*len(steps))
-				}
-				draws[4*i], draws[4*i+1], draws[4*i+2], draws[4*i+3] = d.Temperature, float64(d.TopK), d.TopP, d.U
-			}
+	if onDevice && slices.ContainsFunc(steps, func(s llm.Step) bool { return s.Draw != nil }) {
+		ds := make([]*llm.Draw, len(steps))
+		for i := range steps {
+			ds[i] = steps[i].Draw
 		}
+		draws = drawParams(ds)
 	}
 	var a *acts
 	if T == len(steps) && len(out) == T { // a decode step: replay a graph
@@ -1296,21 +1292,26 @@ func (m *Model) pick(a *acts, steps []llm.Step, drawn bool, V int) error {
 	return nil
 }
 
+// drawParams lays out SampleRows's parameters: 4 fp64 a row, the draw's
+// temperature, top-k, top-p and u; a nil draw is a greedy row (all 0).
+func drawParams(ds []*llm.Draw) []float64 {
+	p := make([]float64, 4*len(ds))
+	for i, d := range ds {
+		if d != nil {
+			p[4*i], p[4*i+1], p[4*i+2], p[4*i+3] = d.Temperature, float64(d.TopK), d.TopP, d.U
+		}
+	}
+	return p
+}
+
 // pickOnHost sets steps[idx[j]].Argmax to its draw's pick from rows[j],
 // the rows in parallel (a pick over 128k logits takes milliseconds).
 func pickOnHost(steps []llm.Step, idx []int, rows [][]float32) {
-	var wg sync.WaitGroup
-	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
-	for j, i := range idx {
-		wg.Add(1)
-		sem <- struct{}{}
-		go func() {
-			defer wg.Done()
-			steps[i].Argmax = steps[i].Draw.Pick(rows[j])
-			<-sem
-		}()
-	}
-	wg.Wait()
+	mat.ParallelFor(len(idx), 1, func(lo, hi int) {
+		for j := lo; j < hi; j++ {
+			steps[idx[j]].Argmax = steps[idx[j]].Draw.Pick(rows[j])
+		}
+	})
 }
 
 // graphKey is a decode graph's batch size and bound on the keys attended

@@ -37,8 +37,7 @@ func TestSampleRowsMatchesHost(t *testing.T) {
 		for _, peaked := range []bool{true, false} {
 			T := len(draws) * 3
 			logits := make([]float32, T*V)
-			params := make([]float64, 4*T)
-			ds := make([]llm.Draw, T)
+			ds := make([]*llm.Draw, T)
 			fits := make([]bool, T)
 			for i := range T {
 				row := logits[i*V : (i+1)*V]
@@ -57,14 +56,13 @@ func TestSampleRowsMatchesHost(t *testing.T) {
 				}
 				d := draws[i%len(draws)].Draw
 				d.U = r.Float64()
-				ds[i], fits[i] = d, draws[i%len(draws)].fits
-				params[4*i], params[4*i+1], params[4*i+2], params[4*i+3] = d.Temperature, float64(d.TopK), d.TopP, d.U
+				ds[i], fits[i] = &d, draws[i%len(draws)].fits
 			}
 			ld, err := AllocFrom(x, logits)
 			if err != nil {
 				t.Fatal(err)
 			}
-			pd, err := AllocFrom(x, params)
+			pd, err := AllocFrom(x, drawParams(ds))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -203,15 +201,15 @@ func BenchmarkSampleRows(b *testing.B) {
 				logits[i] += 10
 			}
 		}
-		params := make([]float64, 4*B)
-		for i := range B {
-			params[4*i], params[4*i+2], params[4*i+3] = 0.8, 0.95, r.Float64()
+		ds := make([]*llm.Draw, B)
+		for i := range ds {
+			ds[i] = &llm.Draw{Temperature: 0.8, TopP: 0.95, U: r.Float64()}
 		}
 		ld, err := AllocFrom(x, logits)
 		if err != nil {
 			b.Fatal(err)
 		}
-		pd, err := AllocFrom(x, params)
+		pd, err := AllocFrom(x, drawParams(ds))
 		if err != nil {
 			b.Fatal(err)
 		}
