@@ -646,7 +646,6 @@ func (e *Engine) run() {
 	// (a client gone, a deadline passed) leave the queue at once, not when
 	// a batch slot frees.
 	var active, waiting []*sequence
-	answersGreedy, answersDraw := llm.IsGreedier(e.Backend), llm.IsDrawer(e.Backend)
 	defer func() {
 		for _, s := range active {
 			s.finish(ErrClosed)
@@ -770,10 +769,8 @@ func (e *Engine) run() {
 				steps = append(steps, llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits})
 			default: // a request without logprobs asks the backend for its token only: the argmax or a draw's pick
 				step := llm.Step{Cache: s.cache, Tokens: s.step, Logits: s.logits, LastOnly: true}
-				step.Greedy = answersGreedy && s.req.Sample.Temperature == 0 && !s.req.Logprobs
-				if answersDraw && s.req.Sample.Temperature > 0 && !s.req.Logprobs {
-					d := s.sampler.Draw()
-					step.Draw = &d
+				if !s.req.Logprobs {
+					s.sampler.AskBackend(e.Backend, &step)
 				}
 				steps = append(steps, step)
 			}

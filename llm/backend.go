@@ -143,8 +143,9 @@ type Step struct {
 	// Draw, with LastOnly, asks a Drawer (IsDrawer) for the token
 	// Draw.Pick would choose from the last position's logits (on a device,
 	// up to the rounding of its sums), in Argmax, instead of the logits.
-	// Callers take a draw from the request's sampler only for a Drawer, and
-	// then use Argmax instead of sampling; other backends ignore it.
+	// Sampler.AskBackend sets it (or Greedy) when the backend answers it,
+	// taking the request's draw, and the caller then uses Argmax instead of
+	// sampling; other backends ignore it.
 	Draw *Draw
 }
 

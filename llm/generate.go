@@ -111,6 +111,24 @@ func (s *Sampler) Draw() Draw {
 	return Draw{Temperature: s.opt.Temperature, TopK: s.opt.TopK, TopP: s.opt.TopP, U: s.rng.Float64()}
 }
 
+// AskBackend marks st (a LastOnly step) for b to pick its token when b
+// can: Greedy at temperature 0 on a Greedier, a Draw (taken from the
+// stream now, as Sample would take it) above 0 on a Drawer. It reports
+// whether b picks it, in st.Argmax, instead of the caller sampling st's
+// logits.
+func (s *Sampler) AskBackend(b Backend, st *Step) bool {
+	switch {
+	case s.opt.Temperature == 0 && IsGreedier(b):
+		st.Greedy = true
+	case s.opt.Temperature > 0 && IsDrawer(b):
+		d := s.Draw()
+		st.Draw = &d
+	default:
+		return false
+	}
+	return true
+}
+
 // Pick is the token SampleWith picks from logits with d's options and
 // draw: the host's answer for a Draw (a new sampler's scratch each call).
 func (d Draw) Pick(logits []float32) int {
@@ -276,23 +294,18 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 	}
 	sampler := NewSampler(opt.Sample)
 	logits := make([]float32, b.Config().Vocab)
-	// The backend picks the token where it can (on the GPU: only its id
-	// comes back): the argmax, or a sampled token from the sampler's draw.
-	greedy := opt.Sample.Temperature == 0 && IsGreedier(b)
-	drawn := opt.Sample.Temperature > 0 && IsDrawer(b)
 	var out []int
 	next := prompt
 	for len(out) < opt.MaxTokens {
-		step := []Step{{Cache: cache, Tokens: next, Logits: logits, LastOnly: true, Greedy: greedy}}
-		if drawn {
-			d := sampler.Draw()
-			step[0].Draw = &d
-		}
+		// The backend picks the token where it can (on the GPU: only its
+		// id comes back).
+		step := []Step{{Cache: cache, Tokens: next, Logits: logits, LastOnly: true}}
+		picked := sampler.AskBackend(b, &step[0])
 		if err := b.Forward(ctx, step); err != nil {
 			return out, err
 		}
 		id := step[0].Argmax
-		if !greedy && !drawn {
+		if !picked {
 			id = sampler.Sample(logits)
 		}
 		if stop[id] {
