@@ -31,6 +31,7 @@ struct llmq_ctx {
   int fused_max_m = 64;
   int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   size_t attn_smem = 48 << 10;
+  bool sample_smem = false;  // sample_kernel's dynamic shared memory allowed (sample.cu)
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
