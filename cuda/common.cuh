@@ -32,6 +32,8 @@ struct llmq_ctx {
   int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   size_t attn_smem = 48 << 10;
   bool sample_smem = false;  // sample_kernel's dynamic shared memory allowed (sample.cu)
+  uint64_t decode_smem = 0;  // attention_decode_kernel instantiations allowed over 48 KB (model.cu)
+  int decode_wave = 0;  // the decode attention's grid target in blocks (0: 4 an SM; LLMQ_DECODE_WAVE, for tests)
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
@@ -83,6 +85,28 @@ static __device__ __forceinline__ void pdl_gate() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// cp.async (Ampere on): 16 bytes from global to shared memory without a
+// register, in the background. A thread's copies since its last commit
+// form a group; cp_async_wait<N> returns once at most N of its groups are
+// still in flight. The copies are visible to the thread that made them
+// after the wait (to others after a barrier too). The zfill form writes
+// zeros, reading nothing, where !valid (gmem must still be a valid
+// address).
+static __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem));
+}
+static __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem), "r"(n));
+}
+static __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // argmax_merge keeps the better of (bv, bi) and (v, i): the larger value,

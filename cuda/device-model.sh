@@ -298,15 +298,24 @@ case "$1" in
     done
     ;;
   attn) # the decode attention kernels against float64, then their speed (attention-decode-h200.txt)
-    build/device/cuda.test -test.v -test.run 'TestAttention|TestLongContext' > "$OUT/cuda-attention-tests.log" 2>&1
-    echo "attention tests rc=$?"; grep -E "^(\s*--- |ok|FAIL)|error|Δlogit" "$OUT/cuda-attention-tests.log" | head -24
+    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run 'TestAttention|TestLongContext'"
+      build/device/cuda.test -test.v -test.run 'TestAttention|TestLongContext' 2>&1; } > "$OUT/cuda-attention-tests.log"
+    echo "attention tests rc=$?"; grep -E "^(\s*--- |ok|FAIL)|Δlogit" "$OUT/cuda-attention-tests.log" | head -24
+    grep -E "max \|error\|" "$OUT/cuda-attention-tests.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest attention error: /'
+    # Again with the grid target at one block (LLMQ_DECODE_WAVE=1): every block then takes as many
+    # sub-chunks as it can (up to 32), so the tests' short contexts run the sub-chunk loop too.
+    { echo "# $LLMQ_COMMIT: LLMQ_DECODE_WAVE=1 cuda.test -test.v -test.run 'TestAttention|TestLongContext|TestModelLogits|TestGreedy|TestWindowNLL|TestZoo'"
+      LLMQ_DECODE_WAVE=1 build/device/cuda.test -test.v -test.run 'TestAttention|TestLongContext|TestModelLogits|TestGreedy|TestWindowNLL|TestZoo' 2>&1; } > "$OUT/cuda-attention-tests-spans.log"
+    echo "attention tests, most sub-chunks a block: rc=$?"; grep -E "^(\s*--- |ok|FAIL)|Δlogit" "$OUT/cuda-attention-tests-spans.log" | grep -vE "^\s*--- PASS" | head -24
+    grep -E "max \|error\|" "$OUT/cuda-attention-tests-spans.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest attention error: /'
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
       build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1; } | tee "$OUT/attention-decode-h200.txt"
     for tool in memcheck racecheck; do
       log="$OUT/cuda-$tool-attention-h200.log"
       echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal'" > "$log"
       timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal' >> "$log" 2>&1
-      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+      LLMQ_DECODE_WAVE=1 timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode' >> "$log" 2>&1
+      echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -2 | tr "\n" " ")"
     done
     ;;
   schemes) # issue 17's table (evals/schemes.sh): its rows evaluated here on the GPU (STEPS=rows), SCHEME_ROWS of

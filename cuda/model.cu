@@ -413,22 +413,36 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
   if (threadIdx.x == 0) out[hd] = mx, out[hd + 1] = sum;
 }
 
-// attention_decode_kernel is attention_kernel's decoding case (chunks of
-// kDecodeChunk keys) built for memory-level parallelism: a decode step's
-// attention reads the whole cache once and does little arithmetic on it,
-// so its time is the latency of its loads unless many are in flight.
-// Each half-warp owns one key at a time, a lane one or two 16-byte slices
-// (VPL) of the key and value rows, and a lane issues the loads of all its
-// kSlots keys and values before it uses any: one round trip to memory per
-// block, where attention_kernel waits on 2·16/kUnroll of them. The GB
-// query heads of a GQA group that share the key head stay in registers,
-// scores are summed over the 16 lanes of a key (4 shuffles), and each warp
-// keeps its own softmax state (max m, sum l, output); the warps meet once,
-// in shared memory, and write the same (row, head, chunk) records as
-// attention_kernel for attention_combine. head_dim a multiple of 8, at
-// most 16·8·VPL.
+// attention_decode_kernel is attention_kernel's decoding case built for
+// memory-level parallelism: a decode step's attention reads the whole
+// cache once and does little arithmetic on it, so its time is the latency
+// of its loads unless many are in flight. A block takes `spans`
+// sub-chunks of kDecodeChunk (64) keys in turn — its chunk, whose record
+// attention_combine merges, is 64·spans keys — and a warp 16 keys of each
+// (one page of a paged cache). Each half-warp owns one key at a time, a
+// lane one or two 16-byte slices (VPL) of its keys' and values' rows,
+// which it copies into shared memory with cp.async, all of a sub-chunk's
+// at once: the keys in one group, the values in a second. The scores are
+// computed while the values are still on the way, and the next
+// sub-chunk's keys (values) are on the way while this one's values are
+// used (the next scores computed): the memory sees a block's loads back
+// to back, and the block's fixed costs — its row, query and page lookups,
+// its record — are paid once for `spans` sub-chunks, which the block
+// sizes from its row's length so that the work is about one wave (the
+// grid itself is fixed by the launch's key bound, as a CUDA graph
+// captures it). No register holds a load in
+// flight, so more blocks fit on an SM; a lane reads back only its own
+// copies, so the waits need no barrier. The GB query heads of a GQA
+// group that share the key head stay in registers, scores are summed
+// over the 16 lanes of a key (4 shuffles), each warp keeps its own
+// online softmax state (max m, sum l, output, rescaled when m grows), and
+// the warps meet once, in shared memory, to write the same (row, head,
+// chunk) records as attention_kernel. head_dim a multiple of 8, at most
+// 16·8·VPL.
 constexpr int kDecodeWarps = 4;
-constexpr int kSlots = kDecodeChunk / kDecodeWarps / 2;  // keys a lane loads: 8
+constexpr int kSlots = kDecodeChunk / kDecodeWarps / 2;  // keys a lane loads a sub-chunk: 8
+constexpr int kMaxSpans = 32;                            // sub-chunks a block (a lane looks up one's page)
+constexpr int kDecodeWaveBlocks = 4;                     // blocks an SM that attention() sizes the grid for
 
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
   const half2* h = reinterpret_cast<const half2*>(&u);
@@ -444,11 +458,24 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     attention_decode_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
-                            float scale, int window) {
+                            float scale, int window, int wave, int min_spans) {
   pdl_gate();  // before any global access: see common.cuh
-  extern __shared__ float smem[];  // [warps][GB] m, [warps][GB] l, [warps][GB][hd] outputs
+  // kSlots·VPL·2 uint4s a thread (its keys' and values' slices), then
+  // [warps][GB] m, [warps][GB] l, [warps][GB][hd] outputs in the same bytes
+  extern __shared__ uint4 decode_smem[];
+  float* smem = reinterpret_cast<float*>(decode_smem);
   const int t = blockIdx.x, h0 = blockIdx.y * GB, c = blockIdx.z, s = row_seq[t], n = row_pos[t] + 1;
-  const int j0 = max(c * kDecodeChunk, window > 0 ? n - window : 0), j1 = min(n, c * kDecodeChunk + kDecodeChunk);
+  // The row's sub-chunks a block: as many as would bring a grid of rows
+  // like this one to about `wave` blocks, and at least min_spans, for
+  // which the grid was sized (attention(): the launch's key bound, a CUDA
+  // graph's, is up to twice the rows' lengths); the blocks past the row's
+  // chunks only write empty records.
+  const int lo = window > 0 ? max(0, n - window) : 0;
+  const long work = (long)gridDim.x * gridDim.y * ((n - lo + kDecodeChunk - 1) / kDecodeChunk);
+  const long want = (work + wave - 1) / wave;
+  const int spans = want >= kMaxSpans ? kMaxSpans : want > min_spans ? (int)want : min_spans;
+  const int chunk = kDecodeChunk * spans;
+  const int j0 = max(c * chunk, lo), j1 = min(n, c * chunk + chunk);
   float* out = part + (((size_t)t * heads + h0) * gridDim.z + c) * (hd + 2);
   const size_t head_stride = (size_t)gridDim.z * (hd + 2);
   if (j0 >= j1) {  // beyond this row's keys, or before its window: an empty chunk
@@ -462,8 +489,48 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   bool on[VPL];
 #pragma unroll
   for (int i = 0; i < VPL; i++) on[i] = 8 * (tl + 16 * i) < hd;
-  float qf[GB][VPL][8];
   const half* qr = q + ((size_t)t * heads + h0) * hd;  // the GB heads are consecutive
+  // The warp's keys of sub-chunk j are pw + 64·j … +15, one cache span
+  // (cache_span): lane j looks up sub-chunk j's, once, before any copy.
+  static_assert(2 * kSlots == kPageTokens && kDecodeChunk % kPageTokens == 0, "a warp's keys are one cache span");
+  const int pw = c * chunk + warp * 2 * kSlots;
+  unsigned long long kj = 0, vj = 0;
+  if (lane < spans) {
+    const int p0 = pw + lane * kDecodeChunk;
+    if (p0 < j1 && p0 + 2 * kSlots > j0) {
+      half *K, *V;
+      cache_span(kv_base, kv_cap, s, layer, layers, p0, kv_dim, K, V);
+      kj = (unsigned long long)K, vj = (unsigned long long)V;  // the span's first row: lane-independent
+    }
+  }
+  // issue copies sub-chunk j's keys (kv 0) or values (1) into the lane's
+  // slots — slot k, slice i at stage[((k·VPL + i)·2 + kv)·T]: a warp's
+  // lanes touch consecutive 16 bytes — as one cp.async group (empty past
+  // the last sub-chunk); absent keys and slices are zero-filled. The whole
+  // warp calls it (a shuffle hands out the page).
+  constexpr int T = 32 * kDecodeWarps;
+  uint4* stage = decode_smem + threadIdx.x;
+  auto issue = [&](int kv, int j) {
+    const unsigned long long base = __shfl_sync(0xffffffffu, kv ? vj : kj, j & 31);
+    if (j < spans) {
+      const half* B = reinterpret_cast<const half*>(base) + (size_t)kg * kv_dim + kvh * hd;  // this lane's key row
+      const int p0 = pw + j * kDecodeChunk;
+#pragma unroll
+      for (int k = 0; k < kSlots; k++) {
+        const int jj = p0 + 2 * k + kg;
+#pragma unroll
+        for (int i = 0; i < VPL; i++) {
+          const bool ok = base != 0 && jj >= j0 && jj < j1 && on[i];
+          cp_async16_zfill(stage + ((k * VPL + i) * 2 + kv) * T, ok ? B + (size_t)2 * k * kv_dim + 8 * (tl + 16 * i) : qr,
+                           ok);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  issue(0, 0);
+  issue(1, 0);
+  float qf[GB][VPL][8];
 #pragma unroll
   for (int g = 0; g < GB; g++)
 #pragma unroll
@@ -474,83 +541,85 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
 #pragma unroll
       for (int e = 0; e < 8; e++) qf[g][i][e] *= scale;
     }
-  // Slot k of the lane is key c·chunk + warp·2·kSlots + 2·k + kg; every
-  // load is issued before the first is used.
-  // A warp's 2·kSlots keys are one span of the cache (cache_span): one
-  // pair of base pointers, read from the block table at most once.
-  static_assert(2 * kSlots == kPageTokens && kDecodeChunk % kPageTokens == 0, "a warp's keys are one cache span");
-  const int p0 = c * kDecodeChunk + warp * 2 * kSlots;
-  half *K = nullptr, *V = nullptr;
-  if (p0 < j1 && p0 + 2 * kSlots > j0) {
-    cache_span(kv_base, kv_cap, s, layer, layers, p0, kv_dim, K, V);
-    K += (size_t)kg * kv_dim + kvh * hd, V += (size_t)kg * kv_dim + kvh * hd;
-  }
-  uint4 kr[kSlots][VPL], vr[kSlots][VPL];
-  bool act[kSlots];
-#pragma unroll
-  for (int k = 0; k < kSlots; k++) {
-    const int j = p0 + 2 * k + kg;
-    act[k] = j >= j0 && j < j1;
-#pragma unroll
-    for (int i = 0; i < VPL; i++) {
-      kr[k][i] = vr[k][i] = make_uint4(0, 0, 0, 0);
-      if (act[k] && on[i]) {
-        const size_t off = (size_t)2 * k * kv_dim + 8 * (tl + 16 * i);
-        kr[k][i] = *reinterpret_cast<const uint4*>(K + off);
-        vr[k][i] = *reinterpret_cast<const uint4*>(V + off);
-      }
-    }
-  }
-  // Scores: each lane's partial dot product, summed over the half-warp.
-  float sc[kSlots][GB];
-#pragma unroll
-  for (int k = 0; k < kSlots; k++) {
-    float kf[VPL][8];
-#pragma unroll
-    for (int i = 0; i < VPL; i++) unpack8(kr[k][i], kf[i]);
-#pragma unroll
-    for (int g = 0; g < GB; g++) {
-      float d = 0.f;
-#pragma unroll
-      for (int i = 0; i < VPL; i++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) d += qf[g][i][e] * kf[i][e];
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-      sc[k][g] = d;
-    }
-  }
-  // The warp's softmax state over its keys (both half-warps).
+  // The warp's online softmax state over its keys (both half-warps share
+  // m; l and the output are the lane's until the end).
   float m[GB], l[GB], acc[GB][VPL][8];
 #pragma unroll
   for (int g = 0; g < GB; g++) {
-    m[g] = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < kSlots; k++)
-      if (act[k]) m[g] = fmaxf(m[g], sc[k][g]);
-    m[g] = fmaxf(m[g], __shfl_xor_sync(0xffffffffu, m[g], 16));
-    l[g] = 0.f;
+    m[g] = -INFINITY, l[g] = 0.f;
 #pragma unroll
     for (int i = 0; i < VPL; i++)
 #pragma unroll
       for (int e = 0; e < 8; e++) acc[g][i][e] = 0.f;
   }
+  for (int j = 0; j < spans; j++) {
+    bool act[kSlots];
 #pragma unroll
-  for (int k = 0; k < kSlots; k++) {
-    if (!act[k]) continue;
-    float vf[VPL][8];
+    for (int k = 0; k < kSlots; k++) {
+      const int jj = pw + j * kDecodeChunk + 2 * k + kg;
+      act[k] = jj >= j0 && jj < j1;
+    }
+    cp_async_wait<1>();  // sub-chunk j's keys
+    // Scores: each lane's partial dot product, summed over the half-warp.
+    float sc[kSlots][GB];
 #pragma unroll
-    for (int i = 0; i < VPL; i++) unpack8(vr[k][i], vf[i]);
+    for (int k = 0; k < kSlots; k++) {
+      float kf[VPL][8];
+#pragma unroll
+      for (int i = 0; i < VPL; i++) unpack8(stage[((k * VPL + i) * 2) * T], kf[i]);
+#pragma unroll
+      for (int g = 0; g < GB; g++) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < VPL; i++)
+#pragma unroll
+          for (int e = 0; e < 8; e++) d += qf[g][i][e] * kf[i][e];
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+        sc[k][g] = d;
+      }
+    }
+    asm volatile("" ::: "memory");  // the keys are read before their slots are refilled
+    issue(0, j + 1);
+    // The new max; what was summed so far is rescaled to it.
 #pragma unroll
     for (int g = 0; g < GB; g++) {
-      const float p = __expf(sc[k][g] - m[g]);
-      l[g] += p;
+      float mj = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < VPL; i++)
+      for (int k = 0; k < kSlots; k++)
+        if (act[k]) mj = fmaxf(mj, sc[k][g]);
+      mj = fmaxf(m[g], fmaxf(mj, __shfl_xor_sync(0xffffffffu, mj, 16)));
+      if (mj != -INFINITY) {  // the warp has seen a key
+        const float r = __expf(m[g] - mj);  // 0 for the first
+        l[g] *= r;
 #pragma unroll
-        for (int e = 0; e < 8; e++) acc[g][i][e] += p * vf[i][e];
+        for (int i = 0; i < VPL; i++)
+#pragma unroll
+          for (int e = 0; e < 8; e++) acc[g][i][e] *= r;
+        m[g] = mj;
+      }
     }
+    cp_async_wait<1>();  // sub-chunk j's values
+#pragma unroll
+    for (int k = 0; k < kSlots; k++) {
+      if (!act[k]) continue;
+      float vf[VPL][8];
+#pragma unroll
+      for (int i = 0; i < VPL; i++) unpack8(stage[((k * VPL + i) * 2 + 1) * T], vf[i]);
+#pragma unroll
+      for (int g = 0; g < GB; g++) {
+        const float p = __expf(sc[k][g] - m[g]);
+        l[g] += p;
+#pragma unroll
+        for (int i = 0; i < VPL; i++)
+#pragma unroll
+          for (int e = 0; e < 8; e++) acc[g][i][e] += p * vf[i][e];
+      }
+    }
+    asm volatile("" ::: "memory");  // the values are read before their slots are refilled
+    issue(1, j + 1);
   }
+  cp_async_wait<0>();
 #pragma unroll
   for (int g = 0; g < GB; g++) {
     l[g] += __shfl_xor_sync(0xffffffffu, l[g], 16);
@@ -559,7 +628,10 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
 #pragma unroll
       for (int e = 0; e < 8; e++) acc[g][i][e] += __shfl_xor_sync(0xffffffffu, acc[g][i][e], 16);
   }
-  // The warps meet: M = max_w m_w, o = Σ_w e^{m_w − M}·o_w, L likewise.
+  // The warps meet: M = max_w m_w, o = Σ_w e^{m_w − M}·o_w, L likewise,
+  // in the shared memory that held the block's keys and values once every
+  // lane is done with its copies.
+  __syncthreads();
   float* wm = smem;
   float* wl = wm + kDecodeWarps * GB;
   float* wo = wl + kDecodeWarps * GB;
@@ -1057,19 +1129,36 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   // (the scores of a whole row must fit in shared memory).
   const bool decode = T <= 64;
   const int chunk = decode ? kDecodeChunk : max_keys;
-  const int chunks = (max_keys + chunk - 1) / chunk;
+  int chunks = (max_keys + chunk - 1) / chunk;
   const float qscale = scale > 0 ? scale : 1.f / sqrtf((float)hd);
   if (decode && hd % 8 == 0 && hd <= 256 && ((uintptr_t)q & 15) == 0) {
     // attention_decode_kernel: up to 4 query heads of a GQA group a block
     // (2 for head_dim > 128), their q slices and scores in registers.
     const int group = heads / kv_heads, vpl = hd <= 128 ? 1 : 2;
     const int gb = group % 4 == 0 && vpl == 1 ? 4 : group % 2 == 0 ? 2 : 1;
-    const size_t smem = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float);
+    // The grid the kernel sizes each row's chunks for: one wave of
+    // kDecodeWaveBlocks blocks an SM. Every row takes at least the
+    // sub-chunks that rows of half the key bound would (min_spans), so
+    // the grid needs only chunks / min_spans blocks a head group.
+    const int wave = c->decode_wave > 0 ? c->decode_wave : c->sms * kDecodeWaveBlocks;
+    const long half_work = (long)T * (heads / gb) * ((chunks + 1) / 2);
+    const long half_want = (half_work + wave - 1) / wave;
+    const int min_spans = half_want >= kMaxSpans ? kMaxSpans : half_want > 1 ? (int)half_want : 1;
+    chunks = (chunks + min_spans - 1) / min_spans;
+    // Shared memory: the block's keys and values in flight, then the
+    // warps' meeting in the same bytes (whichever is larger).
+    const size_t meet = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float),
+                 kv = (size_t)kSlots * vpl * 2 * 32 * kDecodeWarps * sizeof(uint4), smem = meet > kv ? meet : kv;
     const dim3 grid(T, heads / gb, chunks);
+    // An instantiation over 48 KB asks for it once a context (bit VPL·10 + GB of decode_smem).
 #define LLMQ_DECODE(GB, VPL)                                                                                          \
+  if (smem > (48 << 10) && !(c->decode_smem >> (VPL * 10 + GB) & 1)) {                                                \
+    CK(cudaFuncSetAttribute(attention_decode_kernel<GB, VPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); \
+    c->decode_smem |= 1ull << (VPL * 10 + GB);                                                                         \
+  }                                                                                                                    \
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
-      window))
+      window, wave, min_spans))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;

@@ -37,7 +37,7 @@ func NewRecord(kind string, data map[string]any) Record {
 // tuningEnv are the environment variables the CUDA library reads to
 // change how it runs (runtime.cu's ctx_create): a result measured with one
 // set must say so.
-var tuningEnv = []string{"LLMQ_PDL", "LLMQ_W4_FUSED_MAX_M", "LLMQ_W4_GEMV_MAX_M", "LLMQ_W4_MMA_MAX_M"}
+var tuningEnv = []string{"LLMQ_DECODE_WAVE", "LLMQ_PDL", "LLMQ_W4_FUSED_MAX_M", "LLMQ_W4_GEMV_MAX_M", "LLMQ_W4_MMA_MAX_M"}
 
 // commandLine is the running command: the tuning variables that are set
 // (NAME=value), then the arguments, joined by spaces, unquoted.
