@@ -230,8 +230,12 @@ case "$1" in
   serve8b) # issue 16's serving rows: llmq bench serve on a synthetic llama3-8b W4 at 1, 8, 32, 64 streams
     TOK=$LLMQ_SHARED/models/${2:-llama-tiny}
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/s8b --force --tokenizer "$TOK" 2>&1 | tail -1
+    # llmq synth spells every id of the model (filler tokens past the tokenizer's), so each token streams
+    # text and the tokens are picked on the GPU; SERVE_LOGPROBS=1 asks for logprobs too (the host's
+    # log-softmax over every row, the file then -logprobs).
+    lp=; [ -n "${SERVE_LOGPROBS:-}" ] && lp="--logprobs"
     $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
-      --max-tokens ${SERVE_TOKENS:-128} --logprobs --json "$OUT/serve-h200-llama3-8b-w4.json" 2>&1 | grep -v "^\s*$"
+      --max-tokens ${SERVE_TOKENS:-128} $lp --json "$OUT/serve-h200-llama3-8b-w4${lp:+-logprobs}.json" 2>&1 | grep -v "^\s*$"
     ;;
   engine) # issue 16, items 3 and 6, on the GPU: the engine package's paged-cache tests with cuda.Model as the backend
     run='TestContinuousBatching|TestPreemption|TestPreemptScoredPrompt|TestNothingLostUnderLoad|TestCancelFreesBlocks|TestValidatePool'

@@ -259,6 +259,11 @@ func Synth(opt SynthOptions) error {
 			}
 			continue
 		}
+		if f == "tokenizer.json" {
+			if b, err = spellEveryID(b, p.Vocab); err != nil {
+				return &SynthOptionError{Field: "Tokenizer", Value: opt.Tokenizer, Err: err}
+			}
+		}
 		if err := os.WriteFile(filepath.Join(src, f), b, 0o644); err != nil {
 			return err
 		}
@@ -423,4 +428,69 @@ func synthGPTQ(name string, in, out int, g pack.Grid) *pack.Linear {
 		l.Zero[i] = uint8((g.MaxQ() + 1) / 2)
 	}
 	return l
+}
+
+// spellEveryID returns tokenizer.json with a BPE vocabulary of at least
+// vocab ids: the copied tokenizer's ids as they are, and each missing id
+// i as the token "synth<i>", which no merge produces (so no text encodes
+// to it) and which decodes to that text. A random-weight model picks ids
+// all over its vocabulary; with a smaller tokenizer (llama-tiny's 32,000
+// under llama3-8b's 128,256) most of its tokens would decode to nothing,
+// and a streaming server would send no event for them. Other model kinds
+// (Unigram, WordPiece) are returned unchanged.
+func spellEveryID(tokenizer []byte, vocab int) ([]byte, error) {
+	var top map[string]json.RawMessage
+	if err := json.Unmarshal(tokenizer, &top); err != nil {
+		return nil, fmt.Errorf("tokenizer.json: %w", err)
+	}
+	var model map[string]json.RawMessage
+	if err := json.Unmarshal(top["model"], &model); err != nil {
+		return nil, fmt.Errorf("tokenizer.json: model: %w", err)
+	}
+	var kind string
+	if err := json.Unmarshal(model["type"], &kind); err != nil || kind != "BPE" {
+		return tokenizer, nil
+	}
+	var ids map[string]int
+	if err := json.Unmarshal(model["vocab"], &ids); err != nil {
+		return nil, fmt.Errorf("tokenizer.json: model.vocab: %w", err)
+	}
+	used := make(map[int]bool, len(ids))
+	for _, id := range ids {
+		used[id] = true
+	}
+	var added []struct {
+		ID int `json:"id"`
+	}
+	if raw, ok := top["added_tokens"]; ok {
+		if err := json.Unmarshal(raw, &added); err != nil {
+			return nil, fmt.Errorf("tokenizer.json: added_tokens: %w", err)
+		}
+	}
+	for _, a := range added {
+		used[a.ID] = true
+	}
+	n := 0
+	for id := 0; id < vocab; id++ {
+		if used[id] {
+			continue
+		}
+		tok := "synth" + strconv.Itoa(id)
+		if _, taken := ids[tok]; taken {
+			return nil, fmt.Errorf("tokenizer.json: the filler token %q for id %d is already in the vocabulary", tok, id)
+		}
+		ids[tok] = id
+		n++
+	}
+	if n == 0 {
+		return tokenizer, nil
+	}
+	var err error
+	if model["vocab"], err = json.Marshal(ids); err != nil {
+		return nil, err
+	}
+	if top["model"], err = json.Marshal(model); err != nil {
+		return nil, err
+	}
+	return json.Marshal(top)
 }

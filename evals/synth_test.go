@@ -16,6 +16,7 @@ import (
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/llm/checkpoint"
+	"github.com/llmq/llmq/llm/tokenizer"
 	"github.com/llmq/llmq/pack"
 )
 
@@ -87,6 +88,53 @@ func TestSynth(t *testing.T) {
 	var oe *evals.SynthOptionError
 	if !errors.As(err, &oe) || oe.Field != "Bits" || err.Error() != "bits 5: want 3, 4 or 8 (GPTQ) or 16 (bf16)" {
 		t.Errorf("5 bits: %v", err)
+	}
+}
+
+// A preset whose vocabulary is larger than the copied tokenizer's gets a
+// tokenizer that spells every id: the copied ids decode and encode as
+// before, and each id past them decodes to its filler text ("synth<id>"),
+// which no text encodes to. With llama-tiny's 8,192 tokens under a
+// 40,000-token model, ids 8,192 and up would otherwise decode to "" (and
+// a streaming server would send nothing for them).
+func TestSynthSpellsEveryID(t *testing.T) {
+	arch := &evals.Preset{Hidden: 64, Intermediate: 128, Layers: 1, Heads: 2, KVHeads: 1, Vocab: 40000,
+		MaxPositions: 64, RopeTheta: 10000, Arch: "LlamaForCausalLM", ModelType: "llama"}
+	dir := filepath.Dir(shared.Path(t, "models/llama-tiny/tokenizer.json"))
+	out := filepath.Join(t.TempDir(), "m")
+	if err := evals.Synth(evals.SynthOptions{Arch: arch, Bits: 16, Group: 64, Tokenizer: dir, Out: out}); err != nil {
+		t.Fatal(err)
+	}
+	m, err := pack.OpenModel(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	orig, err := tokenizer.Load(filepath.Join(dir, "tokenizer.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok := m.Tokenizer
+	n := orig.VocabSize()
+	if tok.VocabSize() != 40000 || n >= 40000 {
+		t.Fatalf("vocabulary %d (copied from %d), want 40000", tok.VocabSize(), n)
+	}
+	text := "The history of the Roman Empire, in 3 volumes: déjà vu!"
+	if a, b := tok.Encode(text, true), orig.Encode(text, true); !slices.Equal(a, b) {
+		t.Errorf("encoding changed: %v, was %v", a, b)
+	}
+	for _, id := range []int{5, 1000, n - 1} {
+		if a, b := tok.Decode([]int{id}, false), orig.Decode([]int{id}, false); a != b {
+			t.Errorf("id %d decodes to %q, was %q", id, a, b)
+		}
+	}
+	for id := n; id < 40000; id++ {
+		if got, want := tok.Decode([]int{id}, true), fmt.Sprintf("synth%d", id); got != want {
+			t.Fatalf("id %d decodes to %q, want %q", id, got, want)
+		}
+	}
+	if ids := tok.Encode(fmt.Sprintf("synth%d", n), false); slices.Contains(ids, n) {
+		t.Errorf("the filler text encodes to its filler id: %v", ids)
 	}
 }
 

@@ -123,7 +123,7 @@ goroutines are left behind after shutdown.`,
 	f := cmd.Flags()
 	f.StringVar(&clients, "clients", "32", "concurrent streaming clients: a count, or a comma-separated list of levels run one after another")
 	f.IntVar(&load.Requests, "requests", 128, "requests in all, at each level")
-	f.BoolVar(&load.Logprobs, "logprobs", false, "ask for logprobs, so that every token streams an event: times the first token of a model whose tokenizer cannot spell its tokens (llmq synth's)")
+	f.BoolVar(&load.Logprobs, "logprobs", false, "ask for each token's logprob (the engine then copies every row's logits to the host and takes its log-softmax there); it also makes every token an event where a tokenizer cannot spell the model's ids")
 	f.IntVar(&perClient, "requests-per-client", 0, "requests at each level per client, in place of --requests (a level of 64 clients then runs as long as one of 1)")
 	f.IntVar(&load.MaxTokens, "max-tokens", 32, "max_tokens of each request")
 	f.StringVar(&load.Prompt, "prompt", "Tell me about the history of Rome", "user message")
