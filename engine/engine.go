@@ -827,7 +827,7 @@ func (e *Engine) run() {
 			}
 			pk := picks[i]
 			if !pk.ok { // the first token after a scored prompt
-				pk = s.pick(row)
+				pk = s.pick(row, 1)
 			}
 			id, lp := pk.id, pk.lp
 			if slices.Contains(e.Stop, id) {
@@ -859,11 +859,12 @@ type pick struct {
 	ok bool
 }
 
-// pick samples the next token from a row of logits.
-func (s *sequence) pick(row []float32) pick {
+// pick samples the next token from a row of logits, its logprobs (when
+// asked) over `parts` goroutines (llm.LogprobsIn).
+func (s *sequence) pick(row []float32, parts int) pick {
 	p := pick{id: s.sampler.Sample(row), ok: true}
 	if s.req.Logprobs {
-		v, top := llm.Logprobs(row, p.id, s.req.TopLogprobs)
+		v, top := llm.LogprobsIn(row, p.id, s.req.TopLogprobs, parts)
 		p.lp = &TokenLogprob{ID: p.id, Logprob: v, Top: top}
 	}
 	return p
@@ -873,11 +874,20 @@ func (s *sequence) pick(row []float32) pick {
 // batch that decodes (not refilling its cache, not scoring its prompt),
 // or takes the backend's pick where a step asked for it (the argmax, or a
 // draw's pick); the others' picks are left unset. Each sequence has its
-// own sampler.
+// own sampler. When fewer rows want logprobs than there are cores, each
+// such row's log-softmax is cut across the spare ones.
 func pickAll(batch []*sequence) []pick {
 	picks := make([]pick, len(batch))
 	var wg sync.WaitGroup
-	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
+	cores := runtime.GOMAXPROCS(0)
+	sem := make(chan struct{}, cores)
+	wanting := 0
+	for _, s := range batch {
+		if !s.refilling && !s.scoring && !s.picked && s.req.Logprobs {
+			wanting++
+		}
+	}
+	parts := max(1, cores/max(wanting, 1))
 	for i, s := range batch {
 		if s.refilling || s.scoring {
 			continue
@@ -890,7 +900,7 @@ func pickAll(batch []*sequence) []pick {
 		sem <- struct{}{}
 		go func() {
 			defer wg.Done()
-			picks[i] = s.pick(s.logits)
+			picks[i] = s.pick(s.logits, parts)
 			<-sem
 		}()
 	}

@@ -2,7 +2,9 @@ package llm_test
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"testing"
 
 	"github.com/llmq/llmq/internal/shared"
@@ -74,15 +76,21 @@ func BenchmarkArgmax(b *testing.B) {
 
 // BenchmarkLogprobs: one token's log-probability and its top 5 over
 // llama3's 128,256 logits, what the engine does per token when a request
-// asks for logprobs.
+// asks for logprobs: on one goroutine, and cut across every core
+// (LogprobsIn, what the engine does when a batch has fewer such rows than
+// cores).
 func BenchmarkLogprobs(b *testing.B) {
 	row := make([]float32, 128256)
 	for i := range row {
 		row[i] = float32((i*7919)%10007)/1000 - 5
 	}
-	b.SetBytes(int64(4 * len(row)))
-	for i := 0; i < b.N; i++ {
-		llm.Logprobs(row, 17, 5)
+	for _, parts := range []int{1, runtime.GOMAXPROCS(0)} {
+		b.Run(fmt.Sprintf("pieces%d", parts), func(b *testing.B) {
+			b.SetBytes(int64(4 * len(row)))
+			for i := 0; i < b.N; i++ {
+				llm.LogprobsIn(row, 17, 5, parts)
+			}
+		})
 	}
 }
 

@@ -58,3 +58,43 @@ func TestExp32(t *testing.T) {
 		logits[at] = 0
 	}
 }
+
+// LogprobsIn cut into 2 to 16 pieces gives Logprobs' answer: the same top
+// 20 ids in the same order — ties across pieces included (every value
+// repeats many times, so equal logits straddle the cuts) — and log p
+// within rounding of the serial sum.
+func TestLogprobsInPieces(t *testing.T) {
+	logits := make([]float32, 128257)
+	for i := range logits {
+		logits[i] = float32((i*7919)%1009) / 100 // 1009 distinct values, each about 127 times
+	}
+	lp, top := Logprobs(logits, 4242, 20)
+	for _, parts := range []int{2, 3, 5, 8, 16} {
+		lp2, top2 := LogprobsIn(logits, 4242, 20, parts)
+		if math.Abs(lp2-lp) > 1e-12*math.Abs(lp) {
+			t.Errorf("%d pieces: log p %v, serial %v", parts, lp2, lp)
+		}
+		if len(top2) != len(top) {
+			t.Fatalf("%d pieces: %d alternatives, serial %d", parts, len(top2), len(top))
+		}
+		for i := range top {
+			if top2[i].ID != top[i].ID || math.Abs(top2[i].Logprob-top[i].Logprob) > 1e-12*math.Abs(top[i].Logprob) {
+				t.Errorf("%d pieces: alternative %d is %+v, serial %+v", parts, i, top2[i], top[i])
+			}
+		}
+	}
+	// The top 20 are all the largest value (10.08), by increasing id, and
+	// reach past the first cut of 8 pieces (16,033 logits).
+	for i := 1; i < len(top); i++ {
+		if top[i].Logprob != top[0].Logprob || top[i].ID <= top[i-1].ID {
+			t.Fatalf("the serial top does not hold equal values by id: %+v", top)
+		}
+	}
+	if top[len(top)-1].ID < (len(logits)+7)/8 {
+		t.Errorf("the top ends at id %d, inside the first of 8 pieces: no tie straddles a cut", top[len(top)-1].ID)
+	}
+	logits[70000] = float32(math.NaN()) // in a later piece: every answer NaN, as serially
+	if lp, top := LogprobsIn(logits, 1, 3, 4); !math.IsNaN(lp) || len(top) != 3 || !math.IsNaN(top[0].Logprob) {
+		t.Errorf("NaN in a piece: log p %v, top %+v", lp, top)
+	}
+}
