@@ -8,6 +8,7 @@
 #   make e2e     drive llmq serve with the official openai npm package
 #   make gguf-check  llmq export gguf read back by @huggingface/gguf (npm)
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
+#   make cuda-check  compile-check cuda/*.cu without a GPU (cuda/local-check.sh)
 #   make schemes the quantization-scheme table for MODEL (evals/schemes.sh;
 #                WINDOWS=N for the first N WikiText-2 windows only)
 
@@ -33,7 +34,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test test-full fuzz e2e gguf-check demo cuda bench clean fmt device schemes
+.PHONY: build test test-full fuzz e2e gguf-check demo cuda cuda-check bench clean fmt device schemes
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen,
 # without DWARF (-s -w: a quarter smaller, so more assets fit in the
@@ -129,6 +130,12 @@ bench:
 	go test $(GOFLAGS_TAGS) -run XX -bench . -benchtime 3x ./llm/
 
 cuda: build/libllmqcuda.so
+
+# A compile-only check of the CUDA library without a GPU or a CUDA install
+# (cuda/local-check.sh: Debian's nvcc 12.4, fetched once into
+# ~/.cache/llmq-nvcc): errors, warnings and registers before a device call.
+cuda-check:
+	bash cuda/local-check.sh
 
 build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 	@mkdir -p build

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# A compile-only check of the CUDA library where there is no GPU and no CUDA
+# install (this machine, CI's): every cuda/*.cu (or the files named) built
+# with the Makefile's flags for sm_90a and sm_80, through ptxas, then
+# linked with no undefined symbols; errors, warnings and each kernel's
+# registers and spills are printed. It catches C++, PTX and register
+# mistakes before a device call costs device time. The compiler is Debian
+# trixie's nvcc 12.4 (packages nvidia-cuda-toolkit, nvidia-cuda-dev and
+# libcu++-dev from Debian's non-free archive, about 1 GB), unpacked into
+# $LLMQ_NVCC_ROOT (default ~/.cache/llmq-nvcc) on first use, not
+# installed; the device's nvcc is 13, so what only 13 rejects still shows
+# there first.
+#
+#   bash cuda/local-check.sh                 # every cuda/*.cu
+#   bash cuda/local-check.sh cuda/w4a16.cu   # one file
+#
+# Logs and objects go to build/local-check/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=${LLMQ_NVCC_ROOT:-$HOME/.cache/llmq-nvcc}
+if [ ! -x "$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc" ]; then
+  echo "local-check: fetching Debian trixie's CUDA 12.4 toolkit into $ROOT (about 1 GB, once)"
+  apt=$(mktemp -d)
+  trap 'rm -rf "$apt"' EXIT
+  mkdir -p "$apt/lists/partial" "$apt/debs" "$ROOT"
+  echo "deb http://deb.debian.org/debian trixie main contrib non-free" > "$apt/sources.list"
+  # apt with its own sources and lists: the machine's configuration is left alone.
+  opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null -o "Dir::State::Lists=$apt/lists"
+        -o APT::Get::List-Cleanup=0)
+  apt-get "${opts[@]}" update -qq || { echo "local-check: apt-get update failed" >&2; exit 1; }
+  (cd "$apt/debs" && apt-get "${opts[@]}" download nvidia-cuda-toolkit nvidia-cuda-dev libcu++-dev) ||
+    { echo "local-check: downloading the toolkit failed" >&2; exit 1; }
+  for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$ROOT" || exit 1; done
+fi
+export PATH="$ROOT/usr/lib/nvidia-cuda-toolkit/bin:$ROOT/usr/bin:$PATH"
+cxx=$(command -v g++-12 || command -v g++)
+out=build/local-check
+mkdir -p "$out"
+files=("$@")
+[ ${#files[@]} = 0 ] && files=(cuda/*.cu)
+rc=0
+for f in "${files[@]}"; do
+  b=$(basename "$f" .cu)
+  nvcc -ccbin "$cxx" -O3 -std=c++17 -Xptxas -v -Xcompiler -fPIC,-fvisibility=hidden \
+    -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80 -c "$f" -o "$out/$b.o" > "$out/$b.log" 2>&1
+  r=$?
+  [ $r != 0 ] && rc=$r
+  echo "$f: rc=$r, $(grep -c ' error' "$out/$b.log") errors, $(grep -cE 'warning #' "$out/$b.log") warnings"
+  grep -E " error|warning #" "$out/$b.log" | head -20
+done
+if [ $rc = 0 ] && [ $# = 0 ]; then  # the whole library: it links with no symbol missing
+  nvcc -ccbin "$cxx" -shared -Xlinker --no-undefined -o "$out/libllmqcuda.so" "$out"/*.o -lcublas -lcusolver -L"$ROOT/usr/lib/x86_64-linux-gnu" \
+    > "$out/link.log" 2>&1 || { echo "link failed:"; tail -20 "$out/link.log"; rc=1; }
+  [ $rc = 0 ] && echo "linked $out/libllmqcuda.so"
+fi
+# Registers and spills of each sm_90a kernel, as ptxas reported them.
+for f in "$out"/*.log; do
+  awk -F"'" '/Compiling entry function/ { name = $2; want = /sm_90a/ }
+             want && /Used [0-9]+ registers/ { sub(/.*Used /, ""); print name "\t" $0; want = 0 }' "$f"
+done | while IFS=$'\t' read -r name regs; do
+  # the demangled name without its parameter list (the last top-level parentheses)
+  printf '%s\t%s\n' "$(cu++filt "$name" | sed -E 's/^void //; s/(llmq::)?<unnamed>:://g; s/\([^()]*(\([^()]*\)[^()]*)*\)$//')" "$regs"
+done > "$out/registers.txt"
+echo "sm_90a registers: $out/registers.txt ($(wc -l < "$out/registers.txt") kernels)"
+exit $rc
