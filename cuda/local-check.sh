@@ -26,11 +26,21 @@ if [ ! -x "$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc" ]; then
   echo "deb http://deb.debian.org/debian trixie main contrib non-free" > "$apt/sources.list"
   # apt with its own sources and lists: the machine's configuration is left alone.
   opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null -o "Dir::State::Lists=$apt/lists"
-        -o APT::Get::List-Cleanup=0)
+        -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
   apt-get "${opts[@]}" update -qq || { echo "local-check: apt-get update failed" >&2; exit 1; }
   (cd "$apt/debs" && apt-get "${opts[@]}" download nvidia-cuda-toolkit nvidia-cuda-dev libcu++-dev) ||
     { echo "local-check: downloading the toolkit failed" >&2; exit 1; }
   for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$ROOT" || exit 1; done
+fi
+# The package's nvcc.profile links to /etc's, which names /usr: this one
+# names the unpacked tree instead (headers, libdevice, libraries).
+profile="$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc.profile"
+if [ -L "$profile" ] || ! grep -q "$ROOT" "$profile" 2>/dev/null; then
+  rm -f "$profile"
+  printf '%s\n' "NVVMIR_LIBRARY_DIR = $ROOT/usr/lib/nvidia-cuda-toolkit/libdevice" \
+    "PATH += $ROOT/usr/lib/nvidia-cuda-toolkit/bin:$ROOT/usr/bin:" \
+    "INCLUDES += \"-I$ROOT/usr/include\" \$(_SPACE_)" \
+    "LIBRARIES =+ \$(_SPACE_) -L$ROOT/usr/lib/x86_64-linux-gnu/stubs -L$ROOT/usr/lib/x86_64-linux-gnu" > "$profile"
 fi
 export PATH="$ROOT/usr/lib/nvidia-cuda-toolkit/bin:$ROOT/usr/bin:$PATH"
 cxx=$(command -v g++-12 || command -v g++)
