@@ -14,10 +14,11 @@
 #   bash cuda/local-check.sh                 # every cuda/*.cu
 #   bash cuda/local-check.sh cuda/w4a16.cu   # one file
 #
-# Logs and objects go to build/local-check/.
+# Logs and objects go to build/local-check/. Exit status: 0 built, 1 a
+# file failed to build or link, 3 the toolkit could not be fetched.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=${LLMQ_NVCC_ROOT:-$HOME/.cache/llmq-nvcc}
+ROOT=${LLMQ_NVCC_ROOT:-${HOME:-/tmp}/.cache/llmq-nvcc}
 if [ ! -x "$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc" ]; then
   echo "local-check: fetching Debian trixie's CUDA 12.4 toolkit into $ROOT (about 1 GB, once)"
   apt=$(mktemp -d)
@@ -27,10 +28,11 @@ if [ ! -x "$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc" ]; then
   # apt with its own sources and lists: the machine's configuration is left alone.
   opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null -o "Dir::State::Lists=$apt/lists"
         -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
-  apt-get "${opts[@]}" update -qq || { echo "local-check: apt-get update failed" >&2; exit 1; }
+  # Exit status 3: the toolkit could not be had (no network, no mirror), as opposed to a failed build.
+  apt-get "${opts[@]}" update -qq || { echo "local-check: apt-get update failed" >&2; exit 3; }
   (cd "$apt/debs" && apt-get "${opts[@]}" download nvidia-cuda-toolkit nvidia-cuda-dev libcu++-dev) ||
-    { echo "local-check: downloading the toolkit failed" >&2; exit 1; }
-  for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$ROOT" || exit 1; done
+    { echo "local-check: downloading the toolkit failed" >&2; exit 3; }
+  for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$ROOT" || { rm -rf "$ROOT"; exit 3; }; done
 fi
 # The package's nvcc.profile links to /etc's, which names /usr: this one
 # names the unpacked tree instead (headers, libdevice, libraries).
