@@ -233,7 +233,7 @@ case "$1" in
     # llmq synth spells every id of the model (filler tokens past the tokenizer's), so each token streams
     # text and the tokens are picked on the GPU; SERVE_LOGPROBS=1 asks for logprobs too (the host's
     # log-softmax over every row, the file then -logprobs).
-    lp=; [ -n "${SERVE_LOGPROBS:-}" ] && lp="--logprobs"
+    lp=; [ "${SERVE_LOGPROBS:-0}" = 1 ] && lp="--logprobs"
     $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
       --max-tokens ${SERVE_TOKENS:-128} $lp --json "$OUT/serve-h200-llama3-8b-w4${lp:+-logprobs}.json" 2>&1 | grep -v "^\s*$"
     ;;

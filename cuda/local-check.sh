@@ -17,13 +17,15 @@
 # Logs and objects go to build/local-check/. Exit status: 0 built, 1 a
 # file failed to build or link, 3 the toolkit could not be fetched.
 set -uo pipefail
+files=()
+for f in "$@"; do files+=("$(realpath "$f")"); done  # before the cd below
 cd "$(dirname "$0")/.."
 ROOT=${LLMQ_NVCC_ROOT:-${HOME:-/tmp}/.cache/llmq-nvcc}
-if [ ! -x "$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc" ]; then
+if [ ! -e "$ROOT/.llmq-complete" ]; then
   echo "local-check: fetching Debian trixie's CUDA 12.4 toolkit into $ROOT (about 1 GB, once)"
   apt=$(mktemp -d)
   trap 'rm -rf "$apt"' EXIT
-  mkdir -p "$apt/lists/partial" "$apt/debs" "$ROOT"
+  mkdir -p "$apt/lists/partial" "$apt/debs" "$apt/root"
   echo "deb http://deb.debian.org/debian trixie main contrib non-free" > "$apt/sources.list"
   # apt with its own sources and lists: the machine's configuration is left alone.
   opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null -o "Dir::State::Lists=$apt/lists"
@@ -32,12 +34,17 @@ if [ ! -x "$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc" ]; then
   apt-get "${opts[@]}" update -qq || { echo "local-check: apt-get update failed" >&2; exit 3; }
   (cd "$apt/debs" && apt-get "${opts[@]}" download nvidia-cuda-toolkit nvidia-cuda-dev libcu++-dev) ||
     { echo "local-check: downloading the toolkit failed" >&2; exit 3; }
-  for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$ROOT" || { rm -rf "$ROOT"; exit 3; }; done
+  # Unpacked beside, then moved into place whole: a failure leaves ROOT as it was.
+  for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$apt/root" || exit 3; done
+  touch "$apt/root/.llmq-complete"
+  mkdir -p "$(dirname "$ROOT")" && rm -rf "$ROOT.partial" && mv "$apt/root" "$ROOT.partial" &&
+    { [ ! -e "$ROOT" ] || [ -z "$(ls -A "$ROOT")" ] || { echo "local-check: $ROOT exists and is not a complete toolkit: remove it" >&2; exit 3; }; } &&
+    rm -rf "$ROOT" && mv "$ROOT.partial" "$ROOT" || exit 3
 fi
 # The package's nvcc.profile links to /etc's, which names /usr: this one
 # names the unpacked tree instead (headers, libdevice, libraries).
 profile="$ROOT/usr/lib/nvidia-cuda-toolkit/bin/nvcc.profile"
-if [ -L "$profile" ] || ! grep -q "$ROOT" "$profile" 2>/dev/null; then
+if [ -L "$profile" ] || ! grep -qF "$ROOT" "$profile" 2>/dev/null; then
   rm -f "$profile"
   printf '%s\n' "NVVMIR_LIBRARY_DIR = $ROOT/usr/lib/nvidia-cuda-toolkit/libdevice" \
     "PATH += $ROOT/usr/lib/nvidia-cuda-toolkit/bin:$ROOT/usr/bin:" \
@@ -45,22 +52,24 @@ if [ -L "$profile" ] || ! grep -q "$ROOT" "$profile" 2>/dev/null; then
     "LIBRARIES =+ \$(_SPACE_) -L$ROOT/usr/lib/x86_64-linux-gnu/stubs -L$ROOT/usr/lib/x86_64-linux-gnu" > "$profile"
 fi
 export PATH="$ROOT/usr/lib/nvidia-cuda-toolkit/bin:$ROOT/usr/bin:$PATH"
-cxx=$(command -v g++-12 || command -v g++)
+# nvcc 12.4 takes gcc 13 at most.
+cxx=$(command -v g++-12 || command -v g++-13 || command -v g++-11 || command -v g++)
 out=build/local-check
+rm -rf "$out"  # this run's files only: an object left by an older run must not join the link
 mkdir -p "$out"
-files=("$@")
-[ ${#files[@]} = 0 ] && files=(cuda/*.cu)
+whole=0
+[ ${#files[@]} = 0 ] && files=(cuda/*.cu) && whole=1
 rc=0
 for f in "${files[@]}"; do
   b=$(basename "$f" .cu)
   nvcc -ccbin "$cxx" -O3 -std=c++17 -Xptxas -v -Xcompiler -fPIC,-fvisibility=hidden \
     -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80 -c "$f" -o "$out/$b.o" > "$out/$b.log" 2>&1
   r=$?
-  [ $r != 0 ] && rc=$r
+  [ $r != 0 ] && rc=1
   echo "$f: rc=$r, $(grep -c ' error' "$out/$b.log") errors, $(grep -cE 'warning #' "$out/$b.log") warnings"
   grep -E " error|warning #" "$out/$b.log" | head -20
 done
-if [ $rc = 0 ] && [ $# = 0 ]; then  # the whole library: it links with no symbol missing
+if [ $rc = 0 ] && [ $whole = 1 ]; then  # the whole library: it links with no symbol missing
   nvcc -ccbin "$cxx" -shared -Xlinker --no-undefined -o "$out/libllmqcuda.so" "$out"/*.o -lcublas -lcusolver -L"$ROOT/usr/lib/x86_64-linux-gnu" \
     > "$out/link.log" 2>&1 || { echo "link failed:"; tail -20 "$out/link.log"; rc=1; }
   [ $rc = 0 ] && echo "linked $out/libllmqcuda.so"

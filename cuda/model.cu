@@ -16,6 +16,7 @@
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <algorithm>
 #include <limits.h>
 #include <math.h>
 #include "common.cuh"
@@ -442,6 +443,7 @@ __global__ void attention_kernel(const half* __restrict__ q, float* __restrict__
 constexpr int kDecodeWarps = 4;
 constexpr int kSlots = kDecodeChunk / kDecodeWarps / 2;  // keys a lane loads a sub-chunk: 8
 constexpr int kMaxSpans = 32;                            // sub-chunks a block (a lane looks up one's page)
+static_assert(kMaxSpans <= 32, "lane j of a warp looks up sub-chunk j's page");
 constexpr int kDecodeWaveBlocks = 4;                     // blocks an SM that attention() sizes the grid for
 
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
@@ -1141,7 +1143,9 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     // sub-chunks that rows of half the key bound would (min_spans), so
     // the grid needs only chunks / min_spans blocks a head group.
     const int wave = c->decode_wave > 0 ? c->decode_wave : c->sms * kDecodeWaveBlocks;
-    const long half_work = (long)T * (heads / gb) * ((chunks + 1) / 2);
+    // (A sliding window bounds a row's keys below the key bound.)
+    const int span_chunks = window > 0 ? std::min(chunks, (window + kDecodeChunk - 1) / kDecodeChunk + 1) : chunks;
+    const long half_work = (long)T * (heads / gb) * ((span_chunks + 1) / 2);
     const long half_want = (half_work + wave - 1) / wave;
     const int min_spans = half_want >= kMaxSpans ? kMaxSpans : half_want > 1 ? (int)half_want : 1;
     chunks = (chunks + min_spans - 1) / min_spans;

@@ -874,20 +874,20 @@ func (s *sequence) pick(row []float32, parts int) pick {
 // batch that decodes (not refilling its cache, not scoring its prompt),
 // or takes the backend's pick where a step asked for it (the argmax, or a
 // draw's pick); the others' picks are left unset. Each sequence has its
-// own sampler. When fewer rows want logprobs than there are cores, each
-// such row's log-softmax is cut across the spare ones.
+// own sampler. When fewer rows pick on the host than there are cores,
+// each row that wants logprobs cuts its log-softmax across the spare ones.
 func pickAll(batch []*sequence) []pick {
 	picks := make([]pick, len(batch))
 	var wg sync.WaitGroup
 	cores := runtime.GOMAXPROCS(0)
 	sem := make(chan struct{}, cores)
-	wanting := 0
+	onHost := 0 // rows sampled here, each a goroutine
 	for _, s := range batch {
-		if !s.refilling && !s.scoring && !s.picked && s.req.Logprobs {
-			wanting++
+		if !s.refilling && !s.scoring && !s.picked {
+			onHost++
 		}
 	}
-	parts := max(1, cores/max(wanting, 1))
+	parts := max(1, cores/max(onHost, 1))
 	for i, s := range batch {
 		if s.refilling || s.scoring {
 			continue

@@ -430,14 +430,16 @@ func synthGPTQ(name string, in, out int, g pack.Grid) *pack.Linear {
 	return l
 }
 
-// spellEveryID returns tokenizer.json with a BPE vocabulary of at least
-// vocab ids: the copied tokenizer's ids as they are, and each missing id
-// i as the token "synth<i>", which no merge produces (so no text encodes
-// to it) and which decodes to that text. A random-weight model picks ids
-// all over its vocabulary; with a smaller tokenizer (llama-tiny's 32,000
-// under llama3-8b's 128,256) most of its tokens would decode to nothing,
-// and a streaming server would send no event for them. Other model kinds
-// (Unigram, WordPiece) are returned unchanged.
+// spellEveryID returns tokenizer.json with a BPE vocabulary covering ids
+// 0 … vocab−1: the copied tokenizer's ids as they are, and each id it
+// lacks (past its end, or a gap) as the token "synth<i>", which decodes to
+// that text. No merge produces a filler; only a tokenizer that emits whole
+// vocabulary words (ignore_merges) with a pre-tokenizer that keeps
+// "synth<i>" in one piece would encode that text to it. A random-weight
+// model picks ids all over its vocabulary; with a smaller tokenizer
+// (llama-tiny's 8,192 under llama3-8b's 128,256) most of its tokens would
+// decode to nothing, and a streaming server would send no event for them.
+// Other model kinds (Unigram, WordPiece) are returned unchanged.
 func spellEveryID(tokenizer []byte, vocab int) ([]byte, error) {
 	var top map[string]json.RawMessage
 	if err := json.Unmarshal(tokenizer, &top); err != nil {
@@ -454,6 +456,9 @@ func spellEveryID(tokenizer []byte, vocab int) ([]byte, error) {
 	var ids map[string]int
 	if err := json.Unmarshal(model["vocab"], &ids); err != nil {
 		return nil, fmt.Errorf("tokenizer.json: model.vocab: %w", err)
+	}
+	if ids == nil {
+		return nil, fmt.Errorf("tokenizer.json: model.vocab: missing (want an object of token → id)")
 	}
 	used := make(map[int]bool, len(ids))
 	for _, id := range ids {
@@ -487,10 +492,14 @@ func spellEveryID(tokenizer []byte, vocab int) ([]byte, error) {
 	}
 	var err error
 	if model["vocab"], err = json.Marshal(ids); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("tokenizer.json: writing model.vocab: %w", err)
 	}
 	if top["model"], err = json.Marshal(model); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("tokenizer.json: writing model: %w", err)
 	}
-	return json.Marshal(top)
+	out, err := json.Marshal(top)
+	if err != nil {
+		return nil, fmt.Errorf("tokenizer.json: %w", err)
+	}
+	return out, nil
 }

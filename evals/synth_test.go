@@ -93,8 +93,8 @@ func TestSynth(t *testing.T) {
 
 // A preset whose vocabulary is larger than the copied tokenizer's gets a
 // tokenizer that spells every id: the copied ids decode and encode as
-// before, and each id past them decodes to its filler text ("synth<id>"),
-// which no text encodes to. With llama-tiny's 8,192 tokens under a
+// before, and each id past them decodes to its filler text ("synth<id>").
+// With llama-tiny's 8,192 tokens under a
 // 40,000-token model, ids 8,192 and up would otherwise decode to "" (and
 // a streaming server would send nothing for them).
 func TestSynthSpellsEveryID(t *testing.T) {
@@ -132,9 +132,6 @@ func TestSynthSpellsEveryID(t *testing.T) {
 		if got, want := tok.Decode([]int{id}, true), fmt.Sprintf("synth%d", id); got != want {
 			t.Fatalf("id %d decodes to %q, want %q", id, got, want)
 		}
-	}
-	if ids := tok.Encode(fmt.Sprintf("synth%d", n), false); slices.Contains(ids, n) {
-		t.Errorf("the filler text encodes to its filler id: %v", ids)
 	}
 }
 

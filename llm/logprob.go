@@ -169,16 +169,6 @@ func mergeTop(a, b []Logprob, k int) []Logprob {
 	return out
 }
 
-// logSumExp32 is logSumExp with float32 exponentials (exp32), summed in
-// float64 (sumExp32); NaN when a logit is.
-func logSumExp32(logits []float32) float64 {
-	mx, nan := rowMax(logits)
-	if nan {
-		return math.NaN()
-	}
-	return float64(mx) + math.Log(sumExp32(logits, mx))
-}
-
 // sumExp32 is Σ exp(x − mx) with float32 exponentials (exp32), summed in
 // float64 in four interleaved partial sums (independent chains the CPU
 // overlaps); terms below e⁻⁸⁷ (near the bottom of float32's normal range,

@@ -29,9 +29,9 @@ func TestLogprobs(t *testing.T) {
 	}
 }
 
-// exp32 against math.Exp over its range, and logSumExp32 against the
-// float64 logSumExp (NLL's) on a vocabulary of spread-out logits: within
-// the accuracy Logprobs promises.
+// exp32 against math.Exp over its range, and the log Σ exp of Logprobs
+// against the float64 logSumExp (NLL's) on a vocabulary of spread-out
+// logits: within the accuracy Logprobs promises.
 func TestExp32(t *testing.T) {
 	worst := 0.0
 	for x := float32(-87); x <= 0; x += 0.00173 {
@@ -46,8 +46,13 @@ func TestExp32(t *testing.T) {
 	for i := range logits {
 		logits[i] = float32((i*7919)%10007)/400 - 12
 	}
-	if d := math.Abs(logSumExp32(logits) - logSumExp(logits)); d > 1e-6 {
-		t.Errorf("logSumExp32 differs from logSumExp by %.2e", d)
+	// log p = logit − log Σ exp: LogprobsIn's log Σ exp against the float64
+	// logSumExp (NLL's), whole and in pieces.
+	for _, parts := range []int{1, 4} {
+		lp, _ := LogprobsIn(logits, 3, 0, parts)
+		if d := math.Abs((float64(logits[3]) - lp) - logSumExp(logits)); d > 1e-6 {
+			t.Errorf("%d pieces: log Σ exp differs from logSumExp by %.2e", parts, d)
+		}
 	}
 	// A NaN logit (a broken model) gives NaN, not a made-up distribution.
 	for _, at := range []int{0, 5} {
@@ -66,7 +71,10 @@ func TestExp32(t *testing.T) {
 func TestLogprobsInPieces(t *testing.T) {
 	logits := make([]float32, 128257)
 	for i := range logits {
-		logits[i] = float32((i*7919)%1009) / 100 // 1009 distinct values, each about 127 times
+		logits[i] = float32((i*7919)%1009) / 100 // values below 10.08
+	}
+	for i := 0; i < 20; i++ {
+		logits[i*6411] = 20 // the top 20, equal, spread over the row: ties straddle every cut below
 	}
 	lp, top := Logprobs(logits, 4242, 20)
 	for _, parts := range []int{2, 3, 5, 8, 16} {
@@ -83,15 +91,11 @@ func TestLogprobsInPieces(t *testing.T) {
 			}
 		}
 	}
-	// The top 20 are all the largest value (10.08), by increasing id, and
-	// reach past the first cut of 8 pieces (16,033 logits).
-	for i := 1; i < len(top); i++ {
-		if top[i].Logprob != top[0].Logprob || top[i].ID <= top[i-1].ID {
-			t.Fatalf("the serial top does not hold equal values by id: %+v", top)
+	// The top 20 are the equal 20s, by increasing id (0, 6411, …, 121809).
+	for i := range top {
+		if top[i].ID != i*6411 || top[i].Logprob != top[0].Logprob {
+			t.Fatalf("the serial top is not the tied 20s by id: %+v", top)
 		}
-	}
-	if top[len(top)-1].ID < (len(logits)+7)/8 {
-		t.Errorf("the top ends at id %d, inside the first of 8 pieces: no tie straddles a cut", top[len(top)-1].ID)
 	}
 	logits[70000] = float32(math.NaN()) // in a later piece: every answer NaN, as serially
 	if lp, top := LogprobsIn(logits, 1, 3, 4); !math.IsNaN(lp) || len(top) != 3 || !math.IsNaN(top[0].Logprob) {
