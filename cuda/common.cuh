@@ -30,9 +30,8 @@ struct llmq_ctx {
   int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int fused_max_m = 64;
   int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
-  size_t attn_smem = 48 << 10;
-  bool sample_smem = false;  // sample_kernel's dynamic shared memory allowed (sample.cu)
-  uint64_t decode_smem = 0;  // attention_decode_kernel instantiations allowed over 48 KB (model.cu)
+  // The dynamic shared memory each kernel is allowed, where over 48 KB (allow_smem).
+  std::unordered_map<const void*, size_t> smem_allowed;
   int decode_wave = 0;  // the decode attention's grid target in blocks (0: 4 an SM; LLMQ_DECODE_WAVE, for tests)
   // Programmatic dependent launch of the model kernels (launch()).
   bool pdl = false;
@@ -70,6 +69,19 @@ void set_error(llmq_ctx* c, const char* fmt, ...);
       return 1;                                                           \
     }                                                                     \
   } while (0)
+
+// allow_smem lets kernel launch with `bytes` of dynamic shared memory:
+// over the 48 KB every kernel gets it must ask, once a context for the
+// most it launches with (c->smem_allowed remembers).
+template <typename Kernel>
+int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
+  if (bytes <= (48u << 10)) return 0;
+  size_t& have = c->smem_allowed[reinterpret_cast<const void*>(kernel)];
+  if (have >= bytes) return 0;
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  have = bytes;
+  return 0;
+}
 
 // Programmatic dependent launch (Hopper, LLMQ_PDL=1, off by default):
 // launch() then lets a kernel be scheduled while the kernel before it on

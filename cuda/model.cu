@@ -1154,12 +1154,8 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const size_t meet = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float),
                  kv = (size_t)kSlots * vpl * 2 * 32 * kDecodeWarps * sizeof(uint4), smem = meet > kv ? meet : kv;
     const dim3 grid(T, heads / gb, chunks);
-    // An instantiation over 48 KB asks for it once a context (bit VPL·10 + GB of decode_smem).
 #define LLMQ_DECODE(GB, VPL)                                                                                          \
-  if (smem > (48 << 10) && !(c->decode_smem >> (VPL * 10 + GB) & 1)) {                                                \
-    CK(cudaFuncSetAttribute(attention_decode_kernel<GB, VPL>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)); \
-    c->decode_smem |= 1ull << (VPL * 10 + GB);                                                                         \
-  }                                                                                                                    \
+  if (allow_smem(c, attention_decode_kernel<GB, VPL>, smem)) return 1;                                                 \
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
       window, wave, min_spans))
@@ -1174,10 +1170,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     CK_LAUNCH("attention_decode_kernel");
   } else {
     const size_t smem = (size_t)(hd + chunk + 4 * hd) * sizeof(float);
-    if (smem > c->attn_smem) {
-      CK(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      c->attn_smem = smem;
-    }
+    if (allow_smem(c, attention_kernel, smem)) return 1;
     CK(launch(c, (attention_kernel), dim3(T, heads, chunks), 128, smem, (const half*)q, (float*)workspace, row_seq, row_pos,
                                                                        kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
                                                                        qscale, chunk, window));

@@ -254,10 +254,7 @@ int sample_rows(llmq_ctx* c, const float* logits, const double* params, int32_t*
     set_error(c, "sample_rows: %d rows of %d logits (want positive counts)", T, V);
     return 1;
   }
-  if (!c->sample_smem) {
-    CK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSampleSmem));
-    c->sample_smem = true;
-  }
+  if (allow_smem(c, sample_kernel, kSampleSmem)) return 1;
   CK(launch(c, (sample_kernel), T, kThreads, kSampleSmem, logits, params, out, V));
   return 0;
 }

@@ -37,6 +37,7 @@
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <type_traits>
+#include <utility>
 #include "common.cuh"
 
 namespace {
@@ -883,22 +884,36 @@ template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift);
 
+// with_variant calls f(V, BITS), the two as std::integral_constant, for a
+// variant index v in [0, N) and a code width known only at run time (8,
+// or 4 for 2- to 4-bit codes): the one switch from the plan's numbers to a
+// kernel instantiation, as with_gemv and with_mma use it.
+template <typename F, int... Vs>
+int with_variant_in(std::integer_sequence<int, Vs...>, int v, int bits, F& f) {
+  int rc = 1;
+  ((v == Vs && (rc = bits == 8 ? f(std::integral_constant<int, Vs>{}, std::integral_constant<int, 8>{})
+                               : f(std::integral_constant<int, Vs>{}, std::integral_constant<int, 4>{}),
+                true)),
+   ...);
+  return rc;
+}
+template <int N, typename F>
+int with_variant(llmq_ctx* c, const char* kernel, int v, int bits, F f) {
+  if (v < 0 || v >= N) {
+    llmq::set_error(c, "no %s variant %d for %d-bit codes", kernel, v, bits);
+    return 1;
+  }
+  return with_variant_in(std::make_integer_sequence<int, N>{}, v, bits, f);
+}
+
 // with_gemv calls gemv_variant<v, bits> for a variant index and a code
 // width known only at run time.
 int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
               const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  switch (v + (bits == 8 ? kGemvVariants : 0)) {
-#define LLMQ_GEMV_CASE(V, BITS) \
-  case V + (BITS == 8 ? kGemvVariants : 0): \
-    return gemv_variant<V, BITS>(c, run, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
-    LLMQ_GEMV_CASE(0, 4)
-    LLMQ_GEMV_CASE(1, 4)
-    LLMQ_GEMV_CASE(0, 8)
-    LLMQ_GEMV_CASE(1, 8)
-#undef LLMQ_GEMV_CASE
-  }
-  llmq::set_error(c, "no GEMV variant %d for %d-bit codes", v, bits);
-  return 1;
+  return with_variant<kGemvVariants>(c, "GEMV", v, bits, [&](auto vi, auto bi) {
+    return gemv_variant<decltype(vi)::value, decltype(bi)::value>(c, run, splits, A, B, S, Z, C, workspace, M, N, K,
+                                                                   gshift);
+  });
 }
 
 // mma_variant does one thing with v11's instantiation V for BITS-bit
@@ -911,22 +926,10 @@ int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B,
 // width known only at run time.
 int with_mma(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
              const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  switch (v + (bits == 8 ? kMmaVariants : 0)) {
-#define LLMQ_MMA_CASE(V, BITS) \
-  case V + (BITS == 8 ? kMmaVariants : 0): \
-    return mma_variant<V, BITS>(c, run, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
-    LLMQ_MMA_CASE(0, 4)
-    LLMQ_MMA_CASE(1, 4)
-    LLMQ_MMA_CASE(2, 4)
-    LLMQ_MMA_CASE(3, 4)
-    LLMQ_MMA_CASE(0, 8)
-    LLMQ_MMA_CASE(1, 8)
-    LLMQ_MMA_CASE(2, 8)
-    LLMQ_MMA_CASE(3, 8)
-#undef LLMQ_MMA_CASE
-  }
-  llmq::set_error(c, "no Tensor Core GEMV variant %d for %d-bit codes", v, bits);
-  return 1;
+  return with_variant<kMmaVariants>(c, "Tensor Core GEMV", v, bits, [&](auto vi, auto bi) {
+    return mma_variant<decltype(vi)::value, decltype(bi)::value>(c, run, splits, A, B, S, Z, C, workspace, M, N, K,
+                                                                  gshift);
+  });
 }
 
 // resident_of queries (once per context, in c->resident[slot]) how many
@@ -935,7 +938,7 @@ template <typename Kernel>
 int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
   int& resident = c->resident[slot];
   if (!resident) {
-    if (smem > 0) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (allow_smem(c, kernel, smem)) return 1;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kWarps * 32, smem));
   }
   return 0;
