@@ -43,14 +43,7 @@ func TestArgmaxRowsMatchesCPU(t *testing.T) {
 		if V > 4096 {
 			row(7)[4096], row(7)[4092] = 70, 70
 		}
-		ld, err := AllocFrom(x, logits)
-		if err != nil {
-			t.Fatal(err)
-		}
-		od, err := x.Alloc(T * 4)
-		if err != nil {
-			t.Fatal(err)
-		}
+		ld, _, od := rowBuffers(t, x, logits, nil, T)
 		got := make([]int32, T)
 		if err := errors.Join(x.ArgmaxRows(ld, od, T, V), Download(x, got, od)); err != nil {
 			t.Fatal(err)

@@ -41,13 +41,10 @@ func TestSampleRowsMatchesHost(t *testing.T) {
 			fits := make([]bool, T)
 			for i := range T {
 				row := logits[i*V : (i+1)*V]
-				for j := range row {
-					if peaked {
-						row[j] = float32(r.NormFloat64() * 2.5)
-						if r.IntN(500) == 0 {
-							row[j] += 10
-						}
-					} else {
+				if peaked {
+					peakedRow(r, row)
+				} else {
+					for j := range row {
 						row[j] = float32(r.Float64()*10 - 5)
 					}
 				}
@@ -58,18 +55,7 @@ func TestSampleRowsMatchesHost(t *testing.T) {
 				d.U = r.Float64()
 				ds[i], fits[i] = &d, draws[i%len(draws)].fits
 			}
-			ld, err := AllocFrom(x, logits)
-			if err != nil {
-				t.Fatal(err)
-			}
-			pd, err := AllocFrom(x, drawParams(ds))
-			if err != nil {
-				t.Fatal(err)
-			}
-			od, err := x.Alloc(T * 4)
-			if err != nil {
-				t.Fatal(err)
-			}
+			ld, pd, od := rowBuffers(t, x, logits, ds, T)
 			got := make([]int32, T)
 			if err := x.SampleRows(ld, pd, od, T, V); err != nil {
 				t.Fatal(err)
@@ -195,28 +181,12 @@ func BenchmarkSampleRows(b *testing.B) {
 	r := rand.New(rand.NewPCG(41, 42))
 	for _, B := range []int{1, 8, 32, 64} {
 		logits := make([]float32, B*V)
-		for i := range logits {
-			logits[i] = float32(r.NormFloat64() * 2.5)
-			if r.IntN(500) == 0 {
-				logits[i] += 10
-			}
-		}
+		peakedRow(r, logits)
 		ds := make([]*llm.Draw, B)
 		for i := range ds {
 			ds[i] = &llm.Draw{Temperature: 0.8, TopP: 0.95, U: r.Float64()}
 		}
-		ld, err := AllocFrom(x, logits)
-		if err != nil {
-			b.Fatal(err)
-		}
-		pd, err := AllocFrom(x, drawParams(ds))
-		if err != nil {
-			b.Fatal(err)
-		}
-		od, err := x.Alloc(B * 4)
-		if err != nil {
-			b.Fatal(err)
-		}
+		ld, pd, od := rowBuffers(b, x, logits, ds, B)
 		for _, op := range []struct {
 			name string
 			run  func(int) error
@@ -232,4 +202,33 @@ func BenchmarkSampleRows(b *testing.B) {
 			x.Free(buf)
 		}
 	}
+}
+
+// peakedRow fills row like a language model's logits: a normal spread of
+// 2.5 with one token in 500 lifted by 10.
+func peakedRow(r *rand.Rand, row []float32) {
+	for j := range row {
+		row[j] = float32(r.NormFloat64() * 2.5)
+		if r.IntN(500) == 0 {
+			row[j] += 10
+		}
+	}
+}
+
+// rowBuffers uploads T rows of logits and, unless ds is nil, their draws'
+// parameters (drawParams), and allocates T int32 picks: the buffers of
+// sample_rows and argmax_rows.
+func rowBuffers(tb testing.TB, x *Context, logits []float32, ds []*llm.Draw, T int) (ld, pd, od Buf) {
+	tb.Helper()
+	ld, err := AllocFrom(x, logits)
+	if err == nil && ds != nil {
+		pd, err = AllocFrom(x, drawParams(ds))
+	}
+	if err == nil {
+		od, err = x.Alloc(T * 4)
+	}
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return ld, pd, od
 }
