@@ -30,7 +30,7 @@ struct llmq_ctx {
   int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int fused_max_m = 64;
   int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
-  // The dynamic shared memory each kernel is allowed, where over 48 KB (allow_smem).
+  // The dynamic shared memory each kernel is allowed (allow_smem).
   std::unordered_map<const void*, size_t> smem_allowed;
   int decode_wave = 0;  // the decode attention's grid target in blocks (0: 4 an SM; LLMQ_DECODE_WAVE, for tests)
   // Programmatic dependent launch of the model kernels (launch()).
@@ -70,12 +70,15 @@ void set_error(llmq_ctx* c, const char* fmt, ...);
     }                                                                     \
   } while (0)
 
-// allow_smem lets kernel launch with `bytes` of dynamic shared memory:
-// over the 48 KB every kernel gets it must ask, once a context for the
-// most it launches with (c->smem_allowed remembers).
+// allow_smem lets kernel launch with `bytes` of dynamic shared memory,
+// once a context for the most it launches with (c->smem_allowed
+// remembers). Without asking, a kernel's dynamic and static shared memory
+// together must stay within 48 KB, so it asks for any dynamic amount: the
+// fused kernel's M ≤ 32 instantiation, exactly 48 KB of dynamic memory and
+// one static int, fails to launch otherwise ("invalid argument").
 template <typename Kernel>
 int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
-  if (bytes <= (48u << 10)) return 0;
+  if (bytes == 0) return 0;
   size_t& have = c->smem_allowed[reinterpret_cast<const void*>(kernel)];
   if (have >= bytes) return 0;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
