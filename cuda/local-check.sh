@@ -66,8 +66,12 @@ for f in "${files[@]}"; do
     -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80 -c "$f" -o "$out/$b.o" > "$out/$b.log" 2>&1
   r=$?
   [ $r != 0 ] && rc=1
-  echo "$f: rc=$r, $(grep -c ' error' "$out/$b.log") errors, $(grep -cE 'warning #' "$out/$b.log") warnings"
-  grep -E " error|warning #" "$out/$b.log" | head -20
+  # ptxas's "Potential Performance Loss" infos (C7513: every wgmma
+  # serialized, …) count as warnings, and fail the check: they mean a
+  # kernel runs far slower than written.
+  grep -q "Performance Loss" "$out/$b.log" && rc=1
+  echo "$f: rc=$r, $(grep -c ' error' "$out/$b.log") errors, $(grep -cE 'warning #|Performance Loss' "$out/$b.log") warnings"
+  grep -E " error|warning #|Performance Loss" "$out/$b.log" | head -20
 done
 if [ $rc = 0 ] && [ $whole = 1 ]; then  # the whole library: it links with no symbol missing
   nvcc -ccbin "$cxx" -shared -Xlinker --no-undefined -o "$out/libllmqcuda.so" "$out"/*.o -lcublas -lcusolver -L"$ROOT/usr/lib/x86_64-linux-gnu" \
