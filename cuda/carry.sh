@@ -17,6 +17,10 @@
 # wiki:     WikiText-2's test text (the perplexity modes: tiny, small, lowbit, ...)
 # swa:      gemma3-rand and mistral-swa-rand (the sliding-window checkpoints zoolite leaves out), with
 #           their references: bash cuda/carry.sh swa, then carry dev and swa alone
+# base:     the CUDA sources (cuda/*.cu, *.cuh, *.h) at git revision $BASE (default main) as
+#           .carry/base/cuda, which device-model.sh builds into build/base/libllmqcuda.so beside
+#           the working tree's library, for the A/B modes (the same Go binary loads either
+#           through LLMQ_CUDA_LIB; the C API must not differ between the two)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d ../shared ] || { echo "carry.sh: ../shared is absent" >&2; exit 1; }
@@ -46,9 +50,15 @@ for what in "${@:-dev tiny zoolite moe}"; do
           "$S/reference/qwen2-rand.*" "$S/reference/qwen3-rand.*" "$S/reference/llama31-rand.*" ;;
       moe) pack moe "$S/models/archzoo/mixtral-rand" "$S/models/archzoo/qwen3moe-rand" "$S/reference/mixtral-rand.*" "$S/reference/qwen3moe-rand.*" ;;
       wiki) pack wiki "$S/data/wikitext2/wiki.test.raw" ;;
+      base)
+        rev=$(git rev-parse --verify "${BASE:-main}^{commit}") || { echo "carry.sh: no revision ${BASE:-main}" >&2; exit 1; }
+        mkdir -p "$stage/.carry/base"
+        git archive "$rev" cuda | tar -x -C "$stage/.carry/base" --wildcards 'cuda/*.cu' 'cuda/*.cuh' 'cuda/*.h'
+        echo "$rev" > "$stage/.carry/base/COMMIT"
+        pack base .carry/base ;;
       swa) pack swa "$S/models/archzoo/gemma3-rand" "$S/models/archzoo/mistral-swa-rand" "$S/reference/gemma3-rand.*" \
           "$S/reference/mistral-swa-rand.*" ;;
-      *) echo "carry.sh: unknown archive $w (want dev, tiny, zoolite, moe, swa, wiki)" >&2; exit 1 ;;
+      *) echo "carry.sh: unknown archive $w (want dev, tiny, zoolite, moe, swa, wiki, base)" >&2; exit 1 ;;
     esac
   done
 done

@@ -47,6 +47,8 @@
 #   bash cuda/device-model.sh reftime # the reference gptq.py timed on a llama3-8b block (.carry/gptq-ref)
 #   bash cuda/device-model.sh seeds   # evals/seeds.sh on the GPU: llama-tiny SEED_CONFIGS ("gptq:4 awq:4")
 #   bash cuda/device-model.sh act     # llama-tiny with INT8 and FP8 activations per token on the GPU (ppl)
+#   bash cuda/device-model.sh ab      # this tree's library against a baseline's in one run (carry.sh base, BASE=rev):
+#                                     # bench gemm (AB_BITS, QUICK_M), AB_OPS=1 BenchmarkDecodeOps, AB_DECODE=1 decode
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
 #   The build compiles sm_90a only; BUILD_ARCH=all adds the Makefile's sm_80 (run it when kernels change).
 #
@@ -73,6 +75,15 @@ if [ -z "${SKIP_BUILD:-}" ]; then
   grep -A3 "Compiling entry function '_ZN.*w4a16_fused.*sm_90a" "$OUT/build.log" | grep -E "registers|spill" | head -12
   grep -A3 "Compiling entry function '_ZN.*attention_decode.*sm_90a" "$OUT/build.log" | grep -E "registers|spill" | sed 's/^/attention_decode: /'
   cp build/libllmqcuda.so build/device/
+  if [ -d .carry/base/cuda ]; then  # the A/B modes' baseline (carry.sh base): same flags, its own sources
+    mkdir -p build/base
+    barch=(-gencode arch=compute_90a,code=sm_90a)
+    [ "${BUILD_ARCH:-}" = all ] && barch+=(-gencode arch=compute_80,code=sm_80)
+    nvcc -O3 -std=c++17 -Xptxas -v --shared -Xcompiler -fPIC,-fvisibility=hidden "${barch[@]}" \
+      -lcublas -lcusolver -o build/base/libllmqcuda.so .carry/base/cuda/*.cu > "$OUT/build-base.log" 2>&1 ||
+      { grep -E "error" "$OUT/build-base.log" | head; exit 1; }
+    echo "base $(cat .carry/base/COMMIT) built"
+  fi
   echo "build $(( $(date +%s) - t0 ))s"
 fi
 WIKI=$LLMQ_SHARED/data/wikitext2/wiki.test.raw
@@ -373,6 +384,41 @@ case "$1" in
         --json "$OUT/decode-h200-llama3-8b-w4-pdl$pdl.json" 2>&1 | grep -E "^(decode|prefill)"
     done
     rm -rf $d
+    ;;
+  ab) # the working tree's library against the baseline's (carry.sh base; BASE's commit in each header), in turn
+      # in one run: bench gemm at AB_BITS × QUICK_M (gemm-h200-ab.txt), then AB_OPS=1: BenchmarkDecodeOps
+      # (decode-ops-h200-ab.txt), AB_DECODE=1: llama3-8b W4 decode at SYNTH_CTX × SYNTH_BATCH (decode-ab-*.json)
+    [ -s build/base/libllmqcuda.so ] || { echo "ab: no baseline library (carry .carry/base.tar.xz)"; exit 1; }
+    base=$(cat .carry/base/COMMIT)
+    for bits in ${AB_BITS:-4 8}; do
+      for lib in base new; do
+        so=$PWD/build/device/libllmqcuda.so; c=$LLMQ_COMMIT
+        [ $lib = base ] && so=$PWD/build/base/libllmqcuda.so && c=$base
+        echo "# $lib ($c): LLMQ_CUDA_LIB=$lib llmq bench gemm --bits $bits --m ${QUICK_M:-1,2} --iters 100"
+        LLMQ_CUDA_LIB=$so $L bench gemm --bits $bits --m ${QUICK_M:-1,2} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
+      done
+    done | tee "$OUT/gemm-h200-ab.txt" | cut -c1-150
+    if [ -n "${AB_OPS:-}" ]; then
+      for lib in base new; do
+        so=$PWD/build/device/libllmqcuda.so; c=$LLMQ_COMMIT
+        [ $lib = base ] && so=$PWD/build/base/libllmqcuda.so && c=$base
+        echo "# $lib ($c): LLMQ_CUDA_LIB=$lib cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"
+        LLMQ_CUDA_LIB=$so build/device/cuda.test -test.run '^$' -test.bench DecodeOps -test.benchtime 10x 2>&1 | grep -E "µs/call|FAIL|panic"
+      done | tee "$OUT/decode-ops-h200-ab.txt" | grep -E "^#|batch1/(qkv|o|gate|down|experts)"
+    fi
+    if [ -n "${AB_DECODE:-}" ]; then
+      d=/tmp/llama3-8b-b4
+      $L synth --preset llama3-8b --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+      r=0
+      for lib in base new base new; do  # twice each, interleaved: the run-to-run spread shows
+        r=$((r + 1))
+        so=$PWD/build/device/libllmqcuda.so; [ $lib = base ] && so=$PWD/build/base/libllmqcuda.so
+        echo "== $lib"
+        LLMQ_CUDA_LIB=$so $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
+          --prefill 0 --steps 32 --json "$OUT/decode-ab-$r-$lib.json" 2>&1 | grep -E "^decode "
+      done
+      rm -rf $d
+    fi
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"

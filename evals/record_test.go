@@ -63,19 +63,25 @@ func TestCommandLineNamesTuningVariables(t *testing.T) {
 }
 
 // tuningEnv lists exactly the LLMQ_ variables the CUDA library reads
-// (getenv in cuda/runtime.cu), so that none is run without being
-// recorded.
+// (getenv in cuda/runtime.cu) and the one its loader reads (os.Getenv in
+// cuda/lib.go), so that none is run without being recorded.
 func TestTuningEnvMatchesTheLibrary(t *testing.T) {
-	src, err := os.ReadFile("../cuda/runtime.cu")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var read []string
-	for _, m := range regexp.MustCompile(`getenv\("(LLMQ_\w+)"\)`).FindAllSubmatch(src, -1) {
-		read = append(read, string(m[1]))
+	for file, pattern := range map[string]string{
+		"../cuda/runtime.cu": `getenv\("(LLMQ_\w+)"\)`,
+		"../cuda/lib.go":     `os\.Getenv\("(LLMQ_\w+)"\)`,
+	} {
+		src, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range regexp.MustCompile(pattern).FindAllSubmatch(src, -1) {
+			read = append(read, string(m[1]))
+		}
 	}
 	slices.Sort(read)
+	read = slices.Compact(read)
 	if listed := slices.Sorted(slices.Values(tuningEnv)); !slices.Equal(read, listed) {
-		t.Errorf("runtime.cu reads %v, tuningEnv lists %v", read, listed)
+		t.Errorf("the library reads %v, tuningEnv lists %v", read, listed)
 	}
 }
