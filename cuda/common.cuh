@@ -29,6 +29,7 @@ struct llmq_ctx {
   int gemv_max_m = -1;  // the CUDA-core GEMV serves M ≤ this (−1: the measured 1, 2 for 8-bit codes)
   int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int fused_max_m = 64;
+  int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
   int resident[18] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   // The dynamic shared memory each kernel is allowed (allow_smem).
   std::unordered_map<const void*, size_t> smem_allowed;

@@ -1011,7 +1011,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     int splits = max(1, (c->sms * max(c->resident[resident_slot(p.path, p.variant, bits)], 1)) / NT);
     splits = min(splits, max(1, KT / (2 * kWarps * u)));
     if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
-    p.splits = splits;
+    p.splits = c->w4_splits > 0 ? min(c->w4_splits, max(1, KT / kWarps)) : splits;
     return 0;
   }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
@@ -1021,7 +1021,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   int splits = max(1, (c->sms * max(c->resident[resident_slot(1, p.variant, bits)], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
-  p.splits = splits;
+  p.splits = c->w4_splits > 0 ? min(c->w4_splits, max(1, KT / kWarps)) : splits;
   return 0;
 }
 
