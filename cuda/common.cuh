@@ -3,6 +3,7 @@
 // runtime.cu gathers into the API table.
 #pragma once
 #include <cublas_v2.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <unordered_map>
@@ -163,13 +164,27 @@ cudaError_t launch(llmq_ctx* c, void (*kernel)(KArgs...), dim3 grid, dim3 block,
   return e;
 }
 
+// act_of is a gated MLP's activation: SiLU (SwiGLU, act 0), or GELU with
+// the tanh approximation (Gemma's GeGLU, act 1). model.cu's gated_act and
+// the W4A16 kernels' gated epilogue (w4a16.cu) both use it.
+static __device__ __forceinline__ float act_of(float a, int act) {
+  return act == 1 ? 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a))) : a / (1.f + __expf(-a));
+}
+
+// gated_pair is act(g)·u as gated_act computes it from its fp16 inputs:
+// g and u rounded to fp16 first, so that a GEMM that applies it in its
+// epilogue writes what the GEMM and gated_act would have.
+static __device__ __forceinline__ half gated_pair(float g, float u, int act) {
+  return __float2half(act_of(__half2float(__float2half_rn(g)), act) * __half2float(__float2half_rn(u)));
+}
+
 // Entry points, by file; llmq.h documents each.
 namespace llmq {
 // w4a16.cu
 size_t w4a16_workspace_bytes(int M, int N);
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
-               int N, int K, int group, int bits);
+               void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace, void* scratch,
+               int M, int N, int K, int group, int bits);
 int w4a16_set_path(llmq_ctx* c, int path);
 int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n);
 int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group,

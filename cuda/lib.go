@@ -82,12 +82,12 @@ static int c_event_record(A a, llmq_ctx* c, P e) { return a->event_record(c, (vo
 static int c_event_elapsed(A a, llmq_ctx* c, P s, P e, float* ms) { return a->event_elapsed(c, (void*)s, (void*)e, ms); }
 
 static size_t c_ws(A a, int m, int n) { return a->w4a16_workspace_bytes(m, n); }
-static int c_gemm_w4(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P c0, P c1, P c2, int n0, int n1, int n2, P ws,
-		P scratch, int M, int N, int K, int g, int bits) {
+static int c_gemm_w4(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P c0, P c1, P c2, int n0, int n1, int n2, int act,
+		P ws, P scratch, int M, int N, int K, int g, int bits) {
 	void* outs[3] = {(void*)c0, (void*)c1, (void*)c2};
 	int cols[3] = {n0, n1, n2};
 	return a->w4a16_gemm(c, (const void*)A_, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm, (void*)aperm,
-		outs, cols, n2 ? 3 : n1 ? 2 : 1, (void*)ws, (void*)scratch, M, N, K, g, bits);
+		outs, cols, n2 ? 3 : n1 ? 2 : 1, act, (void*)ws, (void*)scratch, M, N, K, g, bits);
 }
 static int c_set_path(A a, llmq_ctx* c, int p) { return a->w4a16_set_path(c, p); }
 static int c_plan(A a, llmq_ctx* c, int M, int N, int K, int g, int bits, char* out, int n) {
@@ -530,11 +530,15 @@ func (x *Context) GemmW4(A, C_ Buf, w *W4, M int, ws, scratch, aperm Buf) error 
 
 // GemmW4Into is GemmW4 for a joined layer (w.Cols: the widths of the
 // layers it joins, e.g. q, k and v): outs[i] gets the M rows of the
-// i-th layer's columns. With one output it is GemmW4.
+// i-th layer's columns. With one output it is GemmW4. A gated layer
+// (w.Gated) writes act(gate)·up, M × N/2, to its one output.
 func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm Buf) error {
 	cols := w.Cols
 	if len(cols) == 0 {
 		cols = []int{w.N}
+	}
+	if w.Gated != NotGated {
+		cols = []int{w.N / 2}
 	}
 	if len(outs) != len(cols) || len(outs) > 3 {
 		return fmt.Errorf("w4a16_gemm: %d outputs for a layer joining %d (at most 3)", len(outs), len(cols))
@@ -546,7 +550,7 @@ func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm
 	}
 	return x.do("w4a16_gemm", func() C.int {
 		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, p[0], p[1], p[2], n[0], n[1], n[2],
-			ws.p, scratch.p, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()))
+			C.int(w.Gated.act()), ws.p, scratch.p, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()))
 	})
 }
 
@@ -766,11 +770,16 @@ func (x *Context) GatedAct(g, u Buf, n int, act string) error {
 
 // actCode is the kernels' code for a gated MLP's activation (Config.Act):
 // 1 for GELU with the tanh approximation, 0 for SiLU.
-func actCode(act string) C.int {
+func actCode(act string) C.int { return C.int(GatingFor(act).act()) }
+
+// GatingFor is the gated epilogue for a gated MLP's activation
+// (Config.Act): GELU with the tanh approximation for
+// "gelu_pytorch_tanh", SiLU otherwise.
+func GatingFor(act string) Gating {
 	if act == "gelu_pytorch_tanh" {
-		return 1
+		return GatedGELU
 	}
-	return 0
+	return GatedSiLU
 }
 
 // FakeQuant writes in quantized and dequantized into out (rows of cols

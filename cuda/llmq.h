@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 15
+#define LLMQ_API_VERSION 16
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -114,10 +114,14 @@ typedef struct {
    * the kernels do not run (not powers of two), where B is dequantized
    * and multiplied by cuBLAS. bits: 4 (codes of 2 to 4 bits, one a
    * nibble) or 8 (one a byte: the GEMV kernel at M ≤ 4, dequantize +
-   * cuBLAS beyond). */
+   * cuBLAS beyond). act ≥ 0 (API 16): B is a gated MLP's gate and up
+   * interleaved in 32-column halves (n-tile t: gate columns 32t…32t+31,
+   * then up's; pack.InterleaveGPU), and the one output (n_outs 1,
+   * out_cols N/2) gets act(gate)·up, act 0 SiLU or 1 GELU-tanh, as
+   * gated_act computes it from the two fp16 results; −1: a plain GEMM. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-                    void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch,
-                    int M, int N, int K, int group, int bits);
+                    void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace,
+                    void* scratch, int M, int N, int K, int group, int bits);
   /* The kernel variant w4a16_gemm runs for this shape on c (path,
    * instantiation, K splits), written to out (n bytes): for benchmark
    * tables. */

@@ -714,18 +714,13 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   }
 }
 
-// act_of is a gated MLP's activation: SiLU (SwiGLU, act 0), or GELU with
-// the tanh approximation (Gemma's GeGLU, act 1).
-__device__ __forceinline__ float act_of(float a, int act) {
-  return act == 1 ? 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a))) : a / (1.f + __expf(-a));
-}
 
 // gated_act_kernel: g = act(g)·u.
 __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ u, size_t n, int act) {
   pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  g[i] = __float2half(act_of(__half2float(g[i]), act) * __half2float(u[i]));
+  g[i] = gated_pair(__half2float(g[i]), __half2float(u[i]), act);
 }
 
 // fake_quant_kernel: one block per row of cols fp16 values, quantized and

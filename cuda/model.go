@@ -279,6 +279,12 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 			units = append(units, unit{&g.gateUp, []**gpuLinear{&g.gate, &g.up}, h[4:6]}, unit{nil, []**gpuLinear{&g.down}, h[6:7]})
 		}
 		for _, u := range units {
+			if u.joined == &g.gateUp && m.join && gateable(u.host) {
+				if g.gateUp, err = m.uploadGated(u.host[0], u.host[1], GatingFor(c.Act)); err != nil {
+					return err
+				}
+				continue
+			}
 			if u.joined != nil && m.join && joinable(u.host) {
 				if *u.joined, err = m.uploadLinear(u.host...); err != nil {
 					return err
@@ -583,6 +589,44 @@ func joinable(parts []*hostLinear) bool {
 	return len(parts) > 1 && pack.CanConcatGPU(gws...) == nil
 }
 
+// gateable: a gated MLP's gate and up the GEMM can join with act(gate)·up
+// in its epilogue (pack.InterleaveGPU): joinable, the same width, and no
+// bias (which would have to be added before the activation).
+func gateable(gateUp []*hostLinear) bool {
+	return joinable(gateUp) && gateUp[0].out == gateUp[1].out && gateUp[0].bias == nil && gateUp[1].bias == nil
+}
+
+// uploadGated puts a gated MLP's gate and up on the GPU as one GEMM whose
+// output is act(gate)·up (W4.Gated), the Intermediate-wide input of down.
+func (m *Model) uploadGated(gate, up *hostLinear, g Gating) (*gpuLinear, error) {
+	gw, err := pack.InterleaveGPU(gate.gw, up.gw)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", gate.name, err)
+	}
+	l := &gpuLinear{name: gate.name, in: gate.in, out: gw.N}
+	if l.w4, err = m.x.UploadW4(gw); err != nil {
+		return nil, fmt.Errorf("%s: %w", gate.name, err)
+	}
+	l.w4.Gated = g
+	m.account(l, gate.dequantized)
+	return l, nil
+}
+
+// account adds an uploaded layer to the model's counts: its packed bytes
+// and layers (4- or 8-bit), and whether it was dequantized to fp16.
+func (m *Model) account(l *gpuLinear, dequantized bool) {
+	if l.w4 != nil {
+		m.weights += l.w4.Bytes()
+		m.w4Layers++
+		if l.w4.Bits == 8 {
+			m.w8Layers++
+		}
+	}
+	if dequantized {
+		m.wideLayers++
+	}
+}
+
 // uploadLinear puts one layer, or several joinable ones as one GEMM, on
 // the GPU.
 func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
@@ -615,16 +659,7 @@ func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 			return nil, fmt.Errorf("%s: %w", h.name, err)
 		}
 	}
-	if l.w4 != nil {
-		m.weights += l.w4.Bytes()
-		m.w4Layers++
-		if l.w4.Bits == 8 {
-			m.w8Layers++
-		}
-	}
-	if h.dequantized {
-		m.wideLayers++
-	}
+	m.account(l, h.dequantized)
 	for _, p := range parts {
 		var b Buf
 		if p.bias != nil {
@@ -998,8 +1033,15 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			steps = append(steps, func() error { return m.moeMLP(b.moe, a, T) })
 		} else {
 			steps = append(steps,
-				func() error { return m.runParts(b.gateUp, []*gpuLinear{b.gate, b.up}, a.h, T, a, a.g, a.u) },
-				func() error { return x.GatedAct(a.g, a.u, T*c.Intermediate, c.Act) },
+				func() error {
+					if b.gateUp != nil && b.gateUp.w4 != nil && b.gateUp.w4.Gated != NotGated {
+						return m.run(b.gateUp, a.h, T, a, false, a.g) // act(gate)·up in the GEMM's epilogue
+					}
+					if err := m.runParts(b.gateUp, []*gpuLinear{b.gate, b.up}, a.h, T, a, a.g, a.u); err != nil {
+						return err
+					}
+					return x.GatedAct(a.g, a.u, T*c.Intermediate, c.Act)
+				},
 				func() error { return m.run(b.down, a.g, T, a, false, a.delta) })
 		}
 		for _, f := range steps {

@@ -198,6 +198,11 @@ func TestJoinedLinearsMatchSeparate(t *testing.T) {
 				if joined := b.qkv != nil && (b.gateUp != nil || b.moe != nil); joined != join {
 					t.Fatalf("join %v: block 0 joined %v", join, joined)
 				}
+				// A dense block's joined gate/up applies the activation in the
+				// GEMM's epilogue (interleaved halves, W4.Gated).
+				if join && b.gateUp != nil && b.gateUp.w4.Gated != GatingFor(gpu.cfg.Act) {
+					t.Fatalf("block 0's gate/up runs gating %d, want %d", b.gateUp.w4.Gated, GatingFor(gpu.cfg.Act))
+				}
 				// A mixture's 4-bit experts run on the grouped W4 GEMV
 				// (mixtral-rand), or dequantized in fp16 where its layout
 				// cannot hold them (qwen3moe-rand: 96 outputs, not a

@@ -147,30 +147,32 @@ func BenchmarkDecodeOps(b *testing.B) {
 				attnWS := alloc(x.Lib().AttentionWorkspaceBytes(B, sh.heads, sh.hd, ctx))
 				gemmWS := alloc(x.Lib().WorkspaceBytes(B, max(qd+2*kvd, 2*sh.inter, H)))
 				logits := alloc(B * sh.vocab * 4)
-				w4 := func(in Buf, ws []*W4, cols []int, outs ...Buf) func(int) error {
+				w4 := func(in Buf, ws []*W4, cols []int, gated Gating, outs ...Buf) func(int) error {
 					return func(i int) error {
 						w := ws[i%len(ws)]
-						w.Cols = cols
+						w.Cols, w.Gated = cols, gated
 						return x.GemmW4Into(in, outs, w, B, gemmWS, Buf{}, Buf{})
 					}
 				}
 				ops := []decodeOp{
 					{"add+rmsnorm", 0, func(int) error { return x.RMSNorm(xs, delta, Buf{}, Buf{}, norm, h, B, H, 1e-6) }},
-					{"qkv", qkv[0].Bytes(), w4(h, qkv, []int{qd, kvd, kvd}, q, k, v)},
+					{"qkv", qkv[0].Bytes(), w4(h, qkv, []int{qd, kvd, kvd}, NotGated, q, k, v)},
 					{"rope+store", 0, func(i int) error {
 						return x.QKRoPEStore(q, k, v, Buf{}, Buf{}, 1e-6, m, cos, sin, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, true)
 					}},
 					{"attention", 0, func(i int) error {
 						return x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{})
 					}},
-					{"o", o[0].Bytes(), w4(att, o, nil, delta)},
+					{"o", o[0].Bytes(), w4(att, o, nil, NotGated, delta)},
 				}
 				if sh.experts == 0 {
 					g, u := alloc(B*sh.inter*2), alloc(B*sh.inter*2)
 					ops = append(ops,
-						decodeOp{"gate+up", gateUp[0].Bytes(), w4(h, gateUp, []int{sh.inter, sh.inter}, g, u)},
+						decodeOp{"gate+up", gateUp[0].Bytes(), w4(h, gateUp, []int{sh.inter, sh.inter}, NotGated, g, u)},
 						decodeOp{"act", 0, func(int) error { return x.GatedAct(g, u, B*sh.inter, "silu") }},
-						decodeOp{"down", down[0].Bytes(), w4(g, down, nil, delta)})
+						// The two above as one: SiLU(gate)·up in the GEMM's epilogue (W4.Gated).
+						decodeOp{"gate+up·act", gateUp[0].Bytes(), w4(h, gateUp, nil, GatedSiLU, g)},
+						decodeOp{"down", down[0].Bytes(), w4(g, down, nil, NotGated, delta)})
 				} else {
 					E, kk, I := sh.experts, sh.topK, sh.inter
 					S := B * kk

@@ -16,7 +16,24 @@ type W4 struct {
 	B, S, Z     Buf
 	Perm        Buf   // zero when the layer has no act-order permutation
 	Cols        []int // a joined layer's parts (pack.ConcatGPU), their widths; nil for one layer
+	// Gated: a gated MLP's gate and up interleaved (pack.InterleaveGPU),
+	// whose GEMM writes act(gate)·up, N/2 columns: GatedSiLU or
+	// GatedGELU; 0 (NotGated) for a plain layer.
+	Gated Gating
 }
+
+// Gating is what a W4 layer's GEMM applies in its epilogue.
+type Gating int
+
+const (
+	NotGated  Gating = iota
+	GatedSiLU        // SwiGLU's act(gate)·up
+	GatedGELU        // GeGLU's, GELU with the tanh approximation
+)
+
+// act is the library's code for g: −1 none, 0 SiLU, 1 GELU-tanh (as
+// gated_act's).
+func (g Gating) act() int { return int(g) - 1 }
 
 // codeBits is the layout's code width, as the library takes it.
 func (w *W4) codeBits() int {

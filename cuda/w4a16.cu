@@ -260,6 +260,10 @@ struct Outs {
   half* c[3];
   int end[3];  // each tensor's last column + 1 in the joined N
   int n;
+  // ≥ 0: gated (a gate/up layer interleaved in 32-column halves,
+  // pack.InterleaveGPU): c[0] [M][N/2] gets act(gate)·up (act_of's act),
+  // tile nt's columns c and c + 32 making output column 32·nt + c.
+  int act;
 };
 
 // out_at is the address of output (r, col).
@@ -278,9 +282,30 @@ __device__ __forceinline__ void emit(const Outs& o, float* ws, int r, int col, i
     atomicAdd(&ws[(size_t)r * N + col], v);
 }
 
+// emit_tile writes rows row0 … row0+rows−1 (those below M) of n-tile nt,
+// whose sums total(r − row0, col) gives (the CTA's, after its warps
+// met): each through emit, or in the gated mode with one split, a pair
+// of columns a thread into act(gate)·up.
+template <typename Total>
+__device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, int rows, int M, int N, int nt, int splits,
+                                          Total total) {
+  if (o.act >= 0 && splits == 1) {
+    for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
+      const int r = row0 + i / 32, c = i & 31;
+      if (r < M) o.c[0][(size_t)r * (N / 2) + nt * 32 + c] = gated_pair(total(i / 32, c), total(i / 32, c + 32), o.act);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < rows * 64; i += blockDim.x) {
+    const int r = row0 + i / 64;
+    if (r < M) emit(o, ws, r, nt * 64 + (i & 63), N, total(i / 64, i & 63), splits);
+  }
+}
+
 // finish_splits: the last of a tile's `splits` CTAs to finish (counted in
 // *counter) converts rows row0 … row0+rows−1 of the tile from the
-// workspace to fp16 and re-zeroes the workspace and the counter.
+// workspace to fp16 (in the gated mode, pairs into act(gate)·up) and
+// re-zeroes the workspace and the counter.
 __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
                                               int nt, int splits, int& s_last) {
   if (splits == 1) return;
@@ -290,12 +315,17 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int i = threadIdx.x; i < rows * 64; i += blockDim.x) {
-    const int r = row0 + i / 64;
+  const int per = o.act >= 0 ? 32 : 64;  // outputs a row of the tile
+  for (int i = threadIdx.x; i < rows * per; i += blockDim.x) {
+    const int r = row0 + i / per;
     if (r < M) {
-      const int col = nt * 64 + (i & 63);
-      const size_t idx = (size_t)r * N + col;
-      *out_at(o, r, col) = __float2half_rn(__ldcg(&ws[idx]));
+      const size_t idx = (size_t)r * N + nt * 64 + i % per;
+      if (o.act >= 0) {
+        o.c[0][(size_t)r * (N / 2) + nt * 32 + i % per] = gated_pair(__ldcg(&ws[idx]), __ldcg(&ws[idx + 32]), o.act);
+        ws[idx + 32] = 0.f;
+      } else {
+        *out_at(o, r, nt * 64 + i % per) = __float2half_rn(__ldcg(&ws[idx]));
+      }
       ws[idx] = 0.f;
     }
   }
@@ -406,15 +436,12 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
       *reinterpret_cast<float2*>(&red[warp][(gid + 8) * 64 + col]) = make_float2(acc[m][j][2], acc[m][j][3]);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < 16 * 64; i += kWarps * 32) {
-      const int r = row0 + m * 16 + i / 64;
-      if (r < M) {
-        float v = 0.f;
+    emit_tile(C, ws, row0 + m * 16, 16, M, N, nt, splits, [&](int r, int col) {
+      float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) v += red[w][i];
-        emit(C, ws, r, nt * 64 + (i & 63), N, v, splits);
-      }
-    }
+      for (int w = 0; w < kWarps; ++w) v += red[w][r * 64 + col];
+      return v;
+    });
     __syncthreads();
   }
   finish_splits(C, ws, &counters[blockIdx.z * NT + nt], row0, 16 * MB, M, N, nt, splits, s_last);
@@ -583,10 +610,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   float acc[MT][8];
   gemv_steps<MT, U, BITS>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
-  for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
-    const int m = i >> 6, col = i & 63;
-    if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<MT>(red, m, col), splits);
-  }
+  emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int m, int col) { return red_total<MT>(red, m, col); });
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
@@ -704,10 +728,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
         *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < RT * 64; i += kWarps * 32) {
-      const int m = 16 * mb + (i >> 6), col = i & 63;
-      if (m < M) emit(C, ws, m, nt * 64 + col, N, red_total<RT>(red, i >> 6, col), splits);
-    }
+    emit_tile(C, ws, 16 * mb, RT, M, N, nt, splits, [&](int r, int col) { return red_total<RT>(red, r, col); });
     __syncthreads();
   }
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
@@ -801,6 +822,17 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ 
     *reinterpret_cast<uint4*>(&W[(size_t)(kt * 16 + row) * N + nt * 64 + c8]) =
         *reinterpret_cast<const uint4*>(&tile[warp][row][c8]);
   }
+}
+
+// gated_pairs_kernel: out [M][N/2] = act(gate)·up from t [M][N], a gated
+// layer's interleaved product (dequantize + cuBLAS, Outs::act).
+__global__ void gated_pairs_kernel(const half* __restrict__ t, half* __restrict__ out, int M, int N, int act) {
+  pdl_gate();  // before any global access: see common.cuh
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (size_t)M * (N / 2)) return;
+  const size_t r = i / (N / 2);
+  const int o = (int)(i % (N / 2)), col = o / 32 * 64 + o % 32;
+  out[i] = gated_pair(__half2float(t[r * N + col]), __half2float(t[r * N + col + 32]), act);
 }
 
 __global__ void gather_cols(const half* __restrict__ A, const int32_t* __restrict__ perm, half* __restrict__ out, int M,
@@ -1122,9 +1154,22 @@ int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, i
 
 // make_outs checks and gathers a GEMM's outputs (w4a16_gemm's outs,
 // out_cols, n_outs) for N columns.
-int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_cols, int n_outs, int N, Outs& C) {
+int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_cols, int n_outs, int act, int N, Outs& C) {
   C = Outs{};
   C.n = n_outs;
+  C.act = act;
+  if (act >= 0) {  // gated: one output, half the columns
+    if (act > 1 || n_outs != 1 || out_cols[0] != N / 2 || N % 64) {
+      set_error(c,
+                "%s: a gated GEMM (act %d: 0 SiLU, 1 GELU-tanh) writes one output of N/2 = %d columns from N = %d, a "
+                "multiple of 64 (have %d outputs, the first %d wide)",
+                fn, act, N / 2, N, n_outs, out_cols[0]);
+      return 1;
+    }
+    C.c[0] = (half*)outs[0];
+    C.end[0] = N;
+    return 0;
+  }
   int end = 0;
   for (int i = 0; i < n_outs && n_outs <= 3; ++i) {
     if (out_cols[i] <= 0 || (n_outs > 1 && out_cols[i] % 64)) break;
@@ -1139,11 +1184,11 @@ int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_col
 }
 
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* const* outs, const int* out_cols, int n_outs, void* workspace, void* scratch, int M,
-               int N, int K, int group, int bits) {
+               void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace, void* scratch,
+               int M, int N, int K, int group, int bits) {
   if (check_shape(c, M, N, K, group) || check_bits(c, bits)) return 1;
   Outs C;
-  if (make_outs(c, "w4a16_gemm", outs, out_cols, n_outs, N, C)) return 1;
+  if (make_outs(c, "w4a16_gemm", outs, out_cols, n_outs, act, N, C)) return 1;
   const half* a = (const half*)A;
   if (perm) {
     if (!a_perm) {
@@ -1162,6 +1207,14 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
       return 1;
     }
     if (w4_dequant(c, B, scales, zeros, scratch, N, K, group, bits)) return 1;
+    if (C.act >= 0) {  // the interleaved [M][N] product into the workspace (re-zeroed after), then its pairs
+      half* t = (half*)workspace;
+      if (gemm_f16_cols(c, a, (const half*)scratch, N, t, M, N, K)) return 1;
+      const size_t n = (size_t)M * (N / 2);
+      CK(launch(c, (gated_pairs_kernel), (unsigned)((n + 255) / 256), 256, 0, (const half*)t, C.c[0], M, N, C.act));
+      CK(cudaMemsetAsync(t, 0, (size_t)M * N * sizeof(half), c->stream));
+      return 0;
+    }
     for (int i = 0, start = 0; i < n_outs; start = C.end[i++])
       if (gemm_f16_cols(c, a, (const half*)scratch + start, N, C.c[i], M, C.end[i] - start, K)) return 1;
     return 0;

@@ -243,3 +243,63 @@ func CanConcatGPU(ws ...*GPUWeights) error {
 	}
 	return nil
 }
+
+// InterleaveGPU joins a gated MLP's gate and up layers (same input, same
+// width) for a GEMM whose epilogue applies act(gate)·up: output tile t
+// holds gate's columns 32t … 32t+31, then up's same 32 columns, so that
+// one 64-column tile of the kernel sees both halves of every product it
+// writes (H = gate.N wide output from 2H columns). Within the GPU layout
+// that is sub-tiles 4h … 4h+3 of gate's tile t/2 (h = t mod 2) as the new
+// tile's sub-tiles 0–3 and up's as 4–7: for 4-bit codes a lane's words
+// 2h, 2h+1 of each, for 8-bit codes its chunk h of each; the scales and
+// zeros move with their sub-tiles. gate.N must equal up.N, a multiple of
+// 64, and the layers must pass CanConcatGPU.
+func InterleaveGPU(gate, up *GPUWeights) (*GPUWeights, error) {
+	if err := CanConcatGPU(gate, up); err != nil {
+		return nil, fmt.Errorf("InterleaveGPU: %w", err)
+	}
+	if gate.N != up.N || gate.N%64 != 0 {
+		return nil, fmt.Errorf("InterleaveGPU: gate has %d columns and up %d; they must be equal and a multiple of 64", gate.N, up.N)
+	}
+	K, H := gate.K, gate.N
+	KT, NT, G := K/16, H/64, K/gate.Group
+	out := &GPUWeights{K: K, N: 2 * H, Group: gate.Group, Bits: gate.Bits, Perm: gate.Perm,
+		B: make([]uint32, len(gate.B)+len(up.B)), Scales: make([]uint16, 2*len(gate.Scales)), Zeros: make([]uint32, 2*len(gate.Zeros))}
+	for t := 0; t < 2*NT; t++ {
+		T, h := t/2, t%2
+		for kt := 0; kt < KT; kt++ {
+			for lane := 0; lane < 32; lane++ {
+				for i := 0; i < 4; i++ { // the new chunk's word i (4-bit), or chunk c's word i (8-bit)
+					if gate.Bits == 8 {
+						for c, src := range []*GPUWeights{gate, up} {
+							out.B[(((t*KT+kt)*2+c)*32+lane)*4+i] = src.B[(((T*KT+kt)*2+h)*32+lane)*4+i]
+						}
+						continue
+					}
+					src := gate
+					if i >= 2 {
+						src = up
+					}
+					out.B[((t*KT+kt)*32+lane)*4+i] = src.B[((T*KT+kt)*32+lane)*4+2*h+i%2]
+				}
+			}
+		}
+		for grp := 0; grp < G; grp++ {
+			for gid := 0; gid < 8; gid++ {
+				for j := 0; j < 8; j++ {
+					src := gate
+					if j >= 4 {
+						src = up
+					}
+					sj := 4*h + j%4 // the sub-tile of src's tile T
+					out.Scales[((grp*2*NT+t)*8+gid)*8+j] = src.Scales[((grp*NT+T)*8+gid)*8+sj]
+					sw, sshift := src.zeroAt(grp, T, gid, sj)
+					z := src.Zeros[sw] >> sshift & (1<<src.Bits - 1)
+					w, shift := out.zeroAt(grp, t, gid, j)
+					out.Zeros[w] |= z << shift
+				}
+			}
+		}
+	}
+	return out, nil
+}

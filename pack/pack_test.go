@@ -357,6 +357,52 @@ func TestGPULayoutDecodes(t *testing.T) {
 // by side (W[k][n] of layer i at column offset Σ earlier outs), for a
 // grouped, a per-channel and an act-order grid; layers that disagree on
 // K, group or permutation are refused.
+// InterleaveGPU's tile t holds gate's columns 32t … 32t+31 then up's:
+// checked through Dequantize, the kernels' CPU reference, for 4- and
+// 8-bit codes and a per-channel grid; mismatched layers are refused.
+func TestInterleaveGPU(t *testing.T) {
+	r := rand.New(rand.NewPCG(15, 16))
+	for _, grid := range []Grid{{Bits: 4, GroupSize: 32}, {Bits: 3, GroupSize: 64, Sym: true}, {Bits: 4, GroupSize: -1}, {Bits: 8, GroupSize: 32}} {
+		gate, err := randomLinear(r, 192, 128, grid, false).GPULayout()
+		if err != nil {
+			t.Fatal(err)
+		}
+		up, err := randomLinear(r, 192, 128, grid, false).GPULayout()
+		if err != nil {
+			t.Fatal(err)
+		}
+		il, err := InterleaveGPU(gate, up)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if il.N != 2*gate.N || il.K != gate.K {
+			t.Fatalf("grid %+v: interleaved %d×%d, want %d×%d", grid, il.K, il.N, gate.K, 2*gate.N)
+		}
+		W, Wg, Wu := il.Dequantize(), gate.Dequantize(), up.Dequantize()
+		H := gate.N
+		for k := 0; k < gate.K; k++ {
+			for n := 0; n < 2*H; n++ {
+				src, col := Wg, n/64*32+n%32
+				if n%64 >= 32 {
+					src = Wu
+				}
+				if got, want := W[k*2*H+n], src[k*H+col]; got != want {
+					t.Fatalf("grid %+v: interleaved W[%d][%d] = %v, want %v (column %d of %s)", grid, k, n, got, want, col,
+						map[bool]string{true: "gate", false: "up"}[n%64 < 32])
+				}
+			}
+		}
+	}
+	a, _ := randomLinear(r, 128, 64, Grid{Bits: 4, GroupSize: 32}, false).GPULayout()
+	b, _ := randomLinear(r, 192, 64, Grid{Bits: 4, GroupSize: 32}, false).GPULayout()
+	c, _ := randomLinear(r, 128, 64, Grid{Bits: 8, GroupSize: 32}, false).GPULayout()
+	for name, pair := range map[string][2]*GPUWeights{"width": {a, b}, "bits": {a, c}} {
+		if _, err := InterleaveGPU(pair[0], pair[1]); err == nil {
+			t.Errorf("layers differing in %s were interleaved", name)
+		}
+	}
+}
+
 func TestConcatGPU(t *testing.T) {
 	r := rand.New(rand.NewPCG(13, 14))
 	for _, grid := range []Grid{{Bits: 4, GroupSize: 32}, {Bits: 4, GroupSize: -1, Sym: true}, {Bits: 8, GroupSize: 32}} {
