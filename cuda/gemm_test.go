@@ -243,6 +243,22 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 	}
 }
 
+// pathsFor is the paths a test runs at M: always, then the GEMV kernel
+// (M ≤ 2), v11 (M ≤ 64) and dequantize + cuBLAS (M ≥ 64) where they run.
+func pathsFor(M int, always ...int) []int {
+	paths := always
+	if M <= 2 {
+		paths = append(paths, PathGEMV)
+	}
+	if M <= 64 {
+		paths = append(paths, PathMMA)
+	}
+	if M >= 64 {
+		paths = append(paths, PathCuBLAS)
+	}
+	return paths
+}
+
 // TestW4A16MatchesReference checks the kernel against a float64 CPU
 // reference over many shapes, groups, sym/asym and act-order, on both paths.
 func TestW4A16MatchesReference(t *testing.T) {
@@ -257,17 +273,7 @@ func TestW4A16MatchesReference(t *testing.T) {
 			group    int
 			sym, act bool
 		}{{128, false, false}, {128, true, false}, {-1, false, false}, {128, false, true}, {32, true, true}} {
-			paths := []int{PathFused}
-			if M <= 2 {
-				paths = append(paths, PathGEMV)
-			}
-			if M <= 64 {
-				paths = append(paths, PathMMA)
-			}
-			if M >= 64 {
-				paths = append(paths, PathCuBLAS)
-			}
-			for _, p := range paths {
+			for _, p := range pathsFor(M, PathFused) {
 				runCase(t, l, r, gemmCase{M: M, K: K, N: N, group: v.group, sym: v.sym, act: v.act, path: p})
 			}
 		}
@@ -566,17 +572,7 @@ func TestGatedGEMMMatchesReference(t *testing.T) {
 				l.Memset(ws, 0, ws.Bytes)
 				scratch, _ := l.Alloc(K * 2 * I * 2)
 				gref, uref := reference(avals, gg.Dequantize(), nil, M, K, I), reference(avals, ug.Dequantize(), nil, M, K, I)
-				paths := []int{PathAuto, PathFused}
-				if M <= 2 {
-					paths = append(paths, PathGEMV)
-				}
-				if M <= 64 {
-					paths = append(paths, PathMMA)
-				}
-				if M >= 64 {
-					paths = append(paths, PathCuBLAS)
-				}
-				for _, p := range paths {
+				for _, p := range pathsFor(M, PathAuto, PathFused) {
 					if err := l.SetPath(p); err != nil {
 						t.Fatal(err)
 					}
