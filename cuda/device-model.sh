@@ -122,7 +122,7 @@ case "$1" in
     echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'" | cat - "$OUT/cuda-tests.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests.log"
     echo "cuda tests rc=$rc"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|window|round|held|panic|error" "$OUT/cuda-tests.log" | head -70
     [ "$1" = zoo ] && exit $rc
-    r='TestDequant|TestSmallForSanitizer'
+    r='TestDequant|TestSmallForSanitizer|TestGatedGEMM'
     echo "# $LLMQ_COMMIT: compute-sanitizer --tool memcheck --leak-check full cuda.test -test.run '$r'" > "$OUT/cuda-memcheck.log"
     timeout 150 compute-sanitizer --tool memcheck --leak-check full build/device/cuda.test -test.run "$r" >> "$OUT/cuda-memcheck.log" 2>&1
     echo "memcheck (kernels): $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$OUT/cuda-memcheck.log" | tail -2 | tr '\n' ' ')"
@@ -137,7 +137,7 @@ case "$1" in
     $L bench gemm $peer --json "$OUT/gemm-h200.json" 2>&1 | tail -60
     ;;
   kernel)
-    build/device/cuda.test -test.v -test.run 'TestW4A16|TestGEMV|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
+    build/device/cuda.test -test.v -test.run 'TestW4A16|TestW8A16|TestGatedGEMM|TestGEMV|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
     echo "kernel tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|panic|error" "$OUT/cuda-kernel-tests.log" | head -30
     if [ -d "$LLMQ_SHARED/models/llama-tiny" ]; then  # the kernels inside the model
       build/device/cuda.test -test.v -test.run 'TestModelLogits|TestGreedy|TestWindowNLL|TestBatchedSteps' > "$OUT/cuda-model-tests.log" 2>&1
@@ -147,8 +147,9 @@ case "$1" in
     for tool in memcheck racecheck; do
       leak=; [ $tool = memcheck ] && leak="--leak-check full"
       log="$OUT/cuda-$tool-kernels.log"
-      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool $leak cuda.test -test.run 'TestDequant|TestSmallForSanitizer|TestAWQQuant|TestAWQClip'" > "$log"
-      timeout 200 compute-sanitizer --tool $tool $leak build/device/cuda.test -test.run 'TestDequant|TestSmallForSanitizer|TestAWQQuant|TestAWQClip|TestAttentionCausal' >> "$log" 2>&1
+      r='TestDequant|TestSmallForSanitizer|TestGatedGEMM|TestAWQQuant|TestAWQClip|TestAttentionCausal'
+      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool $leak cuda.test -test.run '$r'" > "$log"
+      timeout 200 compute-sanitizer --tool $tool $leak build/device/cuda.test -test.run "$r" >> "$log" 2>&1
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY' "$log" | tail -2 | tr '\n' ' ')"
     done
     ;;
