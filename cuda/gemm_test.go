@@ -522,19 +522,39 @@ func TestSmallForSanitizer(t *testing.T) {
 	runCase(t, l, r, gemmCase{M: 16, K: 4096, N: 128, group: 128, bits: 8, path: PathMMA})
 	runCase(t, l, r, gemmCase{M: 40, K: 1024, N: 128, group: 128, path: PathMMA})
 	runCase(t, l, r, gemmCase{M: 64, K: 1024, N: 128, group: 128, bits: 8, path: PathMMA})
+	// The gated epilogue: in the CTA (K = 256), through the workspace, and
+	// dequantize + cuBLAS with gated_pairs_kernel.
+	runGated(t, l, r, 4, 256, 2, pathsFor(2, PathFused))
+	runGated(t, l, r, 4, 2048, 3, []int{PathMMA})
+	runGated(t, l, r, 8, 2048, 1, []int{PathGEMV})
+	runGated(t, l, r, 4, 256, 70, []int{PathFused, PathCuBLAS})
 }
 
 // TestGatedGEMMMatchesReference: a gate and an up layer interleaved in
 // 32-column halves (pack.InterleaveGPU) and run with W4.Gated write
-// act(gate)·up, half the columns, from the GEMM's epilogue. Checked
-// against float64 products of the two layers (rounded to fp16, as the
-// GEMM's outputs would be, before the activation) on every path, both
-// activations, 4- and 8-bit codes, one K split (K = 256: the tile's sums
-// meet in the CTA) and several (K = 2048: in the workspace), twice each
-// (the workspace must come back zeroed).
+// act(gate)·up, half the columns, from the GEMM's epilogue (runGated), on
+// every path, both activations, 4- and 8-bit codes, one K split (K = 256:
+// the tile's sums meet in the CTA) and several (K = 2048: in the
+// workspace).
 func TestGatedGEMMMatchesReference(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(uint64(rand.Int64()), 9))
+	for _, bits := range []int{4, 8} {
+		for _, K := range []int{256, 2048} {
+			for _, M := range []int{1, 2, 5, 16, 40, 64, 65, 130} {
+				runGated(t, l, r, bits, K, M, pathsFor(M, PathAuto, PathFused))
+			}
+		}
+	}
+}
+
+// runGated checks one gated GEMM of M rows (gate and up K × 192 each,
+// random) on each of paths against float64 products of the two layers,
+// rounded to fp16 before the activation as the GEMM's outputs would be;
+// twice a path (the workspace must come back zeroed). The activation is
+// SiLU for even M, GELU-tanh for odd.
+func runGated(t *testing.T, l *Context, r *rand.Rand, bits, K, M int, paths []int) {
+	t.Helper()
 	act := func(g float64, gating Gating) float64 {
 		if gating == GatedGELU {
 			return 0.5 * g * (1 + math.Tanh(0.7978845608028654*(g+0.044715*g*g*g)))
@@ -542,76 +562,70 @@ func TestGatedGEMMMatchesReference(t *testing.T) {
 		return g / (1 + math.Exp(-g))
 	}
 	f16 := func(v float64) float64 { return float64(float16.Fromfloat32(float32(v)).Float32()) }
-	for _, bits := range []int{4, 8} {
-		for _, K := range []int{256, 2048} {
-			for _, M := range []int{1, 2, 5, 16, 40, 64, 65, 130} {
-				const I = 192
-				gl, ul := randomLayer(r, K, I, 128, bits, false, false), randomLayer(r, K, I, 128, bits, true, false)
-				gg, err := gl.GPULayout()
-				if err != nil {
-					t.Fatal(err)
+	const I = 192
+	gl, ul := randomLayer(r, K, I, 128, bits, false, false), randomLayer(r, K, I, 128, bits, true, false)
+	gg, err := gl.GPULayout()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ug, err := ul.GPULayout()
+	if err != nil {
+		t.Fatal(err)
+	}
+	il, err := pack.InterleaveGPU(gg, ug)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := l.UploadW4(il)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Free(l)
+	gating := []Gating{GatedSiLU, GatedGELU}[M%2]
+	w.Gated = gating
+	abits, avals := randomHalf(r, M*K)
+	A, _ := AllocFrom(l, abits)
+	out, _ := l.Alloc(M * I * 2)
+	ws, _ := l.Alloc(l.Lib().WorkspaceBytes(M, 2*I))
+	l.Memset(ws, 0, ws.Bytes)
+	scratch, _ := l.Alloc(K * 2 * I * 2)
+	for _, b := range []Buf{A, out, ws, scratch} {
+		defer l.Free(b)
+	}
+	gref, uref := reference(avals, gg.Dequantize(), nil, M, K, I), reference(avals, ug.Dequantize(), nil, M, K, I)
+	defer l.SetPath(PathAuto)
+	for _, p := range paths {
+		if err := l.SetPath(p); err != nil {
+			t.Fatal(err)
+		}
+		variant, err := l.Plan(w, M)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for run := 0; run < 2; run++ {
+			if err := l.Memset(out, 0xff, out.Bytes); err != nil { // poison: 0xffff is NaN
+				t.Fatal(err)
+			}
+			if err := l.GemmW4(A, out, w, M, ws, scratch, Buf{}); err != nil {
+				t.Fatalf("%d-bit K=%d M=%d path %d (%s): %v", bits, K, M, p, variant, err)
+			}
+			got := make([]uint16, M*I)
+			if err := Download(l, got, out); err != nil {
+				t.Fatal(err)
+			}
+			var num, den float64
+			for i, h := range got {
+				v, want := float64(float16.Frombits(h).Float32()), act(f16(gref[i]), gating)*f16(uref[i])
+				if math.IsNaN(v) || math.IsInf(v, 0) {
+					t.Fatalf("%d-bit K=%d M=%d path %d (%s) run %d: output %d not written or not finite", bits, K, M, p, variant, run, i)
 				}
-				ug, err := ul.GPULayout()
-				if err != nil {
-					t.Fatal(err)
-				}
-				il, err := pack.InterleaveGPU(gg, ug)
-				if err != nil {
-					t.Fatal(err)
-				}
-				w, err := l.UploadW4(il)
-				if err != nil {
-					t.Fatal(err)
-				}
-				gating := []Gating{GatedSiLU, GatedGELU}[M%2]
-				w.Gated = gating
-				abits, avals := randomHalf(r, M*K)
-				A, _ := AllocFrom(l, abits)
-				out, _ := l.Alloc(M * I * 2)
-				ws, _ := l.Alloc(l.Lib().WorkspaceBytes(M, 2*I))
-				l.Memset(ws, 0, ws.Bytes)
-				scratch, _ := l.Alloc(K * 2 * I * 2)
-				gref, uref := reference(avals, gg.Dequantize(), nil, M, K, I), reference(avals, ug.Dequantize(), nil, M, K, I)
-				for _, p := range pathsFor(M, PathAuto, PathFused) {
-					if err := l.SetPath(p); err != nil {
-						t.Fatal(err)
-					}
-					variant, err := l.Plan(w, M)
-					if err != nil {
-						t.Fatal(err)
-					}
-					for run := 0; run < 2; run++ {
-						if err := l.Memset(out, 0xff, out.Bytes); err != nil { // poison: 0xffff is NaN
-							t.Fatal(err)
-						}
-						if err := l.GemmW4(A, out, w, M, ws, scratch, Buf{}); err != nil {
-							t.Fatalf("%d-bit K=%d M=%d path %d (%s): %v", bits, K, M, p, variant, err)
-						}
-						got := make([]uint16, M*I)
-						if err := Download(l, got, out); err != nil {
-							t.Fatal(err)
-						}
-						var num, den float64
-						for i, h := range got {
-							v, want := float64(float16.Frombits(h).Float32()), act(f16(gref[i]), gating)*f16(uref[i])
-							if math.IsNaN(v) || math.IsInf(v, 0) {
-								t.Fatalf("%d-bit K=%d M=%d path %d (%s) run %d: output %d not written or not finite", bits, K, M, p, variant, run, i)
-							}
-							num += (v - want) * (v - want)
-							den += want * want
-						}
-						if rel := math.Sqrt(num / den); rel > 2e-3 {
-							t.Fatalf("%d-bit K=%d M=%d path %d (%s) run %d, gating %d: relative error %.3g > 2e-3", bits, K, M, p, variant, run, gating, rel)
-						} else if run == 0 {
-							t.Logf("%d-bit K=%d M=%d (%s), gating %d: rel err %.2e", bits, K, M, variant, gating, rel)
-						}
-					}
-				}
-				l.SetPath(PathAuto)
-				for _, b := range []Buf{A, out, ws, scratch} {
-					l.Free(b)
-				}
-				w.Free(l)
+				num += (v - want) * (v - want)
+				den += want * want
+			}
+			if rel := math.Sqrt(num / den); rel > 2e-3 {
+				t.Fatalf("%d-bit K=%d M=%d path %d (%s) run %d, gating %d: relative error %.3g > 2e-3", bits, K, M, p, variant, run, gating, rel)
+			} else if run == 0 {
+				t.Logf("%d-bit K=%d M=%d (%s), gating %d: rel err %.2e", bits, K, M, variant, gating, rel)
 			}
 		}
 	}
