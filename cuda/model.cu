@@ -446,6 +446,15 @@ constexpr int kMaxSpans = 32;                            // sub-chunks a block (
 static_assert(kMaxSpans <= 32, "lane j of a warp looks up sub-chunk j's page");
 constexpr int kDecodeWaveBlocks = 4;                     // blocks an SM that attention() sizes the grid for
 
+// spans_for is the sub-chunks a decode block takes: enough that `work`
+// sub-chunks spread over about `wave` blocks, at least `floor`, at most
+// kMaxSpans. The kernel sizes each row with it; attention() sizes the
+// grid with it for rows of half the key bound.
+__host__ __device__ __forceinline__ int spans_for(long work, int wave, int floor) {
+  const long want = (work + wave - 1) / wave;
+  return want >= kMaxSpans ? kMaxSpans : want > floor ? (int)want : floor;
+}
+
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
   const half2* h = reinterpret_cast<const half2*>(&u);
 #pragma unroll
@@ -473,9 +482,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   // graph's, is up to twice the rows' lengths); the blocks past the row's
   // chunks only write empty records.
   const int lo = window > 0 ? max(0, n - window) : 0;
-  const long work = (long)gridDim.x * gridDim.y * ((n - lo + kDecodeChunk - 1) / kDecodeChunk);
-  const long want = (work + wave - 1) / wave;
-  const int spans = want >= kMaxSpans ? kMaxSpans : want > min_spans ? (int)want : min_spans;
+  const int spans = spans_for((long)gridDim.x * gridDim.y * ((n - lo + kDecodeChunk - 1) / kDecodeChunk), wave, min_spans);
   const int chunk = kDecodeChunk * spans;
   const int j0 = max(c * chunk, lo), j1 = min(n, c * chunk + chunk);
   float* out = part + (((size_t)t * heads + h0) * gridDim.z + c) * (hd + 2);
@@ -713,7 +720,6 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
     o[i] = __float2half(sum / L);
   }
 }
-
 
 // gated_act_kernel: g = act(g)·u.
 __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ u, size_t n, int act) {
@@ -1140,9 +1146,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const int wave = c->decode_wave > 0 ? c->decode_wave : c->sms * kDecodeWaveBlocks;
     // (A sliding window bounds a row's keys below the key bound.)
     const int span_chunks = window > 0 ? std::min(chunks, (window + kDecodeChunk - 1) / kDecodeChunk + 1) : chunks;
-    const long half_work = (long)T * (heads / gb) * ((span_chunks + 1) / 2);
-    const long half_want = (half_work + wave - 1) / wave;
-    const int min_spans = half_want >= kMaxSpans ? kMaxSpans : half_want > 1 ? (int)half_want : 1;
+    const int min_spans = spans_for((long)T * (heads / gb) * ((span_chunks + 1) / 2), wave, 1);
     chunks = (chunks + min_spans - 1) / min_spans;
     // Shared memory: the block's keys and values in flight, then the
     // warps' meeting in the same bytes (whichever is larger).

@@ -282,6 +282,13 @@ __device__ __forceinline__ void emit(const Outs& o, float* ws, int r, int col, i
     atomicAdd(&ws[(size_t)r * N + col], v);
 }
 
+// store_gated writes act(gate)·up for row r, column c < 32 of n-tile nt
+// of a gated GEMM (Outs::act ≥ 0) from that tile's columns c (gate) and
+// c + 32 (up): output column 32·nt + c of the N/2.
+__device__ __forceinline__ void store_gated(const Outs& o, int r, int N, int nt, int c, float gate, float up) {
+  o.c[0][(size_t)r * (N / 2) + nt * 32 + c] = gated_pair(gate, up, o.act);
+}
+
 // emit_tile writes rows row0 … row0+rows−1 (those below M) of n-tile nt,
 // whose sums total(r − row0, col) gives (the CTA's, after its warps
 // met): each through emit, or in the gated mode with one split, a pair
@@ -292,7 +299,7 @@ __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, in
   if (o.act >= 0 && splits == 1) {
     for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
       const int r = row0 + i / 32, c = i & 31;
-      if (r < M) o.c[0][(size_t)r * (N / 2) + nt * 32 + c] = gated_pair(total(i / 32, c), total(i / 32, c + 32), o.act);
+      if (r < M) store_gated(o, r, N, nt, c, total(i / 32, c), total(i / 32, c + 32));
     }
     return;
   }
@@ -321,7 +328,7 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
     if (r < M) {
       const size_t idx = (size_t)r * N + nt * 64 + i % per;
       if (o.act >= 0) {
-        o.c[0][(size_t)r * (N / 2) + nt * 32 + i % per] = gated_pair(__ldcg(&ws[idx]), __ldcg(&ws[idx + 32]), o.act);
+        store_gated(o, r, N, nt, i % per, __ldcg(&ws[idx]), __ldcg(&ws[idx + 32]));
         ws[idx + 32] = 0.f;
       } else {
         *out_at(o, r, nt * 64 + i % per) = __float2half_rn(__ldcg(&ws[idx]));
@@ -824,15 +831,15 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ 
   }
 }
 
-// gated_pairs_kernel: out [M][N/2] = act(gate)·up from t [M][N], a gated
-// layer's interleaved product (dequantize + cuBLAS, Outs::act).
-__global__ void gated_pairs_kernel(const half* __restrict__ t, half* __restrict__ out, int M, int N, int act) {
+// gated_pairs_kernel: a gated layer's output (C, Outs::act) from t [M][N],
+// its interleaved product (dequantize + cuBLAS), a thread an output.
+__global__ void gated_pairs_kernel(const half* __restrict__ t, const Outs C, int M, int N) {
   pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (size_t)M * (N / 2)) return;
-  const size_t r = i / (N / 2);
-  const int o = (int)(i % (N / 2)), col = o / 32 * 64 + o % 32;
-  out[i] = gated_pair(__half2float(t[r * N + col]), __half2float(t[r * N + col + 32]), act);
+  const int r = (int)(i / (N / 2)), o = (int)(i % (N / 2)), nt = o / 32, c = o % 32;
+  const half* row = t + (size_t)r * N + nt * 64;
+  store_gated(C, r, N, nt, c, __half2float(row[c]), __half2float(row[c + 32]));
 }
 
 __global__ void gather_cols(const half* __restrict__ A, const int32_t* __restrict__ perm, half* __restrict__ out, int M,
@@ -1000,6 +1007,12 @@ int query_resident(llmq_ctx* c, int path, int variant, int bits) {
 // each warp keeping at least two batches (GEMV) or four stages (fused) of
 // steps; fewer splits as M grows (the cross-CTA reduction costs
 // M·N·splits atomics).
+// forced_splits is the planned K splits, or LLMQ_W4_SPLITS' (c->w4_splits)
+// where set, at most one a warp's step.
+int forced_splits(llmq_ctx* c, int planned, int KT) {
+  return c->w4_splits > 0 ? min(c->w4_splits, max(1, KT / kWarps)) : planned;
+}
+
 int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool have_scratch) {
   p = Plan{};
   p.bits = bits;
@@ -1043,7 +1056,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     int splits = max(1, (c->sms * max(c->resident[resident_slot(p.path, p.variant, bits)], 1)) / NT);
     splits = min(splits, max(1, KT / (2 * kWarps * u)));
     if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
-    p.splits = c->w4_splits > 0 ? min(c->w4_splits, max(1, KT / kWarps)) : splits;
+    p.splits = forced_splits(c, splits, KT);
     return 0;
   }
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
@@ -1053,7 +1066,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   int splits = max(1, (c->sms * max(c->resident[resident_slot(1, p.variant, bits)], 1)) / (NT * mblocks));
   splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
-  p.splits = c->w4_splits > 0 ? min(c->w4_splits, max(1, KT / kWarps)) : splits;
+  p.splits = forced_splits(c, splits, KT);
   return 0;
 }
 
@@ -1211,7 +1224,7 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
       half* t = (half*)workspace;
       if (gemm_f16_cols(c, a, (const half*)scratch, N, t, M, N, K)) return 1;
       const size_t n = (size_t)M * (N / 2);
-      CK(launch(c, (gated_pairs_kernel), (unsigned)((n + 255) / 256), 256, 0, (const half*)t, C.c[0], M, N, C.act));
+      CK(launch(c, (gated_pairs_kernel), (unsigned)((n + 255) / 256), 256, 0, (const half*)t, C, M, N));
       CK(cudaMemsetAsync(t, 0, (size_t)M * N * sizeof(half), c->stream));
       return 0;
     }
