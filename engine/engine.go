@@ -879,23 +879,21 @@ func (s *sequence) pick(row []float32, parts int) pick {
 func pickAll(batch []*sequence) []pick {
 	picks := make([]pick, len(batch))
 	var wg sync.WaitGroup
-	cores := runtime.GOMAXPROCS(0)
-	sem := make(chan struct{}, cores)
-	onHost := 0 // rows sampled here, each a goroutine
-	for _, s := range batch {
-		if !s.refilling && !s.scoring && !s.picked {
-			onHost++
+	var host []int // rows sampled here, each a goroutine
+	for i, s := range batch {
+		switch {
+		case s.refilling || s.scoring:
+		case s.picked: // the backend did: its argmax or its draw's pick
+			picks[i] = pick{id: s.pickedID, ok: true}
+		default:
+			host = append(host, i)
 		}
 	}
-	parts := max(1, cores/max(onHost, 1))
-	for i, s := range batch {
-		if s.refilling || s.scoring {
-			continue
-		}
-		if s.picked { // the backend did: its argmax or its draw's pick
-			picks[i] = pick{id: s.pickedID, ok: true}
-			continue
-		}
+	cores := runtime.GOMAXPROCS(0)
+	sem := make(chan struct{}, cores)
+	parts := max(1, cores/max(len(host), 1))
+	for _, i := range host {
+		s := batch[i]
 		wg.Add(1)
 		sem <- struct{}{}
 		go func() {
