@@ -250,6 +250,9 @@ func pathsFor(M int, always ...int) []int {
 	if M <= 2 {
 		paths = append(paths, PathGEMV)
 	}
+	if M <= 32 {
+		paths = append(paths, PathSwap)
+	}
 	if M <= 64 {
 		paths = append(paths, PathMMA)
 	}
@@ -303,6 +306,17 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 13, K: 256, N: 448, group: 128, path: PathMMA, split: []int{256, 64, 128}},
 		{M: 33, K: 14336, N: 256, group: 128, path: PathMMA}, {M: 24, K: 1024, N: 192, group: 16, bits: 3, act: true, path: PathMMA},
 		{M: 47, K: 4096, N: 448, group: 128, path: PathMMA, split: []int{256, 64, 128}},
+		// v15 (v11 with the operands swapped): its token counts (8, 16,
+		// 32) at their edges, groups short of a batch of steps and
+		// per-channel, K splits, the smallest shape, 2/3-bit.
+		{M: 1, K: 14336, N: 256, group: 128, path: PathSwap}, {M: 8, K: 512, N: 4096, group: 128, path: PathSwap},
+		{M: 9, K: 14336, N: 256, group: 64, path: PathSwap}, {M: 16, K: 4096, N: 192, group: -1, path: PathSwap},
+		{M: 17, K: 4096, N: 256, group: 128, path: PathSwap}, {M: 32, K: 1024, N: 192, group: 32, path: PathSwap},
+		{M: 1, K: 16, N: 64, group: -1, path: PathSwap}, {M: 5, K: 48, N: 64, group: 16, path: PathSwap},
+		{M: 3, K: 1024, N: 192, group: 32, bits: 3, path: PathSwap},
+		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathSwap},
+		{M: 1, K: 4096, N: 448, group: 128, path: PathSwap, split: []int{256, 64, 128}},
+		{M: 21, K: 256, N: 448, group: 128, path: PathSwap, split: []int{256, 64, 128}},
 		// A joined layer's columns into three outputs, on every path, with
 		// K split across CTAs (the last-CTA store) and without.
 		{M: 1, K: 4096, N: 448, group: 128, path: PathGEMV, split: []int{256, 64, 128}},
@@ -320,6 +334,8 @@ func TestW4A16MatchesReference(t *testing.T) {
 		}
 		runCase(t, l, r, gemmCase{M: 2, K: 1024, N: 64, group: 128, path: PathGEMV, edit: edit})
 		runCase(t, l, r, gemmCase{M: 11, K: 1024, N: 64, group: 128, path: PathMMA, edit: edit})
+		runCase(t, l, r, gemmCase{M: 1, K: 1024, N: 64, group: 128, path: PathSwap, edit: edit})
+		runCase(t, l, r, gemmCase{M: 30, K: 1024, N: 64, group: 128, path: PathSwap, edit: edit})
 		runCase(t, l, r, gemmCase{M: 50, K: 1024, N: 64, group: 128, path: PathMMA, edit: edit})
 	}
 }
@@ -363,6 +379,17 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	} else {
 		t.Log(err)
 	}
+	if err := l.SetPath(PathSwap); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Plan(w, 33); err == nil || !strings.Contains(err.Error(), "M ≤ 32") {
+		t.Errorf("forced swapped GEMV at M=33: %v; want an error naming M ≤ 32", err)
+	} else {
+		t.Log(err)
+	}
+	if err := l.SetPath(6); err == nil || !strings.Contains(err.Error(), "path 6") {
+		t.Errorf("SetPath(6): %v; want an error naming path 6", err)
+	}
 }
 
 // TestW8A16MatchesReference: 8-bit codes (one a byte) through both GEMV
@@ -383,6 +410,9 @@ func TestW8A16MatchesReference(t *testing.T) {
 			if M <= 2 {
 				paths = append(paths, PathGEMV)
 			}
+			if M <= 32 {
+				paths = append(paths, PathSwap)
+			}
 			if M <= 64 {
 				paths = append(paths, PathMMA)
 			}
@@ -396,7 +426,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 		{M: 2, K: 48, N: 64, group: 16}, {M: 1, K: 4096, N: 448, group: 128, split: []int{256, 64, 128}},
 		{M: 2, K: 256, N: 448, group: 64, act: true, split: []int{256, 64, 128}},
 	} {
-		for _, p := range []int{PathGEMV, PathFused, PathMMA} {
+		for _, p := range []int{PathGEMV, PathFused, PathMMA, PathSwap} {
 			c.bits, c.path = 8, p
 			runCase(t, l, r, c)
 		}
@@ -409,7 +439,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 		runCase(t, l, r, c)
 	}
 	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
-		for _, p := range []int{PathGEMV, PathFused, PathCuBLAS, PathMMA} {
+		for _, p := range []int{PathGEMV, PathFused, PathCuBLAS, PathMMA, PathSwap} {
 			runCase(t, l, r, gemmCase{M: 2, K: 1024, N: 64, group: 128, bits: 8, path: p, edit: edit})
 		}
 	}
@@ -522,6 +552,12 @@ func TestSmallForSanitizer(t *testing.T) {
 	runCase(t, l, r, gemmCase{M: 16, K: 4096, N: 128, group: 128, bits: 8, path: PathMMA})
 	runCase(t, l, r, gemmCase{M: 40, K: 1024, N: 128, group: 128, path: PathMMA})
 	runCase(t, l, r, gemmCase{M: 64, K: 1024, N: 128, group: 128, bits: 8, path: PathMMA})
+	// v15 at each of its token counts, both widths, a split and a tail.
+	runCase(t, l, r, gemmCase{M: 1, K: 4096, N: 128, group: 128, act: true, path: PathSwap})
+	runCase(t, l, r, gemmCase{M: 13, K: 4096, N: 192, group: 64, path: PathSwap, split: []int{64, 128}})
+	runCase(t, l, r, gemmCase{M: 32, K: 1040, N: 128, group: -1, path: PathSwap})
+	runCase(t, l, r, gemmCase{M: 7, K: 4096, N: 128, group: 128, bits: 8, path: PathSwap})
+	runGated(t, l, r, 4, 2048, 5, []int{PathSwap})
 	// The gated epilogue: in the CTA (K = 256), through the workspace, and
 	// dequantize + cuBLAS with gated_pairs_kernel.
 	runGated(t, l, r, 4, 256, 2, pathsFor(2, PathFused))

@@ -513,6 +513,7 @@ const (
 	PathCuBLAS = 2
 	PathGEMV   = 3 // M ≤ 2
 	PathMMA    = 4 // the GEMV on the Tensor Cores (v11), M ≤ 64
+	PathSwap   = 5 // v11 with the operands swapped (v15), M ≤ 32
 )
 
 // SetPath forces the context's W4A16 path (tests and benchmarks).

@@ -49,16 +49,15 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// deq turns two (1024+q) fp16 values into (q − z)·s, with zz = (1024+z)×2
-// and ss = s×2 as half2 bit patterns.
-__device__ __forceinline__ uint32_t deq(uint32_t q, uint32_t zz, uint32_t ss) {
-  half2 v = __hsub2(*reinterpret_cast<half2*>(&q), *reinterpret_cast<half2*>(&zz));
-  v = __hmul2(v, *reinterpret_cast<half2*>(&ss));
+// hsub and hmul are __hsub2 and __hmul2 on half2 bit patterns.
+__device__ __forceinline__ uint32_t hsub(uint32_t a, uint32_t b) {
+  half2 v = __hsub2(*reinterpret_cast<half2*>(&a), *reinterpret_cast<half2*>(&b));
   return *reinterpret_cast<uint32_t*>(&v);
 }
-
-
-
+__device__ __forceinline__ uint32_t hmul(uint32_t a, uint32_t b) {
+  half2 v = __hmul2(*reinterpret_cast<half2*>(&a), *reinterpret_cast<half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&v);
+}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
@@ -135,11 +134,11 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
   }
 }
 
-// dequant_word turns word i of a lane's chunk into the fp16 weights
-// (q − z)·s of its two n8 sub-tiles ja = 2i, jb = 2i + 1: b[0], b[1] are
-// sub-tile ja's mma B fragments (rows 2·tig, 2·tig+1 and 2·tig+8,
-// 2·tig+9 of column gid), b[2], b[3] sub-tile jb's.
-__device__ __forceinline__ void dequant_word(uint32_t (&b)[4], uint32_t q, int i, const GroupRegs& gr) {
+// codes_word turns word i of a lane's chunk into the exact fp16 codes
+// q − z of its two n8 sub-tiles ja = 2i, jb = 2i + 1 (not yet scaled):
+// b[0], b[1] are sub-tile ja's mma B fragments (rows 2·tig, 2·tig+1 and
+// 2·tig+8, 2·tig+9 of column gid), b[2], b[3] sub-tile jb's.
+__device__ __forceinline__ void codes_word(uint32_t (&b)[4], uint32_t q, int i, const GroupRegs& gr) {
   const uint32_t q8 = q >> 8;
   // (1024 + n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …)
   const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
@@ -147,28 +146,38 @@ __device__ __forceinline__ void dequant_word(uint32_t (&b)[4], uint32_t q, int i
   const uint32_t p2 = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
   const uint32_t p3 = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
   const int ja = 2 * i, jb = 2 * i + 1;
-  b[0] = deq(p0, gr.zlo[ja], gr.s[ja]);
-  b[1] = deq(p1, gr.zhi[ja], gr.s[ja]);
-  b[2] = deq(p2, gr.zlo[jb], gr.s[jb]);
-  b[3] = deq(p3, gr.zhi[jb], gr.s[jb]);
+  b[0] = hsub(p0, gr.zlo[ja]);
+  b[1] = hsub(p1, gr.zhi[ja]);
+  b[2] = hsub(p2, gr.zlo[jb]);
+  b[3] = hsub(p3, gr.zhi[jb]);
 }
 
-// dequant_pair is dequant_word for a lane's step of BITS-bit codes, its
-// words w (4 for 4-bit codes, one chunk; 8 for 8-bit, two): the fragments
-// b of sub-tiles 2i and 2i+1. An 8-bit word is one sub-tile's rows 2·tig,
-// 2·tig+1, 2·tig+8, 2·tig+9, a byte each; permuting its bytes against
-// 0x64 makes the fp16 pairs 1024 + q of b0 and b1.
+// codes_pair is codes_word for a lane's step of BITS-bit codes, its words
+// w (4 for 4-bit codes, one chunk; 8 for 8-bit, two): the exact codes q − z
+// of sub-tiles 2i and 2i+1 in the fragments b. An 8-bit word is one
+// sub-tile's rows 2·tig, 2·tig+1, 2·tig+8, 2·tig+9, a byte each; permuting
+// its bytes against 0x64 makes the fp16 pairs 1024 + q of b0 and b1.
 template <int BITS>
-__device__ __forceinline__ void dequant_pair(uint32_t (&b)[4], const uint32_t* w, int i, const GroupRegs& gr) {
+__device__ __forceinline__ void codes_pair(uint32_t (&b)[4], const uint32_t* w, int i, const GroupRegs& gr) {
   if constexpr (BITS == 4) {
-    dequant_word(b, w[i], i, gr);
+    codes_word(b, w[i], i, gr);
   } else {
     const int ja = 2 * i, jb = 2 * i + 1;
-    b[0] = deq(__byte_perm(w[ja], 0x64646464u, 0x4140), gr.zlo[ja], gr.s[ja]);
-    b[1] = deq(__byte_perm(w[ja], 0x64646464u, 0x4342), gr.zlo[ja], gr.s[ja]);
-    b[2] = deq(__byte_perm(w[jb], 0x64646464u, 0x4140), gr.zlo[jb], gr.s[jb]);
-    b[3] = deq(__byte_perm(w[jb], 0x64646464u, 0x4342), gr.zlo[jb], gr.s[jb]);
+    b[0] = hsub(__byte_perm(w[ja], 0x64646464u, 0x4140), gr.zlo[ja]);
+    b[1] = hsub(__byte_perm(w[ja], 0x64646464u, 0x4342), gr.zlo[ja]);
+    b[2] = hsub(__byte_perm(w[jb], 0x64646464u, 0x4140), gr.zlo[jb]);
+    b[3] = hsub(__byte_perm(w[jb], 0x64646464u, 0x4342), gr.zlo[jb]);
   }
+}
+
+// dequant_pair is codes_pair scaled: the fp16 weights (q − z)·s.
+template <int BITS>
+__device__ __forceinline__ void dequant_pair(uint32_t (&b)[4], const uint32_t* w, int i, const GroupRegs& gr) {
+  codes_pair<BITS>(b, w, i, gr);
+  b[0] = hmul(b[0], gr.s[2 * i]);
+  b[1] = hmul(b[1], gr.s[2 * i]);
+  b[2] = hmul(b[2], gr.s[2 * i + 1]);
+  b[3] = hmul(b[3], gr.s[2 * i + 1]);
 }
 
 // mma_step: dequantize one lane's words w of a step (4 for 4-bit codes,
@@ -234,6 +243,8 @@ struct GroupStream {
     convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
     prefetch();
   }
+  // crosses: whether step k lies past gr's group (at(gr, k) would move it).
+  __device__ __forceinline__ bool crosses(int k) const { return gshift >= 0 && (k >> gshift) != cur; }
   // at moves gr to step k's group (k increases by one step at a time).
   __device__ __forceinline__ void at(GroupRegs& gr, int k) {
     if (gshift >= 0 && (k >> gshift) != cur) {
@@ -741,6 +752,153 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
+// w4a16_gemv_swap (v15): the GEMV's streaming with the operands of
+// mma.m16n8k16 swapped — the weights are its 16-row A operand and the
+// tokens its 8 columns (C^T = W^T·A^T). Word i of a lane's chunk, as
+// codes_pair leaves it, is exactly an A fragment: rows 0–7 of the m16
+// tile are sub-tile 2i's columns, rows 8–15 sub-tile 2i+1's (a0 = b[0],
+// a1 = b[2], a2 = b[1], a3 = b[3]); the B fragment of token tile nb is
+// two words of activations of token 8·nb + gid (the rows past M repeat
+// row M − 1 and are not written). Per 16-row step a warp runs 4·NB mma
+// (v11 runs 8·MB with half its rows idle up to M = 8), and where the
+// group's sums stay apart (SCALED false) the codes go in unscaled —
+// exact integers q − z, whose products the Tensor Core sums in fp32 — and
+// the lane multiplies its two columns' scales in once per group: per code
+// pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
+// CTA and K split as w4a16_gemv.
+template <int MT, int U, int BITS, bool SCALED>
+__global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                             const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                             const Outs C, float* __restrict__ ws,
+                                                             int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                             int splits) {
+  static_assert(MT == 8 || MT == 16 || MT == 32, "tokens: 1, 2 or 4 n8 tiles");
+  constexpr int NB = MT / 8;     // n8 token tiles
+  constexpr int CH = BITS / 4;   // chunks a step: step k's are at bp + 32·(CH·k + c)
+  constexpr int NP = SCALED ? 1 : NB;  // the group's partial sums (unused when SCALED)
+  pdl_gate();  // before any global access: see common.cuh
+  __shared__ float red[kWarps][MT][64];
+  __shared__ int s_last;
+  const int nt = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6;
+  int k0, k1;
+  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+  // Step k's B fragment of token tile nb: token 8·nb + gid's words 8k + tig
+  // (rows 16k + 2·tig, +1) and 8k + tig + 4 (rows + 8).
+  const uint32_t* xr[NB];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) xr[nb] = reinterpret_cast<const uint32_t*>(A + (size_t)min(8 * nb + gid, M - 1) * K) + tig;
+  const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
+  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupRegs gr;
+  // tot[i][nb]: m16 tile i (columns 16i + gid and 16i + gid + 8) × tokens
+  // 8·nb + 2·tig, +1, as mma leaves D; part: the current group's, unscaled.
+  float tot[4][NB][4], part[4][NP][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) tot[i][nb][0] = tot[i][nb][1] = tot[i][nb][2] = tot[i][nb][3] = 0.f;
+#pragma unroll
+    for (int nb = 0; nb < NP; ++nb) part[i][nb][0] = part[i][nb][1] = part[i][nb][2] = part[i][nb][3] = 0.f;
+  }
+  // flush adds the group's sums, scaled by its columns' scales, into tot.
+  auto flush = [&]() {
+    if constexpr (!SCALED) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float s0 = __low2float(as_h2(gr.s[2 * i])), s1 = __low2float(as_h2(gr.s[2 * i + 1]));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          tot[i][nb][0] += s0 * part[i][nb][0], tot[i][nb][1] += s0 * part[i][nb][1];
+          tot[i][nb][2] += s1 * part[i][nb][2], tot[i][nb][3] += s1 * part[i][nb][3];
+          part[i][nb][0] = part[i][nb][1] = part[i][nb][2] = part[i][nb][3] = 0.f;
+        }
+      }
+    }
+  };
+  // Two register batches of U steps, loaded and multiplied in turn (no
+  // copies); a load past k1 repeats step k1 − 1 (never multiplied).
+  uint4 qa[U][CH], qb[U][CH];
+  uint32_t xa[U][NB][2], xb[U][NB][2];
+  auto load = [&](uint4 (&q)[U][CH], uint32_t (&x)[U][NB][2], int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = min(kb + u, k1 - 1);
+#pragma unroll
+      for (int c = 0; c < CH; ++c) q[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        x[u][nb][0] = __ldg(xr[nb] + (size_t)k * 8);
+        x[u][nb][1] = __ldg(xr[nb] + (size_t)k * 8 + 4);
+      }
+    }
+  };
+  auto step = [&](const uint4 (&qv)[CH], const uint32_t (&x)[NB][2], int k) {
+    if (groups.crosses(k)) {
+      flush();
+      groups.at(gr, k);
+    }
+    uint32_t w[4 * CH];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) w[4 * c] = qv[c].x, w[4 * c + 1] = qv[c].y, w[4 * c + 2] = qv[c].z, w[4 * c + 3] = qv[c].w;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t b[4];
+      if constexpr (SCALED)
+        dequant_pair<BITS>(b, w, i, gr);
+      else
+        codes_pair<BITS>(b, w, i, gr);
+      const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        if constexpr (SCALED)
+          mma16816(tot[i][nb], a, x[nb][0], x[nb][1]);
+        else
+          mma16816(part[i][nb], a, x[nb][0], x[nb][1]);
+      }
+    }
+  };
+  auto batch = [&](const uint4 (&q)[U][CH], const uint32_t (&x)[U][NB][2], int kb, bool full) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (full || kb + u < k1) step(q[u], x[u], kb + u);
+  };
+  int kb = k0;
+  if (k1 > k0) {
+    groups.start(gr, k0);
+    load(qa, xa, k0);
+    for (; kb + 2 * U <= k1; kb += 2 * U) {
+      load(qb, xb, kb + U);
+      batch(qa, xa, kb, true);
+      if (kb + 2 * U < k1) load(qa, xa, kb + 2 * U);
+      batch(qb, xb, kb + U, true);
+    }
+    if (kb < k1) {  // fewer than 2U steps left, the first U of them in qa
+      if (kb + U < k1) load(qb, xb, kb + U);
+      batch(qa, xa, kb, false);
+      if (kb + U < k1) batch(qb, xb, kb + U, false);
+    }
+    flush();
+  }
+  // The warps' sums: lane's D rows are columns 16i + gid (+8), its D
+  // columns tokens 8·nb + 2·tig (+1).
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const int r = 8 * nb + 2 * tig, col = 16 * i + gid;
+      red[warp][r][col] = tot[i][nb][0];
+      red[warp][r + 1][col] = tot[i][nb][1];
+      red[warp][r][col + 8] = tot[i][nb][2];
+      red[warp][r + 1][col + 8] = tot[i][nb][3];
+    }
+  __syncthreads();
+  emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
+  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+}
+
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
 // weights lie one after another in B, S and Z (each N×K in the layout
 // above). CTA (nt, c, z) runs chunk c of the expert plan (moe_plan): up to
@@ -874,8 +1032,10 @@ int check_bits(llmq_ctx* c, int bits) {
 // instantiation and its K splits, or dequantize + cuBLAS.
 struct Plan {
   int bits;     // the codes' width: 4 (2- to 4-bit codes, in nibbles) or 8
-  int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel, 4 GEMV on the Tensor Cores (v11)
-  int variant;  // the instantiation: kVariants[variant] (fused), kGemv[variant] (GEMV), kMma[variant] (v11)
+  int path;     // 1 fused kernel, 2 dequantize + cuBLAS, 3 GEMV kernel, 4 GEMV on the Tensor Cores (v11),
+                // 5 the same with the operands swapped (v15)
+  int variant;  // the instantiation: kVariants[variant] (fused), kGemv[variant] (GEMV), kMma[variant] (v11),
+                // kSwap[variant] (v15)
   int splits;
 };
 
@@ -906,15 +1066,26 @@ struct MmaVariant {
 constexpr MmaVariant kMma[] = {{8, 4}, {16, 4}, {32, 2}, {64, 1}};
 constexpr int kMmaVariants = sizeof(kMma) / sizeof(kMma[0]);
 constexpr int kMmaMaxM = 64;
+// v15's (w4a16_gemv_swap): the tokens (MT), steps a batch (U), and
+// whether the codes are scaled before the mma (SCALED: no per-group sums,
+// whose registers 32 tokens cannot spare).
+struct SwapVariant {
+  int mt, u;
+  bool scaled;
+};
+constexpr SwapVariant kSwap[] = {{8, 4, false}, {16, 4, false}, {32, 2, true}};
+constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
+constexpr int kSwapMaxM = 32;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the
-// GEMV's, then v11's, each 4-bit then 8-bit.
+// GEMV's, then v11's, then v15's, each 4-bit then 8-bit.
 constexpr int resident_slot(int path, int variant, int bits) {
   return path == 1   ? 3 * (bits == 8) + variant
          : path == 3 ? 6 + kGemvVariants * (bits == 8) + variant
-                     : 6 + 2 * kGemvVariants + kMmaVariants * (bits == 8) + variant;
+         : path == 4 ? 6 + 2 * kGemvVariants + kMmaVariants * (bits == 8) + variant
+                     : 6 + 2 * kGemvVariants + 2 * kMmaVariants + kSwapVariants * (bits == 8) + variant;
 }
-static_assert(resident_slot(4, kMmaVariants - 1, 8) < (int)(sizeof(llmq_ctx::resident) / sizeof(int)),
+static_assert(resident_slot(5, kSwapVariants - 1, 8) < (int)(sizeof(llmq_ctx::resident) / sizeof(int)),
               "a resident slot per variant");
 
 // gemv_variant does one thing with GEMV instantiation V for BITS-bit
@@ -971,6 +1142,22 @@ int with_mma(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, 
   });
 }
 
+// swap_variant does one thing with v15's instantiation V for BITS-bit
+// codes: query its resident CTAs (run false) or launch it.
+template <int V, int BITS>
+int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift);
+
+// with_swap calls swap_variant<v, bits> for a variant index and a code
+// width known only at run time.
+int with_swap(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
+              const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  return with_variant<kSwapVariants>(c, "swapped Tensor Core GEMV", v, bits, [&](auto vi, auto bi) {
+    return swap_variant<decltype(vi)::value, decltype(bi)::value>(c, run, splits, A, B, S, Z, C, workspace, M, N, K,
+                                                                   gshift);
+  });
+}
+
 // resident_of queries (once per context, in c->resident[slot]) how many
 // CTAs of a kernel instantiation fit on an SM.
 template <typename Kernel>
@@ -985,6 +1172,8 @@ int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
 
 // query_resident fills the resident slot of a path's instantiation.
 int query_resident(llmq_ctx* c, int path, int variant, int bits) {
+  if (path == 5)
+    return with_swap(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   if (path == 4)
     return with_mma(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   if (path == 3)
@@ -1026,6 +1215,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     p.path = c->w4_path;
   else if (M <= gemv_max && pow2)
     p.path = 3;
+  else if (M <= min(c->swap_max_m, kSwapMaxM) && pow2)
+    p.path = 5;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
     p.path = 4;
   else if (bits == 8)
@@ -1048,10 +1239,14 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     llmq::set_error(c, "the Tensor Core GEMV W4A16 kernel runs M ≤ %d, not M=%d", kMmaMaxM, M);
     return 1;
   }
+  if (p.path == 5 && M > kSwapMaxM) {
+    llmq::set_error(c, "the swapped Tensor Core GEMV W4A16 kernel runs M ≤ %d, not M=%d", kSwapMaxM, M);
+    return 1;
+  }
   const int NT = N / 64, KT = K / 16;
-  if (p.path == 3 || p.path == 4) {  // the GEMV kernels: one full wave, two batches a warp at least
+  if (p.path >= 3) {  // the GEMV kernels: one full wave, two batches a warp at least
     p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3;
-    const int u = p.path == 3 ? kGemv[p.variant].u : kMma[p.variant].u;
+    const int u = p.path == 3 ? kGemv[p.variant].u : p.path == 4 ? kMma[p.variant].u : kSwap[p.variant].u;
     if (query_resident(c, p.path, p.variant, bits)) return 1;
     int splits = max(1, (c->sms * max(c->resident[resident_slot(p.path, p.variant, bits)], 1)) / NT);
     splits = min(splits, max(1, KT / (2 * kWarps * u)));
@@ -1121,6 +1316,14 @@ int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B,
                      Z, C, workspace, M, N, K, gshift);
 }
 
+template <int V, int BITS>
+int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  return gemv_kernel(c, run, resident_slot(5, V, BITS),
+                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled>, splits, A, B, S, Z, C, workspace,
+                     M, N, K, gshift);
+}
+
 }  // namespace
 
 namespace llmq {
@@ -1130,6 +1333,10 @@ size_t w4a16_workspace_bytes(int M, int N) {
 }
 
 int w4a16_set_path(llmq_ctx* c, int path) {
+  if (path < 0 || path > 5) {
+    set_error(c, "W4A16 path %d: 0 automatic, 1 fused, 2 dequantize + cuBLAS, 3 GEMV, 4 v11, 5 v15", path);
+    return 1;
+  }
   c->w4_path = path;
   return 0;
 }
@@ -1238,6 +1445,9 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (p.path == 4)
     return with_mma(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
                     group_shift(group, K));
+  if (p.path == 5)
+    return with_swap(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                     group_shift(group, K));
   if (bits == 8) {
     if (p.variant == 0) return launch_fused<1, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
     if (p.variant == 1) return launch_fused<2, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
@@ -1285,6 +1495,9 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (plan(c, p, M, N, K, group, bits, true)) return 1;
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
+  else if (p.path == 5)
+    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
+             kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", p.splits);
   else if (p.path == 4)
     snprintf(out, n, "gemv-mma v11%s mt%d u%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt, kMma[p.variant].u,
              p.splits);

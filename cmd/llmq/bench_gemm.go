@@ -55,7 +55,7 @@ func newBenchGemm() *cobra.Command {
 				return err
 			}
 			defer gpu.Close()
-			paths := map[string]int{"auto": cuda.PathAuto, "fused": cuda.PathFused, "gemv": cuda.PathGEMV, "dequant": cuda.PathCuBLAS, "mma": cuda.PathMMA}
+			paths := map[string]int{"auto": cuda.PathAuto, "fused": cuda.PathFused, "gemv": cuda.PathGEMV, "dequant": cuda.PathCuBLAS, "mma": cuda.PathMMA, "swap": cuda.PathSwap}
 			p, ok := paths[path]
 			if !ok {
 				return fmt.Errorf("--path %q: want auto, gemv, mma, fused or dequant", path)
