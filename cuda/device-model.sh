@@ -47,6 +47,9 @@
 #   bash cuda/device-model.sh reftime # the reference gptq.py timed on a llama3-8b block (.carry/gptq-ref)
 #   bash cuda/device-model.sh seeds   # evals/seeds.sh on the GPU: llama-tiny SEED_CONFIGS ("gptq:4 awq:4")
 #   bash cuda/device-model.sh act     # llama-tiny with INT8 and FP8 activations per token on the GPU (ppl)
+#   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS once per setting in SWEEP_ENV (settings separated by
+#                                     # ';', each of VAR=value pairs: "LLMQ_W4_SWAP_VARIANT=0;LLMQ_W4_SWAP_VARIANT=3 LLMQ_W4_SPLITS=2"),
+#                                     # into gemm-h200-sweep.txt
 #   bash cuda/device-model.sh ab      # this tree's library against a baseline's in one run (carry.sh base, BASE=rev):
 #                                     # bench gemm (AB_BITS, QUICK_M), AB_OPS=1 BenchmarkDecodeOps, AB_DECODE=1 decode
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
@@ -198,6 +201,13 @@ case "$1" in
     ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
+    ;;
+  sweep) # one bench gemm per environment setting, the same binary and GPU state
+    IFS=';' read -ra settings <<< "${SWEEP_ENV:-}"
+    for e in "${settings[@]}"; do
+      echo "# $LLMQ_COMMIT: $e llmq bench gemm ${SWEEP_ARGS:-}"
+      env $e $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)"
+    done | tee "$OUT/gemm-h200-sweep.txt" | cut -c1-150
     ;;
   paths) # the GEMV kernel against the fused one where both run
     for p in ${PATHS:-gemv fused}; do

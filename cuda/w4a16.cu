@@ -766,8 +766,8 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS, bool SCALED>
-__global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
+template <int MT, int U, int BITS, bool SCALED, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
                                                              int* __restrict__ counters, int M, int N, int K, int gshift,
@@ -1072,8 +1072,10 @@ constexpr int kMmaMaxM = 64;
 struct SwapVariant {
   int mt, u;
   bool scaled;
+  int minb;
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false}, {16, 4, false}, {32, 2, true}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 1}, {16, 4, false, 1}, {32, 2, true, 1},
+                                 {8, 4, false, 4}, {8, 8, false, 1},  {8, 6, false, 2}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
@@ -1246,6 +1248,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const int NT = N / 64, KT = K / 16;
   if (p.path >= 3) {  // the GEMV kernels: one full wave, two batches a warp at least
     p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3;
+    if (p.path == 5 && c->swap_variant >= 0 && kSwap[c->swap_variant % kSwapVariants].mt >= M)
+      p.variant = c->swap_variant % kSwapVariants;
     const int u = p.path == 3 ? kGemv[p.variant].u : p.path == 4 ? kMma[p.variant].u : kSwap[p.variant].u;
     if (query_resident(c, p.path, p.variant, bits)) return 1;
     int splits = max(1, (c->sms * max(c->resident[resident_slot(p.path, p.variant, bits)], 1)) / NT);
@@ -1320,7 +1324,7 @@ template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled>, splits, A, B, S, Z, C, workspace,
+                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb>, splits, A, B, S, Z, C, workspace,
                      M, N, K, gshift);
 }
 
@@ -1496,8 +1500,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 5)
-    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
-             kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", p.splits);
+    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s b%d splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
+             kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", kSwap[p.variant].minb, p.splits);
   else if (p.path == 4)
     snprintf(out, n, "gemv-mma v11%s mt%d u%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt, kMma[p.variant].u,
              p.splits);
