@@ -352,16 +352,20 @@ func checkPlans(t *testing.T, l *Context, w *W4, want map[int]string) {
 }
 
 // TestGEMVRefusesLargeM: the forced GEMV kernels say which M they run,
-// and the automatic plan gives M = 1 to the CUDA-core GEMV, M = 2–64 to
-// the Tensor Core one (where each is faster, NOTES.md v11) and larger M to
-// dequantize + cuBLAS.
+// and the automatic plan gives 4-bit M = 1 to the CUDA-core GEMV (v15 on
+// layers of 2^26 weights or more), M = 2–8 to v15, M = 9–64 to v11 (where
+// each is faster, NOTES.md v11 and v15) and larger M to dequantize + cuBLAS.
 func TestGEMVRefusesLargeM(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(5, 5))
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
 	defer w.Free(l)
-	checkPlans(t, l, w, map[int]string{1: "gemv mt1", 2: "gemv-mma v11 mt8", 8: "gemv-mma v11 mt8", 9: "gemv-mma v11 mt16",
+	checkPlans(t, l, w, map[int]string{1: "gemv mt1", 2: "gemv-swap v15 mt8", 8: "gemv-swap v15 mt8", 9: "gemv-mma v11 mt16",
 		16: "gemv-mma v11 mt16", 17: "gemv-mma v11 mt32", 33: "gemv-mma v11 mt64", 65: "dequant+cublas"})
+	// The plan reads only the shape: 8B gate+up (2^26 weights and more)
+	// and down (less) at M = 1.
+	checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128}, map[int]string{1: "gemv-swap v15 mt8"})
+	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1"})
 	if err := l.SetPath(PathGEMV); err != nil {
 		t.Fatal(err)
 	}

@@ -1066,18 +1066,23 @@ struct MmaVariant {
 constexpr MmaVariant kMma[] = {{8, 4}, {16, 4}, {32, 2}, {64, 1}};
 constexpr int kMmaVariants = sizeof(kMma) / sizeof(kMma[0]);
 constexpr int kMmaMaxM = 64;
-// v15's (w4a16_gemv_swap): the tokens (MT), steps a batch (U), and
-// whether the codes are scaled before the mma (SCALED: no per-group sums,
-// whose registers 32 tokens cannot spare).
+// v15's (w4a16_gemv_swap): the tokens (MT), steps a batch (U), whether
+// the codes are scaled before the mma (SCALED: no per-group sums, whose
+// registers 32 tokens cannot spare), and the CTAs an SM the registers are
+// bounded for (MINB). At 8 tokens the sweep's winner (NOTES.md, v15) is
+// 4 steps a batch in 128 registers, 4 CTAs an SM.
 struct SwapVariant {
   int mt, u;
   bool scaled;
   int minb;
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false, 1}, {16, 4, false, 1}, {32, 2, true, 1},
-                                 {8, 4, false, 4}, {8, 8, false, 1},  {8, 6, false, 2}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 4}, {16, 4, false, 1}, {32, 2, true, 1}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
+// At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
+// more (8B gate+up, 70B down), where a warp's slice is long enough to pay
+// for its per-group work; on smaller ones the GEMV is faster.
+constexpr size_t kSwapMinWeights = size_t(1) << 26;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the
 // GEMV's, then v11's, then v15's, each 4-bit then 8-bit.
@@ -1208,17 +1213,18 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   p = Plan{};
   p.bits = bits;
   const bool pow2 = group >= K || !(group & (group - 1));
-  // The measured choice (NOTES.md, v11): the CUDA-core GEMV at M = 1 (and
-  // M = 2 for 8-bit codes), v11 from there to mma_max_m (64), then the
-  // fused kernel up to fused_max_m (4-bit codes; also 64, so only when
-  // tuned or forced) or dequantize + cuBLAS.
+  // The measured choice (NOTES.md, v11 and v15): for 4-bit codes v15 at
+  // M = 2–swap_max_m (8) and at M = 1 on large layers; the CUDA-core GEMV
+  // at M = 1 (and M = 2 for 8-bit codes), v11 from there to mma_max_m
+  // (64), then the fused kernel up to fused_max_m (4-bit codes; also 64,
+  // so only when tuned or forced) or dequantize + cuBLAS.
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   if (c->w4_path)
     p.path = c->w4_path;
+  else if (M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4 && (M > 1 || (size_t)N * K >= kSwapMinWeights))
+    p.path = 5;
   else if (M <= gemv_max && pow2)
     p.path = 3;
-  else if (M <= min(c->swap_max_m, kSwapMaxM) && pow2)
-    p.path = 5;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
     p.path = 4;
   else if (bits == 8)
