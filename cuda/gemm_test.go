@@ -366,30 +366,19 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	// and down (less) at M = 1.
 	checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128}, map[int]string{1: "gemv-swap v15 mt8"})
 	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1"})
-	if err := l.SetPath(PathGEMV); err != nil {
-		t.Fatal(err)
-	}
 	defer l.SetPath(PathAuto)
-	if _, err := l.Plan(w, 3); err == nil || !strings.Contains(err.Error(), "M ≤ 2") {
-		t.Errorf("forced GEMV at M=3: %v; want an error naming M ≤ 2", err)
-	} else {
-		t.Log(err)
-	}
-	if err := l.SetPath(PathMMA); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := l.Plan(w, 65); err == nil || !strings.Contains(err.Error(), "M ≤ 64") {
-		t.Errorf("forced Tensor Core GEMV at M=65: %v; want an error naming M ≤ 64", err)
-	} else {
-		t.Log(err)
-	}
-	if err := l.SetPath(PathSwap); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := l.Plan(w, 33); err == nil || !strings.Contains(err.Error(), "M ≤ 32") {
-		t.Errorf("forced swapped GEMV at M=33: %v; want an error naming M ≤ 32", err)
-	} else {
-		t.Log(err)
+	for _, c := range []struct {
+		path, M int
+		want    string
+	}{{PathGEMV, 3, "M ≤ 2"}, {PathMMA, 65, "M ≤ 64"}, {PathSwap, 33, "M ≤ 32"}} {
+		if err := l.SetPath(c.path); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := l.Plan(w, c.M); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("path %d forced at M=%d: %v; want an error naming %s", c.path, c.M, err, c.want)
+		} else {
+			t.Log(err)
+		}
 	}
 	if err := l.SetPath(6); err == nil || !strings.Contains(err.Error(), "path 6") {
 		t.Errorf("SetPath(6): %v; want an error naming path 6", err)

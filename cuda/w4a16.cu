@@ -264,6 +264,20 @@ __device__ __forceinline__ void warp_range(int KT, int splits, int split, int wa
   k1 = min(s1, k0 + per_warp);
 }
 
+// GemvThread is where a thread of a GEMV kernel (w4a16_gemv, _mma,
+// _swap: a CTA of kWarps warps, n-tile blockIdx.x, K slice blockIdx.y of
+// `splits`) stands: its n-tile, warp, lane (gid and tig in mma's terms),
+// the layer's 16-row steps and 64-column tiles, and its warp's steps
+// [k0, k1).
+struct GemvThread {
+  int nt, warp, lane, gid, tig, KT, NT, k0, k1;
+  __device__ __forceinline__ GemvThread(int N, int K, int splits)
+      : nt(blockIdx.x), warp(threadIdx.x >> 5), lane(threadIdx.x & 31), gid(lane >> 2), tig(lane & 3), KT(K >> 4),
+        NT(N >> 6) {
+    warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+  }
+};
+
 // Outs is where a GEMM's output columns go: up to three row-major fp16
 // tensors side by side (a joined layer's q, k and v), each a multiple of
 // 64 columns wide, so an n-tile lies in one of them.
@@ -615,12 +629,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
-  const int nt = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int KT = K >> 4, NT = N >> 6;
-  int k0, k1;
-  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+  const GemvThread t(N, K, splits);
+  const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
   const uint32_t* ap[MT];
 #pragma unroll
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
@@ -656,12 +666,8 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][RT][64];
   __shared__ int s_last;
-  const int nt = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int KT = K >> 4, NT = N >> 6;
-  int k0, k1;
-  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+  const GemvThread t(N, K, splits);
+  const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
   // Step k's A fragment of m-tile mb: a0/a2 = row 16·mb + gid's words
   // 8k + tig and 8k + tig + 4, a1/a3 the same of row 16·mb + gid + 8.
   const uint32_t* ar[MB][2];
@@ -779,12 +785,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
-  const int nt = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int KT = K >> 4, NT = N >> 6;
-  int k0, k1;
-  warp_range(KT, splits, blockIdx.y, warp, k0, k1);
+  const GemvThread t(N, K, splits);
+  const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
   // Step k's B fragment of token tile nb: token 8·nb + gid's words 8k + tig
   // (rows 16k + 2·tig, +1) and 8k + tig + 4 (rows + 8).
   const uint32_t* xr[NB];
