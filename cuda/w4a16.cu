@@ -98,26 +98,29 @@ struct GroupRegs {
 };
 
 // set_scales puts the eight sub-tiles' scales of sv (fp16, sub-tile j in
-// half j) into r.s, each as a half2 pair.
+// half j) into r.s, each as a half2 pair (one byte permute a scale).
 __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
-    r.s[j] = h | (h << 16);
-  }
+  for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
 }
 
 // convert_group for 2- to 4-bit codes: zeros a nibble each (sub-tile j
-// in nibble j of zv).
+// in nibble j of zv). The zeros of the even sub-tiles, a byte each, are
+// e's bytes, the odd ones o's; a byte permute against 0x64 or 0x54 makes
+// each pair of offsets (1024 + z as fp16 is 0x64 over z, 64 + z is 0x54
+// over z·16).
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
   set_scales(r, sv);
+  const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
+  const uint32_t e4 = e << 4, o4 = o << 4;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t z = (zv >> (4 * j)) & 0xfu;
-    const uint32_t lo = 0x6400u | z, hi = 0x5400u | (z << 4);
-    r.zlo[j] = lo | (lo << 16);
-    r.zhi[j] = hi | (hi << 16);
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
+    r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
+    r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
+    r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
+    r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
   }
 }
 
@@ -127,9 +130,7 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
   set_scales(r, sv);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const uint32_t z = ((j < 4 ? zv.x : zv.y) >> (8 * (j & 3))) & 0xffu;
-    const uint32_t lo = 0x6400u | z;
-    r.zlo[j] = lo | (lo << 16);
+    r.zlo[j] = __byte_perm(j < 4 ? zv.x : zv.y, 0x64646464u, 0x4040u | ((j & 3) << 8) | (j & 3));
     r.zhi[j] = 0;
   }
 }
