@@ -488,6 +488,15 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: no L
   return r;
 }
 
+// prefetch_l2 asks L2 for bytes (a multiple of 16) from p (16-byte
+// aligned) with one bulk copy engine request; nothing comes to the SM
+// (Hopper's; a no-op where there is none).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
 
 // gemv_steps is the GEMV kernels' main loop: one warp's steps [k0, k1)
@@ -773,7 +782,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS, bool SCALED, int MINB>
+template <int MT, int U, int BITS, bool SCALED, int MINB, int PF>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
@@ -826,6 +835,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   uint4 qa[U][CH], qb[U][CH];
   uint32_t xa[U][NB][2], xb[U][NB][2];
   auto load = [&](uint4 (&q)[U][CH], uint32_t (&x)[U][NB][2], int kb) {
+    if constexpr (PF > 0) {  // the batch PF batches on, into L2, by one lane (PF = 0: none)
+      const int kp = kb + PF * U;
+      if (lane == 0 && kp < k1) prefetch_l2(bp - lane + (size_t)kp * CH * 32, (uint32_t)(min(U, k1 - kp) * CH * 512));
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = min(kb + u, k1 - 1);
@@ -1078,8 +1091,10 @@ struct SwapVariant {
   int mt, u;
   bool scaled;
   int minb;
+  int pf;  // batches ahead a warp's codes are asked of L2 (0: none)
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false, 4}, {16, 4, false, 1}, {32, 2, true, 1}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
+                                 {8, 4, false, 4, 2}, {8, 4, false, 4, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
@@ -1333,7 +1348,7 @@ template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb>, splits, A, B, S, Z, C, workspace,
+                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb, kSwap[V].pf>, splits, A, B, S, Z, C, workspace,
                      M, N, K, gshift);
 }
 
