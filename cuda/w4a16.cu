@@ -98,29 +98,26 @@ struct GroupRegs {
 };
 
 // set_scales puts the eight sub-tiles' scales of sv (fp16, sub-tile j in
-// half j) into r.s, each as a half2 pair (one byte permute a scale).
+// half j) into r.s, each as a half2 pair.
 __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
+    r.s[j] = h | (h << 16);
+  }
 }
 
 // convert_group for 2- to 4-bit codes: zeros a nibble each (sub-tile j
-// in nibble j of zv). The zeros of the even sub-tiles, a byte each, are
-// e's bytes, the odd ones o's; a byte permute against 0x64 or 0x54 makes
-// each pair of offsets (1024 + z as fp16 is 0x64 over z, 64 + z is 0x54
-// over z·16).
+// in nibble j of zv).
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
   set_scales(r, sv);
-  const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
-  const uint32_t e4 = e << 4, o4 = o << 4;
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
-    r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
-    r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
-    r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
-    r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t z = (zv >> (4 * j)) & 0xfu;
+    const uint32_t lo = 0x6400u | z, hi = 0x5400u | (z << 4);
+    r.zlo[j] = lo | (lo << 16);
+    r.zhi[j] = hi | (hi << 16);
   }
 }
 
@@ -130,7 +127,9 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
   set_scales(r, sv);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    r.zlo[j] = __byte_perm(j < 4 ? zv.x : zv.y, 0x64646464u, 0x4040u | ((j & 3) << 8) | (j & 3));
+    const uint32_t z = ((j < 4 ? zv.x : zv.y) >> (8 * (j & 3))) & 0xffu;
+    const uint32_t lo = 0x6400u | z;
+    r.zlo[j] = lo | (lo << 16);
     r.zhi[j] = 0;
   }
 }
@@ -488,15 +487,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: no L
   return r;
 }
 
-// prefetch_l2 asks L2 for bytes (a multiple of 16) from p (16-byte
-// aligned) with one bulk copy engine request; nothing comes to the SM
-// (Hopper's; a no-op where there is none).
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
 
 // gemv_steps is the GEMV kernels' main loop: one warp's steps [k0, k1)
@@ -782,7 +772,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS, bool SCALED, int MINB, int PF>
+template <int MT, int U, int BITS, bool SCALED, int MINB>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
@@ -835,10 +825,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   uint4 qa[U][CH], qb[U][CH];
   uint32_t xa[U][NB][2], xb[U][NB][2];
   auto load = [&](uint4 (&q)[U][CH], uint32_t (&x)[U][NB][2], int kb) {
-    if constexpr (PF > 0) {  // the batch PF batches on, into L2, by one lane (PF = 0: none)
-      const int kp = kb + PF * U;
-      if (lane == 0 && kp < k1) prefetch_l2(bp - lane + (size_t)kp * CH * 32, (uint32_t)(min(U, k1 - kp) * CH * 512));
-    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = min(kb + u, k1 - 1);
@@ -1091,10 +1077,8 @@ struct SwapVariant {
   int mt, u;
   bool scaled;
   int minb;
-  int pf;  // batches ahead a warp's codes are asked of L2 (0: none)
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
-                                 {8, 4, false, 4, 2}, {8, 4, false, 4, 4}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 4}, {16, 4, false, 1}, {32, 2, true, 1}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
@@ -1348,7 +1332,7 @@ template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb, kSwap[V].pf>, splits, A, B, S, Z, C, workspace,
+                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb>, splits, A, B, S, Z, C, workspace,
                      M, N, K, gshift);
 }
 
