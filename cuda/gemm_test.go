@@ -244,7 +244,8 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 }
 
 // pathsFor is the paths a test runs at M: always, then the GEMV kernel
-// (M ≤ 2), v11 (M ≤ 64) and dequantize + cuBLAS (M ≥ 64) where they run.
+// (M ≤ 2), v15 (M ≤ 32), v11 (M ≤ 64) and dequantize + cuBLAS (M ≥ 64)
+// where they run.
 func pathsFor(M int, always ...int) []int {
 	paths := always
 	if M <= 2 {
@@ -263,7 +264,7 @@ func pathsFor(M int, always ...int) []int {
 }
 
 // TestW4A16MatchesReference checks the kernel against a float64 CPU
-// reference over many shapes, groups, sym/asym and act-order, on both paths.
+// reference over many shapes, groups, sym/asym and act-order, on every path.
 func TestW4A16MatchesReference(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(uint64(rand.Int64()), 7))
@@ -317,6 +318,10 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 2, K: 1024, N: 192, group: 32, bits: 2, sym: true, act: true, path: PathSwap},
 		{M: 1, K: 4096, N: 448, group: 128, path: PathSwap, split: []int{256, 64, 128}},
 		{M: 21, K: 256, N: 448, group: 128, path: PathSwap, split: []int{256, 64, 128}},
+		// One K split and 14 steps a warp whatever the GPU: a full pair of
+		// batches, then a tail whose second batch is part-filled, and
+		// warps that start inside a group.
+		{M: 4, K: 896, N: 64, group: 128, path: PathSwap}, {M: 12, K: 896, N: 64, group: 128, path: PathSwap},
 		// A joined layer's columns into three outputs, on every path, with
 		// K split across CTAs (the last-CTA store) and without.
 		{M: 1, K: 4096, N: 448, group: 128, path: PathGEMV, split: []int{256, 64, 128}},
@@ -327,7 +332,7 @@ func TestW4A16MatchesReference(t *testing.T) {
 	} {
 		runCase(t, l, r, c)
 	}
-	// Adversarial values on both paths.
+	// Adversarial values on every path.
 	for _, edit := range []string{"zero-groups", "extreme", "subnormal"} {
 		for _, p := range []int{PathFused, PathCuBLAS} {
 			runCase(t, l, r, gemmCase{M: 9, K: 1024, N: 64, group: 128, path: p, edit: edit})
@@ -385,8 +390,8 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	}
 }
 
-// TestW8A16MatchesReference: 8-bit codes (one a byte) through both GEMV
-// kernels at every M they run, through the fused kernel (forced: the
+// TestW8A16MatchesReference: 8-bit codes (one a byte) through the three
+// GEMV kernels at every M they run, through the fused kernel (forced: the
 // automatic plan does not take it for them) and through dequantize +
 // cuBLAS, on the shapes and edges of the 4-bit tests; the automatic plan
 // takes the CUDA-core GEMV to M = 2, the Tensor Core one to M = 64 and

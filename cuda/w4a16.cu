@@ -20,14 +20,18 @@
 // bytes of B, so it runs out of instruction issue long before bandwidth
 // (NOTES.md, v5, v6). The GEMV kernels load a lane's 16-byte chunk
 // straight into registers instead (two batches of U chunks in flight) and
-// dequantize it exactly as the fused kernel does, so the fp16 weights
-// (q − z)·s are the same bits. w4a16_gemv (M = 1, and 2 for 8-bit codes)
+// dequantize it as the fused kernel does. w4a16_gemv (M = 1, and 2 for 8-bit codes)
 // multiplies them by its rows' activations with fp16 FMAs (HFMA2), two
 // chunks into one half2 partial before it is added to fp32 accumulators;
 // the four lanes that share columns are reduced with shuffles.
-// w4a16_gemv_mma (v11, M = 2–64) hands the same fragments
-// to mma.m16n8k16 with the tokens as its 16 rows, so the cost per byte does
-// not grow with M. Both reduce the CTA's warps in shared memory and the K
+// w4a16_gemv_mma (v11, M = 9–64; 2–64 for 8-bit codes) hands the same
+// fragments (q − z)·s, the same fp16 bits, to mma.m16n8k16 with the tokens
+// as its 16 rows, so the cost per byte does not grow with M.
+// w4a16_gemv_swap (v15; 4-bit codes at M = 2–8, and at M = 1 on large
+// layers) swaps the mma's operands: the weights are its 16 rows, the tokens
+// its 8 columns, and the codes go in unscaled (exact q − z), the scales
+// applied once per group in fp32 — not the same bits as the others, within
+// the tests' 1e-3. All reduce the CTA's warps in shared memory and the K
 // splits through the fused kernel's workspace and last-CTA rule.
 //
 // Large M (compute-bound): B is dequantized once to fp16 and multiplied by
@@ -1256,8 +1260,15 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const int NT = N / 64, KT = K / 16;
   if (p.path >= 3) {  // the GEMV kernels: one full wave, two batches a warp at least
     p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3;
-    if (p.path == 5 && c->swap_variant >= 0 && kSwap[c->swap_variant % kSwapVariants].mt >= M)
-      p.variant = c->swap_variant % kSwapVariants;
+    if (p.path == 5 && c->swap_forced_variant >= 0) {
+      if (c->swap_forced_variant >= kSwapVariants || kSwap[c->swap_forced_variant].mt < M) {
+        llmq::set_error(c, "LLMQ_W4_SWAP_VARIANT=%d: v15 has variants 0–%d, and variant %d runs at most %d tokens (M=%d)",
+                        c->swap_forced_variant, kSwapVariants - 1, c->swap_forced_variant,
+                        c->swap_forced_variant < kSwapVariants ? kSwap[c->swap_forced_variant].mt : 0, M);
+        return 1;
+      }
+      p.variant = c->swap_forced_variant;
+    }
     const int u = p.path == 3 ? kGemv[p.variant].u : p.path == 4 ? kMma[p.variant].u : kSwap[p.variant].u;
     if (query_resident(c, p.path, p.variant, bits)) return 1;
     int splits = max(1, (c->sms * max(c->resident[resident_slot(p.path, p.variant, bits)], 1)) / NT);

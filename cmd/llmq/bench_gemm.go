@@ -58,7 +58,7 @@ func newBenchGemm() *cobra.Command {
 			paths := map[string]int{"auto": cuda.PathAuto, "fused": cuda.PathFused, "gemv": cuda.PathGEMV, "dequant": cuda.PathCuBLAS, "mma": cuda.PathMMA, "swap": cuda.PathSwap}
 			p, ok := paths[path]
 			if !ok {
-				return fmt.Errorf("--path %q: want auto, gemv, mma, fused or dequant", path)
+				return fmt.Errorf("--path %q: want auto, gemv, mma, swap, fused or dequant", path)
 			}
 			if err := gpu.SetPath(p); err != nil {
 				return err
@@ -118,6 +118,6 @@ func newBenchGemm() *cobra.Command {
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
 	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
 	cmd.Flags().StringVar(&peer, "peer", "", "JSON of evals/torchref/tinygemm.py from the same machine, shown beside")
-	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 2), mma (the GEMV on the Tensor Cores, M ≤ 64), fused or dequant (+cuBLAS)")
+	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 2), mma (the GEMV on the Tensor Cores, M ≤ 64), swap (the same with the operands swapped, M ≤ 32), fused or dequant (+cuBLAS)")
 	return cmd
 }
