@@ -45,8 +45,8 @@ func parseBPE(raw json.RawMessage) (*bpe, error) {
 	}
 	b := &bpe{vocab: m.Vocab, ranks: map[[2]string]int{}, byteFallback: m.ByteFallback, ignoreMerges: m.IgnoreMerges, unk: -1, cache: newLRU(cacheEntries)}
 	for tok, id := range m.Vocab {
-		if id < 0 {
-			return nil, fmt.Errorf("token %q has negative id %d", tok, id)
+		if err := checkID("token", tok, id, len(m.Vocab)); err != nil {
+			return nil, err
 		}
 		b.setToken(tok, id)
 	}
@@ -98,6 +98,22 @@ func parseMerges(raw json.RawMessage) ([][2]string, error) {
 		out[i] = [2]string{p[0], p[1]}
 	}
 	return out, nil
+}
+
+// maxIDGap is how far past the count of a file's tokens their ids may
+// reach. The table of tokens by id is dense, so an id bounds its size: a
+// few bytes of JSON must not ask for gigabytes. Published vocabularies
+// are dense or nearly (Qwen2's added tokens follow its 151,643 directly).
+const maxIDGap = 1 << 16
+
+// checkID refuses an id below 0 or at count + maxIDGap or past it (count:
+// the tokens the file defines so far).
+func checkID(what, tok string, id, count int) error {
+	if id < 0 || id >= count+maxIDGap {
+		return fmt.Errorf("%s %q has id %d; want 0 ≤ id < %d (the %d tokens defined, plus %d)", what, tok, id,
+			count+maxIDGap, count, maxIDGap)
+	}
+	return nil
 }
 
 func (b *bpe) setToken(tok string, id int) {

@@ -95,6 +95,9 @@ func Parse(data []byte) (*Tokenizer, error) {
 		if a.Content == "" {
 			return nil, fmt.Errorf("added token %d has empty content", a.ID)
 		}
+		if err := checkID("added token", a.Content, a.ID, len(m.vocab)+len(f.AddedTokens)); err != nil {
+			return nil, err
+		}
 		t.added = append(t.added, a)
 		t.addedFirst[a.Content[0]] = true
 		t.addedByID[a.ID] = a
