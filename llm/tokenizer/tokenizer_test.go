@@ -198,7 +198,7 @@ func TestParseErrors(t *testing.T) {
 		`{"pre_tokenizer": {"type": "Whatever"}, "model": {"type": "BPE", "vocab": {"a": 0}}}`: `unsupported pre-tokenizer type "Whatever"`,
 		`{"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["ab"]}}`:                      "not two space-separated tokens",
 		// Ids size the table of tokens: a huge one is refused, not
-		// allocated (FuzzParse found a 21-byte file asking for 8.9 GB),
+		// allocated (FuzzParse found a 34-byte file asking for about 9 GB),
 		// and a negative added token's id is an error, not a panic.
 		`{"model": {"vocab": {"": 555555550}}}`:                                           `token "" has id 555555550; want 0 ≤ id < 65537`,
 		`{"model": {"vocab": {"a": -1}}}`:                                                 `token "a" has id -1`,
