@@ -53,6 +53,12 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// put_words puts chunk v (16 bytes of a lane's codes) in words 4c … 4c+3
+// of w, as the dequantizers take a step's codes.
+__device__ __forceinline__ void put_words(uint32_t* w, int c, uint4 v) {
+  w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+}
+
 // hsub and hmul are __hsub2 and __hmul2 on half2 bit patterns.
 __device__ __forceinline__ uint32_t hsub(uint32_t a, uint32_t b) {
   half2 v = __hsub2(*reinterpret_cast<half2*>(&a), *reinterpret_cast<half2*>(&b));
@@ -209,10 +215,7 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
   constexpr int CH = BITS / 4;
   uint32_t w[4 * CH];
 #pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const uint4 v = bq[c * 32];
-    w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
-  }
+  for (int c = 0; c < CH; ++c) put_words(w, c, bq[c * 32]);
   mma_step<MB, BITS>(acc, w, af, gr);
 }
 
@@ -563,9 +566,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
           groups.at(gr, k);
           uint32_t w[4 * CH];
 #pragma unroll
-          for (int c = 0; c < CH; ++c)
-            w[4 * c] = q[u + v][c].x, w[4 * c + 1] = q[u + v][c].y, w[4 * c + 2] = q[u + v][c].z,
-                  w[4 * c + 3] = q[u + v][c].w;
+          for (int c = 0; c < CH; ++c) put_words(w, c, q[u + v][c]);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             uint32_t b[4];
@@ -737,8 +738,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
         groups.at(gr, k);
         uint32_t w[4 * CH];
 #pragma unroll
-        for (int c = 0; c < CH; ++c)
-          w[4 * c] = q[u][c].x, w[4 * c + 1] = q[u][c].y, w[4 * c + 2] = q[u][c].z, w[4 * c + 3] = q[u][c].w;
+        for (int c = 0; c < CH; ++c) put_words(w, c, q[u][c]);
         mma_step<MB, BITS>(acc, w, af[u], gr);
       }
     }
@@ -848,7 +848,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
     }
     uint32_t w[4 * CH];
 #pragma unroll
-    for (int c = 0; c < CH; ++c) w[4 * c] = qv[c].x, w[4 * c + 1] = qv[c].y, w[4 * c + 2] = qv[c].z, w[4 * c + 3] = qv[c].w;
+    for (int c = 0; c < CH; ++c) put_words(w, c, qv[c]);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       uint32_t b[4];
@@ -969,10 +969,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint4* __restrict__ 
     convert_group(gr, __ldg(S + g * 8 + gid), __ldg(Z + g * 8 + gid));
   uint32_t w[4 * CH];
 #pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const uint4 v = __ldg(B + (chunk * CH + c) * 32 + lane);
-    w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
-  }
+  for (int c = 0; c < CH; ++c) put_words(w, c, __ldg(B + (chunk * CH + c) * 32 + lane));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     uint32_t b[4];  // the fused kernels' fragments: rows k, k+8 of sub-tile 2i, then of 2i+1
