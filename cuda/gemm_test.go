@@ -5,6 +5,7 @@ package cuda
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -245,9 +246,9 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 
 // pathsFor is the paths a test runs at M: always, then the GEMV kernel
 // (M ≤ 2), v15 (M ≤ 32), v11 (M ≤ 64) and dequantize + cuBLAS (M ≥ 64)
-// where they run.
+// where they run and always does not already name them.
 func pathsFor(M int, always ...int) []int {
-	paths := always
+	paths := slices.Clone(always)
 	if M <= 2 {
 		paths = append(paths, PathGEMV)
 	}
@@ -257,7 +258,7 @@ func pathsFor(M int, always ...int) []int {
 	if M <= 64 {
 		paths = append(paths, PathMMA)
 	}
-	if M >= 64 {
+	if M >= 64 && !slices.Contains(always, PathCuBLAS) {
 		paths = append(paths, PathCuBLAS)
 	}
 	return paths
@@ -404,17 +405,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 			group    int
 			sym, act bool
 		}{{128, false, false}, {128, true, false}, {-1, false, false}, {128, false, true}, {32, true, true}} {
-			paths := []int{PathAuto, PathCuBLAS, PathFused}
-			if M <= 2 {
-				paths = append(paths, PathGEMV)
-			}
-			if M <= 32 {
-				paths = append(paths, PathSwap)
-			}
-			if M <= 64 {
-				paths = append(paths, PathMMA)
-			}
-			for _, p := range paths {
+			for _, p := range pathsFor(M, PathAuto, PathCuBLAS, PathFused) {
 				runCase(t, l, r, gemmCase{M: M, K: 1024, N: 192, group: v.group, bits: 8, sym: v.sym, act: v.act, path: p})
 			}
 		}
