@@ -325,17 +325,20 @@ __device__ __forceinline__ void store_gated(const Outs& o, int r, int N, int nt,
 // whose sums total(r − row0, col) gives (the CTA's, after its warps
 // met): each through emit, or in the gated mode with one split, a pair
 // of columns a thread into act(gate)·up.
+// It and finish_splits run in CTAs of kWarps warps (the fused and GEMV
+// kernels'): a constant stride, so the compiler can unroll the loops over
+// a tile's rows, which the kernels' epilogues took before emit_tile.
 template <typename Total>
 __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, int rows, int M, int N, int nt, int splits,
                                           Total total) {
   if (o.act >= 0 && splits == 1) {
-    for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) {
+    for (int i = threadIdx.x; i < rows * 32; i += kWarps * 32) {
       const int r = row0 + i / 32, c = i & 31;
       if (r < M) store_gated(o, r, N, nt, c, total(i / 32, c), total(i / 32, c + 32));
     }
     return;
   }
-  for (int i = threadIdx.x; i < rows * 64; i += blockDim.x) {
+  for (int i = threadIdx.x; i < rows * 64; i += kWarps * 32) {
     const int r = row0 + i / 64;
     if (r < M) emit(o, ws, r, nt * 64 + (i & 63), N, total(i / 64, i & 63), splits);
   }
@@ -354,16 +357,19 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  const int per = o.act >= 0 ? 32 : 64;  // outputs a row of the tile
-  for (int i = threadIdx.x; i < rows * per; i += blockDim.x) {
-    const int r = row0 + i / per;
+  // Outputs a row of the tile: 2^lg (32 gated, 64 plain), so that row
+  // and column are a shift and a mask (a division by a run-time count
+  // would cost each element of this tail a long instruction sequence).
+  const int lg = o.act >= 0 ? 5 : 6;
+  for (int i = threadIdx.x; i < rows << lg; i += kWarps * 32) {
+    const int r = row0 + (i >> lg), c = i & ((1 << lg) - 1);
     if (r < M) {
-      const size_t idx = (size_t)r * N + nt * 64 + i % per;
+      const size_t idx = (size_t)r * N + nt * 64 + c;
       if (o.act >= 0) {
-        store_gated(o, r, N, nt, i % per, __ldcg(&ws[idx]), __ldcg(&ws[idx + 32]));
+        store_gated(o, r, N, nt, c, __ldcg(&ws[idx]), __ldcg(&ws[idx + 32]));
         ws[idx + 32] = 0.f;
       } else {
-        *out_at(o, r, nt * 64 + i % per) = __float2half_rn(__ldcg(&ws[idx]));
+        *out_at(o, r, nt * 64 + c) = __float2half_rn(__ldcg(&ws[idx]));
       }
       ws[idx] = 0.f;
     }
