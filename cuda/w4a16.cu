@@ -250,15 +250,17 @@ struct GroupStream {
     convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
     prefetch();
   }
-  // crosses: whether step k lies past gr's group (at(gr, k) would move it).
+  // crosses: whether step k lies past gr's group.
   __device__ __forceinline__ bool crosses(int k) const { return gshift >= 0 && (k >> gshift) != cur; }
+  // advance moves gr to step k's group, the next one (crosses(k) held).
+  __device__ __forceinline__ void advance(GroupRegs& gr, int k) {
+    cur = k >> gshift;
+    convert_group(gr, sv_next, zv_next);
+    prefetch();
+  }
   // at moves gr to step k's group (k increases by one step at a time).
   __device__ __forceinline__ void at(GroupRegs& gr, int k) {
-    if (gshift >= 0 && (k >> gshift) != cur) {
-      cur = k >> gshift;
-      convert_group(gr, sv_next, zv_next);
-      prefetch();
-    }
+    if (crosses(k)) advance(gr, k);
   }
 };
 
@@ -850,7 +852,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   auto step = [&](const uint4 (&qv)[CH], const uint32_t (&x)[NB][2], int k) {
     if (groups.crosses(k)) {
       flush();
-      groups.at(gr, k);
+      groups.advance(gr, k);
     }
     uint32_t w[4 * CH];
 #pragma unroll
