@@ -30,10 +30,11 @@ struct llmq_ctx {
   int gemv_max_m = -1;  // the CUDA-core GEMV serves M ≤ this (−1: the measured 1, 2 for 8-bit codes)
   int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int swap_forced_variant = -1;  // v15's instantiation, forced (LLMQ_W4_SWAP_VARIANT; sweeps)
-  // v15 (v11 with the operands swapped) serves 4-bit M = 2 … this, ahead of
-  // the GEMV and v11, and M = 1 on layers of 2^26 weights or more
-  // (LLMQ_W4_SWAP_MAX_M; 0 turns it off).
-  int swap_max_m = 8;
+  // v15 (v11 with the operands swapped) serves 4-bit M = 2–8 ahead of the
+  // GEMV and v11, M = 1 on layers of 2^26 weights or more, and M = 9 …
+  // this on layers that need no K split (LLMQ_W4_SWAP_MAX_M; 8 keeps it to
+  // M ≤ 8, 0 turns it off).
+  int swap_max_m = 32;
   int fused_max_m = 64;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
   int resident[24] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)

@@ -234,11 +234,16 @@ case "$1" in
     done | tee "$OUT/gemm-h200-paths.txt" | cut -c1-150
     ;;
   profile)
-    # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE).
+    # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE);
+    # with the warps' stall reasons (cycles stalled per issued instruction,
+    # by reason), which the sections alone do not print.
     timeout 300 ncu --clock-control none -k regex:${PROFILE_KERNEL:-w4a16_fused} -c 1 --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+      --metrics "$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard short_scoreboard wait \
+        mio_throttle lg_throttle math_pipe_throttle barrier membar not_selected selected dispatch_stall no_instruction \
+        branch_resolving tex_throttle | sed 's/,$//')" \
       $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 ${PROFILE_ARGS:-} > "$OUT/ncu${PROFILE_TAG:-}.txt" 2>&1
-    grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu${PROFILE_TAG:-}.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible" | head -50
+    grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu${PROFILE_TAG:-}.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible|stalled" | head -80
     ;;
   tiny|small)
     M=llama-$1

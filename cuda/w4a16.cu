@@ -1220,19 +1220,37 @@ int forced_splits(llmq_ctx* c, int planned, int KT) {
   return c->w4_splits > 0 ? min(c->w4_splits, max(1, KT / kWarps)) : planned;
 }
 
+// swap_needs_no_split sets wide: whether v15's instantiation for M
+// tokens (9–32), one wave of it, fits in the layer's n-tiles, so that the
+// plan gives it one K split. The one same-run measurement (NOTES.md, v15:
+// v15 forced beside the plan) has v15 ahead of v11 only there: 8B gate+up
+// at M = 16 36.75 against 39.73 µs, at 32 57.01 against 73.14, where every
+// layer it had to split was level or slower.
+int swap_needs_no_split(llmq_ctx* c, int M, int N, bool& wide) {
+  const int v = M <= 16 ? 1 : 2;
+  if (query_resident(c, 5, v, 4)) return 1;
+  wide = c->sms * max(c->resident[resident_slot(5, v, 4)], 1) < 2 * (N / 64);
+  return 0;
+}
+
 int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool have_scratch) {
   p = Plan{};
   p.bits = bits;
   const bool pow2 = group >= K || !(group & (group - 1));
   // The measured choice (NOTES.md, v11 and v15): for 4-bit codes v15 at
-  // M = 2–swap_max_m (8) and at M = 1 on large layers; the CUDA-core GEMV
-  // at M = 1 (and M = 2 for 8-bit codes), v11 from there to mma_max_m
-  // (64), then the fused kernel up to fused_max_m (4-bit codes; also 64,
-  // so only when tuned or forced) or dequantize + cuBLAS.
+  // M = 2–8, at M = 1 on large layers, and at M = 9–swap_max_m (32) on
+  // layers wide enough that a wave of its CTAs needs no K split (8B
+  // gate+up); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
+  // from there to mma_max_m (64), then the fused kernel up to fused_max_m
+  // (4-bit codes; also 64, so only when tuned or forced) or dequantize +
+  // cuBLAS.
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
+  const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
+  bool swap_wide = false;  // M = 9–32 and one K split (see swap_needs_no_split)
+  if (!c->w4_path && swap_ok && M > 8 && swap_needs_no_split(c, M, N, swap_wide)) return 1;
   if (c->w4_path)
     p.path = c->w4_path;
-  else if (M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4 && (M > 1 || (size_t)N * K >= kSwapMinWeights))
+  else if (swap_ok && (M <= 8 ? M > 1 || (size_t)N * K >= kSwapMinWeights : swap_wide))
     p.path = 5;
   else if (M <= gemv_max && pow2)
     p.path = 3;
