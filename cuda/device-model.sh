@@ -49,7 +49,7 @@
 #   bash cuda/device-model.sh act     # llama-tiny with INT8 and FP8 activations per token on the GPU (ppl)
 #   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS once per setting in SWEEP_ENV (settings separated by
 #                                     # ';', each of VAR=value pairs: "LLMQ_W4_SWAP_VARIANT=0;LLMQ_W4_SWAP_VARIANT=3 LLMQ_W4_SPLITS=2"),
-#                                     # into gemm-h200-sweep.txt
+#                                     # into gemm-h200-sweep$SWEEP_TAG.txt
 #   bash cuda/device-model.sh envab   # the llama3-8b W4 decode with each environment setting in ENVAB_ENV (';'-separated
 #                                     # as SWEEP_ENV; an empty setting is the default), twice each, interleaved, in one
 #                                     # run of one library (decode-envab-N.json; SYNTH_CTX, SYNTH_BATCH)
@@ -225,7 +225,7 @@ case "$1" in
     for e in "${settings[@]}"; do
       echo "# $LLMQ_COMMIT: $e llmq bench gemm ${SWEEP_ARGS:-}"
       env $e $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)"
-    done | tee "$OUT/gemm-h200-sweep.txt" | cut -c1-150
+    done | tee "$OUT/gemm-h200-sweep${SWEEP_TAG:-}.txt" | cut -c1-150
     ;;
   paths) # the GEMV kernel against the fused one where both run
     for p in ${PATHS:-gemv fused}; do
