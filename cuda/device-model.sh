@@ -50,9 +50,10 @@
 #   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS once per setting in SWEEP_ENV (settings separated by
 #                                     # ';', each of VAR=value pairs: "LLMQ_W4_SWAP_VARIANT=0;LLMQ_W4_SWAP_VARIANT=3 LLMQ_W4_SPLITS=2"),
 #                                     # into gemm-h200-sweep$SWEEP_TAG.txt
-#   bash cuda/device-model.sh envab   # the llama3-8b W4 decode with each environment setting in ENVAB_ENV (';'-separated
-#                                     # as SWEEP_ENV; an empty setting is the default), twice each, interleaved, in one
-#                                     # run of one library (decode-envab-N.json; SYNTH_CTX, SYNTH_BATCH)
+#   bash cuda/device-model.sh envab   # the llama3-8b W4 decode (ENVAB_PRESET: another synth preset) with each environment
+#                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default),
+#                                     # twice each, interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
+#                                     # SYNTH_BATCH)
 #   bash cuda/device-model.sh ab      # this tree's library against a baseline's in one run (carry.sh base, BASE=rev):
 #                                     # bench gemm (AB_BITS, QUICK_M), AB_OPS=1 BenchmarkDecodeOps, AB_DECODE=1 decode
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
@@ -206,8 +207,8 @@ case "$1" in
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
     ;;
   envab) # one library's decode under each environment setting (a tuning switch's A/B where the API differs from main's)
-    d=/tmp/llama3-8b-b4
-    $L synth --preset llama3-8b --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+    d=/tmp/envab-b4
+    $L synth --preset ${ENVAB_PRESET:-llama3-8b} --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
     IFS=';' read -ra settings <<< "${ENVAB_ENV:-}"
     r=0
     for pass in 1 2; do
