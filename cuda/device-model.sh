@@ -122,6 +122,10 @@ case "$1" in
       [[ $m == *qwen3moe* ]] && g=32   # 96: its experts then run dequantized in fp16
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group $g -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
+    # and one whose lm_head is quantized too (run dequantized, in fp16)
+    d=build/q/llama-tiny-rtn-w4-head
+    [ -d "$LLMQ_SHARED/models/llama-tiny" ] && $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 \
+      --quantize-lm-head -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     export LLMQ_TEST_W4_MODELS=${W4#:}
     run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL|TestRMSNorm|TestArgmax|TestBatched|TestPaged'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1

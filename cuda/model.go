@@ -218,15 +218,18 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 	case tied: // the LM head is the embedding matrix
 		m.lmHead = &gpuLinear{in: c.Hidden, out: c.Vocab, w: m.embed}
 	default:
-		h, err := m.readLinear(ck, q, spec)
+		// A quantized lm_head (quantize --quantize-lm-head) is dequantized
+		// at load and runs in fp16 like an unquantized one: the step's
+		// logits are fp32 for every vocabulary entry, which the W4A16
+		// kernels do not write, and their large-M path would need a
+		// vocabulary-wide fp16 scratch. So it takes the fp16 bytes on the
+		// GPU, and its logits are the CPU's to fp16 rounding.
+		h, err := m.readLinearAs(ck, q, spec, func(*pack.GPUWeights) bool { return false })
 		if err != nil {
 			return err
 		}
 		if m.lmHead, err = m.uploadLinear(h); err != nil {
 			return err
-		}
-		if m.lmHead.w4 != nil {
-			return fmt.Errorf("%s: a 4-bit lm_head is not supported by the GPU backend yet (it runs checkpoints whose lm_head is unquantized)", ck.Dir)
 		}
 	}
 	// The rotary tables, one pair per distinct rotary embedding.
@@ -462,6 +465,8 @@ func tensorGPUBytes(t checkpoint.Tensor, q *pack.QuantConfig) int64 {
 		if g, ok := q.GridFor(prefix); ok && g.Bits > 0 {
 			weights := bytes * 8 / int64(g.Bits) // a stored byte holds 8/bits codes
 			switch {
+			case prefix == "lm_head" || strings.HasSuffix(prefix, ".lm_head"): // dequantized at load (Load)
+				return weights * 2
 			case g.GPUPacked() && g.Bits == 8:
 				return weights // a byte a code
 			case g.GPUPacked():

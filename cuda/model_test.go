@@ -142,7 +142,8 @@ func TestZooLogitsOnGPU(t *testing.T) {
 
 // TestJoinedLinearsMatchSeparate: a packed checkpoint (LLMQ_TEST_W4_MODELS,
 // colon-separated directories; cuda/device-model.sh check makes RTN w4
-// copies of llama-tiny and qwen2-rand, whose q/k/v have biases) loaded
+// copies of llama-tiny, one with its lm_head quantized too, and of
+// qwen2-rand, whose q/k/v have biases, and two mixtures) loaded
 // with q/k/v and gate/up joined into one GEMM each gives the logits of the
 // same model run layer by layer, and both stay within TestModelLogits'
 // bounds of the CPU backend's — over a prefill (the fused kernel) and
@@ -193,6 +194,10 @@ func TestJoinedLinearsMatchSeparate(t *testing.T) {
 				gpu, err := LoadWith(lib, ck, LoadOptions{Separate: !join})
 				if err != nil {
 					t.Fatal(err)
+				}
+				// A quantized lm_head is dequantized at load (Load).
+				if strings.HasSuffix(dir, "-head") && (gpu.lmHead.w.Nil() || gpu.lmHead.w4 != nil) {
+					t.Fatalf("the quantized lm_head is not held dequantized in fp16")
 				}
 				b := gpu.blocks[0]
 				if joined := b.qkv != nil && (b.gateUp != nil || b.moe != nil); joined != join {
@@ -597,7 +602,8 @@ func TestKernelErrorIsRecoverable(t *testing.T) {
 
 // TestEstimateCountsCodesAsTheGPUHoldsThem: a GPTQ qweight of K×N weights
 // takes K·N/2 bytes on the GPU at 2 to 4 bits (nibbles) and K·N at 8 bits
-// (bytes), whatever its size on disk; other tensors count as stored.
+// (bytes), whatever its size on disk, but a quantized lm_head's K·N·2
+// (it runs dequantized); other tensors count as stored.
 func TestEstimateCountsCodesAsTheGPUHoldsThem(t *testing.T) {
 	const K, N = 4096, 1024
 	for _, c := range []struct{ bits, want int64 }{{2, K * N / 2}, {3, K * N / 2}, {4, K * N / 2}, {8, K * N}} {
@@ -610,6 +616,12 @@ func TestEstimateCountsCodesAsTheGPUHoldsThem(t *testing.T) {
 		if got, want := tensorGPUBytes(scales, q), int64(K/128*N*2); got != want {
 			t.Errorf("%d-bit scales: %d bytes, want %d", c.bits, got, want)
 		}
+	}
+	// A quantized lm_head runs dequantized, in fp16: K·N·2 bytes.
+	q := &pack.QuantConfig{QuantMethod: "gptq", Bits: 4, GroupSize: 128}
+	head := checkpoint.Tensor{Name: "lm_head.qweight", DType: safetensors.I32, Shape: []int{K * 4 / 32, N}}
+	if got := tensorGPUBytes(head, q); got != K*N*2 {
+		t.Errorf("4-bit lm_head: %d bytes, want %d (held in fp16)", got, K*N*2)
 	}
 	bf16 := checkpoint.Tensor{Name: "model.layers.0.mlp.down_proj.weight", DType: safetensors.BF16, Shape: []int{N, K}}
 	if got := tensorGPUBytes(bf16, nil); got != K*N*2 {
