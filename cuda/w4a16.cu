@@ -1220,13 +1220,13 @@ int forced_splits(llmq_ctx* c, int planned, int KT) {
   return c->w4_splits > 0 ? min(c->w4_splits, max(1, KT / kWarps)) : planned;
 }
 
-// swap_needs_no_split sets wide: whether v15's instantiation for M
-// tokens (9–32), one wave of it, fits in the layer's n-tiles, so that the
-// plan gives it one K split. The one same-run measurement (NOTES.md, v15:
-// v15 forced beside the plan) has v15 ahead of v11 only there: 8B gate+up
-// at M = 16 36.75 against 39.73 µs, at 32 57.01 against 73.14, where every
-// layer it had to split was level or slower.
-int swap_needs_no_split(llmq_ctx* c, int M, int N, bool& wide) {
+// swap_wide_layer sets wide: whether a wave of v15's instantiation for M
+// tokens (9–32) is narrower than the layer's n-tiles, which makes the
+// plan's K splits for it one. The one same-run measurement (NOTES.md,
+// v15: v15 forced beside the plan) has v15 ahead of v11 only there: 8B
+// gate+up at M = 16 36.75 against 39.73 µs, at 32 57.01 against 73.14,
+// where every layer it had to split was level or slower.
+int swap_wide_layer(llmq_ctx* c, int M, int N, bool& wide) {
   const int v = M <= 16 ? 1 : 2;
   if (query_resident(c, 5, v, 4)) return 1;
   wide = c->sms * max(c->resident[resident_slot(5, v, 4)], 1) < 2 * (N / 64);
@@ -1246,8 +1246,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // cuBLAS.
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
-  bool swap_wide = false;  // M = 9–32 and one K split (see swap_needs_no_split)
-  if (!c->w4_path && swap_ok && M > 8 && swap_needs_no_split(c, M, N, swap_wide)) return 1;
+  bool swap_wide = false;  // M = 9–32 on a wide layer (swap_wide_layer)
+  if (!c->w4_path && swap_ok && M > 8 && swap_wide_layer(c, M, N, swap_wide)) return 1;
   if (c->w4_path)
     p.path = c->w4_path;
   else if (swap_ok && (M <= 8 ? M > 1 || (size_t)N * K >= kSwapMinWeights : swap_wide))
@@ -1283,14 +1283,15 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const int NT = N / 64, KT = K / 16;
   if (p.path >= 3) {  // the GEMV kernels: one full wave, two batches a warp at least
     p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3;
+    // LLMQ_W4_SWAP_VARIANT: v15 runs that instantiation wherever M fits
+    // it (the plan's elsewhere), so that a sweep can span several M and
+    // an automatic plan that gives v15 larger M still runs.
     if (p.path == 5 && c->swap_forced_variant >= 0) {
-      if (c->swap_forced_variant >= kSwapVariants || kSwap[c->swap_forced_variant].mt < M) {
-        llmq::set_error(c, "LLMQ_W4_SWAP_VARIANT=%d: v15 has variants 0–%d, and variant %d runs at most %d tokens (M=%d)",
-                        c->swap_forced_variant, kSwapVariants - 1, c->swap_forced_variant,
-                        c->swap_forced_variant < kSwapVariants ? kSwap[c->swap_forced_variant].mt : 0, M);
+      if (c->swap_forced_variant >= kSwapVariants) {
+        llmq::set_error(c, "LLMQ_W4_SWAP_VARIANT=%d: v15 has variants 0–%d", c->swap_forced_variant, kSwapVariants - 1);
         return 1;
       }
-      p.variant = c->swap_forced_variant;
+      if (M <= kSwap[c->swap_forced_variant].mt) p.variant = c->swap_forced_variant;
     }
     const int u = p.path == 3 ? kGemv[p.variant].u : p.path == 4 ? kMma[p.variant].u : kSwap[p.variant].u;
     if (query_resident(c, p.path, p.variant, bits)) return 1;
