@@ -387,7 +387,7 @@ func (e *Engine) Validate(req Request) error {
 		return fmt.Errorf("%w: top logprobs must be in [0, %d], got %d", ErrInvalid, MaxTopLogprobs, req.TopLogprobs)
 	case len(req.Prompt) >= ctxLen:
 		return fmt.Errorf("%w: the prompt has %d tokens, the model's context is %d", ErrInvalid, len(req.Prompt), ctxLen)
-	case len(req.Prompt)+req.MaxTokens > ctxLen:
+	case req.MaxTokens > ctxLen-len(req.Prompt): // not prompt + MaxTokens: a huge MaxTokens would wrap around
 		return fmt.Errorf("%w: max_tokens %d too large: %d prompt tokens + %d exceed the model's context of %d",
 			ErrInvalid, req.MaxTokens, len(req.Prompt), req.MaxTokens, ctxLen)
 	}

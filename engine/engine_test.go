@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"math"
 	"os"
 	"slices"
 	"strings"
@@ -263,6 +264,10 @@ func TestValidate(t *testing.T) {
 		{Request{Prompt: []int{1}}, "max_tokens must be positive"},
 		{Request{Prompt: long, MaxTokens: 1}, "the prompt has 2048 tokens, the model's context is 2048"},
 		{Request{Prompt: long[:2000], MaxTokens: 100}, "max_tokens 100 too large"},
+		// prompt + max_tokens must not wrap around: MaxInt plus the
+		// prompt's length is negative, under any context.
+		{Request{Prompt: []int{1}, MaxTokens: math.MaxInt}, "too large"},
+		{Request{Prompt: []int{1, 2}, MaxTokens: math.MaxInt - 1, PromptLogprobs: true}, "too large"},
 		{Request{Prompt: []int{1 << 30}, MaxTokens: 1}, "outside the vocabulary"},
 		{Request{Prompt: []int{1}, MaxTokens: 1, Stop: []string{""}}, "empty stop string"},
 		{Request{Prompt: []int{1}, MaxTokens: 1, Sample: llm.SampleOptions{TopP: 2}}, "top-p"},

@@ -489,7 +489,9 @@ func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam 
 	}
 	req.Stop = stop
 	if err := e.Validate(req); err != nil {
-		if n := len(prompt) + req.MaxTokens; n > ctxLen || n > e.MaxSequence() {
+		// Subtracted, not added: prompt + a max_tokens near the integer
+		// limit would wrap around.
+		if req.MaxTokens > min(ctxLen, e.MaxSequence())-len(prompt) {
 			// The context, or a KV cache too small for this request alone.
 			param := "max_tokens"
 			if len(prompt) >= e.MaxSequence() {
