@@ -66,24 +66,39 @@ func (b *tokenBucket) take(now time.Time) (bool, time.Duration) {
 	return false, time.Duration((1 - b.tokens) / b.rate * float64(time.Second))
 }
 
-// admit applies the rate and concurrency limits to a generation request.
-// On success the caller runs the request and then calls release.
-func (s *Server) admit() (release func(), err *apiError) {
+// admit applies the rate limit to a generation request, and refuses at
+// once, its body unread, one that finds every concurrency slot taken. It
+// takes no slot: acquire does, once the body is read, so that a client
+// that trickles its body (for up to the read timeout) holds none.
+func (s *Server) admit() *apiError {
 	if s.bucket != nil {
 		if ok, wait := s.bucket.take(time.Now()); !ok {
 			secs := int(math.Ceil(wait.Seconds()))
-			return nil, &apiError{Status: http.StatusTooManyRequests, Type: "requests", Code: "rate_limit_exceeded", RetryAfter: max(secs, 1),
+			return &apiError{Status: http.StatusTooManyRequests, Type: "requests", Code: "rate_limit_exceeded", RetryAfter: max(secs, 1),
 				Message: fmt.Sprintf("rate limit reached: this server takes %g requests a second; retry in %d s", s.opt.RateLimit, max(secs, 1))}
 		}
 	}
-	if s.slots != nil {
-		select {
-		case s.slots <- struct{}{}:
-			return func() { <-s.slots }, nil
-		default:
-			return nil, &apiError{Status: http.StatusTooManyRequests, Type: "requests", Code: "rate_limit_exceeded", RetryAfter: 1,
-				Message: fmt.Sprintf("too many concurrent requests: this server handles %d at once; retry later", s.opt.MaxConcurrent)}
-		}
+	if s.slots != nil && len(s.slots) == cap(s.slots) {
+		return s.tooMany()
 	}
-	return func() {}, nil
+	return nil
+}
+
+// acquire takes a concurrency slot for a request whose body is read. On
+// success the caller runs the request and then calls release.
+func (s *Server) acquire() (release func(), err *apiError) {
+	if s.slots == nil {
+		return func() {}, nil
+	}
+	select {
+	case s.slots <- struct{}{}:
+		return func() { <-s.slots }, nil
+	default:
+		return nil, s.tooMany()
+	}
+}
+
+func (s *Server) tooMany() *apiError {
+	return &apiError{Status: http.StatusTooManyRequests, Type: "requests", Code: "rate_limit_exceeded", RetryAfter: 1,
+		Message: fmt.Sprintf("too many concurrent requests: this server handles %d at once; retry later", s.opt.MaxConcurrent)}
 }

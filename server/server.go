@@ -599,7 +599,8 @@ const (
 // generation runs the steps every generation request shares: the model
 // must be loaded, the request within the rate and concurrency limits, its
 // body within the size limit; parse then reads the prompts and what the
-// request asks of logprobs.
+// request asks of logprobs. The concurrency slot is taken once the body
+// is read, so that a slow body holds none.
 func (s *Server) generation(w http.ResponseWriter, r *http.Request, rs *reqState, body any, p *params,
 	parse func(e *engine.Engine) ([]prompt, logprobOptions, error), isChat bool) {
 	e := s.engine()
@@ -607,7 +608,15 @@ func (s *Server) generation(w http.ResponseWriter, r *http.Request, rs *reqState
 		writeError(w, rs, errLoading)
 		return
 	}
-	release, aerr := s.admit()
+	if aerr := s.admit(); aerr != nil {
+		writeError(w, rs, aerr)
+		return
+	}
+	if err := s.decode(w, r, body); err != nil {
+		writeError(w, rs, err)
+		return
+	}
+	release, aerr := s.acquire()
 	if aerr != nil {
 		writeError(w, rs, aerr)
 		return
@@ -615,10 +624,6 @@ func (s *Server) generation(w http.ResponseWriter, r *http.Request, rs *reqState
 	defer release()
 	s.m.inFlight.Add(1)
 	defer s.m.inFlight.Add(-1)
-	if err := s.decode(w, r, body); err != nil {
-		writeError(w, rs, err)
-		return
-	}
 	if err := s.checkModel(p); err != nil {
 		writeError(w, rs, err)
 		return
