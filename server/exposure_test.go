@@ -2,9 +2,12 @@ package server
 
 import (
 	"fmt"
+	"github.com/llmq/llmq/backend"
+	"github.com/llmq/llmq/internal/shared"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 
@@ -52,5 +55,70 @@ func TestSlowBodyHoldsNoSlot(t *testing.T) {
 	time.Sleep(300 * time.Millisecond) // the handler is reading the body
 	if _, err := complete(ts.URL, "Once upon a time", 1, false); err != nil {
 		t.Errorf("a request beside a withheld body: %v", err)
+	}
+}
+
+// smallSendBuffers gives each accepted connection a small kernel send
+// buffer, so that a client that stops reading blocks the server's writes
+// after kilobytes rather than megabytes.
+type smallSendBuffers struct{ net.Listener }
+
+func (l smallSendBuffers) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetWriteBuffer(4 << 10)
+	}
+	return c, err
+}
+
+// TestStalledReaderIsCutOff: a client that asks for a long stream and
+// never reads it blocks the server's writes once the socket buffers are
+// full. The handler used to wait in that write forever — no write
+// deadline, and RequestTimeout does not interrupt a write — holding its
+// concurrency slot (and its goroutine and connection) for good, so
+// MaxConcurrent such clients shut the server for everyone. Each write
+// now has WriteTimeout to finish: past it the connection is closed, the
+// generation stops and the slot is free.
+func TestStalledReaderIsCutOff(t *testing.T) {
+	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	e, err := engine.New(m, engine.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	ts := httptest.NewUnstartedServer(New(e, Options{Model: "llama-tiny", MaxConcurrent: 1, WriteTimeout: 300 * time.Millisecond}))
+	ts.Listener = smallSendBuffers{ts.Listener}
+	ts.Start()
+	defer ts.Close()
+
+	c, err := net.Dial("tcp", ts.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.(*net.TCPConn).SetReadBuffer(4 << 10)
+	// 1000 tokens with 20 alternatives each: megabytes of events.
+	body := `{"model": "llama-tiny", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 1000, "stream": true, "logprobs": true, "top_logprobs": 20}`
+	if _, err := fmt.Fprintf(c, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body); err != nil {
+		t.Fatal(err)
+	}
+	// The client reads nothing from here on.
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		_, err := complete(ts.URL, "Once upon a time", 1, false)
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("20 s after a client stopped reading its stream, its slot is still held: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if st := e.Stats(); st.Active != 0 || st.KVBlocksUsed != 0 {
+		t.Errorf("after the stalled stream was cut off: %d sequences active, %d KV blocks held", st.Active, st.KVBlocksUsed)
 	}
 }

@@ -107,6 +107,12 @@ type Options struct {
 	// RequestTimeout bounds a generation (queueing included): past it a
 	// request ends with 504 (an error event when streaming). 0: no limit.
 	RequestTimeout time.Duration
+	// WriteTimeout bounds each write of an answer (default 30 s): a
+	// client that stops reading fills the socket's buffers and blocks the
+	// write, which no context interrupts; past WriteTimeout its
+	// connection is closed, which ends its generation and frees its
+	// concurrency slot. A stream that the client reads is never cut.
+	WriteTimeout time.Duration
 	// Logger receives one line per request (nil: no logs).
 	Logger *slog.Logger
 }
@@ -141,6 +147,9 @@ type reqState struct {
 func New(e *engine.Engine, opt Options) *Server {
 	if opt.MaxBodyBytes <= 0 {
 		opt.MaxBodyBytes = 1 << 20
+	}
+	if opt.WriteTimeout <= 0 {
+		opt.WriteTimeout = DefaultWriteTimeout
 	}
 	s := &Server{opt: opt, created: time.Now().Unix(), m: newMetrics(), log: opt.Logger}
 	if s.log == nil {
@@ -181,10 +190,22 @@ func (s *Server) engine() *engine.Engine { return s.eng.Load() }
 var errLoading = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "model_loading", RetryAfter: 1,
 	Message: "the model is still loading; retry shortly (GET /health answers 200 once it is ready)"}
 
-// statusWriter records the status code and whether a body began.
+// DefaultWriteTimeout is Options.WriteTimeout when it is 0.
+const DefaultWriteTimeout = 30 * time.Second
+
+// statusWriter records the status code and whether a body began, and
+// gives each write (and flush) writeTimeout to reach the client.
 type statusWriter struct {
 	http.ResponseWriter
-	status int
+	status       int
+	rc           *http.ResponseController
+	writeTimeout time.Duration
+}
+
+// deadline moves the connection's write deadline to writeTimeout from
+// now. (A ResponseWriter without deadlines, a test's recorder, has none.)
+func (w *statusWriter) deadline() {
+	w.rc.SetWriteDeadline(time.Now().Add(w.writeTimeout))
 }
 
 func (w *statusWriter) WriteHeader(code int) {
@@ -198,10 +219,12 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	if w.status == 0 {
 		w.status = http.StatusOK
 	}
+	w.deadline()
 	return w.ResponseWriter.Write(b)
 }
 
 func (w *statusWriter) Flush() {
+	w.deadline()
 	if f, ok := w.ResponseWriter.(http.Flusher); ok {
 		f.Flush()
 	}
@@ -221,7 +244,10 @@ func newRequestID() string {
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	rs := &reqState{id: newRequestID()}
-	sw := &statusWriter{ResponseWriter: w}
+	sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), writeTimeout: s.opt.WriteTimeout}
+	// A kept-alive connection still carries the last request's deadline:
+	// renew it before net/http writes anything of its own (100 Continue).
+	sw.deadline()
 	sw.Header().Set("X-Request-Id", rs.id)
 	route := "other" // unknown paths share one label: bounded cardinality
 	methods, known := s.routes[r.URL.Path]
@@ -277,8 +303,9 @@ type ServeOptions struct {
 	// ReadTimeout the whole request, body included (default 60 s; it does
 	// not bound the answer: a long generation streams on), IdleTimeout a
 	// kept-alive connection's wait for its next request (default 120 s).
-	// There is no write timeout: RequestTimeout (Options) bounds
-	// generations instead.
+	// There is no overall write timeout, which would cut long streams:
+	// Options.RequestTimeout bounds generations, and Options.WriteTimeout
+	// each write to a client that stopped reading.
 	ReadHeaderTimeout, ReadTimeout, IdleTimeout time.Duration
 	// Logger receives the HTTP server's own errors (nil: discarded).
 	Logger *slog.Logger

@@ -38,7 +38,8 @@ Every error is answered in OpenAI's {"error": {...}} shape. With --api-key
 but /health needs "Authorization: Bearer KEY" (401 otherwise).
 --max-concurrent and --rate-limit answer 429 with Retry-After beyond them;
 bodies over --max-body get 413, prompts over --max-prompt-bytes 400 before
-they are tokenized. One log line per request (--log-format text|json, on
+they are tokenized; a client that stops reading its answer for
+--write-timeout is disconnected. One log line per request (--log-format text|json, on
 stderr) carries its id, also sent back as X-Request-Id. SIGTERM or Ctrl-C
 stops accepting connections and lets running requests finish for up to
 --grace.
@@ -147,6 +148,7 @@ keeps its window.)`,
 	f.IntVar(&sopt.MaxConcurrent, "max-concurrent", 256, "most generation requests handled at once, queued ones included (429 beyond; 0: no limit)")
 	f.Float64Var(&sopt.RateLimit, "rate-limit", 0, "generation requests admitted per second, in bursts of as many (429 with Retry-After beyond; 0: no limit)")
 	f.DurationVar(&sopt.RequestTimeout, "request-timeout", 10*time.Minute, "longest a generation may take, queueing included (504 beyond; 0: no limit)")
+	f.DurationVar(&sopt.WriteTimeout, "write-timeout", server.DefaultWriteTimeout, "longest one write of an answer may wait for a client that stopped reading (the connection is closed and its generation stopped beyond)")
 	f.DurationVar(&tout.ReadTimeout, "read-timeout", 60*time.Second, "longest the server waits for a request's headers and body")
 	f.DurationVar(&tout.IdleTimeout, "idle-timeout", 120*time.Second, "how long a kept-alive connection may wait for its next request")
 	f.StringVar(&logFormat, "log-format", "text", "request log on stderr: text or json")
