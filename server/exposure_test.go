@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -120,5 +121,27 @@ func TestStalledReaderIsCutOff(t *testing.T) {
 	}
 	if st := e.Stats(); st.Active != 0 || st.KVBlocksUsed != 0 {
 		t.Errorf("after the stalled stream was cut off: %d sequences active, %d KV blocks held", st.Active, st.KVBlocksUsed)
+	}
+}
+
+// TestErrorsEchoBoundedInput: an error that quotes what the client sent
+// (an unknown model, a content part's type) quotes its start only, as 404
+// messages quote at most 200 bytes of a path: a 100 kB model name used to
+// come back whole, and go whole into the request's log line.
+func TestErrorsEchoBoundedInput(t *testing.T) {
+	ts, _, _ := serveWith(t, Options{}, engine.Options{}, nil)
+	long := strings.Repeat("x", 100<<10)
+	for _, c := range []struct {
+		path, body, want string
+		status           int
+	}{
+		{"/v1/completions", `{"model": "` + long + `", "prompt": "Hi"}`, `the model "xxx`, http.StatusNotFound},
+		{"/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": [{"type": "` + long + `"}]}]}`, `content part of type "xxx`, http.StatusBadRequest},
+	} {
+		resp, body := do(t, http.MethodPost, ts.URL+c.path, c.body)
+		checkErrorShape(t, c.path, resp, body, c.status, c.want)
+		if len(body) > 1000 {
+			t.Errorf("%s: a %d-byte error answer to a %d-byte value", c.path, len(body), len(long))
+		}
 	}
 }

@@ -539,8 +539,10 @@ func (s *Server) checkModel(p *params) error {
 	if p.Model == "" {
 		return invalid("model", "model is required (this server has %q)", s.opt.Model)
 	}
+	// The name sent is quoted up to 100 characters, as a 404 quotes a
+	// path: the answer and the log line stay small whatever it is.
 	return &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Param: "model", Code: "model_not_found",
-		Message: fmt.Sprintf("the model %q does not exist; this server has %q", p.Model, s.opt.Model)}
+		Message: fmt.Sprintf("the model %.100q does not exist; this server has %q", p.Model, s.opt.Model)}
 }
 
 // stopStrings reads "stop": null, a string, or a list of up to 4 strings.
@@ -578,7 +580,7 @@ func (c *content) UnmarshalJSON(b []byte) error {
 	}
 	for _, p := range parts {
 		if p.Type != "text" {
-			return &fieldError{"messages", fmt.Sprintf("content part of type %q: only text is supported", p.Type)}
+			return &fieldError{"messages", fmt.Sprintf("content part of type %.40q: only text is supported", p.Type)}
 		}
 		s += p.Text
 	}
