@@ -145,3 +145,32 @@ func TestErrorsEchoBoundedInput(t *testing.T) {
 		}
 	}
 }
+
+// TestCrossSiteRequestsRefused: a web page the server's user visits can
+// POST to it from the browser — a "simple" request (text/plain body, no
+// preflight), which the server read as JSON all the same — and so run
+// generations on a server bound to localhost without an API key (the
+// default), blind but at will. Browsers mark such requests (Sec-Fetch-Site,
+// Origin); they now get 403 in OpenAI's shape, while same-origin browser
+// requests and clients that are not browsers (no such headers) are served.
+func TestCrossSiteRequestsRefused(t *testing.T) {
+	ts, _, _ := serveWith(t, Options{}, engine.Options{}, nil)
+	body := `{"model": "llama-tiny", "prompt": "Once", "max_tokens": 2}`
+	resp, b := do(t, http.MethodPost, ts.URL+"/v1/completions", body,
+		"Content-Type", "text/plain", "Origin", "https://evil.example", "Sec-Fetch-Site", "cross-site", "Sec-Fetch-Mode", "no-cors")
+	e := checkErrorShape(t, "cross-site POST", resp, b, http.StatusForbidden, "cross-origin")
+	if e["code"] != "cross_origin_request" {
+		t.Errorf("code %v", e["code"])
+	}
+	resp, b = do(t, http.MethodPost, ts.URL+"/v1/completions", body,
+		"Content-Type", "text/plain", "Origin", "http://evil.example") // an older browser: Origin alone
+	checkErrorShape(t, "cross-origin POST", resp, b, http.StatusForbidden, "cross-origin")
+	for _, h := range [][]string{
+		{"Sec-Fetch-Site", "same-origin", "Origin", ts.URL},
+		{"Content-Type", "application/json"},
+	} {
+		if resp, b := do(t, http.MethodPost, ts.URL+"/v1/completions", body, h...); resp.StatusCode != http.StatusOK {
+			t.Errorf("POST with %v: %d %s", h, resp.StatusCode, b)
+		}
+	}
+}

@@ -39,8 +39,9 @@
 // Every error, whatever the route, is answered in OpenAI's shape
 // {"error": {"message", "type", "param", "code"}}: 400 for malformed JSON
 // and invalid parameters (a prompt longer than the context, max_tokens
-// past it), 401 for a missing or wrong API key, 404 for an unknown model
-// or route, 405 for a wrong method, 413 for a body over the limit, 429
+// past it), 401 for a missing or wrong API key, 403 for a POST that a
+// browser marks as cross-origin (CSRF), 404 for an unknown model or
+// route, 405 for a wrong method, 413 for a body over the limit, 429
 // with Retry-After past the rate or concurrency limit, 503 with
 // Retry-After while the model loads or when the engine's queue is full,
 // 504 when a generation outlives the request timeout. A client that
@@ -129,6 +130,10 @@ type Server struct {
 	bucket  *tokenBucket  // nil: no rate limit
 	m       *metrics
 	log     *slog.Logger
+	// csrf refuses POSTs that browsers mark as cross-origin: a page the
+	// user visits could otherwise run generations on a server without an
+	// API key (on localhost, say) with a "simple" request, no preflight.
+	csrf http.CrossOriginProtection
 }
 
 // handler is a route's handler; rs carries what the request's log line
@@ -240,7 +245,8 @@ func newRequestID() string {
 }
 
 // ServeHTTP routes a request: an id, the route (404 and 405 in OpenAI's
-// shape), the API key, the handler; then its metrics and log line.
+// shape), the cross-origin check, the API key, the handler; then its
+// metrics and log line.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	rs := &reqState{id: newRequestID()}
@@ -261,6 +267,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		sw.Header().Set("Allow", strings.Join(allowed, ", "))
 		writeError(sw, rs, &apiError{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed",
 			Message: fmt.Sprintf("%s does not answer %.20s; use %s", r.URL.Path, r.Method, strings.Join(allowed, " or "))})
+	case s.csrf.Check(r) != nil:
+		route = r.URL.Path
+		writeError(sw, rs, &apiError{Status: http.StatusForbidden, Type: "invalid_request_error", Code: "cross_origin_request",
+			Message: "cross-origin browser requests are refused: call this server from a program, or from a page of its own origin"})
 	case r.URL.Path != "/health" && !s.authorized(r):
 		route = r.URL.Path
 		sw.Header().Set("WWW-Authenticate", `Bearer realm="llmq"`)

@@ -35,7 +35,8 @@ with Retry-After.
 
 Every error is answered in OpenAI's {"error": {...}} shape. With --api-key
 (or LLMQ_API_KEY, which keeps the key out of the process list) every route
-but /health needs "Authorization: Bearer KEY" (401 otherwise).
+but /health needs "Authorization: Bearer KEY" (401 otherwise). POSTs
+that a browser marks as cross-origin get 403 (CSRF).
 --max-concurrent and --rate-limit answer 429 with Retry-After beyond them;
 bodies over --max-body get 413, prompts over --max-prompt-bytes 400 before
 they are tokenized; a client that stops reading its answer for
