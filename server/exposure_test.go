@@ -174,3 +174,24 @@ func TestCrossSiteRequestsRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestInvalidValuesNameTheField: a value out of range is a 400 whose
+// param and message name the JSON field. top_p, an empty stop string and
+// a token id outside the vocabulary were caught by the engine alone,
+// answered with param null and the engine's words ("top-p").
+func TestInvalidValuesNameTheField(t *testing.T) {
+	ts, _, _ := serveWith(t, Options{}, engine.Options{}, nil)
+	for _, c := range []struct{ body, param, want string }{
+		{`{"model": "llama-tiny", "prompt": "Hi", "max_tokens": 1, "top_p": 1.5}`, "top_p", "top_p must be in [0, 1], got 1.5"},
+		{`{"model": "llama-tiny", "prompt": "Hi", "max_tokens": 1, "top_p": -1}`, "top_p", "top_p must be in [0, 1], got -1"},
+		{`{"model": "llama-tiny", "prompt": "Hi", "max_tokens": 1, "stop": ["\n", ""]}`, "stop", "stop strings must not be empty"},
+		{`{"model": "llama-tiny", "prompt": "Hi", "max_tokens": 1, "stop": ""}`, "stop", "stop strings must not be empty"},
+		{`{"model": "llama-tiny", "prompt": [5, 99999], "max_tokens": 1}`, "prompt", "token id 99999 is outside the vocabulary of 8192"},
+		{`{"model": "llama-tiny", "prompt": [[5], [-1]], "max_tokens": 1}`, "prompt", "token id -1 is outside the vocabulary of 8192"},
+	} {
+		resp, body := do(t, http.MethodPost, ts.URL+"/v1/completions", c.body)
+		if e := checkErrorShape(t, c.body, resp, body, http.StatusBadRequest, c.want); e["param"] != c.param {
+			t.Errorf("%s: param %v, want %s", c.body, e["param"], c.param)
+		}
+	}
+}

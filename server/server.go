@@ -513,6 +513,9 @@ func (s *Server) request(e *engine.Engine, p *params, prompt []int, promptParam 
 		req.Sample.Temperature = *p.Temperature
 	}
 	if p.TopP != nil {
+		if *p.TopP < 0 || *p.TopP > 1 {
+			return req, invalid("top_p", "top_p must be in [0, 1], got %v", *p.TopP)
+		}
 		req.Sample.TopP = *p.TopP
 	}
 	if p.Seed != nil {
@@ -555,21 +558,24 @@ func (s *Server) checkModel(p *params) error {
 		Message: fmt.Sprintf("the model %.100q does not exist; this server has %q", p.Model, s.opt.Model)}
 }
 
-// stopStrings reads "stop": null, a string, or a list of up to 4 strings.
+// stopStrings reads "stop": null, a string, or a list of up to 4 strings,
+// none empty.
 func stopStrings(raw json.RawMessage) ([]string, error) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, nil
 	}
+	var list []string
 	var one string
 	if json.Unmarshal(raw, &one) == nil {
-		return []string{one}, nil
-	}
-	var list []string
-	if err := json.Unmarshal(raw, &list); err != nil {
+		list = []string{one}
+	} else if err := json.Unmarshal(raw, &list); err != nil {
 		return nil, invalid("stop", "stop must be a string or a list of strings")
 	}
 	if len(list) > 4 {
 		return nil, invalid("stop", "at most 4 stop strings, got %d", len(list))
+	}
+	if slices.Contains(list, "") {
+		return nil, invalid("stop", "stop strings must not be empty")
 	}
 	return list, nil
 }
@@ -768,6 +774,9 @@ func (s *Server) completionPrompts(e *engine.Engine, raw json.RawMessage) ([]pro
 	}
 	var ids []int
 	if json.Unmarshal(raw, &ids) == nil { // one prompt of token ids
+		if err := checkIDs(e, ids, ""); err != nil {
+			return nil, err
+		}
 		return []prompt{{ids: ids, text: e.Tokenizer.Decode(ids, true)}}, nil
 	}
 	out := make([]prompt, len(list))
@@ -782,6 +791,9 @@ func (s *Server) completionPrompts(e *engine.Engine, raw json.RawMessage) ([]pro
 		if json.Unmarshal(item, &ids) != nil {
 			return nil, invalid("prompt", "%s (item %d is neither)", want, i)
 		}
+		if err := checkIDs(e, ids, fmt.Sprintf("prompt %d: ", i)); err != nil {
+			return nil, err
+		}
 		out[i] = prompt{ids: ids, text: e.Tokenizer.Decode(ids, true)}
 	}
 	if err := s.checkPromptBytes(e, "prompt", n); err != nil {
@@ -793,6 +805,18 @@ func (s *Server) completionPrompts(e *engine.Engine, raw json.RawMessage) ([]pro
 		}
 	}
 	return out, nil
+}
+
+// checkIDs refuses a prompt's token ids outside the vocabulary, naming
+// the field (the engine would refuse them too, in its own words).
+func checkIDs(e *engine.Engine, ids []int, where string) error {
+	vocab := e.Backend.Config().Vocab
+	for _, id := range ids {
+		if id < 0 || id >= vocab {
+			return invalid("prompt", "%stoken id %d is outside the vocabulary of %d", where, id, vocab)
+		}
+	}
+	return nil
 }
 
 // usage is OpenAI's token accounting.
