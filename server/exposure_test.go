@@ -2,8 +2,6 @@ package server
 
 import (
 	"fmt"
-	"github.com/llmq/llmq/backend"
-	"github.com/llmq/llmq/internal/shared"
 	"io"
 	"net"
 	"net/http"
@@ -12,7 +10,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/engine"
+	"github.com/llmq/llmq/internal/shared"
+	"github.com/llmq/llmq/llm"
 )
 
 // TestHugeMaxTokens: a max_tokens near the integer limit is a 400
@@ -121,6 +122,27 @@ func TestStalledReaderIsCutOff(t *testing.T) {
 	}
 	if st := e.Stats(); st.Active != 0 || st.KVBlocksUsed != 0 {
 		t.Errorf("after the stalled stream was cut off: %d sequences active, %d KV blocks held", st.Active, st.KVBlocksUsed)
+	}
+}
+
+// TestWriteTimeoutIsPerWrite: WriteTimeout bounds each write, not the
+// answer: a stream and a whole answer that take well past it, read by
+// their client, are not cut.
+func TestWriteTimeoutIsPerWrite(t *testing.T) {
+	ts, _, _ := serveWith(t, Options{WriteTimeout: 200 * time.Millisecond}, engine.Options{},
+		func(b llm.Backend) llm.Backend { return slowBackend{b, 40 * time.Millisecond} })
+	for _, stream := range []bool{true, false} {
+		start := time.Now()
+		a, err := complete(ts.URL, "Once upon a time", 15, stream)
+		if err != nil {
+			t.Fatalf("stream %v: %v", stream, err)
+		}
+		if a.Usage.CompletionTokens != 15 {
+			t.Errorf("stream %v: %d tokens", stream, a.Usage.CompletionTokens)
+		}
+		if d := time.Since(start); d < 400*time.Millisecond {
+			t.Errorf("stream %v took %v, not past the write timeout: the test proves nothing", stream, d)
+		}
 	}
 }
 

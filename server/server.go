@@ -251,9 +251,6 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	rs := &reqState{id: newRequestID()}
 	sw := &statusWriter{ResponseWriter: w, rc: http.NewResponseController(w), writeTimeout: s.opt.WriteTimeout}
-	// A kept-alive connection still carries the last request's deadline:
-	// renew it before net/http writes anything of its own (100 Continue).
-	sw.deadline()
 	sw.Header().Set("X-Request-Id", rs.id)
 	route := "other" // unknown paths share one label: bounded cardinality
 	methods, known := s.routes[r.URL.Path]
