@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -46,6 +47,10 @@ func invalid(param, format string, args ...any) *apiError {
 	return &apiError{Status: http.StatusBadRequest, Message: fmt.Sprintf(format, args...), Type: "invalid_request_error", Param: param}
 }
 
+// statusClientClosed is nginx's 499 "client closed request": the status
+// logged for a request whose client went away before its answer.
+const statusClientClosed = 499
+
 // asAPIError maps any error to the answer a client gets.
 func asAPIError(err error) *apiError {
 	var ae *apiError
@@ -59,6 +64,12 @@ func asAPIError(err error) *apiError {
 			Type: "server_error", Code: "overloaded", RetryAfter: 1}
 	case errors.Is(err, engine.ErrClosed):
 		return &apiError{Status: http.StatusServiceUnavailable, Message: "the server is shutting down", Type: "server_error", Code: "shutting_down"}
+	case errors.Is(err, context.Canceled):
+		// The client hung up (a deadline is context.DeadlineExceeded):
+		// no one reads this answer, but its status goes into the log and
+		// /metrics, where a 500 would let any client raise the server's
+		// error rate.
+		return &apiError{Status: statusClientClosed, Message: "the client closed the connection before the answer", Type: "invalid_request_error", Code: "client_closed_request"}
 	}
 	return &apiError{Status: http.StatusInternalServerError, Message: err.Error(), Type: "server_error"}
 }

@@ -1,8 +1,10 @@
 package server
 
 import (
+	"context"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -215,5 +217,42 @@ func TestInvalidValuesNameTheField(t *testing.T) {
 		if e := checkErrorShape(t, c.body, resp, body, http.StatusBadRequest, c.want); e["param"] != c.param {
 			t.Errorf("%s: param %v, want %s", c.body, e["param"], c.param)
 		}
+	}
+}
+
+// TestClientGoneIsNoServerError: a client that hangs up before its
+// answer is not the server's failure. Its request used to be answered
+// (to no one) with 500 "context canceled", logged at ERROR and counted as
+// a 500 in /metrics, so any client could raise the server's error rate
+// at will; it is now 499 (nginx's "client closed request"), logged at
+// INFO as other client-side outcomes are.
+func TestClientGoneIsNoServerError(t *testing.T) {
+	var logs syncBuffer
+	ts, _, _ := serveWith(t, Options{Logger: slog.New(slog.NewJSONHandler(&logs, nil))}, engine.Options{},
+		func(b llm.Backend) llm.Backend { return slowBackend{b, 20 * time.Millisecond} })
+	for i, body := range []string{
+		`{"model": "llama-tiny", "prompt": "Once", "max_tokens": 500}`,
+		`{"model": "llama-tiny", "prompt": ["Once", "Twice"], "max_tokens": 500}`,
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, ts.URL+"/v1/completions", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			t.Fatalf("%s: answered (%d) before the client hung up", body, resp.StatusCode)
+		}
+		cancel()
+		deadline := time.Now().Add(10 * time.Second)
+		for strings.Count(logs.String(), `"path":"/v1/completions"`) <= i && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	m := scrape(t, ts.URL)
+	if m[`llmq_http_requests_total{route="/v1/completions",status="500"}`] != 0 || m[`llmq_http_requests_total{route="/v1/completions",status="499"}`] != 2 {
+		t.Errorf("two clients that hung up: %v 500s, %v 499s in /metrics", m[`llmq_http_requests_total{route="/v1/completions",status="500"}`], m[`llmq_http_requests_total{route="/v1/completions",status="499"}`])
+	}
+	if strings.Contains(logs.String(), `"level":"ERROR"`) {
+		t.Errorf("a client that hung up logged as an error:\n%s", logs.String())
 	}
 }

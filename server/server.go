@@ -45,7 +45,8 @@
 // with Retry-After past the rate or concurrency limit, 503 with
 // Retry-After while the model loads or when the engine's queue is full,
 // 504 when a generation outlives the request timeout. A client that
-// disconnects cancels its generation.
+// disconnects cancels its generation (its request is logged and counted
+// with nginx's 499, not as a server error).
 //
 // A server can start before its model is loaded (New with a nil engine,
 // then SetEngine), so that a listener is bound at once and clients see
