@@ -365,14 +365,24 @@ func (e *Engine) EncodeChat(messages []chat.Message) ([]int, error) {
 // chat.Template.RenderWith; e.g. Qwen3's {"enable_thinking": false}),
 // and returns the rendered text too.
 func (e *Engine) EncodeChatWith(messages []chat.Message, vars map[string]any) (ids []int, text string, err error) {
-	if e.Template == nil {
-		return nil, "", fmt.Errorf("%w: the model has no chat template (tokenizer_config.json chat_template); use a plain completion", ErrInvalid)
-	}
-	text, err = e.Template.RenderWith(messages, true, vars)
-	if err != nil {
-		return nil, "", fmt.Errorf("%w: %v", ErrInvalid, err)
+	if text, err = e.RenderChat(messages, vars); err != nil {
+		return nil, "", err
 	}
 	return e.Tokenizer.Encode(text, false), text, nil
+}
+
+// RenderChat is EncodeChatWith's first half: the conversation rendered
+// with the chat template, ready for the assistant's turn, not tokenized
+// (so that a caller can bound the text before paying for its tokens).
+func (e *Engine) RenderChat(messages []chat.Message, vars map[string]any) (string, error) {
+	if e.Template == nil {
+		return "", fmt.Errorf("%w: the model has no chat template (tokenizer_config.json chat_template); use a plain completion", ErrInvalid)
+	}
+	text, err := e.Template.RenderWith(messages, true, vars)
+	if err != nil {
+		return "", fmt.Errorf("%w: %v", ErrInvalid, err)
+	}
+	return text, nil
 }
 
 // Validate checks a request against the model before it is queued.

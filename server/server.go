@@ -709,11 +709,19 @@ func (s *Server) chatCompletions(w http.ResponseWriter, r *http.Request, rs *req
 		if err := s.checkPromptBytes(e, "messages", n); err != nil {
 			return nil, lo, err
 		}
-		ids, text, err := e.EncodeChatWith(msgs, cr.ChatTemplateKwargs)
+		// The template adds its markup to every message: many short ones
+		// render into far more text than their roles and contents, which
+		// is bounded again before it is tokenized.
+		text, err := e.RenderChat(msgs, cr.ChatTemplateKwargs)
 		if err != nil {
 			return nil, lo, err
 		}
-		return []prompt{{ids: ids, think: thinkingOf(e.Template, text)}}, lo, nil
+		if limit, why := s.maxPromptBytes(e); len(text) > limit {
+			return nil, lo, &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: "messages", Code: "context_length_exceeded",
+				Message: fmt.Sprintf("the chat template renders the %d messages into %d bytes of text, more than the %d this server takes (%s)",
+					len(msgs), len(text), limit, why)}
+		}
+		return []prompt{{ids: e.Tokenizer.Encode(text, false), think: thinkingOf(e.Template, text)}}, lo, nil
 	}, true)
 }
 
