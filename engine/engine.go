@@ -398,8 +398,8 @@ func (e *Engine) Validate(req Request) error {
 	case len(req.Prompt) >= ctxLen:
 		return fmt.Errorf("%w: the prompt has %d tokens, the model's context is %d", ErrInvalid, len(req.Prompt), ctxLen)
 	case req.MaxTokens > ctxLen-len(req.Prompt): // not prompt + MaxTokens: a huge MaxTokens would wrap around
-		return fmt.Errorf("%w: max_tokens %d too large: %d prompt tokens + %d exceed the model's context of %d",
-			ErrInvalid, req.MaxTokens, len(req.Prompt), req.MaxTokens, ctxLen)
+		return fmt.Errorf("%w: max_tokens %d too large: %d prompt tokens + %d exceed the model's context of %d (at most %d fit after this prompt)",
+			ErrInvalid, req.MaxTokens, len(req.Prompt), req.MaxTokens, ctxLen, ctxLen-len(req.Prompt))
 	}
 	if e.pool != nil {
 		n := len(req.Prompt) + req.MaxTokens

@@ -263,7 +263,7 @@ func TestValidate(t *testing.T) {
 		{Request{MaxTokens: 1}, "empty prompt"},
 		{Request{Prompt: []int{1}}, "max_tokens must be positive"},
 		{Request{Prompt: long, MaxTokens: 1}, "the prompt has 2048 tokens, the model's context is 2048"},
-		{Request{Prompt: long[:2000], MaxTokens: 100}, "max_tokens 100 too large"},
+		{Request{Prompt: long[:2000], MaxTokens: 100}, "max_tokens 100 too large: 2000 prompt tokens + 100 exceed the model's context of 2048 (at most 48 fit after this prompt)"},
 		// prompt + max_tokens must not wrap around: MaxInt plus the
 		// prompt's length is negative, under any context.
 		{Request{Prompt: []int{1}, MaxTokens: math.MaxInt}, "too large"},

@@ -53,7 +53,7 @@ func (d *driver) fingerprint() (string, error) {
 		}
 		st, err := os.Stat(abs)
 		if err != nil {
-			return "", err
+			return "", fmt.Errorf("%w: %w", ErrCalibration, err)
 		}
 		key["calibration"] = fmt.Sprintf("%s %d %d", abs, st.Size(), st.ModTime().UnixNano())
 	}

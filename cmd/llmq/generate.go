@@ -28,7 +28,7 @@ func newGenerate() *cobra.Command {
 				return fmt.Errorf("--max-tokens must be positive, got %d", opt.MaxTokens)
 			}
 			if err := opt.Sample.Validate(); err != nil {
-				return err
+				return fmt.Errorf("--%w", err) // its messages name the option: temperature, top-k, top-p
 			}
 			m, err := openModel(args[0], device)
 			if err != nil {

@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 
@@ -19,6 +21,9 @@ func newInspect() *cobra.Command {
 		Example: "  llmq inspect ../shared/models/llama-small",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if st, err := os.Stat(args[0]); err == nil && !st.IsDir() && strings.EqualFold(filepath.Ext(args[0]), ".gguf") {
+				return fmt.Errorf("%s is a GGUF file: inspect reads a Hugging Face checkpoint directory (llmq export gguf writes GGUF files, llama.cpp's gguf-dump lists them)", args[0])
+			}
 			ck, err := checkpoint.Open(args[0])
 			if err != nil {
 				return err
@@ -59,7 +64,13 @@ func newInspect() *cobra.Command {
 				sort.Strings(keys)
 				var parts []string
 				for _, k := range keys {
-					parts = append(parts, fmt.Sprintf("%s=%v", k, q[k]))
+					v := fmt.Sprint(q[k])
+					switch q[k].(type) {
+					case map[string]any, []any: // as JSON, not Go's map[...] syntax
+						b, _ := json.Marshal(q[k])
+						v = string(b)
+					}
+					parts = append(parts, k+"="+v)
 				}
 				fmt.Fprintf(w, "quantization   %s\n", strings.Join(parts, " "))
 				if qc, err := pack.ParseQuantConfig(c.Quantization); err == nil && qc.Meta != nil && qc.Meta.MoE != nil {

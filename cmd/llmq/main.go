@@ -24,9 +24,11 @@ func newRoot() *cobra.Command {
 	root := &cobra.Command{
 		Use:   "llmq",
 		Short: "Quantize LLM weights to INT4 (GPTQ, AWQ) and run them on CPU or GPU",
-		Long: `llmq quantizes Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2)
-to INT4 with GPTQ, AWQ or round-to-nearest, writes packed checkpoints that
-transformers and vLLM load, and runs models: perplexity, generation and
+		Long: `llmq quantizes Hugging Face checkpoints (Llama, Mistral, Qwen2 and Qwen3,
+Gemma 3, and the mixtures of experts Qwen3-MoE and Mixtral) with GPTQ, AWQ or
+round-to-nearest at 2 to 8 bits, or to FP8, writes checkpoints that
+transformers, vLLM and llama.cpp (GGUF export) load, and runs models on the CPU
+or an NVIDIA GPU: perplexity, generation, an OpenAI-compatible server and
 benchmarks.`,
 		Example: `  llmq inspect ../shared/models/llama-tiny
   llmq eval ppl ../shared/models/llama-tiny --data ../shared/data/wikitext2/wiki.test.raw

@@ -107,7 +107,7 @@ func TestQuantizeInspectEvalGenerate(t *testing.T) {
 			}
 
 			out = mustLLMQ(t, "inspect", q)
-			for _, want := range []string{"bits=4", "group_size=128", "quant_method=gptq", "method:" + c.method, "parameters     7.34M"} {
+			for _, want := range []string{"bits=4", "group_size=128", "quant_method=gptq", `"method":"` + c.method + `"`, "parameters     7.34M"} {
 				if !strings.Contains(out, want) {
 					t.Errorf("inspect: no %q in\n%s", want, out)
 				}
@@ -183,6 +183,10 @@ func TestCommandLineErrors(t *testing.T) {
 	if err := os.WriteFile(short, []byte("a few words"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	gguf := filepath.Join(dir, "model.gguf")
+	if err := os.WriteFile(gguf, []byte("GGUF"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	out := filepath.Join(dir, "out")
 	missing := filepath.Join(dir, "no-such-model")
 
@@ -222,6 +226,9 @@ func TestCommandLineErrors(t *testing.T) {
 		{"eval bad --device", []string{"eval", "ppl", model, "--data", data, "--device", "gpu"}, []string{`--device "gpu": want auto, cpu or cuda`}, nil},
 		{"generate without --prompt", []string{"generate", model}, []string{"--prompt is required"}, nil},
 		{"generate bad --max-tokens", []string{"generate", model, "--prompt", "x", "--max-tokens", "0"}, []string{"--max-tokens must be positive, got 0"}, nil},
+		{"generate bad --temperature", []string{"generate", model, "--prompt", "x", "--temperature", "-1"}, []string{"--temperature must be ≥ 0, got -1"}, nil},
+		{"quantize missing --calib", []string{"quantize", model, "--method", "gptq", "--calib", filepath.Join(dir, "no-calib.txt"), "-o", out}, []string{"--calib", "no-calib.txt"}, fs.ErrNotExist},
+		{"inspect a GGUF file", []string{"inspect", gguf}, []string{gguf, "GGUF file", "checkpoint directory"}, nil},
 		{"synth unknown preset", []string{"synth", "--preset", "gpt-5", "-o", out}, []string{`--preset "gpt-5": want one of`, "llama3-8b"}, nil},
 		{"synth bits 5", []string{"synth", "--bits", "5", "-o", out}, []string{"--bits 5: want 3, 4 or 8 (GPTQ) or 16 (bf16)"}, nil},
 		{"synth group 100", []string{"synth", "--group", "100", "-o", out}, []string{"--group 100: want a multiple of 16 (the GPU kernel's tile) dividing 4096 and 14336"}, nil},
@@ -251,7 +258,7 @@ func TestCommandLineErrors(t *testing.T) {
 		t.Errorf("a refused command wrote %s (%v)", out, err)
 	}
 	entries, _ := os.ReadDir(dir)
-	if len(entries) != 3 { // exists, foreign, short.txt
+	if len(entries) != 4 { // exists, foreign, short.txt, model.gguf
 		var names []string
 		for _, e := range entries {
 			names = append(names, e.Name())

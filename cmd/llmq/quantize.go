@@ -125,6 +125,11 @@ windows of --seqlen tokens of --calib (deterministic).`,
 			if opt.Method.Calibrated() && opt.Calib == "" {
 				return fmt.Errorf("--method %s needs --calib FILE (calibration text or .i32 tokens)", method)
 			}
+			if opt.Calib != "" { // checked before any model is opened
+				if _, err := os.Stat(opt.Calib); err != nil {
+					return fmt.Errorf("--calib: %w", err)
+				}
+			}
 			if statsPath != "" && method != "awq" {
 				return fmt.Errorf("--stats is written by --method awq")
 			}
