@@ -12,9 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/engine"
-	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 )
 
@@ -84,16 +82,7 @@ func (l smallSendBuffers) Accept() (net.Conn, error) {
 // now has WriteTimeout to finish: past it the connection is closed, the
 // generation stops and the slot is free.
 func TestStalledReaderIsCutOff(t *testing.T) {
-	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	e, err := engine.New(m, engine.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := tinyEngine(t, engine.Options{}, nil)
 	ts := httptest.NewUnstartedServer(New(e, Options{Model: "llama-tiny", MaxConcurrent: 1, WriteTimeout: 300 * time.Millisecond}))
 	ts.Listener = smallSendBuffers{ts.Listener}
 	ts.Start()

@@ -27,29 +27,38 @@ import (
 	openai "github.com/sashabaranov/go-openai"
 )
 
-// serveWith starts a server with opt (Model defaults to llama-tiny) for
-// llama-tiny on the CPU, its backend wrapped by wrap when not nil.
-func serveWith(t testing.TB, opt Options, eopt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *Server) {
+// tinyEngine is an engine over llama-tiny on the CPU, its backend
+// wrapped by wrap when not nil; both are closed when the test ends.
+func tinyEngine(t testing.TB, eopt engine.Options, wrap func(llm.Backend) llm.Backend) *engine.Engine {
 	t.Helper()
 	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { m.Close() })
 	b := m.Backend
 	if wrap != nil {
 		b = wrap(b)
 	}
 	e, err := engine.New(engine.NewModel(b, m.Tokenizer, m.Template), eopt)
 	if err != nil {
-		m.Close()
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// serveWith starts a server with opt (Model defaults to llama-tiny) for
+// llama-tiny on the CPU, its backend wrapped by wrap when not nil.
+func serveWith(t testing.TB, opt Options, eopt engine.Options, wrap func(llm.Backend) llm.Backend) (*httptest.Server, *engine.Engine, *Server) {
+	t.Helper()
+	e := tinyEngine(t, eopt, wrap)
 	if opt.Model == "" {
 		opt.Model = "llama-tiny"
 	}
 	s := New(e, opt)
 	ts := httptest.NewServer(s)
-	t.Cleanup(func() { ts.Close(); e.Close(); m.Close() })
+	t.Cleanup(ts.Close) // before the engine's and the model's (cleanups run last first)
 	return ts, e, s
 }
 
@@ -220,16 +229,7 @@ func TestHealthLoadingThenReady(t *testing.T) {
 		t.Errorf("completion while loading: %v, Retry-After %q", e, resp.Header.Get("Retry-After"))
 	}
 
-	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	e, err := engine.New(m, engine.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := tinyEngine(t, engine.Options{}, nil)
 	s.SetEngine(e)
 	resp, body = do(t, "GET", ts.URL+"/health", "")
 	h = nil
@@ -387,16 +387,7 @@ func (s slowBackend) Forward(ctx context.Context, steps []llm.Step) error {
 // close connections that dribble their headers or body (slowloris), while
 // a stream that runs well past the read timeout is not cut.
 func TestServerTimeouts(t *testing.T) {
-	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	e, err := engine.New(engine.NewModel(slowBackend{m.Backend, 30 * time.Millisecond}, m.Tokenizer, m.Template), engine.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := tinyEngine(t, engine.Options{}, func(b llm.Backend) llm.Backend { return slowBackend{b, 30 * time.Millisecond} })
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

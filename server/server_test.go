@@ -16,7 +16,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/engine"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
@@ -393,16 +392,7 @@ func TestDisconnectStopsGeneration(t *testing.T) {
 
 // Shutting down lets a running stream finish, then Serve returns.
 func TestGracefulShutdown(t *testing.T) {
-	m, err := backend.Open(shared.Path(t, "models/llama-tiny"), "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	e, err := engine.New(m, engine.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer e.Close()
+	e := tinyEngine(t, engine.Options{}, nil)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
