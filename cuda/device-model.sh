@@ -213,7 +213,7 @@ case "$1" in
   envab) # one library's decode under each environment setting (a tuning switch's A/B where the API differs from main's)
     d=/tmp/envab-b4
     $L synth --preset ${ENVAB_PRESET:-llama3-8b} --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
-    IFS=';' read -ra settings <<< "${ENVAB_ENV:-}"
+    readarray -td';' settings < <(printf '%s;' "${ENVAB_ENV:-}")  # "A;" keeps its empty (default) setting
     r=0
     for pass in 1 2; do
       for e in "${settings[@]}"; do
@@ -226,7 +226,7 @@ case "$1" in
     rm -rf $d
     ;;
   sweep) # one bench gemm per environment setting, the same binary and GPU state
-    IFS=';' read -ra settings <<< "${SWEEP_ENV:-}"
+    readarray -td';' settings < <(printf '%s;' "${SWEEP_ENV:-}")
     for e in "${settings[@]}"; do
       echo "# $LLMQ_COMMIT: $e llmq bench gemm ${SWEEP_ARGS:-}"
       env $e $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)"
