@@ -30,6 +30,7 @@ struct llmq_ctx {
   int gemv_max_m = -1;  // the CUDA-core GEMV serves M ≤ this (−1: the measured 1, 2 for 8-bit codes)
   int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int swap_forced_variant = -1;  // v15's instantiation, forced (LLMQ_W4_SWAP_VARIANT; sweeps)
+  int mma_forced_variant = -1;   // v11's instantiation, forced (LLMQ_W4_MMA_VARIANT; sweeps)
   // v15 (v11 with the operands swapped) serves 4-bit M = 2–8 ahead of the
   // GEMV and v11, M = 1 on layers of 2^26 weights or more, and M = 9 …
   // this on layers that need no K split (LLMQ_W4_SWAP_MAX_M; 8 keeps it to
@@ -37,12 +38,14 @@ struct llmq_ctx {
   int swap_max_m = 32;
   int fused_max_m = 64;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
-  int resident[24] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
+  int resident[48] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   // The dynamic shared memory each kernel is allowed (allow_smem).
   std::unordered_map<const void*, size_t> smem_allowed;
   int decode_wave = 0;  // the decode attention's grid target in blocks (0: 4 an SM; LLMQ_DECODE_WAVE, for tests)
-  // Programmatic dependent launch of the model kernels (launch()).
-  bool pdl = false;
+  // Programmatic dependent launch of the model kernels (launch(); on
+  // unless LLMQ_PDL=0: with weights_then_gate the decode gains 4–7% at
+  // batch 1 and 8, NOTES.md "The ninth session").
+  bool pdl = true;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).
   void* cusolver = nullptr;
@@ -94,15 +97,26 @@ int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
   return 0;
 }
 
-// Programmatic dependent launch (Hopper, LLMQ_PDL=1, off by default):
+// Programmatic dependent launch (Hopper; on by default, LLMQ_PDL=0 off):
 // launch() then lets a kernel be scheduled while the kernel before it on
 // the stream is still running, so that a decode step's few hundred small
 // kernels do not each wait out a launch. Every kernel launched through it
-// starts with pdl_gate(): griddepcontrol.wait holds it, before it touches
-// global memory, until the previous grid has finished and its writes are
+// calls pdl_gate() before it touches global memory (the GEMV kernels:
+// before anything but their weights, below): griddepcontrol.wait holds
+// it until the previous grid has finished and its writes are
 // visible (so reads and writes order exactly as without PDL), then
 // griddepcontrol.launch_dependents lets the next kernel be scheduled.
 // Without the attribute both instructions return at once.
+//
+// weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _mma_pp, _swap)
+// ask for their first batch of codes (with PF > 0, L2 for a later one),
+// and their first two groups' scales and zeros (GroupStream::start),
+// before pdl_gate(), and for everything else after it. Weights are
+// written only at load, never by a kernel of a step, so reading them early
+// orders nothing; under PDL a GEMV's CTAs, once resident beside the
+// previous kernel's tail (a norm's few blocks, attention's combine,
+// the gate+up GEMM's last CTAs), have their first codes on the way while
+// they wait, instead of starting the memory's latency after it.
 static __device__ __forceinline__ void pdl_gate() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -13,7 +13,7 @@
 #                                     # SYNTH_LOGITS=1: the decode again with --logits)
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
-#   bash cuda/device-model.sh pdl     # LLMQ_PDL=1 (programmatic dependent launch): tests, llama3-8b W4 decode off/on
+#   bash cuda/device-model.sh pdl     # programmatic dependent launch (on unless LLMQ_PDL=0): tests with it, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh engine  # the engine's paged-cache tests on the GPU (admission, preemption,
 #                                     # cancellation, nothing lost under load; llama-tiny)
@@ -410,7 +410,7 @@ case "$1" in
       rm -rf $d
     done
     ;;
-  pdl) # programmatic dependent launch (LLMQ_PDL=1): the model tests with it, then llama3-8b W4 decode without and with
+  pdl) # programmatic dependent launch (the default; LLMQ_PDL=0 off): the model tests with it, then llama3-8b W4 decode without and with
     run='TestModelLogits|TestZoo|TestMoE|TestGreedy|TestWindowNLL|TestLongContext|TestBatched|TestPrefillFlash|TestAttention'
     { echo "# $LLMQ_COMMIT: LLMQ_PDL=1 cuda.test -test.v -test.run '$run'"; LLMQ_PDL=1 build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-pdl-h200.log"
     echo "tests with PDL: $(grep -cE '^--- PASS' "$OUT/cuda-tests-pdl-h200.log") passed; $(grep -E '^\s*--- FAIL' "$OUT/cuda-tests-pdl-h200.log" | tr '\n' ' ')"

@@ -368,14 +368,14 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
 	defer w.Free(l)
 	checkPlans(t, l, w, map[int]string{1: "gemv mt1", 2: "gemv-swap v15 mt8", 8: "gemv-swap v15 mt8", 9: "gemv-mma v11 mt16",
-		16: "gemv-mma v11 mt16", 17: "gemv-mma v11 mt32", 33: "gemv-mma v11 mt64", 65: "dequant+cublas"})
+		16: "gemv-mma v11 mt16", 17: "gemv-mma v11 mt32", 33: "gemv-mma v11 mt64 u1 pf8", 65: "dequant+cublas"})
 	// The plan reads only the shape: 8B gate+up (2^26 weights and more)
 	// and down (less) at M = 1.
 	// Past 8 tokens v15 takes the layers a wave covers without a K split
 	// (8B gate+up's 448 n-tiles), v11 the others (8B down's 64).
 	checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128}, map[int]string{1: "gemv-swap v15 mt8",
 		9: "gemv-swap v15 mt16", 16: "gemv-swap v15 mt16 u4 b1 splits1", 32: "gemv-swap v15 mt32 u2 scaled b1 splits1",
-		33: "gemv-mma v11 mt64"})
+		33: "gemv-mma v11 mt64 u1 pf8"})
 	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1", 16: "gemv-mma v11 mt16",
 		32: "gemv-mma v11 mt32"})
 	defer l.SetPath(PathAuto)

@@ -108,26 +108,29 @@ struct GroupRegs {
 };
 
 // set_scales puts the eight sub-tiles' scales of sv (fp16, sub-tile j in
-// half j) into r.s, each as a half2 pair.
+// half j) into r.s, each as a half2 pair (one byte permute a scale).
 __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t h = (j & 1) ? (sw[j >> 1] >> 16) : (sw[j >> 1] & 0xffffu);
-    r.s[j] = h | (h << 16);
-  }
+  for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
 }
 
 // convert_group for 2- to 4-bit codes: zeros a nibble each (sub-tile j
-// in nibble j of zv).
+// in nibble j of zv). The zeros of the even sub-tiles, a byte each, are
+// e's bytes, the odd ones o's; a byte permute against 0x64 or 0x54 makes
+// each pair of offsets (1024 + z as fp16 is 0x64 over z, 64 + z is 0x54
+// over z·16).
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
   set_scales(r, sv);
+  const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
+  const uint32_t e4 = e << 4, o4 = o << 4;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint32_t z = (zv >> (4 * j)) & 0xfu;
-    const uint32_t lo = 0x6400u | z, hi = 0x5400u | (z << 4);
-    r.zlo[j] = lo | (lo << 16);
-    r.zhi[j] = hi | (hi << 16);
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
+    r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
+    r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
+    r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
+    r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
   }
 }
 
@@ -137,9 +140,7 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
   set_scales(r, sv);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const uint32_t z = ((j < 4 ? zv.x : zv.y) >> (8 * (j & 3))) & 0xffu;
-    const uint32_t lo = 0x6400u | z;
-    r.zlo[j] = lo | (lo << 16);
+    r.zlo[j] = __byte_perm(j < 4 ? zv.x : zv.y, 0x64646464u, 0x4040u | ((j & 3) << 8) | (j & 3));
     r.zhi[j] = 0;
   }
 }
@@ -502,14 +503,81 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: no L
   return r;
 }
 
+// prefetch_l2 asks L2 for bytes (a multiple of 16) from p (16-byte
+// aligned) with one bulk copy engine request; nothing comes to the SM
+// (Hopper's; a no-op where there is none).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(bytes));
+#endif
+}
+
 __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
+
+// codes_batch loads U steps of a lane's codes from step kb (CH chunks a
+// step, step k's at bp + 32·(CH·k + c)); a step past k1 − 1 repeats step
+// k1 − 1, which the caller never multiplies. PF > 0: lane 0 also asks L2
+// for the batch PF batches on (v11 pf, v15 variants 3–6).
+template <int U, int CH, int PF>
+__device__ __forceinline__ void codes_batch(uint4 (&q)[U][CH], const uint4* bp, int kb, int k1, int lane) {
+  if constexpr (PF > 0) {
+    const int kp = kb + PF * U;
+    if (lane == 0 && kp < k1) prefetch_l2(bp - lane + (size_t)kp * CH * 32, (uint32_t)(min(U, k1 - kp) * CH * 512));
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k = min(kb + u, k1 - 1);
+#pragma unroll
+    for (int c = 0; c < CH; ++c) q[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
+  }
+}
+
+// two_batches is the main loop of v15 and the pp kernel over a warp's
+// steps [k0, k1): two register batches of U steps (codes q, activations
+// x), loaded and multiplied in turn, no copies between them. start()
+// loads the first group; the first batch's codes are asked for before
+// pdl_gate() and everything else after it (weights_then_gate).
+// batch(q, x, kb, full) multiplies the U steps from kb (full: all of
+// them lie before k1).
+template <int U, class Q, class X, class Codes, class Acts, class Start, class Batch>
+__device__ __forceinline__ void two_batches(Q& qa, Q& qb, X& xa, X& xb, int k0, int k1, Codes codes, Acts acts,
+                                            Start start, Batch batch) {
+  if (k1 > k0) {
+    codes(qa, k0);
+    start();
+  }
+  pdl_gate();  // before the activations, workspace and outputs: see weights_then_gate
+  if (k1 <= k0) return;
+  acts(xa, k0);
+  int kb = k0;
+  for (; kb + 2 * U <= k1; kb += 2 * U) {
+    codes(qb, kb + U);
+    acts(xb, kb + U);
+    batch(qa, xa, kb, true);
+    if (kb + 2 * U < k1) {
+      codes(qa, kb + 2 * U);
+      acts(xa, kb + 2 * U);
+    }
+    batch(qb, xb, kb + U, true);
+  }
+  if (kb < k1) {  // fewer than 2U steps left, the first U of them in qa
+    if (kb + U < k1) {
+      codes(qb, kb + U);
+      acts(xb, kb + U);
+    }
+    batch(qa, xa, kb, false);
+    if (kb + U < k1) batch(qb, xb, kb + U, false);
+  }
+}
 
 // gemv_steps is the GEMV kernels' main loop: one warp's steps [k0, k1)
 // of one n-tile for MT rows, lane's activations of row m at ap[m] (its
 // row's first word + tig), its chunks at bp (step k's at bp + 32k), U
 // steps a batch with the next batch's codes and activations loaded while
 // this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
-template <int MT, int U, int BITS = 4>
+// GATE: the kernel left pdl_gate() to it, which it calls after asking for
+// the first batch's codes and before the activations (weights_then_gate).
+template <int MT, int U, int BITS = 4, bool GATE = false>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
                                            GroupStream<BITS>& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
@@ -522,28 +590,36 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
   // (+1) at word 8k + tig, rows 16k + 2·tig + 8 (+9) four words on.
   uint4 qn[U][CH];
   uint32_t xn[U][MT][2];
+  auto load_acts = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        xn[u][m][0] = k < k1 ? __ldg(ap[m] + (size_t)k * 8) : 0;
+        xn[u][m][1] = k < k1 ? __ldg(ap[m] + (size_t)k * 8 + 4) : 0;
+      }
+    }
+  };
   auto load = [&](int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u;
 #pragma unroll
-      for (int c = 0; c < CH; ++c) qn[u][c] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) xn[u][m][0] = xn[u][m][1] = 0;
-      if (k < k1) {
-#pragma unroll
-        for (int c = 0; c < CH; ++c) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
-          xn[u][m][1] = __ldg(ap[m] + (size_t)k * 8 + 4);
-        }
-      }
+      for (int c = 0; c < CH; ++c) qn[u][c] = k < k1 ? ld_stream(bp + ((size_t)k * CH + c) * 32) : make_uint4(0, 0, 0, 0);
     }
+    load_acts(kb);
   };
 
   GroupRegs gr;
-  if (k1 > k0) {
+  if constexpr (GATE) {  // the kernel's pdl_gate here: the weights before, the activations after (weights_then_gate)
+    if (k1 > k0) {
+      codes_batch<U, CH, 0>(qn, bp, k0, k1, 0);  // steps past k1 − 1 are loaded, never multiplied
+      groups.start(gr, k0);
+    }
+    pdl_gate();
+    if (k1 > k0) load_acts(k0);
+  } else if (k1 > k0) {
     groups.start(gr, k0);
     load(k0);
   }
@@ -639,7 +715,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
                                                           const Outs C, float* __restrict__ ws,
                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
                                                           int splits) {
-  pdl_gate();  // before any global access: see common.cuh
+  // pdl_gate() is gemv_steps' (GATE): the first codes are asked for before it.
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
   const GemvThread t(N, K, splits);
@@ -649,9 +725,34 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
   GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
   float acc[MT][8];
-  gemv_steps<MT, U, BITS>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
+  gemv_steps<MT, U, BITS, true>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int m, int col) { return red_total<MT>(red, m, col); });
+  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+}
+
+// mma_sums_out ends v11 and the pp kernel: the warps' sums, an m-tile at
+// a time (row gid's columns 8j + 2·tig, +1, in acc[mb][j][0..1], row
+// gid + 8's in [2..3]), added across the warps in red and written
+// (emit_tile), then the K slices' last CTA finishes the tile.
+template <int MT, int MB = MT <= 16 ? 1 : MT / 16, int RT = MT <= 16 ? MT : 16>
+__device__ __forceinline__ void mma_sums_out(const float (&acc)[MB][8][4], float (&red)[kWarps][RT][64], int& s_last,
+                                             const Outs& C, float* ws, int* counters, int M, int N, int nt, int splits,
+                                             int warp, int gid, int tig) {
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) {
+    if (16 * mb >= M) break;  // uniform across the CTA
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = j * 8 + 2 * tig;
+      *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[mb][j][0], acc[mb][j][1]);
+      if constexpr (RT == 16)
+        *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
+    }
+    __syncthreads();
+    emit_tile(C, ws, 16 * mb, RT, M, N, nt, splits, [&](int r, int col) { return red_total<RT>(red, r, col); });
+    __syncthreads();
+  }
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
@@ -665,8 +766,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 // with MT = 8 the second row is zero). The sums stay in fp32, and the cost
 // per byte of codes does not grow with M up to an m-tile: the rows the
 // CUDA-core GEMV pays for one by one come free. MT: 8, 16, 32 or 64 rows
-// (MB = 1, 1, 2, 4 m-tiles). CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS>
+// (MB = 1, 1, 2, 4 m-tiles). CTA and K split as w4a16_gemv. PF > 0: lane 0
+// asks L2 for the warp's codes PF batches ahead (as v15's variants 3–6).
+template <int MT, int U, int BITS, int PF = 0>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __restrict__ A, const uint4* __restrict__ B,
                                                             const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                             const Outs C, float* __restrict__ ws,
@@ -676,7 +778,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   constexpr int MB = MT <= 16 ? 1 : MT / 16;  // m-tiles
   constexpr int RT = MT <= 16 ? MT : 16;      // rows an m-tile holds
   constexpr int CH = BITS / 4;                // chunks a step: step k's are at bp + 32·(CH·k + c)
-  pdl_gate();  // before any global access: see common.cuh
+  // pdl_gate() waits below, after the first codes are asked for (weights_then_gate)
   __shared__ float red[kWarps][RT][64];
   __shared__ int s_last;
   const GemvThread t(N, K, splits);
@@ -698,7 +800,24 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
     for (int j = 0; j < 8; ++j) acc[mb][j][0] = acc[mb][j][1] = acc[mb][j][2] = acc[mb][j][3] = 0.f;
   uint4 qn[U][CH];
   uint32_t xn[U][MB][4];
-  auto load = [&](int kb) {
+  auto load_acts = [&](int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        xn[u][mb][0] = k < k1 ? __ldg(ar[mb][0] + (size_t)k * 8) : 0;
+        xn[u][mb][2] = k < k1 ? __ldg(ar[mb][0] + (size_t)k * 8 + 4) : 0;
+        xn[u][mb][1] = MT > 8 && k < k1 ? __ldg(ar[mb][1] + (size_t)k * 8) : 0;
+        xn[u][mb][3] = MT > 8 && k < k1 ? __ldg(ar[mb][1] + (size_t)k * 8 + 4) : 0;
+      }
+    }
+  };
+  auto load = [&](int kb) {  // the loop's batches: as load_codes and load_acts, in one pass
+    if constexpr (PF > 0) {
+      const int kp = kb + PF * U;
+      if (lane == 0 && kp < k1) prefetch_l2(bp - lane + (size_t)kp * CH * 32, (uint32_t)(min(U, k1 - kp) * CH * 512));
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u;
@@ -723,9 +842,11 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   };
   GroupRegs gr;
   if (k1 > k0) {
+    codes_batch<U, CH, PF>(qn, bp, k0, k1, lane);  // steps past k1 − 1 are loaded, never multiplied
     groups.start(gr, k0);
-    load(k0);
   }
+  pdl_gate();  // before the activations, workspace and outputs: see weights_then_gate
+  if (k1 > k0) load_acts(k0);
   for (int kb = k0; kb < k1; kb += U) {
     uint4 q[U][CH];
     uint32_t af[U][MB][4];
@@ -751,23 +872,86 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
       }
     }
   }
-  // The warps' sums, an m-tile at a time: row gid's columns 8j + 2·tig
-  // (+1) in acc[mb][j][0..1], row gid + 8's in [2..3].
+  mma_sums_out<MT>(acc, red, s_last, C, ws, counters, M, N, nt, splits, warp, gid, tig);
+}
+
+// w4a16_gemv_mma_pp: v11 with its loop as v15's — two register batches
+// multiplied in turn, no copies between them — and the rows' addresses
+// as 32-bit word offsets (sweeps only, LLMQ_W4_MMA_VARIANT 6–11: fewer
+// instructions a step than v11's, more registers; MINB bounds them).
+template <int MT, int U, int BITS, int PF, int MINB>
+__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_mma_pp(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                               const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                               const Outs C, float* __restrict__ ws,
+                                                               int* __restrict__ counters, int M, int N, int K,
+                                                               int gshift, int splits) {
+  static_assert(MT == 8 || MT == 16 || MT == 32 || MT == 64, "rows: half an m-tile or 1, 2, 4 m-tiles");
+  constexpr int MB = MT <= 16 ? 1 : MT / 16;  // m-tiles
+  constexpr int RT = MT <= 16 ? MT : 16;      // rows an m-tile holds
+  constexpr int CH = BITS / 4;                // chunks a step: step k's are at bp + 32·(CH·k + c)
+  // pdl_gate() waits below, after the first codes are asked for (weights_then_gate)
+  __shared__ float red[kWarps][RT][64];
+  __shared__ int s_last;
+  const GemvThread t(N, K, splits);
+  const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
+  // Step k's A fragment of m-tile mb: a0/a2 = row 16·mb + gid's words
+  // 8k + tig and 8k + tig + 4, a1/a3 the same of row 16·mb + gid + 8
+  // (rows past M repeat row M − 1; with MT = 8 the second row is zero).
+  // Each row is a 32-bit word offset from a32 (the plan keeps M·K under
+  // 2^33), so that a step's addresses cost a multiply-add a row: at 64
+  // rows the registers cannot keep eight 64-bit pointers, and the
+  // compiler rebuilt them every step (about 60 instructions).
+  const uint32_t* a32 = reinterpret_cast<const uint32_t*>(A) + tig;
+  uint32_t ro[MB][2];
 #pragma unroll
-  for (int mb = 0; mb < MB; ++mb) {
-    if (16 * mb >= M) break;  // uniform across the CTA
+  for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = j * 8 + 2 * tig;
-      *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[mb][j][0], acc[mb][j][1]);
-      if constexpr (RT == 16)
-        *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
+    for (int h = 0; h < 2; ++h) ro[mb][h] = (uint32_t)min(16 * mb + 8 * h + gid, M - 1) * (uint32_t)(K / 2);
+  const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
+  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
+  float acc[MB][8][4];
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[mb][j][0] = acc[mb][j][1] = acc[mb][j][2] = acc[mb][j][3] = 0.f;
+  // Two register batches of U steps (two_batches, as v15's).
+  uint4 qa[U][CH], qb[U][CH];
+  uint32_t xa[U][MB][4], xb[U][MB][4];
+  auto load_codes = [&](uint4 (&q)[U][CH], int kb) { codes_batch<U, CH, PF>(q, bp, kb, k1, lane); };
+  auto load_acts = [&](uint32_t (&x)[U][MB][4], int kb) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = min(kb + u, k1 - 1);
+      const uint32_t* ak = a32 + (size_t)k * 8;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        const uint32_t* r0 = ak + ro[mb][0];
+        x[u][mb][0] = __ldg(r0);
+        x[u][mb][2] = __ldg(r0 + 4);
+        if constexpr (MT > 8) {
+          const uint32_t* r1 = ak + ro[mb][1];
+          x[u][mb][1] = __ldg(r1);
+          x[u][mb][3] = __ldg(r1 + 4);
+        } else {
+          x[u][mb][1] = x[u][mb][3] = 0;
+        }
+      }
     }
-    __syncthreads();
-    emit_tile(C, ws, 16 * mb, RT, M, N, nt, splits, [&](int r, int col) { return red_total<RT>(red, r, col); });
-    __syncthreads();
-  }
-  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+  };
+  GroupRegs gr;
+  auto batch = [&](const uint4 (&q)[U][CH], const uint32_t (&x)[U][MB][4], int kb, bool full) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (full || kb + u < k1) {
+        groups.at(gr, kb + u);
+        uint32_t w[4 * CH];
+#pragma unroll
+        for (int c = 0; c < CH; ++c) put_words(w, c, q[u][c]);
+        mma_step<MB, BITS>(acc, w, x[u], gr);
+      }
+  };
+  two_batches<U>(qa, qb, xa, xb, k0, k1, load_codes, load_acts, [&]() { groups.start(gr, k0); }, batch);
+  mma_sums_out<MT>(acc, red, s_last, C, ws, counters, M, N, nt, splits, warp, gid, tig);
 }
 
 // w4a16_gemv_swap (v15): the GEMV's streaming with the operands of
@@ -784,7 +968,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS, bool SCALED, int MINB>
+template <int MT, int U, int BITS, bool SCALED, int MINB, int PF>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
@@ -794,7 +978,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   constexpr int NB = MT / 8;     // n8 token tiles
   constexpr int CH = BITS / 4;   // chunks a step: step k's are at bp + 32·(CH·k + c)
   constexpr int NP = SCALED ? 1 : NB;  // the group's partial sums (unused when SCALED)
-  pdl_gate();  // before any global access: see common.cuh
+  // pdl_gate() waits below, after the first codes are asked for (weights_then_gate)
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
   const GemvThread t(N, K, splits);
@@ -832,16 +1016,14 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
       }
     }
   };
-  // Two register batches of U steps, loaded and multiplied in turn (no
-  // copies); a load past k1 repeats step k1 − 1 (never multiplied).
+  // Two register batches of U steps (two_batches).
   uint4 qa[U][CH], qb[U][CH];
   uint32_t xa[U][NB][2], xb[U][NB][2];
-  auto load = [&](uint4 (&q)[U][CH], uint32_t (&x)[U][NB][2], int kb) {
+  auto load_codes = [&](uint4 (&q)[U][CH], int kb) { codes_batch<U, CH, PF>(q, bp, kb, k1, lane); };
+  auto load_acts = [&](uint32_t (&x)[U][NB][2], int kb) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = min(kb + u, k1 - 1);
-#pragma unroll
-      for (int c = 0; c < CH; ++c) q[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         x[u][nb][0] = __ldg(xr[nb] + (size_t)k * 8);
@@ -879,23 +1061,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
     for (int u = 0; u < U; ++u)
       if (full || kb + u < k1) step(q[u], x[u], kb + u);
   };
-  int kb = k0;
-  if (k1 > k0) {
-    groups.start(gr, k0);
-    load(qa, xa, k0);
-    for (; kb + 2 * U <= k1; kb += 2 * U) {
-      load(qb, xb, kb + U);
-      batch(qa, xa, kb, true);
-      if (kb + 2 * U < k1) load(qa, xa, kb + 2 * U);
-      batch(qb, xb, kb + U, true);
-    }
-    if (kb < k1) {  // fewer than 2U steps left, the first U of them in qa
-      if (kb + U < k1) load(qb, xb, kb + U);
-      batch(qa, xa, kb, false);
-      if (kb + U < k1) batch(qb, xb, kb + U, false);
-    }
-    flush();
-  }
+  two_batches<U>(qa, qb, xa, xb, k0, k1, load_codes, load_acts, [&]() { groups.start(gr, k0); }, batch);
+  if (k1 > k0) flush();
   // The warps' sums: lane's D rows are columns 16i + gid (+8), its D
   // columns tokens 8·nb + 2·tig (+1).
 #pragma unroll
@@ -1071,23 +1238,38 @@ constexpr int kGemvMaxM = 2;
 // batch (U), for M ≤ 8, 16, 32 and 64; fewer steps as the rows' fragments
 // and accumulators take the registers (128, 150, 164 and 226 of them at 4
 // bits: evals/results/ptxas-registers-h200.txt).
+// Variants 4 and 6–11 are for sweeps (LLMQ_W4_MMA_VARIANT), not the plan
+// (5 is its 4-bit 33–64 rows):
+// pf > 0 asks L2 for a warp's codes pf batches ahead (at 32 and 64 rows
+// a batch is 2 and 1 steps, too few to cover a load's latency from
+// memory); pp runs the loop on two batches in turn with 32-bit row
+// offsets (fewer instructions a step, more registers: minb bounds them
+// for that many CTAs an SM).
 struct MmaVariant {
-  int mt, u;
+  int mt, u, pf, minb;
+  bool pp;
 };
-constexpr MmaVariant kMma[] = {{8, 4}, {16, 4}, {32, 2}, {64, 1}};
+constexpr MmaVariant kMma[] = {{8, 4, 0, 1, false},  {16, 4, 0, 1, false}, {32, 2, 0, 1, false}, {64, 1, 0, 1, false},
+                               {32, 2, 4, 1, false}, {64, 1, 8, 1, false}, {16, 4, 0, 3, true},  {32, 2, 0, 3, true},
+                               {64, 1, 0, 1, true},  {32, 2, 4, 3, true},  {64, 1, 8, 1, true},  {32, 4, 2, 1, true}};
 constexpr int kMmaVariants = sizeof(kMma) / sizeof(kMma[0]);
 constexpr int kMmaMaxM = 64;
+constexpr size_t kMmaMaxMK = size_t(1) << 33;  // M·K: the pp kernel's row offsets are 32-bit word counts
 // v15's (w4a16_gemv_swap): the tokens (MT), steps a batch (U), whether
 // the codes are scaled before the mma (SCALED: no per-group sums, whose
 // registers 32 tokens cannot spare), and the CTAs an SM the registers are
 // bounded for (MINB). At 8 tokens the sweep's winner (NOTES.md, v15) is
-// 4 steps a batch in 128 registers, 4 CTAs an SM.
+// 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
+// for a warp's codes PF batches ahead (sweeps only: LLMQ_W4_SWAP_VARIANT).
 struct SwapVariant {
   int mt, u;
   bool scaled;
   int minb;
+  int pf;  // batches ahead a warp's codes are asked of L2 (0: none)
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false, 4}, {16, 4, false, 1}, {32, 2, true, 1}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
+                                 {8, 4, false, 4, 2}, {8, 4, false, 4, 4}, {16, 4, false, 1, 2},
+                                 {32, 2, true, 1, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
@@ -1282,16 +1464,28 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   }
   const int NT = N / 64, KT = K / 16;
   if (p.path >= 3) {  // the GEMV kernels: one full wave, two batches a warp at least
-    p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : 3;
-    // LLMQ_W4_SWAP_VARIANT: v15 runs that instantiation wherever M fits
-    // it (the plan's elsewhere), so that a sweep can span several M and
-    // an automatic plan that gives v15 larger M still runs.
+    // 4-bit M = 33–64 runs v11's 64 rows with the L2 prefetch 8 steps
+    // ahead (variant 5): 5–7% faster than without on 8B q/k/v and
+    // gate+up and 70B down, level on o and down (gemm-h200-sweep-mma.txt).
+    p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : bits == 4 ? 5 : 3;
+    // LLMQ_W4_SWAP_VARIANT and LLMQ_W4_MMA_VARIANT: v15 or v11 runs that
+    // instantiation wherever M fits it (the plan's elsewhere), so that a
+    // sweep can span several M and the GEMM tests can run under one.
     if (p.path == 5 && c->swap_forced_variant >= 0) {
       if (c->swap_forced_variant >= kSwapVariants) {
         llmq::set_error(c, "LLMQ_W4_SWAP_VARIANT=%d: v15 has variants 0–%d", c->swap_forced_variant, kSwapVariants - 1);
         return 1;
       }
       if (M <= kSwap[c->swap_forced_variant].mt) p.variant = c->swap_forced_variant;
+    }
+    if (p.path == 4 && c->mma_forced_variant >= 0) {
+      if (c->mma_forced_variant >= kMmaVariants) {
+        llmq::set_error(c, "LLMQ_W4_MMA_VARIANT=%d: v11 has variants 0–%d", c->mma_forced_variant, kMmaVariants - 1);
+        return 1;
+      }
+      // the pp kernel addresses rows by 32-bit word offsets: M·K < 2^33
+      if (M <= kMma[c->mma_forced_variant].mt && (!kMma[c->mma_forced_variant].pp || (size_t)M * K < kMmaMaxMK))
+        p.variant = c->mma_forced_variant;
     }
     const int u = p.path == 3 ? kGemv[p.variant].u : p.path == 4 ? kMma[p.variant].u : kSwap[p.variant].u;
     if (query_resident(c, p.path, p.variant, bits)) return 1;
@@ -1359,15 +1553,20 @@ int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B
 template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS>, splits, A, B, S,
-                     Z, C, workspace, M, N, K, gshift);
+  if constexpr (kMma[V].pp)
+    return gemv_kernel(c, run, resident_slot(4, V, BITS),
+                       w4a16_gemv_mma_pp<kMma[V].mt, kMma[V].u, BITS, kMma[V].pf, kMma[V].minb>, splits, A, B, S, Z, C,
+                       workspace, M, N, K, gshift);
+  else
+    return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS, kMma[V].pf>, splits,
+                       A, B, S, Z, C, workspace, M, N, K, gshift);
 }
 
 template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb>, splits, A, B, S, Z, C, workspace,
+                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb, kSwap[V].pf>, splits, A, B, S, Z, C, workspace,
                      M, N, K, gshift);
 }
 
@@ -1540,13 +1739,18 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (check_shape(c, M, N, K, group) || check_bits(c, bits)) return 1;
   Plan p;
   if (plan(c, p, M, N, K, group, bits, true)) return 1;
+  // A variant's L2 prefetch distance in batches, as " pf4" (none: empty).
+  char pf[16] = "";
+  if (int d = p.path == 5 ? kSwap[p.variant].pf : p.path == 4 ? kMma[p.variant].pf : 0) snprintf(pf, sizeof pf, " pf%d", d);
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 5)
-    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s b%d splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
-             kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", kSwap[p.variant].minb, p.splits);
+    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s%s b%d splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
+             kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", pf,
+             kSwap[p.variant].minb, p.splits);
   else if (p.path == 4)
-    snprintf(out, n, "gemv-mma v11%s mt%d u%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt, kMma[p.variant].u,
+    snprintf(out, n, "gemv-mma v11%s mt%d u%d%s%s b%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
+             kMma[p.variant].u, pf, kMma[p.variant].pp ? " pp" : "", kMma[p.variant].minb,
              p.splits);
   else if (p.path == 3)
     snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
