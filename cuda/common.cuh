@@ -43,8 +43,8 @@ struct llmq_ctx {
   std::unordered_map<const void*, size_t> smem_allowed;
   int decode_wave = 0;  // the decode attention's grid target in blocks (0: 4 an SM; LLMQ_DECODE_WAVE, for tests)
   // Programmatic dependent launch of the model kernels (launch(); on
-  // unless LLMQ_PDL=0: with weights_then_gate the decode gains 4–7% at
-  // batch 1 and 8, NOTES.md "The ninth session").
+  // Hopper unless LLMQ_PDL=0: with weights_then_gate the decode gains
+  // 4–7% at batch 1 and 8, NOTES.md "The ninth session").
   bool pdl = true;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).

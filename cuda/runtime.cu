@@ -86,6 +86,11 @@ int ctx_create(int device, llmq_ctx** out) {
     set_error(c, "cudaSetDevice(%d): %s", device, cudaGetErrorString(cudaGetLastError()));
     return fail();
   }
+  // Programmatic dependent launch needs compute capability 9.0 (Hopper);
+  // older GPUs launch as before, whatever LLMQ_PDL says.
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
+    c->pdl = false;
   cudaError_t e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
     set_error(c, "cudaStreamCreateWithFlags failed: %s", cudaGetErrorString(e));
