@@ -108,7 +108,7 @@ int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
 // griddepcontrol.launch_dependents lets the next kernel be scheduled.
 // Without the attribute both instructions return at once.
 //
-// weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _mma_pp, _swap)
+// weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _swap)
 // ask for their first batch of codes (with PF > 0, L2 for a later one),
 // and their first two groups' scales and zeros (GroupStream::start),
 // before pdl_gate(), and for everything else after it. Weights are

@@ -532,44 +532,6 @@ __device__ __forceinline__ void codes_batch(uint4 (&q)[U][CH], const uint4* bp, 
   }
 }
 
-// two_batches is the main loop of v15 and the pp kernel over a warp's
-// steps [k0, k1): two register batches of U steps (codes q, activations
-// x), loaded and multiplied in turn, no copies between them. start()
-// loads the first group; the first batch's codes are asked for before
-// pdl_gate() and everything else after it (weights_then_gate).
-// batch(q, x, kb, full) multiplies the U steps from kb (full: all of
-// them lie before k1).
-template <int U, class Q, class X, class Codes, class Acts, class Start, class Batch>
-__device__ __forceinline__ void two_batches(Q& qa, Q& qb, X& xa, X& xb, int k0, int k1, Codes codes, Acts acts,
-                                            Start start, Batch batch) {
-  if (k1 > k0) {
-    codes(qa, k0);
-    start();
-  }
-  pdl_gate();  // before the activations, workspace and outputs: see weights_then_gate
-  if (k1 <= k0) return;
-  acts(xa, k0);
-  int kb = k0;
-  for (; kb + 2 * U <= k1; kb += 2 * U) {
-    codes(qb, kb + U);
-    acts(xb, kb + U);
-    batch(qa, xa, kb, true);
-    if (kb + 2 * U < k1) {
-      codes(qa, kb + 2 * U);
-      acts(xa, kb + 2 * U);
-    }
-    batch(qb, xb, kb + U, true);
-  }
-  if (kb < k1) {  // fewer than 2U steps left, the first U of them in qa
-    if (kb + U < k1) {
-      codes(qb, kb + U);
-      acts(xb, kb + U);
-    }
-    batch(qa, xa, kb, false);
-    if (kb + U < k1) batch(qb, xb, kb + U, false);
-  }
-}
-
 // gemv_steps is the GEMV kernels' main loop: one warp's steps [k0, k1)
 // of one n-tile for MT rows, lane's activations of row m at ap[m] (its
 // row's first word + tig), its chunks at bp (step k's at bp + 32k), U
@@ -731,31 +693,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
-// mma_sums_out ends v11 and the pp kernel: the warps' sums, an m-tile at
-// a time (row gid's columns 8j + 2·tig, +1, in acc[mb][j][0..1], row
-// gid + 8's in [2..3]), added across the warps in red and written
-// (emit_tile), then the K slices' last CTA finishes the tile.
-template <int MT, int MB = MT <= 16 ? 1 : MT / 16, int RT = MT <= 16 ? MT : 16>
-__device__ __forceinline__ void mma_sums_out(const float (&acc)[MB][8][4], float (&red)[kWarps][RT][64], int& s_last,
-                                             const Outs& C, float* ws, int* counters, int M, int N, int nt, int splits,
-                                             int warp, int gid, int tig) {
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb) {
-    if (16 * mb >= M) break;  // uniform across the CTA
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = j * 8 + 2 * tig;
-      *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[mb][j][0], acc[mb][j][1]);
-      if constexpr (RT == 16)
-        *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
-    }
-    __syncthreads();
-    emit_tile(C, ws, 16 * mb, RT, M, N, nt, splits, [&](int r, int col) { return red_total<RT>(red, r, col); });
-    __syncthreads();
-  }
-  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
-}
-
 // w4a16_gemv_mma (v11): the GEMV kernel's streaming — a lane's chunks
 // loaded straight into registers, U steps a batch with the next batch in
 // flight, the group's scales and zeros in registers — with the products
@@ -872,86 +809,23 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
       }
     }
   }
-  mma_sums_out<MT>(acc, red, s_last, C, ws, counters, M, N, nt, splits, warp, gid, tig);
-}
-
-// w4a16_gemv_mma_pp: v11 with its loop as v15's — two register batches
-// multiplied in turn, no copies between them — and the rows' addresses
-// as 32-bit word offsets (sweeps only, LLMQ_W4_MMA_VARIANT 6–11: fewer
-// instructions a step than v11's, more registers; MINB bounds them).
-template <int MT, int U, int BITS, int PF, int MINB>
-__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_mma_pp(const half* __restrict__ A, const uint4* __restrict__ B,
-                                                               const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                               const Outs C, float* __restrict__ ws,
-                                                               int* __restrict__ counters, int M, int N, int K,
-                                                               int gshift, int splits) {
-  static_assert(MT == 8 || MT == 16 || MT == 32 || MT == 64, "rows: half an m-tile or 1, 2, 4 m-tiles");
-  constexpr int MB = MT <= 16 ? 1 : MT / 16;  // m-tiles
-  constexpr int RT = MT <= 16 ? MT : 16;      // rows an m-tile holds
-  constexpr int CH = BITS / 4;                // chunks a step: step k's are at bp + 32·(CH·k + c)
-  // pdl_gate() waits below, after the first codes are asked for (weights_then_gate)
-  __shared__ float red[kWarps][RT][64];
-  __shared__ int s_last;
-  const GemvThread t(N, K, splits);
-  const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
-  // Step k's A fragment of m-tile mb: a0/a2 = row 16·mb + gid's words
-  // 8k + tig and 8k + tig + 4, a1/a3 the same of row 16·mb + gid + 8
-  // (rows past M repeat row M − 1; with MT = 8 the second row is zero).
-  // Each row is a 32-bit word offset from a32 (the plan keeps M·K under
-  // 2^33), so that a step's addresses cost a multiply-add a row: at 64
-  // rows the registers cannot keep eight 64-bit pointers, and the
-  // compiler rebuilt them every step (about 60 instructions).
-  const uint32_t* a32 = reinterpret_cast<const uint32_t*>(A) + tig;
-  uint32_t ro[MB][2];
+  // The warps' sums, an m-tile at a time: row gid's columns 8j + 2·tig
+  // (+1) in acc[mb][j][0..1], row gid + 8's in [2..3].
 #pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
+  for (int mb = 0; mb < MB; ++mb) {
+    if (16 * mb >= M) break;  // uniform across the CTA
 #pragma unroll
-    for (int h = 0; h < 2; ++h) ro[mb][h] = (uint32_t)min(16 * mb + 8 * h + gid, M - 1) * (uint32_t)(K / 2);
-  const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
-  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
-  float acc[MB][8][4];
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[mb][j][0] = acc[mb][j][1] = acc[mb][j][2] = acc[mb][j][3] = 0.f;
-  // Two register batches of U steps (two_batches, as v15's).
-  uint4 qa[U][CH], qb[U][CH];
-  uint32_t xa[U][MB][4], xb[U][MB][4];
-  auto load_codes = [&](uint4 (&q)[U][CH], int kb) { codes_batch<U, CH, PF>(q, bp, kb, k1, lane); };
-  auto load_acts = [&](uint32_t (&x)[U][MB][4], int kb) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = min(kb + u, k1 - 1);
-      const uint32_t* ak = a32 + (size_t)k * 8;
-#pragma unroll
-      for (int mb = 0; mb < MB; ++mb) {
-        const uint32_t* r0 = ak + ro[mb][0];
-        x[u][mb][0] = __ldg(r0);
-        x[u][mb][2] = __ldg(r0 + 4);
-        if constexpr (MT > 8) {
-          const uint32_t* r1 = ak + ro[mb][1];
-          x[u][mb][1] = __ldg(r1);
-          x[u][mb][3] = __ldg(r1 + 4);
-        } else {
-          x[u][mb][1] = x[u][mb][3] = 0;
-        }
-      }
+    for (int j = 0; j < 8; ++j) {
+      const int col = j * 8 + 2 * tig;
+      *reinterpret_cast<float2*>(&red[warp][gid][col]) = make_float2(acc[mb][j][0], acc[mb][j][1]);
+      if constexpr (RT == 16)
+        *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
     }
-  };
-  GroupRegs gr;
-  auto batch = [&](const uint4 (&q)[U][CH], const uint32_t (&x)[U][MB][4], int kb, bool full) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (full || kb + u < k1) {
-        groups.at(gr, kb + u);
-        uint32_t w[4 * CH];
-#pragma unroll
-        for (int c = 0; c < CH; ++c) put_words(w, c, q[u][c]);
-        mma_step<MB, BITS>(acc, w, x[u], gr);
-      }
-  };
-  two_batches<U>(qa, qb, xa, xb, k0, k1, load_codes, load_acts, [&]() { groups.start(gr, k0); }, batch);
-  mma_sums_out<MT>(acc, red, s_last, C, ws, counters, M, N, nt, splits, warp, gid, tig);
+    __syncthreads();
+    emit_tile(C, ws, 16 * mb, RT, M, N, nt, splits, [&](int r, int col) { return red_total<RT>(red, r, col); });
+    __syncthreads();
+  }
+  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
 // w4a16_gemv_swap (v15): the GEMV's streaming with the operands of
@@ -1016,7 +890,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
       }
     }
   };
-  // Two register batches of U steps (two_batches).
+  // Two register batches of U steps, loaded and multiplied in turn (no
+  // copies); a load past k1 repeats step k1 − 1 (never multiplied).
   uint4 qa[U][CH], qb[U][CH];
   uint32_t xa[U][NB][2], xb[U][NB][2];
   auto load_codes = [&](uint4 (&q)[U][CH], int kb) { codes_batch<U, CH, PF>(q, bp, kb, k1, lane); };
@@ -1061,8 +936,31 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
     for (int u = 0; u < U; ++u)
       if (full || kb + u < k1) step(q[u], x[u], kb + u);
   };
-  two_batches<U>(qa, qb, xa, xb, k0, k1, load_codes, load_acts, [&]() { groups.start(gr, k0); }, batch);
-  if (k1 > k0) flush();
+  auto load = [&](uint4 (&q)[U][CH], uint32_t (&x)[U][NB][2], int kb) {
+    load_codes(q, kb);
+    load_acts(x, kb);
+  };
+  if (k1 > k0) {
+    load_codes(qa, k0);
+    groups.start(gr, k0);
+  }
+  pdl_gate();  // before the activations, workspace and outputs: see weights_then_gate
+  if (k1 > k0) {
+    load_acts(xa, k0);
+    int kb = k0;
+    for (; kb + 2 * U <= k1; kb += 2 * U) {
+      load(qb, xb, kb + U);
+      batch(qa, xa, kb, true);
+      if (kb + 2 * U < k1) load(qa, xa, kb + 2 * U);
+      batch(qb, xb, kb + U, true);
+    }
+    if (kb < k1) {  // fewer than 2U steps left, the first U of them in qa
+      if (kb + U < k1) load(qb, xb, kb + U);
+      batch(qa, xa, kb, false);
+      if (kb + U < k1) batch(qb, xb, kb + U, false);
+    }
+    flush();
+  }
   // The warps' sums: lane's D rows are columns 16i + gid (+8), its D
   // columns tokens 8·nb + 2·tig (+1).
 #pragma unroll
@@ -1238,23 +1136,16 @@ constexpr int kGemvMaxM = 2;
 // batch (U), for M ≤ 8, 16, 32 and 64; fewer steps as the rows' fragments
 // and accumulators take the registers (128, 150, 164 and 226 of them at 4
 // bits: evals/results/ptxas-registers-h200.txt).
-// Variants 4 and 6–11 are for sweeps (LLMQ_W4_MMA_VARIANT), not the plan
-// (5 is its 4-bit 33–64 rows):
-// pf > 0 asks L2 for a warp's codes pf batches ahead (at 32 and 64 rows
-// a batch is 2 and 1 steps, too few to cover a load's latency from
-// memory); pp runs the loop on two batches in turn with 32-bit row
-// offsets (fewer instructions a step, more registers: minb bounds them
-// for that many CTAs an SM).
+// Variant 4 (32 rows) is for sweeps (LLMQ_W4_MMA_VARIANT), variant 5 the
+// plan's for 4-bit M = 33–64: pf > 0 asks L2 for a warp's codes pf
+// batches ahead (at 32 and 64 rows a batch is 2 and 1 steps, too few to
+// cover a load's latency from memory).
 struct MmaVariant {
-  int mt, u, pf, minb;
-  bool pp;
+  int mt, u, pf;
 };
-constexpr MmaVariant kMma[] = {{8, 4, 0, 1, false},  {16, 4, 0, 1, false}, {32, 2, 0, 1, false}, {64, 1, 0, 1, false},
-                               {32, 2, 4, 1, false}, {64, 1, 8, 1, false}, {16, 4, 0, 3, true},  {32, 2, 0, 3, true},
-                               {64, 1, 0, 1, true},  {32, 2, 4, 3, true},  {64, 1, 8, 1, true},  {32, 4, 2, 1, true}};
+constexpr MmaVariant kMma[] = {{8, 4, 0}, {16, 4, 0}, {32, 2, 0}, {64, 1, 0}, {32, 2, 4}, {64, 1, 8}};
 constexpr int kMmaVariants = sizeof(kMma) / sizeof(kMma[0]);
 constexpr int kMmaMaxM = 64;
-constexpr size_t kMmaMaxMK = size_t(1) << 33;  // M·K: the pp kernel's row offsets are 32-bit word counts
 // v15's (w4a16_gemv_swap): the tokens (MT), steps a batch (U), whether
 // the codes are scaled before the mma (SCALED: no per-group sums, whose
 // registers 32 tokens cannot spare), and the CTAs an SM the registers are
@@ -1466,7 +1357,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   if (p.path >= 3) {  // the GEMV kernels: one full wave, two batches a warp at least
     // 4-bit M = 33–64 runs v11's 64 rows with the L2 prefetch 8 steps
     // ahead (variant 5): 5–7% faster than without on 8B q/k/v and
-    // gate+up and 70B down, level on o and down (gemm-h200-sweep-mma.txt).
+    // gate+up and 70B down, level on o and down (gemm-h200-sweep-mma-stack.txt).
     p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : bits == 4 ? 5 : 3;
     // LLMQ_W4_SWAP_VARIANT and LLMQ_W4_MMA_VARIANT: v15 or v11 runs that
     // instantiation wherever M fits it (the plan's elsewhere), so that a
@@ -1483,9 +1374,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
         llmq::set_error(c, "LLMQ_W4_MMA_VARIANT=%d: v11 has variants 0–%d", c->mma_forced_variant, kMmaVariants - 1);
         return 1;
       }
-      // the pp kernel addresses rows by 32-bit word offsets: M·K < 2^33
-      if (M <= kMma[c->mma_forced_variant].mt && (!kMma[c->mma_forced_variant].pp || (size_t)M * K < kMmaMaxMK))
-        p.variant = c->mma_forced_variant;
+      if (M <= kMma[c->mma_forced_variant].mt) p.variant = c->mma_forced_variant;
     }
     const int u = p.path == 3 ? kGemv[p.variant].u : p.path == 4 ? kMma[p.variant].u : kSwap[p.variant].u;
     if (query_resident(c, p.path, p.variant, bits)) return 1;
@@ -1553,13 +1442,8 @@ int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B
 template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  if constexpr (kMma[V].pp)
-    return gemv_kernel(c, run, resident_slot(4, V, BITS),
-                       w4a16_gemv_mma_pp<kMma[V].mt, kMma[V].u, BITS, kMma[V].pf, kMma[V].minb>, splits, A, B, S, Z, C,
-                       workspace, M, N, K, gshift);
-  else
-    return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS, kMma[V].pf>, splits,
-                       A, B, S, Z, C, workspace, M, N, K, gshift);
+  return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS, kMma[V].pf>, splits,
+                     A, B, S, Z, C, workspace, M, N, K, gshift);
 }
 
 template <int V, int BITS>
@@ -1749,9 +1633,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
              kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", pf,
              kSwap[p.variant].minb, p.splits);
   else if (p.path == 4)
-    snprintf(out, n, "gemv-mma v11%s mt%d u%d%s%s b%d splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
-             kMma[p.variant].u, pf, kMma[p.variant].pp ? " pp" : "", kMma[p.variant].minb,
-             p.splits);
+    snprintf(out, n, "gemv-mma v11%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
+             kMma[p.variant].u, pf, p.splits);
   else if (p.path == 3)
     snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
              kGemv[p.variant].minb, p.splits);
