@@ -514,16 +514,23 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 
 __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
 
-// codes_batch loads U steps of a lane's codes from step kb (CH chunks a
-// step, step k's at bp + 32·(CH·k + c)); a step past k1 − 1 repeats step
-// k1 − 1, which the caller never multiplies. PF > 0: lane 0 also asks L2
-// for the batch PF batches on (v11 pf, v15 variants 3–6).
+// prefetch_batch: with PF > 0, lane 0 asks L2 for the warp's batch of U
+// steps PF batches on from step kb (v11 pf, v15 variants 3–6); the codes
+// of step k start at bp − lane + 32·CH·k, 512 bytes a chunk.
 template <int U, int CH, int PF>
-__device__ __forceinline__ void codes_batch(uint4 (&q)[U][CH], const uint4* bp, int kb, int k1, int lane) {
+__device__ __forceinline__ void prefetch_batch(const uint4* bp, int kb, int k1, int lane) {
   if constexpr (PF > 0) {
     const int kp = kb + PF * U;
     if (lane == 0 && kp < k1) prefetch_l2(bp - lane + (size_t)kp * CH * 32, (uint32_t)(min(U, k1 - kp) * CH * 512));
   }
+}
+
+// codes_batch loads U steps of a lane's codes from step kb (CH chunks a
+// step, step k's at bp + 32·(CH·k + c)), after prefetch_batch; a step
+// past k1 − 1 repeats step k1 − 1, which the caller never multiplies.
+template <int U, int CH, int PF>
+__device__ __forceinline__ void codes_batch(uint4 (&q)[U][CH], const uint4* bp, int kb, int k1, int lane) {
+  prefetch_batch<U, CH, PF>(bp, kb, k1, lane);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int k = min(kb + u, k1 - 1);
@@ -552,25 +559,28 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
   // (+1) at word 8k + tig, rows 16k + 2·tig + 8 (+9) four words on.
   uint4 qn[U][CH];
   uint32_t xn[U][MT][2];
-  auto load_acts = [&](int kb) {
+  // load asks for batch kb's activations and, with codes, its codes
+  // (zeros past k1 − 1).
+  auto load = [&](int kb, bool codes) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u;
 #pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        xn[u][m][0] = k < k1 ? __ldg(ap[m] + (size_t)k * 8) : 0;
-        xn[u][m][1] = k < k1 ? __ldg(ap[m] + (size_t)k * 8 + 4) : 0;
+      for (int c = 0; c < CH; ++c)
+        if (codes) qn[u][c] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) xn[u][m][0] = xn[u][m][1] = 0;
+      if (k < k1) {
+#pragma unroll
+        for (int c = 0; c < CH; ++c)
+          if (codes) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
+          xn[u][m][1] = __ldg(ap[m] + (size_t)k * 8 + 4);
+        }
       }
     }
-  };
-  auto load = [&](int kb) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) qn[u][c] = k < k1 ? ld_stream(bp + ((size_t)k * CH + c) * 32) : make_uint4(0, 0, 0, 0);
-    }
-    load_acts(kb);
   };
 
   GroupRegs gr;
@@ -580,10 +590,10 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
       groups.start(gr, k0);
     }
     pdl_gate();
-    if (k1 > k0) load_acts(k0);
+    if (k1 > k0) load(k0, false);
   } else if (k1 > k0) {
     groups.start(gr, k0);
-    load(k0);
+    load(k0, true);
   }
   for (int kb = k0; kb < k1; kb += U) {
     uint4 q[U][CH];
@@ -595,7 +605,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
 #pragma unroll
       for (int m = 0; m < MT; ++m) x[u][m][0] = xn[u][m][0], x[u][m][1] = xn[u][m][1];
     }
-    if (kb + U < k1) load(kb + U);
+    if (kb + U < k1) load(kb + U, true);
 #pragma unroll
     for (int u = 0; u < U; u += 2) {
       // Two steps' products into half2 partials (each half sums two rows),
@@ -737,34 +747,22 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
     for (int j = 0; j < 8; ++j) acc[mb][j][0] = acc[mb][j][1] = acc[mb][j][2] = acc[mb][j][3] = 0.f;
   uint4 qn[U][CH];
   uint32_t xn[U][MB][4];
-  auto load_acts = [&](int kb) {
+  // load asks for batch kb's activations and, with codes, its codes
+  // (zeros past k1 − 1); the first batch's codes come before pdl_gate.
+  auto load = [&](int kb, bool codes) {
+    if (codes) prefetch_batch<U, CH, PF>(bp, kb, k1, lane);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u;
 #pragma unroll
-      for (int mb = 0; mb < MB; ++mb) {
-        xn[u][mb][0] = k < k1 ? __ldg(ar[mb][0] + (size_t)k * 8) : 0;
-        xn[u][mb][2] = k < k1 ? __ldg(ar[mb][0] + (size_t)k * 8 + 4) : 0;
-        xn[u][mb][1] = MT > 8 && k < k1 ? __ldg(ar[mb][1] + (size_t)k * 8) : 0;
-        xn[u][mb][3] = MT > 8 && k < k1 ? __ldg(ar[mb][1] + (size_t)k * 8 + 4) : 0;
-      }
-    }
-  };
-  auto load = [&](int kb) {  // the loop's batches: as load_codes and load_acts, in one pass
-    if constexpr (PF > 0) {
-      const int kp = kb + PF * U;
-      if (lane == 0 && kp < k1) prefetch_l2(bp - lane + (size_t)kp * CH * 32, (uint32_t)(min(U, k1 - kp) * CH * 512));
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) qn[u][c] = make_uint4(0, 0, 0, 0);
+      for (int c = 0; c < CH; ++c)
+        if (codes) qn[u][c] = make_uint4(0, 0, 0, 0);
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) xn[u][mb][0] = xn[u][mb][1] = xn[u][mb][2] = xn[u][mb][3] = 0;
       if (k < k1) {
 #pragma unroll
-        for (int c = 0; c < CH; ++c) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
+        for (int c = 0; c < CH; ++c)
+          if (codes) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
           xn[u][mb][0] = __ldg(ar[mb][0] + (size_t)k * 8);
@@ -783,7 +781,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
     groups.start(gr, k0);
   }
   pdl_gate();  // before the activations, workspace and outputs: see weights_then_gate
-  if (k1 > k0) load_acts(k0);
+  if (k1 > k0) load(k0, false);
   for (int kb = k0; kb < k1; kb += U) {
     uint4 q[U][CH];
     uint32_t af[U][MB][4];
@@ -796,7 +794,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 #pragma unroll
         for (int i = 0; i < 4; ++i) af[u][mb][i] = xn[u][mb][i];
     }
-    if (kb + U < k1) load(kb + U);
+    if (kb + U < k1) load(kb + U, true);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = kb + u;
