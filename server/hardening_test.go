@@ -161,7 +161,7 @@ func TestEveryErrorIsOpenAIShaped(t *testing.T) {
 		{"POST", "/v1/completions", `{"model": "llama-tiny", "prompt": "` + strings.Repeat("y", 70000) + `"}`, 413, "limit of 65536 bytes", "", "request_too_large"},
 		{"POST", "/v1/completions", `{"model": "llama-tiny", "prompt": "` + strings.Repeat("y", 1001) + `"}`, 400, "the prompt has 1001 bytes of text, more than the 1000", "prompt", "context_length_exceeded"},
 		{"POST", "/v1/chat/completions", `{"model": "llama-tiny", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"doc": "` + strings.Repeat("y", 1000) + `"}}`, 400, "the prompt has 1016 bytes of text, more than the 1000", "messages", "context_length_exceeded"},
-		// 900 one-byte messages pass the check of roles and contents, and
+		// 900 messages of a one-letter role and no content pass the check of roles and contents, and
 		// the template's markup makes them far longer than the limit: that
 		// is refused before the text is tokenized.
 		{"POST", "/v1/chat/completions", `{"model": "llama-tiny", "messages": [` + strings.Repeat(`{"role": "a", "content": ""},`, 899) + `{"role": "a", "content": ""}]}`,
