@@ -25,16 +25,16 @@
 #   bash cuda/device-model.sh schemes # evals/schemes.sh's rows on the GPU (SCHEME_MODEL, SCHEME_ROWS), prep carried
 #   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
 #                                     # memcheck with leak checking over kernels and model
-#   bash cuda/device-model.sh gemm    # llmq bench gemm with the tinygemm peer (gemm-h200.json)
+#   bash cuda/device-model.sh gemm    # llmq bench gemm with the tinygemm peer (gemm-$G.json)
 #   bash cuda/device-model.sh kernel  # the GEMM tests, memcheck and racecheck on the small cases
 #   bash cuda/device-model.sh lowbit  # llama-tiny RTN w3 and w2 on the GPU (perplexity)
 #   bash cuda/device-model.sh quick   # llmq bench gemm at a few M (QUICK_M)
-#   bash cuda/device-model.sh w8      # W8A16: the 8-bit kernels' tests, llmq bench gemm --bits 8 (gemm-w8-h200.json),
+#   bash cuda/device-model.sh w8      # W8A16: the 8-bit kernels' tests, llmq bench gemm --bits 8 (gemm-w8-$G.json),
 #                                     # llama-tiny RTN w8 perplexity on the GPU (carry.sh dev tiny wiki)
 #   bash cuda/device-model.sh v11     # the GEMV on the Tensor Cores (path mma): its tests, then bench gemm --path auto
-#                                     # and mma at M ≤ 64, 4- and 8-bit (gemm-h200-mma.txt; V11_BITS, QUICK_M)
+#                                     # and mma at M ≤ 64, 4- and 8-bit (gemm-$G-mma.txt; V11_BITS, QUICK_M)
 #   bash cuda/device-model.sh sample  # sampled tokens on the GPU: tests, memcheck, racecheck, BenchmarkSampleRows
-#   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-h200-paths.txt;
+#   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-$G-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
 #                                     # PROFILE_ARGS: more bench gemm flags, PROFILE_TAG: ncu$TAG.txt)
@@ -49,13 +49,14 @@
 #   bash cuda/device-model.sh act     # llama-tiny with INT8 and FP8 activations per token on the GPU (ppl)
 #   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS once per setting in SWEEP_ENV (settings separated by
 #                                     # ';', each of VAR=value pairs: "LLMQ_W4_SWAP_VARIANT=0;LLMQ_W4_SWAP_VARIANT=3 LLMQ_W4_SPLITS=2"),
-#                                     # into gemm-h200-sweep$SWEEP_TAG.txt
+#                                     # into gemm-$G-sweep$SWEEP_TAG.txt
 #   bash cuda/device-model.sh envab   # the llama3-8b W4 decode (ENVAB_PRESET: another synth preset) with each environment
 #                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default),
 #                                     # twice each, interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
 #                                     # SYNTH_BATCH)
 #   bash cuda/device-model.sh ab      # this tree's library against a baseline's in one run (carry.sh base, BASE=rev):
 #                                     # bench gemm (AB_BITS, QUICK_M), AB_OPS=1 BenchmarkDecodeOps, AB_DECODE=1 decode
+#   Result files are named by the GPU ($G: gemm-h100.json on an H100, gemm-h200.json on an H200).
 #   Modes join with +, run in order: check+gemm+tiny, synth, ...
 #   The build compiles sm_90a only; BUILD_ARCH=all adds the Makefile's sm_80 (run it when kernels change).
 #
@@ -67,6 +68,10 @@ mkdir -p "$OUT"
 # build/device/...): compressed, more fits in one carry.
 [ -n "${SKIP_BUILD:-}" ] || for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.')" "$f"; done
 export LLMQ_COMMIT=$(tr -d '\n' < build/device/COMMIT)
+# The GPU's short name (h100, h200, ...) names the result files: figures of
+# different cards never share a canonical file.
+export G=${G:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[a-z]+[0-9]{2,4}[a-z]*' | head -1 | tr A-Z a-z)}
+G=${G:-gpu}
 export LLMQ_SHARED=$PWD/.carry/shared
 L=build/device/llmq
 [ -n "${SKIP_BUILD:-}" ] || nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
@@ -143,9 +148,9 @@ case "$1" in
     echo "memcheck (model, load/unload) rc=$?: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY|^(--- |ok|FAIL)' "$OUT/cuda-model-memcheck.log" | tail -8 | tr '\n' ' ')"
     ;;
   gemm)
-    python3 evals/torchref/tinygemm.py --json "$OUT/tinygemm-h200.json" > "$OUT/tinygemm.log" 2>&1 || tail -5 "$OUT/tinygemm.log"
-    peer=; [ -s "$OUT/tinygemm-h200.json" ] && peer="--peer $OUT/tinygemm-h200.json"  # the table without the peer if torch failed
-    $L bench gemm $peer --json "$OUT/gemm-h200.json" 2>&1 | tail -60
+    python3 evals/torchref/tinygemm.py --json "$OUT/tinygemm-$G.json" > "$OUT/tinygemm.log" 2>&1 || tail -5 "$OUT/tinygemm.log"
+    peer=; [ -s "$OUT/tinygemm-$G.json" ] && peer="--peer $OUT/tinygemm-$G.json"  # the table without the peer if torch failed
+    $L bench gemm $peer --json "$OUT/gemm-$G.json" 2>&1 | tail -60
     ;;
   kernel)
     build/device/cuda.test -test.v -test.run 'TestW4A16|TestW8A16|TestGatedGEMM|TestGEMV|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
@@ -175,37 +180,37 @@ case "$1" in
     ;;
   w8) # issue 15, item 3: 8-bit codes through the GEMV kernel (M ≤ 4) and dequantize + cuBLAS
     run='TestW8A16|TestW4A16MatchesReference|TestDequantMatchesCPU|TestGEMVRefuses|TestPlanFallsBack|TestBadShape|TestModelLogits|TestGreedy'
-    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-w8-tests-h200.log"
-    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic|w8" "$OUT/cuda-w8-tests-h200.log" | grep -v "rel err" | head -30
-    grep -E "rel err" "$OUT/cuda-w8-tests-h200.log" | grep "bits:8" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest 8-bit rel err: /'
-    $L bench gemm --bits 8 --m ${W8_M:-1,2,4,16,64} --json "$OUT/gemm-w8-h200.json" 2>&1 | grep -E "^(shape|8B|70B)|rror"
+    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-w8-tests-$G.log"
+    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic|w8" "$OUT/cuda-w8-tests-$G.log" | grep -v "rel err" | head -30
+    grep -E "rel err" "$OUT/cuda-w8-tests-$G.log" | grep "bits:8" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest 8-bit rel err: /'
+    $L bench gemm --bits 8 --m ${W8_M:-1,2,4,16,64} --json "$OUT/gemm-w8-$G.json" 2>&1 | grep -E "^(shape|8B|70B)|rror"
     { echo "# $LLMQ_COMMIT: llmq bench gemm --bits 8 --path fused --m 8,16,32,64"
-      $L bench gemm --bits 8 --path fused --m 8,16,32,64 2>&1 | grep -E "^(shape|8B|70B)|rror"; } | tee "$OUT/gemm-w8-h200-fused.txt"
+      $L bench gemm --bits 8 --path fused --m 8,16,32,64 2>&1 | grep -E "^(shape|8B|70B)|rror"; } | tee "$OUT/gemm-w8-$G-fused.txt"
     LOWBIT_BITS=8 SKIP_BUILD=1 bash "$0" lowbit
     ;;
   v11) # the GEMV on the Tensor Cores: registers, tests, then bench gemm --path mma against the automatic plan
     grep -A3 "Compiling entry function '_ZN.*w4a16_gemv_mma.*sm_90a" "$OUT/build.log" 2>/dev/null | grep -E "registers|spill"
     run='TestW4A16MatchesReference|TestW8A16MatchesReference|TestSmallForSanitizer|TestGEMVRefuses|TestBadShape|TestModelLogits|TestGreedy|TestBatched|TestWindowNLL'
-    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-mma-h200.log"
-    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic" "$OUT/cuda-tests-mma-h200.log" | head -20
-    grep -E "rel err" "$OUT/cuda-tests-mma-h200.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
+    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-mma-$G.log"
+    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic" "$OUT/cuda-tests-mma-$G.log" | head -20
+    grep -E "rel err" "$OUT/cuda-tests-mma-$G.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest rel err: /'
     for b in ${V11_BITS:-4 8}; do for p in auto mma; do
       echo "# $LLMQ_COMMIT: llmq bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100"
       $L bench gemm --bits $b --path $p --m ${QUICK_M:-1,2,4,8,16,32,64} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
-    done; done | tee "$OUT/gemm-h200-mma.txt" | cut -c1-150
+    done; done | tee "$OUT/gemm-$G-mma.txt" | cut -c1-150
     ;;
   sample) # sampled tokens on the GPU (sample_rows): tests, sanitizers, the kernel's time against argmax
     run='TestSampleRowsMatchesHost|TestSampledStepsOnDevice|TestArgmaxRows|TestGreedy'
-    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-sample-h200.log"
-    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic|left to the host|GPU picked" "$OUT/cuda-tests-sample-h200.log" | head -20
+    { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run '$run'"; build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-sample-$G.log"
+    grep -E "^(\s*--- FAIL|--- PASS|ok|FAIL|PASS)|panic|left to the host|GPU picked" "$OUT/cuda-tests-sample-$G.log" | head -20
     for tool in memcheck racecheck; do
-      log="$OUT/cuda-$tool-sample-h200.log"
+      log="$OUT/cuda-$tool-sample-$G.log"
       echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run TestSampleRowsMatchesHost" > "$log"
       timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool $tool build/device/cuda.test -test.run TestSampleRowsMatchesHost >> "$log" 2>&1
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
     done
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^$' -test.bench SampleRows -test.benchtime 10x"
-      build/device/cuda.test -test.run '^$' -test.bench SampleRows -test.benchtime 10x 2>&1; } | tee "$OUT/bench-sample-h200.txt" | grep -E "µs/call"
+      build/device/cuda.test -test.run '^$' -test.bench SampleRows -test.benchtime 10x 2>&1; } | tee "$OUT/bench-sample-$G.txt" | grep -E "µs/call"
     ;;
   quick)
     $L bench gemm --m ${QUICK_M:-1,16,32} --iters 60 2>&1 | tail -16 | cut -c1-150
@@ -230,13 +235,13 @@ case "$1" in
     for e in "${settings[@]}"; do
       echo "# $LLMQ_COMMIT: $e llmq bench gemm ${SWEEP_ARGS:-}"
       env $e $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)"
-    done | tee "$OUT/gemm-h200-sweep${SWEEP_TAG:-}.txt" | cut -c1-150
+    done | tee "$OUT/gemm-$G-sweep${SWEEP_TAG:-}.txt" | cut -c1-150
     ;;
   paths) # the GEMV kernel against the fused one where both run
     for p in ${PATHS:-gemv fused}; do
       echo "# $LLMQ_COMMIT: llmq bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100"
       $L bench gemm --path $p --m ${QUICK_M:-1,2,4} --iters 100 2>&1 | grep -E "^(shape|8B|70B)"
-    done | tee "$OUT/gemm-h200-paths.txt" | cut -c1-150
+    done | tee "$OUT/gemm-$G-paths.txt" | cut -c1-150
     ;;
   profile)
     # ncu on the fused kernel: 70B down at M = 1 (PROFILE_M, PROFILE_SHAPE);
@@ -273,7 +278,7 @@ case "$1" in
     fi
     ;;
   serve) # the engine on the GPU under load, and the current kernels under the sanitizer
-    $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-h200.json" 2>&1 | tail -6
+    $L bench serve $LLMQ_SHARED/models/llama-tiny --device cuda --clients 32 --requests 256 --max-tokens 32 --json "$OUT/serve-load-llama-tiny-$G.json" 2>&1 | tail -6
     timeout 200 compute-sanitizer --tool memcheck build/device/cuda.test -test.run 'TestWindowNLL|TestGreedy|TestKernelError' > "$OUT/cuda-model-memcheck-tiny.log" 2>&1
     echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/cuda-model-memcheck-tiny.log" | tail -1)"
     ;;
@@ -285,22 +290,22 @@ case "$1" in
     # log-softmax over every row, the file then -logprobs).
     lp=; [ "${SERVE_LOGPROBS:-0}" = 1 ] && lp="--logprobs"
     $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
-      --max-tokens ${SERVE_TOKENS:-128} $lp --json "$OUT/serve-h200-llama3-8b-w4${lp:+-logprobs}.json" 2>&1 | grep -v "^\s*$"
+      --max-tokens ${SERVE_TOKENS:-128} $lp --json "$OUT/serve-$G-llama3-8b-w4${lp:+-logprobs}.json" 2>&1 | grep -v "^\s*$"
     ;;
   engine) # issue 16, items 3 and 6, on the GPU: the engine package's paged-cache tests with cuda.Model as the backend
     run='TestContinuousBatching|TestPreemption|TestPreemptScoredPrompt|TestNothingLostUnderLoad|TestCancelFreesBlocks|TestValidatePool'
     { echo "# $LLMQ_COMMIT: LLMQ_TEST_DEVICE=cuda engine.test -test.v -test.run '$run'"
-      LLMQ_TEST_DEVICE=cuda build/device/engine.test -test.v -test.run "$run" 2>&1; } > "$OUT/engine-tests-h200.log"
+      LLMQ_TEST_DEVICE=cuda build/device/engine.test -test.v -test.run "$run" 2>&1; } > "$OUT/engine-tests-$G.log"
     rc=$?
-    grep -E "^(\s*--- |ok|FAIL|PASS)|completed|preempt|panic|rror" "$OUT/engine-tests-h200.log" | head -40
+    grep -E "^(\s*--- |ok|FAIL|PASS)|completed|preempt|panic|rror" "$OUT/engine-tests-$G.log" | head -40
     exit $rc
     ;;
   tasks) # multiple-choice scoring and the server's echoed logprobs on the GPU (llama-tiny)
     D=$LLMQ_SHARED/models/llama-tiny
-    $L eval tasks "$D" --tasks evals/tasks/llmq-facts.jsonl --device cuda --json "$OUT/tasks-llmq-facts-llama-tiny-h200.json" 2>&1 | grep -E "^(acc|items|time)|rror"
+    $L eval tasks "$D" --tasks evals/tasks/llmq-facts.jsonl --device cuda --json "$OUT/tasks-llmq-facts-llama-tiny-$G.json" 2>&1 | grep -E "^(acc|items|time)|rror"
     $L serve "$D" --device cuda --addr 127.0.0.1:18080 2> "$OUT/serve-tasks.log" & pid=$!
     for i in $(seq 300); do curl -sf 127.0.0.1:18080/health > /dev/null && break; sleep 0.2; done
-    python3 evals/echo-logprobs.py http://127.0.0.1:18080 "$LLMQ_SHARED" llama-tiny | tee "$OUT/echo-logprobs-llama-tiny-h200.txt"
+    python3 evals/echo-logprobs.py http://127.0.0.1:18080 "$LLMQ_SHARED" llama-tiny | tee "$OUT/echo-logprobs-llama-tiny-$G.txt"
     kill $pid; wait $pid
     ;;
   quant)
@@ -319,11 +324,11 @@ case "$1" in
         g=128; [[ $c == *-g* ]] && { g=${c#*-g}; g=${g%-bs}; }
         [[ $c == *-bs ]] && extra+=(--groups-from-block-start)
         [[ $c == *-act ]] && extra+=(--act-order)
-        [ "$meth" = awq ] && { seqlen=512; extra+=(--stats "$OUT/awq-stats-$M-$c-h200.json"); }
+        [ "$meth" = awq ] && { seqlen=512; extra+=(--stats "$OUT/awq-stats-$M-$c-$G.json"); }
         [ "$meth" = awqgptq ] && meth=awq+gptq
         t0=$(date +%s.%N)
         $L quantize "$LLMQ_SHARED/models/$M" --method "$meth" --bits "$b" --group "$g" "${extra[@]}" --calib "$CALIB" --nsamples 128 --seqlen $seqlen \
-          -o build/q/$M-$c --force --device cuda --report "$OUT/quantize-$M-$c-h200.json" 2>&1 | grep -E "wall time|^time|rror"
+          -o build/q/$M-$c --force --device cuda --report "$OUT/quantize-$M-$c-$G.json" 2>&1 | grep -E "wall time|^time|rror"
         echo "== $M $c (quantize $(python3 -c "import time;print(round(time.time()-$t0,1))") s)"; ppl $M-$c build/q/$M-$c
       done
     done
@@ -336,7 +341,7 @@ case "$1" in
     echo "synth $(( $(date +%s) - t0 ))s; $(du -sh /tmp/b16 | cut -f1)"
     sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true
     /usr/bin/time -v $L quantize /tmp/b16 --method ${METHOD:-gptq} --bits 4 --group 128 --calib $LLMQ_SHARED/data/calib.txt --nsamples ${NSAMPLES:-128} --seqlen 2048 \
-      ${QARGS:-} -o /tmp/q --force --device cuda --report "$OUT/quantize-h200-${PRESET:-llama3-8b}-${METHOD:-gptq}${QSUFFIX:-}.json" > "$OUT/quant8b${QSUFFIX:-}.log" 2>&1
+      ${QARGS:-} -o /tmp/q --force --device cuda --report "$OUT/quantize-$G-${PRESET:-llama3-8b}-${METHOD:-gptq}${QSUFFIX:-}.json" > "$OUT/quant8b${QSUFFIX:-}.log" 2>&1
     echo "quantize rc=$?"; grep -E "wall time|^time|rror|Maximum resident|Elapsed" "$OUT/quant8b${QSUFFIX:-}.log"
     rm -rf /tmp/q
     [ -n "${KEEP_SYNTH:-}" ] || rm -rf /tmp/b16
@@ -351,7 +356,7 @@ case "$1" in
       cp evals/results/seeds-${SEED_MODEL:-llama-tiny}-${m/+/-}-w${mc##*:}-cuda.txt "$OUT/"
     done
     ;;
-  attn) # the decode attention kernels against float64, then their speed (attention-decode-h200.txt)
+  attn) # the decode attention kernels against float64, then their speed (attention-decode-$G.txt)
     { echo "# $LLMQ_COMMIT: cuda.test -test.v -test.run 'TestAttention|TestLongContext'"
       build/device/cuda.test -test.v -test.run 'TestAttention|TestLongContext' 2>&1; } > "$OUT/cuda-attention-tests.log"
     echo "attention tests rc=$?"; grep -E "^(\s*--- |ok|FAIL)|Δlogit" "$OUT/cuda-attention-tests.log" | head -24
@@ -363,9 +368,9 @@ case "$1" in
     echo "attention tests, most sub-chunks a block: rc=$?"; grep -E "^(\s*--- |ok|FAIL)|Δlogit" "$OUT/cuda-attention-tests-spans.log" | grep -vE "^\s*--- PASS" | head -24
     grep -E "max \|error\|" "$OUT/cuda-attention-tests-spans.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest attention error: /'
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
-      build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1; } | tee "$OUT/attention-decode-h200.txt"
+      build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1; } | tee "$OUT/attention-decode-$G.txt"
     for tool in memcheck racecheck; do
-      log="$OUT/cuda-$tool-attention-h200.log"
+      log="$OUT/cuda-$tool-attention-$G.log"
       echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal'" > "$log"
       timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal' >> "$log" 2>&1
       LLMQ_DECODE_WAVE=1 timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode' >> "$log" 2>&1
@@ -388,22 +393,22 @@ case "$1" in
     D=$LLMQ_SHARED/models/llama-tiny
     build/device/cuda.test -test.v -test.run 'TestFakeQuant' 2>&1 | grep -E "^(--- |ok|FAIL)|differ"
     for f in int fp8; do
-      $L eval ppl "$D" --data "$WIKI" --device cuda --act-bits 8 --act-format $f --json "$OUT/ppl-llama-tiny-a8-$f-pertoken-wikitext2-h200.json" 2>&1 | grep -E "perplexity|rror"
+      $L eval ppl "$D" --data "$WIKI" --device cuda --act-bits 8 --act-format $f --json "$OUT/ppl-llama-tiny-a8-$f-pertoken-wikitext2-$G.json" 2>&1 | grep -E "perplexity|rror"
     done
     ;;
   reftime) # the reference GPTQ code (IST-DASLab gptq.py, carried in .carry/gptq-ref) timed on one llama3-8b block
-    python3 evals/torchref/gptq_time.py --ref .carry/gptq-ref --json "$OUT/gptq-reference-time-h200.json" 2>&1 | grep -v Warning | tail -9
+    python3 evals/torchref/gptq_time.py --ref .carry/gptq-ref --json "$OUT/gptq-reference-time-$G.json" 2>&1 | grep -v Warning | tail -9
     ;;
   load) # load time of a W4 llama3-8b, and --device auto picking the GPU
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/w4 --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
-    $L bench decode /tmp/w4 --device cuda --context 128 --batch 1 --steps 16 --prefill 0 --json "$OUT/decode-h200-llama3-8b-w4-load.json" 2>&1 | grep -v "^\s*$"
+    $L bench decode /tmp/w4 --device cuda --context 128 --batch 1 --steps 16 --prefill 0 --json "$OUT/decode-$G-llama3-8b-w4-load.json" 2>&1 | grep -v "^\s*$"
     $L generate $LLMQ_SHARED/models/llama-tiny --prompt "The history of the" --max-tokens 8 2>&1 | tail -3
     ;;
   moe) # issue 20's MoE decode: a synthetic qwen3-30b-a3b W4 and, in the same run, the dense llama3-8b W4 it must beat
     TOK=$LLMQ_SHARED/models/${2:-llama-tiny}
     for p in ${MOE_PRESETS:-qwen3-30b-a3b llama3-8b}; do
-      d=/tmp/$p-w4; f=decode-h200-$p-w4.json
-      [ $p = llama3-8b ] && f=decode-h200-llama3-8b-w4-beside-moe.json
+      d=/tmp/$p-w4; f=decode-$G-$p-w4.json
+      [ $p = llama3-8b ] && f=decode-$G-llama3-8b-w4-beside-moe.json
       $L synth --preset $p --bits 4 --group 128 -o $d --force --tokenizer "$TOK" 2>&1 | tail -1
       $L bench decode $d --device cuda --context ${MOE_CTX:-128,2048} --batch ${MOE_BATCH:-1,8} --prefill ${MOE_PREFILL:-512,2048} \
         --steps 32 --json "$OUT/$f" 2>&1 | grep -v "^\s*$"
@@ -412,21 +417,21 @@ case "$1" in
     ;;
   pdl) # programmatic dependent launch (the default; LLMQ_PDL=0 off): the model tests with it, then llama3-8b W4 decode without and with
     run='TestModelLogits|TestZoo|TestMoE|TestGreedy|TestWindowNLL|TestLongContext|TestBatched|TestPrefillFlash|TestAttention'
-    { echo "# $LLMQ_COMMIT: LLMQ_PDL=1 cuda.test -test.v -test.run '$run'"; LLMQ_PDL=1 build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-pdl-h200.log"
-    echo "tests with PDL: $(grep -cE '^--- PASS' "$OUT/cuda-tests-pdl-h200.log") passed; $(grep -E '^\s*--- FAIL' "$OUT/cuda-tests-pdl-h200.log" | tr '\n' ' ')"
-    grep -E "Δlogit" "$OUT/cuda-tests-pdl-h200.log" | head -12
+    { echo "# $LLMQ_COMMIT: LLMQ_PDL=1 cuda.test -test.v -test.run '$run'"; LLMQ_PDL=1 build/device/cuda.test -test.v -test.run "$run" 2>&1; } > "$OUT/cuda-tests-pdl-$G.log"
+    echo "tests with PDL: $(grep -cE '^--- PASS' "$OUT/cuda-tests-pdl-$G.log") passed; $(grep -E '^\s*--- FAIL' "$OUT/cuda-tests-pdl-$G.log" | tr '\n' ' ')"
+    grep -E "Δlogit" "$OUT/cuda-tests-pdl-$G.log" | head -12
     TOK=$LLMQ_SHARED/models/${2:-llama-tiny}; d=/tmp/pdl8b
     $L synth --preset llama3-8b --bits 4 --group 128 -o $d --force --tokenizer "$TOK" 2>&1 | tail -1
     for pdl in 0 1; do
       echo "== LLMQ_PDL=$pdl"
       LLMQ_PDL=$pdl $L bench decode $d --device cuda --context 128,2048 --batch ${PDL_BATCH:-1,8,32} --prefill 2048 --steps 32 \
-        --json "$OUT/decode-h200-llama3-8b-w4-pdl$pdl.json" 2>&1 | grep -E "^(decode|prefill)"
+        --json "$OUT/decode-$G-llama3-8b-w4-pdl$pdl.json" 2>&1 | grep -E "^(decode|prefill)"
     done
     rm -rf $d
     ;;
   ab) # the working tree's library against the baseline's (carry.sh base; BASE's commit in each header), in turn
-      # in one run: bench gemm at AB_BITS × QUICK_M (gemm-h200-ab.txt), then AB_OPS=1: BenchmarkDecodeOps
-      # (decode-ops-h200-ab.txt), AB_DECODE=1: llama3-8b W4 decode at SYNTH_CTX × SYNTH_BATCH (decode-ab-*.json)
+      # in one run: bench gemm at AB_BITS × QUICK_M (gemm-$G-ab.txt), then AB_OPS=1: BenchmarkDecodeOps
+      # (decode-ops-$G-ab.txt), AB_DECODE=1: llama3-8b W4 decode at SYNTH_CTX × SYNTH_BATCH (decode-ab-*.json)
     [ -s build/base/libllmqcuda.so ] || { echo "ab: no baseline library (carry .carry/base.tar.xz)"; exit 1; }
     base=$(cat .carry/base/COMMIT)
     for bits in ${AB_BITS:-4 8}; do
@@ -436,14 +441,14 @@ case "$1" in
         echo "# $lib ($c): LLMQ_CUDA_LIB=$lib llmq bench gemm --bits $bits --m ${QUICK_M:-1,2} --iters 100"
         LLMQ_CUDA_LIB=$so $L bench gemm --bits $bits --m ${QUICK_M:-1,2} --iters 100 2>&1 | grep -E "^(shape|8B|70B)|rror"
       done
-    done | tee "$OUT/gemm-h200-ab.txt" | cut -c1-150
+    done | tee "$OUT/gemm-$G-ab.txt" | cut -c1-150
     if [ -n "${AB_OPS:-}" ]; then
       for lib in base new; do
         so=$PWD/build/device/libllmqcuda.so; c=$LLMQ_COMMIT
         [ $lib = base ] && so=$PWD/build/base/libllmqcuda.so && c=$base
         echo "# $lib ($c): LLMQ_CUDA_LIB=$lib cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"
         LLMQ_CUDA_LIB=$so build/device/cuda.test -test.run '^$' -test.bench DecodeOps -test.benchtime 10x 2>&1 | grep -E "µs/call|FAIL|panic"
-      done | tee "$OUT/decode-ops-h200-ab.txt" | grep -E "^#|batch1/(qkv|o|gate|down|experts)"
+      done | tee "$OUT/decode-ops-$G-ab.txt" | grep -E "^#|batch1/(qkv|o|gate|down|experts)"
     fi
     if [ -n "${AB_DECODE:-}" ]; then
       d=/tmp/llama3-8b-b4
@@ -461,7 +466,7 @@ case "$1" in
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"
-      build/device/cuda.test -test.run '^$' -test.bench DecodeOps -test.benchtime 10x 2>&1; } | tee "$OUT/decode-ops-h200.txt" | grep -E "µs/call|FAIL|panic"
+      build/device/cuda.test -test.run '^$' -test.bench DecodeOps -test.benchtime 10x 2>&1; } | tee "$OUT/decode-ops-$G.txt" | grep -E "µs/call|FAIL|panic"
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}
@@ -471,11 +476,11 @@ case "$1" in
       $L synth --preset llama3-8b --bits $b --group 128 -o $d --force --tokenizer $TOK 2>&1 | tail -1
       # Issue 16's matrix; llama3-8b's 8192 positions leave 8158 of context for 32 steps and the 2 warm-up steps.
       $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048,8158} --batch ${SYNTH_BATCH:-1,8,32,64} --prefill ${SYNTH_PREFILL:-512,2048,8192} \
-        --steps 32 --json "$OUT/decode-h200-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
+        --steps 32 --json "$OUT/decode-$G-llama3-8b-b$b.json" 2>&1 | grep -v "^\s*$"
       if [ -n "${SYNTH_LOGITS:-}" ]; then  # the same steps copying every step's logits to the host
         echo "== --logits"
         $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048,8158} --batch ${SYNTH_BATCH:-1,8,32,64} --prefill 0 \
-          --steps 32 --logits --json "$OUT/decode-h200-llama3-8b-b$b-logits.json" 2>&1 | grep -E "^decode"
+          --steps 32 --logits --json "$OUT/decode-$G-llama3-8b-b$b-logits.json" 2>&1 | grep -E "^decode"
       fi
       if [ $b = 4 ] && [ "${SYNTH_PPL:-1}" = 1 ]; then
         echo "== ppl llama3-8b b$b (random weights: the figure is meaningless, the time is not)"
