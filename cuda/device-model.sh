@@ -12,6 +12,7 @@
 #                                     # (SYNTH_BITS, SYNTH_CTX, SYNTH_BATCH, SYNTH_PREFILL, SYNTH_PPL=0: no ppl,
 #                                     # SYNTH_LOGITS=1: the decode again with --logits)
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
+#   bash cuda/device-model.sh trace   # nsys: a decode step's kernels in place, in the graph (TRACE_BATCH, TRACE_CTX)
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
 #   bash cuda/device-model.sh pdl     # programmatic dependent launch (on unless LLMQ_PDL=0): tests with it, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
@@ -21,7 +22,8 @@
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
 #   bash cuda/device-model.sh zoo     # the model-family tests (flash kernel, zoo logits, joined layers)
-#   bash cuda/device-model.sh attn    # the decode attention kernels: tests, BenchmarkAttentionDecode, sanitizers
+#   bash cuda/device-model.sh attn    # the decode attention kernels: tests, BenchmarkAttentionDecode (once per setting
+#                                     # in ATTN_ENV, ';'-separated as SWEEP_ENV's), sanitizers
 #   bash cuda/device-model.sh schemes # evals/schemes.sh's rows on the GPU (SCHEME_MODEL, SCHEME_ROWS), prep carried
 #   bash cuda/device-model.sh check   # every cuda test (kernels and model, llama-tiny), then
 #                                     # memcheck with leak checking over kernels and model
@@ -367,8 +369,11 @@ case "$1" in
       LLMQ_DECODE_WAVE=1 build/device/cuda.test -test.v -test.run 'TestAttention|TestLongContext|TestModelLogits|TestGreedy|TestWindowNLL|TestZoo' 2>&1; } > "$OUT/cuda-attention-tests-spans.log"
     echo "attention tests, most sub-chunks a block: rc=$?"; grep -E "^(\s*--- |ok|FAIL)|Δlogit" "$OUT/cuda-attention-tests-spans.log" | grep -vE "^\s*--- PASS" | head -24
     grep -E "max \|error\|" "$OUT/cuda-attention-tests-spans.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest attention error: /'
-    { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
-      build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1; } | tee "$OUT/attention-decode-$G.txt"
+    readarray -td';' settings < <(printf '%s;' "${ATTN_ENV:-}")  # settings as SWEEP_ENV's; empty: the default
+    for e in "${settings[@]}"; do
+      echo "# $LLMQ_COMMIT: $e cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
+      env $e build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1
+    done | tee "$OUT/attention-decode-$G.txt" | grep -E "^#|µs/call"
     for tool in memcheck racecheck; do
       log="$OUT/cuda-$tool-attention-$G.log"
       echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal'" > "$log"
@@ -463,6 +468,22 @@ case "$1" in
       done
       rm -rf $d
     fi
+    ;;
+  trace) # a decode step's kernels in place: nsys on llama3-8b W4 (TRACE_BATCH, TRACE_CTX), every graph node's
+          # start and end (decode-trace-$G-bB-cC.csv.xz; evals/trace_summary.py reads it)
+    command -v nsys > /dev/null || { echo "trace: no nsys on this machine"; exit 1; }
+    d=/tmp/trace8b
+    $L synth --preset llama3-8b --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+    for b in ${TRACE_BATCH:-1}; do for ctx in ${TRACE_CTX:-128}; do
+      f=decode-trace-$G-b$b-c$ctx
+      nsys profile -o /tmp/$f --force-overwrite true -t cuda --cuda-graph-trace=node \
+        $L bench decode $d --device cuda --context $ctx --batch $b --prefill 0 --steps 8 2>&1 | grep -E "^decode|rror"
+      nsys stats --report cuda_gpu_trace --format csv -o /tmp/$f /tmp/$f.nsys-rep > /dev/null 2>&1
+      { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq bench decode llama3-8b-w4 --context $ctx --batch $b --prefill 0 --steps 8; nsys stats --report cuda_gpu_trace"
+        cat /tmp/${f}_cuda_gpu_trace.csv; } | xz -6 > "$OUT/$f.csv.xz"
+      ls -la "$OUT/$f.csv.xz"
+    done; done
+    rm -rf $d
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"
