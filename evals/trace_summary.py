@@ -28,8 +28,8 @@ def short(name):
     name = re.sub(r"\(.*$", "", name)  # the arguments
     name = re.sub(r"^(void )?(\w+::)*", "", name)
     base = re.sub(r"<.*$", "", name)
-    if base.startswith(("sm90_", "sm80_", "cutlass", "gemv", "gemmSN", "gemmk")) or "cublas" in name.lower():
-        return "cublas(lm_head)"
+    if base.startswith(("sm90_", "sm80_", "cutlass", "nvjet", "gemv", "gemmSN", "gemmk")) or "gemm" in base.lower() or "cublas" in name.lower():
+        return "cublas(lm_head)"  # cuBLAS's kernels (the lm_head; llmq's own have none of these names)
     return base
 
 
@@ -39,9 +39,10 @@ def read(path):
     rows = list(csv.DictReader(io.StringIO("".join(lines))))
     start = next(k for k in rows[0] if k.startswith("Start"))
     dur = next(k for k in rows[0] if k.startswith("Duration"))
+    col = "Name" if "Name" in rows[0] else next(k for k in rows[0] if "Name" in k)
     out = []
     for r in rows:
-        name = r.get("Name", "")
+        name = r.get(col, "")
         if not name or name.startswith("[CUDA mem"):  # copies and sets: not kernels
             continue
         out.append((int(r[start]), int(r[dur]), short(name)))
