@@ -481,7 +481,7 @@ case "$1" in
       nsys stats --report cuda_gpu_trace --format csv -o /tmp/$f /tmp/$f.nsys-rep > /dev/null 2>&1
       { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq bench decode llama3-8b-w4 --context $ctx --batch $b --prefill 0 --steps 8; nsys stats --report cuda_gpu_trace"
         cat /tmp/${f}_cuda_gpu_trace.csv; } | xz -6 > "$OUT/$f.csv.xz"
-      ls -la "$OUT/$f.csv.xz"
+      python3 evals/trace_summary.py "$OUT/$f.csv.xz" 2>&1 | tee "$OUT/$f-summary.txt" | head -24
     done; done
     rm -rf $d
     ;;
