@@ -811,6 +811,10 @@ var errModelClosed = errors.New("cuda: the model is closed")
 // Config implements llm.Backend.
 func (m *Model) Config() *checkpoint.Config { return m.cfg }
 
+// DeviceName is the GPU the model runs on (evals.NewRecordOn puts it in
+// a result's device).
+func (m *Model) DeviceName() string { return m.dev.Name }
+
 // Name implements llm.Backend.
 func (m *Model) Name() string {
 	kind, packed := "fp16", "W4A16"

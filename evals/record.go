@@ -34,6 +34,17 @@ func NewRecord(kind string, data map[string]any) Record {
 	}
 }
 
+// NewRecordOn is NewRecord for a result measured on backend: where the
+// backend runs on a GPU (it has a DeviceName, as cuda.Model does), the
+// record's device names it before the host, as bench gemm's does.
+func NewRecordOn(kind string, data map[string]any, backend any) Record {
+	r := NewRecord(kind, data)
+	if d, ok := backend.(interface{ DeviceName() string }); ok {
+		r.Device = d.DeviceName() + "; host " + r.Device
+	}
+	return r
+}
+
 // tuningEnv are the environment variables the CUDA library reads to
 // change how it runs (runtime.cu's ctx_create), and LLMQ_CUDA_LIB, which
 // picks the library itself (an A/B run's baseline): a result measured with

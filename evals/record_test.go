@@ -85,3 +85,19 @@ func TestTuningEnvMatchesTheLibrary(t *testing.T) {
 		t.Errorf("the library reads %v, tuningEnv lists %v", read, listed)
 	}
 }
+
+type fakeGPU struct{}
+
+func (fakeGPU) DeviceName() string { return "Some GPU 80GB" }
+
+// A result measured on a GPU backend names the GPU before the host; on
+// any other backend the device is the host alone.
+func TestNewRecordOnNamesTheGPU(t *testing.T) {
+	host := Device()
+	if got, want := NewRecordOn("test", nil, fakeGPU{}).Device, "Some GPU 80GB; host "+host; got != want {
+		t.Errorf("device %q, want %q", got, want)
+	}
+	if got := NewRecordOn("test", nil, struct{}{}).Device; got != host {
+		t.Errorf("device %q on a backend without a GPU, want %q", got, host)
+	}
+}
