@@ -376,9 +376,9 @@ case "$1" in
     done | tee "$OUT/attention-decode-$G.txt" | grep -E "^#|µs/call"
     for tool in memcheck racecheck; do
       log="$OUT/cuda-$tool-attention-$G.log"
-      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal'" > "$log"
-      timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode|TestAttentionCausal' >> "$log" 2>&1
-      LLMQ_DECODE_WAVE=1 timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode' >> "$log" 2>&1
+      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run 'TestAttentionDecode|TestAttentionRoPE|TestAttentionCausal'" > "$log"
+      timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode|TestAttentionRoPE|TestAttentionCausal' >> "$log" 2>&1
+      LLMQ_DECODE_WAVE=1 timeout 200 compute-sanitizer --tool $tool build/device/cuda.test -test.run 'TestAttentionDecode|TestAttentionRoPE' >> "$log" 2>&1
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -2 | tr "\n" " ")"
     done
     ;;
