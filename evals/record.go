@@ -34,15 +34,23 @@ func NewRecord(kind string, data map[string]any) Record {
 	}
 }
 
-// NewRecordOn is NewRecord for a result measured on backend: where the
-// backend runs on a GPU (it has a DeviceName, as cuda.Model does), the
-// record's device names it before the host, as bench gemm's does.
-func NewRecordOn(kind string, data map[string]any, backend any) Record {
+// NewRecordOn is NewRecord for a result measured on the GPU named gpu
+// ("": on the host alone): the record's device names it before the host.
+func NewRecordOn(kind string, data map[string]any, gpu string) Record {
 	r := NewRecord(kind, data)
-	if d, ok := backend.(interface{ DeviceName() string }); ok {
-		r.Device = d.DeviceName() + "; host " + r.Device
+	if gpu != "" {
+		r.Device = gpu + "; host " + r.Device
 	}
 	return r
+}
+
+// GPUName is the GPU a backend runs on, for NewRecordOn: its DeviceName
+// where it has one (cuda.Model), else "".
+func GPUName(backend any) string {
+	if d, ok := backend.(interface{ DeviceName() string }); ok {
+		return d.DeviceName()
+	}
+	return ""
 }
 
 // tuningEnv are the environment variables the CUDA library reads to

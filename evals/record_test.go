@@ -94,10 +94,10 @@ func (fakeGPU) DeviceName() string { return "Some GPU 80GB" }
 // any other backend the device is the host alone.
 func TestNewRecordOnNamesTheGPU(t *testing.T) {
 	host := Device()
-	if got, want := NewRecordOn("test", nil, fakeGPU{}).Device, "Some GPU 80GB; host "+host; got != want {
+	if got, want := NewRecordOn("test", nil, GPUName(fakeGPU{})).Device, "Some GPU 80GB; host "+host; got != want {
 		t.Errorf("device %q, want %q", got, want)
 	}
-	if got := NewRecordOn("test", nil, struct{}{}).Device; got != host {
+	if got := NewRecordOn("test", nil, GPUName(struct{}{})).Device; got != host {
 		t.Errorf("device %q on a backend without a GPU, want %q", got, host)
 	}
 }

@@ -116,7 +116,7 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 					gibf(most.Weights), gibf(most.Total()), gibf(most.Caches), most.Graphs, gibf(most.Activations), gibf(most.Workspace), gibf(peak))
 			}
 			if jsonOut != "" {
-				return writeJSON(jsonOut, evals.NewRecordOn("bench-decode", data, b))
+				return writeJSON(jsonOut, evals.NewRecordOn("bench-decode", data, evals.GPUName(b)))
 			}
 			return nil
 		},

@@ -105,9 +105,7 @@ func newBenchGemm() *cobra.Command {
 				if pr != nil {
 					data["peer"] = map[string]any{"kernel": "torch " + pr.Torch + " _weight_int4pack_mm (tinygemm)", "gpu": pr.GPU, "command": pr.Command, "date": pr.Date}
 				}
-				rec := evals.NewRecord("bench-gemm", data)
-				rec.Device = dev.Name + "; host " + rec.Device
-				return writeJSON(jsonOut, rec)
+				return writeJSON(jsonOut, evals.NewRecordOn("bench-gemm", data, dev.Name))
 			}
 			return nil
 		},

@@ -100,7 +100,7 @@ goroutines are left behind after shutdown.`,
 			fmt.Fprintf(w, "goroutines left after shutdown: %d\n", leaked)
 			if jsonOut != "" && len(rows) > 0 { // the levels that finished, also when a later one failed
 				rec := evals.NewRecordOn("bench-serve", map[string]any{"model": args[0], "backend": e.Backend.Name(), "max_batch": opt.MaxBatch,
-					"max_tokens": load.MaxTokens, "levels": rows, "goroutines_leaked": leaked}, e.Backend)
+					"max_tokens": load.MaxTokens, "levels": rows, "goroutines_leaked": leaked}, evals.GPUName(e.Backend))
 				if err := writeJSON(jsonOut, rec); err != nil {
 					return err
 				}

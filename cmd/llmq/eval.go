@@ -93,7 +93,7 @@ func newEvalPPL() *cobra.Command {
 				if act.bits > 0 {
 					info["activations"] = act.describe()
 				}
-				rec := evals.NewRecordOn("ppl", info, m.Backend)
+				rec := evals.NewRecordOn("ppl", info, evals.GPUName(m.Backend))
 				return writeJSON(jsonOut, rec)
 			}
 			return nil
@@ -170,7 +170,7 @@ Run it on a model and its quantized versions to compare them item by item
 			fmt.Fprintf(w, "time        %.1f s on %s\n", res.Seconds, m.Backend.Name())
 			if jsonOut != "" {
 				rec := evals.NewRecordOn("tasks", map[string]any{"model": args[0], "tasks": tasks, "backend": m.Backend.Name(),
-					"load_s": m.LoadTime.Seconds(), "result": res}, m.Backend)
+					"load_s": m.LoadTime.Seconds(), "result": res}, evals.GPUName(m.Backend))
 				return writeJSON(jsonOut, rec)
 			}
 			return nil
