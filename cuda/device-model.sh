@@ -101,6 +101,10 @@ if [ -z "${SKIP_BUILD:-}" ]; then
   echo "build $(( $(date +%s) - t0 ))s"
 fi
 WIKI=$LLMQ_SHARED/data/wikitext2/wiki.test.raw
+# split_settings splits a ';'-separated list of environment settings
+# (each of VAR=value pairs; "" is the default, "A;" keeps one) into the
+# array `settings` (envab, sweep and attn).
+split_settings() { readarray -td';' settings < <(printf '%s;' "$1"); }
 ppl() { # name dir
   $L eval ppl "$2" --data "$WIKI" --device cuda --json "$OUT/ppl-$1-wikitext2-cuda.json" 2>&1 | grep -v "^ppl " | tr '\r' '\n' | grep -E "perplexity|speed|loaded|error|Error"
 }
@@ -220,7 +224,7 @@ case "$1" in
   envab) # one library's decode under each environment setting (a tuning switch's A/B where the API differs from main's)
     d=/tmp/envab-b4
     $L synth --preset ${ENVAB_PRESET:-llama3-8b} --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
-    readarray -td';' settings < <(printf '%s;' "${ENVAB_ENV:-}")  # "A;" keeps its empty (default) setting
+    split_settings "${ENVAB_ENV:-}"
     r=0
     for pass in 1 2; do
       for e in "${settings[@]}"; do
@@ -233,7 +237,7 @@ case "$1" in
     rm -rf $d
     ;;
   sweep) # one bench gemm per environment setting, the same binary and GPU state
-    readarray -td';' settings < <(printf '%s;' "${SWEEP_ENV:-}")
+    split_settings "${SWEEP_ENV:-}"
     for e in "${settings[@]}"; do
       echo "# $LLMQ_COMMIT: $e llmq bench gemm ${SWEEP_ARGS:-}"
       env $e $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)"
@@ -369,7 +373,7 @@ case "$1" in
       LLMQ_DECODE_WAVE=1 build/device/cuda.test -test.v -test.run 'TestAttention|TestLongContext|TestModelLogits|TestGreedy|TestWindowNLL|TestZoo' 2>&1; } > "$OUT/cuda-attention-tests-spans.log"
     echo "attention tests, most sub-chunks a block: rc=$?"; grep -E "^(\s*--- |ok|FAIL)|Δlogit" "$OUT/cuda-attention-tests-spans.log" | grep -vE "^\s*--- PASS" | head -24
     grep -E "max \|error\|" "$OUT/cuda-attention-tests-spans.log" | awk '{print $NF}' | sort -g | tail -1 | sed 's/^/largest attention error: /'
-    readarray -td';' settings < <(printf '%s;' "${ATTN_ENV:-}")  # settings as SWEEP_ENV's; empty: the default
+    split_settings "${ATTN_ENV:-}"
     for e in "${settings[@]}"; do
       echo "# $LLMQ_COMMIT: $e cuda.test -test.run '^\$' -test.bench AttentionDecode -test.benchtime 20x"
       env $e build/device/cuda.test -test.run '^$' -test.bench AttentionDecode -test.benchtime 20x 2>&1
