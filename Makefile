@@ -8,6 +8,7 @@
 #   make e2e     drive llmq serve with the official openai npm package
 #   make gguf-check  llmq export gguf read back by @huggingface/gguf (npm)
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
+#   make probe   build/stream-probe, the GEMV's streaming alone (cuda/probe/stream.cu; on a GPU machine)
 #   make cuda-check  compile-check cuda/*.cu without a GPU (cuda/local-check.sh)
 #   make schemes the quantization-scheme table for MODEL (evals/schemes.sh;
 #                WINDOWS=N for the first N WikiText-2 windows only)
@@ -34,7 +35,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test test-full fuzz e2e gguf-check demo cuda cuda-check bench clean fmt device schemes
+.PHONY: build test test-full fuzz e2e gguf-check demo cuda cuda-check probe bench clean fmt device schemes
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen,
 # without DWARF (-s -w: a quarter smaller, so more assets fit in the
@@ -145,6 +146,13 @@ cuda-check:
 build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) --shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -lcublas -lcusolver -o $@ $(filter %.cu,$^)
+
+# The streaming probe (cuda/probe/stream.cu): a program of its own, for
+# Hopper (its bulk copies and L2 prefetch are sm_90's).
+probe: build/stream-probe
+build/stream-probe: cuda/probe/stream.cu
+	@mkdir -p build
+	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

@@ -13,6 +13,8 @@
 #                                     # SYNTH_LOGITS=1: the decode again with --logits)
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
 #   bash cuda/device-model.sh trace   # nsys: a decode step's kernels in place, in the graph (TRACE_BATCH, TRACE_CTX)
+#   bash cuda/device-model.sh probe   # cuda/probe/stream.cu: the GEMV's streaming alone, by transport, warps an SM,
+#                                     # steps a batch and work a step (stream-probe-$G.json; PROBE_ARGS)
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
 #   bash cuda/device-model.sh pdl     # programmatic dependent launch (on unless LLMQ_PDL=0): tests with it, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
@@ -52,6 +54,8 @@
 #   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS once per setting in SWEEP_ENV (settings separated by
 #                                     # ';', each of VAR=value pairs: "LLMQ_W4_SWAP_VARIANT=0;LLMQ_W4_SWAP_VARIANT=3 LLMQ_W4_SPLITS=2"),
 #                                     # into gemm-$G-sweep$SWEEP_TAG.txt
+#   bash cuda/device-model.sh vtests  # the GEMM tests once per setting in VTEST_ENV (';'-separated; a forced variant's
+#                                     # correctness: cuda-gemm-tests-SETTING.log)
 #   bash cuda/device-model.sh envab   # the llama3-8b W4 decode (ENVAB_PRESET: another synth preset) with each environment
 #                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default),
 #                                     # twice each, interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
@@ -242,6 +246,18 @@ case "$1" in
       echo "# $LLMQ_COMMIT: $e llmq bench gemm ${SWEEP_ARGS:-}"
       env $e $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)"
     done | tee "$OUT/gemm-$G-sweep${SWEEP_TAG:-}.txt" | cut -c1-150
+    ;;
+  vtests) # the GEMM tests once per environment setting in VTEST_ENV (';'-separated as SWEEP_ENV): a forced
+           # variant's correctness before its timing (cuda-gemm-tests-SETTING.log)
+    split_settings "${VTEST_ENV:-}"
+    r='TestW4A16|TestGatedGEMM|TestSmallForSanitizer'
+    for e in "${settings[@]}"; do
+      log="$OUT/cuda-gemm-tests$(printf '%s' "${e:+-$e}" | tr ' =' '_-').log"
+      echo "# $LLMQ_COMMIT: $e cuda.test -test.v -test.run '$r'" > "$log"
+      env $e build/device/cuda.test -test.v -test.run "$r" >> "$log" 2>&1
+      echo "[${e:-default}] rc=$? $(grep -c '^--- FAIL' "$log") failed; largest rel err" \
+        "$(grep -E 'rel err' "$log" | awk '{print $NF}' | sort -g | tail -1)"
+    done
     ;;
   paths) # the GEMV kernel against the fused one where both run
     for p in ${PATHS:-gemv fused}; do
@@ -488,6 +504,21 @@ case "$1" in
       python3 evals/trace_summary.py "$OUT/$f.csv.xz" 2>&1 | tee "$OUT/$f-summary.txt" | head -24
     done; done
     rm -rf $d
+    ;;
+  probe) # the weights' streaming alone (cuda/probe/stream.cu): what bytes in flight, transport and issue load
+          # reach which bandwidth on this card, at the codes' sizes of 8B gate+up, q/k/v and 70B down
+          # (PROBE_MB, PROBE_ARGS; stream-probe-$G.json)
+    make probe NVCC_FLAGS="-O3 -std=c++17" > "$OUT/build-probe.log" 2>&1 || { tail -20 "$OUT/build-probe.log"; exit 1; }
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv
+    runs=()
+    for mb in ${PROBE_MB:-56 12 112}; do
+      build/stream-probe --mb $mb ${PROBE_ARGS:-} > /tmp/probe-$mb.json || exit 1
+      runs+=(/tmp/probe-$mb.json)
+    done
+    python3 - "$LLMQ_COMMIT" "build/stream-probe --mb {${PROBE_MB:-56 12 112}} ${PROBE_ARGS:-}" "${runs[@]}" > "$OUT/stream-probe-$G.json" <<'PY'
+import json, sys
+print(json.dumps({"command": sys.argv[2], "commit": sys.argv[1], "runs": [json.load(open(f)) for f in sys.argv[3:]]}, indent=1))
+PY
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"

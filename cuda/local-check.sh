@@ -2,7 +2,8 @@
 # A compile-only check of the CUDA library where there is no GPU and no CUDA
 # install (this machine, CI's): every cuda/*.cu (or the files named) built
 # with the Makefile's flags for sm_90a and sm_80, through ptxas, then
-# linked with no undefined symbols; errors, warnings and each kernel's
+# linked with no undefined symbols (and, for the whole library, the
+# streaming probe cuda/probe/stream.cu built); errors, warnings and each kernel's
 # registers and spills are printed. It catches C++, PTX and register
 # mistakes before a device call costs device time. The compiler is Debian
 # trixie's nvcc 12.4 (packages nvidia-cuda-toolkit, nvidia-cuda-dev and
@@ -77,6 +78,10 @@ if [ $rc = 0 ] && [ $whole = 1 ]; then  # the whole library: it links with no sy
   nvcc -ccbin "$cxx" -shared -Xlinker --no-undefined -o "$out/libllmqcuda.so" "$out"/*.o -lcublas -lcusolver -L"$ROOT/usr/lib/x86_64-linux-gnu" \
     > "$out/link.log" 2>&1 || { echo "link failed:"; tail -20 "$out/link.log"; rc=1; }
   [ $rc = 0 ] && echo "linked $out/libllmqcuda.so"
+  # The streaming probe (make probe), a program of its own on the kernels' loads (stream.cuh).
+  nvcc -ccbin "$cxx" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o "$out/stream-probe" cuda/probe/stream.cu \
+    > "$out/stream-probe.log" 2>&1 || { echo "cuda/probe/stream.cu failed:"; tail -20 "$out/stream-probe.log"; rc=1; }
+  [ $rc = 0 ] && echo "built $out/stream-probe"
 fi
 # Registers and spills of each sm_90a kernel, as ptxas reported them.
 for f in "$out"/*.log; do

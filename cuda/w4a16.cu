@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <utility>
 #include "common.cuh"
+#include "stream.cuh"
 
 namespace {
 
@@ -119,24 +120,40 @@ __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
 // in nibble j of zv). The zeros of the even sub-tiles, a byte each, are
 // e's bytes, the odd ones o's; a byte permute against 0x64 or 0x54 makes
 // each pair of offsets (1024 + z as fp16 is 0x64 over z, 64 + z is 0x54
-// over z·16).
+// over z·16). NEG: the offsets negated, −(1024 + z) and −(64 + z) (the
+// same permutes against 0xe4 and 0xd4: the sign bit), for v15's zeros
+// through the Tensor Cores (w4a16_gemv_swap's NEGZ), and stored as the A
+// fragments of the sub-tile pairs: pair m's four (−(1024 + z), 2m and
+// 2m + 1, then −(64 + z), 2m and 2m + 1) at neg_zeros(r, m), registers
+// side by side as mma wants them.
+template <bool NEG = false>
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
+  constexpr uint32_t lo = NEG ? 0xe4e4e4e4u : 0x64646464u, hi = NEG ? 0xd4d4d4d4u : 0x54545454u;
   set_scales(r, sv);
   const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
   const uint32_t e4 = e << 4, o4 = o << 4;
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
-    r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
-    r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
-    r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
-    r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
+    uint32_t* f = NEG ? (m < 2 ? r.zlo : r.zhi) + 4 * (m & 1) : nullptr;
+    (NEG ? f[0] : r.zlo[2 * m]) = __byte_perm(e, lo, sel);
+    (NEG ? f[1] : r.zlo[2 * m + 1]) = __byte_perm(o, lo, sel);
+    (NEG ? f[2] : r.zhi[2 * m]) = __byte_perm(e4, hi, sel);
+    (NEG ? f[3] : r.zhi[2 * m + 1]) = __byte_perm(o4, hi, sel);
   }
+}
+
+// neg_zeros is sub-tile pair m's A fragment of negated offsets, as
+// convert_group<true> stores them.
+__device__ __forceinline__ const uint32_t* neg_zeros(const GroupRegs& r, int m) {
+  return (m < 2 ? r.zlo : r.zhi) + 4 * (m & 1);
 }
 
 // convert_group for 8-bit codes: zeros a byte each (sub-tile j in byte j
 // of zv), the offsets 1024 + z in zlo (zhi unused).
+template <bool NEG = false>
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) {
+  static_assert(!NEG, "negated offsets: 4-bit codes only");
   set_scales(r, sv);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -145,22 +162,29 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
   }
 }
 
+// codes_offset spreads a word of 4-bit codes over fp16 pairs by the
+// magic numbers, not yet less the zeros: (1024 + n0, 1024 + n4), (64 + n1,
+// 64 + n5), (1024 + n2, …), (64 + n3, …) for nibbles n0 … n7 (the odd
+// nibbles sit at bit 4, where 64's mantissa counts sixteenths).
+__device__ __forceinline__ void codes_offset(uint32_t (&p)[4], uint32_t q) {
+  const uint32_t q8 = q >> 8;
+  p[0] = lop3_and_or(q, 0x000f000fu, 0x64006400u);
+  p[1] = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
+  p[2] = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
+  p[3] = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
+}
+
 // codes_word turns word i of a lane's chunk into the exact fp16 codes
 // q − z of its two n8 sub-tiles ja = 2i, jb = 2i + 1 (not yet scaled):
 // b[0], b[1] are sub-tile ja's mma B fragments (rows 2·tig, 2·tig+1 and
 // 2·tig+8, 2·tig+9 of column gid), b[2], b[3] sub-tile jb's.
 __device__ __forceinline__ void codes_word(uint32_t (&b)[4], uint32_t q, int i, const GroupRegs& gr) {
-  const uint32_t q8 = q >> 8;
-  // (1024 + n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …)
-  const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
-  const uint32_t p1 = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
-  const uint32_t p2 = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
-  const uint32_t p3 = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
+  codes_offset(b, q);
   const int ja = 2 * i, jb = 2 * i + 1;
-  b[0] = hsub(p0, gr.zlo[ja]);
-  b[1] = hsub(p1, gr.zhi[ja]);
-  b[2] = hsub(p2, gr.zlo[jb]);
-  b[3] = hsub(p3, gr.zhi[jb]);
+  b[0] = hsub(b[0], gr.zlo[ja]);
+  b[1] = hsub(b[1], gr.zhi[ja]);
+  b[2] = hsub(b[2], gr.zlo[jb]);
+  b[3] = hsub(b[3], gr.zhi[jb]);
 }
 
 // codes_pair is codes_word for a lane's step of BITS-bit codes, its words
@@ -224,8 +248,9 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
 // registers (GroupRegs) and the next group's raw values loaded ahead, as
 // the warp walks its K range in order. gshift: a group spans 2^gshift
 // 16-row steps (−1: a single group). BITS: the codes' width, 4 (a lane's
-// zeros in one word) or 8 (two).
-template <int BITS = 4>
+// zeros in one word) or 8 (two). NEG: the zeros' offsets negated
+// (convert_group).
+template <int BITS = 4, bool NEG = false>
 struct GroupStream {
   using ZV = typename std::conditional<BITS == 8, uint2, uint32_t>::type;
   const uint4* S;
@@ -248,7 +273,7 @@ struct GroupStream {
   // start loads the group of step k0 into gr.
   __device__ __forceinline__ void start(GroupRegs& gr, int k0) {
     cur = gshift < 0 ? 0 : k0 >> gshift;
-    convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
+    convert_group<NEG>(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
     prefetch();
   }
   // crosses: whether step k lies past gr's group.
@@ -256,7 +281,7 @@ struct GroupStream {
   // advance moves gr to step k's group, the next one (crosses(k) held).
   __device__ __forceinline__ void advance(GroupRegs& gr, int k) {
     cur = k >> gshift;
-    convert_group(gr, sv_next, zv_next);
+    convert_group<NEG>(gr, sv_next, zv_next);
     prefetch();
   }
   // at moves gr to step k's group (k increases by one step at a time).
@@ -495,22 +520,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
   finish_splits(C, ws, &counters[blockIdx.z * NT + nt], row0, 16 * MB, M, N, nt, splits, s_last);
 }
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {  // read once: no L1 allocation
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
-// prefetch_l2 asks L2 for bytes (a multiple of 16) from p (16-byte
-// aligned) with one bulk copy engine request; nothing comes to the SM
-// (Hopper's; a no-op where there is none).
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(bytes));
-#endif
-}
 
 __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
 
@@ -840,13 +849,24 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS, bool SCALED, int MINB, int PF>
+//
+// NEGZ (4-bit codes, unscaled; a sweep's variant): not even the
+// subtraction. The codes go in with their magic offsets, 1024 + q or
+// 64 + q (codes_offset), and a second mma a sub-tile pair adds the
+// group's negated offsets −(1024 + z), −(64 + z) (convert_group<true>)
+// against the same activations: by linearity the two sum to the codes
+// q − z's products, so a step trades 16 HSUB2 for 4 HMMA. The price is
+// rounding: the accumulator holds sums about 1024× larger between the
+// two mma, so it loses about 10 of fp32's 24 bits — still below fp16's
+// rounding of the output (NOTES.md, the eleventh session).
+template <int MT, int U, int BITS, bool SCALED, int MINB, int PF, bool NEGZ = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
                                                              int* __restrict__ counters, int M, int N, int K, int gshift,
                                                              int splits) {
   static_assert(MT == 8 || MT == 16 || MT == 32, "tokens: 1, 2 or 4 n8 tiles");
+  constexpr bool NZ = NEGZ && BITS == 4 && !SCALED;  // (8-bit or scaled instantiations of a NEGZ variant run as without)
   constexpr int NB = MT / 8;     // n8 token tiles
   constexpr int CH = BITS / 4;   // chunks a step: step k's are at bp + 32·(CH·k + c)
   constexpr int NP = SCALED ? 1 : NB;  // the group's partial sums (unused when SCALED)
@@ -861,7 +881,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) xr[nb] = reinterpret_cast<const uint32_t*>(A + (size_t)min(8 * nb + gid, M - 1) * K) + tig;
   const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
-  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupStream<BITS, NZ> groups(S, Z, nt, NT, gid, KT, gshift);
   GroupRegs gr;
   // tot[i][nb]: m16 tile i (columns 16i + gid and 16i + gid + 8) × tokens
   // 8·nb + 2·tig, +1, as mma leaves D; part: the current group's, unscaled.
@@ -917,15 +937,23 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
       uint32_t b[4];
       if constexpr (SCALED)
         dequant_pair<BITS>(b, w, i, gr);
+      else if constexpr (NZ)
+        codes_offset(b, w[i]);
       else
         codes_pair<BITS>(b, w, i, gr);
       const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        if constexpr (SCALED)
+        if constexpr (SCALED) {
           mma16816(tot[i][nb], a, x[nb][0], x[nb][1]);
-        else
+        } else {
           mma16816(part[i][nb], a, x[nb][0], x[nb][1]);
+          if constexpr (NZ) {  // the same rows' negated offsets: part gains Σ (q − z)·x
+            const uint32_t* zf = neg_zeros(gr, i);
+            const uint32_t z[4] = {zf[0], zf[1], zf[2], zf[3]};
+            mma16816(part[i][nb], z, x[nb][0], x[nb][1]);
+          }
+        }
       }
     }
   };
@@ -1149,16 +1177,21 @@ constexpr int kMmaMaxM = 64;
 // registers 32 tokens cannot spare), and the CTAs an SM the registers are
 // bounded for (MINB). At 8 tokens the sweep's winner (NOTES.md, v15) is
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
-// for a warp's codes PF batches ahead (sweeps only: LLMQ_W4_SWAP_VARIANT).
+// for a warp's codes PF batches ahead; 7–9 take the zeros through the
+// Tensor Cores (NEGZ: 11 instructions fewer a step at 8 tokens, 45 → 34
+// on the straight path in a local build). Sweeps only
+// (LLMQ_W4_SWAP_VARIANT).
 struct SwapVariant {
   int mt, u;
   bool scaled;
   int minb;
-  int pf;  // batches ahead a warp's codes are asked of L2 (0: none)
+  int pf;     // batches ahead a warp's codes are asked of L2 (0: none)
+  bool negz;  // the zeros as a second mma (w4a16_gemv_swap's NEGZ)
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
-                                 {8, 4, false, 4, 2}, {8, 4, false, 4, 4}, {16, 4, false, 1, 2},
-                                 {32, 2, true, 1, 4}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0, false}, {16, 4, false, 1, 0, false}, {32, 2, true, 1, 0, false},
+                                 {8, 4, false, 4, 2, false}, {8, 4, false, 4, 4, false}, {16, 4, false, 1, 2, false},
+                                 {32, 2, true, 1, 4, false}, {8, 4, false, 4, 0, true},  {8, 4, false, 4, 2, true},
+                                 {16, 4, false, 1, 0, true}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
@@ -1448,7 +1481,7 @@ template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb, kSwap[V].pf>, splits, A, B, S, Z, C, workspace,
+                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb, kSwap[V].pf, kSwap[V].negz>, splits, A, B, S, Z, C, workspace,
                      M, N, K, gshift);
 }
 
@@ -1627,9 +1660,9 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 5)
-    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s%s b%d splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
+    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s%s%s b%d splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
              kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", pf,
-             kSwap[p.variant].minb, p.splits);
+             kSwap[p.variant].negz && bits == 4 ? " negz" : "", kSwap[p.variant].minb, p.splits);
   else if (p.path == 4)
     snprintf(out, n, "gemv-mma v11%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
              kMma[p.variant].u, pf, p.splits);
