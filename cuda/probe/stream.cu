@@ -23,6 +23,8 @@
 //            contiguous: 2·U KiB) into a ring of S stages on mbarriers,
 //            warps reading their steps from shared memory (what v12's
 //            notes proposed: fewer, larger copies than its per-warp ones);
+//   tma4     the same stages in four copies, one from each warp's own
+//            contiguous range (a GEMV whose warps keep their K ranges);
 // against CTAs an SM (P: 4 warps each, as the GEMV's CTA) and W, the
 // instructions of work a lane does a step on what it loaded (LOP3s in 8
 // independent chains: v15's M = 1 step is about 83 instructions, ~44 of
@@ -206,27 +208,37 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
-// tma_kernel: the CTA's range is contiguous, in stages of its 4 warps' U
-// steps each (warp w's at stage offset w·U·512). Thread 0 keeps S stages
-// in flight, one bulk copy each, on `full`; each warp, done with a stage,
-// arrives on `empty`, and thread 0 refills the slot once all four have.
-template <int U, int S, int W>
+// tma_kernel: a CTA's stage is its 4 warps' U steps each (warp w's at
+// stage offset w·U·512), copied by thread 0 — one bulk copy of a
+// contiguous range (the CTA's, in stages), or with SPLIT four, one from
+// each warp's own contiguous range (how a GEMV whose warps keep their own
+// K ranges would be fed: mode tma4). Thread 0 keeps S stages in flight
+// on `full`; each warp, done with a stage, arrives on `empty`, and thread
+// 0 refills the slot once all four have.
+template <int U, int S, int W, bool SPLIT>
 __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restrict__ buf, int stages, unsigned* out) {
-  constexpr uint32_t kStage = kWarps * U * kStep;
+  constexpr uint32_t kStage = kWarps * U * kStep, kPart = U * kStep;
   extern __shared__ __align__(128) uint4 ring[];  // [S][kWarps][U][32]
   __shared__ __align__(8) uint64_t full[S], empty[S];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const char* src = reinterpret_cast<const char*>(buf) + (size_t)blockIdx.x * stages * kStage;
+  const char* src = reinterpret_cast<const char*>(buf) + (size_t)blockIdx.x * stages * kStage;  // warp w's range: + w·stages·kPart with SPLIT
+  auto issue = [&](int slot, int stage) {
+    mbar_expect_tx(&full[slot], kStage);
+    if constexpr (SPLIT) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w)
+        bulk_copy(ring + ((size_t)slot * kStage + w * kPart) / 16, src + ((size_t)w * stages + stage) * kPart, kPart, &full[slot]);
+    } else {
+      bulk_copy(ring + (size_t)slot * kStage / 16, src + (size_t)stage * kStage, kStage, &full[slot]);
+    }
+  };
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kWarps);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (threadIdx.x == 0)
-    for (int s = 0; s < S && s < stages; ++s) {
-      mbar_expect_tx(&full[s], kStage);
-      bulk_copy(ring + (size_t)s * kStage / 16, src + (size_t)s * kStage, kStage, &full[s]);
-    }
+    for (int s = 0; s < S && s < stages; ++s) issue(s, s);
   uint32_t acc[kChains] = {};
   for (int i = 0; i < stages; ++i) {
     const int s = i % S;
@@ -242,8 +254,7 @@ __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restric
     if (lane == 0) mbar_arrive(&empty[s]);
     if (threadIdx.x == 0 && i + S < stages) {
       mbar_wait(&empty[s], parity);
-      mbar_expect_tx(&full[s], kStage);
-      bulk_copy(ring + (size_t)s * kStage / 16, src + (size_t)(i + S) * kStage, kStage, &full[s]);
+      issue(s, i + S);
     }
   }
   keep(acc, out);
@@ -272,8 +283,8 @@ template <int U, int PF, int W>
 void launch_ldg(dim3 g, size_t smem, const uint4* b, int n, unsigned* o) { ldg_kernel<U, PF, W><<<g, kWarps * 32, smem>>>(b, n, o); }
 template <int U, int S, int W>
 void launch_cpasync(dim3 g, size_t smem, const uint4* b, int n, unsigned* o) { cpasync_kernel<U, S, W><<<g, kWarps * 32, smem>>>(b, n, o); }
-template <int U, int S, int W>
-void launch_tma(dim3 g, size_t smem, const uint4* b, int n, unsigned* o) { tma_kernel<U, S, W><<<g, kWarps * 32, smem>>>(b, n, o); }
+template <int U, int S, int W, bool SPLIT>
+void launch_tma(dim3 g, size_t smem, const uint4* b, int n, unsigned* o) { tma_kernel<U, S, W, SPLIT><<<g, kWarps * 32, smem>>>(b, n, o); }
 
 template <int U, int PF, int W>
 Probe ldg(int P) { return {"ldg", P, U, 0, PF, W, (const void*)ldg_kernel<U, PF, W>, launch_ldg<U, PF, W>, 0}; }
@@ -281,8 +292,11 @@ template <int U, int S, int W>
 Probe cpasync(int P) {
   return {"cpasync", P, U, S, 0, W, (const void*)cpasync_kernel<U, S, W>, launch_cpasync<U, S, W>, (size_t)S * U * kWarps * 32 * 16};
 }
-template <int U, int S, int W>
-Probe tma(int P) { return {"tma", P, U, S, 0, W, (const void*)tma_kernel<U, S, W>, launch_tma<U, S, W>, (size_t)S * kWarps * U * kStep}; }
+template <int U, int S, int W, bool SPLIT = false>
+Probe tma(int P) {
+  return {SPLIT ? "tma4" : "tma", P, U, S, 0, W, (const void*)tma_kernel<U, S, W, SPLIT>, launch_tma<U, S, W, SPLIT>,
+          (size_t)S * kWarps * U * kStep};
+}
 
 // The table: the GEMV's shape (U = 4, P = 4: v15 bounded) first, then one
 // thing varied at a time.
@@ -305,6 +319,9 @@ std::vector<Probe> probes(bool quick) {
     // (rings that fit 4 CTAs in an SM's 228 KiB; in flight: about S − 1 stages)
     v.push_back(tma<4, 4, 0>(P)), v.push_back(tma<8, 3, 0>(P)), v.push_back(tma<4, 6, 0>(P));
     v.push_back(tma<4, 4, 64>(P)), v.push_back(tma<8, 3, 64>(P));
+  }
+  for (int P : {2, 4}) {  // the same from each warp's own range (four copies a stage)
+    v.push_back(tma<4, 4, 0, true>(P)), v.push_back(tma<8, 3, 0, true>(P)), v.push_back(tma<8, 3, 64, true>(P));
   }
   if (!quick) v.push_back(tma<16, 4, 0>(1)), v.push_back(tma<16, 3, 64>(2)), v.push_back(tma<8, 6, 64>(2));
   return v;
@@ -381,11 +398,12 @@ int main(int argc, char** argv) {
     const int ctas = sms * p.P;
     // Each warp (tma: each CTA) an equal whole number of units that divide
     // the loop: 2U steps (ldg), U (cpasync), a stage (tma).
-    const size_t unit = p.mode == "tma" ? (size_t)kWarps * p.U * kStep : (size_t)(p.mode == "ldg" ? 2 : 1) * p.U * kStep;
-    const size_t per = p.mode == "tma" ? ctas : (size_t)ctas * kWarps;
+    const bool staged = p.mode.rfind("tma", 0) == 0;
+    const size_t unit = staged ? (size_t)kWarps * p.U * kStep : (size_t)(p.mode == "ldg" ? 2 : 1) * p.U * kStep;
+    const size_t per = staged ? ctas : (size_t)ctas * kWarps;
     const int units = (int)(region / unit / per);
     const size_t bytes = (size_t)units * unit * per;
-    const int n = p.mode == "tma" ? units : units * (p.mode == "ldg" ? 2 : 1) * p.U;  // steps (stages for tma)
+    const int n = staged ? units : units * (p.mode == "ldg" ? 2 : 1) * p.U;  // steps (stages for tma, tma4)
     double us = -1;
     if (units >= 1 && resident >= p.P) us = timed([&](int r) { p.launch(dim3(ctas), p.smem, at(r), n, sink); });
     printf("    {\"mode\": \"%s\", \"ctas_per_sm\": %d, \"resident\": %d, \"warps_per_sm\": %d, \"steps_a_batch\": %d, "
