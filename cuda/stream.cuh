@@ -23,3 +23,57 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(__cvta_generic_to_global(p)), "r"(bytes));
 #endif
 }
+
+// Bulk copies into shared memory on mbarriers (Hopper's copy engine, the
+// streaming probe's tma modes and the staged v15): a barrier counts its
+// arrivals and the bytes its copies deliver (expect_tx), and a wait on
+// its phase's parity returns once both are complete.
+// The instructions are Hopper's (sm_90); an older architecture's build
+// compiles these to a trap, and the kernels that use them are never
+// launched there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define LLMQ_SM90_ASM(...) __trap()
+#else
+#define LLMQ_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#endif
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  LLMQ_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// mbar_init_fence makes a thread's mbar_inits visible to the copy engine
+// (before the barrier that shows them to the other threads).
+__device__ __forceinline__ void mbar_init_fence() { LLMQ_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  LLMQ_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  LLMQ_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// mbar_wait returns once bar's phase of this parity has completed. A wait
+// past 10 s is a protocol bug (a launch takes microseconds, ms under the
+// sanitizer): it traps, so the host sees an error instead of a hang.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint64_t t0 = 0;
+  for (;;) {
+    uint32_t done = 0;
+    LLMQ_SM90_ASM(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t0 == 0) t0 = t;
+    else if (t - t0 > 10000000000ull) __trap();
+  }
+}
+// bulk_copy copies bytes (a multiple of 16; both addresses 16-byte
+// aligned) from global src to shared dst, completing on bar.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  LLMQ_SM90_ASM("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                    smem_addr(dst)),
+                "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_addr(bar))
+                : "memory");
+}

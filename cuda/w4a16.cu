@@ -835,6 +835,100 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
+// SwapSums is a v15 lane's sums (w4a16_gemv_swap and its staged
+// variant): tot[i][nb] for m16 tile i (columns 16i + gid and 16i + gid +
+// 8) × tokens 8·nb + 2·tig, +1, as mma leaves D; part, the current
+// group's, unscaled (unused when SCALED, whose codes are scaled first).
+template <int NB, int BITS, bool SCALED, bool NZ>
+struct SwapSums {
+  static constexpr int NP = SCALED ? 1 : NB;
+  float tot[4][NB][4], part[4][NP][4];
+  __device__ __forceinline__ SwapSums() {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) tot[i][nb][0] = tot[i][nb][1] = tot[i][nb][2] = tot[i][nb][3] = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < NP; ++nb) part[i][nb][0] = part[i][nb][1] = part[i][nb][2] = part[i][nb][3] = 0.f;
+    }
+  }
+  // flush adds the group's sums, scaled by its columns' scales, into tot.
+  __device__ __forceinline__ void flush(const GroupRegs& gr) {
+    if constexpr (!SCALED) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float s0 = __low2float(as_h2(gr.s[2 * i])), s1 = __low2float(as_h2(gr.s[2 * i + 1]));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          tot[i][nb][0] += s0 * part[i][nb][0], tot[i][nb][1] += s0 * part[i][nb][1];
+          tot[i][nb][2] += s1 * part[i][nb][2], tot[i][nb][3] += s1 * part[i][nb][3];
+          part[i][nb][0] = part[i][nb][1] = part[i][nb][2] = part[i][nb][3] = 0.f;
+        }
+      }
+    }
+  }
+  // step multiplies a step's codes (w: its 4·BITS/4 words) into the sums
+  // against the tokens' B fragments x.
+  __device__ __forceinline__ void step(const uint32_t* w, const uint32_t (&x)[NB][2], const GroupRegs& gr) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint32_t b[4];
+      if constexpr (SCALED)
+        dequant_pair<BITS>(b, w, i, gr);
+      else if constexpr (NZ)
+        codes_offset(b, w[i]);
+      else
+        codes_pair<BITS>(b, w, i, gr);
+      const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        if constexpr (SCALED) {
+          mma16816(tot[i][nb], a, x[nb][0], x[nb][1]);
+        } else {
+          mma16816(part[i][nb], a, x[nb][0], x[nb][1]);
+          if constexpr (NZ) {  // the same rows' negated offsets: part gains Σ (q − z)·x
+            const uint32_t* zf = neg_zeros(gr, i);
+            const uint32_t z[4] = {zf[0], zf[1], zf[2], zf[3]};
+            mma16816(part[i][nb], z, x[nb][0], x[nb][1]);
+          }
+        }
+      }
+    }
+  }
+  // store puts the warp's sums in red[warp]: a lane's D rows are columns
+  // 16i + gid (+8), its D columns tokens 8·nb + 2·tig (+1).
+  template <int MT>
+  __device__ __forceinline__ void store(float (&red)[kWarps][MT][64], int warp, int gid, int tig) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        const int r = 8 * nb + 2 * tig, col = 16 * i + gid;
+        red[warp][r][col] = tot[i][nb][0];
+        red[warp][r + 1][col] = tot[i][nb][1];
+        red[warp][r][col + 8] = tot[i][nb][2];
+        red[warp][r + 1][col + 8] = tot[i][nb][3];
+      }
+  }
+};
+
+// swap_acts loads U steps' B fragments of the tokens from step kb (a step
+// past k1 − 1 repeats step k1 − 1, never multiplied): token tile nb's are
+// token 8·nb + gid's words 8k + tig (rows 16k + 2·tig, +1) and 8k + tig +
+// 4 (rows + 8), from xr[nb] (the token's row + tig).
+template <int U, int NB>
+__device__ __forceinline__ void swap_acts(uint32_t (&x)[U][NB][2], const uint32_t* const (&xr)[NB], int kb, int k1) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k = min(kb + u, k1 - 1);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      x[u][nb][0] = __ldg(xr[nb] + (size_t)k * 8);
+      x[u][nb][1] = __ldg(xr[nb] + (size_t)k * 8 + 4);
+    }
+  }
+}
+
 // w4a16_gemv_swap (v15): the GEMV's streaming with the operands of
 // mma.m16n8k16 swapped — the weights are its 16-row A operand and the
 // tokens its 8 columns (C^T = W^T·A^T). Word i of a lane's chunk, as
@@ -869,93 +963,33 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   constexpr bool NZ = NEGZ && BITS == 4 && !SCALED;  // (8-bit or scaled instantiations of a NEGZ variant run as without)
   constexpr int NB = MT / 8;     // n8 token tiles
   constexpr int CH = BITS / 4;   // chunks a step: step k's are at bp + 32·(CH·k + c)
-  constexpr int NP = SCALED ? 1 : NB;  // the group's partial sums (unused when SCALED)
   // pdl_gate() waits below, after the first codes are asked for (weights_then_gate)
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
   const GemvThread t(N, K, splits);
   const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
-  // Step k's B fragment of token tile nb: token 8·nb + gid's words 8k + tig
-  // (rows 16k + 2·tig, +1) and 8k + tig + 4 (rows + 8).
-  const uint32_t* xr[NB];
+  const uint32_t* xr[NB];  // token 8·nb + gid's row + tig (swap_acts)
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) xr[nb] = reinterpret_cast<const uint32_t*>(A + (size_t)min(8 * nb + gid, M - 1) * K) + tig;
   const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
   GroupStream<BITS, NZ> groups(S, Z, nt, NT, gid, KT, gshift);
   GroupRegs gr;
-  // tot[i][nb]: m16 tile i (columns 16i + gid and 16i + gid + 8) × tokens
-  // 8·nb + 2·tig, +1, as mma leaves D; part: the current group's, unscaled.
-  float tot[4][NB][4], part[4][NP][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) tot[i][nb][0] = tot[i][nb][1] = tot[i][nb][2] = tot[i][nb][3] = 0.f;
-#pragma unroll
-    for (int nb = 0; nb < NP; ++nb) part[i][nb][0] = part[i][nb][1] = part[i][nb][2] = part[i][nb][3] = 0.f;
-  }
-  // flush adds the group's sums, scaled by its columns' scales, into tot.
-  auto flush = [&]() {
-    if constexpr (!SCALED) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float s0 = __low2float(as_h2(gr.s[2 * i])), s1 = __low2float(as_h2(gr.s[2 * i + 1]));
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          tot[i][nb][0] += s0 * part[i][nb][0], tot[i][nb][1] += s0 * part[i][nb][1];
-          tot[i][nb][2] += s1 * part[i][nb][2], tot[i][nb][3] += s1 * part[i][nb][3];
-          part[i][nb][0] = part[i][nb][1] = part[i][nb][2] = part[i][nb][3] = 0.f;
-        }
-      }
-    }
-  };
+  SwapSums<NB, BITS, SCALED, NZ> sums;
   // Two register batches of U steps, loaded and multiplied in turn (no
   // copies); a load past k1 repeats step k1 − 1 (never multiplied).
   uint4 qa[U][CH], qb[U][CH];
   uint32_t xa[U][NB][2], xb[U][NB][2];
   auto load_codes = [&](uint4 (&q)[U][CH], int kb) { codes_batch<U, CH, PF>(q, bp, kb, k1, lane); };
-  auto load_acts = [&](uint32_t (&x)[U][NB][2], int kb) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = min(kb + u, k1 - 1);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        x[u][nb][0] = __ldg(xr[nb] + (size_t)k * 8);
-        x[u][nb][1] = __ldg(xr[nb] + (size_t)k * 8 + 4);
-      }
-    }
-  };
+  auto load_acts = [&](uint32_t (&x)[U][NB][2], int kb) { swap_acts<U, NB>(x, xr, kb, k1); };
   auto step = [&](const uint4 (&qv)[CH], const uint32_t (&x)[NB][2], int k) {
     if (groups.crosses(k)) {
-      flush();
+      sums.flush(gr);
       groups.advance(gr, k);
     }
     uint32_t w[4 * CH];
 #pragma unroll
     for (int c = 0; c < CH; ++c) put_words(w, c, qv[c]);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      uint32_t b[4];
-      if constexpr (SCALED)
-        dequant_pair<BITS>(b, w, i, gr);
-      else if constexpr (NZ)
-        codes_offset(b, w[i]);
-      else
-        codes_pair<BITS>(b, w, i, gr);
-      const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        if constexpr (SCALED) {
-          mma16816(tot[i][nb], a, x[nb][0], x[nb][1]);
-        } else {
-          mma16816(part[i][nb], a, x[nb][0], x[nb][1]);
-          if constexpr (NZ) {  // the same rows' negated offsets: part gains Σ (q − z)·x
-            const uint32_t* zf = neg_zeros(gr, i);
-            const uint32_t z[4] = {zf[0], zf[1], zf[2], zf[3]};
-            mma16816(part[i][nb], z, x[nb][0], x[nb][1]);
-          }
-        }
-      }
-    }
+    sums.step(w, x, gr);
   };
   auto batch = [&](const uint4 (&q)[U][CH], const uint32_t (&x)[U][NB][2], int kb, bool full) {
 #pragma unroll
@@ -985,23 +1019,139 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
       batch(qa, xa, kb, false);
       if (kb + U < k1) batch(qb, xb, kb + U, false);
     }
-    flush();
+    sums.flush(gr);
   }
-  // The warps' sums: lane's D rows are columns 16i + gid (+8), its D
-  // columns tokens 8·nb + 2·tig (+1).
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      const int r = 8 * nb + 2 * tig, col = 16 * i + gid;
-      red[warp][r][col] = tot[i][nb][0];
-      red[warp][r + 1][col] = tot[i][nb][1];
-      red[warp][r][col + 8] = tot[i][nb][2];
-      red[warp][r + 1][col + 8] = tot[i][nb][3];
-    }
+  sums.store(red, warp, gid, tig);
   __syncthreads();
   emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+}
+
+// w4a16_gemv_staged (v17; a sweep's variant, Hopper only): v15's products
+// (SwapSums: 4-bit codes, 8 or 16 tokens) with the codes brought in by
+// the copy engine instead of the lanes' loads, so that the bytes in
+// flight no longer cost registers: a CTA's stage is its warps' next U
+// steps each (warp w's from its own K range, as v15's, so the group
+// stream is unchanged), thread 0 keeps ST stages in flight — four bulk
+// copies a stage into a ring in shared memory, on the stage's `full`
+// mbarrier — and each warp, once it has read its U steps of a stage into
+// registers, arrives on the stage's `empty`, so thread 0 can refill the
+// slot while the warp multiplies. The stream probe's tma4 rows
+// (cuda/probe/stream.cu) measure this transport alone. The first ST
+// stages are asked for before pdl_gate (weights only, as
+// weights_then_gate); the activations after it, one stage ahead in
+// registers. At the end the ring holds the warps' sums for the CTA's
+// reduction.
+template <int MT, int U, int ST, int MINB, bool NEGZ>
+__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                               const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                               const Outs C, float* __restrict__ ws,
+                                                               int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                               int splits) {
+  static_assert(MT == 8 || MT == 16, "tokens: 1 or 2 n8 tiles");
+  constexpr int NB = MT / 8;
+  extern __shared__ __align__(128) uint4 staged_ring[];  // [ST][kWarps][U][32] chunks; then red
+  __shared__ __align__(8) uint64_t full[ST], empty[ST];
+  __shared__ int s_last;
+  const GemvThread t(N, K, splits);
+  const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
+  const uint4* tile = B + (size_t)nt * KT * 32;  // step k's chunk: tile + 32k
+  int w0a, w0b;  // warp 0's range, the CTA's longest (warp_range): its stages are the CTA's
+  warp_range(KT, splits, blockIdx.y, 0, w0a, w0b);
+  const int stages = w0b > w0a ? (w0b - w0a + U - 1) / U : 0;
+  // issue asks for stage i into ring slot `slot`: each warp's steps of it
+  // that lie in the warp's range, one bulk copy a warp.
+  auto issue = [&](int slot, int i) {
+    int kw[kWarps], nw[kWarps];
+    uint32_t bytes = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      int a, b;
+      warp_range(KT, splits, blockIdx.y, w, a, b);
+      kw[w] = a + i * U;
+      nw[w] = max(0, min(U, b - kw[w]));
+      bytes += nw[w] * 512;
+    }
+    mbar_expect_tx(&full[slot], bytes);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+      if (nw[w] > 0) bulk_copy(staged_ring + ((size_t)slot * kWarps + w) * U * 32, tile + (size_t)kw[w] * 32, nw[w] * 512, &full[slot]);
+  };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kWarps);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 0; i < ST && i < stages; ++i) issue(i, i);
+  GroupStream<4, NEGZ> groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupRegs gr;
+  if (k1 > k0) groups.start(gr, k0);
+  pdl_gate();  // before the activations, workspace and outputs: see weights_then_gate
+  const uint32_t* xr[NB];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) xr[nb] = reinterpret_cast<const uint32_t*>(A + (size_t)min(8 * nb + gid, M - 1) * K) + tig;
+  SwapSums<NB, 4, false, NEGZ> sums;
+  // A stage's activations, loaded a stage ahead (only where the warp has
+  // steps: every warp walks every stage, for the barriers).
+  auto acts = [&](uint32_t (&x)[U][NB][2], int i) {
+    if (k0 + i * U < k1) swap_acts<U, NB>(x, xr, k0 + i * U, k1);
+  };
+  auto run_stage = [&](int i, const uint32_t (&x)[U][NB][2]) {
+    const int slot = i % ST, kb = k0 + i * U;
+    const uint32_t parity = (i / ST) & 1;
+    mbar_wait(&full[slot], parity);
+    const uint4* mine = staged_ring + ((size_t)slot * kWarps + warp) * U * 32 + lane;
+    uint4 q[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (kb + u < k1) q[u] = mine[u * 32];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+    if (threadIdx.x == 0 && i + ST < stages) {  // the slot again, once every warp has read it
+      mbar_wait(&empty[slot], parity);
+      issue(slot, i + ST);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = kb + u;
+      if (k < k1) {
+        if (groups.crosses(k)) {
+          sums.flush(gr);
+          groups.advance(gr, k);
+        }
+        uint32_t w[4];
+        put_words(w, 0, q[u]);
+        sums.step(w, x[u], gr);
+      }
+    }
+  };
+  uint32_t xa[U][NB][2], xb[U][NB][2];
+  acts(xa, 0);
+  int i = 0;
+  for (; i + 2 <= stages; i += 2) {
+    acts(xb, i + 1);
+    run_stage(i, xa);
+    if (i + 2 < stages) acts(xa, i + 2);
+    run_stage(i + 1, xb);
+  }
+  if (i < stages) run_stage(i, xa);
+  if (k1 > k0) sums.flush(gr);
+  __syncthreads();  // every copy has landed and every warp has read its last stage: the ring is free
+  auto& red = *reinterpret_cast<float (*)[kWarps][MT][64]>(staged_ring);
+  sums.store(red, warp, gid, tig);
+  __syncthreads();
+  emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
+  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+}
+
+// staged_smem_bytes is w4a16_gemv_staged's dynamic shared memory: its
+// ring, or the CTA's reduction where that is larger.
+template <int MT, int U, int ST>
+constexpr size_t staged_smem_bytes() {
+  return (size_t)ST * kWarps * U * 512 > (size_t)kWarps * MT * 64 * sizeof(float) ? (size_t)ST * kWarps * U * 512
+                                                                                   : (size_t)kWarps * MT * 64 * sizeof(float);
 }
 
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
@@ -1179,7 +1329,8 @@ constexpr int kMmaMaxM = 64;
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
 // for a warp's codes PF batches ahead; 7–9 take the zeros through the
 // Tensor Cores (NEGZ: 11 instructions fewer a step at 8 tokens, 45 → 34
-// on the straight path in a local build). Sweeps only
+// on the straight path in a local build); 10–12 are v17, the codes
+// brought in by bulk copies (w4a16_gemv_staged). Sweeps only
 // (LLMQ_W4_SWAP_VARIANT).
 struct SwapVariant {
   int mt, u;
@@ -1187,11 +1338,15 @@ struct SwapVariant {
   int minb;
   int pf;     // batches ahead a warp's codes are asked of L2 (0: none)
   bool negz;  // the zeros as a second mma (w4a16_gemv_swap's NEGZ)
+  int stages = 0;  // > 0: v17, the codes through a ring of this many stages (w4a16_gemv_staged; 4-bit, Hopper)
 };
 constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0, false}, {16, 4, false, 1, 0, false}, {32, 2, true, 1, 0, false},
                                  {8, 4, false, 4, 2, false}, {8, 4, false, 4, 4, false}, {16, 4, false, 1, 2, false},
                                  {32, 2, true, 1, 4, false}, {8, 4, false, 4, 0, true},  {8, 4, false, 4, 2, true},
-                                 {16, 4, false, 1, 0, true}};
+                                 {16, 4, false, 1, 0, true},
+                                 // v17 (staged): U 4 in 4 and 6 stages, 4 with NEGZ, 4 at 5 CTAs an SM
+                                 {8, 4, false, 4, 0, false, 4}, {8, 4, false, 4, 0, false, 6}, {8, 4, false, 4, 0, true, 4},
+                                 {8, 4, false, 5, 0, false, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
@@ -1398,7 +1553,9 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
         llmq::set_error(c, "LLMQ_W4_SWAP_VARIANT=%d: v15 has variants 0–%d", c->swap_forced_variant, kSwapVariants - 1);
         return 1;
       }
-      if (M <= kSwap[c->swap_forced_variant].mt) p.variant = c->swap_forced_variant;
+      // (v17's staged variants run 4-bit codes only: 8-bit layers keep the plan's)
+      if (M <= kSwap[c->swap_forced_variant].mt && (bits == 4 || kSwap[c->swap_forced_variant].stages == 0))
+        p.variant = c->swap_forced_variant;
     }
     if (p.path == 4 && c->mma_forced_variant >= 0) {
       if (c->mma_forced_variant >= kMmaVariants) {
@@ -1455,10 +1612,11 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
 // kernels, which take the same arguments.
 template <typename Kernel>
 int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, int splits, const half* A, const void* B, const void* S,
-                const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  if (!run) return resident_of(c, slot, kernel, 0);
+                const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift, size_t smem = 0) {
+  if (!run) return resident_of(c, slot, kernel, smem);
+  if (allow_smem(c, kernel, smem)) return 1;
   float* ws = (float*)workspace;
-  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
             C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
@@ -1480,9 +1638,22 @@ int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B,
 template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                     w4a16_gemv_swap<kSwap[V].mt, kSwap[V].u, BITS, kSwap[V].scaled, kSwap[V].minb, kSwap[V].pf, kSwap[V].negz>, splits, A, B, S, Z, C, workspace,
-                     M, N, K, gshift);
+  constexpr SwapVariant v = kSwap[V];
+  if constexpr (v.stages > 0) {  // v17: 4-bit codes, Hopper's bulk copies
+    int major = 0;
+    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
+    if (BITS != 4 || major < 9) {
+      llmq::set_error(c, "v15 variant %d (v17, staged) runs 4-bit codes on Hopper or later, not %d-bit on compute capability %d",
+                      V, BITS, major);
+      return 1;
+    }
+    return gemv_kernel(c, run, resident_slot(5, V, BITS), w4a16_gemv_staged<v.mt, v.u, v.stages, v.minb, v.negz>, splits,
+                       A, B, S, Z, C, workspace, M, N, K, gshift, staged_smem_bytes<v.mt, v.u, v.stages>());
+  } else {
+    return gemv_kernel(c, run, resident_slot(5, V, BITS),
+                       w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf, v.negz>, splits, A, B, S, Z, C,
+                       workspace, M, N, K, gshift);
+  }
 }
 
 }  // namespace
@@ -1660,8 +1831,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 5)
-    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s%s%s b%d splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
-             kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", pf,
+    snprintf(out, n, "gemv-swap %s%s mt%d u%d%s%s%s b%d splits%d", kSwap[p.variant].stages ? "v17 staged" : "v15",
+             bits == 8 ? " w8" : "", kSwap[p.variant].mt, kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", pf,
              kSwap[p.variant].negz && bits == 4 ? " negz" : "", kSwap[p.variant].minb, p.splits);
   else if (p.path == 4)
     snprintf(out, n, "gemv-mma v11%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,

@@ -51,7 +51,7 @@
 #include <string.h>
 #include <string>
 #include <vector>
-#include "../stream.cuh"  // the kernels' loads: ld_stream, prefetch_l2
+#include "../stream.cuh"  // the kernels' loads (ld_stream, prefetch_l2) and bulk copies (mbar_*, bulk_copy)
 
 #define CHECK(call)                                                                                \
   do {                                                                                             \
@@ -172,42 +172,6 @@ __global__ void __launch_bounds__(kWarps * 32) cpasync_kernel(const uint4* __res
   keep(acc, out);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint64_t t0 = 0;
-  for (;;) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-    if (done) return;
-    // Watchdog: a launch takes microseconds, so 2 s here is a protocol
-    // bug; trap (the host's CHECK reports it) rather than hang the run.
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t0 == 0) t0 = t;
-    else if (t - t0 > 2000000000ull) asm volatile("trap;");
-  }
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
 // tma_kernel: a CTA's stage is its 4 warps' U steps each (warp w's at
 // stage offset w·U·512), copied by thread 0 — one bulk copy of a
 // contiguous range (the CTA's, in stages), or with SPLIT four, one from
@@ -234,7 +198,7 @@ __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restric
   };
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kWarps);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x == 0)
