@@ -3,8 +3,9 @@
 # install (this machine, CI's): every cuda/*.cu (or the files named) built
 # with the Makefile's flags for sm_90a and sm_80, through ptxas, then
 # linked with no undefined symbols (and, for the whole library, the
-# streaming probe cuda/probe/stream.cu built); errors, warnings and each kernel's
-# registers and spills are printed. It catches C++, PTX and register
+# streaming probe cuda/probe/stream.cu built); then cuda/checks' Python
+# models of the kernels' arithmetic and protocols run. Errors, warnings
+# and each kernel's registers and spills are printed. It catches C++, PTX and register
 # mistakes before a device call costs device time. The compiler is Debian
 # trixie's nvcc 12.4 (packages nvidia-cuda-toolkit, nvidia-cuda-dev and
 # libcu++-dev from Debian's non-free archive, about 1 GB), unpacked into
@@ -82,6 +83,14 @@ if [ $rc = 0 ] && [ $whole = 1 ]; then  # the whole library: it links with no sy
   nvcc -ccbin "$cxx" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o "$out/stream-probe" cuda/probe/stream.cu \
     > "$out/stream-probe.log" 2>&1 || { echo "cuda/probe/stream.cu failed:"; tail -20 "$out/stream-probe.log"; rc=1; }
   [ $rc = 0 ] && echo "built $out/stream-probe"
+fi
+# The kernels' arithmetic and protocols modelled in Python (cuda/checks:
+# byte permutes, fragment layouts, the staged ring's barriers): they need
+# no compiler, only python3.
+if command -v python3 > /dev/null; then
+  for f in cuda/checks/*.py; do
+    python3 "$f" > "$out/$(basename "$f" .py).log" 2>&1 && echo "$f: ok" || { echo "$f failed:"; tail -5 "$out/$(basename "$f" .py).log"; rc=1; }
+  done
 fi
 # Registers and spills of each sm_90a kernel, as ptxas reported them.
 for f in "$out"/*.log; do

@@ -1032,11 +1032,11 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
 // the copy engine instead of the lanes' loads, so that the bytes in
 // flight no longer cost registers: a CTA's stage is its warps' next U
 // steps each (warp w's from its own K range, as v15's, so the group
-// stream is unchanged), thread 0 keeps ST stages in flight — four bulk
-// copies a stage into a ring in shared memory, on the stage's `full`
-// mbarrier — and each warp, once it has read its U steps of a stage into
-// registers, arrives on the stage's `empty`, so thread 0 can refill the
-// slot while the warp multiplies. The stream probe's tma4 rows
+// stream is unchanged), thread 0 keeps ST − 1 to ST stages in flight —
+// four bulk copies a stage into a ring in shared memory, on the stage's
+// `full` mbarrier — and each warp, once it has read its U steps of a
+// stage into registers, arrives on the stage's `empty`, so thread 0 can
+// refill the slot (a stage later) while the warps multiply. The stream probe's tma4 rows
 // (cuda/probe/stream.cu) measure this transport alone. The first ST
 // stages are asked for before pdl_gate (weights only, as
 // weights_then_gate); the activations after it, one stage ahead in
@@ -1049,6 +1049,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const hal
                                                                int* __restrict__ counters, int M, int N, int K, int gshift,
                                                                int splits) {
   static_assert(MT == 8 || MT == 16, "tokens: 1 or 2 n8 tiles");
+  static_assert(ST >= 2, "a slot is refilled a stage after it is read (cuda/checks/staged_ring.py models it)");
   constexpr int NB = MT / 8;
   extern __shared__ __align__(128) uint4 staged_ring[];  // [ST][kWarps][U][32] chunks; then red
   __shared__ __align__(8) uint64_t full[ST], empty[ST];
@@ -1108,9 +1109,14 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const hal
       if (kb + u < k1) q[u] = mine[u * 32];
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);
-    if (threadIdx.x == 0 && i + ST < stages) {  // the slot again, once every warp has read it
-      mbar_wait(&empty[slot], parity);
-      issue(slot, i + ST);
+    // The previous stage's slot again, once every warp has read it: a
+    // stage behind, so that warp 0 waits here only on a warp a whole stage
+    // late, not on every warp's read of this one (ST − 1 stages stay
+    // ahead of the one being multiplied).
+    if (threadIdx.x == 0 && i > 0 && i - 1 + ST < stages) {
+      const int prev = (i - 1) % ST;
+      mbar_wait(&empty[prev], ((i - 1) / ST) & 1);
+      issue(prev, i - 1 + ST);
     }
     __syncwarp();
 #pragma unroll

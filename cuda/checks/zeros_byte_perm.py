@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Checks swap-zeros-l2prefetch.patch's byte-permute selectors against the
-formulas they replace, on random words (python3 cuda/pending/check_zeros_byte_perm.py).
+"""Checks convert_group's byte-permute selectors (cuda/w4a16.cu: a group's
+zero offsets, landed from the seventh session's swap-zeros-l2prefetch
+patch) against the formulas they replaced, on random words. Runs in
+local-check.sh: python3 cuda/checks/zeros_byte_perm.py
 
 __byte_perm(x, y, s): byte i of the result is byte (s >> 4i) & 7 of the
 eight bytes x0..x3, y0..y3 (CUDA's default mode), emulated below.
