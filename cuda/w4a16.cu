@@ -1335,7 +1335,7 @@ constexpr int kMmaMaxM = 64;
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
 // for a warp's codes PF batches ahead; 7–9 take the zeros through the
 // Tensor Cores (NEGZ: 11 instructions fewer a step at 8 tokens, 45 → 34
-// on the straight path in a local build); 10–12 are v17, the codes
+// on the straight path in a local build); 10–14 are v17, the codes
 // brought in by bulk copies (w4a16_gemv_staged). Sweeps only
 // (LLMQ_W4_SWAP_VARIANT).
 struct SwapVariant {
@@ -1350,9 +1350,9 @@ constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0, false}, {16, 4, false, 1, 0
                                  {8, 4, false, 4, 2, false}, {8, 4, false, 4, 4, false}, {16, 4, false, 1, 2, false},
                                  {32, 2, true, 1, 4, false}, {8, 4, false, 4, 0, true},  {8, 4, false, 4, 2, true},
                                  {16, 4, false, 1, 0, true},
-                                 // v17 (staged): U 4 in 4 and 6 stages, 4 with NEGZ, 4 at 5 CTAs an SM
+                                 // v17 (staged): U 4 in 4 and 6 stages, 4 with NEGZ, 4 at 5 CTAs an SM; 16 tokens
                                  {8, 4, false, 4, 0, false, 4}, {8, 4, false, 4, 0, false, 6}, {8, 4, false, 4, 0, true, 4},
-                                 {8, 4, false, 5, 0, false, 4}};
+                                 {8, 4, false, 5, 0, false, 4}, {16, 4, false, 1, 0, false, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
