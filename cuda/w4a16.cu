@@ -116,6 +116,41 @@ __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
 }
 
+// prmt is __byte_perm with its selector an immediate and its second
+// operand in a register: where the second operand is a constant too,
+// __byte_perm let ptxas make the constant the immediate and load each
+// selector into a register, about 16 moves a group (convert_group<true>).
+template <uint32_t SEL>
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "n"(SEL));
+  return d;
+}
+
+// neg_offsets stores sub-tile pair M's negated offsets −(1024 + z) and
+// −(64 + z) (the zeros' bytes M of e, o and e4, o4 against 0xe4 and 0xd4)
+// as the pair's A fragment (neg_zeros).
+template <int M>
+__device__ __forceinline__ void neg_offsets(GroupRegs& r, uint32_t e, uint32_t o, uint32_t e4, uint32_t o4) {
+  constexpr uint32_t sel = 0x4040u | (M << 8) | M;  // bytes (z, 0x.., z, 0x..) from byte M
+  uint32_t lo = 0xe4e4e4e4u, hi = 0xd4d4d4d4u;
+  uint32_t* f = (M < 2 ? r.zlo : r.zhi) + 4 * (M & 1);
+  f[0] = prmt<sel>(e, lo);
+  f[1] = prmt<sel>(o, lo);
+  f[2] = prmt<sel>(e4, hi);
+  f[3] = prmt<sel>(o4, hi);
+}
+
+// neg_scales stores the eight sub-tiles' scales as fp32 bits, not half2
+// pairs: the kernels that take convert_group<true> (v15's NEGZ) multiply
+// the scales in once a group in fp32 (SwapSums::flush) and never as half2.
+__device__ __forceinline__ void neg_scales(GroupRegs& r, uint4 sv) {
+  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    r.s[j] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(sw[j >> 1] >> (16 * (j & 1))))));
+}
+
 // convert_group for 2- to 4-bit codes: zeros a nibble each (sub-tile j
 // in nibble j of zv). The zeros of the even sub-tiles, a byte each, are
 // e's bytes, the odd ones o's; a byte permute against 0x64 or 0x54 makes
@@ -125,21 +160,29 @@ __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
 // through the Tensor Cores (w4a16_gemv_swap's NEGZ), and stored as the A
 // fragments of the sub-tile pairs: pair m's four (−(1024 + z), 2m and
 // 2m + 1, then −(64 + z), 2m and 2m + 1) at neg_zeros(r, m), registers
-// side by side as mma wants them.
+// side by side as mma wants them; its scales as fp32 (neg_scales).
 template <bool NEG = false>
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
-  constexpr uint32_t lo = NEG ? 0xe4e4e4e4u : 0x64646464u, hi = NEG ? 0xd4d4d4d4u : 0x54545454u;
-  set_scales(r, sv);
-  const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
-  const uint32_t e4 = e << 4, o4 = o << 4;
+  if constexpr (NEG) {
+    neg_scales(r, sv);
+    const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
+    const uint32_t e4 = e << 4, o4 = o << 4;
+    neg_offsets<0>(r, e, o, e4, o4);
+    neg_offsets<1>(r, e, o, e4, o4);
+    neg_offsets<2>(r, e, o, e4, o4);
+    neg_offsets<3>(r, e, o, e4, o4);
+  } else {
+    set_scales(r, sv);
+    const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
+    const uint32_t e4 = e << 4, o4 = o << 4;
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
-    uint32_t* f = NEG ? (m < 2 ? r.zlo : r.zhi) + 4 * (m & 1) : nullptr;
-    (NEG ? f[0] : r.zlo[2 * m]) = __byte_perm(e, lo, sel);
-    (NEG ? f[1] : r.zlo[2 * m + 1]) = __byte_perm(o, lo, sel);
-    (NEG ? f[2] : r.zhi[2 * m]) = __byte_perm(e4, hi, sel);
-    (NEG ? f[3] : r.zhi[2 * m + 1]) = __byte_perm(o4, hi, sel);
+    for (int m = 0; m < 4; ++m) {
+      const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
+      r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
+      r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
+      r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
+      r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
+    }
   }
 }
 
@@ -857,7 +900,9 @@ struct SwapSums {
     if constexpr (!SCALED) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float s0 = __low2float(as_h2(gr.s[2 * i])), s1 = __low2float(as_h2(gr.s[2 * i + 1]));
+        // (NZ's group registers hold fp32 scales: neg_scales)
+        const float s0 = NZ ? __uint_as_float(gr.s[2 * i]) : __low2float(as_h2(gr.s[2 * i]));
+        const float s1 = NZ ? __uint_as_float(gr.s[2 * i + 1]) : __low2float(as_h2(gr.s[2 * i + 1]));
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
           tot[i][nb][0] += s0 * part[i][nb][0], tot[i][nb][1] += s0 * part[i][nb][1];
@@ -1051,7 +1096,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const hal
   static_assert(MT == 8 || MT == 16, "tokens: 1 or 2 n8 tiles");
   static_assert(ST >= 2, "a slot is refilled a stage after it is read (cuda/checks/staged_ring.py models it)");
   constexpr int NB = MT / 8;
-  extern __shared__ __align__(128) uint4 staged_ring[];  // [ST][kWarps][U][32] chunks; then red
+  extern __shared__ __align__(16) uint4 staged_ring[];  // [ST][kWarps][U][32] chunks; then red (16-byte aligned, as bulk copies need: a larger alignment would pad every kernel of this file)
   __shared__ __align__(8) uint64_t full[ST], empty[ST];
   __shared__ int s_last;
   const GemvThread t(N, K, splits);
