@@ -116,29 +116,17 @@ __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
 }
 
-// prmt is __byte_perm with its selector an immediate and its second
-// operand in a register: where the second operand is a constant too,
-// __byte_perm let ptxas make the constant the immediate and load each
-// selector into a register, about 16 moves a group (convert_group<true>).
-template <uint32_t SEL>
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "n"(SEL));
-  return d;
-}
-
 // neg_offsets stores sub-tile pair M's negated offsets −(1024 + z) and
 // −(64 + z) (the zeros' bytes M of e, o and e4, o4 against 0xe4 and 0xd4)
 // as the pair's A fragment (neg_zeros).
 template <int M>
 __device__ __forceinline__ void neg_offsets(GroupRegs& r, uint32_t e, uint32_t o, uint32_t e4, uint32_t o4) {
   constexpr uint32_t sel = 0x4040u | (M << 8) | M;  // bytes (z, 0x.., z, 0x..) from byte M
-  uint32_t lo = 0xe4e4e4e4u, hi = 0xd4d4d4d4u;
   uint32_t* f = (M < 2 ? r.zlo : r.zhi) + 4 * (M & 1);
-  f[0] = prmt<sel>(e, lo);
-  f[1] = prmt<sel>(o, lo);
-  f[2] = prmt<sel>(e4, hi);
-  f[3] = prmt<sel>(o4, hi);
+  f[0] = __byte_perm(e, 0xe4e4e4e4u, sel);
+  f[1] = __byte_perm(o, 0xe4e4e4e4u, sel);
+  f[2] = __byte_perm(e4, 0xd4d4d4d4u, sel);
+  f[3] = __byte_perm(o4, 0xd4d4d4d4u, sel);
 }
 
 // neg_scales stores the eight sub-tiles' scales as fp32 bits, not half2
