@@ -1367,9 +1367,10 @@ constexpr int kMmaMaxM = 64;
 // bounded for (MINB). At 8 tokens the sweep's winner (NOTES.md, v15) is
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
 // for a warp's codes PF batches ahead; 7–9 take the zeros through the
-// Tensor Cores (NEGZ: 11 instructions fewer a step at 8 tokens, 45 → 34
-// on the straight path in a local build); 10–14 are v17, the codes
-// brought in by bulk copies (w4a16_gemv_staged). Sweeps only
+// Tensor Cores (NEGZ: 52 instructions a step at 8 tokens against 59 on
+// the loop's common path, evals/sass_steps.py on a local build); 10–14
+// are v17, the codes brought in by bulk copies (w4a16_gemv_staged: 72,
+// 60 with NEGZ). Sweeps only
 // (LLMQ_W4_SWAP_VARIANT).
 struct SwapVariant {
   int mt, u;
