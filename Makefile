@@ -148,9 +148,10 @@ build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 	$(NVCC) $(NVCC_FLAGS) --shared -Xcompiler -fPIC,-fvisibility=hidden $(CUDA_ARCH) -lcublas -lcusolver -o $@ $(filter %.cu,$^)
 
 # The streaming probe (cuda/probe/stream.cu): a program of its own, for
-# Hopper (its bulk copies and L2 prefetch are sm_90's).
+# Hopper (its bulk copies and L2 prefetch are sm_90's). It includes
+# cuda/stream.cuh, the kernels' loads, so a change there rebuilds it.
 probe: build/stream-probe
-build/stream-probe: cuda/probe/stream.cu
+build/stream-probe: cuda/probe/stream.cu cuda/stream.cuh
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
 

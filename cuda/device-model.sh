@@ -14,7 +14,7 @@
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
 #   bash cuda/device-model.sh trace   # nsys: a decode step's kernels in place, in the graph (TRACE_BATCH, TRACE_CTX)
 #   bash cuda/device-model.sh probe   # cuda/probe/stream.cu: the GEMV's streaming alone, by transport, warps an SM,
-#                                     # steps a batch and work a step (stream-probe-$G.json; PROBE_ARGS)
+#                                     # steps a batch and work a step (stream-probe-$G.json; PROBE_MB, PROBE_ARGS)
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
 #   bash cuda/device-model.sh pdl     # programmatic dependent launch (on unless LLMQ_PDL=0): tests with it, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
@@ -54,8 +54,9 @@
 #   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS once per setting in SWEEP_ENV (settings separated by
 #                                     # ';', each of VAR=value pairs: "LLMQ_W4_SWAP_VARIANT=0;LLMQ_W4_SWAP_VARIANT=3 LLMQ_W4_SPLITS=2"),
 #                                     # into gemm-$G-sweep$SWEEP_TAG.txt
-#   bash cuda/device-model.sh vtests  # the GEMM tests once per setting in VTEST_ENV (';'-separated; a forced variant's
-#                                     # correctness: cuda-gemm-tests-SETTING.log)
+#   bash cuda/device-model.sh vtests  # the GEMM tests once per setting in VTEST_ENV (';'-separated as SWEEP_ENV; "" the
+#                                     # default alone): a forced variant's correctness, cuda-gemm-tests-SETTING.log (SETTING
+#                                     # with '=' as '-', spaces as '_'; the default's cuda-gemm-tests.log); exit 1 if any failed
 #   bash cuda/device-model.sh envab   # the llama3-8b W4 decode (ENVAB_PRESET: another synth preset) with each environment
 #                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default),
 #                                     # twice each, interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
@@ -107,7 +108,7 @@ fi
 WIKI=$LLMQ_SHARED/data/wikitext2/wiki.test.raw
 # split_settings splits a ';'-separated list of environment settings
 # (each of VAR=value pairs; "" is the default, "A;" keeps one) into the
-# array `settings` (envab, sweep and attn).
+# array `settings` (envab, sweep, attn and vtests).
 split_settings() { readarray -td';' settings < <(printf '%s;' "$1"); }
 ppl() { # name dir
   $L eval ppl "$2" --data "$WIKI" --device cuda --json "$OUT/ppl-$1-wikitext2-cuda.json" 2>&1 | grep -v "^ppl " | tr '\r' '\n' | grep -E "perplexity|speed|loaded|error|Error"
@@ -251,13 +252,21 @@ case "$1" in
            # variant's correctness before its timing (cuda-gemm-tests-SETTING.log)
     split_settings "${VTEST_ENV:-}"
     r='TestW4A16|TestGatedGEMM|TestSmallForSanitizer'
+    vrc=0
     for e in "${settings[@]}"; do
-      log="$OUT/cuda-gemm-tests$(printf '%s' "${e:+-$e}" | tr ' =' '_-').log"
+      # the setting in the file name, '=' as '-' and spaces as '_' (anything else the device tool
+      # would not return as '_')
+      log="$OUT/cuda-gemm-tests$(printf '%s' "${e:+-$e}" | tr ' =' '_-' | tr -c 'A-Za-z0-9._-' '_').log"
       echo "# $LLMQ_COMMIT: $e cuda.test -test.v -test.run '$r'" > "$log"
       env $e build/device/cuda.test -test.v -test.run "$r" >> "$log" 2>&1
-      echo "[${e:-default}] rc=$? $(grep -c '^--- FAIL' "$log") failed; largest rel err" \
+      trc=$?
+      [ $trc = 0 ] || vrc=1
+      # (the largest error of the cases that passed: a failed case's is on its FAIL line below)
+      echo "[${e:-default}] rc=$trc $(grep -c '^--- FAIL' "$log") failed; largest rel err" \
         "$(grep -E 'rel err' "$log" | awk '{print $NF}' | sort -g | tail -1)"
+      [ $trc = 0 ] || grep -E '^\s*--- FAIL|Frobenius error|not written|^panic' "$log" | head -6
     done
+    exit $vrc
     ;;
   paths) # the GEMV kernel against the fused one where both run
     for p in ${PATHS:-gemv fused}; do
@@ -510,15 +519,21 @@ case "$1" in
           # (PROBE_MB, PROBE_ARGS; stream-probe-$G.json)
     make probe NVCC_FLAGS="-O3 -std=c++17" > "$OUT/build-probe.log" 2>&1 || { tail -20 "$OUT/build-probe.log"; exit 1; }
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv
-    runs=()
+    # Each size's document is merged into one file; a size that fails keeps its partial output
+    # (stream-probe-$G-MB-failed.txt) and the others still run.
+    runs=(); prc=0
     for mb in ${PROBE_MB:-56 12 112}; do
-      build/stream-probe --mb $mb ${PROBE_ARGS:-} > /tmp/probe-$mb.json || exit 1
-      runs+=(/tmp/probe-$mb.json)
+      if build/stream-probe --mb $mb ${PROBE_ARGS:-} > /tmp/probe-$mb.json; then
+        runs+=(/tmp/probe-$mb.json)
+      else
+        echo "stream-probe --mb $mb failed"; prc=1; cp /tmp/probe-$mb.json "$OUT/stream-probe-$G-$mb-failed.txt"
+      fi
     done
-    python3 - "$LLMQ_COMMIT" "build/stream-probe --mb {${PROBE_MB:-56 12 112}} ${PROBE_ARGS:-}" "${runs[@]}" > "$OUT/stream-probe-$G.json" <<'PY'
+    [ ${#runs[@]} = 0 ] || python3 - "$LLMQ_COMMIT" "build/stream-probe --mb {${PROBE_MB:-56 12 112}} ${PROBE_ARGS:-}" "${runs[@]}" > "$OUT/stream-probe-$G.json" <<'PY' || prc=1
 import json, sys
 print(json.dumps({"command": sys.argv[2], "commit": sys.argv[1], "runs": [json.load(open(f)) for f in sys.argv[3:]]}, indent=1))
 PY
+    exit $prc
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"

@@ -17,7 +17,8 @@
 #   bash cuda/local-check.sh cuda/w4a16.cu   # one file
 #
 # Logs and objects go to build/local-check/. Exit status: 0 built, 1 a
-# file failed to build or link, 3 the toolkit could not be fetched.
+# file failed to build or link or a cuda/checks model failed, 3 the
+# toolkit could not be fetched (then the checks do not run either).
 set -uo pipefail
 files=()
 for f in "$@"; do files+=("$(realpath "$f")"); done  # before the cd below
@@ -91,6 +92,8 @@ if command -v python3 > /dev/null; then
   for f in cuda/checks/*.py; do
     python3 "$f" > "$out/$(basename "$f" .py).log" 2>&1 && echo "$f: ok" || { echo "$f failed:"; tail -5 "$out/$(basename "$f" .py).log"; rc=1; }
   done
+else
+  echo "local-check: no python3, cuda/checks skipped"
 fi
 # Registers and spills of each sm_90a kernel, as ptxas reported them.
 for f in "$out"/*.log; do

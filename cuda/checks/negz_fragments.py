@@ -59,8 +59,7 @@ def a_pos(lane, r, hh):
 rng = random.Random(1)
 for trial in range(300):
     Aneg = {}; Acod = {}; Aref = {}
-    zvs = [rng.getrandbits(32) for _ in range(32)]  # per lane: per gid really (same for all tig)
-    zvs_g = [rng.getrandbits(32) for _ in range(8)]
+    zvs_g = [rng.getrandbits(32) for _ in range(8)]  # a group's zeros word: one a column, so one a gid (every tig alike)
     for lane in range(32):
         gid = lane >> 2
         zv = zvs_g[gid]

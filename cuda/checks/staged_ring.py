@@ -56,7 +56,9 @@ def run(KT, splits, split, U, ST, rng):
     spins = 0
     while True:
         active = [w for w in range(KW) if st[w][0] < stages]
-        if not active and not inflight: break
+        if not active:  # every warp is past its last stage: the kernel's ring becomes the reduction now
+            assert not inflight, ("copies in flight after the last stage", inflight)
+            break
         choices = active[:] + (['copy'] if inflight else [])
         c = rng.choice(choices)
         if c == 'copy':
@@ -88,10 +90,9 @@ def run(KT, splits, split, U, ST, rng):
                 if spins > 100000: raise Exception("deadlock (empty)")
             continue
         if ph == 3: st[w] = [i + 1, 0]; spins = 0
-    assert not inflight
     for w in range(KW):
         a, b = warp_range(KT, splits, split, w)
-        assert steps_done[w] == list(range(a, b)) if b > a else steps_done[w] == [], (w, a, b, steps_done[w])
+        assert steps_done[w] == list(range(a, b)), (w, a, b, steps_done[w])
     for s in range(ST):  # every issued tx satisfied
         assert full[s].tx == 0 and full[s].pending == 1
     return stages
