@@ -18,11 +18,25 @@
 #
 # Logs and objects go to build/local-check/. Exit status: 0 built, 1 a
 # file failed to build or link or a cuda/checks model failed, 3 the
-# toolkit could not be fetched (then the checks do not run either).
+# toolkit could not be fetched (the checks, which run first, passed).
 set -uo pipefail
 files=()
 for f in "$@"; do files+=("$(realpath "$f")"); done  # before the cd below
 cd "$(dirname "$0")/.."
+# The kernels' arithmetic and protocols modelled in Python (cuda/checks:
+# byte permutes, fragment layouts, the staged ring's barriers). They need
+# no compiler, so they run first, whether or not the toolkit can be had.
+checks_rc=0
+if command -v python3 > /dev/null; then
+  for f in cuda/checks/*.py; do
+    if log=$(python3 "$f" 2>&1); then echo "$f: ok"; else echo "$f failed:"; printf '%s\n' "$log" | tail -5; checks_rc=1; fi
+  done
+else
+  echo "local-check: no python3, cuda/checks skipped"
+fi
+# unavailable: the toolkit could not be had — exit 3 (CI skips with a
+# warning), unless a check above failed (1).
+unavailable() { [ $checks_rc = 0 ] && exit 3 || exit 1; }
 ROOT=${LLMQ_NVCC_ROOT:-${HOME:-/tmp}/.cache/llmq-nvcc}
 if [ ! -e "$ROOT/.llmq-complete" ]; then
   echo "local-check: fetching Debian trixie's CUDA 12.4 toolkit into $ROOT (about 1 GB, once)"
@@ -34,15 +48,15 @@ if [ ! -e "$ROOT/.llmq-complete" ]; then
   opts=(-o "Dir::Etc::SourceList=$apt/sources.list" -o Dir::Etc::SourceParts=/dev/null -o "Dir::State::Lists=$apt/lists"
         -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
   # Exit status 3: the toolkit could not be had (no network, no mirror), as opposed to a failed build.
-  apt-get "${opts[@]}" update -qq || { echo "local-check: apt-get update failed" >&2; exit 3; }
+  apt-get "${opts[@]}" update -qq || { echo "local-check: apt-get update failed" >&2; unavailable; }
   (cd "$apt/debs" && apt-get "${opts[@]}" download nvidia-cuda-toolkit nvidia-cuda-dev libcu++-dev) ||
-    { echo "local-check: downloading the toolkit failed" >&2; exit 3; }
+    { echo "local-check: downloading the toolkit failed" >&2; unavailable; }
   # Unpacked beside, then moved into place whole: a failure leaves ROOT as it was.
-  for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$apt/root" || exit 3; done
+  for d in "$apt"/debs/*.deb; do dpkg -x "$d" "$apt/root" || unavailable; done
   touch "$apt/root/.llmq-complete"
   mkdir -p "$(dirname "$ROOT")" && rm -rf "$ROOT.partial" && mv "$apt/root" "$ROOT.partial" &&
-    { [ ! -e "$ROOT" ] || [ -z "$(ls -A "$ROOT")" ] || { echo "local-check: $ROOT exists and is not a complete toolkit: remove it" >&2; exit 3; }; } &&
-    rm -rf "$ROOT" && mv "$ROOT.partial" "$ROOT" || exit 3
+    { [ ! -e "$ROOT" ] || [ -z "$(ls -A "$ROOT")" ] || { echo "local-check: $ROOT exists and is not a complete toolkit: remove it" >&2; unavailable; }; } &&
+    rm -rf "$ROOT" && mv "$ROOT.partial" "$ROOT" || unavailable
 fi
 # The package's nvcc.profile links to /etc's, which names /usr: this one
 # names the unpacked tree instead (headers, libdevice, libraries).
@@ -62,7 +76,7 @@ rm -rf "$out"  # this run's files only: an object left by an older run must not 
 mkdir -p "$out"
 whole=0
 [ ${#files[@]} = 0 ] && files=(cuda/*.cu) && whole=1
-rc=0
+rc=$checks_rc
 for f in "${files[@]}"; do
   b=$(basename "$f" .cu)
   nvcc -ccbin "$cxx" -O3 -std=c++17 -Xptxas -v -Xcompiler -fPIC,-fvisibility=hidden \
@@ -84,16 +98,6 @@ if [ $rc = 0 ] && [ $whole = 1 ]; then  # the whole library: it links with no sy
   nvcc -ccbin "$cxx" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o "$out/stream-probe" cuda/probe/stream.cu \
     > "$out/stream-probe.log" 2>&1 || { echo "cuda/probe/stream.cu failed:"; tail -20 "$out/stream-probe.log"; rc=1; }
   [ $rc = 0 ] && echo "built $out/stream-probe"
-fi
-# The kernels' arithmetic and protocols modelled in Python (cuda/checks:
-# byte permutes, fragment layouts, the staged ring's barriers): they need
-# no compiler, only python3.
-if command -v python3 > /dev/null; then
-  for f in cuda/checks/*.py; do
-    python3 "$f" > "$out/$(basename "$f" .py).log" 2>&1 && echo "$f: ok" || { echo "$f failed:"; tail -5 "$out/$(basename "$f" .py).log"; rc=1; }
-  done
-else
-  echo "local-check: no python3, cuda/checks skipped"
 fi
 # Registers and spills of each sm_90a kernel, as ptxas reported them.
 for f in "$out"/*.log; do

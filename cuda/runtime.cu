@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "common.cuh"
+#include "stream.cuh"
 
 namespace llmq {
 static thread_local char t_err[1024];
@@ -88,8 +89,7 @@ int ctx_create(int device, llmq_ctx** out) {
   }
   // Programmatic dependent launch needs compute capability 9.0 (Hopper);
   // older GPUs launch as before, whatever LLMQ_PDL says.
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
+  if (cudaDeviceGetAttribute(&c->cc_major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || c->cc_major < 9)
     c->pdl = false;
   cudaError_t e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
@@ -229,14 +229,7 @@ int event_elapsed(llmq_ctx* c, void* a, void* b, float* ms) {
 
 // touch_kernel reads every 16 bytes of a buffer once (a read-bandwidth
 // probe for the benchmark's "fraction of HBM bandwidth").
-__global__ void touch_kernel(const uint4* __restrict__ p, size_t n, unsigned* out) {
-  uint32_t acc = 0;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    const uint4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *out = acc;  // practically never: keeps the loads
-}
+__global__ void touch_kernel(const uint4* __restrict__ p, size_t n, unsigned* out) { touch_range(p, n, out); }
 
 int read_probe(llmq_ctx* c, const void* p, size_t bytes, void* out) {
   touch_kernel<<<c->sms * 8, 512, 0, c->stream>>>((const uint4*)p, bytes / 16, (unsigned*)out);

@@ -6,6 +6,10 @@
 #include <stdint.h>
 #include <cuda_runtime.h>
 
+// kStepBytes is a warp's 16-row step of 4-bit codes in the GPU layout
+// (pack.GPUWeights): one 16-byte chunk a lane, a 16×64 tile.
+constexpr int kStepBytes = 512;
+
 // ld_stream reads 16 bytes read once: through L2, without allocating in L1.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;
@@ -13,6 +17,19 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
+}
+
+// touch_range reads the n 16-byte words from p once, the thread's share
+// of a grid-stride walk (the read-bandwidth probe: runtime.cu's
+// read_probe and the stream probe's baseline), writing to out only in a
+// case that never happens so the loads stay.
+__device__ __forceinline__ void touch_range(const uint4* __restrict__ p, size_t n, unsigned* out) {
+  uint32_t acc = 0;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9e3779b9u) *out = acc;
 }
 
 // prefetch_l2 asks L2 for bytes (a multiple of 16) from p (16-byte
@@ -25,7 +42,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 }
 
 // Bulk copies into shared memory on mbarriers (Hopper's copy engine, the
-// streaming probe's tma modes and the staged v15): a barrier counts its
+// streaming probe's tma modes and v17, w4a16_gemv_staged): a barrier counts its
 // arrivals and the bytes its copies deliver (expect_tx), and a wait on
 // its phase's parity returns once both are complete.
 // The instructions are Hopper's (sm_90); an older architecture's build
@@ -76,4 +93,17 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                     smem_addr(dst)),
                 "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_addr(bar))
                 : "memory");
+}
+
+// ring_init readies a ring of S slots: slot s's `full` barrier completes
+// when its producer (thread 0: one arrival with its expected bytes) and
+// the bytes have arrived, its `empty` barrier when `consumers` arrivals
+// (a CTA's warps) have. Every thread of the CTA calls it.
+template <int S>
+__device__ __forceinline__ void ring_init(uint64_t (&full)[S], uint64_t (&empty)[S], uint32_t consumers) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], consumers);
+    mbar_init_fence();
+  }
+  __syncthreads();
 }

@@ -103,7 +103,9 @@ constexpr size_t fused_smem_bytes() {
 }
 
 // Group scales/zeros in the form the dequant needs: half2 scale, and the
-// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles).
+// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles). Filled
+// by convert_group<true> (v15's NEGZ) it holds fp32 scales instead and the
+// offsets negated, in A-fragment order (neg_zeros).
 struct GroupRegs {
   uint32_t s[8], zlo[8], zhi[8];
 };
@@ -116,17 +118,12 @@ __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
 }
 
-// neg_offsets stores sub-tile pair M's negated offsets −(1024 + z) and
-// −(64 + z) (the zeros' bytes M of e, o and e4, o4 against 0xe4 and 0xd4)
-// as the pair's A fragment (neg_zeros).
-template <int M>
-__device__ __forceinline__ void neg_offsets(GroupRegs& r, uint32_t e, uint32_t o, uint32_t e4, uint32_t o4) {
-  constexpr uint32_t sel = 0x4040u | (M << 8) | M;  // bytes (z, 0x.., z, 0x..) from byte M
-  uint32_t* f = (M < 2 ? r.zlo : r.zhi) + 4 * (M & 1);
-  f[0] = __byte_perm(e, 0xe4e4e4e4u, sel);
-  f[1] = __byte_perm(o, 0xe4e4e4e4u, sel);
-  f[2] = __byte_perm(e4, 0xd4d4d4d4u, sel);
-  f[3] = __byte_perm(o4, 0xd4d4d4d4u, sel);
+// neg_zeros is sub-tile pair m's A fragment of negated offsets in r (as
+// convert_group<true> stores them): −(1024 + z) of sub-tiles 2m and 2m + 1,
+// then −(64 + z) of both, the registers side by side as mma takes them.
+__device__ __forceinline__ uint32_t* neg_zeros(GroupRegs& r, int m) { return (m < 2 ? r.zlo : r.zhi) + 4 * (m & 1); }
+__device__ __forceinline__ const uint32_t* neg_zeros(const GroupRegs& r, int m) {
+  return neg_zeros(const_cast<GroupRegs&>(r), m);
 }
 
 // neg_scales stores the eight sub-tiles' scales as fp32 bits, not half2
@@ -155,11 +152,16 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t z
     neg_scales(r, sv);
     const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
     const uint32_t e4 = e << 4, o4 = o << 4;
-    neg_offsets<0>(r, e, o, e4, o4);
-    neg_offsets<1>(r, e, o, e4, o4);
-    neg_offsets<2>(r, e, o, e4, o4);
-    neg_offsets<3>(r, e, o, e4, o4);
-  } else {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
+      uint32_t* f = neg_zeros(r, m);
+      f[0] = __byte_perm(e, 0xe4e4e4e4u, sel);
+      f[1] = __byte_perm(o, 0xe4e4e4e4u, sel);
+      f[2] = __byte_perm(e4, 0xd4d4d4d4u, sel);
+      f[3] = __byte_perm(o4, 0xd4d4d4d4u, sel);
+    }
+  } else {  // (the statements in this order: the kernels' SASS as it was before NEG)
     set_scales(r, sv);
     const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
     const uint32_t e4 = e << 4, o4 = o << 4;
@@ -174,11 +176,6 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t z
   }
 }
 
-// neg_zeros is sub-tile pair m's A fragment of negated offsets, as
-// convert_group<true> stores them.
-__device__ __forceinline__ const uint32_t* neg_zeros(const GroupRegs& r, int m) {
-  return (m < 2 ? r.zlo : r.zhi) + 4 * (m & 1);
-}
 
 // convert_group for 8-bit codes: zeros a byte each (sub-tile j in byte j
 // of zv), the offsets 1024 + z in zlo (zhi unused).
@@ -872,6 +869,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
 // group's, unscaled (unused when SCALED, whose codes are scaled first).
 template <int NB, int BITS, bool SCALED, bool NZ>
 struct SwapSums {
+  static_assert(!NZ || (BITS == 4 && !SCALED), "NEGZ: unscaled 4-bit codes");
   static constexpr int NP = SCALED ? 1 : NB;
   float tot[4][NB][4], part[4][NP][4];
   __device__ __forceinline__ SwapSums() {
@@ -1069,8 +1067,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
 // four bulk copies a stage into a ring in shared memory, on the stage's
 // `full` mbarrier — and each warp, once it has read its U steps of a
 // stage into registers, arrives on the stage's `empty`, so thread 0 can
-// refill the slot (a stage later) while the warps multiply. The stream probe's tma4 rows
-// (cuda/probe/stream.cu) measure this transport alone. The first ST
+// refill the slot (a stage later) while the warps multiply. The stream
+// probe's tma4 rows (cuda/probe/stream.cu) measure this transport alone,
+// refilled the same way. The first ST
 // stages are asked for before pdl_gate (weights only, as
 // weights_then_gate); the activations after it, one stage ahead in
 // registers. At the end the ring holds the warps' sums for the CTA's
@@ -1084,7 +1083,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const hal
   static_assert(MT == 8 || MT == 16, "tokens: 1 or 2 n8 tiles");
   static_assert(ST >= 2, "a slot is refilled a stage after it is read (cuda/checks/staged_ring.py models it)");
   constexpr int NB = MT / 8;
-  extern __shared__ __align__(16) uint4 staged_ring[];  // [ST][kWarps][U][32] chunks; then red (16-byte aligned, as bulk copies need: a larger alignment would pad every kernel of this file)
+  // [ST][kWarps][U][32] chunks, then the CTA's red. 16-byte aligned, as
+  // bulk copies need: a larger alignment pads every kernel of this file.
+  extern __shared__ __align__(16) uint4 staged_ring[];
   __shared__ __align__(8) uint64_t full[ST], empty[ST];
   __shared__ int s_last;
   const GemvThread t(N, K, splits);
@@ -1104,18 +1105,15 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const hal
       warp_range(KT, splits, blockIdx.y, w, a, b);
       kw[w] = a + i * U;
       nw[w] = max(0, min(U, b - kw[w]));
-      bytes += nw[w] * 512;
+      bytes += nw[w] * kStepBytes;
     }
     mbar_expect_tx(&full[slot], bytes);
 #pragma unroll
     for (int w = 0; w < kWarps; ++w)
-      if (nw[w] > 0) bulk_copy(staged_ring + ((size_t)slot * kWarps + w) * U * 32, tile + (size_t)kw[w] * 32, nw[w] * 512, &full[slot]);
+      if (nw[w] > 0)
+        bulk_copy(staged_ring + ((size_t)slot * kWarps + w) * U * 32, tile + (size_t)kw[w] * 32, nw[w] * kStepBytes, &full[slot]);
   };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kWarps);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  ring_init<ST>(full, empty, kWarps);
   if (threadIdx.x == 0)
     for (int i = 0; i < ST && i < stages; ++i) issue(i, i);
   GroupStream<4, NEGZ> groups(S, Z, nt, NT, gid, KT, gshift);
@@ -1189,8 +1187,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const hal
 // ring, or the CTA's reduction where that is larger.
 template <int MT, int U, int ST>
 constexpr size_t staged_smem_bytes() {
-  return (size_t)ST * kWarps * U * 512 > (size_t)kWarps * MT * 64 * sizeof(float) ? (size_t)ST * kWarps * U * 512
-                                                                                   : (size_t)kWarps * MT * 64 * sizeof(float);
+  return (size_t)ST * kWarps * U * kStepBytes > (size_t)kWarps * MT * 64 * sizeof(float) ? (size_t)ST * kWarps * U * kStepBytes
+                                                                                          : (size_t)kWarps * MT * 64 * sizeof(float);
 }
 
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
@@ -1680,11 +1678,13 @@ int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr SwapVariant v = kSwap[V];
   if constexpr (v.stages > 0) {  // v17: 4-bit codes, Hopper's bulk copies
-    int major = 0;
-    CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
-    if (BITS != 4 || major < 9) {
-      llmq::set_error(c, "v15 variant %d (v17, staged) runs 4-bit codes on Hopper or later, not %d-bit on compute capability %d",
-                      V, BITS, major);
+    if (BITS != 4) {
+      llmq::set_error(c, "v15 variant %d (v17, staged) runs 4-bit codes, not %d-bit", V, BITS);
+      return 1;
+    }
+    if (c->cc_major < 9) {
+      llmq::set_error(c, "v15 variant %d (v17, staged) needs Hopper's bulk copies (compute capability 9 or later), not %d",
+                      V, c->cc_major);
       return 1;
     }
     return gemv_kernel(c, run, resident_slot(5, V, BITS), w4a16_gemv_staged<v.mt, v.u, v.stages, v.minb, v.negz>, splits,
@@ -1866,14 +1866,16 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   Plan p;
   if (plan(c, p, M, N, K, group, bits, true)) return 1;
   // A variant's L2 prefetch distance in batches, as " pf4" (none: empty).
-  char pf[16] = "";
+  char pf[16] = "", st[16] = "";
   if (int d = p.path == 5 ? kSwap[p.variant].pf : p.path == 4 ? kMma[p.variant].pf : 0) snprintf(pf, sizeof pf, " pf%d", d);
+  // v17's ring of stages, as " st4" (none: empty).
+  if (p.path == 5 && kSwap[p.variant].stages) snprintf(st, sizeof st, " st%d", kSwap[p.variant].stages);
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 5)
-    snprintf(out, n, "gemv-swap %s%s mt%d u%d%s%s%s b%d splits%d", kSwap[p.variant].stages ? "v17 staged" : "v15",
-             bits == 8 ? " w8" : "", kSwap[p.variant].mt, kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", pf,
-             kSwap[p.variant].negz && bits == 4 ? " negz" : "", kSwap[p.variant].minb, p.splits);
+    snprintf(out, n, "gemv-swap %s%s mt%d u%d%s%s%s%s b%d splits%d", kSwap[p.variant].stages ? "v17 staged" : "v15",
+             bits == 8 ? " w8" : "", kSwap[p.variant].mt, kSwap[p.variant].u, st, kSwap[p.variant].scaled ? " scaled" : "",
+             pf, kSwap[p.variant].negz && bits == 4 ? " negz" : "", kSwap[p.variant].minb, p.splits);
   else if (p.path == 4)
     snprintf(out, n, "gemv-mma v11%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
              kMma[p.variant].u, pf, p.splits);

@@ -65,7 +65,7 @@
 namespace {
 
 constexpr int kWarps = 4;    // a CTA's warps, as the GEMV kernels'
-constexpr int kStep = 512;   // bytes a warp reads a step (a lane's 16)
+constexpr int kStep = kStepBytes;  // bytes a warp reads a step (a lane's 16)
 constexpr int kChains = 8;   // independent chains of the emulated work
 
 __device__ __forceinline__ uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
@@ -178,7 +178,8 @@ __global__ void __launch_bounds__(kWarps * 32) cpasync_kernel(const uint4* __res
 // each warp's own contiguous range (how a GEMV whose warps keep their own
 // K ranges would be fed: mode tma4). Thread 0 keeps S stages in flight
 // on `full`; each warp, done with a stage, arrives on `empty`, and thread
-// 0 refills the slot once all four have.
+// 0 refills a slot a stage after it was read, once all four have (as v17,
+// w4a16_gemv_staged, does), so S − 1 to S stages are in flight.
 template <int U, int S, int W, bool SPLIT>
 __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restrict__ buf, int stages, unsigned* out) {
   constexpr uint32_t kStage = kWarps * U * kStep, kPart = U * kStep;
@@ -196,11 +197,7 @@ __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restric
       bulk_copy(ring + (size_t)slot * kStage / 16, src + (size_t)stage * kStage, kStage, &full[slot]);
     }
   };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kWarps);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  ring_init<S>(full, empty, kWarps);
   if (threadIdx.x == 0)
     for (int s = 0; s < S && s < stages; ++s) issue(s, s);
   uint32_t acc[kChains] = {};
@@ -216,9 +213,10 @@ __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restric
     for (int u = 0; u < U; ++u) work<W>(acc, q[u]);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[s]);
-    if (threadIdx.x == 0 && i + S < stages) {
-      mbar_wait(&empty[s], parity);
-      issue(s, i + S);
+    if (threadIdx.x == 0 && i > 0 && i - 1 + S < stages) {  // the previous stage's slot, as v17 refills it
+      const int prev = (i - 1) % S;
+      mbar_wait(&empty[prev], ((i - 1) / S) & 1);
+      issue(prev, i - 1 + S);
     }
   }
   keep(acc, out);
@@ -226,17 +224,11 @@ __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restric
 
 // touch_kernel: the library's read probe (runtime.cu), the bandwidth the
 // "% of read bandwidth" figures are relative to.
-__global__ void touch_kernel(const uint4* __restrict__ p, size_t n, unsigned* out) {
-  uint32_t acc = 0;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    const uint4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9e3779b9u) *out = acc;
-}
+__global__ void touch_kernel(const uint4* __restrict__ p, size_t n, unsigned* out) { touch_range(p, n, out); }
 
 struct Probe {
   std::string mode;
+  bool staged;         // a CTA's stages through shared memory (tma, tma4): n counts stages, not steps
   int P, U, S, PF, W;  // CTAs an SM, steps a batch, ring depth, prefetch distance, work
   const void* fn;      // the kernel (for the occupancy query)
   void (*launch)(dim3, size_t, const uint4*, int, unsigned*);
@@ -251,14 +243,15 @@ template <int U, int S, int W, bool SPLIT>
 void launch_tma(dim3 g, size_t smem, const uint4* b, int n, unsigned* o) { tma_kernel<U, S, W, SPLIT><<<g, kWarps * 32, smem>>>(b, n, o); }
 
 template <int U, int PF, int W>
-Probe ldg(int P) { return {"ldg", P, U, 0, PF, W, (const void*)ldg_kernel<U, PF, W>, launch_ldg<U, PF, W>, 0}; }
+Probe ldg(int P) { return {"ldg", false, P, U, 0, PF, W, (const void*)ldg_kernel<U, PF, W>, launch_ldg<U, PF, W>, 0}; }
 template <int U, int S, int W>
 Probe cpasync(int P) {
-  return {"cpasync", P, U, S, 0, W, (const void*)cpasync_kernel<U, S, W>, launch_cpasync<U, S, W>, (size_t)S * U * kWarps * 32 * 16};
+  return {"cpasync", false, P, U, S, 0, W, (const void*)cpasync_kernel<U, S, W>, launch_cpasync<U, S, W>,
+          (size_t)S * U * kWarps * 32 * 16};
 }
 template <int U, int S, int W, bool SPLIT = false>
 Probe tma(int P) {
-  return {SPLIT ? "tma4" : "tma", P, U, S, 0, W, (const void*)tma_kernel<U, S, W, SPLIT>, launch_tma<U, S, W, SPLIT>,
+  return {SPLIT ? "tma4" : "tma", true, P, U, S, 0, W, (const void*)tma_kernel<U, S, W, SPLIT>, launch_tma<U, S, W, SPLIT>,
           (size_t)S * kWarps * U * kStep};
 }
 
@@ -362,7 +355,7 @@ int main(int argc, char** argv) {
     const int ctas = sms * p.P;
     // Each warp (tma: each CTA) an equal whole number of units that divide
     // the loop: 2U steps (ldg), U (cpasync), a stage (tma).
-    const bool staged = p.mode.rfind("tma", 0) == 0;
+    const bool staged = p.staged;
     const size_t unit = staged ? (size_t)kWarps * p.U * kStep : (size_t)(p.mode == "ldg" ? 2 : 1) * p.U * kStep;
     const size_t per = staged ? ctas : (size_t)ctas * kWarps;
     const int units = (int)(region / unit / per);
