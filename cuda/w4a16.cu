@@ -148,31 +148,22 @@ __device__ __forceinline__ void neg_scales(GroupRegs& r, uint4 sv) {
 // side by side as mma wants them; its scales as fp32 (neg_scales).
 template <bool NEG = false>
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
-  if constexpr (NEG) {
+  constexpr uint32_t lo = NEG ? 0xe4e4e4e4u : 0x64646464u, hi = NEG ? 0xd4d4d4d4u : 0x54545454u;
+  if constexpr (NEG)
     neg_scales(r, sv);
-    const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
-    const uint32_t e4 = e << 4, o4 = o << 4;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
-      uint32_t* f = neg_zeros(r, m);
-      f[0] = __byte_perm(e, 0xe4e4e4e4u, sel);
-      f[1] = __byte_perm(o, 0xe4e4e4e4u, sel);
-      f[2] = __byte_perm(e4, 0xd4d4d4d4u, sel);
-      f[3] = __byte_perm(o4, 0xd4d4d4d4u, sel);
-    }
-  } else {  // (the statements in this order: the kernels' SASS as it was before NEG)
+  else
     set_scales(r, sv);
-    const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
-    const uint32_t e4 = e << 4, o4 = o << 4;
+  const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
+  const uint32_t e4 = e << 4, o4 = o << 4;
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
-      r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
-      r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
-      r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
-      r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
-    }
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
+    // Where sub-tiles 2m and 2m + 1's offsets go: NEG's A fragment, else zlo/zhi by sub-tile.
+    uint32_t* f = NEG ? neg_zeros(r, m) : nullptr;
+    (NEG ? f[0] : r.zlo[2 * m]) = __byte_perm(e, lo, sel);
+    (NEG ? f[1] : r.zlo[2 * m + 1]) = __byte_perm(o, lo, sel);
+    (NEG ? f[2] : r.zhi[2 * m]) = __byte_perm(e4, hi, sel);
+    (NEG ? f[3] : r.zhi[2 * m + 1]) = __byte_perm(o4, hi, sel);
   }
 }
 
