@@ -1359,8 +1359,11 @@ constexpr int kMmaMaxM = 64;
 // Tensor Cores (NEGZ: 52 instructions a step at 8 tokens against 59 on
 // the loop's common path, evals/sass_steps.py on a local build); 10–14
 // are v17, the codes brought in by bulk copies (w4a16_gemv_staged: 72,
-// 60 with NEGZ). Sweeps only
-// (LLMQ_W4_SWAP_VARIANT).
+// 60 with NEGZ); both lost to variant 0 at every shape (the twelfth
+// session's sweep, gemm-h200-sweep-swap-v17.txt). 15–16 take 2 steps a
+// batch, the register batches half as large, for 20 warps an SM at 96
+// registers (the stream probe's best load shape: 4 CTAs, 2 steps). Sweeps
+// only (LLMQ_W4_SWAP_VARIANT).
 struct SwapVariant {
   int mt, u;
   bool scaled;
@@ -1375,7 +1378,9 @@ constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0, false}, {16, 4, false, 1, 0
                                  {16, 4, false, 1, 0, true},
                                  // v17 (staged): U 4 in 4 and 6 stages, 4 with NEGZ, 4 at 5 CTAs an SM; 16 tokens
                                  {8, 4, false, 4, 0, false, 4}, {8, 4, false, 4, 0, false, 6}, {8, 4, false, 4, 0, true, 4},
-                                 {8, 4, false, 5, 0, false, 4}, {16, 4, false, 1, 0, false, 4}};
+                                 {8, 4, false, 5, 0, false, 4}, {16, 4, false, 1, 0, false, 4},
+                                 // v15 at 2 steps a batch, 4 and 5 CTAs an SM (116 and 96 registers)
+                                 {8, 2, false, 4, 0, false}, {8, 2, false, 5, 0, false}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
