@@ -3,8 +3,8 @@
 # install (this machine, CI's): every cuda/*.cu (or the files named) built
 # with the Makefile's flags for sm_90a and sm_80, through ptxas, then
 # linked with no undefined symbols (and, for the whole library, the
-# streaming probe cuda/probe/stream.cu built); then cuda/checks' Python
-# models of the kernels' arithmetic and protocols run. Errors, warnings
+# streaming probe cuda/probe/stream.cu built); cuda/checks' Python
+# models of the kernels' arithmetic run before the build. Errors, warnings
 # and each kernel's registers and spills are printed. It catches C++, PTX and register
 # mistakes before a device call costs device time. The compiler is Debian
 # trixie's nvcc 12.4 (packages nvidia-cuda-toolkit, nvidia-cuda-dev and
@@ -23,9 +23,9 @@ set -uo pipefail
 files=()
 for f in "$@"; do files+=("$(realpath "$f")"); done  # before the cd below
 cd "$(dirname "$0")/.."
-# The kernels' arithmetic and protocols modelled in Python (cuda/checks:
-# byte permutes, fragment layouts, the staged ring's barriers). They need
-# no compiler, so they run first, whether or not the toolkit can be had.
+# The kernels' arithmetic modelled in Python (cuda/checks: the zeros'
+# byte permutes). They need no compiler, so they run first, whether or
+# not the toolkit can be had.
 checks_rc=0
 if command -v python3 > /dev/null; then
   for f in cuda/checks/*.py; do

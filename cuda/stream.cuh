@@ -41,10 +41,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #endif
 }
 
-// Bulk copies into shared memory on mbarriers (Hopper's copy engine, the
-// streaming probe's tma modes and v17, w4a16_gemv_staged): a barrier counts its
-// arrivals and the bytes its copies deliver (expect_tx), and a wait on
-// its phase's parity returns once both are complete.
+// Bulk copies into shared memory on mbarriers (Hopper's copy engine, used
+// by the streaming probe's tma modes): a barrier counts its arrivals and
+// the bytes its copies deliver (expect_tx), and a wait on its phase's
+// parity returns once both are complete.
 // The instructions are Hopper's (sm_90); an older architecture's build
 // compiles these to a trap, and the kernels that use them are never
 // launched there.

@@ -103,9 +103,7 @@ constexpr size_t fused_smem_bytes() {
 }
 
 // Group scales/zeros in the form the dequant needs: half2 scale, and the
-// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles). Filled
-// by convert_group<true> (v15's NEGZ) it holds fp32 scales instead and the
-// offsets negated, in A-fragment order (neg_zeros).
+// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles).
 struct GroupRegs {
   uint32_t s[8], zlo[8], zhi[8];
 };
@@ -118,61 +116,28 @@ __device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
   for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
 }
 
-// neg_zeros is sub-tile pair m's A fragment of negated offsets in r (as
-// convert_group<true> stores them): −(1024 + z) of sub-tiles 2m and 2m + 1,
-// then −(64 + z) of both, the registers side by side as mma takes them.
-__device__ __forceinline__ uint32_t* neg_zeros(GroupRegs& r, int m) { return (m < 2 ? r.zlo : r.zhi) + 4 * (m & 1); }
-__device__ __forceinline__ const uint32_t* neg_zeros(const GroupRegs& r, int m) {
-  return neg_zeros(const_cast<GroupRegs&>(r), m);
-}
-
-// neg_scales stores the eight sub-tiles' scales as fp32 bits, not half2
-// pairs: the kernels that take convert_group<true> (v15's NEGZ) multiply
-// the scales in once a group in fp32 (SwapSums::flush) and never as half2.
-__device__ __forceinline__ void neg_scales(GroupRegs& r, uint4 sv) {
-  const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    r.s[j] = __float_as_uint(__half2float(__ushort_as_half((unsigned short)(sw[j >> 1] >> (16 * (j & 1))))));
-}
-
 // convert_group for 2- to 4-bit codes: zeros a nibble each (sub-tile j
 // in nibble j of zv). The zeros of the even sub-tiles, a byte each, are
 // e's bytes, the odd ones o's; a byte permute against 0x64 or 0x54 makes
 // each pair of offsets (1024 + z as fp16 is 0x64 over z, 64 + z is 0x54
-// over z·16). NEG: the offsets negated, −(1024 + z) and −(64 + z) (the
-// same permutes against 0xe4 and 0xd4: the sign bit), for v15's zeros
-// through the Tensor Cores (w4a16_gemv_swap's NEGZ), and stored as the A
-// fragments of the sub-tile pairs: pair m's four (−(1024 + z), 2m and
-// 2m + 1, then −(64 + z), 2m and 2m + 1) at neg_zeros(r, m), registers
-// side by side as mma wants them; its scales as fp32 (neg_scales).
-template <bool NEG = false>
+// over z·16).
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
-  constexpr uint32_t lo = NEG ? 0xe4e4e4e4u : 0x64646464u, hi = NEG ? 0xd4d4d4d4u : 0x54545454u;
-  if constexpr (NEG)
-    neg_scales(r, sv);
-  else
-    set_scales(r, sv);
+  set_scales(r, sv);
   const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
   const uint32_t e4 = e << 4, o4 = o << 4;
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
-    // Where sub-tiles 2m and 2m + 1's offsets go: NEG's A fragment, else zlo/zhi by sub-tile.
-    uint32_t* f = NEG ? neg_zeros(r, m) : nullptr;
-    (NEG ? f[0] : r.zlo[2 * m]) = __byte_perm(e, lo, sel);
-    (NEG ? f[1] : r.zlo[2 * m + 1]) = __byte_perm(o, lo, sel);
-    (NEG ? f[2] : r.zhi[2 * m]) = __byte_perm(e4, hi, sel);
-    (NEG ? f[3] : r.zhi[2 * m + 1]) = __byte_perm(o4, hi, sel);
+    r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
+    r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
+    r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
+    r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
   }
 }
 
-
 // convert_group for 8-bit codes: zeros a byte each (sub-tile j in byte j
 // of zv), the offsets 1024 + z in zlo (zhi unused).
-template <bool NEG = false>
 __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) {
-  static_assert(!NEG, "negated offsets: 4-bit codes only");
   set_scales(r, sv);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
@@ -181,10 +146,11 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
   }
 }
 
-// codes_offset spreads a word of 4-bit codes over fp16 pairs by the
-// magic numbers, not yet less the zeros: (1024 + n0, 1024 + n4), (64 + n1,
-// 64 + n5), (1024 + n2, …), (64 + n3, …) for nibbles n0 … n7 (the odd
-// nibbles sit at bit 4, where 64's mantissa counts sixteenths).
+// codes_offset, codes_word's first half, spreads a word of 4-bit codes
+// over fp16 pairs by the magic numbers, not yet less the zeros: (1024 +
+// n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …) for
+// nibbles n0 … n7 (the odd nibbles sit at bit 4, where 64's mantissa
+// counts sixteenths).
 __device__ __forceinline__ void codes_offset(uint32_t (&p)[4], uint32_t q) {
   const uint32_t q8 = q >> 8;
   p[0] = lop3_and_or(q, 0x000f000fu, 0x64006400u);
@@ -267,9 +233,8 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
 // registers (GroupRegs) and the next group's raw values loaded ahead, as
 // the warp walks its K range in order. gshift: a group spans 2^gshift
 // 16-row steps (−1: a single group). BITS: the codes' width, 4 (a lane's
-// zeros in one word) or 8 (two). NEG: the zeros' offsets negated
-// (convert_group).
-template <int BITS = 4, bool NEG = false>
+// zeros in one word) or 8 (two).
+template <int BITS = 4>
 struct GroupStream {
   using ZV = typename std::conditional<BITS == 8, uint2, uint32_t>::type;
   const uint4* S;
@@ -292,7 +257,7 @@ struct GroupStream {
   // start loads the group of step k0 into gr.
   __device__ __forceinline__ void start(GroupRegs& gr, int k0) {
     cur = gshift < 0 ? 0 : k0 >> gshift;
-    convert_group<NEG>(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
+    convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
     prefetch();
   }
   // crosses: whether step k lies past gr's group.
@@ -300,7 +265,7 @@ struct GroupStream {
   // advance moves gr to step k's group, the next one (crosses(k) held).
   __device__ __forceinline__ void advance(GroupRegs& gr, int k) {
     cur = k >> gshift;
-    convert_group<NEG>(gr, sv_next, zv_next);
+    convert_group(gr, sv_next, zv_next);
     prefetch();
   }
   // at moves gr to step k's group (k increases by one step at a time).
@@ -854,13 +819,12 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
-// SwapSums is a v15 lane's sums (w4a16_gemv_swap and its staged
-// variant): tot[i][nb] for m16 tile i (columns 16i + gid and 16i + gid +
-// 8) × tokens 8·nb + 2·tig, +1, as mma leaves D; part, the current
-// group's, unscaled (unused when SCALED, whose codes are scaled first).
-template <int NB, int BITS, bool SCALED, bool NZ>
+// SwapSums is a v15 lane's sums (w4a16_gemv_swap): tot[i][nb] for m16
+// tile i (columns 16i + gid and 16i + gid + 8) × tokens 8·nb + 2·tig, +1,
+// as mma leaves D; part, the current group's, unscaled (unused when
+// SCALED, whose codes are scaled first).
+template <int NB, int BITS, bool SCALED>
 struct SwapSums {
-  static_assert(!NZ || (BITS == 4 && !SCALED), "NEGZ: unscaled 4-bit codes");
   static constexpr int NP = SCALED ? 1 : NB;
   float tot[4][NB][4], part[4][NP][4];
   __device__ __forceinline__ SwapSums() {
@@ -877,9 +841,8 @@ struct SwapSums {
     if constexpr (!SCALED) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        // (NZ's group registers hold fp32 scales: neg_scales)
-        const float s0 = NZ ? __uint_as_float(gr.s[2 * i]) : __low2float(as_h2(gr.s[2 * i]));
-        const float s1 = NZ ? __uint_as_float(gr.s[2 * i + 1]) : __low2float(as_h2(gr.s[2 * i + 1]));
+        const float s0 = __low2float(as_h2(gr.s[2 * i]));
+        const float s1 = __low2float(as_h2(gr.s[2 * i + 1]));
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
           tot[i][nb][0] += s0 * part[i][nb][0], tot[i][nb][1] += s0 * part[i][nb][1];
@@ -897,23 +860,15 @@ struct SwapSums {
       uint32_t b[4];
       if constexpr (SCALED)
         dequant_pair<BITS>(b, w, i, gr);
-      else if constexpr (NZ)
-        codes_offset(b, w[i]);
       else
         codes_pair<BITS>(b, w, i, gr);
       const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        if constexpr (SCALED) {
+        if constexpr (SCALED)
           mma16816(tot[i][nb], a, x[nb][0], x[nb][1]);
-        } else {
+        else
           mma16816(part[i][nb], a, x[nb][0], x[nb][1]);
-          if constexpr (NZ) {  // the same rows' negated offsets: part gains Σ (q − z)·x
-            const uint32_t* zf = neg_zeros(gr, i);
-            const uint32_t z[4] = {zf[0], zf[1], zf[2], zf[3]};
-            mma16816(part[i][nb], z, x[nb][0], x[nb][1]);
-          }
-        }
       }
     }
   }
@@ -965,24 +920,13 @@ __device__ __forceinline__ void swap_acts(uint32_t (&x)[U][NB][2], const uint32_
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-//
-// NEGZ (4-bit codes, unscaled; a sweep's variant): not even the
-// subtraction. The codes go in with their magic offsets, 1024 + q or
-// 64 + q (codes_offset), and a second mma a sub-tile pair adds the
-// group's negated offsets −(1024 + z), −(64 + z) (convert_group<true>)
-// against the same activations: by linearity the two sum to the codes
-// q − z's products, so a step trades 16 HSUB2 for 4 HMMA. The price is
-// rounding: the accumulator holds sums about 1024× larger between the
-// two mma, so it loses about 10 of fp32's 24 bits — still below fp16's
-// rounding of the output (NOTES.md, the eleventh session).
-template <int MT, int U, int BITS, bool SCALED, int MINB, int PF, bool NEGZ = false>
+template <int MT, int U, int BITS, bool SCALED, int MINB, int PF>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
                                                              int* __restrict__ counters, int M, int N, int K, int gshift,
                                                              int splits) {
   static_assert(MT == 8 || MT == 16 || MT == 32, "tokens: 1, 2 or 4 n8 tiles");
-  constexpr bool NZ = NEGZ && BITS == 4 && !SCALED;  // (8-bit or scaled instantiations of a NEGZ variant run as without)
   constexpr int NB = MT / 8;     // n8 token tiles
   constexpr int CH = BITS / 4;   // chunks a step: step k's are at bp + 32·(CH·k + c)
   // pdl_gate() waits below, after the first codes are asked for (weights_then_gate)
@@ -994,9 +938,9 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) xr[nb] = reinterpret_cast<const uint32_t*>(A + (size_t)min(8 * nb + gid, M - 1) * K) + tig;
   const uint4* bp = B + (size_t)nt * KT * 32 * CH + lane;
-  GroupStream<BITS, NZ> groups(S, Z, nt, NT, gid, KT, gshift);
+  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
   GroupRegs gr;
-  SwapSums<NB, BITS, SCALED, NZ> sums;
+  SwapSums<NB, BITS, SCALED> sums;
   // Two register batches of U steps, loaded and multiplied in turn (no
   // copies); a load past k1 repeats step k1 − 1 (never multiplied).
   uint4 qa[U][CH], qb[U][CH];
@@ -1047,139 +991,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   __syncthreads();
   emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
   finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
-}
-
-// w4a16_gemv_staged (v17; a sweep's variant, Hopper only): v15's products
-// (SwapSums: 4-bit codes, 8 or 16 tokens) with the codes brought in by
-// the copy engine instead of the lanes' loads, so that the bytes in
-// flight no longer cost registers: a CTA's stage is its warps' next U
-// steps each (warp w's from its own K range, as v15's, so the group
-// stream is unchanged), thread 0 keeps ST − 1 to ST stages in flight —
-// four bulk copies a stage into a ring in shared memory, on the stage's
-// `full` mbarrier — and each warp, once it has read its U steps of a
-// stage into registers, arrives on the stage's `empty`, so thread 0 can
-// refill the slot (a stage later) while the warps multiply. The stream
-// probe's tma4 rows (cuda/probe/stream.cu) measure this transport alone,
-// refilled the same way. The first ST
-// stages are asked for before pdl_gate (weights only, as
-// weights_then_gate); the activations after it, one stage ahead in
-// registers. At the end the ring holds the warps' sums for the CTA's
-// reduction.
-template <int MT, int U, int ST, int MINB, bool NEGZ>
-__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_staged(const half* __restrict__ A, const uint4* __restrict__ B,
-                                                               const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
-                                                               const Outs C, float* __restrict__ ws,
-                                                               int* __restrict__ counters, int M, int N, int K, int gshift,
-                                                               int splits) {
-  static_assert(MT == 8 || MT == 16, "tokens: 1 or 2 n8 tiles");
-  static_assert(ST >= 2, "a slot is refilled a stage after it is read (cuda/checks/staged_ring.py models it)");
-  constexpr int NB = MT / 8;
-  // [ST][kWarps][U][32] chunks, then the CTA's red. 16-byte aligned, as
-  // bulk copies need: a larger alignment pads every kernel of this file.
-  extern __shared__ __align__(16) uint4 staged_ring[];
-  __shared__ __align__(8) uint64_t full[ST], empty[ST];
-  __shared__ int s_last;
-  const GemvThread t(N, K, splits);
-  const int nt = t.nt, warp = t.warp, lane = t.lane, gid = t.gid, tig = t.tig, KT = t.KT, NT = t.NT, k0 = t.k0, k1 = t.k1;
-  const uint4* tile = B + (size_t)nt * KT * 32;  // step k's chunk: tile + 32k
-  int w0a, w0b;  // warp 0's range, the CTA's longest (warp_range): its stages are the CTA's
-  warp_range(KT, splits, blockIdx.y, 0, w0a, w0b);
-  const int stages = w0b > w0a ? (w0b - w0a + U - 1) / U : 0;
-  // issue asks for stage i into ring slot `slot`: each warp's steps of it
-  // that lie in the warp's range, one bulk copy a warp.
-  auto issue = [&](int slot, int i) {
-    int kw[kWarps], nw[kWarps];
-    uint32_t bytes = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      int a, b;
-      warp_range(KT, splits, blockIdx.y, w, a, b);
-      kw[w] = a + i * U;
-      nw[w] = max(0, min(U, b - kw[w]));
-      bytes += nw[w] * kStepBytes;
-    }
-    mbar_expect_tx(&full[slot], bytes);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      if (nw[w] > 0)
-        bulk_copy(staged_ring + ((size_t)slot * kWarps + w) * U * 32, tile + (size_t)kw[w] * 32, nw[w] * kStepBytes, &full[slot]);
-  };
-  ring_init<ST>(full, empty, kWarps);
-  if (threadIdx.x == 0)
-    for (int i = 0; i < ST && i < stages; ++i) issue(i, i);
-  GroupStream<4, NEGZ> groups(S, Z, nt, NT, gid, KT, gshift);
-  GroupRegs gr;
-  if (k1 > k0) groups.start(gr, k0);
-  pdl_gate();  // before the activations, workspace and outputs: see weights_then_gate
-  const uint32_t* xr[NB];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) xr[nb] = reinterpret_cast<const uint32_t*>(A + (size_t)min(8 * nb + gid, M - 1) * K) + tig;
-  SwapSums<NB, 4, false, NEGZ> sums;
-  // A stage's activations, loaded a stage ahead (only where the warp has
-  // steps: every warp walks every stage, for the barriers).
-  auto acts = [&](uint32_t (&x)[U][NB][2], int i) {
-    if (k0 + i * U < k1) swap_acts<U, NB>(x, xr, k0 + i * U, k1);
-  };
-  auto run_stage = [&](int i, const uint32_t (&x)[U][NB][2]) {
-    const int slot = i % ST, kb = k0 + i * U;
-    const uint32_t parity = (i / ST) & 1;
-    mbar_wait(&full[slot], parity);
-    const uint4* mine = staged_ring + ((size_t)slot * kWarps + warp) * U * 32 + lane;
-    uint4 q[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (kb + u < k1) q[u] = mine[u * 32];
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[slot]);
-    // The previous stage's slot again, once every warp has read it: a
-    // stage behind, so that warp 0 waits here only on a warp a whole stage
-    // late, not on every warp's read of this one (ST − 1 stages stay
-    // ahead of the one being multiplied).
-    if (threadIdx.x == 0 && i > 0 && i - 1 + ST < stages) {
-      const int prev = (i - 1) % ST;
-      mbar_wait(&empty[prev], ((i - 1) / ST) & 1);
-      issue(prev, i - 1 + ST);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = kb + u;
-      if (k < k1) {
-        if (groups.crosses(k)) {
-          sums.flush(gr);
-          groups.advance(gr, k);
-        }
-        uint32_t w[4];
-        put_words(w, 0, q[u]);
-        sums.step(w, x[u], gr);
-      }
-    }
-  };
-  uint32_t xa[U][NB][2], xb[U][NB][2];
-  acts(xa, 0);
-  int i = 0;
-  for (; i + 2 <= stages; i += 2) {
-    acts(xb, i + 1);
-    run_stage(i, xa);
-    if (i + 2 < stages) acts(xa, i + 2);
-    run_stage(i + 1, xb);
-  }
-  if (i < stages) run_stage(i, xa);
-  if (k1 > k0) sums.flush(gr);
-  __syncthreads();  // every copy has landed and every warp has read its last stage: the ring is free
-  auto& red = *reinterpret_cast<float (*)[kWarps][MT][64]>(staged_ring);
-  sums.store(red, warp, gid, tig);
-  __syncthreads();
-  emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
-  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
-}
-
-// staged_smem_bytes is w4a16_gemv_staged's dynamic shared memory: its
-// ring, or the CTA's reduction where that is larger.
-template <int MT, int U, int ST>
-constexpr size_t staged_smem_bytes() {
-  return (size_t)ST * kWarps * U * kStepBytes > (size_t)kWarps * MT * 64 * sizeof(float) ? (size_t)ST * kWarps * U * kStepBytes
-                                                                                          : (size_t)kWarps * MT * 64 * sizeof(float);
 }
 
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
@@ -1355,32 +1166,26 @@ constexpr int kMmaMaxM = 64;
 // registers 32 tokens cannot spare), and the CTAs an SM the registers are
 // bounded for (MINB). At 8 tokens the sweep's winner (NOTES.md, v15) is
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
-// for a warp's codes PF batches ahead; 7–9 take the zeros through the
-// Tensor Cores (NEGZ: 52 instructions a step at 8 tokens against 59 on
-// the loop's common path, evals/sass_steps.py on a local build); 10–14
-// are v17, the codes brought in by bulk copies (w4a16_gemv_staged: 72,
-// 60 with NEGZ); both lost to variant 0 at every shape (the twelfth
-// session's sweep, gemm-h200-sweep-swap-v17.txt). 15–16 take 2 steps a
-// batch, the register batches half as large, for 20 warps an SM at 96
-// registers (the stream probe's best load shape: 4 CTAs, 2 steps). Sweeps
-// only (LLMQ_W4_SWAP_VARIANT).
+// for a warp's codes PF batches ahead. Variants 7–8 take 2 steps a batch,
+// the register batches half as large, at 4 and 5 CTAs an SM (116 and 96
+// registers; 4 CTAs and 2 steps is the stream probe's best load shape);
+// sweeps only (LLMQ_W4_SWAP_VARIANT). Two other designs were tried in the
+// eleventh and twelfth sessions and removed after losing to variant 0 at
+// every shape (cuda/NOTES.md, "The twelfth session";
+// gemm-h200-sweep-swap-v17.txt): NEGZ, which fed the codes with their
+// magic offsets and added the zeros as a second mma, and v17, which
+// brought the codes through a shared-memory ring fed by bulk copies.
 struct SwapVariant {
   int mt, u;
   bool scaled;
   int minb;
-  int pf;     // batches ahead a warp's codes are asked of L2 (0: none)
-  bool negz;  // the zeros as a second mma (w4a16_gemv_swap's NEGZ)
-  int stages = 0;  // > 0: v17, the codes through a ring of this many stages (w4a16_gemv_staged; 4-bit, Hopper)
+  int pf;  // batches ahead a warp's codes are asked of L2 (0: none)
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0, false}, {16, 4, false, 1, 0, false}, {32, 2, true, 1, 0, false},
-                                 {8, 4, false, 4, 2, false}, {8, 4, false, 4, 4, false}, {16, 4, false, 1, 2, false},
-                                 {32, 2, true, 1, 4, false}, {8, 4, false, 4, 0, true},  {8, 4, false, 4, 2, true},
-                                 {16, 4, false, 1, 0, true},
-                                 // v17 (staged): U 4 in 4 and 6 stages, 4 with NEGZ, 4 at 5 CTAs an SM; 16 tokens
-                                 {8, 4, false, 4, 0, false, 4}, {8, 4, false, 4, 0, false, 6}, {8, 4, false, 4, 0, true, 4},
-                                 {8, 4, false, 5, 0, false, 4}, {16, 4, false, 1, 0, false, 4},
-                                 // v15 at 2 steps a batch, 4 and 5 CTAs an SM (116 and 96 registers)
-                                 {8, 2, false, 4, 0, false}, {8, 2, false, 5, 0, false}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
+                                 {8, 4, false, 4, 2}, {8, 4, false, 4, 4}, {16, 4, false, 1, 2},
+                                 {32, 2, true, 1, 4},
+                                 // 2 steps a batch, 4 and 5 CTAs an SM (116 and 96 registers)
+                                 {8, 2, false, 4, 0}, {8, 2, false, 5, 0}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
@@ -1587,9 +1392,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
         llmq::set_error(c, "LLMQ_W4_SWAP_VARIANT=%d: v15 has variants 0–%d", c->swap_forced_variant, kSwapVariants - 1);
         return 1;
       }
-      // (v17's staged variants run 4-bit codes only: 8-bit layers keep the plan's)
-      if (M <= kSwap[c->swap_forced_variant].mt && (bits == 4 || kSwap[c->swap_forced_variant].stages == 0))
-        p.variant = c->swap_forced_variant;
+      if (M <= kSwap[c->swap_forced_variant].mt) p.variant = c->swap_forced_variant;
     }
     if (p.path == 4 && c->mma_forced_variant >= 0) {
       if (c->mma_forced_variant >= kMmaVariants) {
@@ -1646,11 +1449,10 @@ int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const
 // kernels, which take the same arguments.
 template <typename Kernel>
 int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, int splits, const half* A, const void* B, const void* S,
-                const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift, size_t smem = 0) {
-  if (!run) return resident_of(c, slot, kernel, smem);
-  if (allow_smem(c, kernel, smem)) return 1;
+                const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  if (!run) return resident_of(c, slot, kernel, 0);
   float* ws = (float*)workspace;
-  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
+  CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
             C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
@@ -1673,23 +1475,8 @@ template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr SwapVariant v = kSwap[V];
-  if constexpr (v.stages > 0) {  // v17: 4-bit codes, Hopper's bulk copies
-    if (BITS != 4) {
-      llmq::set_error(c, "v15 variant %d (v17, staged) runs 4-bit codes, not %d-bit", V, BITS);
-      return 1;
-    }
-    if (c->cc_major < 9) {
-      llmq::set_error(c, "v15 variant %d (v17, staged) needs Hopper's bulk copies (compute capability 9 or later), not %d",
-                      V, c->cc_major);
-      return 1;
-    }
-    return gemv_kernel(c, run, resident_slot(5, V, BITS), w4a16_gemv_staged<v.mt, v.u, v.stages, v.minb, v.negz>, splits,
-                       A, B, S, Z, C, workspace, M, N, K, gshift, staged_smem_bytes<v.mt, v.u, v.stages>());
-  } else {
-    return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                       w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf, v.negz>, splits, A, B, S, Z, C,
-                       workspace, M, N, K, gshift);
-  }
+  return gemv_kernel(c, run, resident_slot(5, V, BITS), w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf>, splits,
+                     A, B, S, Z, C, workspace, M, N, K, gshift);
 }
 
 }  // namespace
@@ -1862,16 +1649,13 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   Plan p;
   if (plan(c, p, M, N, K, group, bits, true)) return 1;
   // A variant's L2 prefetch distance in batches, as " pf4" (none: empty).
-  char pf[16] = "", st[16] = "";
+  char pf[16] = "";
   if (int d = p.path == 5 ? kSwap[p.variant].pf : p.path == 4 ? kMma[p.variant].pf : 0) snprintf(pf, sizeof pf, " pf%d", d);
-  // v17's ring of stages, as " st4" (none: empty).
-  if (p.path == 5 && kSwap[p.variant].stages) snprintf(st, sizeof st, " st%d", kSwap[p.variant].stages);
   if (p.path == 2)
     snprintf(out, n, "dequant%s+cublas", bits == 8 ? " w8" : "");
   else if (p.path == 5)
-    snprintf(out, n, "gemv-swap %s%s mt%d u%d%s%s%s%s b%d splits%d", kSwap[p.variant].stages ? "v17 staged" : "v15",
-             bits == 8 ? " w8" : "", kSwap[p.variant].mt, kSwap[p.variant].u, st, kSwap[p.variant].scaled ? " scaled" : "",
-             pf, kSwap[p.variant].negz && bits == 4 ? " negz" : "", kSwap[p.variant].minb, p.splits);
+    snprintf(out, n, "gemv-swap v15%s mt%d u%d%s%s b%d splits%d", bits == 8 ? " w8" : "", kSwap[p.variant].mt,
+             kSwap[p.variant].u, kSwap[p.variant].scaled ? " scaled" : "", pf, kSwap[p.variant].minb, p.splits);
   else if (p.path == 4)
     snprintf(out, n, "gemv-mma v11%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
              kMma[p.variant].u, pf, p.splits);

@@ -10,9 +10,8 @@ codes (LDG.E.NA: ld_stream's no-allocate loads) — that is, the
 group-change block, taken once a group; guards around a step's products
 or a batch's loads, taken on nearly every pass, are kept.
 A step is 8·MB HMMA for v11 (MB = MT/16 m-tiles, 1 at MT ≤ 16) and 4·NB
-for v15 and v17 (NB = MT/8 token tiles; twice that with NEGZ, whose
-zeros take a second mma), so instructions a step = common path / (HMMA on
-it / HMMA a step).
+for v15 (NB = MT/8 token tiles), so instructions a step = common path /
+(HMMA on it / HMMA a step).
 
   cuobjdump -sass -arch sm_90a build/local-check/w4a16.o | python3 evals/sass_steps.py 'w4a16_gemv_mma'
 """
@@ -60,8 +59,8 @@ def main():
         args = re.findall(r"L[ib](\d+)E", name)
         mt = int(args[0]) if args else 16
         kernel = re.search(r"(w4a16_(?:gemv\w*?|fused))I", name).group(1)  # past the anonymous namespace's w4a16_cu_…
-        if kernel in ("w4a16_gemv_swap", "w4a16_gemv_staged"):  # NEGZ: the last template argument
-            per = 4 * max(1, mt // 8) * (2 if args and args[-1] == "1" and len(args) in (5, 7) else 1)
+        if kernel == "w4a16_gemv_swap":
+            per = 4 * max(1, mt // 8)
         else:
             per = 8 * max(1, mt // 16)
         hmma = sum("HMMA" in b for b in path)

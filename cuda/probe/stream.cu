@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kWarps * 32) cpasync_kernel(const uint4* __res
 // K ranges would be fed: mode tma4). Thread 0 keeps S stages in flight
 // on `full`; each warp, done with a stage, arrives on `empty`, and thread
 // 0 refills a slot a stage after it was read, once all four have (as v17,
-// w4a16_gemv_staged, does), so S − 1 to S stages are in flight.
+// w4a16_gemv_staged, did before it was removed), so S − 1 to S stages are
+// in flight.
 template <int U, int S, int W, bool SPLIT>
 __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restrict__ buf, int stages, unsigned* out) {
   constexpr uint32_t kStage = kWarps * U * kStep, kPart = U * kStep;
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(kWarps * 32) tma_kernel(const uint4* __restric
     for (int u = 0; u < U; ++u) work<W>(acc, q[u]);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[s]);
-    if (threadIdx.x == 0 && i > 0 && i - 1 + S < stages) {  // the previous stage's slot, as v17 refills it
+    if (threadIdx.x == 0 && i > 0 && i - 1 + S < stages) {  // the previous stage's slot, as v17 refilled it
       const int prev = (i - 1) % S;
       mbar_wait(&empty[prev], ((i - 1) / S) & 1);
       issue(prev, i - 1 + S);
