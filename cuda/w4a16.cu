@@ -1166,15 +1166,13 @@ constexpr int kMmaMaxM = 64;
 // registers 32 tokens cannot spare), and the CTAs an SM the registers are
 // bounded for (MINB). At 8 tokens the sweep's winner (NOTES.md, v15) is
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
-// for a warp's codes PF batches ahead. Variants 7–8 take 2 steps a batch,
-// the register batches half as large, at 4 and 5 CTAs an SM (116 and 96
-// registers; 4 CTAs and 2 steps is the stream probe's best load shape);
-// sweeps only (LLMQ_W4_SWAP_VARIANT). Two other designs were tried in the
-// eleventh and twelfth sessions and removed after losing to variant 0 at
-// every shape (cuda/NOTES.md, "The twelfth session";
-// gemm-h200-sweep-swap-v17.txt): NEGZ, which fed the codes with their
-// magic offsets and added the zeros as a second mma, and v17, which
-// brought the codes through a shared-memory ring fed by bulk copies.
+// for a warp's codes PF batches ahead; sweeps only (LLMQ_W4_SWAP_VARIANT).
+// Three other designs were tried in the eleventh and twelfth sessions and
+// removed after losing to variant 0 on the large layers (cuda/NOTES.md,
+// "The twelfth session"; gemm-h200-sweep-swap-v17.txt, -swap-u2.txt):
+// NEGZ, which fed the codes with their magic offsets and added the zeros
+// as a second mma; v17, which brought the codes through a shared-memory
+// ring fed by bulk copies; and 2 steps a batch at 4 or 5 CTAs an SM.
 struct SwapVariant {
   int mt, u;
   bool scaled;
@@ -1183,9 +1181,7 @@ struct SwapVariant {
 };
 constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
                                  {8, 4, false, 4, 2}, {8, 4, false, 4, 4}, {16, 4, false, 1, 2},
-                                 {32, 2, true, 1, 4},
-                                 // 2 steps a batch, 4 and 5 CTAs an SM (116 and 96 registers)
-                                 {8, 2, false, 4, 0}, {8, 2, false, 5, 0}};
+                                 {32, 2, true, 1, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
