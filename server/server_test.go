@@ -345,21 +345,37 @@ func TestBusy(t *testing.T) {
 		resp.Body.Close()
 		done <- resp.StatusCode
 	}
+	// However the test ends, the forward passes go on, so that no request
+	// is left waiting (a CI run once hung here for 16 minutes: the third
+	// request was queued, not refused, and nothing released the pass).
+	var once sync.Once
+	release := func() { once.Do(func() { close(g.release) }) }
+	t.Cleanup(release)
 	go post()
 	<-g.entered // the first request is in a forward pass
 	go post()
+	deadline := time.Now().Add(30 * time.Second)
 	for e.Stats().Queued == 0 {
+		select {
+		case code := <-done: // the second request ended without being queued
+			t.Fatalf("the second request ended with %d before it was queued (engine stats %+v)", code, e.Stats())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the second request not queued after 30 s (engine stats %+v)", e.Stats())
+		}
 		time.Sleep(time.Millisecond)
 	}
-	resp, err := http.Post(ts.URL+"/v1/completions", "application/json", strings.NewReader(body))
+	third := &http.Client{Timeout: 30 * time.Second}
+	resp, err := third.Post(ts.URL+"/v1/completions", "application/json", strings.NewReader(body))
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("third request: %v (engine stats %+v)", err, e.Stats())
 	}
 	resp.Body.Close()
 	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
 		t.Errorf("third request: %d, Retry-After %q", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
-	close(g.release)
+	release()
 	if a, b := <-done, <-done; a != 200 || b != 200 {
 		t.Errorf("the running and the queued requests: %d %d", a, b)
 	}
