@@ -14,7 +14,6 @@
 struct llmq_ctx {
   int device = 0;
   int sms = 0;
-  int cc_major = 0;  // the device's compute capability, major (9: Hopper)
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_ws = nullptr;

@@ -89,7 +89,8 @@ int ctx_create(int device, llmq_ctx** out) {
   }
   // Programmatic dependent launch needs compute capability 9.0 (Hopper);
   // older GPUs launch as before, whatever LLMQ_PDL says.
-  if (cudaDeviceGetAttribute(&c->cc_major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || c->cc_major < 9)
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
     c->pdl = false;
   cudaError_t e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) {

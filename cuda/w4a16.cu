@@ -146,37 +146,27 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
   }
 }
 
-// codes_offset, codes_word's first half, spreads a word of 4-bit codes
-// over fp16 pairs by the magic numbers, not yet less the zeros: (1024 +
-// n0, 1024 + n4), (64 + n1, 64 + n5), (1024 + n2, …), (64 + n3, …) for
-// nibbles n0 … n7 (the odd nibbles sit at bit 4, where 64's mantissa
-// counts sixteenths).
-__device__ __forceinline__ void codes_offset(uint32_t (&p)[4], uint32_t q) {
-  const uint32_t q8 = q >> 8;
-  p[0] = lop3_and_or(q, 0x000f000fu, 0x64006400u);
-  p[1] = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
-  p[2] = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
-  p[3] = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
-}
-
 // codes_word turns word i of a lane's chunk into the exact fp16 codes
 // q − z of its two n8 sub-tiles ja = 2i, jb = 2i + 1 (not yet scaled):
 // b[0], b[1] are sub-tile ja's mma B fragments (rows 2·tig, 2·tig+1 and
-// 2·tig+8, 2·tig+9 of column gid), b[2], b[3] sub-tile jb's.
+// 2·tig+8, 2·tig+9 of column gid), b[2], b[3] sub-tile jb's. The magic
+// numbers first make fp16 pairs (1024 + n0, 1024 + n4), (64 + n1, 64 +
+// n5), (1024 + n2, …), (64 + n3, …) of nibbles n0 … n7 (the odd nibbles
+// sit at bit 4, where 64's mantissa counts sixteenths); subtracting the
+// group's offsets 1024 + z and 64 + z leaves q − z.
 __device__ __forceinline__ void codes_word(uint32_t (&b)[4], uint32_t q, int i, const GroupRegs& gr) {
-  codes_offset(b, q);
+  const uint32_t q8 = q >> 8;
+  const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
+  const uint32_t p1 = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
+  const uint32_t p2 = lop3_and_or(q8, 0x000f000fu, 0x64006400u);
+  const uint32_t p3 = lop3_and_or(q8, 0x00f000f0u, 0x54005400u);
   const int ja = 2 * i, jb = 2 * i + 1;
-  b[0] = hsub(b[0], gr.zlo[ja]);
-  b[1] = hsub(b[1], gr.zhi[ja]);
-  b[2] = hsub(b[2], gr.zlo[jb]);
-  b[3] = hsub(b[3], gr.zhi[jb]);
+  b[0] = hsub(p0, gr.zlo[ja]);
+  b[1] = hsub(p1, gr.zhi[ja]);
+  b[2] = hsub(p2, gr.zlo[jb]);
+  b[3] = hsub(p3, gr.zhi[jb]);
 }
 
-// codes_pair is codes_word for a lane's step of BITS-bit codes, its words
-// w (4 for 4-bit codes, one chunk; 8 for 8-bit, two): the exact codes q − z
-// of sub-tiles 2i and 2i+1 in the fragments b. An 8-bit word is one
-// sub-tile's rows 2·tig, 2·tig+1, 2·tig+8, 2·tig+9, a byte each; permuting
-// its bytes against 0x64 makes the fp16 pairs 1024 + q of b0 and b1.
 template <int BITS>
 __device__ __forceinline__ void codes_pair(uint32_t (&b)[4], const uint32_t* w, int i, const GroupRegs& gr) {
   if constexpr (BITS == 4) {
