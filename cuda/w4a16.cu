@@ -1174,9 +1174,12 @@ constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32,
                                  {32, 2, true, 1, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
-// At M = 1 v15 beats the CUDA-core GEMV on layers of this many weights or
-// more (8B gate+up, 70B down), where a warp's slice is long enough to pay
-// for its per-group work; on smaller ones the GEMV is faster.
+// At M = 1 the plan takes v15 on layers of this many weights or more
+// (8B gate+up, 70B down) and the CUDA-core GEMV on smaller ones, as the
+// seventh session measured. In the twelfth session's H200 runs v15,
+// forced at M = 1, was 2–7% faster than the GEMV on the smaller ones too (q/k/v, o, down: gemm-h200-sweep-swap-u2.txt against
+// gemm-h200.json); lowering this waits for a run of the decode with it
+// (cuda/NOTES.md, the twelfth session's queue).
 constexpr size_t kSwapMinWeights = size_t(1) << 26;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the

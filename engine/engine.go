@@ -580,11 +580,11 @@ func (e *Engine) submit(s *sequence) error {
 	e.arrivals++
 	s.arrival = e.arrivals
 	// Counted before the send: the scheduler may take the sequence off
-	// the channel, and uncount it, before this goroutine runs again, and
-	// a count that went below zero in between let a full queue take one
-	// more (a fresh-clone CI run hung in server's TestBusy on it). The
-	// channel holds at most the queued sequences, fewer than MaxQueue, its
-	// capacity: the send does not block.
+	// the channel, and uncount it, before this goroutine runs again; were
+	// the count added after, it would dip below zero in between and a
+	// full queue would take one more than MaxQueue. The channel holds at
+	// most the queued sequences, fewer than MaxQueue, its capacity: the
+	// send does not block.
 	e.queued.Add(1)
 	select {
 	case e.queue <- s:

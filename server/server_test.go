@@ -346,8 +346,9 @@ func TestBusy(t *testing.T) {
 		done <- resp.StatusCode
 	}
 	// However the test ends, the forward passes go on, so that no request
-	// is left waiting (a CI run once hung here for 16 minutes: the third
-	// request was queued, not refused, and nothing released the pass).
+	// is left waiting: were the third request queued, not refused (the
+	// engine's queue count once lagged its channel), nothing else would
+	// release the pass.
 	var once sync.Once
 	release := func() { once.Do(func() { close(g.release) }) }
 	t.Cleanup(release)
