@@ -1175,13 +1175,12 @@ constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32,
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 the plan takes v15 on layers of this many weights or more
-// and the CUDA-core GEMV on smaller ones. The seventh session measured the
-// GEMV faster on the small layers (hence 2^26: 8B gate+up, 70B down); in
-// the twelfth session's H200 runs v15, forced at M = 1, was 2–7% faster
-// there too (q/k/v, o, down: gemm-h200-sweep-swap-u2.txt against
-// gemm-h200.json), so v15 now takes every layer at M = 1 (cuda/NOTES.md,
-// the thirteenth session, has the run of the decode with it).
-constexpr size_t kSwapMinWeights = 0;
+// (8B gate+up, 70B down) and the CUDA-core GEMV on smaller ones, as the
+// seventh session measured. In the twelfth session's H200 runs v15,
+// forced at M = 1, was 2–7% faster than the GEMV on the smaller ones too (q/k/v, o, down: gemm-h200-sweep-swap-u2.txt against
+// gemm-h200.json); lowering this waits for a run of the decode with it
+// (cuda/NOTES.md, the twelfth session's queue).
+constexpr size_t kSwapMinWeights = size_t(1) << 26;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the
 // GEMV's, then v11's, then v15's, each 4-bit then 8-bit.
