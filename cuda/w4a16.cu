@@ -1176,10 +1176,10 @@ constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 the plan takes v15 on layers of this many weights or more
 // (8B gate+up, 70B down) and the CUDA-core GEMV on smaller ones, as the
-// seventh session measured. In the twelfth session's H200 runs v15,
-// forced at M = 1, was 2–7% faster than the GEMV on the smaller ones too (q/k/v, o, down: gemm-h200-sweep-swap-u2.txt against
-// gemm-h200.json); lowering this waits for a run of the decode with it
-// (cuda/NOTES.md, the twelfth session's queue).
+// seventh session measured. The twelfth session's H200 runs had v15,
+// forced at M = 1, 2–7% faster on the smaller ones (two runs); the
+// thirteenth's same-run A/B on an H100 did not (gemm-h100-ab-kswap0.txt,
+// decode-ab-h100-kswap0.txt). An H200 A/B decides (cuda/NOTES.md).
 constexpr size_t kSwapMinWeights = size_t(1) << 26;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the
