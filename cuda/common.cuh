@@ -46,6 +46,10 @@ struct llmq_ctx {
   // Hopper unless LLMQ_PDL=0: with weights_then_gate the decode gains
   // 4–7% at batch 1 and 8, NOTES.md "The ninth session").
   bool pdl = true;
+  // A decode step's mixture routes inside the experts' gate/up GEMV
+  // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
+  // the GEMV, for A/Bs).
+  bool moe_routed = true;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).
   void* cusolver = nullptr;
@@ -146,6 +150,16 @@ static __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// warp_sum / warp_max reduce v over the warp; every lane gets the result.
+static __device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+static __device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // argmax_merge keeps the better of (bv, bi) and (v, i): the larger value,
 // the lower index among equals (so any order of merging gives the first
 // index of the largest value, as llm.Argmax); NaNs never win.
@@ -212,6 +226,9 @@ int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                 int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group);
+int moe_gemv_routed_w4(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
+                       float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
+                       const void* zeros, float* out, int N, int K, int group);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
@@ -240,6 +257,9 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
              int group);
+int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
+                    float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
+                    float* out, int N, int K, int group);
 int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu

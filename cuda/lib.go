@@ -186,6 +186,11 @@ static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int 
 		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g);
 }
 static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act) { return a->moe_act(c, (float*)gu, (void*)g, S, I, act); }
+static int c_moe_gemv_routed(A a, llmq_ctx* c, P A_, P logits, int T, int E, int k, int norm, P ids, P weights, P order, P chunks,
+		P B, P S, P Z, P out, int N, int K, int g) {
+	return a->moe_gemv_routed(c, (const void*)A_, (const float*)logits, T, E, k, norm, (int32_t*)ids, (float*)weights,
+		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, g);
+}
 static int c_sample_rows(A a, llmq_ctx* c, P logits, P params, P out, int T, int V) {
 	return a->sample_rows(c, (const float*)logits, (const double*)params, (int32_t*)out, T, V);
 }
@@ -849,6 +854,27 @@ func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S i
 			out.p, C.int(N), C.int(K), C.int(group))
 	})
 }
+
+// MoEGemvRouted is MoERoutePlan (chunks of one slot) then MoEGemv of the
+// 4-bit experts w over the T rows A, in one launch: every CTA routes the
+// rows from logits [T][E] itself. It serves a decode step (MoERoutable);
+// the routing (ids, weights) and the plan (order, chunks: exactly T·k
+// chunks, for MoEGemv with mt 1 and maxChunks T·k) are left as
+// MoERoutePlan leaves them. chunks needs room for MoEMaxChunks(T·k, E, 1)
+// (LLMQ_MOE_ROUTED=0 runs the two launches, for A/Bs).
+func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out Buf, N, K int) error {
+	if w.N != N || w.K != K {
+		return fmt.Errorf("moe_gemv_routed: experts of %d×%d run as %d×%d", w.N, w.K, N, K)
+	}
+	return x.do("moe_gemv_routed", func() C.int {
+		return C.c_moe_gemv_routed(x.lib.api, x.c, A.p, logits.p, C.int(T), C.int(E), C.int(k), cbool(norm), ids.p, weights.p,
+			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group))
+	})
+}
+
+// MoERoutable says whether MoEGemvRouted takes a pass of T rows of k
+// experts each: at most 4 rows and 32 slots (llmq.h, moe_gemv_routed).
+func MoERoutable(T, k int) bool { return T >= 1 && T <= 4 && T*k <= 32 }
 
 // MoEAct writes g [S][I] fp16 = act(gate)·up from a joined gate/up output
 // gu [S][2I] fp32, which it zeroes (act as GatedAct).

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 16
+#define LLMQ_API_VERSION 17
 
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
@@ -280,6 +280,17 @@ typedef struct {
    * where the candidates the walk needs do not fit the kernel (then pick
    * on the host with the same u). */
   int (*sample_rows)(llmq_ctx* c, const float* logits, const double* params, int32_t* out, int T, int V);
+  /* API 17: moe_route_plan (mt 1) then moe_gemv of 4-bit experts in one
+   * launch, for a decode step's T ≤ 4 rows of T·k ≤ 32 slots: every CTA
+   * routes the rows from their logits [T][E] itself and takes its slot;
+   * the routing (ids, weights [T·k]) and the plan (order [T·k], chunks:
+   * exactly T·k of one slot, for moe_gemv with mt 1 and max_chunks T·k)
+   * are written as moe_route_plan writes them, the order within an expert
+   * by slot. A holds the T rows (a_div k). chunks needs room for
+   * T·k + min(E, T·k) chunks (LLMQ_MOE_ROUTED=0 runs the two launches). */
+  int (*moe_gemv_routed)(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
+                         float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
+                         const void* zeros, float* out, int N, int K, int group);
 } llmq_api;
 
 /* The library's one exported symbol. */

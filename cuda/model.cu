@@ -20,19 +20,10 @@
 #include <limits.h>
 #include <math.h>
 #include "common.cuh"
+#include "moe.cuh"
 
 namespace {
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-constexpr int kMaxTopK = 16;           // a mixture's experts a row (rmsnorm_kernel, route_row)
 constexpr int kMaxNormHidden = 16384;  // rmsnorm_kernel's widest row (llmq.h)
 
 // block_sum / block_max reduce over a block of up to 1024 threads; red is
@@ -778,66 +769,6 @@ __global__ void fake_quant_kernel(const half* in, half* out, int cols, float max
 // outputs start zeroed and the kernel that reads one zeroes it again, so
 // split-K partial sums can be added with atomics and nothing is left for
 // the next layer to clear.
-constexpr int kMaxExpertsPerLane = 8;  // E ≤ 256
-constexpr int kMaxExperts = 32 * kMaxExpertsPerLane;
-
-// route_row is a warp's routing of one row of router logits l [E] (fp32),
-// as llm.RouteLogits does it on the CPU: p = softmax(l) over every
-// expert, the k largest p in turn (ties to the lower expert: each lane
-// keeps its best with a strict >, the warp prefers the lower expert among
-// equals), their p as weights, divided by their sum when norm is set,
-// into ids and weights [k], most probable first. A row whose p are NaN
-// (an overflow upstream) gets, as on the CPU, the lowest experts not yet
-// taken, with NaN weights: every id stays a valid expert.
-__device__ void route_row(const float* __restrict__ l, int32_t* __restrict__ ids, float* __restrict__ weights, int E,
-                          int k, int norm, int lane) {
-  float p[kMaxExpertsPerLane];
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kMaxExpertsPerLane; i++) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? l[e] : -INFINITY;
-    mx = fmaxf(mx, p[i]);
-  }
-  mx = warp_max(mx);
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMaxExpertsPerLane; i++)
-    if (lane + 32 * i < E) sum += p[i] = expf(p[i] - mx);
-  sum = warp_sum(sum);
-#pragma unroll
-  for (int i = 0; i < kMaxExpertsPerLane; i++) p[i] = lane + 32 * i < E ? p[i] / sum : -1.f;  // −1: not an expert
-  float chosen = 0.f, w[kMaxTopK];
-  int be = E;
-  for (int j = 0; j < k; j++) {
-    float bv = -1.f;
-    be = E;
-#pragma unroll
-    for (int i = 0; i < kMaxExpertsPerLane; i++)
-      if (p[i] > bv) bv = p[i], be = lane + 32 * i;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
-    }
-    if (be == E) {  // no p above −1: NaNs; the lowest expert not taken (p ≠ −1)
-#pragma unroll
-      for (int i = kMaxExpertsPerLane - 1; i >= 0; i--)
-        if (lane + 32 * i < E && p[i] != -1.f) be = lane + 32 * i;
-      for (int o = 16; o > 0; o >>= 1) be = min(be, __shfl_xor_sync(0xffffffffu, be, o));
-      bv = __int_as_float(0x7fc00000);  // NaN, the CPU's weight there
-    }
-    if (lane == 0) ids[j] = be;
-    if (j < kMaxTopK) w[j] = bv;
-    chosen += bv;
-#pragma unroll
-    for (int i = 0; i < kMaxExpertsPerLane; i++)
-      if (lane + 32 * i == be) p[i] = -1.f;  // taken
-  }
-  if (lane == 0)
-    for (int j = 0; j < k; j++) weights[j] = norm ? w[j] / chosen : w[j];
-}
-
 __global__ void moe_route_kernel(const float* __restrict__ logits, int32_t* __restrict__ ids,
                                  float* __restrict__ weights, int T, int E, int k, int norm) {
   const int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -1265,6 +1196,23 @@ int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const 
   }
   CK_LAUNCH("moe_gemv_f16_kernel");
   return 0;
+}
+
+int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
+                    float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
+                    float* out, int N, int K, int group) {
+  if (T < 1 || T > kMaxRoutedRows || k < 1 || k > E || k > kMaxTopK || E > kMaxExperts || T * k > kMaxRoutedSlots) {
+    set_error(c, "moe_gemv_routed: %d rows of %d experts, top %d (want 1–%d rows, top ≤ experts ≤ %d, top ≤ %d, "
+                 "rows·top ≤ %d)", T, E, k, kMaxRoutedRows, kMaxExperts, kMaxTopK, kMaxRoutedSlots);
+    return 1;
+  }
+  if (c->moe_routed)
+    return moe_gemv_routed_w4(c, A, logits, T, E, k, norm, ids, weights, order, chunks, B, scales, zeros, out, N, K,
+                              group);
+  // LLMQ_MOE_ROUTED=0: the same results in two launches (the A/B's baseline).
+  const int S = T * k;
+  if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, S + min(E, S))) return 1;
+  return moe_gemv_w4(c, A, k, order, chunks, S, 1, S, B, scales, zeros, out, N, K, group);
 }
 
 int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act) {

@@ -1084,22 +1084,34 @@ func (m *Model) mlpOutput(b *gpuBlock, a *acts) (Buf, ExpertSum, Buf) {
 // trip, so decode graphs capture it): the router's logits; each row's top
 // k and the T·k slots grouped by expert (one launch); the experts' gate
 // and up as one grouped GEMV over the slots; the gated activation; down.
-// The weighted sum of each row's k outputs, in ascending expert order, is
-// the next norm's (mlpOutput, RMSNormExperts).
+// A decode step's few rows of 4-bit experts route inside the gate/up GEMV
+// instead (MoEGemvRouted: one launch fewer). The weighted sum of each
+// row's k outputs, in ascending expert order, is the next norm's
+// (mlpOutput, RMSNormExperts).
 func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 	c, x := m.cfg, m.x
 	E, k, H, I := c.MoE.Experts, c.MoE.TopK, c.Hidden, c.MoE.Intermediate
 	S := T * k
 	mt := moeChunk(S, E)
 	maxChunks := MoEMaxChunks(S, E, mt)
+	route := func() error {
+		return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
+	}
+	gateUp := func() error {
+		return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
+	}
+	if mo.gateUp != nil && mt == 1 && MoERoutable(T, k) {
+		route = func() error { return nil }
+		gateUp = func() error {
+			return x.MoEGemvRouted(a.h, a.routerLogits, T, E, k, c.MoE.NormTopK, a.expert, a.weight, a.order, a.chunks,
+				mo.gateUp, a.gu, 2*I, H)
+		}
+		maxChunks = S // the routed plan's chunks hold one slot each: exactly S
+	}
 	for _, f := range []func() error{
 		func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) },
-		func() error {
-			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
-		},
-		func() error {
-			return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
-		},
+		route,
+		gateUp,
 		func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act) },
 		func() error {
 			return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, H, I)

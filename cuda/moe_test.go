@@ -4,9 +4,11 @@ package cuda
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/llmq/llmq/llm"
@@ -119,18 +121,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 			}
 			w16, _ = AllocFrom(x, bits)
 		} else {
-			gs := make([]*pack.GPUWeights, c.E)
-			for e := range gs {
-				var err error
-				if gs[e], err = randomLayer(r, c.K, c.N, c.group, 4, false, false).GPULayout(); err != nil {
-					t.Fatal(err)
-				}
-				W[e] = gs[e].Dequantize()
-			}
-			var err error
-			if w4, err = x.UploadExperts(gs); err != nil {
-				t.Fatal(err)
-			}
+			W, w4 = randomExperts(t, x, r, c.E, c.N, c.K, c.group)
 		}
 		abits, avals := randomHalf(r, S/c.aDiv*c.K)
 		A, _ := AllocFrom(x, abits)
@@ -153,24 +144,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		}
 		checkPlan(t, ids, ord, ch, c.E, c.mt)
 
-		got := make([]float32, S*c.N)
-		if err := Download(x, got, out); err != nil {
-			t.Fatal(err)
-		}
-		ref := make([]float64, S*c.N)
-		var num, den float64
-		for s := 0; s < S; s++ {
-			copy(ref[s*c.N:], reference(avals[(s/c.aDiv)*c.K:(s/c.aDiv+1)*c.K], W[ids[s]], nil, 1, c.K, c.N))
-		}
-		for i, v := range got {
-			num += (float64(v) - ref[i]) * (float64(v) - ref[i])
-			den += ref[i] * ref[i]
-		}
-		rel := math.Sqrt(num / den)
-		t.Logf("%+v: plan checked; relative Frobenius error %.2e", c, rel)
-		if rel > 1e-3 {
-			t.Errorf("%+v: relative error %.3g > 1e-3", c, rel)
-		}
+		got := checkSlots(t, fmt.Sprintf("%+v", c), x, out, avals, W, ids, c.aDiv, c.N, c.K)
 
 		if c.joined { // the activation of gate (first half) and up, from the kernel's own sums
 			I := c.N / 2
@@ -207,6 +181,128 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		if w4 != nil {
 			w4.Free(x)
 		}
+	}
+}
+
+// randomExperts uploads E random 4-bit experts of N×K (UploadExperts) and
+// returns their dequantized weights, each [K][N], for the reference.
+func randomExperts(t *testing.T, x *Context, r *rand.Rand, E, N, K, group int) ([][]float32, *W4) {
+	t.Helper()
+	W := make([][]float32, E)
+	gs := make([]*pack.GPUWeights, E)
+	for e := range gs {
+		var err error
+		if gs[e], err = randomLayer(r, K, N, group, 4, false, false).GPULayout(); err != nil {
+			t.Fatal(err)
+		}
+		W[e] = gs[e].Dequantize()
+	}
+	w4, err := x.UploadExperts(gs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return W, w4
+}
+
+// checkSlots downloads an expert GEMV's output out (fp32 [S][N], S =
+// len(ids)) and checks it against float64: slot s is A row s/aDiv (avals
+// [·][K]) times W[ids[s]] ([K][N]), to a relative Frobenius error of 1e-3.
+func checkSlots(t *testing.T, name string, x *Context, out Buf, avals []float32, W [][]float32, ids []int32, aDiv, N, K int) []float32 {
+	t.Helper()
+	S := len(ids)
+	got := make([]float32, S*N)
+	if err := Download(x, got, out); err != nil {
+		t.Fatal(err)
+	}
+	var num, den float64
+	for s := 0; s < S; s++ {
+		ref := reference(avals[(s/aDiv)*K:(s/aDiv+1)*K], W[ids[s]], nil, 1, K, N)
+		for j, want := range ref {
+			d := float64(got[s*N+j]) - want
+			num += d * d
+			den += want * want
+		}
+	}
+	rel := math.Sqrt(num / den)
+	t.Logf("%s: relative Frobenius error %.2e", name, rel)
+	if rel > 1e-3 {
+		t.Errorf("%s: relative error %.3g > 1e-3", name, rel)
+	}
+	return got
+}
+
+// TestMoEGemvRoutedMatchesCPU: the routed expert GEMV (every CTA routes a
+// decode step's rows itself) gives llm.RouteLogits' experts and weights,
+// a valid plan of chunks of one slot (what the down GEMV and the combine
+// read), and each slot's product with its expert — in one launch, and
+// again with LLMQ_MOE_ROUTED=0 (route+plan, then the GEMV). Cases: a
+// qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32 slots),
+// 256 experts top 16 over 2 rows, a K split 4 ways, a row of NaN logits
+// (the lowest experts, NaN weights, as on the CPU).
+func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
+	for _, routed := range []string{"1", "0"} {
+		t.Run("LLMQ_MOE_ROUTED="+routed, func(t *testing.T) {
+			t.Setenv("LLMQ_MOE_ROUTED", routed)
+			x := openContext(t)
+			r := rand.New(rand.NewPCG(13, 14))
+			for _, c := range []struct {
+				T, E, k, N, K, group int
+				nan                  bool
+			}{
+				{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128},
+				{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64},
+				{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256},
+				{T: 3, E: 8, k: 2, N: 64, K: 2048, group: 128},
+				{T: 2, E: 8, k: 3, N: 64, K: 128, group: 32, nan: true},
+			} {
+				name := fmt.Sprintf("%+v", c)
+				S := c.T * c.k
+				logits := make([]float32, c.T*c.E)
+				for row := 0; row < c.T; row++ {
+					for e, p := range r.Perm(c.E) { // distinct values 0.05 apart: no near-ties
+						logits[row*c.E+e] = float32(p)*0.05 - 2
+						if c.nan && row == 0 {
+							logits[e] = float32(math.NaN())
+						}
+					}
+				}
+				W, w4 := randomExperts(t, x, r, c.E, c.N, c.K, c.group)
+				abits, avals := randomHalf(r, c.T*c.K)
+				A, _ := AllocFrom(x, abits)
+				lb, _ := AllocFrom(x, logits)
+				ib, _ := x.Alloc(S * 4)
+				wb, _ := x.Alloc(S * 4)
+				ob, _ := x.Alloc(S * 4)
+				cb, _ := x.Alloc(MoEMaxChunks(S, c.E, 1) * 3 * 4)
+				out, _ := x.Alloc(S * c.N * 4)
+				x.Memset(out, 0, out.Bytes)
+				if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, true, ib, wb, ob, cb, w4, out, c.N, c.K); err != nil {
+					t.Fatal(err)
+				}
+				ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, S*3)
+				if err := errors.Join(Download(x, ids, ib), Download(x, w, wb), Download(x, ord, ob), Download(x, ch, cb)); err != nil {
+					t.Fatal(err)
+				}
+				want := llm.RouteLogits(logits, c.T, c.E, c.k, true)
+				for i := range ids {
+					wi, gi := float64(want.Weight[i]), float64(w[i])
+					if int(ids[i]) != want.Expert[i] || math.IsNaN(wi) != math.IsNaN(gi) ||
+						!math.IsNaN(wi) && math.Abs(gi-wi) > 1e-5*wi {
+						t.Fatalf("%s: slot %d: expert %d weight %v, want %d, %v", name, i, ids[i], w[i], want.Expert[i], want.Weight[i])
+					}
+				}
+				checkPlan(t, ids, ord, ch, c.E, 1)
+				checkSlots(t, name, x, out, avals, W, ids, c.k, c.N, c.K)
+				for _, b := range []Buf{A, lb, ib, wb, ob, cb, out} {
+					x.Free(b)
+				}
+				w4.Free(x)
+			}
+			// What the kernel cannot route is refused, naming the limits.
+			if err := x.MoEGemvRouted(Buf{}, Buf{}, 5, 128, 8, true, Buf{}, Buf{}, Buf{}, Buf{}, &W4{N: 64, K: 128, Group: 128}, Buf{}, 64, 128); err == nil || !strings.Contains(err.Error(), "rows·top ≤ 32") {
+				t.Errorf("5 rows of top 8: %v; want an error naming the limits", err)
+			}
+		})
 	}
 }
 

@@ -78,6 +78,7 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_SPLITS")) c->w4_splits = atoi(e);
   if (const char* e = getenv("LLMQ_DECODE_WAVE")) c->decode_wave = atoi(e);
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
+  if (const char* e = getenv("LLMQ_MOE_ROUTED")) c->moe_routed = atoi(e) != 0;
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);
@@ -300,6 +301,7 @@ const llmq_api kAPI = {
     moe_gemv,
     moe_act,
     sample_rows,
+    moe_gemv_routed,
 };
 }  // namespace
 }  // namespace llmq

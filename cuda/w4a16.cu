@@ -43,6 +43,7 @@
 #include <type_traits>
 #include <utility>
 #include "common.cuh"
+#include "moe.cuh"
 #include "stream.cuh"
 
 namespace {
@@ -990,20 +991,63 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
 // `splits`; slot s reads A row s / a_div and adds its partial sums into
 // out row s (fp32 [S][N], atomics: the slices' sums meet there). Chunks
 // with no slots exit.
-template <int MT, int U>
+//
+// ROUTED (a decode step: MT = 1, T ≤ kMaxRoutedRows, T·k ≤ kMaxRoutedSlots): no plan
+// is read; each CTA routes the rows itself from the router's logits
+// (route_row, warp t taking row t), ranks the slots by (expert, slot) —
+// the plan of chunks of one slot, chunk c holding the slot of rank c — and
+// takes chunk blockIdx.y. CTA (0, 0, 0) writes the routing (ids, weights:
+// the combine's) and that plan (order, chunks [S][3]: the down GEMV's), so
+// that moe_route_plan's launch and its round trip through memory go.
+struct MoERouting {
+  const float* logits;  // [T][E] fp32
+  int T, E, k, norm;
+  int32_t* ids;         // [T·k]
+  float* weights;       // [T·k]
+  int32_t* order;       // [T·k]
+  int32_t* chunks;      // [T·k][3]
+};
+
+template <int MT, int U, bool ROUTED = false>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __restrict__ A, int a_div,
                                                                const int32_t* __restrict__ order,
                                                                const int32_t* __restrict__ chunks,
                                                                const uint4* __restrict__ B, const uint4* __restrict__ S,
                                                                const uint32_t* __restrict__ Z, float* __restrict__ out,
-                                                               int N, int K, int gshift, int splits) {
+                                                               int N, int K, int gshift, int splits, MoERouting rt) {
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
-  const int* ch = chunks + 3 * blockIdx.y;
-  const int e = ch[0], start = ch[1], n = ch[2];
-  if (n == 0) return;  // the whole CTA: past the plan's chunks
-  const int nt = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int e, n, slot[MT];
+  if constexpr (ROUTED) {
+    static_assert(MT == 1, "a routed pass has chunks of one slot");
+    __shared__ int32_t ids[kMaxRoutedSlots], rank_of[kMaxRoutedSlots];
+    __shared__ float wts[kMaxRoutedSlots];
+    const int slots = rt.T * rt.k;
+    if (warp < rt.T)
+      route_row(rt.logits + (size_t)warp * rt.E, ids + warp * rt.k, wts + warp * rt.k, rt.E, rt.k, rt.norm, lane);
+    __syncthreads();
+    if (threadIdx.x < slots) {  // slot s's place in the plan: the slots before it by (expert, slot)
+      const int s = threadIdx.x, es = ids[s];
+      int r = 0;
+      for (int j = 0; j < slots; ++j) r += ids[j] < es || (ids[j] == es && j < s);
+      rank_of[r] = s;
+    }
+    __syncthreads();
+    if ((blockIdx.x | blockIdx.y | blockIdx.z) == 0 && threadIdx.x < slots) {
+      const int i = threadIdx.x;
+      rt.ids[i] = ids[i], rt.weights[i] = wts[i], rt.order[i] = rank_of[i];
+      rt.chunks[3 * i] = ids[rank_of[i]], rt.chunks[3 * i + 1] = i, rt.chunks[3 * i + 2] = 1;
+    }
+    slot[0] = rank_of[blockIdx.y], e = ids[slot[0]], n = 1;
+  } else {
+    const int* ch = chunks + 3 * blockIdx.y;
+    e = ch[0], n = ch[2];
+    if (n == 0) return;  // the whole CTA: past the plan's chunks
+#pragma unroll
+    for (int m = 0; m < MT; ++m) slot[m] = order[ch[1] + min(m, n - 1)];
+  }
+  const int nt = blockIdx.x;
   const int gid = lane >> 2, tig = lane & 3;
   const int KT = K >> 4, NT = N >> 6, G = gshift < 0 ? 1 : KT >> gshift;
   const size_t per_b = (size_t)NT * KT * 32, per_group = (size_t)G * NT * 8;  // an expert's uint4s of B; of S (= Z's words)
@@ -1011,15 +1055,14 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   warp_range(KT, splits, blockIdx.z, warp, k0, k1);
   const uint32_t* ap[MT];
 #pragma unroll
-  for (int m = 0; m < MT; ++m)
-    ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(order[start + min(m, n - 1)] / a_div) * K) + tig;
+  for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(slot[m] / a_div) * K) + tig;
   GroupStream<4> groups(S + e * per_group, Z + e * per_group, nt, NT, gid, KT, gshift);
   float acc[MT][8];
   gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
-    if (m < n) atomicAdd(&out[(size_t)order[start + m] * N + nt * 64 + col], red_total<MT>(red, m, col));
+    if (m < n) atomicAdd(&out[(size_t)slot[m] * N + nt * 64 + col], red_total<MT>(red, m, col));
   }
 }
 
@@ -1602,33 +1645,57 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
 }
 
-int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group) {
+// moe_splits: the grouped GEMV's K splits — enough CTAs for about four an
+// SM over the chunks the slots fill, each warp keeping at least two
+// batches of U steps (U: 4 for one slot a chunk, 2 for four, the
+// instantiations below).
+static int moe_splits(const llmq_ctx* c, int slots, int mt, int N, int K) {
+  const int NT = N / 64, KT = K / 16, used = (slots + mt - 1) / mt, U = mt == 1 ? 4 : 2;
+  return max(1, min((c->sms * 4) / (NT * used), KT / (2 * kWarps * U)));
+}
+
+// check_grouped checks what the grouped kernel runs: its shape and group.
+static int check_grouped(llmq_ctx* c, const char* fn, int N, int K, int group) {
   if (check_shape(c, 1, N, K, group)) return 1;
   if (group < K && (group & (group - 1))) {
-    set_error(c, "moe_gemv: the grouped W4A16 kernel needs a power-of-two group size or one group per column (group=%d)",
+    set_error(c, "%s: the grouped W4A16 kernel needs a power-of-two group size or one group per column (group=%d)", fn,
               group);
     return 1;
   }
-  // K splits: enough CTAs for about four a SM over the chunks the slots
-  // fill, each warp keeping at least two batches of U steps (U: 4 for one
-  // slot a chunk, 2 for four, the instantiations below).
-  const int NT = N / 64, KT = K / 16, used = (slots + mt - 1) / mt, U = mt == 1 ? 4 : 2;
-  const int splits = max(1, min((c->sms * 4) / (NT * used), KT / (2 * kWarps * U)));
-  const dim3 grid(NT, max_chunks, splits);
+  return 0;
+}
+
+int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
+                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group) {
+  if (check_grouped(c, "moe_gemv", N, K, group)) return 1;
+  const int splits = moe_splits(c, slots, mt, N, K);
+  const dim3 grid(N / 64, max_chunks, splits);
   const int gshift = group_shift(group, K);
+  const MoERouting none{};
   if (mt == 1)
     CK(launch(c, (w4a16_gemv_grouped<1, 4>), grid, kWarps * 32, 0, (const half*)A, a_div, order, chunks, (const uint4*)B,
-                                                                  (const uint4*)scales, (const uint32_t*)zeros, out, N,
-                                                                  K, gshift, splits));
+              (const uint4*)scales, (const uint32_t*)zeros, out, N, K, gshift, splits, none));
   else if (mt == 4)
     CK(launch(c, (w4a16_gemv_grouped<4, 2>), grid, kWarps * 32, 0, (const half*)A, a_div, order, chunks, (const uint4*)B,
-                                                                  (const uint4*)scales, (const uint32_t*)zeros, out, N,
-                                                                  K, gshift, splits));
+              (const uint4*)scales, (const uint32_t*)zeros, out, N, K, gshift, splits, none));
   else {
     set_error(c, "moe_gemv: %d slots a chunk (the kernel runs 1 or 4)", mt);
     return 1;
   }
+  CK_LAUNCH("w4a16_gemv_grouped");
+  return 0;
+}
+
+int moe_gemv_routed_w4(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
+                       float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
+                       const void* zeros, float* out, int N, int K, int group) {
+  static_assert(kWarps >= kMaxRoutedRows, "a warp routes a row");
+  if (check_grouped(c, "moe_gemv_routed", N, K, group)) return 1;
+  const int S = T * k, splits = moe_splits(c, S, 1, N, K);
+  const MoERouting rt{logits, T, E, k, norm, ids, weights, order, chunks};
+  CK(launch(c, (w4a16_gemv_grouped<1, 4, true>), dim3(N / 64, S, splits), kWarps * 32, 0, (const half*)A, k,
+            (const int32_t*)nullptr, (const int32_t*)nullptr, (const uint4*)B, (const uint4*)scales,
+            (const uint32_t*)zeros, out, N, K, group_shift(group, K), splits, rt));
   CK_LAUNCH("w4a16_gemv_grouped");
   return 0;
 }

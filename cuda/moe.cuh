@@ -1,0 +1,72 @@
+// A mixture of experts' routing, shared by model.cu (moe_route_kernel,
+// moe_route_plan_kernel) and w4a16.cu (the routed expert GEMV of a decode
+// step, which routes in every CTA): one piece of code, so that both give
+// llm.RouteLogits' experts and weights bit for bit.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include "common.cuh"
+
+constexpr int kMaxTopK = 16;  // a mixture's experts a row (rmsnorm_kernel, route_row)
+constexpr int kMaxExpertsPerLane = 8;  // E ≤ 256
+constexpr int kMaxExperts = 32 * kMaxExpertsPerLane;
+// A routed expert GEMV (moe_gemv_routed) routes up to this many rows (a
+// warp each) of at most 32 slots in every CTA: a decode step's.
+constexpr int kMaxRoutedRows = 4, kMaxRoutedSlots = 32;
+
+// route_row is a warp's routing of one row of router logits l [E] (fp32),
+// as llm.RouteLogits does it on the CPU: p = softmax(l) over every
+// expert, the k largest p in turn (ties to the lower expert: each lane
+// keeps its best with a strict >, the warp prefers the lower expert among
+// equals), their p as weights, divided by their sum when norm is set,
+// into ids and weights [k], most probable first. A row whose p are NaN
+// (an overflow upstream) gets, as on the CPU, the lowest experts not yet
+// taken, with NaN weights: every id stays a valid expert.
+static __device__ void route_row(const float* __restrict__ l, int32_t* __restrict__ ids, float* __restrict__ weights, int E,
+                                 int k, int norm, int lane) {
+  float p[kMaxExpertsPerLane];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kMaxExpertsPerLane; i++) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? l[e] : -INFINITY;
+    mx = fmaxf(mx, p[i]);
+  }
+  mx = warp_max(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxExpertsPerLane; i++)
+    if (lane + 32 * i < E) sum += p[i] = expf(p[i] - mx);
+  sum = warp_sum(sum);
+#pragma unroll
+  for (int i = 0; i < kMaxExpertsPerLane; i++) p[i] = lane + 32 * i < E ? p[i] / sum : -1.f;  // −1: not an expert
+  float chosen = 0.f, w[kMaxTopK];
+  int be = E;
+  for (int j = 0; j < k; j++) {
+    float bv = -1.f;
+    be = E;
+#pragma unroll
+    for (int i = 0; i < kMaxExpertsPerLane; i++)
+      if (p[i] > bv) bv = p[i], be = lane + 32 * i;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
+    }
+    if (be == E) {  // no p above −1: NaNs; the lowest expert not taken (p ≠ −1)
+#pragma unroll
+      for (int i = kMaxExpertsPerLane - 1; i >= 0; i--)
+        if (lane + 32 * i < E && p[i] != -1.f) be = lane + 32 * i;
+      for (int o = 16; o > 0; o >>= 1) be = min(be, __shfl_xor_sync(0xffffffffu, be, o));
+      bv = __int_as_float(0x7fc00000);  // NaN, the CPU's weight there
+    }
+    if (lane == 0) ids[j] = be;
+    if (j < kMaxTopK) w[j] = bv;
+    chosen += bv;
+#pragma unroll
+    for (int i = 0; i < kMaxExpertsPerLane; i++)
+      if (lane + 32 * i == be) p[i] = -1.f;  // taken
+  }
+  if (lane == 0)
+    for (int j = 0; j < k; j++) weights[j] = norm ? w[j] / chosen : w[j];
+}
