@@ -1018,7 +1018,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[kWarps][MT][64];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int e, n, slot[MT];
+  int e, n, start = 0, routed_slot = 0;
   if constexpr (ROUTED) {
     static_assert(MT == 1, "a routed pass has chunks of one slot");
     __shared__ int32_t ids[kMaxRoutedSlots], rank_of[kMaxRoutedSlots];
@@ -1039,14 +1039,14 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
       rt.ids[i] = ids[i], rt.weights[i] = wts[i], rt.order[i] = rank_of[i];
       rt.chunks[3 * i] = ids[rank_of[i]], rt.chunks[3 * i + 1] = i, rt.chunks[3 * i + 2] = 1;
     }
-    slot[0] = rank_of[blockIdx.y], e = ids[slot[0]], n = 1;
+    routed_slot = rank_of[blockIdx.y], e = ids[routed_slot], n = 1;
   } else {
     const int* ch = chunks + 3 * blockIdx.y;
-    e = ch[0], n = ch[2];
+    e = ch[0], start = ch[1], n = ch[2];
     if (n == 0) return;  // the whole CTA: past the plan's chunks
-#pragma unroll
-    for (int m = 0; m < MT; ++m) slot[m] = order[ch[1] + min(m, n - 1)];
   }
+  // The chunk's m-th slot: A row slot / a_div, out row slot.
+  auto slot = [&](int m) { return ROUTED ? routed_slot : order[start + m]; };
   const int nt = blockIdx.x;
   const int gid = lane >> 2, tig = lane & 3;
   const int KT = K >> 4, NT = N >> 6, G = gshift < 0 ? 1 : KT >> gshift;
@@ -1055,14 +1055,14 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   warp_range(KT, splits, blockIdx.z, warp, k0, k1);
   const uint32_t* ap[MT];
 #pragma unroll
-  for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(slot[m] / a_div) * K) + tig;
+  for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(slot(min(m, n - 1)) / a_div) * K) + tig;
   GroupStream<4> groups(S + e * per_group, Z + e * per_group, nt, NT, gid, KT, gshift);
   float acc[MT][8];
   gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
     const int m = i >> 6, col = i & 63;
-    if (m < n) atomicAdd(&out[(size_t)slot[m] * N + nt * 64 + col], red_total<MT>(red, m, col));
+    if (m < n) atomicAdd(&out[(size_t)slot(m) * N + nt * 64 + col], red_total<MT>(red, m, col));
   }
 }
 
