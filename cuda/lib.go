@@ -815,8 +815,14 @@ func (x *Context) MoERouter(h, W, logits Buf, T, E, H int) error {
 }
 
 // MoEMaxChunks is the room MoEPlan needs for S slots of E experts cut
-// into chunks of mt: each expert's last chunk may be partial.
-func MoEMaxChunks(S, E, mt int) int { return (S+mt-1)/mt + min(E, S) }
+// into chunks of mt: exactly S chunks of one slot, else each expert's
+// last chunk may be partial.
+func MoEMaxChunks(S, E, mt int) int {
+	if mt == 1 {
+		return S
+	}
+	return (S+mt-1)/mt + min(E, S)
+}
 
 // MoEPlan groups the S slots of a routed pass (ids [S] int32, row t's
 // j-th expert at t·k + j) by expert: order [S] int32 and chunks
@@ -855,16 +861,23 @@ func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S i
 	})
 }
 
-// MoEGemvRouted is MoERoutePlan (chunks of one slot) then MoEGemv of the
-// 4-bit experts w over the T rows A, in one launch: every CTA routes the
-// rows from logits [T][E] itself. It serves a decode step (MoERoutable);
-// the routing (ids, weights) and the plan (order, chunks: exactly T·k
-// chunks, for MoEGemv with mt 1 and maxChunks T·k) are left as
-// MoERoutePlan leaves them. chunks needs room for MoEMaxChunks(T·k, E, 1)
-// (LLMQ_MOE_ROUTED=0 runs the two launches, for A/Bs).
+// MoEGemvRouted is MoERoutePlan (chunks of one slot) then MoEGemv of E
+// 4-bit experts w (UploadExperts) over the T rows A, in one launch: every
+// CTA routes the rows from logits [T][E] itself. It serves a decode step
+// (MoERoutable); the routing (ids, weights [T·k]) and the plan (order
+// [T·k], chunks [T·k][3]: MoEGemv's with mt 1 and maxChunks T·k) are left
+// as MoERoutePlan leaves them (LLMQ_MOE_ROUTED=0 runs the two launches,
+// for A/Bs).
 func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out Buf, N, K int) error {
-	if w.N != N || w.K != K {
+	switch {
+	case w == nil:
+		return fmt.Errorf("moe_gemv_routed: no experts")
+	case w.N != N || w.K != K:
 		return fmt.Errorf("moe_gemv_routed: experts of %d×%d run as %d×%d", w.N, w.K, N, K)
+	case w.Bits == 8 || !w.Perm.Nil() || w.Gated != NotGated:
+		return fmt.Errorf("moe_gemv_routed: the experts must be UploadExperts' (4-bit, no act order, not gated)")
+	case E > 0 && w.B.Bytes < E*N*K/2:
+		return fmt.Errorf("moe_gemv_routed: %d bytes of codes hold fewer than %d experts of %d×%d", w.B.Bytes, E, N, K)
 	}
 	return x.do("moe_gemv_routed", func() C.int {
 		return C.c_moe_gemv_routed(x.lib.api, x.c, A.p, logits.p, C.int(T), C.int(E), C.int(k), cbool(norm), ids.p, weights.p,
@@ -873,8 +886,10 @@ func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weig
 }
 
 // MoERoutable says whether MoEGemvRouted takes a pass of T rows of k
-// experts each: at most 4 rows and 32 slots (llmq.h, moe_gemv_routed).
-func MoERoutable(T, k int) bool { return T >= 1 && T <= 4 && T*k <= 32 }
+// experts each (llmq.h: LLMQ_MOE_ROUTED_ROWS, LLMQ_MOE_ROUTED_SLOTS).
+func MoERoutable(T, k int) bool {
+	return T >= 1 && T <= C.LLMQ_MOE_ROUTED_ROWS && T*k <= C.LLMQ_MOE_ROUTED_SLOTS
+}
 
 // MoEAct writes g [S][I] fp16 = act(gate)·up from a joined gate/up output
 // gu [S][2I] fp32, which it zeroes (act as GatedAct).

@@ -49,6 +49,10 @@ extern "C" {
 
 #define LLMQ_API_VERSION 17
 
+/* The most rows and slots (rows × top k) moe_gemv_routed routes. */
+#define LLMQ_MOE_ROUTED_ROWS 4
+#define LLMQ_MOE_ROUTED_SLOTS 32
+
 /* Partial-sum slices of col_abs_sum and sq_diff_sum (awq.cu). */
 #define LLMQ_COL_SPLITS 32
 #define LLMQ_SQ_PARTS 1024
@@ -255,7 +259,8 @@ typedef struct {
    * slots expert by expert, ascending; chunks [max_chunks][3] = (expert,
    * first index into order, slots ≤ mt) cut each expert's list, chunks past
    * the last having 0 slots. max_chunks must be ≥ ⌈S/mt⌉ + min(E, S) (a
-   * bound for every routing). ids outside [0, E) are left out. One block. */
+   * bound for every routing), or S when mt is 1 (a chunk a slot). ids
+   * outside [0, E) are left out. One block. */
   int (*moe_plan)(llmq_ctx* c, const int32_t* ids, int S, int E, int mt, int32_t* order, int32_t* chunks, int max_chunks);
   /* moe_route then moe_plan of its ids, in one launch (one block). */
   int (*moe_route_plan)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm,
@@ -281,13 +286,14 @@ typedef struct {
    * on the host with the same u). */
   int (*sample_rows)(llmq_ctx* c, const float* logits, const double* params, int32_t* out, int T, int V);
   /* API 17: moe_route_plan (mt 1) then moe_gemv of 4-bit experts in one
-   * launch, for a decode step's T ≤ 4 rows of T·k ≤ 32 slots: every CTA
-   * routes the rows from their logits [T][E] itself and takes its slot;
-   * the routing (ids, weights [T·k]) and the plan (order [T·k], chunks:
-   * exactly T·k of one slot, for moe_gemv with mt 1 and max_chunks T·k)
-   * are written as moe_route_plan writes them, the order within an expert
-   * by slot. A holds the T rows (a_div k). chunks needs room for
-   * T·k + min(E, T·k) chunks (LLMQ_MOE_ROUTED=0 runs the two launches). */
+   * launch, for a decode step's T ≤ LLMQ_MOE_ROUTED_ROWS rows of T·k ≤
+   * LLMQ_MOE_ROUTED_SLOTS slots: every CTA routes the rows from their
+   * logits [T][E] itself and takes its slot; the routing (ids, weights
+   * [T·k]) and the plan (order [T·k]; chunks [T·k][3], one slot each: the
+   * plan moe_gemv reads with mt 1 and max_chunks T·k) are written as
+   * moe_route_plan writes them (the order within an expert by slot; in any
+   * order with LLMQ_MOE_ROUTED=0, which runs the two launches). A holds
+   * the T rows (a_div k). */
   int (*moe_gemv_routed)(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                          float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
                          const void* zeros, float* out, int N, int K, int group);

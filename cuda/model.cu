@@ -1145,9 +1145,12 @@ int moe_router(llmq_ctx* c, const void* h, const float* W, float* logits, int T,
 
 // check_plan checks a plan's sizes (moe_plan, moe_route_plan).
 int check_plan(llmq_ctx* c, const char* fn, int S, int E, int mt, int max_chunks) {
-  if (S <= 0 || E <= 0 || E > kMaxExperts || mt <= 0 || max_chunks < (S + mt - 1) / mt + min(E, S)) {
+  // Chunks of one slot are exactly the slots; longer ones may leave each
+  // expert's last chunk partial.
+  const int need = mt == 1 ? S : (S + mt - 1) / mt + min(E, S);
+  if (S <= 0 || E <= 0 || E > kMaxExperts || mt <= 0 || max_chunks < need) {
     set_error(c, "%s: %d slots, %d experts, %d a chunk, room for %d chunks (want experts ≤ %d and room for "
-                 "⌈slots/mt⌉ + min(experts, slots))",
+                 "⌈slots/mt⌉ + min(experts, slots), or slots when mt is 1)",
               fn, S, E, mt, max_chunks, kMaxExperts);
     return 1;
   }
@@ -1206,13 +1209,7 @@ int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int 
                  "rows·top ≤ %d)", T, E, k, kMaxRoutedRows, kMaxExperts, kMaxTopK, kMaxRoutedSlots);
     return 1;
   }
-  if (c->moe_routed)
-    return moe_gemv_routed_w4(c, A, logits, T, E, k, norm, ids, weights, order, chunks, B, scales, zeros, out, N, K,
-                              group);
-  // LLMQ_MOE_ROUTED=0: the same results in two launches (the A/B's baseline).
-  const int S = T * k;
-  if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, S + min(E, S))) return 1;
-  return moe_gemv_w4(c, A, k, order, chunks, S, 1, S, B, scales, zeros, out, N, K, group);
+  return moe_gemv_routed_w4(c, A, logits, T, E, k, norm, ids, weights, order, chunks, B, scales, zeros, out, N, K, group);
 }
 
 int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act) {

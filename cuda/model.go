@@ -766,7 +766,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
-		{&a.chunks, MoEMaxChunks(slots, E, 1) * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
+		{&a.chunks, max(MoEMaxChunks(slots, E, 1), MoEMaxChunks(slots, E, 4)) * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
 	}
 	for _, s := range sizes {
 		if s.bytes == 0 {
@@ -1094,29 +1094,25 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
 	S := T * k
 	mt := moeChunk(S, E)
 	maxChunks := MoEMaxChunks(S, E, mt)
-	route := func() error {
-		return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
-	}
-	gateUp := func() error {
-		return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
-	}
+	steps := []func() error{func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) }}
 	if mo.gateUp != nil && mt == 1 && MoERoutable(T, k) {
-		route = func() error { return nil }
-		gateUp = func() error {
+		steps = append(steps, func() error {
 			return x.MoEGemvRouted(a.h, a.routerLogits, T, E, k, c.MoE.NormTopK, a.expert, a.weight, a.order, a.chunks,
 				mo.gateUp, a.gu, 2*I, H)
-		}
-		maxChunks = S // the routed plan's chunks hold one slot each: exactly S
+		})
+	} else {
+		steps = append(steps, func() error {
+			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
+		}, func() error {
+			return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
+		})
 	}
-	for _, f := range []func() error{
-		func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) },
-		route,
-		gateUp,
+	steps = append(steps,
 		func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act) },
 		func() error {
 			return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, H, I)
-		},
-	} {
+		})
+	for _, f := range steps {
 		if err := f(); err != nil {
 			return fmt.Errorf("mixture of experts: %w", err)
 		}

@@ -1,18 +1,20 @@
 // A mixture of experts' routing, shared by model.cu (moe_route_kernel,
 // moe_route_plan_kernel) and w4a16.cu (the routed expert GEMV of a decode
-// step, which routes in every CTA): one piece of code, so that both give
-// llm.RouteLogits' experts and weights bit for bit.
+// step, which routes in every CTA): one piece of code, so that both route
+// alike bit for bit (llm.RouteLogits' experts, its weights to fp32
+// rounding).
 #pragma once
 #include <math.h>
 #include <stdint.h>
 #include "common.cuh"
+#include "llmq.h"
 
 constexpr int kMaxTopK = 16;  // a mixture's experts a row (rmsnorm_kernel, route_row)
 constexpr int kMaxExpertsPerLane = 8;  // E ≤ 256
 constexpr int kMaxExperts = 32 * kMaxExpertsPerLane;
 // A routed expert GEMV (moe_gemv_routed) routes up to this many rows (a
 // warp each) of at most 32 slots in every CTA: a decode step's.
-constexpr int kMaxRoutedRows = 4, kMaxRoutedSlots = 32;
+constexpr int kMaxRoutedRows = LLMQ_MOE_ROUTED_ROWS, kMaxRoutedSlots = LLMQ_MOE_ROUTED_SLOTS;
 
 // route_row is a warp's routing of one row of router logits l [E] (fp32),
 // as llm.RouteLogits does it on the CPU: p = softmax(l) over every

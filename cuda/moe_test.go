@@ -233,12 +233,15 @@ func checkSlots(t *testing.T, name string, x *Context, out Buf, avals []float32,
 
 // TestMoEGemvRoutedMatchesCPU: the routed expert GEMV (every CTA routes a
 // decode step's rows itself) gives llm.RouteLogits' experts and weights,
-// a valid plan of chunks of one slot (what the down GEMV and the combine
-// read), and each slot's product with its expert — in one launch, and
-// again with LLMQ_MOE_ROUTED=0 (route+plan, then the GEMV). Cases: a
-// qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32 slots),
-// 256 experts top 16 over 2 rows, a K split 4 ways, a row of NaN logits
-// (the lowest experts, NaN weights, as on the CPU).
+// a valid plan of exactly S chunks of one slot, and each slot's product
+// with its expert; a second grouped GEMV over that plan (the down GEMV's
+// place: a row per slot, maxChunks S) gives each slot's product too — in
+// one launch, and again with LLMQ_MOE_ROUTED=0 (route+plan, then the
+// GEMV). The outputs start poisoned, so a routing or plan left unwritten
+// fails. Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows
+// (32 slots), 256 experts top 16 over 2 rows without renormalisation, a K
+// split 4 ways, a row of NaN logits (the lowest experts, NaN weights, as
+// on the CPU).
 func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 	for _, routed := range []string{"1", "0"} {
 		t.Run("LLMQ_MOE_ROUTED="+routed, func(t *testing.T) {
@@ -247,11 +250,11 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			r := rand.New(rand.NewPCG(13, 14))
 			for _, c := range []struct {
 				T, E, k, N, K, group int
-				nan                  bool
+				nan, raw             bool // raw: the weights not renormalised
 			}{
 				{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128},
 				{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64},
-				{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256},
+				{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256, raw: true},
 				{T: 3, E: 8, k: 2, N: 64, K: 2048, group: 128},
 				{T: 2, E: 8, k: 3, N: 64, K: 128, group: 32, nan: true},
 			} {
@@ -274,16 +277,19 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 				wb, _ := x.Alloc(S * 4)
 				ob, _ := x.Alloc(S * 4)
 				cb, _ := x.Alloc(MoEMaxChunks(S, c.E, 1) * 3 * 4)
+				for _, b := range []Buf{ib, wb, ob, cb} {
+					x.Memset(b, 0x7f, b.Bytes) // poison: all of it must be written
+				}
 				out, _ := x.Alloc(S * c.N * 4)
 				x.Memset(out, 0, out.Bytes)
-				if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, true, ib, wb, ob, cb, w4, out, c.N, c.K); err != nil {
+				if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, c.N, c.K); err != nil {
 					t.Fatal(err)
 				}
 				ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, S*3)
 				if err := errors.Join(Download(x, ids, ib), Download(x, w, wb), Download(x, ord, ob), Download(x, ch, cb)); err != nil {
 					t.Fatal(err)
 				}
-				want := llm.RouteLogits(logits, c.T, c.E, c.k, true)
+				want := llm.RouteLogits(logits, c.T, c.E, c.k, !c.raw)
 				for i := range ids {
 					wi, gi := float64(want.Weight[i]), float64(w[i])
 					if int(ids[i]) != want.Expert[i] || math.IsNaN(wi) != math.IsNaN(gi) ||
@@ -293,14 +299,41 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 				}
 				checkPlan(t, ids, ord, ch, c.E, 1)
 				checkSlots(t, name, x, out, avals, W, ids, c.k, c.N, c.K)
-				for _, b := range []Buf{A, lb, ib, wb, ob, cb, out} {
+
+				// The down GEMV's place: a row per slot over the plan left behind.
+				N2, K2 := 64, c.N
+				W2, w42 := randomExperts(t, x, r, c.E, N2, K2, 64)
+				a2bits, a2vals := randomHalf(r, S*K2)
+				A2, _ := AllocFrom(x, a2bits)
+				out2, _ := x.Alloc(S * N2 * 4)
+				x.Memset(out2, 0, out2.Bytes)
+				if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, N2, K2); err != nil {
+					t.Fatal(err)
+				}
+				checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
+				for _, b := range []Buf{A, lb, ib, wb, ob, cb, out, A2, out2} {
 					x.Free(b)
 				}
 				w4.Free(x)
+				w42.Free(x)
 			}
-			// What the kernel cannot route is refused, naming the limits.
-			if err := x.MoEGemvRouted(Buf{}, Buf{}, 5, 128, 8, true, Buf{}, Buf{}, Buf{}, Buf{}, &W4{N: 64, K: 128, Group: 128}, Buf{}, 64, 128); err == nil || !strings.Contains(err.Error(), "rows·top ≤ 32") {
-				t.Errorf("5 rows of top 8: %v; want an error naming the limits", err)
+			// What the kernel cannot route is refused, naming the limits (the
+			// library's check: the codes' size passes Go's), and experts that
+			// are not E of UploadExperts' are refused before the library.
+			big := &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 128 * 64 * 128 / 2}}
+			for _, bad := range []struct {
+				T, E, k int
+				w       *W4
+				want    string
+			}{
+				{5, 128, 8, big, "rows·top ≤ 32"}, {1, 128, 0, big, "rows·top ≤ 32"},
+				{1, 128, 8, nil, "no experts"}, {1, 128, 8, &W4{N: 64, K: 128, Group: 128, Bits: 8}, "4-bit"},
+				{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, "fewer than 128 experts"},
+			} {
+				err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, 64, 128)
+				if err == nil || !strings.Contains(err.Error(), bad.want) {
+					t.Errorf("%d rows of %d experts, top %d: %v; want an error naming %q", bad.T, bad.E, bad.k, err, bad.want)
+				}
 			}
 		})
 	}

@@ -1021,7 +1021,8 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   int e, n, start = 0, routed_slot = 0;
   if constexpr (ROUTED) {
     static_assert(MT == 1, "a routed pass has chunks of one slot");
-    __shared__ int32_t ids[kMaxRoutedSlots], rank_of[kMaxRoutedSlots];
+    static_assert(kWarps >= kMaxRoutedRows, "a warp routes a row");
+    __shared__ int32_t ids[kMaxRoutedSlots], slot_at[kMaxRoutedSlots];  // slot_at[r]: the slot of rank r
     __shared__ float wts[kMaxRoutedSlots];
     const int slots = rt.T * rt.k;
     if (warp < rt.T)
@@ -1031,15 +1032,15 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
       const int s = threadIdx.x, es = ids[s];
       int r = 0;
       for (int j = 0; j < slots; ++j) r += ids[j] < es || (ids[j] == es && j < s);
-      rank_of[r] = s;
+      slot_at[r] = s;
     }
     __syncthreads();
     if ((blockIdx.x | blockIdx.y | blockIdx.z) == 0 && threadIdx.x < slots) {
       const int i = threadIdx.x;
-      rt.ids[i] = ids[i], rt.weights[i] = wts[i], rt.order[i] = rank_of[i];
-      rt.chunks[3 * i] = ids[rank_of[i]], rt.chunks[3 * i + 1] = i, rt.chunks[3 * i + 2] = 1;
+      rt.ids[i] = ids[i], rt.weights[i] = wts[i], rt.order[i] = slot_at[i];
+      rt.chunks[3 * i] = ids[slot_at[i]], rt.chunks[3 * i + 1] = i, rt.chunks[3 * i + 2] = 1;
     }
-    routed_slot = rank_of[blockIdx.y], e = ids[routed_slot], n = 1;
+    routed_slot = slot_at[blockIdx.y], e = ids[routed_slot], n = 1;
   } else {
     const int* ch = chunks + 3 * blockIdx.y;
     e = ch[0], start = ch[1], n = ch[2];
@@ -1689,8 +1690,11 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
 int moe_gemv_routed_w4(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                        float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
                        const void* zeros, float* out, int N, int K, int group) {
-  static_assert(kWarps >= kMaxRoutedRows, "a warp routes a row");
   if (check_grouped(c, "moe_gemv_routed", N, K, group)) return 1;
+  if (!c->moe_routed) {  // LLMQ_MOE_ROUTED=0: the same results in two launches (the A/B's baseline)
+    if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, T * k)) return 1;
+    return moe_gemv_w4(c, A, k, order, chunks, T * k, 1, T * k, B, scales, zeros, out, N, K, group);
+  }
   const int S = T * k, splits = moe_splits(c, S, 1, N, K);
   const MoERouting rt{logits, T, E, k, norm, ids, weights, order, chunks};
   CK(launch(c, (w4a16_gemv_grouped<1, 4, true>), dim3(N / 64, S, splits), kWarps * 32, 0, (const half*)A, k,
