@@ -226,9 +226,9 @@ int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                 int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group);
-int moe_gemv_routed_w4(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
-                       float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
-                       const void* zeros, float* out, int N, int K, int group);
+int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
+                    float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
+                    float* out, int N, int K, int group);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
@@ -257,9 +257,6 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
              int group);
-int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
-                    float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
-                    float* out, int N, int K, int group);
 int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu

@@ -1201,17 +1201,6 @@ int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const 
   return 0;
 }
 
-int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
-                    float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
-                    float* out, int N, int K, int group) {
-  if (T < 1 || T > kMaxRoutedRows || k < 1 || k > E || k > kMaxTopK || E > kMaxExperts || T * k > kMaxRoutedSlots) {
-    set_error(c, "moe_gemv_routed: %d rows of %d experts, top %d (want 1–%d rows, top ≤ experts ≤ %d, top ≤ %d, "
-                 "rows·top ≤ %d)", T, E, k, kMaxRoutedRows, kMaxExperts, kMaxTopK, kMaxRoutedSlots);
-    return 1;
-  }
-  return moe_gemv_routed_w4(c, A, logits, T, E, k, norm, ids, weights, order, chunks, B, scales, zeros, out, N, K, group);
-}
-
 int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act) {
   if (S <= 0 || I <= 0 || act < 0 || act > 1) {
     set_error(c, "moe_act: %d slots of %d, activation %d (0 SiLU, 1 GELU-tanh)", S, I, act);

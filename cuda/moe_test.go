@@ -233,13 +233,14 @@ func checkSlots(t *testing.T, name string, x *Context, out Buf, avals []float32,
 
 // TestMoEGemvRoutedMatchesCPU: the routed expert GEMV (every CTA routes a
 // decode step's rows itself) gives llm.RouteLogits' experts and weights,
-// a valid plan of exactly S chunks of one slot, and each slot's product
-// with its expert; a second grouped GEMV over that plan (the down GEMV's
-// place: a row per slot, maxChunks S) gives each slot's product too — in
-// one launch, and again with LLMQ_MOE_ROUTED=0 (route+plan, then the
-// GEMV). The outputs start poisoned, so a routing or plan left unwritten
-// fails. Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows
-// (32 slots), 256 experts top 16 over 2 rows without renormalisation, a K
+// a valid plan of exactly S chunks of one slot (an expert's slots in slot
+// order when routed in one launch), and each slot's product with its
+// expert; a second grouped GEMV over that plan (the down GEMV's place: a
+// row per slot, maxChunks S) gives each slot's product too — in one
+// launch, and again with LLMQ_MOE_ROUTED=0 (route+plan, then the GEMV).
+// The outputs start poisoned, so a routing or plan left unwritten fails.
+// Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32
+// slots), 256 experts top 16 over 2 rows without renormalisation, a K
 // split 4 ways, a row of NaN logits (the lowest experts, NaN weights, as
 // on the CPU).
 func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
@@ -298,6 +299,13 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 					}
 				}
 				checkPlan(t, ids, ord, ch, c.E, 1)
+				if routed == "1" { // the routed plan lists an expert's slots in slot order (llmq.h)
+					for i := 1; i < S; i++ {
+						if ids[ord[i-1]] == ids[ord[i]] && ord[i-1] > ord[i] {
+							t.Fatalf("%s: order[%d] = %d after %d, both of expert %d: want slot order", name, i, ord[i], ord[i-1], ids[ord[i]])
+						}
+					}
+				}
 				checkSlots(t, name, x, out, avals, W, ids, c.k, c.N, c.K)
 
 				// The down GEMV's place: a row per slot over the plan left behind.

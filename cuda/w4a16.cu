@@ -1687,9 +1687,14 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
   return 0;
 }
 
-int moe_gemv_routed_w4(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
-                       float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
-                       const void* zeros, float* out, int N, int K, int group) {
+int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
+                    float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
+                    float* out, int N, int K, int group) {
+  if (T < 1 || T > kMaxRoutedRows || k < 1 || k > E || k > kMaxTopK || E > kMaxExperts || T * k > kMaxRoutedSlots) {
+    set_error(c, "moe_gemv_routed: %d rows of %d experts, top %d (want 1–%d rows, top ≤ experts ≤ %d, top ≤ %d, "
+                 "rows·top ≤ %d)", T, E, k, kMaxRoutedRows, kMaxExperts, kMaxTopK, kMaxRoutedSlots);
+    return 1;
+  }
   if (check_grouped(c, "moe_gemv_routed", N, K, group)) return 1;
   if (!c->moe_routed) {  // LLMQ_MOE_ROUTED=0: the same results in two launches (the A/B's baseline)
     if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, T * k)) return 1;
