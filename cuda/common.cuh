@@ -50,6 +50,12 @@ struct llmq_ctx {
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
   bool moe_routed = true;
+  // API 18: a mixture's gated gate/up GEMV writes act(gate)·up itself
+  // (LLMQ_MOE_FUSED_ACT=0: the sums, then moe_act), and the norm before
+  // the experts computes the router's logits (LLMQ_MOE_NORM_ROUTER=0: the
+  // norm, then moe_router); the switches are for A/Bs.
+  bool moe_fused_act = true;
+  bool moe_norm_router = true;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).
   void* cusolver = nullptr;
@@ -225,14 +231,18 @@ int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros
                int bits);
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group);
+                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group,
+                void* g, int* counters, int act);
 int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                     float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
-                    float* out, int N, int K, int group);
+                    float* out, int N, int K, int group, void* g, int* counters, int act);
+int check_gated(llmq_ctx* c, const char* fn, const void* g, const int* counters, int act);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
             const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
+int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
+                   float* logits, int n, int H, int E, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
 int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
@@ -256,8 +266,8 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
                    int32_t* order, int32_t* chunks, int max_chunks);
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
-             int group);
-int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
+             int group, void* g, int* counters, int act);
+int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act, int interleaved);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu
 int hessian_add(llmq_ctx* c, const void* X, float* H, int rows, int n);

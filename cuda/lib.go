@@ -181,15 +181,22 @@ static int c_moe_route_plan(A a, llmq_ctx* c, P logits, P ids, P weights, int T,
 		(int32_t*)chunks, max_chunks);
 }
 static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int max_chunks, int mt, int slots, P B, P S, P Z, P W16,
-		P out, int N, int K, int g) {
+		P out, int N, int K, int g, P gated, P counters, int act) {
 	return a->moe_gemv(c, (const void*)A_, a_div, (const int32_t*)order, (const int32_t*)chunks, max_chunks, mt, slots, (const void*)B,
-		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g);
+		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g, (void*)gated, (int32_t*)counters, act);
 }
-static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act) { return a->moe_act(c, (float*)gu, (void*)g, S, I, act); }
+static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act, int interleaved) {
+	return a->moe_act(c, (float*)gu, (void*)g, S, I, act, interleaved);
+}
 static int c_moe_gemv_routed(A a, llmq_ctx* c, P A_, P logits, int T, int E, int k, int norm, P ids, P weights, P order, P chunks,
-		P B, P S, P Z, P out, int N, int K, int g) {
+		P B, P S, P Z, P out, int N, int K, int g, P gated, P counters, int act) {
 	return a->moe_gemv_routed(c, (const void*)A_, (const float*)logits, T, E, k, norm, (int32_t*)ids, (float*)weights,
-		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, g);
+		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, g, (void*)gated,
+		(int32_t*)counters, act);
+}
+static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P w, P out, P W, P logits, int n, int H, int E, float eps) {
+	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)w, (void*)out, (const float*)W, (float*)logits,
+		n, H, E, eps);
 }
 static int c_sample_rows(A a, llmq_ctx* c, P logits, P params, P out, int T, int V) {
 	return a->sample_rows(c, (const float*)logits, (const double*)params, (int32_t*)out, T, V);
@@ -715,6 +722,21 @@ func (x *Context) RMSNormExperts(xs, delta Buf, e ExpertSum, deltaNorm, rows, w,
 	})
 }
 
+// RMSNormRouter is a mixture's norm and router in one launch: out =
+// RMSNorm(xs + delta)·w (fp16 [n][H]) and logits = out · routerᵀ (fp32
+// [n][E], router fp32 [E][H]), as RMSNorm then MoERouter compute them,
+// except that xs is left as it was: the caller passes the same delta to
+// the next norm (RMSNormExperts), which adds it before the experts.
+func (x *Context) RMSNormRouter(xs, delta, w, out, router, logits Buf, n, H, E int, eps float32) error {
+	if delta.Nil() {
+		return fmt.Errorf("rmsnorm_router: no delta")
+	}
+	return x.do("rmsnorm_router", func() C.int {
+		return C.c_rmsnorm_router(x.lib.api, x.c, xs.p, delta.p, w.p, out.p, router.p, logits.p, C.int(n), C.int(H), C.int(E),
+			C.float(eps))
+	})
+}
+
 // Add does x += delta over n values (fp32 += fp16).
 func (x *Context) Add(xs, delta Buf, n int) error {
 	return x.do("add", func() C.int { return C.c_add(x.lib.api, x.c, xs.p, delta.p, C.size_t(n)) })
@@ -841,24 +863,42 @@ func (x *Context) MoERoutePlan(logits, ids, weights Buf, T, E, k int, norm bool,
 	})
 }
 
+// GatedOut is where a gated expert layer (W4.Gated: each expert's gate
+// and up interleaved, pack.InterleaveGPU) writes: G [S][N/2] fp16 gets
+// act(gate)·up, while the layer's fp32 output is the K splits'
+// workspace; Counters [maxChunks][N/64] int32 count the splits. Both
+// are zero before and left zero.
+type GatedOut struct{ G, Counters Buf }
+
 // MoEGemv runs a mixture's experts of one kind (all E alike, N×K) over a
 // plan of S slots (MoEPlan with the same mt): out row s (fp32 [S][N],
 // zero before) += A row s/aDiv · W_e for each slot s of expert e. w holds
 // 4-bit experts one after another (UploadExperts), or w16 fp16 experts
-// [E][N][K].
-func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S int, w *W4, w16, out Buf, N, K int) error {
+// [E][N][K]. Gated experts (w.Gated) write into gated instead (GatedOut).
+func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S int, w *W4, w16, out Buf, gated GatedOut, N, K int) error {
 	var b, s, z C.P
-	group := K
+	group, act := K, NotGated.act()
 	if w != nil {
 		if w.N != N || w.K != K {
 			return fmt.Errorf("moe_gemv: experts of %d×%d run as %d×%d", w.N, w.K, N, K)
 		}
-		b, s, z, group = w.B.p, w.S.p, w.Z.p, w.Group
+		if err := gated.check("moe_gemv", w); err != nil {
+			return err
+		}
+		b, s, z, group, act = w.B.p, w.S.p, w.Z.p, w.Group, w.Gated.act()
 	}
 	return x.do("moe_gemv", func() C.int {
 		return C.c_moe_gemv(x.lib.api, x.c, A.p, C.int(aDiv), order.p, chunks.p, C.int(maxChunks), C.int(mt), C.int(S), b, s, z, w16.p,
-			out.p, C.int(N), C.int(K), C.int(group))
+			out.p, C.int(N), C.int(K), C.int(group), gated.G.p, gated.Counters.p, C.int(act))
 	})
+}
+
+// check: a gated layer has somewhere to write, and a plain one nothing.
+func (g GatedOut) check(fn string, w *W4) error {
+	if (w.Gated != NotGated) != (!g.G.Nil() && !g.Counters.Nil()) {
+		return fmt.Errorf("%s: gated experts need a GatedOut with G and Counters, plain ones none (gated: %v)", fn, w.Gated != NotGated)
+	}
+	return nil
 }
 
 // MoEGemvRouted is MoERoutePlan (chunks of one slot) then MoEGemv of E
@@ -867,21 +907,25 @@ func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S i
 // (MoERoutable); the routing (ids, weights [T·k]) and the plan (order
 // [T·k], chunks [T·k][3]: MoEGemv's with mt 1 and maxChunks T·k) are left
 // as MoERoutePlan leaves them (LLMQ_MOE_ROUTED=0 runs the two launches,
-// for A/Bs).
-func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out Buf, N, K int) error {
+// for A/Bs). Gated experts write into gated, as MoEGemv's.
+func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out Buf, gated GatedOut, N, K int) error {
 	switch {
 	case w == nil:
 		return fmt.Errorf("moe_gemv_routed: no experts")
 	case w.N != N || w.K != K:
 		return fmt.Errorf("moe_gemv_routed: experts of %d×%d run as %d×%d", w.N, w.K, N, K)
-	case w.Bits == 8 || !w.Perm.Nil() || w.Gated != NotGated:
-		return fmt.Errorf("moe_gemv_routed: the experts must be UploadExperts' (4-bit, no act order, not gated)")
+	case w.Bits == 8 || !w.Perm.Nil():
+		return fmt.Errorf("moe_gemv_routed: the experts must be UploadExperts' (4-bit, no act order)")
 	case E > 0 && w.B.Bytes < E*N*K/2:
 		return fmt.Errorf("moe_gemv_routed: %d bytes of codes hold fewer than %d experts of %d×%d", w.B.Bytes, E, N, K)
 	}
+	if err := gated.check("moe_gemv_routed", w); err != nil {
+		return err
+	}
 	return x.do("moe_gemv_routed", func() C.int {
 		return C.c_moe_gemv_routed(x.lib.api, x.c, A.p, logits.p, C.int(T), C.int(E), C.int(k), cbool(norm), ids.p, weights.p,
-			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group))
+			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group), gated.G.p, gated.Counters.p,
+			C.int(w.Gated.act()))
 	})
 }
 
@@ -892,9 +936,13 @@ func MoERoutable(T, k int) bool {
 }
 
 // MoEAct writes g [S][I] fp16 = act(gate)·up from a joined gate/up output
-// gu [S][2I] fp32, which it zeroes (act as GatedAct).
-func (x *Context) MoEAct(gu, g Buf, S, I int, act string) error {
-	return x.do("moe_act", func() C.int { return C.c_moe_act(x.lib.api, x.c, gu.p, g.p, C.int(S), C.int(I), actCode(act)) })
+// gu [S][2I] fp32, which it zeroes (act as GatedAct, from gate and up
+// rounded to fp16): gate gu[:, :I] and up gu[:, I:], or interleaved in
+// 32-column halves (pack.InterleaveGPU).
+func (x *Context) MoEAct(gu, g Buf, S, I int, act string, interleaved bool) error {
+	return x.do("moe_act", func() C.int {
+		return C.c_moe_act(x.lib.api, x.c, gu.p, g.p, C.int(S), C.int(I), actCode(act), cbool(interleaved))
+	})
 }
 
 // ArgmaxRows writes out[t] (int32) = llm.Argmax of row t of logits (fp32

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 17
+#define LLMQ_API_VERSION 18
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -149,7 +149,9 @@ typedef struct {
    * out row i = RMSNorm(x[rows[i]])·w. With y (fp32 [n·k][H], zeroed on
    * return), the delta is also a mixture's output: row t's Σ_j
    * weights[t·k+j] · y[t·k+j], added in fp32 in ascending expert order
-   * (ids), as the CPU does; k ≤ 16. H % 4 == 0, H ≤ 16384; x, w,
+   * (ids), as the CPU does; k ≤ 16. With both delta and y (a delta
+   * rmsnorm_router left pending), x + delta comes first, then the
+   * experts' sum (no delta_norm then). H % 4 == 0, H ≤ 16384; x, w,
    * delta_norm and y 16-byte aligned, delta and out 8-byte aligned (rows
    * of H values from an aligned start are). */
   int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
@@ -273,12 +275,21 @@ typedef struct {
    * w4a16_gemm's layout (B, scales, zeros; N % 64 == 0, group a power of
    * two or K; act order not supported), or fp16 [E][N][K] in W16 (not
    * NULL; K % 8 == 0). */
+  /* API 18, act ≥ 0 (0 SiLU, 1 GELU-tanh; 4-bit experts): each expert's
+   * gate and up are interleaved in 32-column halves (pack.InterleaveGPU,
+   * N = 2I) and the layer writes g [S][I] fp16 = act(gate)·up (as
+   * moe_act) itself; out [S][N] fp32 is then the K splits' workspace and
+   * counters [max_chunks][N/64] int32 their count, both zero before and
+   * left zero. act −1: not gated (g and counters unused). */
   int (*moe_gemv)(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                   int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N,
-                  int K, int group);
-  /* g [S][I] fp16 = act(gu[:, :I]) · gu[:, I:] (act as gated_act) from a
-   * joined gate/up output gu [S][2I] fp32, which it zeroes. */
-  int (*moe_act)(llmq_ctx* c, float* gu, void* g, int S, int I, int act);
+                  int K, int group, void* g, int32_t* counters, int act);
+  /* g [S][I] fp16 = act(gate) · up from a joined gate/up output gu [S][2I]
+   * fp32, which it zeroes: gate and up rounded to fp16 first, as
+   * gated_act computes them from fp16 GEMM outputs. gate gu[:, :I] and up
+   * gu[:, I:]; interleaved (API 18): in 32-column halves of each 64-column
+   * tile (pack.InterleaveGPU; I % 32 == 0). */
+  int (*moe_act)(llmq_ctx* c, float* gu, void* g, int S, int I, int act, int interleaved);
   /* out[t] = the token llm.Sampler would pick from row t of logits (fp32
    * [T][V]) with params[4t … 4t+3] = temperature, top-k, top-p and its
    * uniform draw u (fp64); temperature 0 gives argmax_rows's answer. −1
@@ -296,7 +307,15 @@ typedef struct {
    * the T rows (a_div k). */
   int (*moe_gemv_routed)(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                          float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
-                         const void* zeros, float* out, int N, int K, int group);
+                         const void* zeros, float* out, int N, int K, int group, void* g, int32_t* counters, int act);
+  /* API 18: a mixture's norm and router in one launch: out [n][H] fp16 =
+   * RMSNorm(x + delta)·w, as rmsnorm with delta (no delta_norm, experts
+   * or rows), except that x is not written: the caller passes delta again
+   * to the next norm (rmsnorm with delta and y); and logits [n][E] fp32 =
+   * out · Wᵀ as moe_router computes them (W [E][H] fp32). E ≤ 256.
+   * LLMQ_MOE_NORM_ROUTER=0: the norm, then moe_router. */
+  int (*rmsnorm_router)(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
+                        float* logits, int n, int H, int E, float eps);
 } llmq_api;
 
 /* The library's one exported symbol. */

@@ -71,13 +71,26 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // and a strided scalar loop paid a dependent round trip per 256 values
 // (6.7 µs for 4096 of them, decode-ops-h200.txt). H is a multiple of 4, at
 // most 16384 (V ≤ 4: at 1024 threads a thread has 64 registers).
-template <int V>
+//
+// With both delta and y, x + delta comes first, then the experts' sum: the
+// delta a ROUTER norm left pending (below) before the mixture that
+// followed it, the CPU's order of additions.
+//
+// ROUTER (rmsnorm_router, a mixture's norm): x + delta is normed but not
+// written back (the next norm adds the same delta, still in its buffer),
+// so that the row's gridDim.y CTAs can each norm it from the same x;
+// CTA y = 0 writes out, and every CTA keeps the normed row in shared
+// memory (dynamic, H halves) for its share of the router's logits, one
+// expert a warp (router_dot, moe_router_kernel's arithmetic). No y, rows
+// or dw.
+template <int V, bool ROUTER = false>
 __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
                                float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
-                               int H, float eps) {
+                               int H, float eps, const float* __restrict__ W, float* __restrict__ logits, int E) {
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float red[32];
+  extern __shared__ uint2 norm_h[];  // ROUTER: the normed row, 4 halves a word
   __shared__ int slot[kMaxTopK];
   __shared__ float wt[kMaxTopK];
   const int r = rows ? rows[blockIdx.x] : blockIdx.x;
@@ -95,6 +108,13 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, co
       const float2 a = __half22float2(*reinterpret_cast<const half2*>(&u.x));
       const float2 b = __half22float2(*reinterpret_cast<const half2*>(&u.y));
       d[j] = make_float4(a.x, a.y, b.x, b.y);
+    }
+  }
+  if (y && dr) {  // a pending delta (ROUTER) before the experts
+#pragma unroll
+    for (int j = 0; j < V; j++) {
+      v[j] = make_float4(v[j].x + d[j].x, v[j].y + d[j].y, v[j].z + d[j].z, v[j].w + d[j].w);
+      d[j] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
   if (y) {
@@ -153,7 +173,7 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, co
     for (int j = 0; j < V; j++) {
       const int i = threadIdx.x + j * blockDim.x;
       v[j] = make_float4(v[j].x + d[j].x, v[j].y + d[j].y, v[j].z + d[j].z, v[j].w + d[j].w);
-      if (i < H4) xr[i] = v[j];
+      if (!ROUTER && i < H4) xr[i] = v[j];
     }
   }
   float ss = 0.f;
@@ -172,7 +192,17 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, co
       uint2 u;
       u.x = *reinterpret_cast<const uint32_t*>(&a);
       u.y = *reinterpret_cast<const uint32_t*>(&b);
-      o[i] = u;
+      if (!ROUTER || blockIdx.y == 0) o[i] = u;
+      if constexpr (ROUTER) norm_h[i] = u;
+    }
+  }
+  if constexpr (ROUTER) {
+    if (!W) return;  // LLMQ_MOE_NORM_ROUTER=0: moe_router follows
+    __syncthreads();
+    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (int e = blockIdx.y * warps + (threadIdx.x >> 5); e < E; e += gridDim.y * warps) {
+      const float acc = router_dot<true>(norm_h, reinterpret_cast<const float4*>(W + (size_t)e * H), H, lane);
+      if (lane == 0) logits[(size_t)r * E + e] = acc;
     }
   }
 }
@@ -865,18 +895,8 @@ __global__ void moe_router_kernel(const half* __restrict__ h, const float* __res
   pdl_gate();  // before any global access: see common.cuh
   const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5), t = blockIdx.y;
   if (e >= E) return;  // the whole warp
-  const uint2* x = reinterpret_cast<const uint2*>(h + (size_t)t * H);  // 4 fp16 values
-  const float4* w = reinterpret_cast<const float4*>(W + (size_t)e * H);
-  float acc = 0.f;
-#pragma unroll 8
-  for (int i = lane; i < H / 4; i += 32) {
-    const float4 wv = __ldg(w + i);
-    const uint2 xv = __ldg(x + i);
-    const float2 a = __half22float2(*reinterpret_cast<const half2*>(&xv.x));
-    const float2 b = __half22float2(*reinterpret_cast<const half2*>(&xv.y));
-    acc += a.x * wv.x + a.y * wv.y + b.x * wv.z + b.y * wv.w;
-  }
-  acc = warp_sum(acc);
+  const float acc = router_dot<false>(reinterpret_cast<const uint2*>(h + (size_t)t * H),
+                                      reinterpret_cast<const float4*>(W + (size_t)e * H), H, lane);
   if (lane == 0) logits[(size_t)t * E + e] = acc;
 }
 
@@ -920,16 +940,20 @@ __global__ void moe_gemv_f16_kernel(const half* __restrict__ A, int a_div, const
   }
 }
 
-// moe_act_kernel: g [S][I] fp16 = act(gu[:, :I]) · gu[:, I:] from the
-// joined gate/up output gu [S][2I] (fp32), which it zeroes.
-__global__ void moe_act_kernel(float* __restrict__ gu, half* __restrict__ g, int I, size_t n, int act) {
+// moe_act_kernel: g [S][I] fp16 = act(gate) · up (gated_pair, as the
+// dense layers' gated_act) from a joined gate/up output gu [S][2I] (fp32),
+// which it zeroes: gate gu[:, :I] and up gu[:, I:], or, interleaved
+// (pack.InterleaveGPU), output column j's gate at 64·(j / 32) + j % 32
+// and its up 32 columns on.
+__global__ void moe_act_kernel(float* __restrict__ gu, half* __restrict__ g, int I, size_t n, int act, int interleaved) {
   pdl_gate();  // before any global access: see common.cuh
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const size_t s = i / I, j = i % I;
   float* r = gu + s * 2 * I;
-  g[i] = __float2half(act_of(r[j], act) * r[I + j]);
-  r[j] = r[I + j] = 0.f;
+  const size_t gj = interleaved ? 64 * (j / 32) + j % 32 : j, uj = interleaved ? gj + 32 : I + j;
+  g[i] = gated_pair(r[gj], r[uj], act);
+  r[gj] = r[uj] = 0.f;
 }
 
 // nll_kernel: one block per row: −log softmax(logits)[target].
@@ -1006,16 +1030,20 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, f
     set_error(c, "rmsnorm: hidden size %d (want a multiple of 4, at most %d)", H, kMaxNormHidden);
     return 1;
   }
-  if (y && (k <= 0 || k > kMaxTopK)) {
-    set_error(c, "rmsnorm: the experts' sum of %d a row (want 1 to %d)", k, kMaxTopK);
+  if (y && (k <= 0 || k > kMaxTopK || (delta && delta_norm))) {
+    set_error(c, "rmsnorm: the experts' sum of %d a row (want 1 to %d%s)", k, kMaxTopK,
+              delta && delta_norm ? ", and no delta_norm with a delta before it" : "");
     return 1;
   }
   const int threads = ((H4 + V - 1) / V + 31) / 32 * 32;
   const half* d = (const half*)delta;
   switch (V) {
-    case 1: CK(launch(c, (rmsnorm_kernel<1>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
-    case 2: CK(launch(c, (rmsnorm_kernel<2>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
-    default: CK(launch(c, (rmsnorm_kernel<4>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps)); break;
+    case 1: CK(launch(c, (rmsnorm_kernel<1>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
+                        (const float*)nullptr, (float*)nullptr, 0)); break;
+    case 2: CK(launch(c, (rmsnorm_kernel<2>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
+                        (const float*)nullptr, (float*)nullptr, 0)); break;
+    default: CK(launch(c, (rmsnorm_kernel<4>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
+                        (const float*)nullptr, (float*)nullptr, 0)); break;
   }
   return 0;
 }
@@ -1119,6 +1147,37 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
   return 0;
 }
 
+int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
+                   float* logits, int n, int H, int E, float eps) {
+  const int H4 = H / 4, V = H4 <= 1024 ? 1 : H4 <= 2048 ? 2 : 4;
+  if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden || E <= 0 || E > kMaxExperts || n <= 0 || !delta) {
+    set_error(c, "rmsnorm_router: %d rows, hidden size %d (want a multiple of 4, at most %d), %d experts (at most %d)%s",
+              n, H, kMaxNormHidden, E, kMaxExperts, delta ? "" : ", no delta");
+    return 1;
+  }
+  const int threads = ((H4 + V - 1) / V + 31) / 32 * 32;
+  // One expert a warp: the CTAs a row that cover E experts (or one CTA,
+  // the norm alone, when LLMQ_MOE_NORM_ROUTER=0 and moe_router follows).
+  const int R = c->moe_norm_router ? (E + threads / 32 - 1) / (threads / 32) : 1;
+  const float* Wr = c->moe_norm_router ? W : nullptr;
+  const size_t smem = (size_t)H * sizeof(half);
+  const dim3 grid(n, R);
+  const half* d = (const half*)delta;
+  float* xs = const_cast<float*>(x);  // ROUTER reads x, never writes it
+#define LLMQ_NORM_ROUTER(V_)                                                                                          \
+  CK(launch(c, (rmsnorm_kernel<V_, true>), grid, threads, smem, xs, d, (const float*)nullptr, (float*)nullptr,       \
+            (const int32_t*)nullptr, (const float*)nullptr, 0, (const int32_t*)nullptr, w, (half*)out, H, eps, Wr, \
+            logits, E))
+  switch (V) {
+    case 1: LLMQ_NORM_ROUTER(1); break;
+    case 2: LLMQ_NORM_ROUTER(2); break;
+    default: LLMQ_NORM_ROUTER(4); break;
+  }
+#undef LLMQ_NORM_ROUTER
+  if (!c->moe_norm_router) return moe_router(c, out, W, logits, n, E, H);
+  return 0;
+}
+
 int moe_route(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm) {
   if (T <= 0 || E <= 0 || E > kMaxExperts || k <= 0 || k > E || k > kMaxTopK) {
     set_error(c, "moe_route: %d rows of %d experts, top %d (want 1 ≤ top ≤ experts ≤ %d, top ≤ %d)", T, E, k,
@@ -1177,15 +1236,18 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
 
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
-             int group) {
+             int group, void* g, int* counters, int act) {
   if (max_chunks <= 0 || max_chunks > 65535 || a_div <= 0 || slots <= 0 || N <= 0 || K <= 0 || (mt != 1 && mt != 4)) {
     set_error(c, "moe_gemv: %d chunks (want 1–65535), a_div %d, %d slots, %d a chunk (1 or 4), N=%d, K=%d", max_chunks,
               a_div, slots, mt, N, K);
     return 1;
   }
-  if (!W16) return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, slots, B, scales, zeros, out, N, K, group);
-  if (K % 8) {
-    set_error(c, "moe_gemv: fp16 experts need K %% 8 == 0 (K=%d)", K);
+  if (check_gated(c, "moe_gemv", g, counters, act)) return 1;
+  if (!W16)
+    return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, slots, B, scales, zeros, out, N, K, group, g, counters,
+                       act);
+  if (K % 8 || act >= 0) {
+    set_error(c, "moe_gemv: fp16 experts need K %% 8 == 0 (K=%d) and no gated output (act %d)", K, act);
     return 1;
   }
   const dim3 grid((N + 7) / 8, max_chunks);
@@ -1201,13 +1263,14 @@ int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const 
   return 0;
 }
 
-int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act) {
-  if (S <= 0 || I <= 0 || act < 0 || act > 1) {
-    set_error(c, "moe_act: %d slots of %d, activation %d (0 SiLU, 1 GELU-tanh)", S, I, act);
+int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act, int interleaved) {
+  if (S <= 0 || I <= 0 || act < 0 || act > 1 || (interleaved && I % 32)) {
+    set_error(c, "moe_act: %d slots of %d, activation %d (0 SiLU, 1 GELU-tanh)%s", S, I, act,
+              interleaved && I % 32 ? ", interleaved in halves of 32 columns" : "");
     return 1;
   }
   const size_t n = (size_t)S * I;
-  CK(launch(c, (moe_act_kernel), blocks(n, 256), 256, 0, gu, (half*)g, I, n, act));
+  CK(launch(c, (moe_act_kernel), blocks(n, 256), 256, 0, gu, (half*)g, I, n, act, interleaved));
   return 0;
 }
 

@@ -361,8 +361,9 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 	grouped := func(gw *pack.GPUWeights) bool {
 		return gw.Perm == nil && gw.Bits == 4 && (gw.Group >= gw.K || gw.Group&(gw.Group-1) == 0)
 	}
-	var gateUp, down []*pack.GPUWeights
-	for e := 0; e < E; e++ {
+	experts := make([][]*hostLinear, E) // gate, up, down of each expert
+	gated := m.join
+	for e := range experts {
 		hs := make([]*hostLinear, 3)
 		for j := range hs {
 			if hs[j], err = m.readLinearAs(ck, q, specs[3*e+j], grouped); err != nil {
@@ -370,10 +371,22 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 			}
 		}
 		if hs[0].gw == nil || hs[1].gw == nil || hs[2].gw == nil || !joinable(hs[:2]) {
-			gateUp, down = nil, nil
+			experts = nil
 			break
 		}
-		gu, err := pack.ConcatGPU(hs[0].gw, hs[1].gw)
+		// Gate and up interleaved when every expert's can be (gateable,
+		// a multiple of 64 wide), so that the GEMV writes act(gate)·up
+		// itself (GatedOut); else side by side, and MoEAct follows.
+		gated = gated && gateable(hs[:2]) && hs[0].out%64 == 0
+		experts[e] = hs
+	}
+	var gateUp, down []*pack.GPUWeights
+	join := func(gate, up *pack.GPUWeights) (*pack.GPUWeights, error) { return pack.ConcatGPU(gate, up) }
+	if gated {
+		join = pack.InterleaveGPU
+	}
+	for e, hs := range experts {
+		gu, err := join(hs[0].gw, hs[1].gw)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", specs[3*e].Name, err)
 		}
@@ -382,6 +395,9 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 	if gateUp != nil {
 		if mo.gateUp, err = m.x.UploadExperts(gateUp); err != nil {
 			return nil, fmt.Errorf("layer %d's experts' gate and up: %w", layer, err)
+		}
+		if gated {
+			mo.gateUp.Gated = GatingFor(c.Act)
 		}
 		if mo.down, err = m.x.UploadExperts(down); err != nil {
 			return nil, fmt.Errorf("layer %d's experts' down: %w", layer, err)
@@ -731,10 +747,11 @@ type acts struct {
 	// slot's expert and weight, the plan's order and chunks, the experts'
 	// joined gate/up outputs gu [slots][2I] and outputs y [slots][hidden]
 	// (fp32, kept zeroed between passes: the kernels that read them clear
-	// them; the activations between go to g).
-	routerLogits, expert, weight, order, chunks, gu, y Buf
-	bufs                                               []Buf
-	bytes                                              int64
+	// them; the activations between go to g), and the count of a gated
+	// gate/up's K splits (GatedOut, kept zeroed by the kernel).
+	routerLogits, expert, weight, order, chunks, gu, y, guCount Buf
+	bufs                                                        []Buf
+	bytes                                                       int64
 }
 
 func (m *Model) newActs(rows int) (*acts, error) {
@@ -755,6 +772,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		E, slots, moeI = c.MoE.Experts, rows*c.MoE.TopK, c.MoE.Intermediate
 		gWidth = max(gWidth, c.MoE.TopK*moeI)
 	}
+	maxChunks := max(MoEMaxChunks(slots, E, 1), MoEMaxChunks(slots, E, 4))
 	sizes := []struct {
 		b     *Buf
 		bytes int
@@ -766,7 +784,8 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
-		{&a.chunks, max(MoEMaxChunks(slots, E, 1), MoEMaxChunks(slots, E, 4)) * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
+		{&a.chunks, maxChunks * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
+		{&a.guCount, maxChunks * (2 * moeI / 64) * 4},
 	}
 	for _, s := range sizes {
 		if s.bytes == 0 {
@@ -777,7 +796,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 			return nil, fmt.Errorf("activations for %d rows: %w", rows, err)
 		}
 	}
-	for _, b := range []Buf{a.ws, a.gu, a.y} { // kept zeroed by the kernels that use them
+	for _, b := range []Buf{a.ws, a.gu, a.y, a.guCount} { // kept zeroed by the kernels that use them
 		if err := m.x.Memset(b, 0, b.Bytes); err != nil {
 			a.free(m.x)
 			return nil, err
@@ -1036,12 +1055,19 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys, attnOptions(c, l))
 			},
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
-			func() error { return x.RMSNorm(a.x, a.delta, b.norms.postAttn, Buf{}, b.norms.mlp, a.h, T, H, eps) },
 		}
-		if b.moe != nil {
-			steps = append(steps, func() error { return m.moeMLP(b.moe, a, T) })
-		} else {
-			steps = append(steps,
+		norm := func() error { return x.RMSNorm(a.x, a.delta, b.norms.postAttn, Buf{}, b.norms.mlp, a.h, T, H, eps) }
+		switch {
+		case b.routesInNorm():
+			// The router joins the norm, and a.x takes the attention's
+			// delta at the next norm (mlpOutput).
+			steps = append(steps, func() error {
+				return x.RMSNormRouter(a.x, a.delta, b.norms.mlp, a.h, b.moe.router, a.routerLogits, T, H, c.MoE.Experts, eps)
+			}, func() error { return m.moeMLP(b.moe, a, T, true) })
+		case b.moe != nil:
+			steps = append(steps, norm, func() error { return m.moeMLP(b.moe, a, T, false) })
+		default:
+			steps = append(steps, norm,
 				func() error {
 					if b.gateUp != nil && b.gateUp.w4 != nil && b.gateUp.w4.Gated != NotGated {
 						return m.run(b.gateUp, a.h, T, a, false, a.g) // act(gate)·up in the GEMM's epilogue
@@ -1070,48 +1096,72 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 }
 
 // mlpOutput is where block b leaves its MLP's output for the norm after
-// it: a.delta (fp16), or a mixture's expert slots not yet summed; and the
-// norm it goes through first (Gemma 3's post-feedforward norm, else nil).
+// it: a.delta (fp16), or a mixture's expert slots not yet summed (after
+// the attention's a.delta, which a norm with the router left pending);
+// and the norm it goes through first (Gemma 3's post-feedforward norm,
+// else nil).
 func (m *Model) mlpOutput(b *gpuBlock, a *acts) (Buf, ExpertSum, Buf) {
 	if b.moe != nil {
-		return Buf{}, ExpertSum{Y: a.y, IDs: a.expert, Weights: a.weight, K: m.cfg.MoE.TopK}, b.norms.postMLP
+		var pending Buf
+		if b.routesInNorm() {
+			pending = a.delta
+		}
+		return pending, ExpertSum{Y: a.y, IDs: a.expert, Weights: a.weight, K: m.cfg.MoE.TopK}, b.norms.postMLP
 	}
 	return a.delta, ExpertSum{}, b.norms.postMLP
 }
 
+// routesInNorm: block b is a mixture whose router runs in the launch of
+// the norm before it (RMSNormRouter), which leaves the attention's output
+// to the next norm; a norm of that output or of the experts' (Gemma 3's
+// post-attention and post-feedforward norms) keeps the two launches.
+func (b *gpuBlock) routesInNorm() bool {
+	return b.moe != nil && b.norms.postAttn.Nil() && b.norms.postMLP.Nil()
+}
+
 // moeMLP queues a mixture of experts on the normed rows a.h (T of them),
 // leaving each slot's output in a.y, all on the device (no host round
-// trip, so decode graphs capture it): the router's logits; each row's top
-// k and the T·k slots grouped by expert (one launch); the experts' gate
-// and up as one grouped GEMV over the slots; the gated activation; down.
-// A decode step's few rows of 4-bit experts route inside the gate/up GEMV
+// trip, so decode graphs capture it): the router's logits (unless the norm
+// before left them: routed); each row's top k and the T·k slots grouped
+// by expert (one launch); the experts' gate and up as one grouped GEMV
+// over the slots, which writes act(gate)·up itself when they are
+// interleaved (W4.Gated), else the gated activation follows; down. A
+// decode step's few rows of 4-bit experts route inside the gate/up GEMV
 // instead (MoEGemvRouted: one launch fewer). The weighted sum of each
 // row's k outputs, in ascending expert order, is the next norm's
 // (mlpOutput, RMSNormExperts).
-func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int) error {
+func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, routed bool) error {
 	c, x := m.cfg, m.x
 	E, k, H, I := c.MoE.Experts, c.MoE.TopK, c.Hidden, c.MoE.Intermediate
 	S := T * k
 	mt := moeChunk(S, E)
 	maxChunks := MoEMaxChunks(S, E, mt)
-	steps := []func() error{func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) }}
+	var steps []func() error
+	if !routed {
+		steps = append(steps, func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) })
+	}
+	var gated GatedOut
+	if mo.gateUp != nil && mo.gateUp.Gated != NotGated {
+		gated = GatedOut{G: a.g, Counters: a.guCount}
+	}
 	if mo.gateUp != nil && mt == 1 && MoERoutable(T, k) {
 		steps = append(steps, func() error {
 			return x.MoEGemvRouted(a.h, a.routerLogits, T, E, k, c.MoE.NormTopK, a.expert, a.weight, a.order, a.chunks,
-				mo.gateUp, a.gu, 2*I, H)
+				mo.gateUp, a.gu, gated, 2*I, H)
 		})
 	} else {
 		steps = append(steps, func() error {
 			return x.MoERoutePlan(a.routerLogits, a.expert, a.weight, T, E, k, c.MoE.NormTopK, mt, a.order, a.chunks, maxChunks)
 		}, func() error {
-			return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, 2*I, H)
+			return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, gated, 2*I, H)
 		})
 	}
-	steps = append(steps,
-		func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act) },
-		func() error {
-			return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, H, I)
-		})
+	if gated.G.Nil() {
+		steps = append(steps, func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act, false) })
+	}
+	steps = append(steps, func() error {
+		return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, GatedOut{}, H, I)
+	})
 	for _, f := range steps {
 		if err := f(); err != nil {
 			return fmt.Errorf("mixture of experts: %w", err)

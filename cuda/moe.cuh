@@ -72,3 +72,23 @@ static __device__ void route_row(const float* __restrict__ l, int32_t* __restric
   if (lane == 0)
     for (int j = 0; j < k; j++) weights[j] = norm ? w[j] / chosen : w[j];
 }
+
+// router_dot is a warp's router logit: the row x (H fp16 values, 4 a
+// word) · expert row w (H fp32, 4 a float4), lane-strided, each lane's
+// loads unrolled so the warp has the row in flight at once; the warp's
+// sum, in every lane. SHARED: x is in shared memory (rmsnorm_router), else
+// global (moe_router_kernel). H % 4 == 0.
+template <bool SHARED>
+static __device__ __forceinline__ float router_dot(const uint2* __restrict__ x, const float4* __restrict__ w, int H,
+                                                   int lane) {
+  float acc = 0.f;
+#pragma unroll 8
+  for (int i = lane; i < H / 4; i += 32) {
+    const float4 wv = __ldg(w + i);
+    const uint2 xv = SHARED ? x[i] : __ldg(x + i);
+    const float2 a = __half22float2(*reinterpret_cast<const half2*>(&xv.x));
+    const float2 b = __half22float2(*reinterpret_cast<const half2*>(&xv.y));
+    acc += a.x * wv.x + a.y * wv.y + b.x * wv.z + b.y * wv.w;
+  }
+  return warp_sum(acc);
+}

@@ -98,12 +98,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		{T: 40, E: 8, k: 2, N: 128, K: 96, mt: 4, aDiv: 1, fp16: true},
 	} {
 		S := c.T * c.k
-		ids := make([]int32, S)
-		for row := 0; row < c.T; row++ {
-			for j, e := range r.Perm(c.E)[:c.k] {
-				ids[row*c.k+j] = int32(e)
-			}
-		}
+		ids := randomRouting(r, c.T, c.E, c.k)
 		// W[e] in [K][N] order for the reference.
 		W := make([][]float32, c.E)
 		var w4 *W4
@@ -123,19 +118,11 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		} else {
 			W, w4 = randomExperts(t, x, r, c.E, c.N, c.K, c.group)
 		}
-		abits, avals := randomHalf(r, S/c.aDiv*c.K)
-		A, _ := AllocFrom(x, abits)
-		idb, _ := AllocFrom(x, ids)
-		maxChunks := MoEMaxChunks(S, c.E, c.mt)
-		order, _ := x.Alloc(S * 4)
-		chunks, _ := x.Alloc(maxChunks * 3 * 4)
-		x.Memset(chunks, 0x7f, chunks.Bytes) // poison: the plan must clear the unused chunks
+		p := newPass(t, x, r, ids, c.E, c.mt, c.aDiv, c.K)
+		A, avals, idb, order, chunks, maxChunks := p.A, p.avals, p.ids, p.order, p.chunks, p.maxChunks
 		out, _ := x.Alloc(S * c.N * 4)
 		x.Memset(out, 0, out.Bytes)
-		if err := x.MoEPlan(idb, order, chunks, S, c.E, c.mt, maxChunks); err != nil {
-			t.Fatal(err)
-		}
-		if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, w16, out, c.N, c.K); err != nil {
+		if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, w16, out, GatedOut{}, c.N, c.K); err != nil {
 			t.Fatal(err)
 		}
 		ord, ch := make([]int32, S), make([]int32, maxChunks*3)
@@ -149,7 +136,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		if c.joined { // the activation of gate (first half) and up, from the kernel's own sums
 			I := c.N / 2
 			g, _ := x.Alloc(S * I * 2)
-			if err := x.MoEAct(out, g, S, I, "silu"); err != nil {
+			if err := x.MoEAct(out, g, S, I, "silu", false); err != nil {
 				t.Fatal(err)
 			}
 			gh := make([]uint16, S*I)
@@ -158,7 +145,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 			}
 			for s := 0; s < S; s++ {
 				for i := 0; i < I; i++ {
-					a, u := float64(got[s*c.N+i]), float64(got[s*c.N+I+i])
+					a, u := roundHalf(got[s*c.N+i]), roundHalf(got[s*c.N+I+i]) // as gated_act's fp16 inputs
 					want := a / (1 + math.Exp(-a)) * u
 					if v := float64(float16.Frombits(gh[s*I+i]).Float32()); math.Abs(v-want) > 2e-3*math.Abs(want)+1e-5 {
 						t.Fatalf("%+v: act slot %d column %d: %v, want %v", c, s, i, v, want)
@@ -231,6 +218,187 @@ func checkSlots(t *testing.T, name string, x *Context, out Buf, avals []float32,
 	return got
 }
 
+// TestMoEGemvGatedMatchesReference: experts whose gate and up are
+// interleaved (W4.Gated, as the model loads them) write act(gate)·up
+// themselves (GatedOut) — one K split and several (2 and 4 on 132 SMs),
+// chunks of 1 and 4 slots — matching float64, and leave the split sums'
+// workspace and counters zeroed for the next layer; again with
+// LLMQ_MOE_FUSED_ACT=0 (the sums, then MoEAct over the interleaved
+// halves).
+func TestMoEGemvGatedMatchesReference(t *testing.T) {
+	onAndOff(t, "LLMQ_MOE_FUSED_ACT", func(t *testing.T, x *Context, _ bool) {
+		r := rand.New(rand.NewPCG(15, 16))
+		for _, c := range []struct{ T, E, k, I, K, group, mt, aDiv int }{
+			{T: 1, E: 16, k: 8, I: 256, K: 2048, group: 128, mt: 1, aDiv: 8}, // a decode step: 2 splits
+			{T: 1, E: 8, k: 2, I: 64, K: 4096, group: 128, mt: 1, aDiv: 2},   // 4 splits
+			{T: 37, E: 8, k: 2, I: 128, K: 2048, group: 128, mt: 4, aDiv: 2}, // chunks of 4, 4 splits
+			{T: 9, E: 16, k: 4, I: 64, K: 128, group: 64, mt: 1, aDiv: 4},    // one split
+		} {
+			name := fmt.Sprintf("%+v", c)
+			S, N := c.T*c.k, 2*c.I
+			ids := randomRouting(r, c.T, c.E, c.k)
+			gate, up, w4 := randomGatedExperts(t, x, r, c.E, c.I, c.K, c.group)
+			p := newPass(t, x, r, ids, c.E, c.mt, c.aDiv, c.K)
+			A, avals, idb, order, chunks, maxChunks := p.A, p.avals, p.ids, p.order, p.chunks, p.maxChunks
+			ws, _ := x.Alloc(S * N * 4)
+			g, _ := x.Alloc(S * c.I * 2)
+			counters, _ := x.Alloc(maxChunks * N / 64 * 4)
+			for _, b := range []Buf{ws, counters} {
+				x.Memset(b, 0, b.Bytes)
+			}
+			for range 2 { // twice: the first pass must leave its workspace ready for the second
+				x.Memset(g, 0xff, g.Bytes) // poison (fp16 NaN)
+				if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, Buf{}, ws, GatedOut{G: g, Counters: counters}, N, c.K); err != nil {
+					t.Fatal(err)
+				}
+				checkGated(t, name, x, g, avals, gate, up, ids, c.aDiv, c.I, c.K)
+				checkZero(t, name, x, ws, counters)
+			}
+			if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, Buf{}, ws, GatedOut{}, N, c.K); err == nil ||
+				!strings.Contains(err.Error(), "GatedOut") {
+				t.Errorf("%s: gated experts without a GatedOut: %v, want a refusal", name, err)
+			}
+			for _, b := range []Buf{A, idb, order, chunks, ws, g, counters} {
+				x.Free(b)
+			}
+			w4.Free(x)
+		}
+	})
+}
+
+// expertPass is a grouped GEMV's input on the device: random rows A (avals
+// their values, S/aDiv rows of K), the routing ids and its plan (MoEPlan
+// with mt; the chunks poisoned first, so the plan must clear the unused
+// ones).
+type expertPass struct {
+	A, ids, order, chunks Buf
+	avals                 []float32
+	maxChunks             int
+}
+
+func newPass(t *testing.T, x *Context, r *rand.Rand, ids []int32, E, mt, aDiv, K int) expertPass {
+	t.Helper()
+	S := len(ids)
+	var p expertPass
+	var abits []uint16
+	abits, p.avals = randomHalf(r, S/aDiv*K)
+	p.A, _ = AllocFrom(x, abits)
+	p.ids, _ = AllocFrom(x, ids)
+	p.maxChunks = MoEMaxChunks(S, E, mt)
+	p.order, _ = x.Alloc(S * 4)
+	p.chunks, _ = x.Alloc(p.maxChunks * 3 * 4)
+	x.Memset(p.chunks, 0x7f, p.chunks.Bytes)
+	if err := x.MoEPlan(p.ids, p.order, p.chunks, S, E, mt, p.maxChunks); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// randomRouting gives each of T rows k distinct experts of E at random:
+// ids [T·k], slot t·k + j row t's j-th.
+func randomRouting(r *rand.Rand, T, E, k int) []int32 {
+	ids := make([]int32, T*k)
+	for row := 0; row < T; row++ {
+		for j, e := range r.Perm(E)[:k] {
+			ids[row*k+j] = int32(e)
+		}
+	}
+	return ids
+}
+
+// onAndOff runs body once with the library's switch name on (1) and once
+// off (0), each in a subtest with a context of its own (the library
+// reads its switches when a context is made).
+func onAndOff(t *testing.T, name string, body func(t *testing.T, x *Context, on bool)) {
+	for _, v := range []string{"1", "0"} {
+		t.Run(name+"="+v, func(t *testing.T) {
+			t.Setenv(name, v)
+			body(t, openContext(t), v == "1")
+		})
+	}
+}
+
+// randomGatedExperts uploads E random 4-bit experts' gate and up (I×K
+// each) interleaved as the model loads them (pack.InterleaveGPU,
+// W4.Gated SiLU), and returns their dequantized weights, each [K][I].
+func randomGatedExperts(t *testing.T, x *Context, r *rand.Rand, E, I, K, group int) (gate, up [][]float32, w *W4) {
+	t.Helper()
+	gate, up = make([][]float32, E), make([][]float32, E)
+	gs := make([]*pack.GPUWeights, E)
+	for e := range gs {
+		g, err := randomLayer(r, K, I, group, 4, false, false).GPULayout()
+		if err != nil {
+			t.Fatal(err)
+		}
+		u, err := randomLayer(r, K, I, group, 4, false, false).GPULayout()
+		if err != nil {
+			t.Fatal(err)
+		}
+		gate[e], up[e] = g.Dequantize(), u.Dequantize()
+		if gs[e], err = pack.InterleaveGPU(g, u); err != nil {
+			t.Fatal(err)
+		}
+	}
+	w, err := x.UploadExperts(gs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Gated = GatedSiLU
+	return gate, up, w
+}
+
+// checkGated downloads a gated expert GEMV's output g (fp16 [S][I], S =
+// len(ids)) and checks it against float64: slot s's SiLU(gate)·up from A
+// row s/aDiv, gate and up rounded to fp16 first as the kernels do, to a
+// relative Frobenius error of 2e-3. It returns g's values.
+func checkGated(t *testing.T, name string, x *Context, g Buf, avals []float32, gate, up [][]float32, ids []int32, aDiv, I, K int) []float32 {
+	t.Helper()
+	S := len(ids)
+	gh := make([]uint16, S*I)
+	if err := Download(x, gh, g); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]float32, S*I)
+	var num, den float64
+	for s := 0; s < S; s++ {
+		a := avals[(s/aDiv)*K : (s/aDiv+1)*K]
+		gs, us := reference(a, gate[ids[s]], nil, 1, K, I), reference(a, up[ids[s]], nil, 1, K, I)
+		for j := range I {
+			gv, uv := roundHalf(float32(gs[j])), roundHalf(float32(us[j]))
+			want := gv / (1 + math.Exp(-gv)) * uv
+			got[s*I+j] = float16.Frombits(gh[s*I+j]).Float32()
+			d := float64(got[s*I+j]) - want
+			num += d * d
+			den += want * want
+		}
+	}
+	rel := math.Sqrt(num / den)
+	t.Logf("%s: act(gate)·up, relative Frobenius error %.2e", name, rel)
+	if rel > 2e-3 || math.IsNaN(rel) {
+		t.Errorf("%s: act(gate)·up: relative error %.3g > 2e-3", name, rel)
+	}
+	return got
+}
+
+// roundHalf is v rounded to fp16, as float64.
+func roundHalf(v float32) float64 { return float64(float16.Fromfloat32(v).Float32()) }
+
+// checkZero: a gated GEMV left its workspace (fp32) and split counters
+// (int32) zeroed, as the next layer needs them.
+func checkZero(t *testing.T, name string, x *Context, ws, counters Buf) {
+	t.Helper()
+	w, n := make([]float32, ws.Bytes/4), make([]int32, counters.Bytes/4)
+	if err := errors.Join(Download(x, w, ws), Download(x, n, counters)); err != nil {
+		t.Fatal(err)
+	}
+	if i := slices.IndexFunc(w, func(v float32) bool { return v != 0 }); i >= 0 {
+		t.Errorf("%s: the workspace holds %v at %d (want it zeroed)", name, w[i], i)
+	}
+	if i := slices.IndexFunc(n, func(v int32) bool { return v != 0 }); i >= 0 {
+		t.Errorf("%s: split counter %d holds %d (want 0)", name, i, n[i])
+	}
+}
+
 // TestMoEGemvRoutedMatchesCPU: the routed expert GEMV (every CTA routes a
 // decode step's rows itself) gives llm.RouteLogits' experts and weights,
 // a valid plan of exactly S chunks of one slot (an expert's slots in slot
@@ -244,107 +412,125 @@ func checkSlots(t *testing.T, name string, x *Context, out Buf, avals []float32,
 // split 4 ways, a row of NaN logits (the lowest experts, NaN weights, as
 // on the CPU).
 func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
-	for _, routed := range []string{"1", "0"} {
-		t.Run("LLMQ_MOE_ROUTED="+routed, func(t *testing.T) {
-			t.Setenv("LLMQ_MOE_ROUTED", routed)
-			x := openContext(t)
-			r := rand.New(rand.NewPCG(13, 14))
-			for _, c := range []struct {
-				T, E, k, N, K, group int
-				nan, raw             bool // raw: the weights not renormalised
-			}{
-				{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128},
-				{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64},
-				{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256, raw: true},
-				{T: 3, E: 8, k: 2, N: 64, K: 2048, group: 128},
-				{T: 2, E: 8, k: 3, N: 64, K: 128, group: 32, nan: true},
-			} {
-				name := fmt.Sprintf("%+v", c)
-				S := c.T * c.k
-				logits := make([]float32, c.T*c.E)
-				for row := 0; row < c.T; row++ {
-					for e, p := range r.Perm(c.E) { // distinct values 0.05 apart: no near-ties
-						logits[row*c.E+e] = float32(p)*0.05 - 2
-						if c.nan && row == 0 {
-							logits[e] = float32(math.NaN())
-						}
+	onAndOff(t, "LLMQ_MOE_ROUTED", func(t *testing.T, x *Context, routed bool) {
+		r := rand.New(rand.NewPCG(13, 14))
+		for _, c := range []struct {
+			T, E, k, N, K, group int
+			nan, raw, gated      bool // raw: the weights not renormalised
+		}{
+			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128},
+			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128, gated: true}, // K split in 2
+			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64},
+			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64, gated: true}, // one split
+			{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256, raw: true},
+			{T: 3, E: 8, k: 2, N: 64, K: 2048, group: 128},
+			{T: 2, E: 8, k: 3, N: 64, K: 128, group: 32, nan: true},
+		} {
+			name := fmt.Sprintf("%+v", c)
+			S := c.T * c.k
+			logits := make([]float32, c.T*c.E)
+			for row := 0; row < c.T; row++ {
+				for e, p := range r.Perm(c.E) { // distinct values 0.05 apart: no near-ties
+					logits[row*c.E+e] = float32(p)*0.05 - 2
+					if c.nan && row == 0 {
+						logits[e] = float32(math.NaN())
 					}
 				}
-				W, w4 := randomExperts(t, x, r, c.E, c.N, c.K, c.group)
-				abits, avals := randomHalf(r, c.T*c.K)
-				A, _ := AllocFrom(x, abits)
-				lb, _ := AllocFrom(x, logits)
-				ib, _ := x.Alloc(S * 4)
-				wb, _ := x.Alloc(S * 4)
-				ob, _ := x.Alloc(S * 4)
-				cb, _ := x.Alloc(MoEMaxChunks(S, c.E, 1) * 3 * 4)
-				for _, b := range []Buf{ib, wb, ob, cb} {
-					x.Memset(b, 0x7f, b.Bytes) // poison: all of it must be written
+			}
+			var W, gate, up [][]float32
+			var w4 *W4
+			var gated GatedOut
+			if c.gated {
+				gate, up, w4 = randomGatedExperts(t, x, r, c.E, c.N/2, c.K, c.group)
+				gated.G, _ = x.Alloc(S * c.N / 2 * 2)
+				gated.Counters, _ = x.Alloc(S * c.N / 64 * 4)
+				x.Memset(gated.Counters, 0, gated.Counters.Bytes)
+			} else {
+				W, w4 = randomExperts(t, x, r, c.E, c.N, c.K, c.group)
+			}
+			abits, avals := randomHalf(r, c.T*c.K)
+			A, _ := AllocFrom(x, abits)
+			lb, _ := AllocFrom(x, logits)
+			ib, _ := x.Alloc(S * 4)
+			wb, _ := x.Alloc(S * 4)
+			ob, _ := x.Alloc(S * 4)
+			cb, _ := x.Alloc(MoEMaxChunks(S, c.E, 1) * 3 * 4)
+			for _, b := range []Buf{ib, wb, ob, cb} {
+				x.Memset(b, 0x7f, b.Bytes) // poison: all of it must be written
+			}
+			out, _ := x.Alloc(S * c.N * 4)
+			x.Memset(out, 0, out.Bytes)
+			if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, gated, c.N, c.K); err != nil {
+				t.Fatal(err)
+			}
+			ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, S*3)
+			if err := errors.Join(Download(x, ids, ib), Download(x, w, wb), Download(x, ord, ob), Download(x, ch, cb)); err != nil {
+				t.Fatal(err)
+			}
+			want := llm.RouteLogits(logits, c.T, c.E, c.k, !c.raw)
+			for i := range ids {
+				wi, gi := float64(want.Weight[i]), float64(w[i])
+				if int(ids[i]) != want.Expert[i] || math.IsNaN(wi) != math.IsNaN(gi) ||
+					!math.IsNaN(wi) && math.Abs(gi-wi) > 1e-5*wi {
+					t.Fatalf("%s: slot %d: expert %d weight %v, want %d, %v", name, i, ids[i], w[i], want.Expert[i], want.Weight[i])
 				}
-				out, _ := x.Alloc(S * c.N * 4)
-				x.Memset(out, 0, out.Bytes)
-				if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, c.N, c.K); err != nil {
-					t.Fatal(err)
-				}
-				ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, S*3)
-				if err := errors.Join(Download(x, ids, ib), Download(x, w, wb), Download(x, ord, ob), Download(x, ch, cb)); err != nil {
-					t.Fatal(err)
-				}
-				want := llm.RouteLogits(logits, c.T, c.E, c.k, !c.raw)
-				for i := range ids {
-					wi, gi := float64(want.Weight[i]), float64(w[i])
-					if int(ids[i]) != want.Expert[i] || math.IsNaN(wi) != math.IsNaN(gi) ||
-						!math.IsNaN(wi) && math.Abs(gi-wi) > 1e-5*wi {
-						t.Fatalf("%s: slot %d: expert %d weight %v, want %d, %v", name, i, ids[i], w[i], want.Expert[i], want.Weight[i])
+			}
+			checkPlan(t, ids, ord, ch, c.E, 1)
+			if routed { // the routed plan lists an expert's slots in slot order (llmq.h)
+				for i := 1; i < S; i++ {
+					if ids[ord[i-1]] == ids[ord[i]] && ord[i-1] > ord[i] {
+						t.Fatalf("%s: order[%d] = %d after %d, both of expert %d: want slot order", name, i, ord[i], ord[i-1], ids[ord[i]])
 					}
 				}
-				checkPlan(t, ids, ord, ch, c.E, 1)
-				if routed == "1" { // the routed plan lists an expert's slots in slot order (llmq.h)
-					for i := 1; i < S; i++ {
-						if ids[ord[i-1]] == ids[ord[i]] && ord[i-1] > ord[i] {
-							t.Fatalf("%s: order[%d] = %d after %d, both of expert %d: want slot order", name, i, ord[i], ord[i-1], ids[ord[i]])
-						}
-					}
-				}
+			}
+			// The down GEMV's place: a row per slot over the plan left
+			// behind, whose input is the gated output where there is one.
+			N2, K2 := 64, c.N
+			var A2 Buf
+			var a2vals []float32
+			if c.gated {
+				a2vals = checkGated(t, name, x, gated.G, avals, gate, up, ids, c.k, c.N/2, c.K)
+				checkZero(t, name, x, out, gated.Counters)
+				A2, K2 = gated.G, c.N/2
+			} else {
 				checkSlots(t, name, x, out, avals, W, ids, c.k, c.N, c.K)
-
-				// The down GEMV's place: a row per slot over the plan left behind.
-				N2, K2 := 64, c.N
-				W2, w42 := randomExperts(t, x, r, c.E, N2, K2, 64)
-				a2bits, a2vals := randomHalf(r, S*K2)
-				A2, _ := AllocFrom(x, a2bits)
-				out2, _ := x.Alloc(S * N2 * 4)
-				x.Memset(out2, 0, out2.Bytes)
-				if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, N2, K2); err != nil {
-					t.Fatal(err)
-				}
-				checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
-				for _, b := range []Buf{A, lb, ib, wb, ob, cb, out, A2, out2} {
-					x.Free(b)
-				}
-				w4.Free(x)
-				w42.Free(x)
+				var a2bits []uint16
+				a2bits, a2vals = randomHalf(r, S*K2)
+				A2, _ = AllocFrom(x, a2bits)
 			}
-			// What the kernel cannot route is refused, naming the limits (the
-			// library's check: the codes' size passes Go's), and experts that
-			// are not E of UploadExperts' are refused before the library.
-			big := &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 128 * 64 * 128 / 2}}
-			for _, bad := range []struct {
-				T, E, k int
-				w       *W4
-				want    string
-			}{
-				{5, 128, 8, big, "rows·top ≤ 32"}, {1, 128, 0, big, "rows·top ≤ 32"},
-				{1, 128, 8, nil, "no experts"}, {1, 128, 8, &W4{N: 64, K: 128, Group: 128, Bits: 8}, "4-bit"},
-				{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, "fewer than 128 experts"},
-			} {
-				err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, 64, 128)
-				if err == nil || !strings.Contains(err.Error(), bad.want) {
-					t.Errorf("%d rows of %d experts, top %d: %v; want an error naming %q", bad.T, bad.E, bad.k, err, bad.want)
-				}
+			W2, w42 := randomExperts(t, x, r, c.E, N2, K2, 64)
+			out2, _ := x.Alloc(S * N2 * 4)
+			x.Memset(out2, 0, out2.Bytes)
+			if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, GatedOut{}, N2, K2); err != nil {
+				t.Fatal(err)
 			}
-		})
-	}
+			checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
+			for _, b := range []Buf{A, lb, ib, wb, ob, cb, out, A2, out2, gated.Counters} {
+				x.Free(b)
+			}
+			w4.Free(x)
+			w42.Free(x)
+		}
+		// What the kernel cannot route is refused, naming the limits (the
+		// library's check: the codes' size passes Go's), and experts that
+		// are not E of UploadExperts' are refused before the library.
+		big := &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 128 * 64 * 128 / 2}}
+		for _, bad := range []struct {
+			T, E, k int
+			w       *W4
+			want    string
+		}{
+			{5, 128, 8, big, "rows·top ≤ 32"}, {1, 128, 0, big, "rows·top ≤ 32"},
+			{1, 128, 8, nil, "no experts"}, {1, 128, 8, &W4{N: 64, K: 128, Group: 128, Bits: 8}, "4-bit"},
+			{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, "fewer than 128 experts"},
+			{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: big.B, Gated: GatedSiLU}, "need a GatedOut"},
+		} {
+			err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, GatedOut{}, 64, 128)
+			if err == nil || !strings.Contains(err.Error(), bad.want) {
+				t.Errorf("%d rows of %d experts, top %d: %v; want an error naming %q", bad.T, bad.E, bad.k, err, bad.want)
+			}
+		}
+	})
 }
 
 // TestMoERoutePlanMatchesCPU: the fused route and plan (one launch) gives

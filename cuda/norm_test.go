@@ -18,7 +18,8 @@ import (
 // every form the model calls — the plain norm, the residual add before it,
 // Gemma 3's normed residual, the gathered rows of a last-token norm, a
 // mixture's experts summed into the residual (k = 8 of 16, the sum zeroed
-// after) — at hidden sizes that take each register layout (1, 2 and 4
+// after), and the attention's delta a RMSNormRouter left pending before
+// them — at hidden sizes that take each register layout (1, 2 and 4
 // chunks of four values a thread, a last warp partly idle), and that a
 // hidden size the kernel cannot hold is refused with its name.
 func TestRMSNormMatchesReference(t *testing.T) {
@@ -26,7 +27,7 @@ func TestRMSNormMatchesReference(t *testing.T) {
 	r := rand.New(rand.NewPCG(11, 12))
 	const eps = 1e-6
 	for _, H := range []int{128, 260, 4096, 5120, 12288} {
-		for _, form := range []string{"plain", "delta", "normed delta", "rows", "experts"} {
+		for _, form := range []string{"plain", "delta", "normed delta", "rows", "experts", "delta then experts"} {
 			t.Run(fmt.Sprintf("H%d/%s", H, form), func(t *testing.T) {
 				const T = 3
 				xv := make([]float32, T*H)
@@ -65,6 +66,9 @@ func TestRMSNormMatchesReference(t *testing.T) {
 				case "rows":
 					rowsd, _ = AllocFrom(x, rows)
 					n = len(rows)
+				case "delta then experts":
+					delta, _ = AllocFrom(x, db)
+					fallthrough
 				case "experts":
 					experts.Y, _ = AllocFrom(x, yv)
 					experts.IDs, _ = AllocFrom(x, ids)
@@ -79,7 +83,7 @@ func TestRMSNormMatchesReference(t *testing.T) {
 				if err := x.RMSNormExperts(xs, delta, experts, deltaNorm, rowsd, wd, out, n, H, eps); err != nil {
 					t.Fatal(err)
 				}
-				if form == "experts" {
+				if experts.K > 0 {
 					left := make([]float32, len(yv))
 					if err := Download(x, left, experts.Y); err != nil {
 						t.Fatal(err)
@@ -113,6 +117,9 @@ func TestRMSNormMatchesReference(t *testing.T) {
 							res[j] += float64(dv[src*H+j])
 						case "normed delta":
 							res[j] += float64(dv[src*H+j]) * dinv * float64(dw[j])
+						case "delta then experts":
+							res[j] += float64(dv[src*H+j])
+							fallthrough
 						case "experts":
 							for e := range k {
 								res[j] += float64(wts[src*k+e]) * float64(yv[(src*k+e)*H+j])
@@ -141,4 +148,78 @@ func TestRMSNormMatchesReference(t *testing.T) {
 			t.Errorf("hidden size %d: %v, want a refusal naming it", H, err)
 		}
 	}
+}
+
+// TestRMSNormRouterMatchesSeparate: a mixture's norm with its router in
+// one launch (RMSNormRouter) writes the normed rows RMSNorm writes, bit
+// for bit, and the logits MoERouter computes from them, bit for bit (one
+// piece of arithmetic, router_dot), and leaves x as it was — in one
+// launch and with LLMQ_MOE_NORM_ROUTER=0 (the norm, then the router).
+// Shapes: qwen3-30b-a3b's (hidden 2048, 128 experts: 8 CTAs a row), a
+// Mixtral-like 4096 with 8 experts (one CTA), 256 experts over a row of
+// 64 (one warp a CTA: 256 CTAs), a hidden size of 4 chunks a thread.
+func TestRMSNormRouterMatchesSeparate(t *testing.T) {
+	onAndOff(t, "LLMQ_MOE_NORM_ROUTER", func(t *testing.T, x *Context, _ bool) {
+		r := rand.New(rand.NewPCG(21, 22))
+		const eps = 1e-6
+		for _, c := range []struct{ T, H, E int }{{1, 2048, 128}, {3, 2048, 128}, {2, 4096, 8}, {2, 64, 256}, {1, 12288, 60}} {
+			name := fmt.Sprintf("%+v", c)
+			xv, w, W := make([]float32, c.T*c.H), make([]float32, c.H), make([]float32, c.E*c.H)
+			for i := range xv {
+				xv[i] = float32(r.NormFloat64() * 4)
+			}
+			for i := range w {
+				w[i] = float32(0.5 + r.Float64())
+			}
+			for i := range W {
+				W[i] = float32(r.NormFloat64() * 0.05)
+			}
+			db, _ := randomHalf(r, c.T*c.H)
+			xs, _ := AllocFrom(x, xv)
+			xs2, _ := AllocFrom(x, xv)
+			delta, _ := AllocFrom(x, db)
+			wd, _ := AllocFrom(x, w)
+			Wd, _ := AllocFrom(x, W)
+			out, _ := x.Alloc(c.T * c.H * 2)
+			out2, _ := x.Alloc(c.T * c.H * 2)
+			logits, _ := x.Alloc(c.T * c.E * 4)
+			logits2, _ := x.Alloc(c.T * c.E * 4)
+			if err := x.RMSNormRouter(xs, delta, wd, out, Wd, logits, c.T, c.H, c.E, eps); err != nil {
+				t.Fatal(err)
+			}
+			if err := errors.Join(x.RMSNorm(xs2, delta, Buf{}, Buf{}, wd, out2, c.T, c.H, eps),
+				x.MoERouter(out2, Wd, logits2, c.T, c.E, c.H)); err != nil {
+				t.Fatal(err)
+			}
+			h, h2 := make([]uint16, c.T*c.H), make([]uint16, c.T*c.H)
+			l, l2 := make([]float32, c.T*c.E), make([]float32, c.T*c.E)
+			gotX := make([]float32, c.T*c.H)
+			if err := errors.Join(Download(x, h, out), Download(x, h2, out2), Download(x, l, logits), Download(x, l2, logits2),
+				Download(x, gotX, xs)); err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(h, h2) {
+				t.Fatalf("%s: the normed rows differ from RMSNorm's", name)
+			}
+			for i := range l {
+				if l[i] != l2[i] {
+					t.Fatalf("%s: logit %d (row %d, expert %d) %v, MoERouter's %v", name, i, i/c.E, i%c.E, l[i], l2[i])
+				}
+			}
+			if !slices.Equal(gotX, xv) {
+				t.Fatalf("%s: x changed (the next norm adds the delta)", name)
+			}
+			for _, b := range []Buf{xs, xs2, delta, wd, Wd, out, out2, logits, logits2} {
+				x.Free(b)
+			}
+		}
+		if err := x.RMSNormRouter(Buf{}, Buf{}, Buf{}, Buf{}, Buf{}, Buf{}, 1, 2048, 128, eps); err == nil {
+			t.Error("no delta: no error")
+		}
+		big, _ := x.Alloc(4)
+		defer x.Free(big)
+		if err := x.RMSNormRouter(big, big, big, big, big, big, 1, 2048, 300, eps); err == nil || !strings.Contains(err.Error(), "300 experts") {
+			t.Errorf("300 experts: %v, want a refusal naming them", err)
+		}
+	})
 }

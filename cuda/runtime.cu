@@ -79,6 +79,8 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_DECODE_WAVE")) c->decode_wave = atoi(e);
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_ROUTED")) c->moe_routed = atoi(e) != 0;
+  if (const char* e = getenv("LLMQ_MOE_FUSED_ACT")) c->moe_fused_act = atoi(e) != 0;
+  if (const char* e = getenv("LLMQ_MOE_NORM_ROUTER")) c->moe_norm_router = atoi(e) != 0;
   auto fail = [&]() {
     set_error(nullptr, "%s", c->err);
     ctx_destroy(c);
@@ -302,6 +304,7 @@ const llmq_api kAPI = {
     moe_act,
     sample_rows,
     moe_gemv_routed,
+    rmsnorm_router,
 };
 }  // namespace
 }  // namespace llmq
