@@ -55,6 +55,7 @@ struct llmq_ctx {
   // the experts computes the router's logits (LLMQ_MOE_NORM_ROUTER=0: the
   // norm, then moe_router); the switches are for A/Bs.
   bool moe_fused_act = true;
+  int moe_splits = 0;  // the grouped expert GEMV's K splits, forced (LLMQ_MOE_SPLITS; 0: moe_splits')
   bool moe_norm_router = true;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).

@@ -21,6 +21,7 @@
 #include <math.h>
 #include "common.cuh"
 #include "moe.cuh"
+#include "stream.cuh"
 
 namespace {
 
@@ -80,15 +81,20 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // written back (the next norm adds the same delta, still in its buffer),
 // so that the row's gridDim.y CTAs can each norm it from the same x;
 // CTA y = 0 writes out, and every CTA keeps the normed row in shared
-// memory (dynamic, H halves) for its share of the router's logits, one
-// expert a warp (router_dot, moe_router_kernel's arithmetic). No y, rows
-// or dw.
+// memory (dynamic, H halves) for its router_warps() experts' logits, one
+// a warp (router_dot, moe_router_kernel's arithmetic), their rows of W
+// asked of L2 before the kernel waits on the one before. No y, rows or
+// dw.
 template <int V, bool ROUTER = false>
 __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
                                float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
                                int H, float eps, const float* __restrict__ W, float* __restrict__ logits, int E) {
-  pdl_gate();  // before any global access: see common.cuh
+  if constexpr (ROUTER) {  // this CTA's experts' rows of W on their way to L2 while the kernel before ends (weights: common.cuh)
+    const int e = blockIdx.y * router_warps() + (threadIdx.x >> 5);
+    if (W && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < router_warps() && e < E) prefetch_l2(W + (size_t)e * H, H * 4);
+  }
+  pdl_gate();  // before any global access but the router's weights: see common.cuh
   __shared__ float red[32];
   extern __shared__ uint2 norm_h[];  // ROUTER: the normed row, 4 halves a word
   __shared__ int slot[kMaxTopK];
@@ -199,8 +205,8 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, co
   if constexpr (ROUTER) {
     if (!W) return;  // LLMQ_MOE_NORM_ROUTER=0: moe_router follows
     __syncthreads();
-    const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    for (int e = blockIdx.y * warps + (threadIdx.x >> 5); e < E; e += gridDim.y * warps) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = blockIdx.y * router_warps() + warp;
+    if (warp < router_warps() && e < E) {
       const float acc = router_dot<true>(norm_h, reinterpret_cast<const float4*>(W + (size_t)e * H), H, lane);
       if (lane == 0) logits[(size_t)r * E + e] = acc;
     }
@@ -886,14 +892,14 @@ __global__ void __launch_bounds__(1024) moe_route_plan_kernel(const float* __res
 
 // moe_router_kernel: router logits [T][E] (fp32) = h [T][H] (fp16) · Wᵀ,
 // W [E][H] fp32 (the router stays in full precision, as on the CPU); one
-// warp an expert, kRouterWarps a block, blockIdx.y the row; a lane's loads
-// are unrolled so that a warp has its row of W in flight at once. H % 4 == 0.
-constexpr int kRouterWarps = 4;
-
+// warp an expert, kRouterWarps a block, blockIdx.y the row; a warp's row
+// of W is asked of L2 before the kernel waits on the one before, then
+// read with a lane's loads unrolled. H % 4 == 0.
 __global__ void moe_router_kernel(const half* __restrict__ h, const float* __restrict__ W, float* __restrict__ logits,
                                   int E, int H) {
-  pdl_gate();  // before any global access: see common.cuh
   const int lane = threadIdx.x & 31, e = blockIdx.x * kRouterWarps + (threadIdx.x >> 5), t = blockIdx.y;
+  if (lane == 0 && e < E) prefetch_l2(W + (size_t)e * H, H * 4);
+  pdl_gate();  // before any global access but the weights: see common.cuh
   if (e >= E) return;  // the whole warp
   const float acc = router_dot<false>(reinterpret_cast<const uint2*>(h + (size_t)t * H),
                                       reinterpret_cast<const float4*>(W + (size_t)e * H), H, lane);
@@ -1156,9 +1162,11 @@ int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* 
     return 1;
   }
   const int threads = ((H4 + V - 1) / V + 31) / 32 * 32;
-  // One expert a warp: the CTAs a row that cover E experts (or one CTA,
-  // the norm alone, when LLMQ_MOE_NORM_ROUTER=0 and moe_router follows).
-  const int R = c->moe_norm_router ? (E + threads / 32 - 1) / (threads / 32) : 1;
+  // router_warps() experts a CTA, as moe_router's grid, so that as many SMs
+  // read W (or one CTA, the norm alone, when LLMQ_MOE_NORM_ROUTER=0 and
+  // moe_router follows).
+  const int per = std::min(kRouterWarps, threads / 32);
+  const int R = c->moe_norm_router ? (E + per - 1) / per : 1;
   const float* Wr = c->moe_norm_router ? W : nullptr;
   const size_t smem = (size_t)H * sizeof(half);
   const dim3 grid(n, R);

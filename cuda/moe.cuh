@@ -73,6 +73,12 @@ static __device__ void route_row(const float* __restrict__ l, int32_t* __restric
     for (int j = 0; j < k; j++) weights[j] = norm ? w[j] / chosen : w[j];
 }
 
+// The router's logits: kRouterWarps experts a CTA, one a warp
+// (moe_router_kernel; rmsnorm_router, whose CTAs of fewer warps take
+// router_warps()).
+constexpr int kRouterWarps = 4;
+static __device__ __forceinline__ int router_warps() { return min(kRouterWarps, (int)(blockDim.x >> 5)); }
+
 // router_dot is a warp's router logit: the row x (H fp16 values, 4 a
 // word) · expert row w (H fp32, 4 a float4), lane-strided, each lane's
 // loads unrolled so the warp has the row in flight at once; the warp's

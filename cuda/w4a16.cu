@@ -1696,6 +1696,7 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
 // instantiations below).
 static int moe_splits(const llmq_ctx* c, int slots, int mt, int N, int K) {
   const int NT = N / 64, KT = K / 16, used = (slots + mt - 1) / mt, U = mt == 1 ? 4 : 2;
+  if (c->moe_splits > 0) return min(c->moe_splits, max(1, KT / kWarps));  // LLMQ_MOE_SPLITS, for sweeps
   return max(1, min((c->sms * 4) / (NT * used), KT / (2 * kWarps * U)));
 }
 
