@@ -55,7 +55,7 @@ struct llmq_ctx {
   // the experts computes the router's logits (LLMQ_MOE_NORM_ROUTER=0: the
   // norm, then moe_router); the switches are for A/Bs.
   bool moe_fused_act = true;
-  int moe_splits = 0;  // the grouped expert GEMV's K splits, forced (LLMQ_MOE_SPLITS; 0: moe_splits')
+  int moe_splits = 0;  // the grouped expert GEMV's K splits, forced (LLMQ_MOE_SPLITS; 0: moe_splits'; gated: 1)
   bool moe_norm_router = true;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).
@@ -233,11 +233,11 @@ int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K);
 int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                 int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group,
-                void* g, int* counters, int act);
+                void* g, int act);
 int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                     float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
-                    float* out, int N, int K, int group, void* g, int* counters, int act);
-int check_gated(llmq_ctx* c, const char* fn, const void* g, const int* counters, int act);
+                    float* out, int N, int K, int group, void* g, int act);
+int check_gated(llmq_ctx* c, const char* fn, const void* g, int act);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
@@ -267,7 +267,7 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
                    int32_t* order, int32_t* chunks, int max_chunks);
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
-             int group, void* g, int* counters, int act);
+             int group, void* g, int act);
 int moe_act(llmq_ctx* c, float* gu, void* g, int S, int I, int act, int interleaved);
 int gemm_nt(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K, int c_fp32);
 // quant.cu

@@ -181,18 +181,17 @@ static int c_moe_route_plan(A a, llmq_ctx* c, P logits, P ids, P weights, int T,
 		(int32_t*)chunks, max_chunks);
 }
 static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int max_chunks, int mt, int slots, P B, P S, P Z, P W16,
-		P out, int N, int K, int g, P gated, P counters, int act) {
+		P out, int N, int K, int g, P gated, int act) {
 	return a->moe_gemv(c, (const void*)A_, a_div, (const int32_t*)order, (const int32_t*)chunks, max_chunks, mt, slots, (const void*)B,
-		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g, (void*)gated, (int32_t*)counters, act);
+		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g, (void*)gated, act);
 }
 static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act, int interleaved) {
 	return a->moe_act(c, (float*)gu, (void*)g, S, I, act, interleaved);
 }
 static int c_moe_gemv_routed(A a, llmq_ctx* c, P A_, P logits, int T, int E, int k, int norm, P ids, P weights, P order, P chunks,
-		P B, P S, P Z, P out, int N, int K, int g, P gated, P counters, int act) {
+		P B, P S, P Z, P out, int N, int K, int g, P gated, int act) {
 	return a->moe_gemv_routed(c, (const void*)A_, (const float*)logits, T, E, k, norm, (int32_t*)ids, (float*)weights,
-		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, g, (void*)gated,
-		(int32_t*)counters, act);
+		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, g, (void*)gated, act);
 }
 static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P w, P out, P W, P logits, int n, int H, int E, float eps) {
 	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)w, (void*)out, (const float*)W, (float*)logits,
@@ -863,40 +862,36 @@ func (x *Context) MoERoutePlan(logits, ids, weights Buf, T, E, k int, norm bool,
 	})
 }
 
-// GatedOut is where a gated expert layer (W4.Gated: each expert's gate
-// and up interleaved, pack.InterleaveGPU) writes: G [S][N/2] fp16 gets
-// act(gate)·up, while the layer's fp32 output is the K splits'
-// workspace; Counters [maxChunks][N/64] int32 count the splits. Both
-// are zero before and left zero.
-type GatedOut struct{ G, Counters Buf }
-
 // MoEGemv runs a mixture's experts of one kind (all E alike, N×K) over a
 // plan of S slots (MoEPlan with the same mt): out row s (fp32 [S][N],
 // zero before) += A row s/aDiv · W_e for each slot s of expert e. w holds
 // 4-bit experts one after another (UploadExperts), or w16 fp16 experts
-// [E][N][K]. Gated experts (w.Gated) write into gated instead (GatedOut).
-func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S int, w *W4, w16, out Buf, gated GatedOut, N, K int) error {
+// [E][N][K]. Gated experts (w.Gated: each expert's gate and up
+// interleaved, pack.InterleaveGPU) write g [S][N/2] fp16 = act(gate)·up
+// instead, leaving out as it was (LLMQ_MOE_FUSED_ACT=0: their sums go
+// through out, which MoEAct then leaves zeroed); g is Nil for plain ones.
+func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S int, w *W4, w16, out, g Buf, N, K int) error {
 	var b, s, z C.P
 	group, act := K, NotGated.act()
 	if w != nil {
 		if w.N != N || w.K != K {
 			return fmt.Errorf("moe_gemv: experts of %d×%d run as %d×%d", w.N, w.K, N, K)
 		}
-		if err := gated.check("moe_gemv", w); err != nil {
+		if err := checkGated("moe_gemv", w, g); err != nil {
 			return err
 		}
 		b, s, z, group, act = w.B.p, w.S.p, w.Z.p, w.Group, w.Gated.act()
 	}
 	return x.do("moe_gemv", func() C.int {
 		return C.c_moe_gemv(x.lib.api, x.c, A.p, C.int(aDiv), order.p, chunks.p, C.int(maxChunks), C.int(mt), C.int(S), b, s, z, w16.p,
-			out.p, C.int(N), C.int(K), C.int(group), gated.G.p, gated.Counters.p, C.int(act))
+			out.p, C.int(N), C.int(K), C.int(group), g.p, C.int(act))
 	})
 }
 
-// check: a gated layer has somewhere to write, and a plain one nothing.
-func (g GatedOut) check(fn string, w *W4) error {
-	if (w.Gated != NotGated) != (!g.G.Nil() && !g.Counters.Nil()) {
-		return fmt.Errorf("%s: gated experts need a GatedOut with G and Counters, plain ones none (gated: %v)", fn, w.Gated != NotGated)
+// checkGated: gated experts have a g to write, and plain ones none.
+func checkGated(fn string, w *W4, g Buf) error {
+	if (w.Gated != NotGated) == g.Nil() {
+		return fmt.Errorf("%s: gated experts need an output g for act(gate)·up, plain ones none (gated: %v)", fn, w.Gated != NotGated)
 	}
 	return nil
 }
@@ -907,8 +902,8 @@ func (g GatedOut) check(fn string, w *W4) error {
 // (MoERoutable); the routing (ids, weights [T·k]) and the plan (order
 // [T·k], chunks [T·k][3]: MoEGemv's with mt 1 and maxChunks T·k) are left
 // as MoERoutePlan leaves them (LLMQ_MOE_ROUTED=0 runs the two launches,
-// for A/Bs). Gated experts write into gated, as MoEGemv's.
-func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out Buf, gated GatedOut, N, K int) error {
+// for A/Bs). Gated experts write g, as MoEGemv's.
+func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out, g Buf, N, K int) error {
 	switch {
 	case w == nil:
 		return fmt.Errorf("moe_gemv_routed: no experts")
@@ -919,13 +914,12 @@ func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weig
 	case E > 0 && w.B.Bytes < E*N*K/2:
 		return fmt.Errorf("moe_gemv_routed: %d bytes of codes hold fewer than %d experts of %d×%d", w.B.Bytes, E, N, K)
 	}
-	if err := gated.check("moe_gemv_routed", w); err != nil {
+	if err := checkGated("moe_gemv_routed", w, g); err != nil {
 		return err
 	}
 	return x.do("moe_gemv_routed", func() C.int {
 		return C.c_moe_gemv_routed(x.lib.api, x.c, A.p, logits.p, C.int(T), C.int(E), C.int(k), cbool(norm), ids.p, weights.p,
-			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group), gated.G.p, gated.Counters.p,
-			C.int(w.Gated.act()))
+			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group), g.p, C.int(w.Gated.act()))
 	})
 }
 

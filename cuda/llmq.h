@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 18
+#define LLMQ_API_VERSION 19
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -275,19 +275,18 @@ typedef struct {
    * w4a16_gemm's layout (B, scales, zeros; N % 64 == 0, group a power of
    * two or K; act order not supported), or fp16 [E][N][K] in W16 (not
    * NULL; K % 8 == 0). */
-  /* API 18, act ≥ 0 (0 SiLU, 1 GELU-tanh; 4-bit experts): each expert's
+  /* API 19, act ≥ 0 (0 SiLU, 1 GELU-tanh; 4-bit experts): each expert's
    * gate and up are interleaved in 32-column halves (pack.InterleaveGPU,
    * N = 2I) and the layer writes g [S][I] fp16 = act(gate)·up (as
-   * moe_act) itself; out [S][N] fp32 is then the K splits' workspace and
-   * counters [max_chunks][N/64] int32 their count, both zero before and
-   * left zero. act −1: not gated (g and counters unused). */
+   * moe_act) itself, leaving out as it was (LLMQ_MOE_FUSED_ACT=0: the
+   * sums into out, then moe_act). act −1: not gated (g unused). */
   int (*moe_gemv)(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                   int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N,
-                  int K, int group, void* g, int32_t* counters, int act);
+                  int K, int group, void* g, int act);
   /* g [S][I] fp16 = act(gate) · up from a joined gate/up output gu [S][2I]
    * fp32, which it zeroes: gate and up rounded to fp16 first, as
    * gated_act computes them from fp16 GEMM outputs. gate gu[:, :I] and up
-   * gu[:, I:]; interleaved (API 18): in 32-column halves of each 64-column
+   * gu[:, I:]; interleaved (API 19): in 32-column halves of each 64-column
    * tile (pack.InterleaveGPU; I % 32 == 0). */
   int (*moe_act)(llmq_ctx* c, float* gu, void* g, int S, int I, int act, int interleaved);
   /* out[t] = the token llm.Sampler would pick from row t of logits (fp32
@@ -304,11 +303,11 @@ typedef struct {
    * plan moe_gemv reads with mt 1 and max_chunks T·k) are written as
    * moe_route_plan writes them (the order within an expert by slot; in any
    * order with LLMQ_MOE_ROUTED=0, which runs the two launches). A holds
-   * the T rows (a_div k). */
+   * the T rows (a_div k). g and act (API 19): gated experts, as moe_gemv. */
   int (*moe_gemv_routed)(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                          float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
-                         const void* zeros, float* out, int N, int K, int group, void* g, int32_t* counters, int act);
-  /* API 18: a mixture's norm and router in one launch: out [n][H] fp16 =
+                         const void* zeros, float* out, int N, int K, int group, void* g, int act);
+  /* API 19: a mixture's norm and router in one launch: out [n][H] fp16 =
    * RMSNorm(x + delta)·w, as rmsnorm with delta (no delta_norm, experts
    * or rows), except that x is not written: the caller passes delta again
    * to the next norm (rmsnorm with delta and y); and logits [n][E] fp32 =

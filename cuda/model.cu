@@ -1244,16 +1244,14 @@ int moe_route_plan(llmq_ctx* c, const float* logits, int32_t* ids, float* weight
 
 int moe_gemv(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
              int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N, int K,
-             int group, void* g, int* counters, int act) {
+             int group, void* g, int act) {
   if (max_chunks <= 0 || max_chunks > 65535 || a_div <= 0 || slots <= 0 || N <= 0 || K <= 0 || (mt != 1 && mt != 4)) {
     set_error(c, "moe_gemv: %d chunks (want 1–65535), a_div %d, %d slots, %d a chunk (1 or 4), N=%d, K=%d", max_chunks,
               a_div, slots, mt, N, K);
     return 1;
   }
-  if (check_gated(c, "moe_gemv", g, counters, act)) return 1;
-  if (!W16)
-    return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, slots, B, scales, zeros, out, N, K, group, g, counters,
-                       act);
+  if (check_gated(c, "moe_gemv", g, act)) return 1;
+  if (!W16) return moe_gemv_w4(c, A, a_div, order, chunks, max_chunks, mt, slots, B, scales, zeros, out, N, K, group, g, act);
   if (K % 8 || act >= 0) {
     set_error(c, "moe_gemv: fp16 experts need K %% 8 == 0 (K=%d) and no gated output (act %d)", K, act);
     return 1;

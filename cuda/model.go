@@ -376,7 +376,7 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 		}
 		// Gate and up interleaved when every expert's can be (gateable,
 		// a multiple of 64 wide), so that the GEMV writes act(gate)·up
-		// itself (GatedOut); else side by side, and MoEAct follows.
+		// itself (MoEGemv's g); else side by side, and MoEAct follows.
 		gated = gated && gateable(hs[:2]) && hs[0].out%64 == 0
 		experts[e] = hs
 	}
@@ -747,11 +747,10 @@ type acts struct {
 	// slot's expert and weight, the plan's order and chunks, the experts'
 	// joined gate/up outputs gu [slots][2I] and outputs y [slots][hidden]
 	// (fp32, kept zeroed between passes: the kernels that read them clear
-	// them; the activations between go to g), and the count of a gated
-	// gate/up's K splits (GatedOut, kept zeroed by the kernel).
-	routerLogits, expert, weight, order, chunks, gu, y, guCount Buf
-	bufs                                                        []Buf
-	bytes                                                       int64
+	// them; the activations between go to g).
+	routerLogits, expert, weight, order, chunks, gu, y Buf
+	bufs                                               []Buf
+	bytes                                              int64
 }
 
 func (m *Model) newActs(rows int) (*acts, error) {
@@ -785,7 +784,6 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
 		{&a.chunks, maxChunks * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
-		{&a.guCount, maxChunks * (2 * moeI / 64) * 4},
 	}
 	for _, s := range sizes {
 		if s.bytes == 0 {
@@ -796,7 +794,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 			return nil, fmt.Errorf("activations for %d rows: %w", rows, err)
 		}
 	}
-	for _, b := range []Buf{a.ws, a.gu, a.y, a.guCount} { // kept zeroed by the kernels that use them
+	for _, b := range []Buf{a.ws, a.gu, a.y} { // kept zeroed by the kernels that use them
 		if err := m.x.Memset(b, 0, b.Bytes); err != nil {
 			a.free(m.x)
 			return nil, err
@@ -1140,9 +1138,9 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, routed bool) error {
 	if !routed {
 		steps = append(steps, func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) })
 	}
-	var gated GatedOut
+	var gated Buf // act(gate)·up, written by gated experts
 	if mo.gateUp != nil && mo.gateUp.Gated != NotGated {
-		gated = GatedOut{G: a.g, Counters: a.guCount}
+		gated = a.g
 	}
 	if mo.gateUp != nil && mt == 1 && MoERoutable(T, k) {
 		steps = append(steps, func() error {
@@ -1156,11 +1154,11 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, routed bool) error {
 			return x.MoEGemv(a.h, k, a.order, a.chunks, maxChunks, mt, S, mo.gateUp, mo.gateUp16, a.gu, gated, 2*I, H)
 		})
 	}
-	if gated.G.Nil() {
+	if gated.Nil() {
 		steps = append(steps, func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act, false) })
 	}
 	steps = append(steps, func() error {
-		return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, GatedOut{}, H, I)
+		return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, Buf{}, H, I)
 	})
 	for _, f := range steps {
 		if err := f(); err != nil {

@@ -122,7 +122,7 @@ func TestMoEGemvMatchesReference(t *testing.T) {
 		A, avals, idb, order, chunks, maxChunks := p.A, p.avals, p.ids, p.order, p.chunks, p.maxChunks
 		out, _ := x.Alloc(S * c.N * 4)
 		x.Memset(out, 0, out.Bytes)
-		if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, w16, out, GatedOut{}, c.N, c.K); err != nil {
+		if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, w16, out, Buf{}, c.N, c.K); err != nil {
 			t.Fatal(err)
 		}
 		ord, ch := make([]int32, S), make([]int32, maxChunks*3)
@@ -220,19 +220,18 @@ func checkSlots(t *testing.T, name string, x *Context, out Buf, avals []float32,
 
 // TestMoEGemvGatedMatchesReference: experts whose gate and up are
 // interleaved (W4.Gated, as the model loads them) write act(gate)·up
-// themselves (GatedOut) — one K split and several (2 and 4 on 132 SMs),
-// chunks of 1 and 4 slots — matching float64, and leave the split sums'
-// workspace and counters zeroed for the next layer; again with
-// LLMQ_MOE_FUSED_ACT=0 (the sums, then MoEAct over the interleaved
-// halves).
+// themselves — chunks of 1 and 4 slots, K from 128 to 4096 — matching
+// float64, twice over (a first pass must leave nothing in the way of the
+// next), with the fp32 output zero after; again with LLMQ_MOE_FUSED_ACT=0
+// (the sums in K splits, then MoEAct over the interleaved halves).
 func TestMoEGemvGatedMatchesReference(t *testing.T) {
 	onAndOff(t, "LLMQ_MOE_FUSED_ACT", func(t *testing.T, x *Context, _ bool) {
 		r := rand.New(rand.NewPCG(15, 16))
 		for _, c := range []struct{ T, E, k, I, K, group, mt, aDiv int }{
-			{T: 1, E: 16, k: 8, I: 256, K: 2048, group: 128, mt: 1, aDiv: 8}, // a decode step: 2 splits
-			{T: 1, E: 8, k: 2, I: 64, K: 4096, group: 128, mt: 1, aDiv: 2},   // 4 splits
-			{T: 37, E: 8, k: 2, I: 128, K: 2048, group: 128, mt: 4, aDiv: 2}, // chunks of 4, 4 splits
-			{T: 9, E: 16, k: 4, I: 64, K: 128, group: 64, mt: 1, aDiv: 4},    // one split
+			{T: 1, E: 16, k: 8, I: 256, K: 2048, group: 128, mt: 1, aDiv: 8}, // a decode step (unfused: 2 splits)
+			{T: 1, E: 8, k: 2, I: 64, K: 4096, group: 128, mt: 1, aDiv: 2},   // unfused: 4 splits
+			{T: 37, E: 8, k: 2, I: 128, K: 2048, group: 128, mt: 4, aDiv: 2}, // chunks of 4
+			{T: 9, E: 16, k: 4, I: 64, K: 128, group: 64, mt: 1, aDiv: 4},
 		} {
 			name := fmt.Sprintf("%+v", c)
 			S, N := c.T*c.k, 2*c.I
@@ -242,23 +241,20 @@ func TestMoEGemvGatedMatchesReference(t *testing.T) {
 			A, avals, idb, order, chunks, maxChunks := p.A, p.avals, p.ids, p.order, p.chunks, p.maxChunks
 			ws, _ := x.Alloc(S * N * 4)
 			g, _ := x.Alloc(S * c.I * 2)
-			counters, _ := x.Alloc(maxChunks * N / 64 * 4)
-			for _, b := range []Buf{ws, counters} {
-				x.Memset(b, 0, b.Bytes)
-			}
+			x.Memset(ws, 0, ws.Bytes)
 			for range 2 { // twice: the first pass must leave its workspace ready for the second
 				x.Memset(g, 0xff, g.Bytes) // poison (fp16 NaN)
-				if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, Buf{}, ws, GatedOut{G: g, Counters: counters}, N, c.K); err != nil {
+				if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, Buf{}, ws, g, N, c.K); err != nil {
 					t.Fatal(err)
 				}
-				checkGated(t, name, x, g, avals, gate, up, ids, c.aDiv, c.I, c.K)
-				checkZero(t, name, x, ws, counters)
+				checkGatedSlots(t, name, x, g, avals, gate, up, ids, c.aDiv, c.I, c.K)
+				checkZero(t, name, x, ws)
 			}
-			if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, Buf{}, ws, GatedOut{}, N, c.K); err == nil ||
-				!strings.Contains(err.Error(), "GatedOut") {
-				t.Errorf("%s: gated experts without a GatedOut: %v, want a refusal", name, err)
+			if err := x.MoEGemv(A, c.aDiv, order, chunks, maxChunks, c.mt, S, w4, Buf{}, ws, Buf{}, N, c.K); err == nil ||
+				!strings.Contains(err.Error(), "need an output g") {
+				t.Errorf("%s: gated experts without g: %v, want a refusal", name, err)
 			}
-			for _, b := range []Buf{A, idb, order, chunks, ws, g, counters} {
+			for _, b := range []Buf{A, idb, order, chunks, ws, g} {
 				x.Free(b)
 			}
 			w4.Free(x)
@@ -347,11 +343,11 @@ func randomGatedExperts(t *testing.T, x *Context, r *rand.Rand, E, I, K, group i
 	return gate, up, w
 }
 
-// checkGated downloads a gated expert GEMV's output g (fp16 [S][I], S =
+// checkGatedSlots downloads a gated expert GEMV's output g (fp16 [S][I], S =
 // len(ids)) and checks it against float64: slot s's SiLU(gate)·up from A
 // row s/aDiv, gate and up rounded to fp16 first as the kernels do, to a
 // relative Frobenius error of 2e-3. It returns g's values.
-func checkGated(t *testing.T, name string, x *Context, g Buf, avals []float32, gate, up [][]float32, ids []int32, aDiv, I, K int) []float32 {
+func checkGatedSlots(t *testing.T, name string, x *Context, g Buf, avals []float32, gate, up [][]float32, ids []int32, aDiv, I, K int) []float32 {
 	t.Helper()
 	S := len(ids)
 	gh := make([]uint16, S*I)
@@ -383,19 +379,16 @@ func checkGated(t *testing.T, name string, x *Context, g Buf, avals []float32, g
 // roundHalf is v rounded to fp16, as float64.
 func roundHalf(v float32) float64 { return float64(float16.Fromfloat32(v).Float32()) }
 
-// checkZero: a gated GEMV left its workspace (fp32) and split counters
-// (int32) zeroed, as the next layer needs them.
-func checkZero(t *testing.T, name string, x *Context, ws, counters Buf) {
+// checkZero: a gated GEMV left its fp32 output zeroed, as the next layer
+// needs it.
+func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 	t.Helper()
-	w, n := make([]float32, ws.Bytes/4), make([]int32, counters.Bytes/4)
-	if err := errors.Join(Download(x, w, ws), Download(x, n, counters)); err != nil {
+	w := make([]float32, ws.Bytes/4)
+	if err := Download(x, w, ws); err != nil {
 		t.Fatal(err)
 	}
 	if i := slices.IndexFunc(w, func(v float32) bool { return v != 0 }); i >= 0 {
-		t.Errorf("%s: the workspace holds %v at %d (want it zeroed)", name, w[i], i)
-	}
-	if i := slices.IndexFunc(n, func(v int32) bool { return v != 0 }); i >= 0 {
-		t.Errorf("%s: split counter %d holds %d (want 0)", name, i, n[i])
+		t.Errorf("%s: the fp32 output holds %v at %d (want it zeroed)", name, w[i], i)
 	}
 }
 
@@ -439,12 +432,10 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			}
 			var W, gate, up [][]float32
 			var w4 *W4
-			var gated GatedOut
+			var gated Buf
 			if c.gated {
 				gate, up, w4 = randomGatedExperts(t, x, r, c.E, c.N/2, c.K, c.group)
-				gated.G, _ = x.Alloc(S * c.N / 2 * 2)
-				gated.Counters, _ = x.Alloc(S * c.N / 64 * 4)
-				x.Memset(gated.Counters, 0, gated.Counters.Bytes)
+				gated, _ = x.Alloc(S * c.N / 2 * 2)
 			} else {
 				W, w4 = randomExperts(t, x, r, c.E, c.N, c.K, c.group)
 			}
@@ -489,9 +480,9 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			var A2 Buf
 			var a2vals []float32
 			if c.gated {
-				a2vals = checkGated(t, name, x, gated.G, avals, gate, up, ids, c.k, c.N/2, c.K)
-				checkZero(t, name, x, out, gated.Counters)
-				A2, K2 = gated.G, c.N/2
+				a2vals = checkGatedSlots(t, name, x, gated, avals, gate, up, ids, c.k, c.N/2, c.K)
+				checkZero(t, name, x, out)
+				A2, K2 = gated, c.N/2
 			} else {
 				checkSlots(t, name, x, out, avals, W, ids, c.k, c.N, c.K)
 				var a2bits []uint16
@@ -501,11 +492,11 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			W2, w42 := randomExperts(t, x, r, c.E, N2, K2, 64)
 			out2, _ := x.Alloc(S * N2 * 4)
 			x.Memset(out2, 0, out2.Bytes)
-			if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, GatedOut{}, N2, K2); err != nil {
+			if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, Buf{}, N2, K2); err != nil {
 				t.Fatal(err)
 			}
 			checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
-			for _, b := range []Buf{A, lb, ib, wb, ob, cb, out, A2, out2, gated.Counters} {
+			for _, b := range []Buf{A, lb, ib, wb, ob, cb, out, A2, out2} {
 				x.Free(b)
 			}
 			w4.Free(x)
@@ -523,9 +514,9 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			{5, 128, 8, big, "rows·top ≤ 32"}, {1, 128, 0, big, "rows·top ≤ 32"},
 			{1, 128, 8, nil, "no experts"}, {1, 128, 8, &W4{N: 64, K: 128, Group: 128, Bits: 8}, "4-bit"},
 			{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, "fewer than 128 experts"},
-			{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: big.B, Gated: GatedSiLU}, "need a GatedOut"},
+			{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: big.B, Gated: GatedSiLU}, "need an output g"},
 		} {
-			err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, GatedOut{}, 64, 128)
+			err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, Buf{}, 64, 128)
 			if err == nil || !strings.Contains(err.Error(), bad.want) {
 				t.Errorf("%d rows of %d experts, top %d: %v; want an error naming %q", bad.T, bad.E, bad.k, err, bad.want)
 			}

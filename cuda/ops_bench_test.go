@@ -206,13 +206,9 @@ func BenchmarkDecodeOps(b *testing.B) {
 					expertBytes := func(w *W4) int64 { return w.Bytes() / int64(E) * int64(min(S, E)) }
 					// The same codes read as gated experts (gate and up
 					// interleaved: the layout the model loads; the values do
-					// not change the time), with their split counters zeroed.
+					// not change the time).
 					gatedUp := *experts[0]
 					gatedUp.Gated = GatedSiLU
-					counters := alloc(chunks * (2 * I / 64) * 4)
-					if err := x.Memset(counters, 0, counters.Bytes); err != nil {
-						b.Fatal(err)
-					}
 					ops = append(ops,
 						decodeOp{"router", int64(E * H * 4), func(int) error { return x.MoERouter(h, router, rl, B, E, H) }},
 						// The norm before the experts and the router above as one launch.
@@ -223,16 +219,15 @@ func BenchmarkDecodeOps(b *testing.B) {
 							return x.MoERoutePlan(rl, ids, wts, B, E, kk, true, mt, order, chunk, chunks)
 						}},
 						decodeOp{"experts gate+up", expertBytes(experts[0]), func(i int) error {
-							return x.MoEGemv(h, kk, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, experts[0], Buf{}, gu, GatedOut{}, 2*I, H)
+							return x.MoEGemv(h, kk, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, experts[0], Buf{}, gu, Buf{}, 2*I, H)
 						}},
 						decodeOp{"experts act", 0, func(int) error { return x.MoEAct(gu, g, S, I, "silu", false) }},
 						// The two above as one: the gated experts write act(gate)·up.
 						decodeOp{"experts gate+up·act", expertBytes(experts[0]), func(i int) error {
-							return x.MoEGemv(h, kk, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, &gatedUp, Buf{}, gu,
-								GatedOut{G: g, Counters: counters}, 2*I, H)
+							return x.MoEGemv(h, kk, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, &gatedUp, Buf{}, gu, g, 2*I, H)
 						}},
 						decodeOp{"experts down", expertBytes(experts[1]), func(i int) error {
-							return x.MoEGemv(g, 1, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, experts[1], Buf{}, y, GatedOut{}, H, I)
+							return x.MoEGemv(g, 1, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, experts[1], Buf{}, y, Buf{}, H, I)
 						}},
 						decodeOp{"combine+rmsnorm", 0, func(i int) error {
 							return x.RMSNormExperts(xs, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: kk}, Buf{}, Buf{}, norm, h, B, H, 1e-6)

@@ -351,22 +351,15 @@ __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, in
 // *counter) converts rows row0 … row0+rows−1 of the tile from the
 // workspace to fp16 (in the gated mode, pairs into act(gate)·up) and
 // re-zeroes the workspace and the counter.
-// last_split: whether this CTA is the last of `splits` to add its sums
-// into a shared workspace (counted in *counter), after which that CTA
-// reads the workspace; every thread of the CTA calls it.
-__device__ __forceinline__ bool last_split(int* counter, int splits, int& s_last) {
+__device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
+                                              int nt, int splits, int& s_last) {
+  if (splits == 1) return;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == splits - 1;
   __syncthreads();
-  if (!s_last) return false;
+  if (!s_last) return;
   __threadfence();
-  return true;
-}
-
-__device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
-                                              int nt, int splits, int& s_last) {
-  if (splits == 1 || !last_split(counter, splits, s_last)) return;
   // Outputs a row of the tile: 2^lg (32 gated, 64 plain), so that row
   // and column are a shift and a mask (a division by a run-time count
   // would cost each element of this tail a long instruction sequence).
@@ -1000,12 +993,10 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
 // with no slots exit.
 //
 // Gated (gt.act ≥ 0: the experts' gate and up interleaved in 32-column
-// halves, pack.InterleaveGPU): the kernel writes act(gate)·up, gt.g [S][N/2]
-// fp16 (gated_pair, as the dense GEMM's epilogue), so that no activation
-// launch stands between gate/up and down. With one K split the CTA pairs
-// its own sums; with more, out is their workspace: the last of a tile's
-// CTAs (gt.counters [chunks][N/64]) pairs the sums there and re-zeroes
-// them and its counter.
+// halves, pack.InterleaveGPU; one K split): the CTA pairs its own sums
+// into act(gate)·up, gt.g [S][N/2] fp16 (gated_pair, as the dense GEMM's
+// epilogue), so that no activation launch stands between gate/up and
+// down; out is not touched.
 //
 // ROUTED (a decode step: MT = 1, T ≤ kMaxRoutedRows, T·k ≤ kMaxRoutedSlots): no plan
 // is read; each CTA routes the rows itself from the router's logits
@@ -1024,9 +1015,8 @@ struct MoERouting {
 };
 
 struct MoEGated {
-  half* g;        // [S][N/2] fp16: act(gate)·up
-  int* counters;  // [chunks][N/64], zero before and after
-  int act;        // act_of's; < 0: not gated (out gets the sums)
+  half* g;  // [S][N/2] fp16: act(gate)·up
+  int act;  // act_of's; < 0: not gated (out gets the sums)
 };
 
 template <int MT, int U, bool ROUTED = false>
@@ -1083,32 +1073,17 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   float acc[MT][8];
   gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
-  if (gt.act < 0 || splits > 1) {  // the sums into out: the output, or the gated mode's workspace
-    for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
-      const int m = i >> 6, col = i & 63;
-      if (m < n) atomicAdd(&out[(size_t)slot(m) * N + nt * 64 + col], red_total<MT>(red, m, col));
+  if (gt.act >= 0) {  // act(gate)·up of the tile's 32 pairs (columns c and c + 32) for each slot
+    for (int i = threadIdx.x; i < MT * 32; i += kWarps * 32) {
+      const int m = i >> 5, c = i & 31;
+      if (m < n) gt.g[(size_t)slot(m) * (N / 2) + nt * 32 + c] = gated_pair(red_total<MT>(red, m, c), red_total<MT>(red, m, c + 32), gt.act);
     }
-    __shared__ int s_last;
-    if (gt.act < 0 || !last_split(&gt.counters[blockIdx.y * NT + nt], splits, s_last)) return;
+    return;
   }
-  // act(gate)·up of the tile's 32 pairs (columns c and c + 32) for each
-  // slot: from the CTA's sums, or the workspace's, which it re-zeroes.
-  for (int i = threadIdx.x; i < MT * 32; i += kWarps * 32) {
-    const int m = i >> 5, c = i & 31;
-    if (m < n) {
-      const int s = slot(m);
-      float gate, up;
-      if (splits == 1) {
-        gate = red_total<MT>(red, m, c), up = red_total<MT>(red, m, c + 32);
-      } else {
-        float* w = out + (size_t)s * N + nt * 64 + c;
-        gate = __ldcg(w), up = __ldcg(w + 32);
-        w[0] = w[32] = 0.f;
-      }
-      gt.g[(size_t)s * (N / 2) + nt * 32 + c] = gated_pair(gate, up, gt.act);
-    }
+  for (int i = threadIdx.x; i < MT * 64; i += kWarps * 32) {
+    const int m = i >> 6, col = i & 63;
+    if (m < n) atomicAdd(&out[(size_t)slot(m) * N + nt * 64 + col], red_total<MT>(red, m, col));
   }
-  if (splits > 1 && threadIdx.x == 0) gt.counters[blockIdx.y * NT + nt] = 0;
 }
 
 // dequant_kernel writes W[K][N] fp16 from the tiled layout, one warp per
@@ -1712,65 +1687,66 @@ static int check_grouped(llmq_ctx* c, const char* fn, int N, int K, int group) {
 }
 
 // check_gated checks a grouped GEMV's gated output (MoEGated): act 0
-// (SiLU) or 1 (GELU-tanh) with g and counters, or act −1.
-int check_gated(llmq_ctx* c, const char* fn, const void* g, const int* counters, int act) {
-  if (act < -1 || act > 1 || (act >= 0 && (!g || !counters))) {
-    set_error(c, "%s: act %d%s%s (want −1, or 0 SiLU / 1 GELU-tanh with g and counters)", fn, act,
-              act >= 0 && !g ? ", no g" : "", act >= 0 && !counters ? ", no counters" : "");
+// (SiLU) or 1 (GELU-tanh) with g, or act −1.
+int check_gated(llmq_ctx* c, const char* fn, const void* g, int act) {
+  if (act < -1 || act > 1 || (act >= 0 && !g)) {
+    set_error(c, "%s: act %d%s (want −1, or 0 SiLU / 1 GELU-tanh with g)", fn, act, act >= 0 && !g ? " and no g" : "");
     return 1;
   }
   return 0;
 }
 
-int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
-                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group,
-                void* g, int* counters, int act) {
-  if (check_grouped(c, "moe_gemv", N, K, group)) return 1;
-  const int splits = moe_splits(c, slots, mt, N, K);
-  const dim3 grid(N / 64, max_chunks, splits);
-  const int gshift = group_shift(group, K);
-  const MoERouting none{};
-  // LLMQ_MOE_FUSED_ACT=0: the gated sums into out, then moe_act (the A/B's baseline).
+// grouped_launch runs w4a16_gemv_grouped<MT, U, ROUTED> over `chunks`
+// chunks: gated (act ≥ 0, unless LLMQ_MOE_FUSED_ACT=0) with one K split —
+// a second split's sums would have to meet in memory before the pairs,
+// and that tail cost more than the split gains (NOTES.md, "The fourteenth
+// session") — else moe_splits', the sums into out, and moe_act after
+// when gated.
+template <int MT, int U, bool ROUTED>
+static int grouped_launch(llmq_ctx* c, int chunks, int slots, const void* A, int a_div, const int32_t* order,
+                          const int32_t* chunk_list, const void* B, const void* scales, const void* zeros, float* out,
+                          int N, int K, int group, void* g, int act, const MoERouting& rt) {
   const bool fused = act >= 0 && c->moe_fused_act;
-  const MoEGated gt{(half*)g, counters, fused ? act : -1};
-  if (mt == 1)
-    CK(launch(c, (w4a16_gemv_grouped<1, 4>), grid, kWarps * 32, 0, (const half*)A, a_div, order, chunks, (const uint4*)B,
-              (const uint4*)scales, (const uint32_t*)zeros, out, N, K, gshift, splits, none, gt));
-  else if (mt == 4)
-    CK(launch(c, (w4a16_gemv_grouped<4, 2>), grid, kWarps * 32, 0, (const half*)A, a_div, order, chunks, (const uint4*)B,
-              (const uint4*)scales, (const uint32_t*)zeros, out, N, K, gshift, splits, none, gt));
-  else {
-    set_error(c, "moe_gemv: %d slots a chunk (the kernel runs 1 or 4)", mt);
-    return 1;
-  }
+  const int splits = fused ? 1 : moe_splits(c, slots, MT, N, K);
+  const MoEGated gt{(half*)g, fused ? act : -1};
+  CK(launch(c, (w4a16_gemv_grouped<MT, U, ROUTED>), dim3(N / 64, chunks, splits), kWarps * 32, 0, (const half*)A, a_div,
+            order, chunk_list, (const uint4*)B, (const uint4*)scales, (const uint32_t*)zeros, out, N, K,
+            group_shift(group, K), splits, rt, gt));
   CK_LAUNCH("w4a16_gemv_grouped");
   if (act >= 0 && !fused) return moe_act(c, out, g, slots, N / 2, act, 1);
   return 0;
 }
 
+int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
+                int slots, const void* B, const void* scales, const void* zeros, float* out, int N, int K, int group,
+                void* g, int act) {
+  if (check_grouped(c, "moe_gemv", N, K, group)) return 1;
+  const MoERouting none{};
+  if (mt == 1)
+    return grouped_launch<1, 4, false>(c, max_chunks, slots, A, a_div, order, chunks, B, scales, zeros, out, N, K, group, g,
+                                       act, none);
+  if (mt == 4)
+    return grouped_launch<4, 2, false>(c, max_chunks, slots, A, a_div, order, chunks, B, scales, zeros, out, N, K, group, g,
+                                       act, none);
+  set_error(c, "moe_gemv: %d slots a chunk (the kernel runs 1 or 4)", mt);
+  return 1;
+}
+
 int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                     float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
-                    float* out, int N, int K, int group, void* g, int* counters, int act) {
+                    float* out, int N, int K, int group, void* g, int act) {
   if (T < 1 || T > kMaxRoutedRows || k < 1 || k > E || k > kMaxTopK || E > kMaxExperts || T * k > kMaxRoutedSlots) {
     set_error(c, "moe_gemv_routed: %d rows of %d experts, top %d (want 1–%d rows, top ≤ experts ≤ %d, top ≤ %d, "
                  "rows·top ≤ %d)", T, E, k, kMaxRoutedRows, kMaxExperts, kMaxTopK, kMaxRoutedSlots);
     return 1;
   }
-  if (check_grouped(c, "moe_gemv_routed", N, K, group) || check_gated(c, "moe_gemv_routed", g, counters, act)) return 1;
+  if (check_grouped(c, "moe_gemv_routed", N, K, group) || check_gated(c, "moe_gemv_routed", g, act)) return 1;
   if (!c->moe_routed) {  // LLMQ_MOE_ROUTED=0: the same results in two launches (the A/B's baseline)
     if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, T * k)) return 1;
-    return moe_gemv_w4(c, A, k, order, chunks, T * k, 1, T * k, B, scales, zeros, out, N, K, group, g, counters, act);
+    return moe_gemv_w4(c, A, k, order, chunks, T * k, 1, T * k, B, scales, zeros, out, N, K, group, g, act);
   }
-  const int S = T * k, splits = moe_splits(c, S, 1, N, K);
   const MoERouting rt{logits, T, E, k, norm, ids, weights, order, chunks};
-  const bool fused = act >= 0 && c->moe_fused_act;
-  const MoEGated gt{(half*)g, counters, fused ? act : -1};
-  CK(launch(c, (w4a16_gemv_grouped<1, 4, true>), dim3(N / 64, S, splits), kWarps * 32, 0, (const half*)A, k,
-            (const int32_t*)nullptr, (const int32_t*)nullptr, (const uint4*)B, (const uint4*)scales,
-            (const uint32_t*)zeros, out, N, K, group_shift(group, K), splits, rt, gt));
-  CK_LAUNCH("w4a16_gemv_grouped");
-  if (act >= 0 && !fused) return moe_act(c, out, g, S, N / 2, act, 1);
-  return 0;
+  return grouped_launch<1, 4, true>(c, T * k, T * k, A, k, nullptr, nullptr, B, scales, zeros, out, N, K, group, g, act, rt);
 }
 
 int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n) {
