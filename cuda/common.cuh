@@ -50,12 +50,12 @@ struct llmq_ctx {
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
   bool moe_routed = true;
-  // API 18: a mixture's gated gate/up GEMV writes act(gate)·up itself
+  // API 19: a mixture's gated gate/up GEMV writes act(gate)·up itself
   // (LLMQ_MOE_FUSED_ACT=0: the sums, then moe_act), and the norm before
   // the experts computes the router's logits (LLMQ_MOE_NORM_ROUTER=0: the
   // norm, then moe_router); the switches are for A/Bs.
   bool moe_fused_act = true;
-  int moe_splits = 0;  // the grouped expert GEMV's K splits, forced (LLMQ_MOE_SPLITS; 0: moe_splits'; gated: 1)
+  int moe_splits = 0;  // the grouped expert GEMV's K splits, forced (LLMQ_MOE_SPLITS; 0: moe_splits'; fused gated: 1)
   bool moe_norm_router = true;
   // quant.cu: the cuSOLVER handle (made on first use) and its workspace
   // (an allocation of the context).

@@ -59,7 +59,7 @@
 #                                     # with '=' as '-', spaces as '_'; the default's cuda-gemm-tests.log); exit 1 if any failed
 #   bash cuda/device-model.sh envab   # the llama3-8b W4 decode (ENVAB_PRESET: another synth preset) with each environment
 #                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default),
-#                                     # twice each, interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
+#                                     # ENVAB_PASSES times each (2), interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
 #                                     # SYNTH_BATCH; ENVAB_SYNTH_ARGS: more synth flags, e.g. --layers 12)
 #   bash cuda/device-model.sh ab      # this tree's library against a baseline's in one run (carry.sh base, BASE=rev):
 #                                     # bench gemm (AB_BITS, QUICK_M), AB_OPS=1 BenchmarkDecodeOps, AB_DECODE=1 decode
@@ -231,7 +231,7 @@ case "$1" in
     $L synth --preset ${ENVAB_PRESET:-llama3-8b} --bits 4 --group 128 ${ENVAB_SYNTH_ARGS:-} -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
     split_settings "${ENVAB_ENV:-}"
     r=0
-    for pass in 1 2; do
+    for pass in $(seq ${ENVAB_PASSES:-2}); do
       for e in "${settings[@]}"; do
         r=$((r + 1))
         echo "== pass $pass: ${e:-(default)}"

@@ -181,17 +181,17 @@ static int c_moe_route_plan(A a, llmq_ctx* c, P logits, P ids, P weights, int T,
 		(int32_t*)chunks, max_chunks);
 }
 static int c_moe_gemv(A a, llmq_ctx* c, P A_, int a_div, P order, P chunks, int max_chunks, int mt, int slots, P B, P S, P Z, P W16,
-		P out, int N, int K, int g, P gated, int act) {
+		P out, int N, int K, int group, P gated, int act) {
 	return a->moe_gemv(c, (const void*)A_, a_div, (const int32_t*)order, (const int32_t*)chunks, max_chunks, mt, slots, (const void*)B,
-		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, g, (void*)gated, act);
+		(const void*)S, (const void*)Z, (const void*)W16, (float*)out, N, K, group, (void*)gated, act);
 }
 static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act, int interleaved) {
 	return a->moe_act(c, (float*)gu, (void*)g, S, I, act, interleaved);
 }
 static int c_moe_gemv_routed(A a, llmq_ctx* c, P A_, P logits, int T, int E, int k, int norm, P ids, P weights, P order, P chunks,
-		P B, P S, P Z, P out, int N, int K, int g, P gated, int act) {
+		P B, P S, P Z, P out, int N, int K, int group, P gated, int act) {
 	return a->moe_gemv_routed(c, (const void*)A_, (const float*)logits, T, E, k, norm, (int32_t*)ids, (float*)weights,
-		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, g, (void*)gated, act);
+		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, group, (void*)gated, act);
 }
 static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P w, P out, P W, P logits, int n, int H, int E, float eps) {
 	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)w, (void*)out, (const float*)W, (float*)logits,
@@ -710,7 +710,9 @@ type ExpertSum struct {
 // RMSNormExperts is RMSNorm whose delta also holds e, a mixture's output:
 // the mixture's combine joined to the norm after it. e's slots are added
 // in fp32 in ascending expert order (the CPU's order of additions), and
-// e.Y is zeroed on return (the expert GEMVs accumulate into it).
+// e.Y is zeroed on return (the expert GEMVs accumulate into it). With
+// both delta and e, delta (one RMSNormRouter left pending) is added
+// first, then the experts, and deltaNorm must be Nil.
 func (x *Context) RMSNormExperts(xs, delta Buf, e ExpertSum, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
 	if e.K > 0 && (e.Y.Nil() || e.IDs.Nil() || e.Weights.Nil()) || e.K == 0 && !e.Y.Nil() {
 		return fmt.Errorf("rmsnorm: an experts' sum needs its outputs, ids and weights and a top k (have k=%d)", e.K)
@@ -727,8 +729,9 @@ func (x *Context) RMSNormExperts(xs, delta Buf, e ExpertSum, deltaNorm, rows, w,
 // except that xs is left as it was: the caller passes the same delta to
 // the next norm (RMSNormExperts), which adds it before the experts.
 func (x *Context) RMSNormRouter(xs, delta, w, out, router, logits Buf, n, H, E int, eps float32) error {
-	if delta.Nil() {
-		return fmt.Errorf("rmsnorm_router: no delta")
+	if delta.Nil() || router.Nil() || logits.Nil() {
+		return fmt.Errorf("rmsnorm_router: a delta, the router's weights and room for its logits are needed (have %v, %v, %v)",
+			!delta.Nil(), !router.Nil(), !logits.Nil())
 	}
 	return x.do("rmsnorm_router", func() C.int {
 		return C.c_rmsnorm_router(x.lib.api, x.c, xs.p, delta.p, w.p, out.p, router.p, logits.p, C.int(n), C.int(H), C.int(E),
@@ -873,6 +876,9 @@ func (x *Context) MoERoutePlan(logits, ids, weights Buf, T, E, k int, norm bool,
 func (x *Context) MoEGemv(A Buf, aDiv int, order, chunks Buf, maxChunks, mt, S int, w *W4, w16, out, g Buf, N, K int) error {
 	var b, s, z C.P
 	group, act := K, NotGated.act()
+	if w == nil && !g.Nil() {
+		return fmt.Errorf("moe_gemv: fp16 experts are not gated: no g")
+	}
 	if w != nil {
 		if w.N != N || w.K != K {
 			return fmt.Errorf("moe_gemv: experts of %d×%d run as %d×%d", w.N, w.K, N, K)

@@ -268,7 +268,7 @@ typedef struct {
   int (*moe_route_plan)(llmq_ctx* c, const float* logits, int32_t* ids, float* weights, int T, int E, int k, int norm,
                         int mt, int32_t* order, int32_t* chunks, int max_chunks);
   /* The experts' linear layer over a plan (moe_plan, the same mt: 1 or 4;
-   * slots its S, which only tunes how K is split): out row s (fp32 [S][N],
+   * slots its S, which tunes how K is split): out row s (fp32 [S][N],
    * zeroed before, summed into with atomics) += A row s / a_div · W_e for
    * each slot s of expert e (a_div k: A holds the pass's rows; 1: A holds a
    * row per slot). The experts' weights lie one after another: 4-bit in
@@ -277,9 +277,11 @@ typedef struct {
    * NULL; K % 8 == 0). */
   /* API 19, act ≥ 0 (0 SiLU, 1 GELU-tanh; 4-bit experts): each expert's
    * gate and up are interleaved in 32-column halves (pack.InterleaveGPU,
-   * N = 2I) and the layer writes g [S][I] fp16 = act(gate)·up (as
-   * moe_act) itself, leaving out as it was (LLMQ_MOE_FUSED_ACT=0: the
-   * sums into out, then moe_act). act −1: not gated (g unused). */
+   * N = 2I) and the layer writes g [S][I] fp16 = act(gate)·up as moe_act
+   * computes it: in the GEMV's epilogue where one K split serves, else
+   * (and with LLMQ_MOE_FUSED_ACT=0) the sums into out then moe_act over
+   * the S = slots rows, so slots must be S and out [S][N] zeroed as
+   * without act, which it is left. act −1: not gated (g unused). */
   int (*moe_gemv)(llmq_ctx* c, const void* A, int a_div, const int32_t* order, const int32_t* chunks, int max_chunks, int mt,
                   int slots, const void* B, const void* scales, const void* zeros, const void* W16, float* out, int N,
                   int K, int group, void* g, int act);

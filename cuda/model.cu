@@ -83,8 +83,8 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // CTA y = 0 writes out, and every CTA keeps the normed row in shared
 // memory (dynamic, H halves) for its router_warps() experts' logits, one
 // a warp (router_dot, moe_router_kernel's arithmetic), their rows of W
-// asked of L2 before the kernel waits on the one before. No y, rows or
-// dw.
+// asked of L2 before the kernel waits on the one before (E = 0: the norm
+// alone, one CTA). No y, rows or dw.
 template <int V, bool ROUTER = false>
 __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
                                float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, co
                                int H, float eps, const float* __restrict__ W, float* __restrict__ logits, int E) {
   if constexpr (ROUTER) {  // this CTA's experts' rows of W on their way to L2 while the kernel before ends (weights: common.cuh)
     const int e = blockIdx.y * router_warps() + (threadIdx.x >> 5);
-    if (W && (threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < router_warps() && e < E) prefetch_l2(W + (size_t)e * H, H * 4);
+    if ((threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < router_warps() && e < E) prefetch_l2(W + (size_t)e * H, H * 4);
   }
   pdl_gate();  // before any global access but the router's weights: see common.cuh
   __shared__ float red[32];
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, co
     }
   }
   if constexpr (ROUTER) {
-    if (!W) return;  // LLMQ_MOE_NORM_ROUTER=0: moe_router follows
+    if (E == 0) return;  // the norm alone (LLMQ_MOE_NORM_ROUTER=0: moe_router follows)
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, e = blockIdx.y * router_warps() + warp;
     if (warp < router_warps() && e < E) {
@@ -1156,26 +1156,27 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
 int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
                    float* logits, int n, int H, int E, float eps) {
   const int H4 = H / 4, V = H4 <= 1024 ? 1 : H4 <= 2048 ? 2 : 4;
-  if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden || E <= 0 || E > kMaxExperts || n <= 0 || !delta) {
-    set_error(c, "rmsnorm_router: %d rows, hidden size %d (want a multiple of 4, at most %d), %d experts (at most %d)%s",
-              n, H, kMaxNormHidden, E, kMaxExperts, delta ? "" : ", no delta");
+  if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden || E <= 0 || E > kMaxExperts || n <= 0 || n > 65535 || !delta || !W ||
+      !logits) {
+    set_error(c, "rmsnorm_router: %d rows (at most 65535), hidden size %d (want a multiple of 4, at most %d), %d experts "
+                 "(at most %d)%s%s%s", n, H, kMaxNormHidden, E, kMaxExperts, delta ? "" : ", no delta",
+              W ? "" : ", no router weights", logits ? "" : ", no logits");
     return 1;
   }
   const int threads = ((H4 + V - 1) / V + 31) / 32 * 32;
   // router_warps() experts a CTA, as moe_router's grid, so that as many SMs
-  // read W (or one CTA, the norm alone, when LLMQ_MOE_NORM_ROUTER=0 and
-  // moe_router follows).
+  // read W (or one CTA of no experts, the norm alone, when
+  // LLMQ_MOE_NORM_ROUTER=0 and moe_router follows).
   const int per = std::min(kRouterWarps, threads / 32);
-  const int R = c->moe_norm_router ? (E + per - 1) / per : 1;
-  const float* Wr = c->moe_norm_router ? W : nullptr;
+  const int R = c->moe_norm_router ? (E + per - 1) / per : 1, Ek = c->moe_norm_router ? E : 0;
   const size_t smem = (size_t)H * sizeof(half);
   const dim3 grid(n, R);
   const half* d = (const half*)delta;
   float* xs = const_cast<float*>(x);  // ROUTER reads x, never writes it
 #define LLMQ_NORM_ROUTER(V_)                                                                                          \
   CK(launch(c, (rmsnorm_kernel<V_, true>), grid, threads, smem, xs, d, (const float*)nullptr, (float*)nullptr,       \
-            (const int32_t*)nullptr, (const float*)nullptr, 0, (const int32_t*)nullptr, w, (half*)out, H, eps, Wr, \
-            logits, E))
+            (const int32_t*)nullptr, (const float*)nullptr, 0, (const int32_t*)nullptr, w, (half*)out, H, eps, W,  \
+            logits, Ek))
   switch (V) {
     case 1: LLMQ_NORM_ROUTER(1); break;
     case 2: LLMQ_NORM_ROUTER(2); break;

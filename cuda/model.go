@@ -125,7 +125,7 @@ type gpuBlock struct {
 // columns) and down — either 4-bit (the grouped W4A16 GEMV) or fp16.
 type gpuMoE struct {
 	router           Buf // fp32 [E][hidden]
-	gateUp, down     *W4 // 4-bit experts (UploadExperts), or
+	gateUp, down     *W4 // 4-bit experts (UploadExperts; gateUp interleaved where W4.Gated), or
 	gateUp16, down16 Buf // fp16 experts [E][2I][hidden], [E][hidden][I]
 }
 
@@ -1024,7 +1024,8 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 				if l > 0 && m.blocks[l-1].moe != nil {
 					// The experts' outputs wait in a.y for this layer's
 					// norm, which would have zeroed them: zero them here,
-					// or the next pass adds its own to them.
+					// or the next pass adds its own to them. (a.x, which
+					// may lack a pending a.delta, the next pass rewrites.)
 					err = errors.Join(err, x.Memset(a.y, 0, a.y.Bytes))
 				}
 				return err

@@ -219,19 +219,22 @@ func checkSlots(t *testing.T, name string, x *Context, out Buf, avals []float32,
 }
 
 // TestMoEGemvGatedMatchesReference: experts whose gate and up are
-// interleaved (W4.Gated, as the model loads them) write act(gate)·up
-// themselves — chunks of 1 and 4 slots, K from 128 to 4096 — matching
+// interleaved (W4.Gated, as the model loads them) write act(gate)·up —
+// in the GEMV's epilogue where one K split serves (a decode step's tiles
+// filling 132 SMs, or one split planned), else as the sums in K splits
+// then MoEAct over the interleaved halves (few tiles and a long K), as
+// always with LLMQ_MOE_FUSED_ACT=0 — chunks of 1 and 4 slots, matching
 // float64, twice over (a first pass must leave nothing in the way of the
-// next), with the fp32 output zero after; again with LLMQ_MOE_FUSED_ACT=0
-// (the sums in K splits, then MoEAct over the interleaved halves).
+// next), with the fp32 output zero after.
 func TestMoEGemvGatedMatchesReference(t *testing.T) {
 	onAndOff(t, "LLMQ_MOE_FUSED_ACT", func(t *testing.T, x *Context, _ bool) {
 		r := rand.New(rand.NewPCG(15, 16))
 		for _, c := range []struct{ T, E, k, I, K, group, mt, aDiv int }{
-			{T: 1, E: 16, k: 8, I: 256, K: 2048, group: 128, mt: 1, aDiv: 8}, // a decode step (unfused: 2 splits)
-			{T: 1, E: 8, k: 2, I: 64, K: 4096, group: 128, mt: 1, aDiv: 2},   // unfused: 4 splits
-			{T: 37, E: 8, k: 2, I: 128, K: 2048, group: 128, mt: 4, aDiv: 2}, // chunks of 4
-			{T: 9, E: 16, k: 4, I: 64, K: 128, group: 64, mt: 1, aDiv: 4},
+			{T: 1, E: 8, k: 8, I: 768, K: 2048, group: 128, mt: 1, aDiv: 8},  // qwen3-30b-a3b's decode step: 192 tiles, fused
+			{T: 1, E: 8, k: 2, I: 64, K: 4096, group: 128, mt: 1, aDiv: 2},   // 4 tiles: K split, then MoEAct
+			{T: 37, E: 8, k: 2, I: 128, K: 2048, group: 128, mt: 4, aDiv: 2}, // chunks of 4, K split
+			{T: 37, E: 8, k: 2, I: 128, K: 256, group: 128, mt: 4, aDiv: 2},  // chunks of 4, one split planned: fused
+			{T: 9, E: 16, k: 4, I: 64, K: 128, group: 64, mt: 1, aDiv: 4},    // one split planned: fused
 		} {
 			name := fmt.Sprintf("%+v", c)
 			S, N := c.T*c.k, 2*c.I
@@ -306,10 +309,22 @@ func randomRouting(r *rand.Rand, T, E, k int) []int32 {
 // off (0), each in a subtest with a context of its own (the library
 // reads its switches when a context is made).
 func onAndOff(t *testing.T, name string, body func(t *testing.T, x *Context, on bool)) {
-	for _, v := range []string{"1", "0"} {
-		t.Run(name+"="+v, func(t *testing.T) {
-			t.Setenv(name, v)
-			body(t, openContext(t), v == "1")
+	inSettings(t, []string{name + "=1", name + "=0"}, func(t *testing.T, x *Context, setting string) {
+		body(t, x, strings.HasSuffix(setting, "=1"))
+	})
+}
+
+// inSettings runs body once in each setting of the library's switches
+// (space-separated NAME=value pairs), each in a subtest with a context of
+// its own.
+func inSettings(t *testing.T, settings []string, body func(t *testing.T, x *Context, setting string)) {
+	for _, setting := range settings {
+		t.Run(setting, func(t *testing.T) {
+			for _, kv := range strings.Fields(setting) {
+				name, v, _ := strings.Cut(kv, "=")
+				t.Setenv(name, v)
+			}
+			body(t, openContext(t), setting)
 		})
 	}
 }
@@ -398,23 +413,26 @@ func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 // order when routed in one launch), and each slot's product with its
 // expert; a second grouped GEMV over that plan (the down GEMV's place: a
 // row per slot, maxChunks S) gives each slot's product too — in one
-// launch, and again with LLMQ_MOE_ROUTED=0 (route+plan, then the GEMV).
-// The outputs start poisoned, so a routing or plan left unwritten fails.
+// launch, again with LLMQ_MOE_ROUTED=0 (route+plan, then the GEMV), and
+// with LLMQ_MOE_FUSED_ACT=0 (gated experts' sums, then MoEAct). The
+// outputs start poisoned, so a routing or plan left unwritten fails.
 // Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32
-// slots), 256 experts top 16 over 2 rows without renormalisation, a K
-// split 4 ways, a row of NaN logits (the lowest experts, NaN weights, as
-// on the CPU).
+// slots), each also with gated experts (their act(gate)·up the second
+// GEMV's input), 256 experts top 16 over 2 rows without renormalisation,
+// a K split, a row of NaN logits (the lowest experts, NaN weights, as on
+// the CPU).
 func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
-	onAndOff(t, "LLMQ_MOE_ROUTED", func(t *testing.T, x *Context, routed bool) {
+	inSettings(t, []string{"LLMQ_MOE_ROUTED=1", "LLMQ_MOE_ROUTED=0", "LLMQ_MOE_FUSED_ACT=0"}, func(t *testing.T, x *Context, setting string) {
+		routed := setting != "LLMQ_MOE_ROUTED=0"
 		r := rand.New(rand.NewPCG(13, 14))
 		for _, c := range []struct {
 			T, E, k, N, K, group int
 			nan, raw, gated      bool // raw: the weights not renormalised
 		}{
 			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128},
-			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128, gated: true}, // K split in 2
+			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128, gated: true}, // 32 tiles: K split, then MoEAct
 			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64},
-			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64, gated: true}, // one split
+			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64, gated: true}, // one split planned: fused
 			{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256, raw: true},
 			{T: 3, E: 8, k: 2, N: 64, K: 2048, group: 128},
 			{T: 2, E: 8, k: 3, N: 64, K: 128, group: 32, nan: true},

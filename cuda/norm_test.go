@@ -155,9 +155,10 @@ func TestRMSNormMatchesReference(t *testing.T) {
 // for bit, and the logits MoERouter computes from them, bit for bit (one
 // piece of arithmetic, router_dot), and leaves x as it was — in one
 // launch and with LLMQ_MOE_NORM_ROUTER=0 (the norm, then the router).
-// Shapes: qwen3-30b-a3b's (hidden 2048, 128 experts: 8 CTAs a row), a
-// Mixtral-like 4096 with 8 experts (one CTA), 256 experts over a row of
-// 64 (one warp a CTA: 256 CTAs), a hidden size of 4 chunks a thread.
+// Shapes: qwen3-30b-a3b's (hidden 2048, 128 experts: 32 CTAs a row of 4
+// experts each), a Mixtral-like 4096 with 8 experts (2 CTAs), 256
+// experts over a row of 64 (one warp a CTA: 256 CTAs), a hidden size of 4
+// chunks a thread. What it cannot run is refused.
 func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 	onAndOff(t, "LLMQ_MOE_NORM_ROUTER", func(t *testing.T, x *Context, _ bool) {
 		r := rand.New(rand.NewPCG(21, 22))
@@ -213,13 +214,73 @@ func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 				x.Free(b)
 			}
 		}
-		if err := x.RMSNormRouter(Buf{}, Buf{}, Buf{}, Buf{}, Buf{}, Buf{}, 1, 2048, 128, eps); err == nil {
-			t.Error("no delta: no error")
-		}
 		big, _ := x.Alloc(4)
 		defer x.Free(big)
-		if err := x.RMSNormRouter(big, big, big, big, big, big, 1, 2048, 300, eps); err == nil || !strings.Contains(err.Error(), "300 experts") {
-			t.Errorf("300 experts: %v, want a refusal naming them", err)
+		for _, bad := range []struct {
+			delta, router, logits Buf
+			n, E                  int
+			want                  string
+		}{
+			{Buf{}, big, big, 1, 128, "a delta"}, {big, Buf{}, big, 1, 128, "router's weights"},
+			{big, big, Buf{}, 1, 128, "logits"}, {big, big, big, 1, 300, "300 experts"},
+			{big, big, big, 70000, 8, "70000 rows"},
+		} {
+			err := x.RMSNormRouter(big, bad.delta, big, big, bad.router, bad.logits, bad.n, 2048, bad.E, eps)
+			if err == nil || !strings.Contains(err.Error(), bad.want) {
+				t.Errorf("%+v: %v, want a refusal naming %q", bad, err, bad.want)
+			}
 		}
 	})
+}
+
+// TestRMSNormAddsPendingDeltaFirst: with both a delta and the experts'
+// outputs (the delta a RMSNormRouter left pending), the residual is
+// (x + delta) + Σ experts in fp32, the CPU's order, not x + (delta + Σ):
+// at x = 2^27 (fp32 spacing 16) a delta of 6 and experts summing to 6
+// leave x as it was in the CPU's order, and would make it 2^27 + 16 in the
+// other.
+func TestRMSNormAddsPendingDeltaFirst(t *testing.T) {
+	x := openContext(t)
+	const H, k = 128, 2
+	xv, w := make([]float32, H), make([]float32, H)
+	yv, ids, wts := make([]float32, k*H), []int32{3, 1}, []float32{0.5, 0.5}
+	dh := make([]uint16, H)
+	for i := range xv {
+		xv[i], w[i], dh[i] = 1<<27, 1, float16.Fromfloat32(6).Bits()
+		yv[i], yv[H+i] = 6, 6 // 0.5·6 + 0.5·6 = 6
+	}
+	bufs := make([]Buf, 6)
+	var err error
+	for i, v := range []any{xv, w, dh, yv, ids, wts} {
+		switch v := v.(type) {
+		case []float32:
+			bufs[i], err = AllocFrom(x, v)
+		case []uint16:
+			bufs[i], err = AllocFrom(x, v)
+		case []int32:
+			bufs[i], err = AllocFrom(x, v)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x.Free(bufs[i])
+	}
+	out, _ := x.Alloc(H * 2)
+	defer x.Free(out)
+	e := ExpertSum{Y: bufs[3], IDs: bufs[4], Weights: bufs[5], K: k}
+	if err := x.RMSNormExperts(bufs[0], bufs[2], e, Buf{}, Buf{}, bufs[1], out, 1, H, 1e-6); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]float32, H)
+	if err := Download(x, got, bufs[0]); err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range got {
+		if v != 1<<27 {
+			t.Fatalf("x[%d] = %v after the delta and the experts, want %v ((x + delta) + experts in fp32)", i, v, float32(1<<27))
+		}
+	}
+	if err := x.RMSNormExperts(bufs[0], bufs[2], e, bufs[1], Buf{}, bufs[1], out, 1, H, 1e-6); err == nil {
+		t.Error("a delta norm with a pending delta and experts: no error")
+	}
 }

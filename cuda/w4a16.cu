@@ -1697,17 +1697,19 @@ int check_gated(llmq_ctx* c, const char* fn, const void* g, int act) {
 }
 
 // grouped_launch runs w4a16_gemv_grouped<MT, U, ROUTED> over `chunks`
-// chunks: gated (act ≥ 0, unless LLMQ_MOE_FUSED_ACT=0) with one K split —
-// a second split's sums would have to meet in memory before the pairs,
-// and that tail cost more than the split gains (NOTES.md, "The fourteenth
-// session") — else moe_splits', the sums into out, and moe_act after
-// when gated.
+// chunks: gated (act ≥ 0, unless LLMQ_MOE_FUSED_ACT=0) with one K split
+// where its tiles of chunks fill the SMs or one split is the plan anyway
+// — a second split's sums would have to meet in memory before the pairs,
+// and that tail cost more than the split gained at qwen3-30b-a3b's batch
+// 1, 192 tiles on 132 SMs (NOTES.md, "The fourteenth session") — else
+// moe_splits', the sums into out, and moe_act after when gated.
 template <int MT, int U, bool ROUTED>
 static int grouped_launch(llmq_ctx* c, int chunks, int slots, const void* A, int a_div, const int32_t* order,
                           const int32_t* chunk_list, const void* B, const void* scales, const void* zeros, float* out,
                           int N, int K, int group, void* g, int act, const MoERouting& rt) {
-  const bool fused = act >= 0 && c->moe_fused_act;
-  const int splits = fused ? 1 : moe_splits(c, slots, MT, N, K);
+  const int planned = moe_splits(c, slots, MT, N, K);
+  const bool fused = act >= 0 && c->moe_fused_act && (planned == 1 || (N / 64) * chunks >= c->sms);
+  const int splits = fused ? 1 : planned;
   const MoEGated gt{(half*)g, fused ? act : -1};
   CK(launch(c, (w4a16_gemv_grouped<MT, U, ROUTED>), dim3(N / 64, chunks, splits), kWarps * 32, 0, (const half*)A, a_div,
             order, chunk_list, (const uint4*)B, (const uint4*)scales, (const uint32_t*)zeros, out, N, K,
