@@ -138,6 +138,10 @@ case "$1" in
       [[ $m == *qwen3moe* ]] && g=32   # 96: its experts then run dequantized in fp16
       [ -d "$LLMQ_SHARED/$m" ] && $L quantize "$LLMQ_SHARED/$m" --method rtn --bits 4 --group $g -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
     done
+    # a mixture whose middle layer is dense (mlp_only_layers; synthetic, qwen3-30b-a3b's widths: gated experts)
+    d=build/q/qwen3-30b-a3b-mixed-synth-w4
+    $L synth --preset qwen3-30b-a3b --layers 3 --mlp-only-layers 1 --bits 4 --group 128 -o $d --force \
+      --tokenizer "$LLMQ_SHARED/models/llama-tiny" > /dev/null 2>&1 && W4+=":$PWD/$d"
     # and one whose lm_head is quantized too (run dequantized, in fp16)
     d=build/q/llama-tiny-rtn-w4-head
     [ -d "$LLMQ_SHARED/models/llama-tiny" ] && $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 \

@@ -143,7 +143,8 @@ func TestZooLogitsOnGPU(t *testing.T) {
 // TestJoinedLinearsMatchSeparate: a packed checkpoint (LLMQ_TEST_W4_MODELS,
 // colon-separated directories; cuda/device-model.sh check makes RTN w4
 // copies of llama-tiny, one with its lm_head quantized too, and of
-// qwen2-rand, whose q/k/v have biases, and two mixtures) loaded
+// qwen2-rand, whose q/k/v have biases, and two mixtures; and a synthetic
+// qwen3-30b-a3b of three layers whose middle one is dense) loaded
 // with q/k/v and gate/up joined into one GEMM each gives the logits of the
 // same model run layer by layer, and both stay within TestModelLogits'
 // bounds of the CPU backend's — over a prefill (the fused kernel) and
@@ -214,6 +215,18 @@ func TestJoinedLinearsMatchSeparate(t *testing.T) {
 				// multiple of the 64-column tiles).
 				if wantFP16 := strings.Contains(dir, "qwen3moe"); b.moe != nil && (b.moe.gateUp == nil) != wantFP16 {
 					t.Fatalf("experts: grouped 4-bit %v, want fp16 %v", b.moe.gateUp != nil, wantFP16)
+				}
+				// Joined, 4-bit experts a multiple of 64 wide write act(gate)·up
+				// in the grouped GEMV (interleaved, W4.Gated); separate, they
+				// run the activation after it.
+				if b.moe != nil && b.moe.gateUp != nil {
+					want := NotGated
+					if join && gpu.cfg.MoE.Intermediate%64 == 0 {
+						want = GatingFor(gpu.cfg.Act)
+					}
+					if b.moe.gateUp.Gated != want {
+						t.Fatalf("join %v: the experts' gate/up runs gating %d, want %d", join, b.moe.gateUp.Gated, want)
+					}
 				}
 				logits[i] = run(gpu)
 				gpu.Close()

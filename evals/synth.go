@@ -50,6 +50,9 @@ type Preset struct {
 	// norm_topk_prob; Mixtral always does).
 	Experts, TopK, MoEIntermediate int
 	NormTopK                       bool
+	// MLPOnly lists the layers of a Qwen3-MoE that keep a dense MLP of
+	// Intermediate units (mlp_only_layers).
+	MLPOnly []int
 
 	// SlidingWindow, when positive, limits attention to the last
 	// SlidingWindow positions (sliding_window): on every layer (Mistral),
@@ -138,6 +141,9 @@ func (p Preset) config() map[string]any {
 		} else {
 			c["num_experts"], c["moe_intermediate_size"], c["norm_topk_prob"] = p.Experts, p.MoEIntermediate, p.NormTopK
 		}
+		if len(p.MLPOnly) > 0 {
+			c["mlp_only_layers"] = p.MLPOnly
+		}
 	}
 	if p.SlidingWindow > 0 {
 		c["sliding_window"] = p.SlidingWindow
@@ -167,11 +173,15 @@ func (p Preset) Config() (*checkpoint.Config, error) {
 
 // SynthOptions choose what Synth writes.
 type SynthOptions struct {
-	Preset    string
-	Arch      *Preset // used instead of Presets[Preset] when set
-	Bits      int     // 3, 4 or 8 (GPTQ layout, symmetric) or 16 (bf16)
-	Group     int
-	Layers    int    // override the preset's layer count (0: keep)
+	Preset string
+	Arch   *Preset // used instead of Presets[Preset] when set
+	Bits   int     // 3, 4 or 8 (GPTQ layout, symmetric) or 16 (bf16)
+	Group  int
+	Layers int // override the preset's layer count (0: keep)
+	// MLPOnly overrides a Qwen3-MoE preset's layers that keep a dense
+	// MLP (mlp_only_layers; nil: keep): a model mixing dense and sparse
+	// layers, as some checkpoints do.
+	MLPOnly   []int
 	Tokenizer string // directory with tokenizer.json (and tokenizer_config.json)
 	Out       string
 	Force     bool
@@ -181,7 +191,7 @@ type SynthOptions struct {
 }
 
 // A SynthOptionError is a SynthOptions field Synth cannot use: the field's
-// name (Preset, Arch, Bits, Group, Tokenizer), its value as text, and what
+// name (Preset, Arch, Bits, Group, Tokenizer, MLPOnly), its value as text, and what
 // was expected, or the error reading it. A command line names its own
 // flag.
 type SynthOptionError struct {
@@ -223,6 +233,17 @@ func Synth(opt SynthOptions) error {
 	}
 	if opt.Layers > 0 {
 		p.Layers = opt.Layers
+	}
+	if opt.MLPOnly != nil {
+		if p.Arch != "Qwen3MoeForCausalLM" {
+			return &SynthOptionError{Field: "MLPOnly", Value: fmt.Sprint(opt.MLPOnly), Want: "a Qwen3-MoE preset (mlp_only_layers is Qwen3-MoE's)"}
+		}
+		for _, l := range opt.MLPOnly {
+			if l < 0 || l >= p.Layers {
+				return &SynthOptionError{Field: "MLPOnly", Value: fmt.Sprint(opt.MLPOnly), Want: fmt.Sprintf("layers 0 … %d", p.Layers-1)}
+			}
+		}
+		p.MLPOnly = opt.MLPOnly
 	}
 	cfg, err := p.Config()
 	if err != nil {

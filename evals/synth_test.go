@@ -357,3 +357,60 @@ func checkQuantized(t *testing.T, ck *checkpoint.Checkpoint) {
 		}
 	}
 }
+
+// A Qwen3-MoE with mlp_only_layers (SynthOptions.MLPOnly) mixes dense and
+// sparse layers: the listed layer has a dense MLP and no router, the
+// others experts and a router, and the model runs. MLPOnly is refused
+// for an architecture without mlp_only_layers and for a layer past the
+// last.
+func TestSynthMixesDenseAndSparseLayers(t *testing.T) {
+	arch := &evals.Preset{Hidden: 256, Intermediate: 512, Layers: 3, Heads: 4, KVHeads: 2, HeadDim: 64, Vocab: 8192,
+		MaxPositions: 256, RopeTheta: 1e6, Arch: "Qwen3MoeForCausalLM", ModelType: "qwen3_moe",
+		Experts: 8, TopK: 2, MoEIntermediate: 128, NormTopK: true}
+	tok := filepath.Dir(shared.Path(t, "models/llama-tiny/tokenizer.json"))
+	out := filepath.Join(t.TempDir(), "mixed")
+	if err := evals.Synth(evals.SynthOptions{Arch: arch, Bits: 4, Group: 64, Tokenizer: tok, Out: out, MLPOnly: []int{1}}); err != nil {
+		t.Fatal(err)
+	}
+	m, err := pack.OpenModel(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	c := m.Checkpoint.Config
+	if c.MoE == nil || !c.Sparse(0) || c.Sparse(1) || !c.Sparse(2) {
+		t.Fatalf("sparse layers: %v %v %v, want true false true", c.Sparse(0), c.Sparse(1), c.Sparse(2))
+	}
+	for _, name := range []string{"model.layers.1.mlp.gate_proj.qweight", "model.layers.0.mlp.gate.weight",
+		"model.layers.2.mlp.experts.7.down_proj.qweight"} {
+		if !m.Checkpoint.Has(name) {
+			t.Errorf("no tensor %s", name)
+		}
+	}
+	if m.Checkpoint.Has("model.layers.1.mlp.gate.weight") {
+		t.Error("the dense layer 1 has a router")
+	}
+	ids := m.Tokenizer.Encode("The history of the", true)
+	cache, _ := m.NewCache(len(ids))
+	logits := make([]float32, len(ids)*c.Vocab)
+	if err := m.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: ids, Logits: logits}}); err != nil {
+		t.Fatal(err)
+	}
+	if i := slices.IndexFunc(logits, func(v float32) bool { return math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) }); i >= 0 {
+		t.Fatalf("logit %d is %v", i, logits[i])
+	}
+	llama := &evals.Preset{Hidden: 256, Intermediate: 512, Layers: 2, Heads: 4, KVHeads: 2, Vocab: 8192, MaxPositions: 256,
+		RopeTheta: 10000, Arch: "LlamaForCausalLM", ModelType: "llama"}
+	for _, bad := range []struct {
+		arch *evals.Preset
+		only []int
+		want string
+	}{{llama, []int{0}, "want a Qwen3-MoE preset"}, {arch, []int{3}, "want layers 0 … 2"}} {
+		err := evals.Synth(evals.SynthOptions{Arch: bad.arch, Bits: 4, Group: 64, Tokenizer: tok, MLPOnly: bad.only,
+			Out: filepath.Join(t.TempDir(), "x")})
+		var oe *evals.SynthOptionError
+		if !errors.As(err, &oe) || oe.Field != "MLPOnly" || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("MLPOnly %v on %s: %v, want a MLPOnly error saying %q", bad.only, bad.arch.Arch, err, bad.want)
+		}
+	}
+}
