@@ -1036,7 +1036,7 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		// experts are summed here too).
 		delta, experts, deltaNorm := Buf{}, ExpertSum{}, Buf{}
 		if l > 0 {
-			delta, experts, deltaNorm = m.mlpOutput(m.blocks[l-1], a)
+			delta, experts, deltaNorm = m.mlpOutput(m.blocks[l-1], a, T)
 		}
 		steps := []func() error{
 			func() error {
@@ -1057,7 +1057,7 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		}
 		norm := func() error { return x.RMSNorm(a.x, a.delta, b.norms.postAttn, Buf{}, b.norms.mlp, a.h, T, H, eps) }
 		switch {
-		case b.routesInNorm():
+		case b.routesInNorm(T):
 			// The router joins the norm, and a.x takes the attention's
 			// delta at the next norm (mlpOutput).
 			steps = append(steps, func() error {
@@ -1084,7 +1084,7 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			}
 		}
 	}
-	delta, experts, last := m.mlpOutput(m.blocks[len(m.blocks)-1], a)
+	delta, experts, last := m.mlpOutput(m.blocks[len(m.blocks)-1], a, T)
 	if !last.Nil() || experts.K > 0 {
 		// The last MLP output through Gemma 3's norm, or a mixture's
 		// experts summed; the normed rows written to a.h are not used
@@ -1099,10 +1099,10 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 // the attention's a.delta, which a norm with the router left pending);
 // and the norm it goes through first (Gemma 3's post-feedforward norm,
 // else nil).
-func (m *Model) mlpOutput(b *gpuBlock, a *acts) (Buf, ExpertSum, Buf) {
+func (m *Model) mlpOutput(b *gpuBlock, a *acts, T int) (Buf, ExpertSum, Buf) {
 	if b.moe != nil {
 		var pending Buf
-		if b.routesInNorm() {
+		if b.routesInNorm(T) {
 			pending = a.delta
 		}
 		return pending, ExpertSum{Y: a.y, IDs: a.expert, Weights: a.weight, K: m.cfg.MoE.TopK}, b.norms.postMLP
@@ -1112,11 +1112,18 @@ func (m *Model) mlpOutput(b *gpuBlock, a *acts) (Buf, ExpertSum, Buf) {
 
 // routesInNorm: block b is a mixture whose router runs in the launch of
 // the norm before it (RMSNormRouter), which leaves the attention's output
-// to the next norm; a norm of that output or of the experts' (Gemma 3's
-// post-attention and post-feedforward norms) keeps the two launches.
-func (b *gpuBlock) routesInNorm() bool {
-	return b.moe != nil && b.norms.postAttn.Nil() && b.norms.postMLP.Nil()
+// to the next norm — in a decode step (T ≤ normRouterMaxRows rows), whose
+// time is its launches; a prefill keeps the norm and the router apart (the
+// joined kernel's ⌈E/4⌉ CTAs a row would each read the row again). A norm
+// of that output or of the experts' (Gemma 3's post-attention and
+// post-feedforward norms) keeps the two launches too.
+func (b *gpuBlock) routesInNorm(T int) bool {
+	return b.moe != nil && T <= normRouterMaxRows && b.norms.postAttn.Nil() && b.norms.postMLP.Nil()
 }
+
+// normRouterMaxRows is the most rows whose mixture's router runs in the
+// norm's launch: a decode step's (the batches the benchmarks decode).
+const normRouterMaxRows = 64
 
 // moeMLP queues a mixture of experts on the normed rows a.h (T of them),
 // leaving each slot's output in a.y, all on the device (no host round
