@@ -1028,10 +1028,29 @@ int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H
   return 0;
 }
 
+// norm_chunks and norm_threads are rmsnorm_kernel's V and block for rows
+// of H values: up to 1024 threads, each with V chunks of 4 values (V 1, 2
+// or 4).
+static int norm_chunks(int H) { return H / 4 <= 1024 ? 1 : H / 4 <= 2048 ? 2 : 4; }
+static int norm_threads(int H) { return ((H / 4 + norm_chunks(H) - 1) / norm_chunks(H) + 31) / 32 * 32; }
+
+// launch_norm launches rmsnorm_kernel<V, ROUTER> over grid for rows of H
+// values (rmsnorm, rmsnorm_router), with the kernel's arguments.
+template <bool ROUTER>
+static int launch_norm(llmq_ctx* c, dim3 grid, size_t smem, float* x, const half* d, const float* dw, float* y,
+                       const int32_t* ids, const float* ew, int k, const int32_t* rows, const float* w, half* out, int H,
+                       float eps, const float* W, float* logits, int E) {
+  const int threads = norm_threads(H);
+  switch (norm_chunks(H)) {
+    case 1: CK(launch(c, (rmsnorm_kernel<1, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
+    case 2: CK(launch(c, (rmsnorm_kernel<2, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
+    default: CK(launch(c, (rmsnorm_kernel<4, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
+  }
+  return 0;
+}
+
 int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
             const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
-  // Up to 1024 threads a row, each with V chunks of 4 values (V 1, 2 or 4).
-  const int H4 = H / 4, V = H4 <= 1024 ? 1 : H4 <= 2048 ? 2 : 4;
   if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden) {
     set_error(c, "rmsnorm: hidden size %d (want a multiple of 4, at most %d)", H, kMaxNormHidden);
     return 1;
@@ -1041,17 +1060,8 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, f
               delta && delta_norm ? ", and no delta_norm with a delta before it" : "");
     return 1;
   }
-  const int threads = ((H4 + V - 1) / V + 31) / 32 * 32;
-  const half* d = (const half*)delta;
-  switch (V) {
-    case 1: CK(launch(c, (rmsnorm_kernel<1>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
-                        (const float*)nullptr, (float*)nullptr, 0)); break;
-    case 2: CK(launch(c, (rmsnorm_kernel<2>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
-                        (const float*)nullptr, (float*)nullptr, 0)); break;
-    default: CK(launch(c, (rmsnorm_kernel<4>), n, threads, 0, x, d, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
-                        (const float*)nullptr, (float*)nullptr, 0)); break;
-  }
-  return 0;
+  return launch_norm<false>(c, n, 0, x, (const half*)delta, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
+                            nullptr, nullptr, 0);
 }
 
 int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
@@ -1155,7 +1165,6 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
 
 int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
                    float* logits, int n, int H, int E, float eps) {
-  const int H4 = H / 4, V = H4 <= 1024 ? 1 : H4 <= 2048 ? 2 : 4;
   if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden || E <= 0 || E > kMaxExperts || n <= 0 || n > 65535 || !delta || !W ||
       !logits) {
     set_error(c, "rmsnorm_router: %d rows (at most 65535), hidden size %d (want a multiple of 4, at most %d), %d experts "
@@ -1163,26 +1172,15 @@ int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* 
               W ? "" : ", no router weights", logits ? "" : ", no logits");
     return 1;
   }
-  const int threads = ((H4 + V - 1) / V + 31) / 32 * 32;
   // router_warps() experts a CTA, as moe_router's grid, so that as many SMs
   // read W (or one CTA of no experts, the norm alone, when
-  // LLMQ_MOE_NORM_ROUTER=0 and moe_router follows).
-  const int per = std::min(kRouterWarps, threads / 32);
+  // LLMQ_MOE_NORM_ROUTER=0 and moe_router follows). x is read, never
+  // written.
+  const int per = std::min(kRouterWarps, norm_threads(H) / 32);
   const int R = c->moe_norm_router ? (E + per - 1) / per : 1, Ek = c->moe_norm_router ? E : 0;
-  const size_t smem = (size_t)H * sizeof(half);
-  const dim3 grid(n, R);
-  const half* d = (const half*)delta;
-  float* xs = const_cast<float*>(x);  // ROUTER reads x, never writes it
-#define LLMQ_NORM_ROUTER(V_)                                                                                          \
-  CK(launch(c, (rmsnorm_kernel<V_, true>), grid, threads, smem, xs, d, (const float*)nullptr, (float*)nullptr,       \
-            (const int32_t*)nullptr, (const float*)nullptr, 0, (const int32_t*)nullptr, w, (half*)out, H, eps, W,  \
-            logits, Ek))
-  switch (V) {
-    case 1: LLMQ_NORM_ROUTER(1); break;
-    case 2: LLMQ_NORM_ROUTER(2); break;
-    default: LLMQ_NORM_ROUTER(4); break;
-  }
-#undef LLMQ_NORM_ROUTER
+  if (launch_norm<true>(c, dim3(n, R), (size_t)H * sizeof(half), const_cast<float*>(x), (const half*)delta, nullptr,
+                        nullptr, nullptr, nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek))
+    return 1;
   if (!c->moe_norm_router) return moe_router(c, out, W, logits, n, E, H);
   return 0;
 }

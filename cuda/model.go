@@ -1128,7 +1128,7 @@ const normRouterMaxRows = 64
 // moeMLP queues a mixture of experts on the normed rows a.h (T of them),
 // leaving each slot's output in a.y, all on the device (no host round
 // trip, so decode graphs capture it): the router's logits (unless the norm
-// before left them: routed); each row's top k and the T·k slots grouped
+// before left them: haveLogits); each row's top k and the T·k slots grouped
 // by expert (one launch); the experts' gate and up as one grouped GEMV
 // over the slots, which writes act(gate)·up itself when they are
 // interleaved (W4.Gated), else the gated activation follows; down. A
@@ -1136,14 +1136,14 @@ const normRouterMaxRows = 64
 // instead (MoEGemvRouted: one launch fewer). The weighted sum of each
 // row's k outputs, in ascending expert order, is the next norm's
 // (mlpOutput, RMSNormExperts).
-func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, routed bool) error {
+func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, haveLogits bool) error {
 	c, x := m.cfg, m.x
 	E, k, H, I := c.MoE.Experts, c.MoE.TopK, c.Hidden, c.MoE.Intermediate
 	S := T * k
 	mt := moeChunk(S, E)
 	maxChunks := MoEMaxChunks(S, E, mt)
 	var steps []func() error
-	if !routed {
+	if !haveLogits {
 		steps = append(steps, func() error { return x.MoERouter(a.h, mo.router, a.routerLogits, T, E, H) })
 	}
 	var gated Buf // act(gate)·up, written by gated experts
