@@ -16,13 +16,21 @@ import sys
 
 
 def functions(path):
-    out, name, body = {}, None, []
+    """The listing's functions, "arch name" to its instructions (a fat
+    binary holds each kernel once for every architecture)."""
+    out, name, body, arch = {}, None, [], "?"
     for line in open(path, errors="replace"):
+        m = re.match(r"\s*arch = (\S+)", line)
+        if m:
+            if name:
+                out[name] = body
+            name, body, arch = None, [], m.group(1)
+            continue
         m = re.search(r"Function : (\S+)", line)
         if m:
             if name:
                 out[name] = body
-            name, body = m.group(1), []
+            name, body = arch + " " + m.group(1), []
             continue
         if name is None:
             continue
