@@ -454,6 +454,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			if c.gated {
 				gate, up, w4 = randomGatedExperts(t, x, r, c.E, c.N/2, c.K, c.group)
 				gated, _ = x.Alloc(S * c.N / 2 * 2)
+				x.Memset(gated, 0xff, gated.Bytes) // poison (fp16 NaN): every slot's row must be written
 			} else {
 				W, w4 = randomExperts(t, x, r, c.E, c.N, c.K, c.group)
 			}
