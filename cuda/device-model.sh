@@ -73,7 +73,8 @@ OUT=${OUT:-build/out}
 mkdir -p "$OUT"
 # Archives under .carry hold repository-relative paths (.carry/shared/...,
 # build/device/...): compressed, more fits in one carry.
-[ -n "${SKIP_BUILD:-}" ] || for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.')" "$f"; done
+# a later call on a warm machine (SKIP_BUILD=1) keeps the library, but the carry replaced .carry: unpack again
+{ [ -n "${SKIP_BUILD:-}" ] && [ -d .carry/shared ]; } || for f in .carry/*.tar.xz; do [ -e "$f" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall('.')" "$f"; done
 export LLMQ_COMMIT=$(tr -d '\n' < build/device/COMMIT)
 # The GPU's short name (h100, h200, ...) names the result files: figures of
 # different cards never share a canonical file.

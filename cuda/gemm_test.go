@@ -446,7 +446,7 @@ func TestW8A16MatchesReference(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.SetPath(PathAuto)
-	if v, err := l.Plan(w, 8); err != nil || !strings.HasPrefix(v, "fused v5 w8") {
+	if v, err := l.Plan(w, 8); err != nil || !strings.HasPrefix(v, "fused v18 w8") {
 		t.Errorf("forced fused kernel on 8-bit codes: %q, %v", v, err)
 	}
 }

@@ -86,22 +86,28 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint3
 
 constexpr int kWarps = 4;  // warps per CTA, splitting the CTA's K slice
 
-// Per-warp ring, U 16-row steps a stage: each lane's CH 16-byte B chunks
-// (CH = BITS/4: one for 4-bit codes, two for 8-bit), and the step's A tile
-// (16·MB rows × 16 columns; lane l copies row l/2, columns (l%2)·8 …,
-// zero-filled past M).
-template <int MB, int U, int STAGES, int CH = 1>
-struct Ring {
-  uint4 b[STAGES][U][CH][32];
-  uint4 a[STAGES][U][MB][32];
+// The fused kernel's shared-memory stage (STAGES of them, dynamic): the
+// codes of the CTA's kWarps n-tiles for U 16-row steps — a tile's steps
+// lie one after another in B, 512·CH bytes each, so a stage copies
+// kWarps contiguous runs — and the activations of those steps, 16·MB
+// rows, as U·MB tiles of 16×16 in 16-byte slots: row r's half h (8
+// columns) in slot act_slot(r, h).
+template <int MB, int U, int CH = 1>
+struct TileStage {
+  uint4 b[kWarps][U][CH][32];
+  uint4 a[U][MB][32];
 };
 
 template <int MB, int U, int STAGES, int CH = 1>
 constexpr size_t fused_smem_bytes() {
-  return kWarps * sizeof(Ring<MB, U, STAGES, CH>) > kWarps * 16 * 64 * sizeof(float)
-             ? kWarps * sizeof(Ring<MB, U, STAGES, CH>)
-             : kWarps * 16 * 64 * sizeof(float);
+  return STAGES * sizeof(TileStage<MB, U, CH>);
 }
+
+// act_slot: row r, half h of a 16×16 activation tile. ldmatrix reads
+// eight rows' 16 bytes at a time; 2r + h would put rows r and r + 4 in
+// the same four banks (32 bytes a row, 128 bytes apart), so h is flipped
+// on rows 4–7 and 12–15 and the eight rows cover all 32 banks.
+__device__ __forceinline__ int act_slot(int r, int h) { return 2 * r + (h ^ ((r >> 2) & 1)); }
 
 // Group scales/zeros in the form the dequant needs: half2 scale, and the
 // half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles).
@@ -350,9 +356,11 @@ __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, in
 // finish_splits: the last of a tile's `splits` CTAs to finish (counted in
 // *counter) converts rows row0 … row0+rows−1 of the tile from the
 // workspace to fp16 (in the gated mode, pairs into act(gate)·up) and
-// re-zeroes the workspace and the counter.
+// re-zeroes the workspace and the counter. ntiles: the CTA's sums cover
+// n-tiles nt … nt+ntiles−1 (the fused kernel's kWarps, fewer at N's
+// edge), all under the one counter.
 __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
-                                              int nt, int splits, int& s_last) {
+                                              int nt, int splits, int& s_last, int ntiles = 1) {
   if (splits == 1) return;
   __threadfence();
   __syncthreads();
@@ -364,46 +372,86 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
   // and column are a shift and a mask (a division by a run-time count
   // would cost each element of this tail a long instruction sequence).
   const int lg = o.act >= 0 ? 5 : 6;
-  for (int i = threadIdx.x; i < rows << lg; i += kWarps * 32) {
-    const int r = row0 + (i >> lg), c = i & ((1 << lg) - 1);
-    if (r < M) {
-      const size_t idx = (size_t)r * N + nt * 64 + c;
-      if (o.act >= 0) {
-        store_gated(o, r, N, nt, c, __ldcg(&ws[idx]), __ldcg(&ws[idx + 32]));
-        ws[idx + 32] = 0.f;
-      } else {
-        *out_at(o, r, nt * 64 + c) = __float2half_rn(__ldcg(&ws[idx]));
+  for (int t = nt; t < nt + ntiles; ++t)
+    for (int i = threadIdx.x; i < rows << lg; i += kWarps * 32) {
+      const int r = row0 + (i >> lg), c = i & ((1 << lg) - 1);
+      if (r < M) {
+        const size_t idx = (size_t)r * N + t * 64 + c;
+        if (o.act >= 0) {
+          store_gated(o, r, N, t, c, __ldcg(&ws[idx]), __ldcg(&ws[idx + 32]));
+          ws[idx + 32] = 0.f;
+        } else {
+          *out_at(o, r, t * 64 + c) = __float2half_rn(__ldcg(&ws[idx]));
+        }
+        ws[idx] = 0.f;
       }
-      ws[idx] = 0.f;
     }
-  }
   if (threadIdx.x == 0) *counter = 0;
 }
 
-// w4a16_fused: a CTA of kWarps warps owns one 64-column n-tile, one K slice
-// (blockIdx.y of `splits`) and 16·MB rows (blockIdx.z). Each warp streams
-// its part of the slice through its own cp.async ring of STAGES stages, U
-// steps a stage; MINB asks the compiler to fit MINB CTAs per SM.
-// gshift: a group spans 2^gshift steps (−1: a single group). BITS: the
-// codes' width, 4 or 8 (two chunks a lane a step).
+// w4a16_fused (v18): a CTA of kWarps warps owns kWarps adjacent n-tiles
+// (warp w: tile kWarps·blockIdx.y + w) for the 16·MB rows of row block
+// blockIdx.x, over one K slice (blockIdx.z of `splits`). All its threads
+// stream the slice through STAGES shared-memory stages of U steps with
+// cp.async, so the activations are read once for the CTA's four tiles and
+// the bytes in flight are the ring's, not the registers'. Each warp takes
+// its tile's codes as B fragments from the stage (a lane's 16 bytes, as
+// the GEMV kernels load them), dequantizes them in registers and runs
+// MB·8 mma.m16n8k16 a step against the rows' A fragments (ldmatrix).
+// Row blocks that share codes are neighbours in the grid (blockIdx.x
+// varies fastest), so they run together and all but one read the codes
+// from L2. MINB asks the compiler to fit MINB CTAs per SM. gshift: a group
+// spans 2^gshift steps (−1: a single group). BITS: the codes' width, 4 or 8
+// (two chunks a lane a step).
 template <int MB, int U, int STAGES, int MINB, int BITS = 4>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                            const Outs C, float* __restrict__ ws,
                                                            int* __restrict__ counters, int M, int N, int K, int gshift,
                                                            int splits) {
-  pdl_gate();  // before any global access: see common.cuh
+  constexpr int CH = BITS / 4, kThreads = kWarps * 32;
+  using Stage = TileStage<MB, U, CH>;
+  constexpr int kCodes = kWarps * U * CH * 32, kActs = U * MB * 32;  // 16-byte copies a stage
+  static_assert(kCodes % kThreads == 0 && kActs % kThreads == 0, "a stage's copies split evenly over the threads");
   extern __shared__ __align__(16) unsigned char smem[];
+  Stage* stages = reinterpret_cast<Stage*>(smem);
   __shared__ int s_last;
-  const int nt = blockIdx.x, split = blockIdx.y;
-  const int row0 = blockIdx.z * 16 * MB;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int KT = K >> 4, NT = N >> 6;
-  int k0, k1;
-  warp_range(KT, splits, split, warp, k0, k1);
-  constexpr int CH = BITS / 4;
-  Ring<MB, U, STAGES, CH>& ring = reinterpret_cast<Ring<MB, U, STAGES, CH>*>(smem)[warp];
+  const int row0 = blockIdx.x * 16 * MB, nt0 = blockIdx.y * kWarps;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+  const int KT = K >> 4, NT = N >> 6, nt = nt0 + warp;
+  const bool tile_ok = nt < NT;  // the CTA at N's edge has fewer tiles than warps
+  const int per_split = (KT + splits - 1) / splits;
+  const int k0 = blockIdx.z * per_split, k1 = min(KT, k0 + per_split);
+  const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
+
+  // issue copies batch b's codes and activations into stage b % STAGES
+  // (nothing past the slice or N's edge; rows past M as zeros) and
+  // commits them as one group — an empty one past the last batch, so that
+  // the waits below count the same.
+  auto issue = [&](int b) {
+    if (b < batches) {
+      Stage& st = stages[b % STAGES];
+      const int kb = k0 + b * U;
+#pragma unroll
+      for (int t = 0; t < kCodes / kThreads; ++t) {
+        const int i = threadIdx.x + t * kThreads;
+        const int w = i / (U * CH * 32), j = i % (U * CH * 32);
+        if (nt0 + w < NT && kb + j / (CH * 32) < k1)
+          cp_async16(&st.b[0][0][0][0] + i, B + ((size_t)(nt0 + w) * KT + kb) * CH * 32 + j);
+      }
+#pragma unroll
+      for (int t = 0; t < kActs / kThreads; ++t) {
+        // consecutive threads along a row: a row's U steps are 32·U contiguous bytes
+        const int i = threadIdx.x + t * kThreads;
+        const int h = i & 1, u = (i >> 1) % U, r = (i / (2 * U)) % 16, m = i / (32 * U);
+        const int row = row0 + m * 16 + r;
+        if (kb + u < k1)
+          cp_async16_zfill(&st.a[u][m][act_slot(r, h)], A + (size_t)(row < M ? row : 0) * K + (kb + u) * 16 + h * 8,
+                           row < M);
+      }
+    }
+    cp_async_commit();
+  };
 
   float acc[MB][8][4];
 #pragma unroll
@@ -413,86 +461,69 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
 
-  // This lane's A source row for each m-tile (row lane/2, 8 columns at (lane%2)·8).
-  const half* asrc[MB];
-  bool aok[MB];
-#pragma unroll
-  for (int m = 0; m < MB; ++m) {
-    const int r = row0 + m * 16 + (lane >> 1);
-    aok[m] = r < M;
-    asrc[m] = A + (size_t)(aok[m] ? r : 0) * K + (lane & 1) * 8;
-  }
-  const uint4* Bp = B + (size_t)nt * KT * 32 * CH + lane;
-  auto issue = [&](int b) {
-    const int stage = b % STAGES;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = k0 + b * U + u;
-      if (k < k1) {
-#pragma unroll
-        for (int c = 0; c < CH; ++c) cp_async16(&ring.b[stage][u][c][lane], Bp + ((size_t)k * CH + c) * 32);
-#pragma unroll
-        for (int m = 0; m < MB; ++m) cp_async16_zfill(&ring.a[stage][u][m][lane], asrc[m] + k * 16, aok[m]);
-      }
-    }
-    cp_async_commit();
-  };
-
-  const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
-#pragma unroll
-  for (int b = 0; b < STAGES - 1; ++b) issue(b);
-
   // Scales and zeros: the current group's in registers, the next one's
-  // loaded ahead.
-  GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
+  // loaded ahead — weights, so asked for before the PDL gate
+  // (weights_then_gate in common.cuh); everything else after it.
+  GroupStream<BITS> groups(S, Z, tile_ok ? nt : 0, NT, gid, KT, gshift);
   GroupRegs gr;
   if (k1 > k0) groups.start(gr, k0);
-  // ldmatrix row address within a 16×16 A tile: row lane%16, half lane/16.
-  const int lm_off = (lane & 15) * 2 + (lane >> 4);  // in 16-byte units
+  pdl_gate();
+#pragma unroll
+  for (int b = 0; b < STAGES - 1; ++b) issue(b);
+  const int lm = act_slot(lane & 15, lane >> 4);  // ldmatrix: this lane's row lane%16, half lane/16
 
   for (int b = 0; b < batches; ++b) {
-    issue(b + STAGES - 1);
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();  // ldmatrix reads other lanes' copies
-    const int stage = b % STAGES;
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // batch b landed (every thread's copies), and every warp is done with batch b − 1's stage
+    issue(b + STAGES - 1);  // into that stage
+    if (tile_ok) {
+      const Stage& st = stages[b % STAGES];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int k = k0 + b * U + u;
-      if (k < k1) {
-        groups.at(gr, k);
-        uint32_t af[MB][4];
+      for (int u = 0; u < U; ++u) {
+        const int k = k0 + b * U + u;
+        if (k < k1) {
+          groups.at(gr, k);
+          uint32_t af[MB][4];
 #pragma unroll
-        for (int m = 0; m < MB; ++m) ldmatrix_x4(af[m], &ring.a[stage][u][m][0].x + 4 * lm_off);
-        compute_step<MB, BITS>(acc, &ring.b[stage][u][0][lane], af, gr);
+          for (int m = 0; m < MB; ++m) ldmatrix_x4(af[m], &st.a[u][m][lm]);
+          compute_step<MB, BITS>(acc, &st.b[warp][u][0][lane], af, gr);
+        }
       }
     }
-    __syncwarp();  // all lanes done with this stage before it is refilled
   }
   cp_async_wait<0>();
-  __syncthreads();  // the ring is reused for the reduction below
 
-  // Reduce the warps' partial sums one m-tile at a time: each warp writes
-  // its 16×64 slice, then each thread sums its outputs over the slices.
-  float(*red)[16 * 64] = reinterpret_cast<float(*)[16 * 64]>(smem);
+  // A lane holds rows gid and gid + 8 of each m-tile, columns j·8 + 2·tig
+  // and + 1 of sub-tile j; gated, sub-tile j's gate pairs with j + 4's up
+  // in the same lane.
+  if (tile_ok) {
 #pragma unroll
-  for (int m = 0; m < MB; ++m) {
-    if (row0 + m * 16 >= M) break;  // uniform across the CTA
+    for (int m = 0; m < MB; ++m)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = j * 8 + 2 * tig;
-      *reinterpret_cast<float2*>(&red[warp][gid * 64 + col]) = make_float2(acc[m][j][0], acc[m][j][1]);
-      *reinterpret_cast<float2*>(&red[warp][(gid + 8) * 64 + col]) = make_float2(acc[m][j][2], acc[m][j][3]);
-    }
-    __syncthreads();
-    emit_tile(C, ws, row0 + m * 16, 16, M, N, nt, splits, [&](int r, int col) {
-      float v = 0.f;
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = row0 + m * 16 + gid + 8 * hr;
+        if (r >= M) continue;
+        if (C.act >= 0 && splits == 1) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) v += red[w][r * 64 + col];
-      return v;
-    });
-    __syncthreads();
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              store_gated(C, r, N, nt, j * 8 + 2 * tig + e, acc[m][j][2 * hr + e], acc[m][j + 4][2 * hr + e]);
+          continue;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int col = nt * 64 + j * 8 + 2 * tig;
+          if (splits == 1) {
+            *reinterpret_cast<half2*>(out_at(C, r, col)) = __floats2half2_rn(acc[m][j][2 * hr], acc[m][j][2 * hr + 1]);
+          } else {
+            atomicAdd(&ws[(size_t)r * N + col], acc[m][j][2 * hr]);
+            atomicAdd(&ws[(size_t)r * N + col + 1], acc[m][j][2 * hr + 1]);
+          }
+        }
+      }
   }
-  finish_splits(C, ws, &counters[blockIdx.z * NT + nt], row0, 16 * MB, M, N, nt, splits, s_last);
+  finish_splits(C, ws, &counters[blockIdx.x * NT + nt0], row0, 16 * MB, M, N, nt0, splits, s_last, min(kWarps, NT - nt0));
 }
 
 
@@ -1183,14 +1214,17 @@ struct Plan {
   int splits;
 };
 
-// The fused kernel's instantiations, by M: m-tiles of 16 rows (MB) and
-// 16-row steps per ring stage (U); STAGES 4 and MINB 1 for all. The GEMV
-// kernel's: tokens (MT) and steps a batch (U). plan and w4a16_gemm switch
-// on the index with these same template arguments.
+// The fused kernel's instantiations, by M: m-tiles of 16 rows (MB, a
+// row block) and 16-row steps a stage (U); kFusedStages stages and MINB 1
+// for all. M past 64 runs several row blocks of 64. The GEMV kernel's:
+// tokens (MT) and steps a batch (U). plan and w4a16_gemm switch on the
+// index with these same template arguments.
 struct Variant {
   int mb, u;
 };
-constexpr Variant kVariants[3] = {{1, 2}, {2, 2}, {4, 1}};
+constexpr Variant kVariants[] = {{1, 4}, {2, 4}, {4, 4}};
+constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+constexpr int kFusedStages = 4;
 struct GemvVariant {
   int mt, u, minb;
 };
@@ -1284,6 +1318,22 @@ int with_variant(llmq_ctx* c, const char* kernel, int v, int bits, F f) {
   return with_variant_in(std::make_integer_sequence<int, N>{}, v, bits, f);
 }
 
+// fused_variant does one thing with the fused kernel's instantiation V
+// for BITS-bit codes: query its resident CTAs (run false) or launch it.
+template <int V, int BITS>
+int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                  const Outs& C, void* workspace, int M, int N, int K, int gshift);
+
+// with_fused calls fused_variant<v, bits> for a variant index and a code
+// width known only at run time.
+int with_fused(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
+               const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  return with_variant<kFusedVariants>(c, "fused", v, bits, [&](auto vi, auto bi) {
+    return fused_variant<decltype(vi)::value, decltype(bi)::value>(c, run, splits, A, B, S, Z, C, workspace, M, N, K,
+                                                                    gshift);
+  });
+}
+
 // with_gemv calls gemv_variant<v, bits> for a variant index and a code
 // width known only at run time.
 int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
@@ -1346,17 +1396,7 @@ int query_resident(llmq_ctx* c, int path, int variant, int bits) {
     return with_mma(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
   if (path == 3)
     return with_gemv(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
-  const int slot = resident_slot(1, variant, bits);
-  if (bits == 8) switch (variant) {
-      case 0: return resident_of(c, slot, w4a16_fused<1, 2, 4, 1, 8>, fused_smem_bytes<1, 2, 4, 2>());
-      case 1: return resident_of(c, slot, w4a16_fused<2, 2, 4, 1, 8>, fused_smem_bytes<2, 2, 4, 2>());
-      default: return resident_of(c, slot, w4a16_fused<4, 1, 4, 1, 8>, fused_smem_bytes<4, 1, 4, 2>());
-    }
-  switch (variant) {
-    case 0: return resident_of(c, slot, w4a16_fused<1, 2, 4, 1>, fused_smem_bytes<1, 2, 4>());
-    case 1: return resident_of(c, slot, w4a16_fused<2, 2, 4, 1>, fused_smem_bytes<2, 2, 4>());
-    default: return resident_of(c, slot, w4a16_fused<4, 1, 4, 1>, fused_smem_bytes<4, 1, 4>());
-  }
+  return with_fused(variant, bits, c, false, 0, nullptr, nullptr, nullptr, nullptr, Outs{}, nullptr, 0, 0, 0, 0);
 }
 
 // plan picks the path and, for the kernels, the instantiation and its K
@@ -1461,12 +1501,15 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     p.splits = forced_splits(c, splits, KT);
     return 0;
   }
+  // The fused kernel: a CTA per row block and kWarps n-tiles, K split
+  // until a wave fills the resident slots, each split keeping at least
+  // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
   const Variant v = kVariants[p.variant];
   if (query_resident(c, 1, p.variant, bits)) return 1;
-  const int mblocks = (M + 16 * v.mb - 1) / (16 * v.mb);
-  int splits = max(1, (c->sms * max(c->resident[resident_slot(1, p.variant, bits)], 1)) / (NT * mblocks));
-  splits = min(splits, max(1, KT / (4 * kWarps * v.u)));
+  const int ctas = ((M + 16 * v.mb - 1) / (16 * v.mb)) * ((NT + kWarps - 1) / kWarps);
+  int splits = max(1, (c->sms * max(c->resident[resident_slot(1, p.variant, bits)], 1)) / ctas);
+  splits = min(splits, max(1, KT / (2 * kFusedStages * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   p.splits = forced_splits(c, splits, KT);
   return 0;
@@ -1482,17 +1525,17 @@ int group_shift(int group, int K) {
   return gshift;
 }
 
-// launch_fused runs one instantiation of the fused kernel as planned.
-template <int MB, int U, int STAGES, int MINB, int BITS = 4>
-int launch_fused(llmq_ctx* c, const Plan& p, const half* A, const void* B, const void* S, const void* Z, const Outs& C,
-                 void* workspace, int M, int N, int K, int group) {
-  constexpr size_t smem = fused_smem_bytes<MB, U, STAGES, BITS / 4>();
-  const int NT = N / 64, mblocks = (M + 16 * MB - 1) / (16 * MB);
+template <int V, int BITS>
+int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
+                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
+  constexpr Variant v = kVariants[V];
+  constexpr size_t smem = fused_smem_bytes<v.mb, v.u, kFusedStages, BITS / 4>();
+  const auto kernel = w4a16_fused<v.mb, v.u, kFusedStages, 1, BITS>;
+  if (!run) return resident_of(c, resident_slot(1, V, BITS), kernel, smem);
   float* ws = (float*)workspace;
-  int* counters = (int*)(ws + (size_t)M * N);
-  CK(launch(c, (w4a16_fused<MB, U, STAGES, MINB, BITS>), dim3(NT, p.splits, mblocks), kWarps * 32, smem, 
-      A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws, counters, M, N, K, group_shift(group, K),
-      p.splits));
+  const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + kWarps - 1) / kWarps, splits);
+  CK(launch(c, (kernel), grid, kWarps * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws,
+            (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
 
@@ -1655,14 +1698,8 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (p.path == 5)
     return with_swap(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
                      group_shift(group, K));
-  if (bits == 8) {
-    if (p.variant == 0) return launch_fused<1, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-    if (p.variant == 1) return launch_fused<2, 2, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-    return launch_fused<4, 1, 4, 1, 8>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-  }
-  if (p.variant == 0) return launch_fused<1, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-  if (p.variant == 1) return launch_fused<2, 2, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
-  return launch_fused<4, 1, 4, 1>(c, p, a, B, scales, zeros, C, workspace, M, N, K, group);
+  return with_fused(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                    group_shift(group, K));
 }
 
 // moe_splits: the grouped GEMV's K splits — enough CTAs for about four an
@@ -1770,7 +1807,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
              kGemv[p.variant].minb, p.splits);
   else
-    snprintf(out, n, "fused v5%s mb%d splits%d", bits == 8 ? " w8" : "", kVariants[p.variant].mb, p.splits);
+    snprintf(out, n, "fused v18%s mb%d u%d splits%d", bits == 8 ? " w8" : "", kVariants[p.variant].mb,
+             kVariants[p.variant].u, p.splits);
   return 0;
 }
 
