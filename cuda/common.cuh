@@ -31,6 +31,7 @@ struct llmq_ctx {
   int mma_max_m = 64;   // v11 (the GEMV on the Tensor Cores) serves M ≤ this, after the GEMV
   int swap_forced_variant = -1;  // v15's instantiation, forced (LLMQ_W4_SWAP_VARIANT; sweeps)
   int mma_forced_variant = -1;   // v11's instantiation, forced (LLMQ_W4_MMA_VARIANT; sweeps)
+  int fused_forced_variant = -1; // the fused kernel's instantiation, forced (LLMQ_W4_FUSED_VARIANT; sweeps)
   // v15 (v11 with the operands swapped) serves 4-bit M = 2–8 ahead of the
   // GEMV and v11, M = 1 on layers of 2^26 weights or more, and M = 9 …
   // this on layers that need no K split (LLMQ_W4_SWAP_MAX_M; 8 keeps it to

@@ -368,22 +368,43 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  // Outputs a row of the tile: 2^lg (32 gated, 64 plain), so that row
-  // and column are a shift and a mask (a division by a run-time count
-  // would cost each element of this tail a long instruction sequence).
-  const int lg = o.act >= 0 ? 5 : 6;
+  // Four columns a thread, rows·2^lg of them a tile (lg 3 gated: the
+  // gate's 32 columns; 4 plain), kDrain fours loaded before any is stored:
+  // the loads are independent, so a thread waits out L2's latency once a
+  // round, not once an element (the fused kernel's CTA drains four tiles of
+  // 64 rows, 32 fours a thread).
+  constexpr int kDrain = 8, kStride = kWarps * 32;
+  const bool gated = o.act >= 0;
+  const int lg = gated ? 3 : 4, per_tile = rows << lg;
   for (int t = nt; t < nt + ntiles; ++t)
-    for (int i = threadIdx.x; i < rows << lg; i += kWarps * 32) {
-      const int r = row0 + (i >> lg), c = i & ((1 << lg) - 1);
-      if (r < M) {
-        const size_t idx = (size_t)r * N + t * 64 + c;
-        if (o.act >= 0) {
-          store_gated(o, r, N, t, c, __ldcg(&ws[idx]), __ldcg(&ws[idx + 32]));
-          ws[idx + 32] = 0.f;
-        } else {
-          *out_at(o, r, t * 64 + c) = __float2half_rn(__ldcg(&ws[idx]));
+    for (int base = threadIdx.x; base < per_tile; base += kDrain * kStride) {
+      float4 g[kDrain], u[kDrain];
+#pragma unroll
+      for (int d = 0; d < kDrain; ++d) {
+        const int i = base + d * kStride, r = row0 + (i >> lg);
+        if (i < per_tile && r < M) {
+          const float* p = &ws[(size_t)r * N + t * 64 + (i & ((1 << lg) - 1)) * 4];
+          g[d] = __ldcg(reinterpret_cast<const float4*>(p));
+          if (gated) u[d] = __ldcg(reinterpret_cast<const float4*>(p + 32));
         }
-        ws[idx] = 0.f;
+      }
+#pragma unroll
+      for (int d = 0; d < kDrain; ++d) {
+        const int i = base + d * kStride, r = row0 + (i >> lg), c = (i & ((1 << lg) - 1)) * 4;
+        if (i >= per_tile || r >= M) continue;
+        float* p = &ws[(size_t)r * N + t * 64 + c];
+        half2 h[2];
+        if (gated) {
+          h[0] = __halves2half2(gated_pair(g[d].x, u[d].x, o.act), gated_pair(g[d].y, u[d].y, o.act));
+          h[1] = __halves2half2(gated_pair(g[d].z, u[d].z, o.act), gated_pair(g[d].w, u[d].w, o.act));
+          *reinterpret_cast<uint2*>(&o.c[0][(size_t)r * (N / 2) + t * 32 + c]) = *reinterpret_cast<uint2*>(h);
+          *reinterpret_cast<float4*>(p + 32) = make_float4(0.f, 0.f, 0.f, 0.f);
+        } else {
+          h[0] = __floats2half2_rn(g[d].x, g[d].y);
+          h[1] = __floats2half2_rn(g[d].z, g[d].w);
+          *reinterpret_cast<uint2*>(out_at(o, r, t * 64 + c)) = *reinterpret_cast<uint2*>(h);
+        }
+        *reinterpret_cast<float4*>(p) = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
   if (threadIdx.x == 0) *counter = 0;
@@ -517,8 +538,13 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
           if (splits == 1) {
             *reinterpret_cast<half2*>(out_at(C, r, col)) = __floats2half2_rn(acc[m][j][2 * hr], acc[m][j][2 * hr + 1]);
           } else {
-            atomicAdd(&ws[(size_t)r * N + col], acc[m][j][2 * hr]);
-            atomicAdd(&ws[(size_t)r * N + col + 1], acc[m][j][2 * hr + 1]);
+            float* p = &ws[(size_t)r * N + col];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            atomicAdd(reinterpret_cast<float2*>(p), make_float2(acc[m][j][2 * hr], acc[m][j][2 * hr + 1]));
+#else
+            atomicAdd(p, acc[m][j][2 * hr]);
+            atomicAdd(p + 1, acc[m][j][2 * hr + 1]);
+#endif
           }
         }
       }
@@ -1222,7 +1248,8 @@ struct Plan {
 struct Variant {
   int mb, u;
 };
-constexpr Variant kVariants[] = {{1, 4}, {2, 4}, {4, 4}};
+// Variants 3 and 4 (two steps a stage) are for sweeps (LLMQ_W4_FUSED_VARIANT).
+constexpr Variant kVariants[] = {{1, 4}, {2, 4}, {4, 4}, {4, 2}, {2, 2}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 constexpr int kFusedStages = 4;
 struct GemvVariant {
@@ -1282,10 +1309,11 @@ constexpr size_t kSwapMinWeights = size_t(1) << 26;
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the
 // GEMV's, then v11's, then v15's, each 4-bit then 8-bit.
 constexpr int resident_slot(int path, int variant, int bits) {
-  return path == 1   ? 3 * (bits == 8) + variant
-         : path == 3 ? 6 + kGemvVariants * (bits == 8) + variant
-         : path == 4 ? 6 + 2 * kGemvVariants + kMmaVariants * (bits == 8) + variant
-                     : 6 + 2 * kGemvVariants + 2 * kMmaVariants + kSwapVariants * (bits == 8) + variant;
+  constexpr int F = 2 * kFusedVariants;
+  return path == 1   ? kFusedVariants * (bits == 8) + variant
+         : path == 3 ? F + kGemvVariants * (bits == 8) + variant
+         : path == 4 ? F + 2 * kGemvVariants + kMmaVariants * (bits == 8) + variant
+                     : F + 2 * kGemvVariants + 2 * kMmaVariants + kSwapVariants * (bits == 8) + variant;
 }
 static_assert(resident_slot(5, kSwapVariants - 1, 8) < (int)(sizeof(llmq_ctx::resident) / sizeof(int)),
               "a resident slot per variant");
@@ -1505,6 +1533,14 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // until a wave fills the resident slots, each split keeping at least
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
+  if (c->fused_forced_variant >= 0) {  // LLMQ_W4_FUSED_VARIANT: any M fits (row blocks)
+    if (c->fused_forced_variant >= kFusedVariants) {
+      llmq::set_error(c, "LLMQ_W4_FUSED_VARIANT=%d: the fused kernel has variants 0–%d", c->fused_forced_variant,
+                      kFusedVariants - 1);
+      return 1;
+    }
+    p.variant = c->fused_forced_variant;
+  }
   const Variant v = kVariants[p.variant];
   if (query_resident(c, 1, p.variant, bits)) return 1;
   const int ctas = ((M + 16 * v.mb - 1) / (16 * v.mb)) * ((NT + kWarps - 1) / kWarps);
