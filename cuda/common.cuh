@@ -37,7 +37,7 @@ struct llmq_ctx {
   // this on layers that need no K split (LLMQ_W4_SWAP_MAX_M; 8 keeps it to
   // M ≤ 8, 0 turns it off).
   int swap_max_m = 32;
-  int fused_max_m = 64;
+  int fused_max_m = 128;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
   int resident[64] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   // The dynamic shared memory each kernel is allowed (allow_smem).

@@ -330,6 +330,9 @@ func TestW4A16MatchesReference(t *testing.T) {
 		{M: 7, K: 4096, N: 448, group: 128, act: true, path: PathFused, split: []int{256, 64, 128}},
 		{M: 40, K: 256, N: 192, group: 64, path: PathFused, split: []int{64, 128}},
 		{M: 100, K: 512, N: 448, group: 128, path: PathCuBLAS, split: []int{256, 64, 128}},
+		// The automatic plan on a layer of 2^25 weights at M = 33–128: the
+		// fused kernel (v18) over two row blocks, into three outputs.
+		{M: 100, K: 8192, N: 4096, group: 128, path: PathAuto, split: []int{1024, 1024, 2048}},
 	} {
 		runCase(t, l, r, c)
 	}
@@ -360,8 +363,9 @@ func checkPlans(t *testing.T, l *Context, w *W4, want map[int]string) {
 // TestGEMVRefusesLargeM: the forced GEMV kernels say which M they run,
 // and the automatic plan gives 4-bit M = 1 to the CUDA-core GEMV (v15 on
 // layers of 2^26 weights or more), M = 2–8 to v15, M = 9–64 to v11 (v15
-// to M = 32 on layers that need no K split) (where each is faster,
-// NOTES.md v11 and v15) and larger M to dequantize + cuBLAS.
+// to M = 32 on layers that need no K split), M = 33–128 to the fused
+// kernel (v18) on layers of 2^25 weights or more (where each is faster,
+// NOTES.md v11, v15 and v18) and larger M to dequantize + cuBLAS.
 func TestGEMVRefusesLargeM(t *testing.T) {
 	l := openContext(t)
 	r := rand.New(rand.NewPCG(5, 5))
@@ -375,9 +379,12 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	// (8B gate+up's 448 n-tiles), v11 the others (8B down's 64).
 	checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128}, map[int]string{1: "gemv-swap v15 mt8",
 		9: "gemv-swap v15 mt16", 16: "gemv-swap v15 mt16 u4 b1 splits1", 32: "gemv-swap v15 mt32 u2 scaled b1 splits1",
-		33: "gemv-mma v11 mt64 u1 pf8"})
+		33: "fused v18 mb4 u2", 128: "fused v18 mb4 u2", 129: "dequant+cublas"})
+	// v18 takes M = 33–128 on layers of 2^25 weights and more (8B down),
+	// not on smaller ones (8B q/k/v).
 	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1", 16: "gemv-mma v11 mt16",
-		32: "gemv-mma v11 mt32"})
+		32: "gemv-mma v11 mt32", 64: "fused v18 mb4 u2", 100: "fused v18 mb4 u2", 129: "dequant+cublas"})
+	checkPlans(t, l, &W4{K: 4096, N: 6144, Group: 128}, map[int]string{33: "gemv-mma v11 mt64", 65: "dequant+cublas"})
 	defer l.SetPath(PathAuto)
 	for _, c := range []struct {
 		path, M int

@@ -1248,8 +1248,10 @@ struct Plan {
 struct Variant {
   int mb, u;
 };
-// Variants 3 and 4 (two steps a stage) are for sweeps (LLMQ_W4_FUSED_VARIANT).
-constexpr Variant kVariants[] = {{1, 4}, {2, 4}, {4, 4}, {4, 2}, {2, 2}};
+// At 64 rows two steps a stage beat four on the three large layers
+// (gemm-h100-sweep-v18b.txt, variant 3 then); variants 3 and 4 are for
+// sweeps (LLMQ_W4_FUSED_VARIANT).
+constexpr Variant kVariants[] = {{1, 4}, {2, 4}, {4, 2}, {4, 4}, {2, 2}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 constexpr int kFusedStages = 4;
 struct GemvVariant {
@@ -1305,6 +1307,15 @@ constexpr int kSwapMaxM = 32;
 // thirteenth's same-run A/B on an H100 did not (gemm-h100-ab-kswap0.txt,
 // decode-ab-h100-kswap0.txt). An H200 A/B decides (cuda/NOTES.md).
 constexpr size_t kSwapMinWeights = size_t(1) << 26;
+// The plan takes the fused kernel (v18) at M = kFusedMinM + 1 to
+// fused_max_m on layers of this many weights or more: in one H100 run
+// (gemm-h100-sweep-v18b.txt against gemm-h100-paths-v18b.txt) it beat v11
+// at M = 64 and dequantize + cuBLAS at M = 128 on 8B gate+up (2^26.8
+// weights), down (2^25.8) and 70B down (2^27.8), and lost on o (2^24) or
+// drew on q/k/v (2^24.6); at M = 32 v11 and v15 were level or ahead, and
+// at M = 256 dequantize + cuBLAS won on every shape.
+constexpr size_t kFusedMinWeights = size_t(1) << 25;
+constexpr int kFusedMinM = 32;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's three variants, then the
 // GEMV's, then v11's, then v15's, each 4-bit then 8-bit.
@@ -1459,9 +1470,9 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // M = 2–8, at M = 1 on large layers, and at M = 9–swap_max_m (32) on
   // layers wide enough that a wave of its CTAs needs no K split (8B
   // gate+up); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
-  // from there to mma_max_m (64), then the fused kernel up to fused_max_m
-  // (4-bit codes; also 64, so only when tuned or forced) or dequantize +
-  // cuBLAS.
+  // from there to mma_max_m (64), except that the fused kernel (v18) takes
+  // M = 33–fused_max_m (128) on layers of kFusedMinWeights or more (4-bit
+  // codes); then dequantize + cuBLAS (the fused kernel without a scratch).
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
   bool swap_wide = false;  // M = 9–32 on a wide layer (swap_wide_layer)
@@ -1472,12 +1483,14 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     p.path = 5;
   else if (M <= gemv_max && pow2)
     p.path = 3;
+  else if (bits == 4 && pow2 && M > kFusedMinM && M <= c->fused_max_m && (size_t)N * K >= kFusedMinWeights)
+    p.path = 1;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
     p.path = 4;
   else if (bits == 8)
     p.path = 2;
   else
-    p.path = (M <= c->fused_max_m && pow2) || !have_scratch ? 1 : 2;
+    p.path = have_scratch ? 2 : 1;
   if (p.path == 2) return 0;
   if (!pow2) {
     llmq::set_error(c,
