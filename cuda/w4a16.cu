@@ -1241,19 +1241,21 @@ struct Plan {
 };
 
 // The fused kernel's instantiations, by M: m-tiles of 16 rows (MB, a
-// row block) and 16-row steps a stage (U); kFusedStages stages and MINB 1
-// for all. M past 64 runs several row blocks of 64. The GEMV kernel's:
-// tokens (MT) and steps a batch (U). plan and w4a16_gemm switch on the
-// index with these same template arguments.
+// row block), 16-row steps a stage (U) and stages (STAGES); MINB 1 for all.
+// M past 64 runs several row blocks of 64. The GEMV kernel's: tokens (MT)
+// and steps a batch (U). plan and w4a16_gemm switch on the index with
+// these same template arguments.
 struct Variant {
-  int mb, u;
+  int mb, u, stages;
 };
 // At 64 rows two steps a stage beat four on the three large layers
-// (gemm-h100-sweep-v18b.txt, variant 3 then); variants 3 and 4 are for
-// sweeps (LLMQ_W4_FUSED_VARIANT).
-constexpr Variant kVariants[] = {{1, 4}, {2, 4}, {4, 2}, {4, 4}, {2, 2}};
+// (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
+// (LLMQ_W4_FUSED_VARIANT); 5–7 hold more stages in flight (cuda/NOTES.md,
+// "The fifteenth session": at 64 rows a batch waited about 3.6 µs for its
+// bytes with three stages ahead).
+constexpr Variant kVariants[] = {{1, 4, 4}, {2, 4, 4}, {4, 2, 4}, {4, 4, 4}, {2, 2, 4},
+                                 {4, 2, 8}, {4, 4, 6}, {2, 4, 8}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
-constexpr int kFusedStages = 4;
 struct GemvVariant {
   int mt, u, minb;
 };
@@ -1558,7 +1560,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   if (query_resident(c, 1, p.variant, bits)) return 1;
   const int ctas = ((M + 16 * v.mb - 1) / (16 * v.mb)) * ((NT + kWarps - 1) / kWarps);
   int splits = max(1, (c->sms * max(c->resident[resident_slot(1, p.variant, bits)], 1)) / ctas);
-  splits = min(splits, max(1, KT / (2 * kFusedStages * v.u)));
+  splits = min(splits, max(1, KT / (2 * v.stages * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
   p.splits = forced_splits(c, splits, KT);
   return 0;
@@ -1578,8 +1580,8 @@ template <int V, int BITS>
 int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                   const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr Variant v = kVariants[V];
-  constexpr size_t smem = fused_smem_bytes<v.mb, v.u, kFusedStages, BITS / 4>();
-  const auto kernel = w4a16_fused<v.mb, v.u, kFusedStages, 1, BITS>;
+  constexpr size_t smem = fused_smem_bytes<v.mb, v.u, v.stages, BITS / 4>();
+  const auto kernel = w4a16_fused<v.mb, v.u, v.stages, 1, BITS>;
   if (!run) return resident_of(c, resident_slot(1, V, BITS), kernel, smem);
   float* ws = (float*)workspace;
   const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + kWarps - 1) / kWarps, splits);
@@ -1856,8 +1858,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
              kGemv[p.variant].minb, p.splits);
   else
-    snprintf(out, n, "fused v18%s mb%d u%d splits%d", bits == 8 ? " w8" : "", kVariants[p.variant].mb,
-             kVariants[p.variant].u, p.splits);
+    snprintf(out, n, "fused v18%s mb%d u%d s%d splits%d", bits == 8 ? " w8" : "", kVariants[p.variant].mb,
+             kVariants[p.variant].u, kVariants[p.variant].stages, p.splits);
   return 0;
 }
 
