@@ -87,20 +87,20 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint3
 constexpr int kWarps = 4;  // warps per CTA, splitting the CTA's K slice
 
 // The fused kernel's shared-memory stage (STAGES of them, dynamic): the
-// codes of the CTA's kWarps n-tiles for U 16-row steps — a tile's steps
-// lie one after another in B, 512·CH bytes each, so a stage copies
-// kWarps contiguous runs — and the activations of those steps, 16·MB
-// rows, as U·MB tiles of 16×16 in 16-byte slots: row r's half h (8
-// columns) in slot act_slot(r, h).
-template <int MB, int U, int CH = 1>
+// codes of the CTA's NW n-tiles for U 16-row steps — a tile's steps lie
+// one after another in B, 512·CH bytes each, so a stage copies NW
+// contiguous runs — and the activations of those steps, 16·MB rows, as
+// U·MB tiles of 16×16 in 16-byte slots: row r's half h (8 columns) in
+// slot act_slot(r, h).
+template <int MB, int U, int CH, int NW>
 struct TileStage {
-  uint4 b[kWarps][U][CH][32];
+  uint4 b[NW][U][CH][32];
   uint4 a[U][MB][32];
 };
 
-template <int MB, int U, int STAGES, int CH = 1>
+template <int MB, int U, int STAGES, int CH, int NW>
 constexpr size_t fused_smem_bytes() {
-  return STAGES * sizeof(TileStage<MB, U, CH>);
+  return STAGES * sizeof(TileStage<MB, U, CH, NW>);
 }
 
 // act_slot: row r, half h of a 16×16 activation tile. ldmatrix reads
@@ -357,8 +357,9 @@ __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, in
 // *counter) converts rows row0 … row0+rows−1 of the tile from the
 // workspace to fp16 (in the gated mode, pairs into act(gate)·up) and
 // re-zeroes the workspace and the counter. ntiles: the CTA's sums cover
-// n-tiles nt … nt+ntiles−1 (the fused kernel's kWarps, fewer at N's
-// edge), all under the one counter.
+// n-tiles nt … nt+ntiles−1 (the fused kernel's NW, fewer at N's edge),
+// all under the one counter. THREADS: the CTA's.
+template <int THREADS = kWarps * 32>
 __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
                                               int nt, int splits, int& s_last, int ntiles = 1) {
   if (splits == 1) return;
@@ -373,7 +374,7 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
   // the loads are independent, so a thread waits out L2's latency once a
   // round, not once an element (the fused kernel's CTA drains four tiles of
   // 64 rows, 32 fours a thread).
-  constexpr int kDrain = 8, kStride = kWarps * 32;
+  constexpr int kDrain = 8, kStride = THREADS;
   const bool gated = o.act >= 0;
   const int lg = gated ? 3 : 4, per_tile = rows << lg;
   for (int t = nt; t < nt + ntiles; ++t)
@@ -410,11 +411,11 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
   if (threadIdx.x == 0) *counter = 0;
 }
 
-// w4a16_fused (v18): a CTA of kWarps warps owns kWarps adjacent n-tiles
-// (warp w: tile kWarps·blockIdx.y + w) for the 16·MB rows of row block
+// w4a16_fused (v18): a CTA of NW warps owns NW adjacent n-tiles (warp w:
+// tile NW·blockIdx.y + w) for the 16·MB rows of row block
 // blockIdx.x, over one K slice (blockIdx.z of `splits`). All its threads
 // stream the slice through STAGES shared-memory stages of U steps with
-// cp.async, so the activations are read once for the CTA's four tiles and
+// cp.async, so the activations are read once for the CTA's NW tiles and
 // the bytes in flight are the ring's, not the registers'. Each warp takes
 // its tile's codes as B fragments from the stage (a lane's 16 bytes, as
 // the GEMV kernels load them), dequantizes them in registers and runs
@@ -424,20 +425,20 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
 // from L2. MINB asks the compiler to fit MINB CTAs per SM. gshift: a group
 // spans 2^gshift steps (−1: a single group). BITS: the codes' width, 4 or 8
 // (two chunks a lane a step).
-template <int MB, int U, int STAGES, int MINB, int BITS = 4>
-__global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
+template <int MB, int U, int STAGES, int MINB, int BITS, int NW>
+__global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restrict__ A, const uint4* __restrict__ B,
                                                            const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                            const Outs C, float* __restrict__ ws,
                                                            int* __restrict__ counters, int M, int N, int K, int gshift,
                                                            int splits) {
-  constexpr int CH = BITS / 4, kThreads = kWarps * 32;
-  using Stage = TileStage<MB, U, CH>;
-  constexpr int kCodes = kWarps * U * CH * 32, kActs = U * MB * 32;  // 16-byte copies a stage
+  constexpr int CH = BITS / 4, kThreads = NW * 32;
+  using Stage = TileStage<MB, U, CH, NW>;
+  constexpr int kCodes = NW * U * CH * 32, kActs = U * MB * 32;  // 16-byte copies a stage
   static_assert(kCodes % kThreads == 0 && kActs % kThreads == 0, "a stage's copies split evenly over the threads");
   extern __shared__ __align__(16) unsigned char smem[];
   Stage* stages = reinterpret_cast<Stage*>(smem);
   __shared__ int s_last;
-  const int row0 = blockIdx.x * 16 * MB, nt0 = blockIdx.y * kWarps;
+  const int row0 = blockIdx.x * 16 * MB, nt0 = blockIdx.y * NW;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
   const int KT = K >> 4, NT = N >> 6, nt = nt0 + warp;
   const bool tile_ok = nt < NT;  // the CTA at N's edge has fewer tiles than warps
@@ -549,7 +550,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_fused(const half* __r
         }
       }
   }
-  finish_splits(C, ws, &counters[blockIdx.x * NT + nt0], row0, 16 * MB, M, N, nt0, splits, s_last, min(kWarps, NT - nt0));
+  finish_splits<kThreads>(C, ws, &counters[blockIdx.x * NT + nt0], row0, 16 * MB, M, N, nt0, splits, s_last,
+                          min(NW, NT - nt0));
 }
 
 
@@ -1246,15 +1248,16 @@ struct Plan {
 // and steps a batch (U). plan and w4a16_gemm switch on the index with
 // these same template arguments.
 struct Variant {
-  int mb, u, stages;
+  int mb, u, stages, nw;  // nw: warps a CTA, each its n-tile
 };
 // At 64 rows two steps a stage beat four on the three large layers
 // (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
 // (LLMQ_W4_FUSED_VARIANT); 5–7 hold more stages in flight (cuda/NOTES.md,
 // "The fifteenth session": at 64 rows a batch waited about 3.6 µs for its
-// bytes with three stages ahead).
-constexpr Variant kVariants[] = {{1, 4, 4}, {2, 4, 4}, {4, 2, 4}, {4, 4, 4}, {2, 2, 4},
-                                 {4, 2, 8}, {4, 4, 6}, {2, 4, 8}};
+// bytes with three stages ahead); 8 and 9 are CTAs of eight warps over
+// eight n-tiles, which read the activations half as often a byte of codes.
+constexpr Variant kVariants[] = {{1, 4, 4, 4}, {2, 4, 4, 4}, {4, 2, 4, 4}, {4, 4, 4, 4}, {2, 2, 4, 4},
+                                 {4, 2, 8, 4}, {4, 4, 6, 4}, {2, 4, 8, 4}, {4, 2, 8, 8}, {4, 4, 4, 8}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 struct GemvVariant {
   int mt, u, minb;
@@ -1420,11 +1423,11 @@ int with_swap(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A,
 // resident_of queries (once per context, in c->resident[slot]) how many
 // CTAs of a kernel instantiation fit on an SM.
 template <typename Kernel>
-int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem) {
+int resident_of(llmq_ctx* c, int slot, Kernel kernel, size_t smem, int threads = kWarps * 32) {
   int& resident = c->resident[slot];
   if (!resident) {
     if (allow_smem(c, kernel, smem)) return 1;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kWarps * 32, smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, smem));
   }
   return 0;
 }
@@ -1558,7 +1561,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   }
   const Variant v = kVariants[p.variant];
   if (query_resident(c, 1, p.variant, bits)) return 1;
-  const int ctas = ((M + 16 * v.mb - 1) / (16 * v.mb)) * ((NT + kWarps - 1) / kWarps);
+  const int ctas = ((M + 16 * v.mb - 1) / (16 * v.mb)) * ((NT + v.nw - 1) / v.nw);
   int splits = max(1, (c->sms * max(c->resident[resident_slot(1, p.variant, bits)], 1)) / ctas);
   splits = min(splits, max(1, KT / (2 * v.stages * v.u)));
   if (M > 16) splits = min(splits, max(1, 64 / ((M + 15) / 16)));
@@ -1580,12 +1583,12 @@ template <int V, int BITS>
 int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                   const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr Variant v = kVariants[V];
-  constexpr size_t smem = fused_smem_bytes<v.mb, v.u, v.stages, BITS / 4>();
-  const auto kernel = w4a16_fused<v.mb, v.u, v.stages, 1, BITS>;
-  if (!run) return resident_of(c, resident_slot(1, V, BITS), kernel, smem);
+  constexpr size_t smem = fused_smem_bytes<v.mb, v.u, v.stages, BITS / 4, v.nw>();
+  const auto kernel = w4a16_fused<v.mb, v.u, v.stages, 1, BITS, v.nw>;
+  if (!run) return resident_of(c, resident_slot(1, V, BITS), kernel, smem, v.nw * 32);
   float* ws = (float*)workspace;
-  const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + kWarps - 1) / kWarps, splits);
-  CK(launch(c, (kernel), grid, kWarps * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws,
+  const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + v.nw - 1) / v.nw, splits);
+  CK(launch(c, (kernel), grid, v.nw * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws,
             (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
@@ -1857,9 +1860,12 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
   else if (p.path == 3)
     snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
              kGemv[p.variant].minb, p.splits);
-  else
-    snprintf(out, n, "fused v18%s mb%d u%d s%d splits%d", bits == 8 ? " w8" : "", kVariants[p.variant].mb,
-             kVariants[p.variant].u, kVariants[p.variant].stages, p.splits);
+  else {
+    const Variant v = kVariants[p.variant];
+    char nw[16] = "";  // warps a CTA where not kWarps
+    if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
+    snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw, p.splits);
+  }
   return 0;
 }
 
