@@ -123,7 +123,8 @@ int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
 // weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _swap)
 // ask for their first batch of codes (with PF > 0, L2 for a later one),
 // and their first two groups' scales and zeros (GroupStream::start),
-// before pdl_gate(), and for everything else after it. Weights are
+// before pdl_gate(), and for everything else after it (the fused
+// kernel, w4a16_fused, its first groups' scales and zeros only). Weights are
 // written only at load, never by a kernel of a step, so reading them early
 // orders nothing; under PDL a GEMV's CTAs, once resident beside the
 // previous kernel's tail (a norm's few blocks, attention's combine,

@@ -3,6 +3,7 @@
 package cuda
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -385,6 +386,9 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1", 16: "gemv-mma v11 mt16",
 		32: "gemv-mma v11 mt32", 64: "fused v18 mb4 u2", 100: "fused v18 mb4 u2", 129: "dequant+cublas"})
 	checkPlans(t, l, &W4{K: 4096, N: 6144, Group: 128}, map[int]string{33: "gemv-mma v11 mt64", 65: "dequant+cublas"})
+	// 2^25 weights exactly take v18; 64 columns fewer do not.
+	checkPlans(t, l, &W4{K: 8192, N: 4096, Group: 128}, map[int]string{100: "fused v18 mb4 u2"})
+	checkPlans(t, l, &W4{K: 8192, N: 4032, Group: 128}, map[int]string{64: "gemv-mma v11 mt64", 100: "dequant+cublas"})
 	defer l.SetPath(PathAuto)
 	for _, c := range []struct {
 		path, M int
@@ -566,6 +570,47 @@ func TestSmallForSanitizer(t *testing.T) {
 	runGated(t, l, r, 4, 2048, 3, []int{PathMMA})
 	runGated(t, l, r, 8, 2048, 1, []int{PathGEMV})
 	runGated(t, l, r, 4, 256, 70, []int{PathFused, PathCuBLAS})
+}
+
+// fusedVariants is the fused kernel's instantiations (kFusedVariants in
+// w4a16.cu): TestFusedVariantsMatchReference runs each and checks the
+// next is refused, so the two counts cannot drift apart.
+const fusedVariants = 10
+
+// TestFusedVariantsMatchReference runs each of the fused kernel's (v18)
+// instantiations, forced with LLMQ_W4_FUSED_VARIANT, on its edges: 3, 6
+// and 7 n-tiles (CTAs with fewer tiles than warps), a partial row block
+// and several, a K of 65 steps (no whole number of stages), group 16,
+// per-channel, act-order, split K into three outputs, gated and 8-bit.
+func TestFusedVariantsMatchReference(t *testing.T) {
+	settings := make([]string, fusedVariants)
+	for v := range settings {
+		settings[v] = fmt.Sprintf("LLMQ_W4_FUSED_VARIANT=%d", v)
+	}
+	inSettings(t, settings, func(t *testing.T, l *Context, setting string) {
+		r := rand.New(rand.NewPCG(11, 11))
+		for _, c := range []gemmCase{
+			{M: 40, K: 1040, N: 192, group: 16, path: PathFused},
+			{M: 100, K: 2048, N: 448, group: 128, path: PathFused, split: []int{256, 64, 128}},
+			{M: 17, K: 4096, N: 64, group: -1, sym: true, act: true, path: PathFused},
+			{M: 70, K: 1024, N: 192, group: 64, bits: 8, path: PathFused},
+		} {
+			runCase(t, l, r, c)
+		}
+		runGated(t, l, r, 4, 2048, 130, []int{PathFused})
+		runGated(t, l, r, 8, 256, 33, []int{PathFused})
+	})
+	inSettings(t, []string{fmt.Sprintf("LLMQ_W4_FUSED_VARIANT=%d", fusedVariants)}, func(t *testing.T, l *Context, _ string) {
+		if err := l.SetPath(PathFused); err != nil {
+			t.Fatal(err)
+		}
+		r := rand.New(rand.NewPCG(12, 12))
+		_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
+		defer w.Free(l)
+		if v, err := l.Plan(w, 40); err == nil || !strings.Contains(err.Error(), "LLMQ_W4_FUSED_VARIANT") {
+			t.Errorf("variant %d of %d: plan %q, error %v; want LLMQ_W4_FUSED_VARIANT refused", fusedVariants, fusedVariants, v, err)
+		}
+	})
 }
 
 // TestGatedGEMMMatchesReference: a gate and an up layer interleaved in

@@ -122,7 +122,9 @@ typedef struct {
    * interleaved in 32-column halves (n-tile t: gate columns 32t…32t+31,
    * then up's; pack.InterleaveGPU), and the one output (n_outs 1,
    * out_cols N/2) gets act(gate)·up, act 0 SiLU or 1 GELU-tanh, as
-   * gated_act computes it from the two fp16 results; −1: a plain GEMM. */
+   * gated_act computes it from the two fp16 results; −1: a plain GEMM.
+   * Every output must start on 8 bytes and the workspace on 16 (the
+   * epilogues store several columns at once); refused otherwise. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
                     void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace,
                     void* scratch, int M, int N, int K, int group, int bits);

@@ -1,22 +1,24 @@
 // W4A16 GEMM on Tensor Cores: C[M,N] = A[M,K] · dequant(B)[K,N].
 //
-// Fused path (small and medium M, where the weights dominate the bytes):
-// a CTA of 4 warps owns 64 output columns (one "n-tile") and a slice of K;
-// its warps split the slice further, each streaming its share through its
-// own 4-stage cp.async ring in shared memory. For each 16-row step of K a
-// lane copies one 16-byte chunk of B — exactly its mma.m16n8k16 B fragments for
-// the tile's eight n8 sub-tiles, 32 int4 values — and dequantizes them in
-// registers with the fp16 magic-number trick: OR-ing a nibble into the
-// mantissa of 1024.0 (0x6400) gives the fp16 value 1024 + q, so
-// (1024 + q) − (1024 + z) = q − z exactly, then × scale. A fragments come
-// straight from global memory (they are small and L1/L2-resident). Partial
-// sums are reduced across warps in shared memory and across the K slices
-// with fp32 atomics into a workspace; the last CTA to finish a tile
-// (a per-tile counter) converts it to fp16 and re-zeroes the workspace and
-// counter, so one launch does the whole product.
+// The weights come in 64-column n-tiles of 16-row steps: for each step a
+// lane holds one 16-byte chunk of B — exactly its mma.m16n8k16 B fragments
+// for the tile's eight n8 sub-tiles, 32 int4 values — which every kernel
+// dequantizes in registers with the fp16 magic-number trick: OR-ing a
+// nibble into the mantissa of 1024.0 (0x6400) gives the fp16 value
+// 1024 + q, so (1024 + q) − (1024 + z) = q − z exactly, then × scale. K
+// may be split across CTAs: their fp32 sums meet by atomics in a
+// workspace, and the last CTA to finish a tile (a per-tile counter)
+// converts it to fp16 and re-zeroes the workspace and counter
+// (finish_splits), so one launch does the whole product.
 //
-// GEMV paths (the decode of a few sequences): at such M the fused
-// kernel's per-step machinery (ring, barriers, ldmatrix) is paid per 512
+// Fused path (v18; M = 33–128 on large layers): a CTA of NW warps owns NW
+// adjacent n-tiles for a row block of up to 64 rows and streams the
+// codes and the activations through shared-memory stages filled by
+// cp.async, the activations read once for the CTA's tiles; each warp
+// multiplies its tile by ldmatrix's A fragments.
+//
+// GEMV paths (the decode of a few sequences): at such M a shared-memory
+// pipeline's machinery (stages, barriers, ldmatrix) is paid per 512
 // bytes of B, so it runs out of instruction issue long before bandwidth
 // (NOTES.md, v5, v6). The GEMV kernels load a lane's 16-byte chunk
 // straight into registers instead (two batches of U chunks in flight) and
@@ -84,7 +86,7 @@ __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint3
   return d;
 }
 
-constexpr int kWarps = 4;  // warps per CTA, splitting the CTA's K slice
+constexpr int kWarps = 4;  // warps per CTA of the GEMV kernels (splitting its K slice) and of the fused kernel's default
 
 // The fused kernel's shared-memory stage (STAGES of them, dynamic): the
 // codes of the CTA's NW n-tiles for U 16-row steps — a tile's steps lie
@@ -334,9 +336,10 @@ __device__ __forceinline__ void store_gated(const Outs& o, int r, int N, int nt,
 // whose sums total(r − row0, col) gives (the CTA's, after its warps
 // met): each through emit, or in the gated mode with one split, a pair
 // of columns a thread into act(gate)·up.
-// It and finish_splits run in CTAs of kWarps warps (the fused and GEMV
-// kernels'): a constant stride, so the compiler can unroll the loops over
-// a tile's rows, which the kernels' epilogues took before emit_tile.
+// It runs in CTAs of kWarps warps (the GEMV kernels'): a constant stride,
+// so the compiler can unroll the loops over a tile's rows, which the
+// kernels' epilogues took before emit_tile (finish_splits likewise, with
+// its CTA's thread count a template parameter).
 template <typename Total>
 __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, int rows, int M, int N, int nt, int splits,
                                           Total total) {
@@ -1244,7 +1247,7 @@ struct Plan {
 
 // The fused kernel's instantiations, by M: m-tiles of 16 rows (MB, a
 // row block), 16-row steps a stage (U) and stages (STAGES); MINB 1 for all.
-// M past 64 runs several row blocks of 64. The GEMV kernel's: tokens (MT)
+// M past 16·MB runs several row blocks. The GEMV kernel's: tokens (MT)
 // and steps a batch (U). plan and w4a16_gemm switch on the index with
 // these same template arguments.
 struct Variant {
@@ -1317,12 +1320,14 @@ constexpr size_t kSwapMinWeights = size_t(1) << 26;
 // (gemm-h100-sweep-v18b.txt against gemm-h100-paths-v18b.txt) it beat v11
 // at M = 64 and dequantize + cuBLAS at M = 128 on 8B gate+up (2^26.8
 // weights), down (2^25.8) and 70B down (2^27.8), and lost on o (2^24) or
-// drew on q/k/v (2^24.6); at M = 32 v11 and v15 were level or ahead, and
-// at M = 256 dequantize + cuBLAS won on every shape.
+// drew on q/k/v (2^24.6) at M = 64; at M = 32 v11 and v15 were level or
+// ahead (but for one sweep-only variant on gate+up), and at M = 256
+// dequantize + cuBLAS won on every shape. At M = 128 it was 6% ahead on
+// q/k/v too, which this threshold leaves to dequantize + cuBLAS.
 constexpr size_t kFusedMinWeights = size_t(1) << 25;
 constexpr int kFusedMinM = 32;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
-// kept (llmq_ctx::resident): the fused kernel's three variants, then the
+// kept (llmq_ctx::resident): the fused kernel's kFusedVariants, then the
 // GEMV's, then v11's, then v15's, each 4-bit then 8-bit.
 constexpr int resident_slot(int path, int variant, int bits) {
   constexpr int F = 2 * kFusedVariants;
@@ -1445,7 +1450,7 @@ int query_resident(llmq_ctx* c, int path, int variant, int bits) {
 
 // plan picks the path and, for the kernels, the instantiation and its K
 // splits: one full wave, as many splits as fill the resident CTA slots,
-// each warp keeping at least two batches (GEMV) or four stages (fused) of
+// each warp keeping at least two batches (GEMV) or a CTA two rings (fused) of
 // steps; fewer splits as M grows (the cross-CTA reduction costs
 // M·N·splits atomics).
 // forced_splits is the planned K splits, or LLMQ_W4_SPLITS' (c->w4_splits)
@@ -1547,7 +1552,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     p.splits = forced_splits(c, splits, KT);
     return 0;
   }
-  // The fused kernel: a CTA per row block and kWarps n-tiles, K split
+  // The fused kernel: a CTA per row block and NW n-tiles, K split
   // until a wave fills the resident slots, each split keeping at least
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
@@ -1676,6 +1681,19 @@ int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, i
   return gemm_f16_cols(c, A, (const half*)W, N, C, M, N, K);
 }
 
+// check_out_align: the epilogues store two and four columns at once
+// (half2, and four halves as 8 bytes in finish_splits), so every output
+// must start on 8 bytes.
+int check_out_align(llmq_ctx* c, const char* fn, const Outs& C) {
+  for (int i = 0; i < C.n; ++i)
+    if ((uintptr_t)C.c[i] & 7) {
+      set_error(c, "%s: output %d at %p is not 8-byte aligned (the epilogues store 4 columns at once)", fn, i,
+                (void*)C.c[i]);
+      return 1;
+    }
+  return 0;
+}
+
 // make_outs checks and gathers a GEMM's outputs (w4a16_gemm's outs,
 // out_cols, n_outs) for N columns.
 int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_cols, int n_outs, int act, int N, Outs& C) {
@@ -1692,7 +1710,7 @@ int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_col
     }
     C.c[0] = (half*)outs[0];
     C.end[0] = N;
-    return 0;
+    return check_out_align(c, fn, C);
   }
   int end = 0;
   for (int i = 0; i < n_outs && n_outs <= 3; ++i) {
@@ -1704,7 +1722,7 @@ int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_col
     set_error(c, "%s: %d outputs whose widths must be multiples of 64 adding up to N=%d", fn, n_outs, N);
     return 1;
   }
-  return 0;
+  return check_out_align(c, fn, C);
 }
 
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
@@ -1713,6 +1731,10 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   if (check_shape(c, M, N, K, group) || check_bits(c, bits)) return 1;
   Outs C;
   if (make_outs(c, "w4a16_gemm", outs, out_cols, n_outs, act, N, C)) return 1;
+  if ((uintptr_t)workspace & 15) {  // finish_splits reads and zeroes it 16 bytes at a time
+    set_error(c, "w4a16_gemm: the workspace at %p is not 16-byte aligned", workspace);
+    return 1;
+  }
   const half* a = (const half*)A;
   if (perm) {
     if (!a_perm) {
