@@ -328,8 +328,11 @@ __device__ __forceinline__ void emit(const Outs& o, float* ws, int r, int col, i
 // store_gated writes act(gate)·up for row r, column c < 32 of n-tile nt
 // of a gated GEMM (Outs::act ≥ 0) from that tile's columns c (gate) and
 // c + 32 (up): output column 32·nt + c of the N/2.
+__device__ __forceinline__ half* gated_at(const Outs& o, int r, int N, int nt, int c) {
+  return &o.c[0][(size_t)r * (N / 2) + nt * 32 + c];
+}
 __device__ __forceinline__ void store_gated(const Outs& o, int r, int N, int nt, int c, float gate, float up) {
-  o.c[0][(size_t)r * (N / 2) + nt * 32 + c] = gated_pair(gate, up, o.act);
+  *gated_at(o, r, N, nt, c) = gated_pair(gate, up, o.act);
 }
 
 // emit_tile writes rows row0 … row0+rows−1 (those below M) of n-tile nt,
@@ -401,7 +404,7 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
         if (gated) {
           h[0] = __halves2half2(gated_pair(g[d].x, u[d].x, o.act), gated_pair(g[d].y, u[d].y, o.act));
           h[1] = __halves2half2(gated_pair(g[d].z, u[d].z, o.act), gated_pair(g[d].w, u[d].w, o.act));
-          *reinterpret_cast<uint2*>(&o.c[0][(size_t)r * (N / 2) + t * 32 + c]) = *reinterpret_cast<uint2*>(h);
+          *reinterpret_cast<uint2*>(gated_at(o, r, N, t, c)) = *reinterpret_cast<uint2*>(h);
           *reinterpret_cast<float4*>(p + 32) = make_float4(0.f, 0.f, 0.f, 0.f);
         } else {
           h[0] = __floats2half2_rn(g[d].x, g[d].y);
@@ -1256,7 +1259,7 @@ struct Variant {
 // At 64 rows two steps a stage beat four on the three large layers
 // (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
 // (LLMQ_W4_FUSED_VARIANT); 5–7 hold more stages in flight (cuda/NOTES.md,
-// "The fifteenth session": at 64 rows a batch waited about 3.6 µs for its
+// "The fifteenth session": at 64 rows a batch waited about 3.7 µs for its
 // bytes with three stages ahead); 8 and 9 are CTAs of eight warps over
 // eight n-tiles, which read the activations half as often a byte of codes.
 constexpr Variant kVariants[] = {{1, 4, 4, 4}, {2, 4, 4, 4}, {4, 2, 4, 4}, {4, 4, 4, 4}, {2, 2, 4, 4},
