@@ -170,7 +170,7 @@ case "$1" in
     $L bench gemm $peer --json "$OUT/gemm-$G.json" 2>&1 | tail -60
     ;;
   kernel)
-    build/device/cuda.test -test.v -test.run 'TestW4A16|TestW8A16|TestGatedGEMM|TestGEMV|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer' > "$OUT/cuda-kernel-tests.log" 2>&1
+    build/device/cuda.test -test.v -test.run 'TestW4A16|TestW8A16|TestGatedGEMM|TestGEMV|TestDequant|TestPlanFallsBack|TestBadShape|TestSmallForSanitizer|TestFusedVariants' > "$OUT/cuda-kernel-tests.log" 2>&1
     echo "kernel tests rc=$?"; grep -E "^(--- |ok|FAIL|PASS)|panic|error" "$OUT/cuda-kernel-tests.log" | head -30
     if [ -d "$LLMQ_SHARED/models/llama-tiny" ]; then  # the kernels inside the model
       build/device/cuda.test -test.v -test.run 'TestModelLogits|TestGreedy|TestWindowNLL|TestBatchedSteps' > "$OUT/cuda-model-tests.log" 2>&1
