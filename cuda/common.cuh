@@ -14,6 +14,7 @@
 struct llmq_ctx {
   int device = 0;
   int sms = 0;
+  int cc_major = 0;  // compute capability's major (9: Hopper, whose wgmma the fused kernel's v19 variants need)
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   void* cublas_ws = nullptr;

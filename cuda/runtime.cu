@@ -97,6 +97,7 @@ int ctx_create(int device, llmq_ctx** out) {
   int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9)
     c->pdl = false;
+  c->cc_major = major;
   cudaError_t e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
   if (e != cudaSuccess) {
     set_error(c, "cudaStreamCreateWithFlags failed: %s", cudaGetErrorString(e));

@@ -271,6 +271,16 @@ struct GroupStream {
   __device__ __forceinline__ void at(GroupRegs& gr, int k) {
     if (crosses(k)) advance(gr, k);
   }
+  // seek moves gr to step k's group for any k past the last one: the
+  // group loaded ahead if k is in it, else k's own, loaded now (v19's
+  // warps that take every R-th step, with groups shorter than R steps).
+  __device__ __forceinline__ void seek(GroupRegs& gr, int k) {
+    if (!crosses(k)) return;
+    if ((k >> gshift) == cur + 1)
+      advance(gr, k);
+    else
+      start(gr, k);
+  }
 };
 
 // warp_range is warp's share [k0, k1) of split's share of the KT steps.
@@ -560,6 +570,314 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
                           min(NW, NT - nt0));
 }
 
+
+// v19: the fused kernel on Hopper's warpgroup MMA (wgmma, sm_90a), with
+// the dequantized weights staged in shared memory. v18's warps issue
+// mma.sync, 32 of them a step at 64 rows beside the step's 52
+// dequantization instructions, and with two warps a scheduler (232
+// registers) they wait on each other's fixed latencies: ncu's stalls at 64
+// rows on gate+up were mostly "wait", not memory (cuda/NOTES.md, "The
+// sixteenth session"). Here the Tensor Cores run on their own: the
+// operands are swapped (C^T = W^T · A^T) so the tile's 64 output columns
+// are wgmma's M side and the CTA's NTOK tokens its N side, and both
+// operands come from shared memory:
+// - all threads stream the codes of the CTA's T n-tiles and the tokens'
+//   activations through STAGES cp.async stages, as v18 does, the
+//   activations laid out as wgmma's K-major core matrices (8 tokens × 16
+//   bytes of K; the two K halves NTOK/8 core matrices apart);
+// - each warp dequantizes one n-tile's steps (warp w: tile w mod T, the
+//   steps u ≡ w / T mod R of a stage, R = warps / T) exactly as every
+//   kernel does, (q − z)·s in fp16, and stores the lane's mma B fragments
+//   with stmatrix: they are the rows of the 64 × 16 weight tile in the same
+//   core-matrix layout (sub-tile j is core-matrix row j), so a tile-step is
+//   2 KB of fp16 that wgmma reads by descriptor;
+// - one barrier a stage, then each warpgroup issues wgmma.m64nNTOKk16 for
+//   its WN = T / NWG tiles and the stage's U steps as one group, and goes
+//   on to dequantize the next stage while they run (wait_group 1: a
+//   stage's wgmmas are retired one stage later). Three dequantized
+//   buffers and the stages refilled two stages behind keep every write
+//   after the reads of the wgmmas it replaces, with the one barrier.
+// Accumulators: WN·NTOK/2 fp32 a thread. The epilogue goes through shared
+// memory (the tile of NTOK tokens × 64·T columns in fp32), so that stores,
+// gated pairs and split-K atomics are four adjacent columns a thread.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LLMQ_HAVE_WGMMA 1
+#else
+#define LLMQ_HAVE_WGMMA 0
+#endif
+
+// WgTile: v19's shared-memory plan for NTOK tokens, NWG warpgroups, T
+// n-tiles, U steps a stage, STAGES stages and BITS-bit codes.
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
+struct WgTile {
+  static constexpr int kWarpsCta = 4 * NWG, kThreads = 128 * NWG, WN = T / NWG, R = kWarpsCta / T, CH = BITS / 4;
+  static constexpr int kCodes = T * U * CH * 32;  // 16-byte copies of codes a stage: tile t's U steps, then t + 1's
+  static constexpr int kActs = U * NTOK * 2;      // 16-byte copies of activations a stage
+  static constexpr int kStage = 16 * (kCodes + kActs);
+  static constexpr int kDeq = U * T * 2048;  // one dequantized buffer: [U][T] tile-steps of 64 × 16 fp16
+  static constexpr int kEpiStride = T * 64 + 4;  // floats a token's row of the epilogue's tile (+4: no bank conflicts)
+  static constexpr size_t kMain = (size_t)STAGES * kStage + 3 * (size_t)kDeq;
+  static constexpr size_t kEpi = (size_t)NTOK * kEpiStride * 4;
+  static constexpr size_t kSmem = kMain > kEpi ? kMain : kEpi;
+  static_assert(NTOK % 16 == 0 && T % NWG == 0 && kWarpsCta % T == 0 && U % R == 0, "v19's shape");
+  static_assert(kCodes % kThreads == 0 && kActs % kThreads == 0, "a stage's copies split evenly over the threads");
+  static_assert(STAGES >= 3 && WN >= 1, "the stages are refilled two behind");
+};
+
+template <int N>
+struct WgmmaSS;
+#if LLMQ_HAVE_WGMMA
+// wgmma_desc is a shared-memory matrix descriptor without swizzle: the
+// start address, LBO (between core matrices along K) and SBO (along M or
+// N), each in 16-byte units.
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+  return (uint64_t)((a >> 4) & 0x3fffu) | ((uint64_t)((lbo >> 4) & 0x3fffu) << 16) |
+         ((uint64_t)((sbo >> 4) & 0x3fffu) << 32);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// fence_proxy_async makes this thread's shared-memory writes (stores, and
+// cp.async copies once waited for) visible to the async proxy, through
+// which wgmma reads its operands.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// pin: the accumulators are read only after this point (the compiler
+// cannot see that wgmma_wait is what makes them final).
+template <int ND>
+__device__ __forceinline__ void pin(float (&d)[ND]) {
+#pragma unroll
+  for (int i = 0; i < ND; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// stmatrix_x4 stores four 8×8 fp16 matrices, register i of every lane
+// to matrix i (row lane/4, columns 2·(lane%4) and + 1, as mma's fragments
+// hold them), at the rows lanes 8i … 8i+7 address.
+__device__ __forceinline__ void stmatrix_x4(void* smem, const uint32_t (&r)[4]) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(a), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+// WgmmaSS<N>::mma is wgmma.mma_async m64nNk16, fp32 += fp16 × fp16, both
+// operands K-major in shared memory by descriptor, accumulating into d.
+template <>
+struct WgmmaSS<32> {
+  static __device__ __forceinline__ void mma(float (&d)[16], uint64_t da, uint64_t db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+      "%16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+template <>
+struct WgmmaSS<64> {
+  static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
+      "%28,%29,%30,%31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+template <>
+struct WgmmaSS<128> {
+  static __device__ __forceinline__ void mma(float (&d)[64], uint64_t da, uint64_t db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
+      "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,"
+      "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
+#endif
+
+// w4a16_wgmma (v19): a CTA of NWG warpgroups owns T adjacent n-tiles
+// (64·T columns) for the NTOK rows of row block blockIdx.x, over one K
+// slice (blockIdx.z of `splits`); the grid, the workspace and the counters
+// are v18's. gshift and BITS as v18's.
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
+__global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                          const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                          const Outs C, float* __restrict__ ws,
+                                                          int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                          int splits) {
+#if LLMQ_HAVE_WGMMA
+  using L = WgTile<NTOK, NWG, T, U, STAGES, BITS>;
+  constexpr int CH = L::CH, kThreads = L::kThreads, WN = L::WN, R = L::R;
+  extern __shared__ __align__(16) unsigned char smem[];  // (wgmma's unswizzled operands need 16 bytes)
+  __shared__ int s_last;
+  const int row0 = blockIdx.x * NTOK, nt0 = blockIdx.y * T;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const int KT = K >> 4, NT = N >> 6;
+  const int per_split = (KT + splits - 1) / splits;
+  const int k0 = blockIdx.z * per_split, k1 = min(KT, k0 + per_split);
+  const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
+  // The warp's share of the dequantization: tile tw's steps pw, pw + R, …
+  const int tw = warp % T, pw = warp / T;
+  const bool tile_ok = nt0 + tw < NT;
+  unsigned char* const deq = smem + (size_t)STAGES * L::kStage;
+  auto stage_at = [&](int b) { return smem + (size_t)(b % STAGES) * L::kStage; };
+
+  // issue copies batch b's codes and activations into stage b % STAGES
+  // and commits them as one group (an empty one past the last batch, so
+  // that the waits count the same). Activations past M or the slice are
+  // zeros, so the wgmmas run unguarded.
+  auto issue = [&](int b) {
+    if (b < batches) {
+      unsigned char* st = stage_at(b);
+      const int kb = k0 + b * U;
+      uint4* codes = reinterpret_cast<uint4*>(st);
+#pragma unroll
+      for (int t = 0; t < L::kCodes / kThreads; ++t) {
+        const int i = threadIdx.x + t * kThreads;
+        const int w = i / (U * CH * 32), j = i % (U * CH * 32);
+        if (nt0 + w < NT && kb + j / (CH * 32) < k1)
+          cp_async16(codes + i, B + ((size_t)(nt0 + w) * KT + kb) * CH * 32 + j);
+      }
+      unsigned char* acts = st + 16 * L::kCodes;
+#pragma unroll
+      for (int t = 0; t < L::kActs / kThreads; ++t) {
+        // consecutive threads along a token: its U steps are 32·U contiguous bytes
+        const int i = threadIdx.x + t * kThreads;
+        const int n = i / (2 * U), u = (i >> 1) % U, kh = i & 1;
+        const int row = row0 + n;
+        const bool ok = row < M && kb + u < k1;
+        cp_async16_zfill(acts + u * (NTOK * 32) + (kh * (NTOK / 8) + n / 8) * 128 + (n % 8) * 16,
+                         A + (size_t)(row < M ? row : 0) * K + (ok ? (kb + u) * 16 + kh * 8 : 0), ok);
+      }
+    }
+    cp_async_commit();
+  };
+
+  float acc[WN][NTOK / 2];
+#pragma unroll
+  for (int j = 0; j < WN; ++j)
+#pragma unroll
+    for (int i = 0; i < NTOK / 2; ++i) acc[j][i] = 0.f;
+
+  GroupStream<BITS> groups(S, Z, tile_ok ? nt0 + tw : 0, NT, lane >> 2, KT, gshift);
+  GroupRegs gr;
+  if (k0 + pw < k1) groups.start(gr, k0 + pw);
+  pdl_gate();
+#pragma unroll
+  for (int b = 0; b < STAGES - 2; ++b) issue(b);
+  // stmatrix: lane addresses row lane%8 of matrix lane/8, which for a
+  // word's four registers is sub-tile 2i + (lane/16) (core-matrix row) and
+  // K half (lane/8)%2: 128 bytes a core matrix, the K halves 1024 apart.
+  const int st_off = ((lane >> 3) & 1) * 1024 + (lane >> 4) * 128 + (lane & 7) * 16;
+
+  for (int b = 0; b < batches; ++b) {
+    cp_async_wait<STAGES - 3>();  // batch b's copies (this thread's) are in
+    const unsigned char* st = stage_at(b);
+    unsigned char* dq = deq + (size_t)(b % 3) * L::kDeq;
+#pragma unroll
+    for (int uu = 0; uu < U / R; ++uu) {
+      const int u = uu * R + pw, k = k0 + b * U + u;
+      uint32_t bq[4][4];
+      if (k < k1 && tile_ok) {  // (uniform across the warp)
+        groups.seek(gr, k);
+        uint32_t w[4 * CH];
+        const uint4* cq = reinterpret_cast<const uint4*>(st) + (tw * U + u) * CH * 32 + lane;
+#pragma unroll
+        for (int c = 0; c < CH; ++c) put_words(w, c, cq[c * 32]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dequant_pair<BITS>(bq[i], w, i, gr);
+      } else {  // past the slice or N's edge: zeros, never a stale buffer's bits
+#pragma unroll
+        for (int i = 0; i < 4; ++i) bq[i][0] = bq[i][1] = bq[i][2] = bq[i][3] = 0;
+      }
+      unsigned char* dst = dq + (u * T + tw) * 2048 + st_off;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) stmatrix_x4(dst + i * 256, bq[i]);
+    }
+    fence_proxy_async();
+    __syncthreads();  // batch b is dequantized and in, for every warp; batch b − 2's wgmmas are retired (all warpgroups)
+    issue(b + STAGES - 2);  // into batch b − 2's stage
+    const unsigned char* acts = st + 16 * L::kCodes;
+    wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint64_t db = wgmma_desc(acts + u * (NTOK * 32), (NTOK / 8) * 128, 128);
+#pragma unroll
+      for (int j = 0; j < WN; ++j)
+        WgmmaSS<NTOK>::mma(acc[j], wgmma_desc(dq + (u * T + wg * WN + j) * 2048, 1024, 128), db);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // batch b − 1's wgmmas are done
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < WN; ++j) pin(acc[j]);
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: the epilogue's tile takes their place
+
+  // acc[j][4i + 2h + e]: column 16·(warp%4) + gid + 8h of tile wg·WN + j,
+  // token 8i + 2·tig + e.
+  float* tile = reinterpret_cast<float*>(smem);
+  {
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int j = 0; j < WN; ++j) {
+      const int col = (wg * WN + j) * 64 + 16 * (warp & 3) + gid;
+#pragma unroll
+      for (int i = 0; i < NTOK / 8; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) tile[(8 * i + 2 * tig + e) * L::kEpiStride + col + 8 * h] = acc[j][4 * i + 2 * h + e];
+    }
+  }
+  __syncthreads();
+  constexpr int kF4 = T * 16;  // four-column groups a token's row
+  for (int i = threadIdx.x; i < NTOK * kF4; i += kThreads) {
+    const int tok = i / kF4, c = (i % kF4) * 4, t = c >> 6, cc = c & 63;
+    const int r = row0 + tok, nt = nt0 + t;
+    if (r >= M || nt >= NT) continue;
+    const float* p = tile + tok * L::kEpiStride + c;
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    if (splits > 1) {
+      atomicAdd(reinterpret_cast<float4*>(&ws[(size_t)r * N + nt * 64 + cc]), v);
+    } else if (C.act >= 0) {  // gated: the gate's columns cc < 32 pair with the up's cc + 32
+      if (cc >= 32) continue;
+      const float4 up = *reinterpret_cast<const float4*>(p + 32);
+      half2 h[2] = {__halves2half2(gated_pair(v.x, up.x, C.act), gated_pair(v.y, up.y, C.act)),
+                    __halves2half2(gated_pair(v.z, up.z, C.act), gated_pair(v.w, up.w, C.act))};
+      *reinterpret_cast<uint2*>(gated_at(C, r, N, nt, cc)) = *reinterpret_cast<uint2*>(h);
+    } else {
+      half2 h[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
+      *reinterpret_cast<uint2*>(out_at(C, r, nt * 64 + cc)) = *reinterpret_cast<uint2*>(h);
+    }
+  }
+  finish_splits<kThreads>(C, ws, &counters[blockIdx.x * NT + nt0], row0, NTOK, M, N, nt0, splits, s_last,
+                          min(T, NT - nt0));
+#else
+  __trap();  // built without sm_90a: the plan refuses v19 off Hopper before a launch gets here
+#endif
+}
 
 __device__ __forceinline__ half2 as_h2(uint32_t v) { return *reinterpret_cast<half2*>(&v); }
 
@@ -1254,7 +1572,8 @@ struct Plan {
 // and steps a batch (U). plan and w4a16_gemm switch on the index with
 // these same template arguments.
 struct Variant {
-  int mb, u, stages, nw;  // nw: warps a CTA, each its n-tile
+  int mb, u, stages, nw;  // nw: n-tiles a CTA (v18: warps a CTA, each its n-tile)
+  int wg = 0;             // > 0: v19 (w4a16_wgmma, Hopper), warpgroups a CTA; the rows 16·mb are its NTOK
 };
 // At 64 rows two steps a stage beat four on the three large layers
 // (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
@@ -1262,8 +1581,14 @@ struct Variant {
 // "The fifteenth session": at 64 rows a batch waited about 3.7 µs for its
 // bytes with three stages ahead); 8 and 9 are CTAs of eight warps over
 // eight n-tiles, which read the activations half as often a byte of codes.
-constexpr Variant kVariants[] = {{1, 4, 4, 4}, {2, 4, 4, 4}, {4, 2, 4, 4}, {4, 4, 4, 4}, {2, 2, 4, 4},
-                                 {4, 2, 8, 4}, {4, 4, 6, 4}, {2, 4, 8, 4}, {4, 2, 8, 8}, {4, 4, 4, 8}};
+// Variants 10–15 are v19 (wgmma, sweep-only so far): 64 tokens over four
+// tiles in one warpgroup; 128 over four in two warpgroups; 32 over four;
+// 128 over two tiles in one warpgroup (two warps a tile, alternate steps);
+// 64 with four steps a stage; 64 with six stages.
+constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
+                                 {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
+                                 {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
+                                 {2, 2, 4, 4, 1}, {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 struct GemvVariant {
   int mt, u, minb;
@@ -1567,6 +1892,11 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     }
     p.variant = c->fused_forced_variant;
   }
+  if (kVariants[p.variant].wg > 0 && c->cc_major != 9) {
+    llmq::set_error(c, "fused variant %d (v19) runs on Hopper's wgmma (compute capability 9.0), not on %d.x",
+                    p.variant, c->cc_major);
+    return 1;
+  }
   const Variant v = kVariants[p.variant];
   if (query_resident(c, 1, p.variant, bits)) return 1;
   const int ctas = ((M + 16 * v.mb - 1) / (16 * v.mb)) * ((NT + v.nw - 1) / v.nw);
@@ -1587,18 +1917,34 @@ int group_shift(int group, int K) {
   return gshift;
 }
 
+// fused_launch queries a fused kernel's resident CTAs (run false) or
+// launches it: v18 and v19 take the same grid and arguments.
+template <typename Kernel>
+int fused_launch(llmq_ctx* c, bool run, int slot, Kernel kernel, const Variant& v, size_t smem, int threads, int splits,
+                 const half* A, const void* B, const void* S, const void* Z, const Outs& C, void* workspace, int M,
+                 int N, int K, int gshift) {
+  if (!run) return resident_of(c, slot, kernel, smem, threads);
+  float* ws = (float*)workspace;
+  const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + v.nw - 1) / v.nw, splits);
+  CK(launch(c, (kernel), grid, threads, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws,
+            (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
+  return 0;
+}
+
 template <int V, int BITS>
 int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                   const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr Variant v = kVariants[V];
-  constexpr size_t smem = fused_smem_bytes<v.mb, v.u, v.stages, BITS / 4, v.nw>();
-  const auto kernel = w4a16_fused<v.mb, v.u, v.stages, 1, BITS, v.nw>;
-  if (!run) return resident_of(c, resident_slot(1, V, BITS), kernel, smem, v.nw * 32);
-  float* ws = (float*)workspace;
-  const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + v.nw - 1) / v.nw, splits);
-  CK(launch(c, (kernel), grid, v.nw * 32, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws,
-            (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
-  return 0;
+  const int slot = resident_slot(1, V, BITS);
+  if constexpr (v.wg > 0) {
+    using L = WgTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>;
+    return fused_launch(c, run, slot, w4a16_wgmma<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>, v, L::kSmem,
+                        L::kThreads, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+  } else {
+    return fused_launch(c, run, slot, w4a16_fused<v.mb, v.u, v.stages, 1, BITS, v.nw>, v,
+                        fused_smem_bytes<v.mb, v.u, v.stages, BITS / 4, v.nw>(), v.nw * 32, splits, A, B, S, Z, C,
+                        workspace, M, N, K, gshift);
+  }
 }
 
 // gemv_kernel queries a GEMV kernel's resident CTAs into slot (run false)
@@ -1889,7 +2235,12 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     const Variant v = kVariants[p.variant];
     char nw[16] = "";  // warps a CTA where not kWarps
     if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
-    snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw, p.splits);
+    if (v.wg > 0)
+      snprintf(out, n, "fused v19 wgmma%s n%d t%d wg%d u%d s%d splits%d", bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg,
+               v.u, v.stages, p.splits);
+    else
+      snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw,
+               p.splits);
   }
   return 0;
 }
