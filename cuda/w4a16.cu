@@ -583,14 +583,14 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
 // operands come from shared memory:
 // - all threads stream the codes of the CTA's T n-tiles and the tokens'
 //   activations through STAGES cp.async stages, as v18 does, the
-//   activations laid out as wgmma's K-major core matrices (8 tokens × 16
-//   bytes of K; the two K halves NTOK/8 core matrices apart);
+//   activations laid out K-major for wgmma, a token's step in 32 bytes,
+//   32-byte swizzled (wgmma_desc, sw32);
 // - each warp dequantizes one n-tile's steps (warp w: tile w mod T, the
 //   steps u ≡ w / T mod R of a stage, R = warps / T) exactly as every
 //   kernel does, (q − z)·s in fp16, and stores the lane's mma B fragments
-//   with stmatrix: they are the rows of the 64 × 16 weight tile in the same
-//   core-matrix layout (sub-tile j is core-matrix row j), so a tile-step is
-//   2 KB of fp16 that wgmma reads by descriptor;
+//   with stmatrix: they are rows 8j … 8j+7 (sub-tile j) of the 64 × 16
+//   weight tile in the same layout, so a tile-step is 2 KB of fp16 that
+//   wgmma reads by descriptor;
 // - one barrier a stage, then each warpgroup issues wgmma.m64nNTOKk16 for
 //   its WN = T / NWG tiles and the stage's U steps as one group, and goes
 //   on to dequantize the next stage while they run (wait_group 1: a
@@ -618,7 +618,9 @@ struct WgTile {
   static constexpr int kEpiStride = T * 64 + 4;  // floats a token's row of the epilogue's tile (+4: no bank conflicts)
   static constexpr size_t kMain = (size_t)STAGES * kStage + 3 * (size_t)kDeq;
   static constexpr size_t kEpi = (size_t)NTOK * kEpiStride * 4;
-  static constexpr size_t kSmem = kMain > kEpi ? kMain : kEpi;
+  // (+16: s_last, after the rest, so that no static shared memory moves
+  // the swizzled buffers off their 256-byte alignment)
+  static constexpr size_t kSmem = (kMain > kEpi ? kMain : kEpi) + 16;
   static_assert(NTOK % 16 == 0 && T % NWG == 0 && kWarpsCta % T == 0 && U % R == 0, "v19's shape");
   static_assert(kCodes % kThreads == 0 && kActs % kThreads == 0, "a stage's copies split evenly over the threads");
   static_assert(STAGES >= 3 && WN >= 1, "the stages are refilled two behind");
@@ -627,14 +629,21 @@ struct WgTile {
 template <int N>
 struct WgmmaSS;
 #if LLMQ_HAVE_WGMMA
-// wgmma_desc is a shared-memory matrix descriptor without swizzle: the
-// start address, LBO (between core matrices along K) and SBO (along M or
-// N), each in 16-byte units.
-__device__ __forceinline__ uint64_t wgmma_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+// wgmma_desc is the shared-memory matrix descriptor of a K-major operand
+// of 16 K (one step) in the 32-byte swizzle: a row's 32 bytes hold its 16
+// K, the two 16-byte halves exchanged on rows 4–7 of every 8 (sw32), 256
+// bytes between groups of 8 rows (SBO; LBO unused: K is one swizzle atom
+// wide). Without a swizzle (the first build), wgmma read its operands at
+// about a quarter of the shared memory's bandwidth, eight rows of a core
+// matrix column 128 bytes apart in the same banks.
+__device__ __forceinline__ uint64_t wgmma_desc(const void* smem) {
   const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
-  return (uint64_t)((a >> 4) & 0x3fffu) | ((uint64_t)((lbo >> 4) & 0x3fffu) << 16) |
-         ((uint64_t)((sbo >> 4) & 0x3fffu) << 32);
+  return (uint64_t)((a >> 4) & 0x3fffu) | (uint64_t(1) << 16) | (uint64_t(256 >> 4) << 32) | (uint64_t(3) << 62);
 }
+// sw32 is the byte offset of row r's 16-byte half h in a 32-byte-swizzled
+// K-major tile (wgmma_desc): the layout ldmatrix-style eight-row accesses
+// read in one pass of the banks, as v18's act_slot.
+__device__ __forceinline__ int sw32(int r, int h) { return r * 32 + 16 * (h ^ ((r >> 2) & 1)); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -728,8 +737,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
 #if LLMQ_HAVE_WGMMA
   using L = WgTile<NTOK, NWG, T, U, STAGES, BITS>;
   constexpr int CH = L::CH, kThreads = L::kThreads, WN = L::WN, R = L::R;
-  extern __shared__ __align__(16) unsigned char smem[];  // (wgmma's unswizzled operands need 16 bytes)
-  __shared__ int s_last;
+  extern __shared__ __align__(1024) unsigned char wg_smem[];  // (the swizzle needs 256-byte alignment)
+  unsigned char* const smem = wg_smem;
+  int& s_last = *reinterpret_cast<int*>(smem + L::kSmem - 16);
   const int row0 = blockIdx.x * NTOK, nt0 = blockIdx.y * T;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int KT = K >> 4, NT = N >> 6;
@@ -766,7 +776,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
         const int n = i / (2 * U), u = (i >> 1) % U, kh = i & 1;
         const int row = row0 + n;
         const bool ok = row < M && kb + u < k1;
-        cp_async16_zfill(acts + u * (NTOK * 32) + (kh * (NTOK / 8) + n / 8) * 128 + (n % 8) * 16,
+        cp_async16_zfill(acts + u * (NTOK * 32) + sw32(n, kh),
                          A + (size_t)(row < M ? row : 0) * K + (ok ? (kb + u) * 16 + kh * 8 : 0), ok);
       }
     }
@@ -785,10 +795,10 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
   pdl_gate();
 #pragma unroll
   for (int b = 0; b < STAGES - 2; ++b) issue(b);
-  // stmatrix: lane addresses row lane%8 of matrix lane/8, which for a
-  // word's four registers is sub-tile 2i + (lane/16) (core-matrix row) and
-  // K half (lane/8)%2: 128 bytes a core matrix, the K halves 1024 apart.
-  const int st_off = ((lane >> 3) & 1) * 1024 + (lane >> 4) * 128 + (lane & 7) * 16;
+  // stmatrix: lane addresses row lane%8 of matrix lane/8, which for word
+  // i's four registers is tile row 8·(2i + lane/16) + lane%8 (sub-tile 2i
+  // or 2i + 1, column lane%8) and K half (lane/8)%2.
+  const int st_off = sw32((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
 
   for (int b = 0; b < batches; ++b) {
     cp_async_wait<STAGES - 3>();  // batch b's copies (this thread's) are in
@@ -812,7 +822,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
       }
       unsigned char* dst = dq + (u * T + tw) * 2048 + st_off;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) stmatrix_x4(dst + i * 256, bq[i]);
+      for (int i = 0; i < 4; ++i) stmatrix_x4(dst + i * 512, bq[i]);
     }
     fence_proxy_async();
     __syncthreads();  // batch b is dequantized and in, for every warp; batch b − 2's wgmmas are retired (all warpgroups)
@@ -821,10 +831,9 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
     wgmma_fence();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const uint64_t db = wgmma_desc(acts + u * (NTOK * 32), (NTOK / 8) * 128, 128);
+      const uint64_t db = wgmma_desc(acts + u * (NTOK * 32));
 #pragma unroll
-      for (int j = 0; j < WN; ++j)
-        WgmmaSS<NTOK>::mma(acc[j], wgmma_desc(dq + (u * T + wg * WN + j) * 2048, 1024, 128), db);
+      for (int j = 0; j < WN; ++j) WgmmaSS<NTOK>::mma(acc[j], wgmma_desc(dq + (u * T + wg * WN + j) * 2048), db);
     }
     wgmma_commit();
     wgmma_wait<1>();  // batch b − 1's wgmmas are done
