@@ -40,7 +40,7 @@ struct llmq_ctx {
   int swap_max_m = 32;
   int fused_max_m = 128;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
-  int resident[64] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
+  int resident[96] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   // The dynamic shared memory each kernel is allowed (allow_smem).
   std::unordered_map<const void*, size_t> smem_allowed;
   int decode_wave = 0;  // the decode attention's grid target in blocks (0: 4 an SM; LLMQ_DECODE_WAVE, for tests)

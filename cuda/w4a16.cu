@@ -1593,11 +1593,13 @@ struct Variant {
 // Variants 10–15 are v19 (wgmma, sweep-only so far): 64 tokens over four
 // tiles in one warpgroup; 128 over four in two warpgroups; 32 over four;
 // 128 over two tiles in one warpgroup (two warps a tile, alternate steps);
-// 64 with four steps a stage; 64 with six stages.
+// 64 with four steps a stage; 64 with six stages; 64 over eight tiles in
+// two warpgroups; 64 over four in two (two warps a tile).
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
-                                 {2, 2, 4, 4, 1}, {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}};
+                                 {2, 2, 4, 4, 1}, {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1},
+                                 {4, 2, 4, 8, 2}, {4, 2, 4, 4, 2}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 struct GemvVariant {
   int mt, u, minb;
