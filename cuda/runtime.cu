@@ -76,6 +76,7 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_SWAP_VARIANT")) c->swap_forced_variant = atoi(e);
   if (const char* e = getenv("LLMQ_W4_MMA_VARIANT")) c->mma_forced_variant = atoi(e);
   if (const char* e = getenv("LLMQ_W4_FUSED_VARIANT")) c->fused_forced_variant = atoi(e);
+  if (const char* e = getenv("LLMQ_W4_WGMMA_MAX_M")) c->wgmma_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_W4_SPLITS")) c->w4_splits = atoi(e);
   if (const char* e = getenv("LLMQ_DECODE_WAVE")) c->decode_wave = atoi(e);
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;

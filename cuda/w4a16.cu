@@ -1601,6 +1601,8 @@ constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},
                                  {2, 2, 4, 4, 1}, {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1},
                                  {4, 2, 4, 8, 2}, {4, 2, 4, 4, 2}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+// v19's variants in the plan (llmq_ctx::wgmma_max_m): M ≤ 64, and 65–128.
+constexpr int kWgmmaVariant64 = 10, kWgmmaVariant128 = 11;
 struct GemvVariant {
   int mt, u, minb;
 };
@@ -1895,6 +1897,10 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // until a wave fills the resident slots, each split keeping at least
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
+  // v19 where it is measured ahead (Hopper, 4-bit codes, groups of two
+  // steps or more: its two-warps-a-tile variant would reload a group a step).
+  if (c->cc_major == 9 && bits == 4 && M > kFusedMinM && M <= c->wgmma_max_m && group >= 32)
+    p.variant = M <= 64 ? kWgmmaVariant64 : kWgmmaVariant128;
   if (c->fused_forced_variant >= 0) {  // LLMQ_W4_FUSED_VARIANT: any M fits (row blocks)
     if (c->fused_forced_variant >= kFusedVariants) {
       llmq::set_error(c, "LLMQ_W4_FUSED_VARIANT=%d: the fused kernel has variants 0–%d", c->fused_forced_variant,
