@@ -673,19 +673,6 @@ __device__ __forceinline__ void stmatrix_x4(void* smem, const uint32_t (&r)[4]) 
 // WgmmaSS<N>::mma is wgmma.mma_async m64nNk16, fp32 += fp16 × fp16, both
 // operands K-major in shared memory by descriptor, accumulating into d.
 template <>
-struct WgmmaSS<32> {
-  static __device__ __forceinline__ void mma(float (&d)[16], uint64_t da, uint64_t db) {
-    asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
-      "%16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "r"(1));
-  }
-};
-template <>
 struct WgmmaSS<64> {
   static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db) {
     asm volatile(
