@@ -238,11 +238,35 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 			den += ref[i] * ref[i]
 		}
 		if rel := math.Sqrt(num / den); rel > 1e-3 {
-			t.Fatalf("%+v (%s) run %d: relative Frobenius error %.3g > 1e-3", c, variant, run, rel)
+			t.Fatalf("%+v (%s) run %d: relative Frobenius error %.3g > 1e-3; %s", c, variant, run, rel,
+				whereOff(out, ref, c.M, c.N, math.Sqrt(den/float64(len(ref)))))
 		} else if run == 0 {
 			t.Logf("%+v (%s): rel err %.2e", c, variant, rel)
 		}
 	}
+}
+
+// whereOff says where a wrong product is off, for the failure message:
+// the largest error's row, column, value and reference, and the span of
+// rows and columns, and the count, of the elements off by more than a
+// tenth of the reference's RMS — a wrong row block, n-tile or token
+// group shows in the spans.
+func whereOff(out []uint16, ref []float64, M, N int, rms float64) string {
+	worst, wi, bad := -1.0, 0, 0
+	r0, r1, c0, c1 := M, -1, N, -1
+	for i, h := range out {
+		d := math.Abs(float64(float16.Frombits(h).Float32()) - ref[i])
+		if d > worst {
+			worst, wi = d, i
+		}
+		if d > 0.1*rms {
+			bad++
+			r, col := i/N, i%N
+			r0, r1, c0, c1 = min(r0, r), max(r1, r), min(c0, col), max(c1, col)
+		}
+	}
+	return fmt.Sprintf("largest error at row %d column %d: %g, want %g; %d of %d elements off by > 0.1·RMS, rows %d–%d, columns %d–%d",
+		wi/N, wi%N, float16.Frombits(out[wi]).Float32(), ref[wi], bad, len(out), r0, r1, c0, c1)
 }
 
 // pathsFor is the paths a test runs at M: always, then the GEMV kernel
@@ -613,6 +637,27 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 	})
 }
 
+// TestPlanTakesV19WhenAsked: LLMQ_W4_WGMMA_MAX_M puts v19 (wgmma) in the
+// plan on Hopper where v18 would run (M = 33–128 on layers of 2^25
+// weights or more, 4-bit codes), its 64-token variant to M = 64 and the
+// 128-token one above, up to the setting; groups of 16 stay on v18, as
+// do other GPUs. (Off by default: cuda/NOTES.md, "The sixteenth session".)
+func TestPlanTakesV19WhenAsked(t *testing.T) {
+	inSettings(t, []string{"LLMQ_W4_WGMMA_MAX_M=100"}, func(t *testing.T, l *Context, _ string) {
+		dev, err := l.Lib().Device()
+		if err != nil {
+			t.Fatal(err)
+		}
+		v64, v128 := "fused v18 mb4", "fused v18 mb4"
+		if strings.Contains(dev.Name, "H100") || strings.Contains(dev.Name, "H200") {
+			v64, v128 = "fused v19 wgmma n64 t4 wg1", "fused v19 wgmma n128 t4 wg2"
+		}
+		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128},
+			map[int]string{32: "gemv-swap v15", 33: v64, 64: v64, 65: v128, 100: v128, 101: "fused v18 mb4", 129: "dequant+cublas"})
+		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 16}, map[int]string{64: "fused v18 mb4"})
+	})
+}
+
 // TestGatedGEMMMatchesReference: a gate and an up layer interleaved in
 // 32-column halves (pack.InterleaveGPU) and run with W4.Gated write
 // act(gate)·up, half the columns, from the GEMM's epilogue (runGated), on
@@ -711,5 +756,23 @@ func runGated(t *testing.T, l *Context, r *rand.Rand, bits, K, M int, paths []in
 				t.Logf("%d-bit K=%d M=%d (%s), gating %d: rel err %.2e", bits, K, M, variant, gating, rel)
 			}
 		}
+	}
+}
+
+// TestWhereOff: the failure message of a wrong product names the worst
+// element and the span of the wrong ones (a hand-made 3 × 4 product whose
+// row 2, columns 1–2 are off). No GPU needed.
+func TestWhereOff(t *testing.T) {
+	ref := []float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}
+	out := make([]uint16, len(ref))
+	for i, v := range ref {
+		out[i] = float16.Fromfloat32(float32(v)).Bits()
+	}
+	out[9] = float16.Fromfloat32(14).Bits()  // row 2, column 1: off by 4
+	out[10] = float16.Fromfloat32(12).Bits() // row 2, column 2: off by 1
+	got := whereOff(out, ref, 3, 4, 1)
+	want := "largest error at row 2 column 1: 14, want 10; 2 of 12 elements off by > 0.1·RMS, rows 2–2, columns 1–2"
+	if got != want {
+		t.Errorf("whereOff = %q, want %q", got, want)
 	}
 }
