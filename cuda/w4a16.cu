@@ -1581,13 +1581,17 @@ struct Variant {
 // tiles in one warpgroup; 128 over four in two warpgroups (two warps a
 // tile, alternate steps); 128 over two tiles in one warpgroup (two warps a
 // tile); 64 with four steps a stage; 64 with six stages; 64 over eight
-// tiles in two warpgroups. Two more were wrong on the device and are out
+// tiles in two warpgroups; 64 over four tiles in four warpgroups (a tile
+// each, 32 accumulators a thread: four warps a tile and twice the warps an
+// SM to hide the dequantization's latencies; not yet run). Two more were
+// wrong on the device and are out
 // (32 tokens over four tiles, and 64 over four in two warpgroups:
 // cuda/NOTES.md, "The sixteenth session").
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
-                                 {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2}};
+                                 {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
+                                 {4, 4, 4, 4, 4}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v19's variants in the plan (llmq_ctx::wgmma_max_m): M ≤ 64, and 65–128.
 constexpr int kWgmmaVariant64 = 10, kWgmmaVariant128 = 11;
