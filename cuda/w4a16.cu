@@ -633,9 +633,9 @@ struct WgmmaSS;
 // of 16 K (one step) in the 32-byte swizzle: a row's 32 bytes hold its 16
 // K, the two 16-byte halves exchanged on rows 4–7 of every 8 (sw32), 256
 // bytes between groups of 8 rows (SBO; LBO unused: K is one swizzle atom
-// wide). Without a swizzle (the first build), wgmma read its operands at
-// about a quarter of the shared memory's bandwidth, eight rows of a core
-// matrix column 128 bytes apart in the same banks.
+// wide). The first build's unswizzled core matrices (eight rows of a
+// column 128 bytes apart, in the same banks) were 11–13% slower at 128
+// tokens (gemm-h100-sweep-v19a.txt against -v19b.txt).
 __device__ __forceinline__ uint64_t wgmma_desc(const void* smem) {
   const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
   return (uint64_t)((a >> 4) & 0x3fffu) | (uint64_t(1) << 16) | (uint64_t(256 >> 4) << 32) | (uint64_t(3) << 62);
