@@ -39,8 +39,9 @@ struct llmq_ctx {
   // M ≤ 8, 0 turns it off).
   int swap_max_m = 32;
   int fused_max_m = 128;
-  // On Hopper the fused path runs v19 (wgmma) at M = 33 … this, v18
-  // above it (LLMQ_W4_WGMMA_MAX_M; 0: v18 throughout).
+  // On Hopper the fused path runs v19 (wgmma) at M = 33 … this for 4-bit
+  // codes in groups of 32 or more, v18 otherwise (LLMQ_W4_WGMMA_MAX_M; 0:
+  // v18 throughout).
   int wgmma_max_m = 0;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
   int resident[96] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)

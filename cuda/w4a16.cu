@@ -345,6 +345,42 @@ __device__ __forceinline__ void store_gated(const Outs& o, int r, int N, int nt,
   *gated_at(o, r, N, nt, c) = gated_pair(gate, up, o.act);
 }
 
+// store_four writes four adjacent outputs of row r from fp32 sums g:
+// columns c … c+3 of n-tile t, or when gated (o.act ≥ 0, c < 32)
+// act(gate)·up of the gate's g and the up's u (columns c + 32 …), output
+// columns 32·t + c …; u unused otherwise. (gated is the caller's
+// o.act ≥ 0: computed here, it changed the SASS of every kernel that
+// splits K, in finish_splits.)
+__device__ __forceinline__ void store_four(const Outs& o, bool gated, int r, int N, int t, int c, float4 g, float4 u) {
+  half2 h[2];
+  if (gated) {
+    h[0] = __halves2half2(gated_pair(g.x, u.x, o.act), gated_pair(g.y, u.y, o.act));
+    h[1] = __halves2half2(gated_pair(g.z, u.z, o.act), gated_pair(g.w, u.w, o.act));
+    *reinterpret_cast<uint2*>(gated_at(o, r, N, t, c)) = *reinterpret_cast<uint2*>(h);
+  } else {
+    h[0] = __floats2half2_rn(g.x, g.y);
+    h[1] = __floats2half2_rn(g.z, g.w);
+    *reinterpret_cast<uint2*>(out_at(o, r, t * 64 + c)) = *reinterpret_cast<uint2*>(h);
+  }
+}
+
+// copy_codes issues THREADS threads' cp.async copies of a stage's codes:
+// n-tiles nt0 … nt0+NTILES−1 for the U steps from kb, tile t's steps one
+// run of U·CH·32 chunks after t − 1's in dst (as they lie in B), none
+// past N's edge (NT tiles) or the slice's end k1 (the fused kernels' stages).
+template <int NTILES, int U, int CH, int THREADS>
+__device__ __forceinline__ void copy_codes(uint4* dst, const uint4* __restrict__ B, int nt0, int NT, int KT, int kb,
+                                           int k1) {
+  constexpr int kCodes = NTILES * U * CH * 32;
+  static_assert(kCodes % THREADS == 0, "a stage's codes split evenly over the threads");
+#pragma unroll
+  for (int t = 0; t < kCodes / THREADS; ++t) {
+    const int i = threadIdx.x + t * THREADS;
+    const int w = i / (U * CH * 32), j = i % (U * CH * 32);
+    if (nt0 + w < NT && kb + j / (CH * 32) < k1) cp_async16(dst + i, B + ((size_t)(nt0 + w) * KT + kb) * CH * 32 + j);
+  }
+}
+
 // emit_tile writes rows row0 … row0+rows−1 (those below M) of n-tile nt,
 // whose sums total(r − row0, col) gives (the CTA's, after its warps
 // met): each through emit, or in the gated mode with one split, a pair
@@ -410,17 +446,8 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
         const int i = base + d * kStride, r = row0 + (i >> lg), c = (i & ((1 << lg) - 1)) * 4;
         if (i >= per_tile || r >= M) continue;
         float* p = &ws[(size_t)r * N + t * 64 + c];
-        half2 h[2];
-        if (gated) {
-          h[0] = __halves2half2(gated_pair(g[d].x, u[d].x, o.act), gated_pair(g[d].y, u[d].y, o.act));
-          h[1] = __halves2half2(gated_pair(g[d].z, u[d].z, o.act), gated_pair(g[d].w, u[d].w, o.act));
-          *reinterpret_cast<uint2*>(gated_at(o, r, N, t, c)) = *reinterpret_cast<uint2*>(h);
-          *reinterpret_cast<float4*>(p + 32) = make_float4(0.f, 0.f, 0.f, 0.f);
-        } else {
-          h[0] = __floats2half2_rn(g[d].x, g[d].y);
-          h[1] = __floats2half2_rn(g[d].z, g[d].w);
-          *reinterpret_cast<uint2*>(out_at(o, r, t * 64 + c)) = *reinterpret_cast<uint2*>(h);
-        }
+        store_four(o, gated, r, N, t, c, g[d], u[d]);
+        if (gated) *reinterpret_cast<float4*>(p + 32) = make_float4(0.f, 0.f, 0.f, 0.f);
         *reinterpret_cast<float4*>(p) = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
@@ -449,8 +476,8 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
                                                            int splits) {
   constexpr int CH = BITS / 4, kThreads = NW * 32;
   using Stage = TileStage<MB, U, CH, NW>;
-  constexpr int kCodes = NW * U * CH * 32, kActs = U * MB * 32;  // 16-byte copies a stage
-  static_assert(kCodes % kThreads == 0 && kActs % kThreads == 0, "a stage's copies split evenly over the threads");
+  constexpr int kActs = U * MB * 32;  // 16-byte copies of activations a stage
+  static_assert(kActs % kThreads == 0, "a stage's copies split evenly over the threads");
   extern __shared__ __align__(16) unsigned char smem[];
   Stage* stages = reinterpret_cast<Stage*>(smem);
   __shared__ int s_last;
@@ -470,13 +497,7 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
     if (b < batches) {
       Stage& st = stages[b % STAGES];
       const int kb = k0 + b * U;
-#pragma unroll
-      for (int t = 0; t < kCodes / kThreads; ++t) {
-        const int i = threadIdx.x + t * kThreads;
-        const int w = i / (U * CH * 32), j = i % (U * CH * 32);
-        if (nt0 + w < NT && kb + j / (CH * 32) < k1)
-          cp_async16(&st.b[0][0][0][0] + i, B + ((size_t)(nt0 + w) * KT + kb) * CH * 32 + j);
-      }
+      copy_codes<NW, U, CH, kThreads>(&st.b[0][0][0][0], B, nt0, NT, KT, kb, k1);
 #pragma unroll
       for (int t = 0; t < kActs / kThreads; ++t) {
         // consecutive threads along a row: a row's U steps are 32·U contiguous bytes
@@ -569,7 +590,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
   finish_splits<kThreads>(C, ws, &counters[blockIdx.x * NT + nt0], row0, 16 * MB, M, N, nt0, splits, s_last,
                           min(NW, NT - nt0));
 }
-
 
 // v19: the fused kernel on Hopper's warpgroup MMA (wgmma, sm_90a), with
 // the dequantized weights staged in shared memory. v18's warps issue
@@ -747,14 +767,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
     if (b < batches) {
       unsigned char* st = stage_at(b);
       const int kb = k0 + b * U;
-      uint4* codes = reinterpret_cast<uint4*>(st);
-#pragma unroll
-      for (int t = 0; t < L::kCodes / kThreads; ++t) {
-        const int i = threadIdx.x + t * kThreads;
-        const int w = i / (U * CH * 32), j = i % (U * CH * 32);
-        if (nt0 + w < NT && kb + j / (CH * 32) < k1)
-          cp_async16(codes + i, B + ((size_t)(nt0 + w) * KT + kb) * CH * 32 + j);
-      }
+      copy_codes<T, U, CH, kThreads>(reinterpret_cast<uint4*>(st), B, nt0, NT, KT, kb, k1);
       unsigned char* acts = st + 16 * L::kCodes;
 #pragma unroll
       for (int t = 0; t < L::kActs / kThreads; ++t) {
@@ -853,20 +866,13 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
     const int tok = i / kF4, c = (i % kF4) * 4, t = c >> 6, cc = c & 63;
     const int r = row0 + tok, nt = nt0 + t;
     if (r >= M || nt >= NT) continue;
-    const float* p = tile + tok * L::kEpiStride + c;
-    const float4 v = *reinterpret_cast<const float4*>(p);
-    if (splits > 1) {
-      atomicAdd(reinterpret_cast<float4*>(&ws[(size_t)r * N + nt * 64 + cc]), v);
-    } else if (C.act >= 0) {  // gated: the gate's columns cc < 32 pair with the up's cc + 32
-      if (cc >= 32) continue;
-      const float4 up = *reinterpret_cast<const float4*>(p + 32);
-      half2 h[2] = {__halves2half2(gated_pair(v.x, up.x, C.act), gated_pair(v.y, up.y, C.act)),
-                    __halves2half2(gated_pair(v.z, up.z, C.act), gated_pair(v.w, up.w, C.act))};
-      *reinterpret_cast<uint2*>(gated_at(C, r, N, nt, cc)) = *reinterpret_cast<uint2*>(h);
-    } else {
-      half2 h[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
-      *reinterpret_cast<uint2*>(out_at(C, r, nt * 64 + cc)) = *reinterpret_cast<uint2*>(h);
-    }
+    const float4* p = reinterpret_cast<const float4*>(tile + tok * L::kEpiStride + c);
+    if (splits > 1)
+      atomicAdd(reinterpret_cast<float4*>(&ws[(size_t)r * N + nt * 64 + cc]), p[0]);
+    else if (C.act < 0)
+      store_four(C, false, r, N, nt, cc, p[0], p[0]);
+    else if (cc < 32)  // gated: the gate's columns cc < 32 pair with the up's cc + 32
+      store_four(C, true, r, N, nt, cc, p[0], p[8]);
   }
   finish_splits<kThreads>(C, ws, &counters[blockIdx.x * NT + nt0], row0, NTOK, M, N, nt0, splits, s_last,
                           min(T, NT - nt0));
@@ -1577,7 +1583,7 @@ struct Variant {
 // "The fifteenth session": at 64 rows a batch waited about 3.7 µs for its
 // bytes with three stages ahead); 8 and 9 are CTAs of eight warps over
 // eight n-tiles, which read the activations half as often a byte of codes.
-// Variants 10–15 are v19 (wgmma, sweep-only so far): 64 tokens over four
+// Variants 10–16 are v19 (wgmma, sweep-only so far): 64 tokens over four
 // tiles in one warpgroup; 128 over four in two warpgroups (two warps a
 // tile, alternate steps); 128 over two tiles in one warpgroup (two warps a
 // tile); 64 with four steps a stage; 64 with six stages; 64 over eight
