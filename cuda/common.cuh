@@ -39,7 +39,7 @@ struct llmq_ctx {
   // M ≤ 8, 0 turns it off).
   int swap_max_m = 32;
   int fused_max_m = 128;
-  // On Hopper the fused path runs v19 (wgmma) at M = 33 … this for 4-bit
+  // On Hopper the fused path runs v19 (wgmma) at M = 65 … this for 4-bit
   // codes in groups of 32 or more, v18 otherwise (LLMQ_W4_WGMMA_MAX_M; 0:
   // v18 throughout).
   int wgmma_max_m = 0;

@@ -41,7 +41,10 @@
 #   bash cuda/device-model.sh paths   # llmq bench gemm --path gemv, then fused, at M ≤ 4 (gemm-$G-paths.txt;
 #                                     # PATHS="fused dequant" QUICK_M=8,16,32,64: other paths and M)
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
-#                                     # PROFILE_ARGS: more bench gemm flags, PROFILE_TAG: ncu$TAG.txt)
+#                                     # PROFILE_ARGS: more bench gemm flags, PROFILE_TAG: ncu$TAG.txt; PROFILE_SOURCE=1:
+#                                     # the stall samples by SASS instruction too, ncu$TAG-sass.txt)
+#   bash cuda/device-model.sh wgmma   # v19's variants on their edges (WGMMA_VARIANTS, WGMMA_COUNT), its plan, three
+#                                     # sanitizers; with carry.sh base, the baseline's BASE_VARIANTS too
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -186,6 +189,37 @@ case "$1" in
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY' "$log" | tail -2 | tr '\n' ' ')"
     done
     ;;
+  wgmma) # v19 (w4a16_wgmma): its variants forced on their edges (WGMMA_COUNT runs each) and the plan's
+          # choice, then racecheck, synccheck and memcheck on them; with a baseline (carry.sh base) the
+          # baseline's library on BASE_VARIANTS too, plain and under racecheck (a fix's before and after)
+    # (-test.run splits at '/': the two tests at the first level, their settings' subtests at the second)
+    r="TestFusedVariantsMatchReference|TestPlanTakesV19WhenAsked/LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-8]})\$|LLMQ_W4_WGMMA_MAX_M"
+    log="$OUT/cuda-wgmma-tests.log"
+    echo "# $LLMQ_COMMIT: cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$r'" > "$log"
+    build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$r" >> "$log" 2>&1
+    echo "wgmma tests rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
+    grep -E -- "--- FAIL|off at|rel err [0-9.e-]+$" "$log" | grep -vE "rel err [0-9.e-]+$" | head -8
+    for tool in racecheck synccheck memcheck; do
+      log="$OUT/cuda-$tool-wgmma.log"
+      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run '$r'" > "$log"
+      timeout ${WGMMA_SANITIZER_S:-150} compute-sanitizer --tool $tool build/device/cuda.test -test.run "$r" >> "$log" 2>&1
+      echo "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -cE '^(ok|PASS)' "$log") ok"
+    done
+    if [ -s build/base/libllmqcuda.so ]; then
+      base=$(cat .carry/base/COMMIT)
+      rb="TestFusedVariantsMatchReference/LLMQ_W4_FUSED_VARIANT=(${BASE_VARIANTS:-12|17})\$"
+      log="$OUT/cuda-wgmma-tests-base.log"
+      echo "# base $base: LLMQ_CUDA_LIB=base cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$rb'" > "$log"
+      LLMQ_CUDA_LIB=$PWD/build/base/libllmqcuda.so build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$rb" >> "$log" 2>&1
+      echo "base tests rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
+      grep -E "off at|rel err" "$log" | grep -v "^ *[a-z0-9_]*\.go:[0-9]*: .*rel err [0-9.e-]*$" | head -4
+      log="$OUT/cuda-racecheck-wgmma-base.log"
+      echo "# base $base: LLMQ_CUDA_LIB=base compute-sanitizer --tool racecheck cuda.test -test.run '$rb'" > "$log"
+      LLMQ_CUDA_LIB=$PWD/build/base/libllmqcuda.so timeout ${WGMMA_SANITIZER_S:-150} compute-sanitizer --tool racecheck \
+        build/device/cuda.test -test.run "$rb" >> "$log" 2>&1
+      echo "base racecheck rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$log" | tail -1)"
+    fi
+    ;;
   lowbit)
     # 2- and 3-bit checkpoints run in the 4-bit layout: RTN of llama-tiny
     # (deterministic, so the CPU machine's checkpoint is the same), ppl on the GPU.
@@ -289,7 +323,14 @@ case "$1" in
       --metrics "$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard short_scoreboard wait \
         mio_throttle lg_throttle math_pipe_throttle barrier membar not_selected selected dispatch_stall no_instruction \
         branch_resolving tex_throttle | sed 's/,$//')" \
+      ${PROFILE_SOURCE:+--section SourceCounters --import-source no -o /tmp/prof -f} \
       $L bench gemm --m ${PROFILE_M:-1} --shape "${PROFILE_SHAPE:-70B}" --iters 20 ${PROFILE_ARGS:-} > "$OUT/ncu${PROFILE_TAG:-}.txt" 2>&1
+    if [ -n "${PROFILE_SOURCE:-}" ]; then  # PROFILE_SOURCE=1: the sections from the report, and the warps' stall samples by SASS line
+      ncu -i /tmp/prof.ncu-rep >> "$OUT/ncu${PROFILE_TAG:-}.txt" 2>&1
+      ncu -i /tmp/prof.ncu-rep --page source --print-source sass --csv > /tmp/prof-sass.csv 2>&1
+      python3 evals/ncu_stalls.py /tmp/prof-sass.csv > "$OUT/ncu${PROFILE_TAG:-}-sass.txt" 2>&1
+      head -40 "$OUT/ncu${PROFILE_TAG:-}-sass.txt"
+    fi
     grep -vE "^==PROF==|^  *-+ *$" "$OUT/ncu${PROFILE_TAG:-}.txt" | grep -E "Throughput|Duration|Registers|Shared Memory|Achieved|Theoretical Occ|Block Limit|Warp Cycles|Stall|Issued|Eligible|Active Warps|L2|DRAM|Mem|Grid Size|Waves|One or More|Executed|No Eligible|stalled" | head -80
     ;;
   tiny|small)

@@ -599,7 +599,7 @@ func TestSmallForSanitizer(t *testing.T) {
 // fusedVariants is the fused kernel's instantiations (kFusedVariants in
 // w4a16.cu): TestFusedVariantsMatchReference runs each and checks the
 // next is refused, so the two counts cannot drift apart.
-const fusedVariants = 17
+const fusedVariants = 19
 
 // TestFusedVariantsMatchReference runs each of the fused kernel's (v18)
 // instantiations, forced with LLMQ_W4_FUSED_VARIANT, on its edges: 3, 6
@@ -638,22 +638,21 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 }
 
 // TestPlanTakesV19WhenAsked: LLMQ_W4_WGMMA_MAX_M puts v19 (wgmma) in the
-// plan on Hopper where v18 would run (M = 33–128 on layers of 2^25
-// weights or more, 4-bit codes), its 64-token variant to M = 64 and the
-// 128-token one above, up to the setting; groups of 16 stay on v18, as
-// do other GPUs. (Off by default: cuda/NOTES.md, "The sixteenth session".)
+// plan on Hopper where v18 would run above 64 rows (M = 65–128 on layers
+// of 2^25 weights or more, 4-bit codes), its 128-token variant up to the
+// setting; M ≤ 64 and groups of 16 stay on v18, as do other GPUs.
 func TestPlanTakesV19WhenAsked(t *testing.T) {
 	inSettings(t, []string{"LLMQ_W4_WGMMA_MAX_M=100"}, func(t *testing.T, l *Context, _ string) {
 		dev, err := l.Lib().Device()
 		if err != nil {
 			t.Fatal(err)
 		}
-		v64, v128 := "fused v18 mb4", "fused v18 mb4"
+		v128 := "fused v18 mb4"
 		if strings.Contains(dev.Name, "H100") || strings.Contains(dev.Name, "H200") {
-			v64, v128 = "fused v19 wgmma n64 t4 wg1", "fused v19 wgmma n128 t4 wg2"
+			v128 = "fused v19 wgmma n128 t4 wg2"
 		}
 		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128},
-			map[int]string{32: "gemv-swap v15", 33: v64, 64: v64, 65: v128, 100: v128, 101: "fused v18 mb4", 129: "dequant+cublas"})
+			map[int]string{32: "gemv-swap v15", 33: "fused v18 mb4", 64: "fused v18 mb4", 65: v128, 100: v128, 101: "fused v18 mb4", 129: "dequant+cublas"})
 		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 16}, map[int]string{64: "fused v18 mb4"})
 	})
 }

@@ -601,10 +601,11 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
 // operands are swapped (C^T = W^T · A^T) so the tile's 64 output columns
 // are wgmma's M side and the CTA's NTOK tokens its N side, and both
 // operands come from shared memory:
-// - all threads stream the codes of the CTA's T n-tiles and the tokens'
-//   activations through STAGES cp.async stages, as v18 does, the
-//   activations laid out K-major for wgmma, a token's step in 32 bytes,
-//   32-byte swizzled (wgmma_desc, sw32);
+// - the codes of the CTA's T n-tiles and the tokens' activations stream
+//   through STAGES cp.async stages, as v18's do, the activations laid out
+//   K-major for wgmma, a token's step in 32 bytes, 32-byte swizzled
+//   (wgmma_desc, sw32); each warp copies the codes it dequantizes, so its
+//   own wait, before the stage's barrier, is the one they need;
 // - each warp dequantizes one n-tile's steps (warp w: tile w mod T, the
 //   steps u ≡ w / T mod R of a stage, R = warps / T) exactly as every
 //   kernel does, (q − z)·s in fp16, and stores the lane's mma B fragments
@@ -642,7 +643,7 @@ struct WgTile {
   // the swizzled buffers off their 256-byte alignment)
   static constexpr size_t kSmem = (kMain > kEpi ? kMain : kEpi) + 16;
   static_assert(NTOK % 16 == 0 && T % NWG == 0 && kWarpsCta % T == 0 && U % R == 0, "v19's shape");
-  static_assert(kCodes % kThreads == 0 && kActs % kThreads == 0, "a stage's copies split evenly over the threads");
+  static_assert(kActs % kThreads == 0, "a stage's activation copies split evenly over the threads");
   static_assert(STAGES >= 3 && WN >= 1, "the stages are refilled two behind");
 };
 
@@ -692,6 +693,19 @@ __device__ __forceinline__ void stmatrix_x4(void* smem, const uint32_t (&r)[4]) 
 }
 // WgmmaSS<N>::mma is wgmma.mma_async m64nNk16, fp32 += fp16 × fp16, both
 // operands K-major in shared memory by descriptor, accumulating into d.
+template <>
+struct WgmmaSS<32> {
+  static __device__ __forceinline__ void mma(float (&d)[16], uint64_t da, uint64_t db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+      "%16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(1));
+  }
+};
 template <>
 struct WgmmaSS<64> {
   static __device__ __forceinline__ void mma(float (&d)[32], uint64_t da, uint64_t db) {
@@ -767,7 +781,23 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
     if (b < batches) {
       unsigned char* st = stage_at(b);
       const int kb = k0 + b * U;
-      copy_codes<T, U, CH, kThreads>(reinterpret_cast<uint4*>(st), B, nt0, NT, KT, kb, k1);
+      // Codes: each warp copies the chunks it will dequantize itself (tile
+      // tw, steps pw, pw + R, …), so that its own cp_async_wait makes them
+      // visible to it before the stage's barrier. (Copied by the CTA's
+      // threads in turn, as v18's copy_codes does, a warp read chunks whose
+      // copies another thread had not yet waited for: the two variants that
+      // were wrong on the device — cuda/NOTES.md, "The seventeenth session".)
+      if (tile_ok) {
+        uint4* cst = reinterpret_cast<uint4*>(st);
+        const uint4* src = B + ((size_t)(nt0 + tw) * KT + kb) * CH * 32 + lane;
+#pragma unroll
+        for (int uu = 0; uu < U / R; ++uu) {
+          const int u = uu * R + pw;
+          if (kb + u < k1)
+#pragma unroll
+            for (int c = 0; c < CH; ++c) cp_async16(cst + ((tw * U + u) * CH + c) * 32 + lane, src + (u * CH + c) * 32);
+        }
+      }
       unsigned char* acts = st + 16 * L::kCodes;
 #pragma unroll
       for (int t = 0; t < L::kActs / kThreads; ++t) {
@@ -801,7 +831,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
   const int st_off = sw32((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
 
   for (int b = 0; b < batches; ++b) {
-    cp_async_wait<STAGES - 3>();  // batch b's copies (this thread's) are in
+    cp_async_wait<STAGES - 3>();  // batch b's copies (this thread's) are in: the codes this warp dequantizes
     const unsigned char* st = stage_at(b);
     unsigned char* dq = deq + (size_t)(b % 3) * L::kDeq;
 #pragma unroll
@@ -1589,18 +1619,19 @@ struct Variant {
 // tile); 64 with four steps a stage; 64 with six stages; 64 over eight
 // tiles in two warpgroups; 64 over four tiles in four warpgroups (a tile
 // each, 32 accumulators a thread: four warps a tile and twice the warps an
-// SM to hide the dequantization's latencies; not yet run). Two more were
-// wrong on the device and are out
+// SM to hide the dequantization's latencies); 17 and 18 are the two that
+// were wrong on the device while a warp read codes other threads copied
 // (32 tokens over four tiles, and 64 over four in two warpgroups:
-// cuda/NOTES.md, "The sixteenth session").
+// cuda/NOTES.md, "The sixteenth session" and "The seventeenth session").
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
-                                 {4, 4, 4, 4, 4}};
+                                 {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
-// v19's variants in the plan (llmq_ctx::wgmma_max_m): M ≤ 64, and 65–128.
-constexpr int kWgmmaVariant64 = 10, kWgmmaVariant128 = 11;
+// v19's variant in the plan (llmq_ctx::wgmma_max_m): 128 tokens over four
+// tiles in two warpgroups, for M = 65 … wgmma_max_m.
+constexpr int kWgmmaVariant = 11;
 struct GemvVariant {
   int mt, u, minb;
 };
@@ -1895,10 +1926,10 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // until a wave fills the resident slots, each split keeping at least
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
-  // v19 where it is measured ahead (Hopper, 4-bit codes, groups of two
-  // steps or more: its two-warps-a-tile variant would reload a group a step).
-  if (c->cc_major == 9 && bits == 4 && M > kFusedMinM && M <= c->wgmma_max_m && group >= 32)
-    p.variant = M <= 64 ? kWgmmaVariant64 : kWgmmaVariant128;
+  // v19 where it is measured ahead: Hopper, 4-bit codes, groups of two
+  // steps or more (its two-warps-a-tile variant would reload a group a
+  // step), and more than 64 rows (at 64 every v19 variant lost to v18).
+  if (c->cc_major == 9 && bits == 4 && M > 64 && M <= c->wgmma_max_m && group >= 32) p.variant = kWgmmaVariant;
   if (c->fused_forced_variant >= 0) {  // LLMQ_W4_FUSED_VARIANT: any M fits (row blocks)
     if (c->fused_forced_variant >= kFusedVariants) {
       llmq::set_error(c, "LLMQ_W4_FUSED_VARIANT=%d: the fused kernel has variants 0–%d", c->fused_forced_variant,
