@@ -44,7 +44,7 @@
 #                                     # PROFILE_ARGS: more bench gemm flags, PROFILE_TAG: ncu$TAG.txt; PROFILE_SOURCE=1:
 #                                     # the stall samples by SASS instruction too, ncu$TAG-sass.txt)
 #   bash cuda/device-model.sh wgmma   # v19's variants on their edges (WGMMA_VARIANTS, WGMMA_COUNT), its plan, three
-#                                     # sanitizers; with carry.sh base, the baseline's BASE_VARIANTS too
+#                                     # sanitizers (WGMMA_SANITIZERS); with carry.sh base, the baseline's BASE_VARIANTS too
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -198,8 +198,9 @@ case "$1" in
     echo "# $LLMQ_COMMIT: cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$r'" > "$log"
     build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$r" >> "$log" 2>&1
     echo "wgmma tests rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
-    grep -E -- "--- FAIL|off at|rel err [0-9.e-]+$" "$log" | grep -vE "rel err [0-9.e-]+$" | head -8
-    for tool in racecheck synccheck memcheck; do
+    grep -E -- "--- FAIL|largest error at" "$log" | head -8
+    tools=${WGMMA_SANITIZERS-racecheck synccheck memcheck}  # (set empty: the tests alone)
+    for tool in $tools; do
       log="$OUT/cuda-$tool-wgmma.log"
       echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run '$r'" > "$log"
       timeout ${WGMMA_SANITIZER_S:-150} compute-sanitizer --tool $tool build/device/cuda.test -test.run "$r" >> "$log" 2>&1
@@ -213,6 +214,7 @@ case "$1" in
       LLMQ_CUDA_LIB=$PWD/build/base/libllmqcuda.so build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$rb" >> "$log" 2>&1
       echo "base tests rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
       grep -E "off at|rel err" "$log" | grep -v "^ *[a-z0-9_]*\.go:[0-9]*: .*rel err [0-9.e-]*$" | head -4
+      [ -n "$tools" ] || exit 0
       log="$OUT/cuda-racecheck-wgmma-base.log"
       echo "# base $base: LLMQ_CUDA_LIB=base compute-sanitizer --tool racecheck cuda.test -test.run '$rb'" > "$log"
       LLMQ_CUDA_LIB=$PWD/build/base/libllmqcuda.so timeout ${WGMMA_SANITIZER_S:-150} compute-sanitizer --tool racecheck \
