@@ -1641,13 +1641,15 @@ struct Variant {
 // were wrong on the device while a warp read codes other threads copied
 // (32 tokens over four tiles, and 64 over four in two warpgroups:
 // cuda/NOTES.md, "The sixteenth session" and "The seventeenth session");
-// 19–21 are 11, 16 and 10 with the one-way proxy fence (REL).
+// 19–21 are 11, 16 and 10 with the one-way proxy fence (REL); 22 and 23
+// are 11 with four steps a stage (half the stages, each behind one wait
+// for the copies in flight), without and with REL.
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 2, 4, 4, 2, 1},
-                                 {4, 4, 4, 4, 4, 1}, {4, 2, 4, 4, 1, 1}};
+                                 {4, 4, 4, 4, 4, 1}, {4, 2, 4, 4, 1, 1}, {8, 4, 4, 4, 2},   {8, 4, 4, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v19's variant in the plan (llmq_ctx::wgmma_max_m): 128 tokens over four
 // tiles in two warpgroups, for M = 65 … wgmma_max_m.
