@@ -41,7 +41,6 @@
 // Group sizes that are not powers of two take this path at every M (slow
 // at small M: the whole layer is dequantized per call).
 #include <cublas_v2.h>
-#include <cuda.h>  // CUtensorMap (v20's activations; the encoder comes from the runtime's entry point)
 #include <cuda_fp16.h>
 #include <type_traits>
 #include <utility>
@@ -622,14 +621,6 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
 // Accumulators: WN·NTOK/2 fp32 a thread. The epilogue goes through shared
 // memory (the tile of NTOK tokens × 64·T columns in fp32), so that stores,
 // gated pairs and split-K atomics are four adjacent columns a thread.
-//
-// v20 (TMA true; sweep-only, not yet run) fills the stages with the
-// Tensor Memory Accelerator instead: thread 0 asks for a stage's
-// activations (a tensor map's boxes, already in wgmma's swizzle), codes,
-// scales and zeros against the stage's mbarrier, and every thread waits
-// on that. v19's proxy fence compiles to a MEMBAR that waits for every
-// copy and load the thread has in flight — the next stages' too — which
-// ncu put on the fence and the barrier after it; in v20 no thread has one.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LLMQ_HAVE_WGMMA 1
 #else
@@ -637,27 +628,20 @@ __global__ void __launch_bounds__(NW * 32, MINB) w4a16_fused(const half* __restr
 #endif
 
 // WgTile: v19's shared-memory plan for NTOK tokens, NWG warpgroups, T
-// n-tiles, U steps a stage, STAGES stages and BITS-bit codes; with TMA
-// (v20) a stage also holds each tile-step's scales and zeros, and the
-// stages' mbarriers follow everything else.
-template <int NTOK, int NWG, int T, int U, int STAGES, int BITS, bool TMA = false>
+// n-tiles, U steps a stage, STAGES stages and BITS-bit codes.
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
 struct WgTile {
   static constexpr int kWarpsCta = 4 * NWG, kThreads = 128 * NWG, WN = T / NWG, R = kWarpsCta / T, CH = BITS / 4;
   static constexpr int kCodes = T * U * CH * 32;  // 16-byte copies of codes a stage: tile t's U steps, then t + 1's
   static constexpr int kActs = U * NTOK * 2;      // 16-byte copies of activations a stage
-  // v20: [T][U] scales (8 uint4, 128 bytes) then [T][U] zeros (8 words, or
-  // 8 word pairs at 8 bits), rounded to 256 bytes (the swizzle's alignment)
-  static constexpr int kScaleOff = 16 * (kCodes + kActs), kZeroOff = kScaleOff + T * U * 128;
-  static constexpr int kScl = TMA ? (kZeroOff + T * U * 32 * CH - kScaleOff + 255) / 256 * 256 : 0;
-  static constexpr int kStage = 16 * (kCodes + kActs) + kScl;
+  static constexpr int kStage = 16 * (kCodes + kActs);
   static constexpr int kDeq = U * T * 2048;  // one dequantized buffer: [U][T] tile-steps of 64 × 16 fp16
   static constexpr int kEpiStride = T * 64 + 4;  // floats a token's row of the epilogue's tile (+4: no bank conflicts)
   static constexpr size_t kMain = (size_t)STAGES * kStage + 3 * (size_t)kDeq;
   static constexpr size_t kEpi = (size_t)NTOK * kEpiStride * 4;
-  static constexpr size_t kBar = kMain > kEpi ? kMain : kEpi;  // v20: the stages' mbarriers, 8 bytes each
   // (+16: s_last, after the rest, so that no static shared memory moves
   // the swizzled buffers off their 256-byte alignment)
-  static constexpr size_t kSmem = kBar + (TMA ? 8 * STAGES : 0) + 16;
+  static constexpr size_t kSmem = (kMain > kEpi ? kMain : kEpi) + 16;
   static_assert(NTOK % 16 == 0 && T % NWG == 0 && kWarpsCta % T == 0 && U % R == 0, "v19's shape");
   static_assert(kActs % kThreads == 0, "a stage's activation copies split evenly over the threads");
   static_assert(STAGES >= 3 && WN >= 1, "the stages are refilled two behind");
@@ -711,19 +695,6 @@ template <int ND>
 __device__ __forceinline__ void pin(float (&d)[ND]) {
 #pragma unroll
   for (int i = 0; i < ND; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// v20's copies are the Tensor Memory Accelerator's, counted on a stage's
-// mbarrier (stream.cuh's mbar_*, bulk_copy). They write through the async
-// proxy, which wgmma reads through too, so no thread has a load in flight
-// at the proxy fence before the stage's barrier.
-// tma_load_2d copies the box of map at (x, y) (innermost first) to dst;
-// parts of the box outside the tensor land as zeros.
-__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
-  asm volatile(
-    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-      smem_addr(dst)),
-    "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
-    : "memory");
 }
 // stmatrix_x4 stores four 8×8 fp16 matrices, register i of every lane
 // to matrix i (row lane/4, columns 2·(lane%4) and + 1, as mma's fragments
@@ -792,13 +763,14 @@ struct WgmmaSS<128> {
 // (64·T columns) for the NTOK rows of row block blockIdx.x, over one K
 // slice (blockIdx.z of `splits`); the grid, the workspace and the counters
 // are v18's. gshift and BITS as v18's.
-template <int NTOK, int NWG, int T, int U, int STAGES, int BITS, bool REL, bool TMA>
-__global__ void __launch_bounds__(128 * NWG, 1)
-  w4a16_wgmma(const half* __restrict__ A, const uint4* __restrict__ B, const uint4* __restrict__ S,
-              const uint32_t* __restrict__ Z, const Outs C, float* __restrict__ ws, int* __restrict__ counters, int M,
-              int N, int K, int gshift, int splits, const __grid_constant__ CUtensorMap tmA) {
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS, bool REL>
+__global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restrict__ A, const uint4* __restrict__ B,
+                                                          const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
+                                                          const Outs C, float* __restrict__ ws,
+                                                          int* __restrict__ counters, int M, int N, int K, int gshift,
+                                                          int splits) {
 #if LLMQ_HAVE_WGMMA
-  using L = WgTile<NTOK, NWG, T, U, STAGES, BITS, TMA>;
+  using L = WgTile<NTOK, NWG, T, U, STAGES, BITS>;
   constexpr int CH = L::CH, kThreads = L::kThreads, WN = L::WN, R = L::R;
   extern __shared__ __align__(1024) unsigned char wg_smem[];  // (the swizzle needs 256-byte alignment)
   unsigned char* const smem = wg_smem;
@@ -814,42 +786,12 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const bool tile_ok = nt0 + tw < NT;
   unsigned char* const deq = smem + (size_t)STAGES * L::kStage;
   auto stage_at = [&](int b) { return smem + (size_t)(b % STAGES) * L::kStage; };
-  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + L::kBar);  // v20: a stage's mbarrier
-  using ZV = typename GroupStream<BITS>::ZV;
-
-  // issue_tma (v20, thread 0) asks the TMA for batch b: the activations
-  // as U boxes of 16 K × NTOK rows from tmA, in the 32-byte swizzle wgmma
-  // reads (rows past M land as zeros; steps past the slice repeat its
-  // last step, whose products meet zero weights), each tile's codes for
-  // the batch's steps in one bulk copy, and each tile-step's group scales
-  // and zeros; the stage's mbarrier completes when all have landed.
-  auto issue_tma = [&](int b) {
-    unsigned char* st = stage_at(b);
-    uint64_t* bar = &full[b % STAGES];
-    const int kb = k0 + b * U, steps = min(U, k1 - kb), tiles = min(T, NT - nt0);
-    mbar_expect_tx(bar, (uint32_t)(U * NTOK * 32 + tiles * steps * (CH * 512 + 128 + 32 * CH)));
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      tma_load_2d(st + 16 * L::kCodes + u * (NTOK * 32), &tmA, min(kb + u, k1 - 1) * 16, row0, bar);
-    for (int t = 0; t < tiles; ++t) {
-      bulk_copy(st + t * U * CH * 512, B + ((size_t)(nt0 + t) * KT + kb) * CH * 32, steps * CH * 512, bar);
-      for (int u = 0; u < steps; ++u) {
-        const size_t e = (size_t)(gshift < 0 ? 0 : (kb + u) >> gshift) * NT * 8 + (size_t)(nt0 + t) * 8;
-        bulk_copy(st + L::kScaleOff + (t * U + u) * 128, S + e, 128, bar);
-        bulk_copy(st + L::kZeroOff + (t * U + u) * 32 * CH, reinterpret_cast<const ZV*>(Z) + e, 32 * CH, bar);
-      }
-    }
-  };
 
   // issue copies batch b's codes and activations into stage b % STAGES
   // and commits them as one group (an empty one past the last batch, so
   // that the waits count the same). Activations past M or the slice are
-  // zeros, so the wgmmas run unguarded. (v20: issue_tma.)
+  // zeros, so the wgmmas run unguarded.
   auto issue = [&](int b) {
-    if constexpr (TMA) {
-      if (threadIdx.x == 0 && b < batches) issue_tma(b);
-      return;
-    }
     if (b < batches) {
       unsigned char* st = stage_at(b);
       const int kb = k0 + b * U;
@@ -893,16 +835,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
 
   GroupStream<BITS> groups(S, Z, tile_ok ? nt0 + tw : 0, NT, lane >> 2, KT, gshift);
   GroupRegs gr;
-  int cur_g = -1;  // v20: the group gr holds
-  if constexpr (TMA) {
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < STAGES; ++i) mbar_init(&full[i], 1);
-      mbar_init_fence();
-    }
-    __syncthreads();
-  } else if (k0 + pw < k1) {
-    groups.start(gr, k0 + pw);
-  }
+  if (k0 + pw < k1) groups.start(gr, k0 + pw);
   pdl_gate();
 #pragma unroll
   for (int b = 0; b < STAGES - 2; ++b) issue(b);
@@ -912,10 +845,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
   const int st_off = sw32((lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
 
   for (int b = 0; b < batches; ++b) {
-    if constexpr (TMA)
-      mbar_wait(&full[b % STAGES], (b / STAGES) & 1);  // batch b has landed, all of it
-    else
-      cp_async_wait<STAGES - 3>();  // batch b's copies (this thread's) are in: the codes this warp dequantizes
+    cp_async_wait<STAGES - 3>();  // batch b's copies (this thread's) are in: the codes this warp dequantizes
     const unsigned char* st = stage_at(b);
     unsigned char* dq = deq + (size_t)(b % 3) * L::kDeq;
 #pragma unroll
@@ -923,16 +853,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       const int u = uu * R + pw, k = k0 + b * U + u;
       uint32_t bq[4][4];
       if (k < k1 && tile_ok) {  // (uniform across the warp)
-        if constexpr (TMA) {
-          const int g = gshift < 0 ? 0 : k >> gshift;
-          if (g != cur_g) {  // the stage holds every tile-step's group
-            cur_g = g;
-            convert_group(gr, reinterpret_cast<const uint4*>(st + L::kScaleOff)[(tw * U + u) * 8 + (lane >> 2)],
-                          reinterpret_cast<const ZV*>(st + L::kZeroOff)[(tw * U + u) * 8 + (lane >> 2)]);
-          }
-        } else {
-          groups.seek(gr, k);
-        }
+        groups.seek(gr, k);
         uint32_t w[4 * CH];
         const uint4* cq = reinterpret_cast<const uint4*>(st) + (tw * U + u) * CH * 32 + lane;
 #pragma unroll
@@ -962,15 +883,7 @@ __global__ void __launch_bounds__(128 * NWG, 1)
       for (int j = 0; j < WN; ++j) WgmmaSS<NTOK>::mma(acc[j], wgmma_desc(dq + (u * T + wg * WN + j) * 2048), db);
     }
     wgmma_commit();
-    // v19 lets batch b's wgmmas run on while the warps dequantize batch b
-    // + 1 (wait_group 1); v20 waits for them here: with a wgmma group in
-    // flight across the loop's copy branch and mbarrier wait, ptxas 12.4
-    // serializes every wgmma (C7515; cuda/NOTES.md, "The seventeenth
-    // session").
-    if constexpr (TMA)
-      wgmma_wait<0>();
-    else
-      wgmma_wait<1>();  // batch b − 1's wgmmas are done
+    wgmma_wait<1>();  // batch b − 1's wgmmas are done
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -1711,7 +1624,6 @@ struct Variant {
   int mb, u, stages, nw;  // nw: n-tiles a CTA (v18: warps a CTA, each its n-tile)
   int wg = 0;             // > 0: v19 (w4a16_wgmma, Hopper), warpgroups a CTA; the rows 16·mb are its NTOK
   int rel = 0;            // v19: 1, the one-way proxy fence (fence_proxy_async_release)
-  int tma = 0;            // v19: 1, v20 — the stages filled by the TMA against mbarriers
 };
 // At 64 rows two steps a stage beat four on the three large layers
 // (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
@@ -1731,15 +1643,13 @@ struct Variant {
 // cuda/NOTES.md, "The sixteenth session" and "The seventeenth session");
 // 19–21 are 11, 16 and 10 with the one-way proxy fence (REL); 22 and 23
 // are 11 with four steps a stage (half the stages, each behind one wait
-// for the copies in flight), without and with REL; 24 and 25 are v20
-// (TMA) in 16's and 22's shapes (not yet run).
+// for the copies in flight), without and with REL.
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 2, 4, 4, 2, 1},
-                                 {4, 4, 4, 4, 4, 1}, {4, 2, 4, 4, 1, 1}, {8, 4, 4, 4, 2},   {8, 4, 4, 4, 2, 1},
-                                 {4, 4, 4, 4, 4, 0, 1}, {8, 4, 4, 4, 2, 0, 1}};
+                                 {4, 4, 4, 4, 4, 1}, {4, 2, 4, 4, 1, 1}, {8, 4, 4, 4, 2},   {8, 4, 4, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v19's variant in the plan (llmq_ctx::wgmma_max_m): 128 tokens over four
 // tiles in two warpgroups, for M = 65 … wgmma_max_m.
@@ -2076,56 +1986,16 @@ int group_shift(int group, int K) {
 }
 
 // fused_launch queries a fused kernel's resident CTAs (run false) or
-// launches it: v18 and v19 take the same grid and arguments (v19 one
-// more, the activations' tensor map, in extra).
-template <typename Kernel, typename... Extra>
+// launches it: v18 and v19 take the same grid and arguments.
+template <typename Kernel>
 int fused_launch(llmq_ctx* c, bool run, int slot, Kernel kernel, const Variant& v, size_t smem, int threads, int splits,
                  const half* A, const void* B, const void* S, const void* Z, const Outs& C, void* workspace, int M,
-                 int N, int K, int gshift, Extra... extra) {
+                 int N, int K, int gshift) {
   if (!run) return resident_of(c, slot, kernel, smem, threads);
   float* ws = (float*)workspace;
   const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + v.nw - 1) / v.nw, splits);
   CK(launch(c, (kernel), grid, threads, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws,
-            (int*)(ws + (size_t)M * N), M, N, K, gshift, splits, extra...));
-  return 0;
-}
-
-// act_map fills m with the TMA's description of the activations A (M
-// rows of K fp16) in boxes of 16 K × rows, 32-byte swizzled (v20). The
-// encoder is the driver's cuTensorMapEncodeTiled, found once through the
-// runtime and kept in the context.
-typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                         const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                         CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-int act_map(llmq_ctx* c, CUtensorMap* m, const half* A, int M, int K, int rows) {
-  if (!c->tmap_encode) {
-    cudaDriverEntryPointQueryResult q;
-#if CUDART_VERSION >= 12050
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &c->tmap_encode, 12000,
-                                                           cudaEnableDefault, &q);
-#else
-    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &c->tmap_encode, cudaEnableDefault, &q);
-#endif
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !c->tmap_encode) {
-      c->tmap_encode = nullptr;
-      llmq::set_error(c, "v20: the driver has no cuTensorMapEncodeTiled (%s)", cudaGetErrorString(e));
-      return 1;
-    }
-  }
-  if (reinterpret_cast<uintptr_t>(A) % 16 != 0) {
-    llmq::set_error(c, "v20: the activations must start 16-byte aligned for the TMA");
-    return 1;
-  }
-  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, strides[1] = {(cuuint64_t)K * sizeof(half)};
-  const cuuint32_t box[2] = {16, (cuuint32_t)rows}, steps[2] = {1, 1};
-  const CUresult r = reinterpret_cast<TensorMapEncodeTiled>(c->tmap_encode)(
-    m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<half*>(A), dims, strides, box, steps,
-    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    llmq::set_error(c, "v20: cuTensorMapEncodeTiled failed (error %d) for %d × %d activations", (int)r, M, K);
-    return 1;
-  }
+            (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
 
@@ -2135,11 +2005,9 @@ int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* 
   constexpr Variant v = kVariants[V];
   const int slot = resident_slot(1, V, BITS);
   if constexpr (v.wg > 0) {
-    using L = WgTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS, v.tma != 0>;
-    CUtensorMap tm{};  // (v19 without TMA takes it and never reads it)
-    if (run && v.tma && act_map(c, &tm, A, M, K, 16 * v.mb)) return 1;
-    return fused_launch(c, run, slot, w4a16_wgmma<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS, v.rel != 0, v.tma != 0>,
-                        v, L::kSmem, L::kThreads, splits, A, B, S, Z, C, workspace, M, N, K, gshift, tm);
+    using L = WgTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>;
+    return fused_launch(c, run, slot, w4a16_wgmma<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS, v.rel != 0>, v, L::kSmem,
+                        L::kThreads, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
   } else {
     return fused_launch(c, run, slot, w4a16_fused<v.mb, v.u, v.stages, 1, BITS, v.nw>, v,
                         fused_smem_bytes<v.mb, v.u, v.stages, BITS / 4, v.nw>(), v.nw * 32, splits, A, B, S, Z, C,
@@ -2436,8 +2304,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     char nw[16] = "";  // warps a CTA where not kWarps
     if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
     if (v.wg > 0)
-      snprintf(out, n, "fused v%d wgmma%s n%d t%d wg%d u%d s%d%s splits%d", v.tma ? 20 : 19, bits == 8 ? " w8" : "",
-               16 * v.mb, v.nw, v.wg, v.u, v.stages, v.rel ? " rel" : "", p.splits);
+      snprintf(out, n, "fused v19 wgmma%s n%d t%d wg%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", 16 * v.mb, v.nw,
+               v.wg, v.u, v.stages, v.rel ? " rel" : "", p.splits);
     else
       snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw,
                p.splits);
