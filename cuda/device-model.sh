@@ -193,22 +193,10 @@ case "$1" in
           # choice, then racecheck, synccheck and memcheck on them; with a baseline (carry.sh base) the
           # baseline's library on BASE_VARIANTS too, plain and under racecheck (a fix's before and after)
     # (-test.run takes a top-level '|' as two patterns, then splits each at '/': both levels in parentheses)
-    r="(TestFusedVariantsMatchReference|TestPlanTakesV19WhenAsked)/(LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-9]|2[0-3]})\$|LLMQ_W4_WGMMA_MAX_M)"
+    r="(TestFusedVariantsMatchReference|TestPlanTakesV19WhenAsked)/(LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-9]})\$|LLMQ_W4_WGMMA_MAX_M)"
     # the fences each v19 instantiation compiled to (MEMBAR: the wait for every access in flight)
-    cuobjdump -sass build/device/libllmqcuda.so 2>/dev/null | python3 -c '
-import re, sys
-name, n = None, {}
-for line in sys.stdin:
-    m = re.search(r"Function : (\S+)", line)
-    if m:
-        name = m.group(1) if "w4a16_wgmma" in m.group(1) else None
-        if name: n.setdefault(name, [0, 0])
-    elif name:
-        n[name][0] += "MEMBAR" in line
-        n[name][1] += "FENCE.VIEW.ASYNC" in line
-for k, (mb, fe) in n.items():
-    print("sass %s: %d MEMBAR, %d FENCE.VIEW.ASYNC" % (re.sub(r".*w4a16_wgmma", "w4a16_wgmma", k)[:60], mb, fe))
-' | tee "$OUT/sass-wgmma-fences.txt"
+    cuobjdump -sass build/device/libllmqcuda.so 2>/dev/null |
+      python3 evals/sass_steps.py --count MEMBAR,FENCE.VIEW.ASYNC w4a16_wgmma | tee "$OUT/sass-wgmma-fences.txt"
     log="$OUT/cuda-wgmma-tests.log"
     echo "# $LLMQ_COMMIT: cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$r'" > "$log"
     build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$r" >> "$log" 2>&1

@@ -675,20 +675,6 @@ __device__ __forceinline__ void wgmma_wait() {
 // cp.async copies once waited for) visible to the async proxy, through
 // which wgmma reads its operands.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// fence_proxy_async_release is the one-way form (generic writes to this
-// CTA's shared memory before async-proxy reads after), PTX ISA 8.6: the
-// bidirectional one compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, and
-// the MEMBAR waits for every memory operation the thread has in flight —
-// the next stages' copies and the next group's scales — which ncu's
-// stall samples put on the fence and the barrier after it (cuda/NOTES.md,
-// "The seventeenth session"). Older compilers get the bidirectional one.
-__device__ __forceinline__ void fence_proxy_async_release() {
-#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 8)
-  asm volatile("fence.proxy.async::generic.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
-#else
-  fence_proxy_async();
-#endif
-}
 // pin: the accumulators are read only after this point (the compiler
 // cannot see that wgmma_wait is what makes them final).
 template <int ND>
@@ -763,7 +749,7 @@ struct WgmmaSS<128> {
 // (64·T columns) for the NTOK rows of row block blockIdx.x, over one K
 // slice (blockIdx.z of `splits`); the grid, the workspace and the counters
 // are v18's. gshift and BITS as v18's.
-template <int NTOK, int NWG, int T, int U, int STAGES, int BITS, bool REL>
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
 __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
@@ -868,10 +854,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
 #pragma unroll
       for (int i = 0; i < 4; ++i) stmatrix_x4(dst + i * 512, bq[i]);
     }
-    if constexpr (REL)
-      fence_proxy_async_release();
-    else
-      fence_proxy_async();
+    fence_proxy_async();
     __syncthreads();  // batch b is dequantized and in, for every warp; batch b − 2's wgmmas are retired (all warpgroups)
     issue(b + STAGES - 2);  // into batch b − 2's stage
     const unsigned char* acts = st + 16 * L::kCodes;
@@ -1623,7 +1606,6 @@ struct Plan {
 struct Variant {
   int mb, u, stages, nw;  // nw: n-tiles a CTA (v18: warps a CTA, each its n-tile)
   int wg = 0;             // > 0: v19 (w4a16_wgmma, Hopper), warpgroups a CTA; the rows 16·mb are its NTOK
-  int rel = 0;            // v19: 1, the one-way proxy fence (fence_proxy_async_release)
 };
 // At 64 rows two steps a stage beat four on the three large layers
 // (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
@@ -1641,15 +1623,13 @@ struct Variant {
 // were wrong on the device while a warp read codes other threads copied
 // (32 tokens over four tiles, and 64 over four in two warpgroups:
 // cuda/NOTES.md, "The sixteenth session" and "The seventeenth session");
-// 19–21 are 11, 16 and 10 with the one-way proxy fence (REL); 22 and 23
-// are 11 with four steps a stage (half the stages, each behind one wait
-// for the copies in flight), without and with REL.
+// 19 is 11 with four steps a stage (half the stages, so half the proxy
+// fence's waits for the copies in flight; 22 in face48a's sweep).
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
-                                 {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 2, 4, 4, 2, 1},
-                                 {4, 4, 4, 4, 4, 1}, {4, 2, 4, 4, 1, 1}, {8, 4, 4, 4, 2},   {8, 4, 4, 4, 2, 1}};
+                                 {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v19's variant in the plan (llmq_ctx::wgmma_max_m): 128 tokens over four
 // tiles in two warpgroups, for M = 65 … wgmma_max_m.
@@ -2006,7 +1986,7 @@ int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* 
   const int slot = resident_slot(1, V, BITS);
   if constexpr (v.wg > 0) {
     using L = WgTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>;
-    return fused_launch(c, run, slot, w4a16_wgmma<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS, v.rel != 0>, v, L::kSmem,
+    return fused_launch(c, run, slot, w4a16_wgmma<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>, v, L::kSmem,
                         L::kThreads, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
   } else {
     return fused_launch(c, run, slot, w4a16_fused<v.mb, v.u, v.stages, 1, BITS, v.nw>, v,
@@ -2304,8 +2284,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     char nw[16] = "";  // warps a CTA where not kWarps
     if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
     if (v.wg > 0)
-      snprintf(out, n, "fused v19 wgmma%s n%d t%d wg%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", 16 * v.mb, v.nw,
-               v.wg, v.u, v.stages, v.rel ? " rel" : "", p.splits);
+      snprintf(out, n, "fused v19 wgmma%s n%d t%d wg%d u%d s%d splits%d", bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg,
+               v.u, v.stages, p.splits);
     else
       snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw,
                p.splits);

@@ -14,6 +14,12 @@ for v15 (NB = MT/8 token tiles), so instructions a step = common path /
 (HMMA on it / HMMA a step).
 
   cuobjdump -sass -arch sm_90a build/local-check/w4a16.o | python3 evals/sass_steps.py 'w4a16_gemv_mma'
+
+With --count OPS (comma-separated opcode prefixes) it prints instead how
+many instructions of each every matching function holds (device-model.sh's
+wgmma mode counts v19's MEMBAR and FENCE.VIEW.ASYNC so):
+
+  cuobjdump -sass libllmqcuda.so | python3 evals/sass_steps.py --count MEMBAR,FENCE.VIEW.ASYNC w4a16_wgmma
 """
 import re
 import sys
@@ -45,9 +51,20 @@ def common_path(code):
     return len(body), [b for a, b in body if a not in skip]
 
 
+def count(ops, pattern, text):
+    for name, code in functions(text):
+        if pattern.search(name):
+            ins = [re.sub(r"^@!?U?P\w+\s+", "", b) for a, b in code]  # past a predicate
+            print(name + ": " + ", ".join(f"{sum(i.startswith(op) for i in ins)} {op}" for op in ops))
+
+
 def main():
-    pattern = re.compile(sys.argv[1])
-    text = open(sys.argv[2]).read() if len(sys.argv) > 2 else sys.stdin.read()
+    args = sys.argv[1:]
+    if args[:1] == ["--count"]:
+        text = open(args[3]).read() if len(args) > 3 else sys.stdin.read()
+        return count(args[1].split(","), re.compile(args[2]), text)
+    pattern = re.compile(args[0])
+    text = open(args[1]).read() if len(args) > 1 else sys.stdin.read()
     print("kernel (template arguments)\tloop\tcommon path\tHMMA\tsteps\tinstructions a step")
     for name, code in functions(text):
         if not pattern.search(name):
