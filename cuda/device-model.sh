@@ -197,32 +197,26 @@ case "$1" in
     # the fences each v19 instantiation compiled to (MEMBAR: the wait for every access in flight)
     cuobjdump -sass build/device/libllmqcuda.so 2>/dev/null |
       python3 evals/sass_steps.py --count MEMBAR,FENCE.VIEW.ASYNC w4a16_wgmma | tee "$OUT/sass-wgmma-fences.txt"
-    log="$OUT/cuda-wgmma-tests.log"
-    echo "# $LLMQ_COMMIT: cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$r'" > "$log"
-    build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$r" >> "$log" 2>&1
-    echo "wgmma tests rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
-    grep -E -- "--- FAIL|largest error at" "$log" | head -8
     tools=${WGMMA_SANITIZERS-racecheck synccheck memcheck}  # (set empty: the tests alone)
-    for tool in $tools; do
-      log="$OUT/cuda-$tool-wgmma.log"
-      echo "# $LLMQ_COMMIT: compute-sanitizer --tool $tool cuda.test -test.run '$r'" > "$log"
-      timeout ${WGMMA_SANITIZER_S:-150} compute-sanitizer --tool $tool build/device/cuda.test -test.run "$r" >> "$log" 2>&1
-      echo "$tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -cE '^(ok|PASS)' "$log") ok"
-    done
-    if [ -s build/base/libllmqcuda.so ]; then
-      base=$(cat .carry/base/COMMIT)
-      rb="TestFusedVariantsMatchReference/LLMQ_W4_FUSED_VARIANT=(${BASE_VARIANTS:-12|17})\$"
-      log="$OUT/cuda-wgmma-tests-base.log"
-      echo "# base $base: LLMQ_CUDA_LIB=base cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$rb'" > "$log"
-      LLMQ_CUDA_LIB=$PWD/build/base/libllmqcuda.so build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$rb" >> "$log" 2>&1
-      echo "base tests rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
-      grep -E "largest error at" "$log" | head -4
-      [ -n "$tools" ] || exit 0
-      log="$OUT/cuda-racecheck-wgmma-base.log"
-      echo "# base $base: LLMQ_CUDA_LIB=base compute-sanitizer --tool racecheck cuda.test -test.run '$rb'" > "$log"
-      LLMQ_CUDA_LIB=$PWD/build/base/libllmqcuda.so timeout ${WGMMA_SANITIZER_S:-150} compute-sanitizer --tool racecheck \
-        build/device/cuda.test -test.run "$rb" >> "$log" 2>&1
-      echo "base racecheck rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$log" | tail -1)"
+    # wgmma_run NAME LIB COMMIT PATTERN TOOLS: the tests matching PATTERN on library LIB, WGMMA_COUNT
+    # times (cuda-wgmma-tests$NAME.log), then each sanitizer in TOOLS once (cuda-$tool-wgmma$NAME.log)
+    wgmma_run() {
+      local log="$OUT/cuda-wgmma-tests$1.log" tool
+      echo "# $3: LLMQ_CUDA_LIB=$2 cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$4'" > "$log"
+      LLMQ_CUDA_LIB=$2 build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$4" >> "$log" 2>&1
+      echo "wgmma tests$1 rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
+      grep -E -- "--- FAIL|largest error at" "$log" | head -8
+      for tool in $5; do
+        log="$OUT/cuda-$tool-wgmma$1.log"
+        echo "# $3: LLMQ_CUDA_LIB=$2 compute-sanitizer --tool $tool cuda.test -test.run '$4'" > "$log"
+        LLMQ_CUDA_LIB=$2 timeout ${WGMMA_SANITIZER_S:-150} compute-sanitizer --tool $tool build/device/cuda.test -test.run "$4" >> "$log" 2>&1
+        echo "$tool$1 rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -cE '^(ok|PASS)' "$log") ok"
+      done
+    }
+    wgmma_run "" "$PWD/build/device/libllmqcuda.so" "$LLMQ_COMMIT" "$r" "$tools"
+    if [ -s build/base/libllmqcuda.so ]; then  # the baseline: its variants plain, then under racecheck
+      wgmma_run -base "$PWD/build/base/libllmqcuda.so" "base $(cat .carry/base/COMMIT)" \
+        "TestFusedVariantsMatchReference/LLMQ_W4_FUSED_VARIANT=(${BASE_VARIANTS:-12|17})\$" "${tools:+racecheck}"
     fi
     ;;
   lowbit)

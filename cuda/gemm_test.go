@@ -407,12 +407,12 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128}, map[int]string{1: "gemv-swap v15 mt8",
 		9: "gemv-swap v15 mt16", 16: "gemv-swap v15 mt16 u4 b1 splits1", 32: "gemv-swap v15 mt32 u2 scaled b1 splits1",
 		33: "fused v18 mb4 u2", 64: "fused v18 mb4 u2", 65: above64, 128: above64, 129: "dequant+cublas"})
-	// v18 takes M = 33–128 on layers of 2^25 weights and more (8B down),
-	// not on smaller ones (8B q/k/v).
+	// The fused kernel takes M = 33–128 on layers of 2^25 weights and more
+	// (8B down), not on smaller ones (8B q/k/v).
 	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1", 16: "gemv-mma v11 mt16",
 		32: "gemv-mma v11 mt32", 64: "fused v18 mb4 u2", 100: above64, 129: "dequant+cublas"})
 	checkPlans(t, l, &W4{K: 4096, N: 6144, Group: 128}, map[int]string{33: "gemv-mma v11 mt64", 65: "dequant+cublas"})
-	// 2^25 weights exactly take v18; 64 columns fewer do not.
+	// 2^25 weights exactly take the fused kernel; 64 columns fewer do not.
 	checkPlans(t, l, &W4{K: 8192, N: 4096, Group: 128}, map[int]string{100: above64})
 	checkPlans(t, l, &W4{K: 8192, N: 4032, Group: 128}, map[int]string{64: "gemv-mma v11 mt64", 100: "dequant+cublas"})
 	defer l.SetPath(PathAuto)
@@ -640,15 +640,16 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 }
 
 // fusedAbove64 is the plan's fused kernel for 65–128 rows of a large
-// 4-bit layer in groups of 128: v19's 128-token variant on Hopper (H100,
-// H200), v18 on other GPUs.
+// 4-bit layer in groups of 128: v19's 128-token variant on Hopper, v18 on
+// other GPUs. (The library reports no compute capability, so Hopper is
+// told by name: H100, H200, H800, H20, GH200.)
 func fusedAbove64(t *testing.T, l *Context) string {
 	t.Helper()
 	dev, err := l.Lib().Device()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if strings.Contains(dev.Name, "H100") || strings.Contains(dev.Name, "H200") {
+	if strings.Contains(dev.Name, "H100") || strings.Contains(dev.Name, "H20") || strings.Contains(dev.Name, "H800") {
 		return "fused v19 wgmma n128 t4 wg2"
 	}
 	return "fused v18 mb4 u2"
