@@ -41,9 +41,11 @@ struct llmq_ctx {
   int fused_max_m = 128;
   // On Hopper the fused path runs v19 (wgmma) at M = 65 … this for 4-bit
   // codes in groups of 32 or more, v18 otherwise (LLMQ_W4_WGMMA_MAX_M; 0:
-  // v18 throughout). At 128 rows v19 was 2–14% ahead of v18 on the three
-  // large layers (H100, gemm-h100-sweep-v19c.txt).
-  int wgmma_max_m = 128;
+  // v18 throughout), past fused_max_m too. Its four-steps-a-stage variant
+  // took 30%, 13% and 26% less time than v18 at 128 rows on the three
+  // large layers, and 20%, 13% and 26% less than dequantize + cuBLAS at
+  // 256 (H100, gemm-h100-sweep-v19d/e/f.txt; w4a16.cu, kWgmmaVariant).
+  int wgmma_max_m = 256;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
   int resident[96] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   // The dynamic shared memory each kernel is allowed (allow_smem).

@@ -1632,8 +1632,12 @@ constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v19's variant in the plan (llmq_ctx::wgmma_max_m): 128 tokens over four
-// tiles in two warpgroups, for M = 65 … wgmma_max_m.
-constexpr int kWgmmaVariant = 11;
+// tiles in two warpgroups, four steps a stage, for M = 65 … wgmma_max_m.
+// In one H100 run it took 18%, 11% and 17% less time than variant 11 (two
+// steps a stage) at 128 rows on 8B gate+up, down and 70B down
+// (gemm-h100-sweep-v19e.txt, -v19d.txt), and 20%, 13% and 26% less than
+// dequantize + cuBLAS at 256 rows (gemm-h100-sweep-v19f.txt).
+constexpr int kWgmmaVariant = 19;
 struct GemvVariant {
   int mt, u, minb;
 };
@@ -1844,6 +1848,13 @@ int swap_wide_layer(llmq_ctx* c, int M, int N, bool& wide) {
   return 0;
 }
 
+// v19 where it is measured ahead: Hopper, groups of two steps or more
+// (its two-warps-a-tile variants would reload a group a step), and more
+// than 64 rows (at 64 every v19 variant lost to v18) up to wgmma_max_m.
+bool wgmma_serves(const llmq_ctx* c, int M, int group) {
+  return c->cc_major == 9 && M > 64 && M <= c->wgmma_max_m && group >= 32;
+}
+
 int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool have_scratch) {
   p = Plan{};
   p.bits = bits;
@@ -1854,7 +1865,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // gate+up); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
   // from there to mma_max_m (64), except that the fused kernel (v18) takes
   // M = 33–fused_max_m (128) on layers of kFusedMinWeights or more (4-bit
-  // codes); then dequantize + cuBLAS (the fused kernel without a scratch).
+  // codes), on Hopper up to wgmma_max_m (256) with v19; then dequantize +
+  // cuBLAS (the fused kernel without a scratch).
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
   bool swap_wide = false;  // M = 9–32 on a wide layer (swap_wide_layer)
@@ -1865,7 +1877,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     p.path = 5;
   else if (M <= gemv_max && pow2)
     p.path = 3;
-  else if (bits == 4 && pow2 && M > kFusedMinM && M <= c->fused_max_m && (size_t)N * K >= kFusedMinWeights)
+  else if (bits == 4 && pow2 && M > kFusedMinM && (M <= c->fused_max_m || wgmma_serves(c, M, group)) &&
+           (size_t)N * K >= kFusedMinWeights)
     p.path = 1;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
     p.path = 4;
@@ -1928,10 +1941,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // until a wave fills the resident slots, each split keeping at least
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
-  // v19 where it is measured ahead: Hopper, 4-bit codes, groups of two
-  // steps or more (its two-warps-a-tile variant would reload a group a
-  // step), and more than 64 rows (at 64 every v19 variant lost to v18).
-  if (c->cc_major == 9 && bits == 4 && M > 64 && M <= c->wgmma_max_m && group >= 32) p.variant = kWgmmaVariant;
+  // v19 on Hopper for 4-bit codes above 64 rows (wgmma_serves).
+  if (bits == 4 && wgmma_serves(c, M, group)) p.variant = kWgmmaVariant;
   if (c->fused_forced_variant >= 0) {  // LLMQ_W4_FUSED_VARIANT: any M fits (row blocks)
     if (c->fused_forced_variant >= kFusedVariants) {
       llmq::set_error(c, "LLMQ_W4_FUSED_VARIANT=%d: the fused kernel has variants 0–%d", c->fused_forced_variant,
