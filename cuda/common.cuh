@@ -47,6 +47,7 @@ struct llmq_ctx {
   // 256 (H100, gemm-h100-sweep-v19d/e/f.txt; w4a16.cu, kWgmmaVariant).
   int wgmma_max_m = 256;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
+  void* tmap_encode = nullptr;  // the driver's cuTensorMapEncodeTiled, once looked up (w4a16.cu's act_map, v21)
   int resident[96] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   // The dynamic shared memory each kernel is allowed (allow_smem).
   std::unordered_map<const void*, size_t> smem_allowed;

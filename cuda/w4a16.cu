@@ -41,6 +41,7 @@
 // Group sizes that are not powers of two take this path at every M (slow
 // at small M: the whole layer is dequantized per call).
 #include <cublas_v2.h>
+#include <cuda.h>  // CUtensorMap (v21's activations; the encoder comes from the runtime's entry point)
 #include <cuda_fp16.h>
 #include <type_traits>
 #include <utility>
@@ -112,47 +113,63 @@ constexpr size_t fused_smem_bytes() {
 __device__ __forceinline__ int act_slot(int r, int h) { return 2 * r + (h ^ ((r >> 2) & 1)); }
 
 // Group scales/zeros in the form the dequant needs: half2 scale, and the
-// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles).
-struct GroupRegs {
-  uint32_t s[8], zlo[8], zhi[8];
+// half2 offsets 1024 + z (even nibbles) and 64 + z (odd nibbles), for the
+// 2P sub-tiles a lane dequantizes: all eight of a 64-column tile
+// (GroupRegs, every kernel but v21) or one pair (PairRegs: v21, whose
+// warps each take 16 of a tile's columns).
+template <int P>
+struct SubtileRegs {
+  uint32_t s[2 * P], zlo[2 * P], zhi[2 * P];
 };
+using GroupRegs = SubtileRegs<4>;
+using PairRegs = SubtileRegs<1>;
 
-// set_scales puts the eight sub-tiles' scales of sv (fp16, sub-tile j in
-// half j) into r.s, each as a half2 pair (one byte permute a scale).
-__device__ __forceinline__ void set_scales(GroupRegs& r, uint4 sv) {
+// pair_scales: sub-tiles 2i and 2i + 1's scales (s[0], s[1]) from their
+// word sw (fp16, sub-tile 2i in the low half), one byte permute a scale.
+__device__ __forceinline__ void pair_scales(uint32_t* s, uint32_t sw) {
+  s[0] = __byte_perm(sw, 0, 0x1010);
+  s[1] = __byte_perm(sw, 0, 0x3232);
+}
+// pair_zeros: sub-tiles 2i and 2i + 1's offsets (zlo, zhi [0] and [1])
+// from the group's zeros zv. For 2- to 4-bit codes a zero is a nibble
+// (sub-tile j in nibble j of zv): the even sub-tiles' zeros, a byte each,
+// are e's bytes, the odd ones o's, and a byte permute against 0x64 or
+// 0x54 makes each pair of offsets (1024 + z as fp16 is 0x64 over z, 64 +
+// z is 0x54 over z·16).
+__device__ __forceinline__ void pair_zeros(uint32_t* zlo, uint32_t* zhi, uint32_t zv, int i) {
+  const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
+  const uint32_t sel = 0x4040u | (i << 8) | i;  // bytes (z, 0x.., z, 0x..) from byte i
+  zlo[0] = __byte_perm(e, 0x64646464u, sel);
+  zlo[1] = __byte_perm(o, 0x64646464u, sel);
+  zhi[0] = __byte_perm(e << 4, 0x54545454u, sel);
+  zhi[1] = __byte_perm(o << 4, 0x54545454u, sel);
+}
+// pair_zeros for 8-bit codes: zeros a byte each (sub-tile j in byte j of
+// zv), the offsets 1024 + z in zlo (zhi unused).
+__device__ __forceinline__ void pair_zeros(uint32_t* zlo, uint32_t* zhi, uint2 zv, int i) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int j = 2 * i + k;
+    zlo[k] = __byte_perm(j < 4 ? zv.x : zv.y, 0x64646464u, 0x4040u | ((j & 3) << 8) | (j & 3));
+    zhi[k] = 0;
+  }
+}
+
+// convert_group: a group's scales sv (sub-tile j in half j) and zeros zv
+// for all eight sub-tiles.
+template <typename ZV>
+__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, ZV zv) {
   const uint32_t sw[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) r.s[j] = __byte_perm(sw[j >> 1], 0, (j & 1) ? 0x3232 : 0x1010);
-}
-
-// convert_group for 2- to 4-bit codes: zeros a nibble each (sub-tile j
-// in nibble j of zv). The zeros of the even sub-tiles, a byte each, are
-// e's bytes, the odd ones o's; a byte permute against 0x64 or 0x54 makes
-// each pair of offsets (1024 + z as fp16 is 0x64 over z, 64 + z is 0x54
-// over z·16).
-__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint32_t zv) {
-  set_scales(r, sv);
-  const uint32_t e = zv & 0x0f0f0f0fu, o = (zv >> 4) & 0x0f0f0f0fu;
-  const uint32_t e4 = e << 4, o4 = o << 4;
+  for (int i = 0; i < 4; ++i) pair_scales(r.s + 2 * i, sw[i]);
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const uint32_t sel = 0x4040u | (m << 8) | m;  // bytes (z, 0x.., z, 0x..) from byte m
-    r.zlo[2 * m] = __byte_perm(e, 0x64646464u, sel);
-    r.zlo[2 * m + 1] = __byte_perm(o, 0x64646464u, sel);
-    r.zhi[2 * m] = __byte_perm(e4, 0x54545454u, sel);
-    r.zhi[2 * m + 1] = __byte_perm(o4, 0x54545454u, sel);
-  }
+  for (int i = 0; i < 4; ++i) pair_zeros(r.zlo + 2 * i, r.zhi + 2 * i, zv, i);
 }
-
-// convert_group for 8-bit codes: zeros a byte each (sub-tile j in byte j
-// of zv), the offsets 1024 + z in zlo (zhi unused).
-__device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) {
-  set_scales(r, sv);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    r.zlo[j] = __byte_perm(j < 4 ? zv.x : zv.y, 0x64646464u, 0x4040u | ((j & 3) << 8) | (j & 3));
-    r.zhi[j] = 0;
-  }
+// convert_group for one pair i: its scales' word sw and the group's zeros.
+template <typename ZV>
+__device__ __forceinline__ void convert_group(PairRegs& r, uint32_t sw, ZV zv, int i) {
+  pair_scales(r.s, sw);
+  pair_zeros(r.zlo, r.zhi, zv, i);
 }
 
 // codes_word turns word i of a lane's chunk into the exact fp16 codes
@@ -163,7 +180,8 @@ __device__ __forceinline__ void convert_group(GroupRegs& r, uint4 sv, uint2 zv) 
 // n5), (1024 + n2, …), (64 + n3, …) of nibbles n0 … n7 (the odd nibbles
 // sit at bit 4, where 64's mantissa counts sixteenths); subtracting the
 // group's offsets 1024 + z and 64 + z leaves q − z.
-__device__ __forceinline__ void codes_word(uint32_t (&b)[4], uint32_t q, int i, const GroupRegs& gr) {
+template <int P>
+__device__ __forceinline__ void codes_word(uint32_t (&b)[4], uint32_t q, int i, const SubtileRegs<P>& gr) {
   const uint32_t q8 = q >> 8;
   const uint32_t p0 = lop3_and_or(q, 0x000f000fu, 0x64006400u);
   const uint32_t p1 = lop3_and_or(q, 0x00f000f0u, 0x54005400u);
@@ -176,8 +194,11 @@ __device__ __forceinline__ void codes_word(uint32_t (&b)[4], uint32_t q, int i, 
   b[3] = hsub(p3, gr.zhi[jb]);
 }
 
-template <int BITS>
-__device__ __forceinline__ void codes_pair(uint32_t (&b)[4], const uint32_t* w, int i, const GroupRegs& gr) {
+// codes_pair: pair i's codes from the lane's words w (word i at 4 bits,
+// words 2i and 2i + 1 at 8), with gr's entries 2i and 2i + 1. (PairRegs
+// holds one pair: i = 0, w the pair's own words.)
+template <int BITS, int P>
+__device__ __forceinline__ void codes_pair(uint32_t (&b)[4], const uint32_t* w, int i, const SubtileRegs<P>& gr) {
   if constexpr (BITS == 4) {
     codes_word(b, w[i], i, gr);
   } else {
@@ -190,8 +211,8 @@ __device__ __forceinline__ void codes_pair(uint32_t (&b)[4], const uint32_t* w, 
 }
 
 // dequant_pair is codes_pair scaled: the fp16 weights (q − z)·s.
-template <int BITS>
-__device__ __forceinline__ void dequant_pair(uint32_t (&b)[4], const uint32_t* w, int i, const GroupRegs& gr) {
+template <int BITS, int P>
+__device__ __forceinline__ void dequant_pair(uint32_t (&b)[4], const uint32_t* w, int i, const SubtileRegs<P>& gr) {
   codes_pair<BITS>(b, w, i, gr);
   b[0] = hmul(b[0], gr.s[2 * i]);
   b[1] = hmul(b[1], gr.s[2 * i]);
@@ -233,48 +254,65 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
 // the warp walks its K range in order. gshift: a group spans 2^gshift
 // 16-row steps (−1: a single group). BITS: the codes' width, 4 (a lane's
 // zeros in one word) or 8 (two).
-template <int BITS = 4>
+template <int BITS = 4, int P = 4>
 struct GroupStream {
   using ZV = typename std::conditional<BITS == 8, uint2, uint32_t>::type;
+  // a group's scales as loaded: all eight sub-tiles' (uint4), or with P =
+  // 1 (PairRegs, v21) pair `pair`'s word alone
+  using SV = typename std::conditional<P == 1, uint32_t, uint4>::type;
   const uint4* S;
   const ZV* Z;
   size_t off, stride;  // this lane's entry of group 0; entries per group
-  int gshift, G, cur;
-  uint4 sv_next;
+  int gshift, G, cur, pair;
+  SV sv_next;
   ZV zv_next;
 
-  __device__ __forceinline__ GroupStream(const uint4* S_, const uint32_t* Z_, int nt, int NT, int gid, int KT, int gshift_)
+  __device__ __forceinline__ GroupStream() {}
+  __device__ __forceinline__ GroupStream(const uint4* S_, const uint32_t* Z_, int nt, int NT, int gid, int KT, int gshift_,
+                                         int pair_ = 0)
       : S(S_), Z(reinterpret_cast<const ZV*>(Z_)), off((size_t)nt * 8 + gid), stride((size_t)NT * 8), gshift(gshift_),
-        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(make_uint4(0, 0, 0, 0)), zv_next() {}
+        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), pair(pair_), sv_next(), zv_next() {}
 
+  __device__ __forceinline__ SV load_scales(int g) const {
+    if constexpr (P == 1)
+      return __ldg(reinterpret_cast<const uint32_t*>(S) + (g * stride + off) * 4 + pair);
+    else
+      return __ldg(S + g * stride + off);
+  }
+  __device__ __forceinline__ void convert(SubtileRegs<P>& gr, SV sv, ZV zv) const {
+    if constexpr (P == 1)
+      convert_group(gr, sv, zv, pair);
+    else
+      convert_group(gr, sv, zv);
+  }
   __device__ __forceinline__ void prefetch() {
     if (cur + 1 < G) {
-      sv_next = __ldg(S + (cur + 1) * stride + off);
+      sv_next = load_scales(cur + 1);
       zv_next = __ldg(Z + (cur + 1) * stride + off);
     }
   }
   // start loads the group of step k0 into gr.
-  __device__ __forceinline__ void start(GroupRegs& gr, int k0) {
+  __device__ __forceinline__ void start(SubtileRegs<P>& gr, int k0) {
     cur = gshift < 0 ? 0 : k0 >> gshift;
-    convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
+    convert(gr, load_scales(cur), __ldg(Z + cur * stride + off));
     prefetch();
   }
   // crosses: whether step k lies past gr's group.
   __device__ __forceinline__ bool crosses(int k) const { return gshift >= 0 && (k >> gshift) != cur; }
   // advance moves gr to step k's group, the next one (crosses(k) held).
-  __device__ __forceinline__ void advance(GroupRegs& gr, int k) {
+  __device__ __forceinline__ void advance(SubtileRegs<P>& gr, int k) {
     cur = k >> gshift;
-    convert_group(gr, sv_next, zv_next);
+    convert(gr, sv_next, zv_next);
     prefetch();
   }
   // at moves gr to step k's group (k increases by one step at a time).
-  __device__ __forceinline__ void at(GroupRegs& gr, int k) {
+  __device__ __forceinline__ void at(SubtileRegs<P>& gr, int k) {
     if (crosses(k)) advance(gr, k);
   }
   // seek moves gr to step k's group for any k past the last one: the
   // group loaded ahead if k is in it, else k's own, loaded now (v19's
   // warps that take every R-th step, with groups shorter than R steps).
-  __device__ __forceinline__ void seek(GroupRegs& gr, int k) {
+  __device__ __forceinline__ void seek(SubtileRegs<P>& gr, int k) {
     if (!crosses(k)) return;
     if ((k >> gshift) == cur + 1)
       advance(gr, k);
@@ -405,20 +443,31 @@ __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, in
   }
 }
 
+// cta_sync is the barrier of THREADS threads: __syncthreads() (BAR 0, the
+// whole CTA) or named barrier BAR for threads 0 … THREADS − 1 (v21's
+// consumers, whose producer warpgroup has left).
+template <int BAR, int THREADS>
+__device__ __forceinline__ void cta_sync() {
+  if constexpr (BAR == 0)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;\n" ::"n"(BAR), "n"(THREADS) : "memory");
+}
+
 // finish_splits: the last of a tile's `splits` CTAs to finish (counted in
 // *counter) converts rows row0 … row0+rows−1 of the tile from the
 // workspace to fp16 (in the gated mode, pairs into act(gate)·up) and
 // re-zeroes the workspace and the counter. ntiles: the CTA's sums cover
 // n-tiles nt … nt+ntiles−1 (the fused kernel's NW, fewer at N's edge),
 // all under the one counter. THREADS: the CTA's.
-template <int THREADS = kWarps * 32>
+template <int THREADS = kWarps * 32, int BAR = 0>
 __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
                                               int nt, int splits, int& s_last, int ntiles = 1) {
   if (splits == 1) return;
   __threadfence();
-  __syncthreads();
+  cta_sync<BAR, THREADS>();
   if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == splits - 1;
-  __syncthreads();
+  cta_sync<BAR, THREADS>();
   if (!s_last) return;
   __threadfence();
   // Four columns a thread, rows·2^lg of them a tile (lg 3 gated: the
@@ -743,7 +792,93 @@ struct WgmmaSS<128> {
       : "l"(da), "l"(db), "r"(1));
   }
 };
+// WgmmaRS<N>::mma is wgmma.mma_async m64nNk16 with the A operand (the
+// 64 weight columns × 16 K) in registers, as mma.m16n8k16's A fragments
+// (warp w of the warpgroup: rows 16w … 16w + 15), B by descriptor (v21).
+template <int N>
+struct WgmmaRS;
+template <>
+struct WgmmaRS<64> {
+  static __device__ __forceinline__ void mma(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+      "%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  }
+};
+template <>
+struct WgmmaRS<128> {
+  static __device__ __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"
+      "%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,"
+      "%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  }
+};
 #endif
+
+// wg_acc_to_tile writes a wgmma warp's accumulators (v19, v21) to the
+// epilogue's tile of NTOK tokens × the CTA's columns in fp32 (rows STRIDE
+// floats apart): acc[j][4i + 2h + e] is column 16·(warp mod 4) + gid + 8h
+// of the warpgroup's tile j (the CTA's wg·WN + j), token 8i + 2·tig + e.
+template <int NTOK, int WN, int STRIDE>
+__device__ __forceinline__ void wg_acc_to_tile(float* tile, const float (&acc)[WN][NTOK / 2], int warp, int lane) {
+  const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int j = 0; j < WN; ++j) {
+    const int col = ((warp >> 2) * WN + j) * 64 + 16 * (warp & 3) + gid;
+#pragma unroll
+    for (int i = 0; i < NTOK / 8; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) tile[(8 * i + 2 * tig + e) * STRIDE + col + 8 * h] = acc[j][4 * i + 2 * h + e];
+  }
+}
+
+// wg_epilogue stores the tile (v19, v21): four adjacent columns a thread
+// of THREADS, as outputs (gated pairs through the activation) or, with K
+// splits, added into the workspace, which finish_splits' last CTA turns
+// into outputs (meeting at barrier BAR: cta_sync).
+template <int NTOK, int T, int THREADS, int STRIDE, int BAR = 0>
+__device__ __forceinline__ void wg_epilogue(const float* tile, const Outs& C, float* ws, int* counters, int row0,
+                                            int nt0, int M, int N, int splits, int& s_last) {
+  const int NT = N >> 6;
+  constexpr int kF4 = T * 16;  // four-column groups a token's row
+  for (int i = threadIdx.x; i < NTOK * kF4; i += THREADS) {
+    const int tok = i / kF4, c = (i % kF4) * 4, t = c >> 6, cc = c & 63;
+    const int r = row0 + tok, nt = nt0 + t;
+    if (r >= M || nt >= NT) continue;
+    const float4* p = reinterpret_cast<const float4*>(tile + tok * STRIDE + c);
+    if (splits > 1)
+      atomicAdd(reinterpret_cast<float4*>(&ws[(size_t)r * N + nt * 64 + cc]), p[0]);
+    else if (C.act < 0)
+      store_four(C, false, r, N, nt, cc, p[0], p[0]);
+    else if (cc < 32)  // gated: the gate's columns cc < 32 pair with the up's cc + 32
+      store_four(C, true, r, N, nt, cc, p[0], p[8]);
+  }
+  finish_splits<THREADS, BAR>(C, ws, &counters[blockIdx.x * NT + nt0], row0, NTOK, M, N, nt0, splits, s_last,
+                              min(T, NT - nt0));
+}
 
 // w4a16_wgmma (v19): a CTA of NWG warpgroups owns T adjacent n-tiles
 // (64·T columns) for the NTOK rows of row block blockIdx.x, over one K
@@ -874,40 +1009,217 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: the epilogue's tile takes their place
 
-  // acc[j][4i + 2h + e]: column 16·(warp%4) + gid + 8h of tile wg·WN + j,
-  // token 8i + 2·tig + e.
   float* tile = reinterpret_cast<float*>(smem);
-  {
-    const int gid = lane >> 2, tig = lane & 3;
-#pragma unroll
-    for (int j = 0; j < WN; ++j) {
-      const int col = (wg * WN + j) * 64 + 16 * (warp & 3) + gid;
-#pragma unroll
-      for (int i = 0; i < NTOK / 8; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) tile[(8 * i + 2 * tig + e) * L::kEpiStride + col + 8 * h] = acc[j][4 * i + 2 * h + e];
-    }
-  }
+  wg_acc_to_tile<NTOK, WN, L::kEpiStride>(tile, acc, warp, lane);
   __syncthreads();
-  constexpr int kF4 = T * 16;  // four-column groups a token's row
-  for (int i = threadIdx.x; i < NTOK * kF4; i += kThreads) {
-    const int tok = i / kF4, c = (i % kF4) * 4, t = c >> 6, cc = c & 63;
-    const int r = row0 + tok, nt = nt0 + t;
-    if (r >= M || nt >= NT) continue;
-    const float4* p = reinterpret_cast<const float4*>(tile + tok * L::kEpiStride + c);
-    if (splits > 1)
-      atomicAdd(reinterpret_cast<float4*>(&ws[(size_t)r * N + nt * 64 + cc]), p[0]);
-    else if (C.act < 0)
-      store_four(C, false, r, N, nt, cc, p[0], p[0]);
-    else if (cc < 32)  // gated: the gate's columns cc < 32 pair with the up's cc + 32
-      store_four(C, true, r, N, nt, cc, p[0], p[8]);
-  }
-  finish_splits<kThreads>(C, ws, &counters[blockIdx.x * NT + nt0], row0, NTOK, M, N, nt0, splits, s_last,
-                          min(T, NT - nt0));
+  wg_epilogue<NTOK, T, kThreads, L::kEpiStride>(tile, C, ws, counters, row0, nt0, M, N, splits, s_last);
 #else
   __trap();  // built without sm_90a: the plan refuses v19 off Hopper before a launch gets here
+#endif
+}
+
+// v21 (w4a16_wgmma_rs; sweep-only until measured): v19 without its proxy
+// fence. v19's fence.proxy.async, which makes the dequantized weights
+// (stmatrix) and the activations (cp.async) visible to wgmma, compiles to
+// a MEMBAR that waits for every copy and load its thread has in flight,
+// the next stages' too (cuda/NOTES.md, "The seventeenth session"). Here
+// neither operand is written through the generic proxy:
+// - the weights go to wgmma in registers (its A operand, as Machete's and
+//   CUTLASS's mixed-input kernels do): warp w of a warpgroup dequantizes
+//   rows 16w … 16w + 15 of each of the warpgroup's WN tiles, which are
+//   sub-tiles 2w and 2w + 1 of the GPU layout — one dequant_pair of the
+//   lane's chunk, whose B fragments are the lane's A fragment in another
+//   order (PairRegs: that pair's scales and zeros alone);
+// - a producer warpgroup (the CTA's last; one thread of it) fills the
+//   STAGES stages through the copy engine: each tile's codes for a
+//   stage's U steps as one bulk copy, the activations as U boxes of a
+//   tensor map (16 K × NTOK rows) that land in wgmma's 32-byte swizzle,
+//   rows past M and steps past the slice as zeros. A stage's `full`
+//   mbarrier completes when its bytes have landed, its `empty` one when
+//   every consumer thread has retired the stage's wgmmas. (A whole
+//   warpgroup, since ptxas gives every thread of a wgmma kernel the
+//   registers of a CTA rounded up to warpgroups: 168 at 384 threads. The
+//   producer hands registers to the consumers (setmaxnreg); ptxas 12.4
+//   still allocated within 168, but without it the consumers spilled.)
+// - a consumer dequantizes one tile-step's A fragments at a time into one
+//   of two register buffers, issues its wgmma as a group of one and waits
+//   for the group before (wait_group 1), so that a wgmma runs while the
+//   next tile-step is dequantized. (A group a step, its WN tiles' A
+//   fragments in two buffers, took more than the 168 registers: ptxas
+//   serialized every wgmma, C7512.)
+// The epilogue is v19's, among the consumers (named barrier 1).
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
+struct WgRsTile {
+  static constexpr int kConsumers = 128 * NWG, kThreads = kConsumers + 128, WN = T / NWG, CH = BITS / 4;
+  // registers a thread (setmaxnreg): the producer's, and the consumers'
+  // from the rest of the register file (multiples of 8, at most 256)
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kRest = (65536 - 128 * kProducerRegs) / kConsumers / 8 * 8;
+  static constexpr int kConsumerRegs = kRest < 256 ? kRest : 256;
+  static constexpr int kCodeBytes = T * U * CH * 512;  // a stage's codes: tile t's U steps, then t + 1's
+  static constexpr int kActBytes = U * NTOK * 32;      // its activations: step u's NTOK rows of 32 bytes (sw32)
+  static constexpr int kStage = kCodeBytes + kActBytes;
+  static constexpr int kEpiStride = T * 64 + 4;  // floats a token's row of the epilogue's tile
+  static constexpr size_t kMain = (size_t)STAGES * kStage, kEpi = (size_t)NTOK * kEpiStride * 4;
+  static constexpr size_t kBar = kMain > kEpi ? kMain : kEpi;  // full[STAGES], empty[STAGES], then s_last
+  static constexpr size_t kSmem = kBar + 16 * STAGES + 16;
+  static_assert((NTOK == 64 || NTOK == 128) && T % NWG == 0 && WN >= 1 && U % 2 == 0 && STAGES >= 2, "v21's shape");
+  static_assert(kSmem <= 232448, "v21's stages fit an SM's shared memory");
+  static_assert(128 * kProducerRegs + kConsumers * kConsumerRegs <= 65536, "v21's registers fit an SM's");
+};
+
+#if LLMQ_HAVE_WGMMA
+// tma_load_2d copies the box of map at (x, y) (innermost first) to dst,
+// completing on bar; parts of the box outside the tensor land as zeros.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
+  asm volatile(
+    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+      smem_addr(dst)),
+    "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
+    : "memory");
+}
+// set_max_regs: the warpgroup's registers a thread become N (setmaxnreg;
+// every thread of the warpgroup runs it).
+template <int N>
+__device__ __forceinline__ void set_max_regs() {
+  if constexpr (N > 168)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+  else
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+#endif
+
+#if LLMQ_HAVE_WGMMA
+// rs_consume is v21's consumer warpgroups' part (w4a16_wgmma_rs): warp w
+// takes rows 16·(w mod 4) … 16·(w mod 4) + 15 of its warpgroup's tiles
+// wg·WN + j, stage by stage as the producer fills them, then the epilogue.
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
+__device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, uint64_t* empty, int& s_last,
+                                           const Outs& C, const uint4* __restrict__ S,
+                                           const uint32_t* __restrict__ Z, float* __restrict__ ws,
+                                           int* __restrict__ counters, int row0, int nt0, int M, int N, int KT, int k0,
+                                           int k1, int batches, int gshift, int splits) {
+  using L = WgRsTile<NTOK, NWG, T, U, STAGES, BITS>;
+  constexpr int CH = L::CH, WN = L::WN;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2, NT = N >> 6;
+  auto stage_at = [&](int b) { return smem + (size_t)(b % STAGES) * L::kStage; };
+  set_max_regs<L::kConsumerRegs>();
+  const int pair = warp & 3;
+  GroupStream<BITS, 1> groups[WN];
+  PairRegs gr[WN];
+  bool tile_ok[WN];
+#pragma unroll
+  for (int j = 0; j < WN; ++j) {
+    tile_ok[j] = nt0 + wg * WN + j < NT;
+    groups[j] = GroupStream<BITS, 1>(S, Z, tile_ok[j] ? nt0 + wg * WN + j : 0, NT, lane >> 2, KT, gshift, pair);
+    if (k0 < k1) groups[j].start(gr[j], k0);
+  }
+  pdl_gate();
+  float acc[WN][NTOK / 2];
+#pragma unroll
+  for (int j = 0; j < WN; ++j)
+#pragma unroll
+    for (int i = 0; i < NTOK / 2; ++i) acc[j][i] = 0.f;
+  uint32_t a[2][4];  // tile-step i's A fragments in a[i % 2] (the one before may be in flight)
+  for (int b = 0; b < batches; ++b) {
+    mbar_wait(&full[b % STAGES], (b / STAGES) & 1);  // batch b has landed
+    const unsigned char* st = stage_at(b);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + b * U + u;
+      const uint64_t db = wgmma_desc(st + L::kCodeBytes + u * (NTOK * 32));
+#pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        uint32_t(&af)[4] = a[(u * WN + j) & 1];
+        const bool ok = k < k1 && tile_ok[j];  // (uniform across the warp)
+        if (k < k1) groups[j].at(gr[j], k);
+        // the pair's words: word `pair` of the lane's chunk at 4 bits,
+        // words 2·pair and + 1 (in chunk pair / 2) at 8
+        const uint4 q = reinterpret_cast<const uint4*>(
+          st)[(((wg * WN + j) * U + u) * CH + (CH - 1) * (pair >> 1)) * 32 + lane];
+        uint32_t w[2];
+        if constexpr (CH == 1) {
+          w[0] = pair == 0 ? q.x : pair == 1 ? q.y : pair == 2 ? q.z : q.w;
+        } else {
+          w[0] = pair & 1 ? q.z : q.x;
+          w[1] = pair & 1 ? q.w : q.y;
+        }
+        uint32_t bq[4];
+        dequant_pair<BITS>(bq, w, 0, gr[j]);
+        // A's fragment: rows gid and gid + 8 (sub-tiles 2·pair and + 1) at
+        // K 2·tig, then at 2·tig + 8; zeros past the slice or N's edge
+        af[0] = ok ? bq[0] : 0u;
+        af[1] = ok ? bq[2] : 0u;
+        af[2] = ok ? bq[1] : 0u;
+        af[3] = ok ? bq[3] : 0u;
+        wgmma_fence();
+        WgmmaRS<NTOK>::mma(acc[j], af, db);
+        wgmma_commit();
+        wgmma_wait<1>();  // the tile-step before is retired: its A buffer is free
+        if (u == 0 && j == 0 && b > 0) mbar_arrive(&empty[(b - 1) % STAGES]);  // and with it batch b − 1's stage
+      }
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < WN; ++j) pin(acc[j]);
+  cta_sync<1, L::kConsumers>();  // every consumer's wgmmas are retired: the epilogue's tile takes the stages' place
+  float* tile = reinterpret_cast<float*>(smem);
+  wg_acc_to_tile<NTOK, WN, L::kEpiStride>(tile, acc, warp, lane);
+  cta_sync<1, L::kConsumers>();
+  wg_epilogue<NTOK, T, L::kConsumers, L::kEpiStride, 1>(tile, C, ws, counters, row0, nt0, M, N, splits, s_last);
+}
+#endif
+
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
+__global__ void __launch_bounds__(128 * NWG + 128, 1)
+  w4a16_wgmma_rs(const half* __restrict__ A, const uint4* __restrict__ B, const uint4* __restrict__ S,
+                 const uint32_t* __restrict__ Z, const Outs C, float* __restrict__ ws, int* __restrict__ counters,
+                 int M, int N, int K, int gshift, int splits, const __grid_constant__ CUtensorMap tmA) {
+#if LLMQ_HAVE_WGMMA
+  using L = WgRsTile<NTOK, NWG, T, U, STAGES, BITS>;
+  constexpr int CH = L::CH;
+  extern __shared__ __align__(1024) unsigned char rs_smem[];  // (the swizzle needs 256-byte alignment)
+  unsigned char* const smem = rs_smem;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  uint64_t* const empty = full + STAGES;
+  int& s_last = *reinterpret_cast<int*>(smem + L::kBar + 16 * STAGES);
+  const int row0 = blockIdx.x * NTOK, nt0 = blockIdx.y * T;
+  const int wg = threadIdx.x >> 7;
+  const int KT = K >> 4, NT = N >> 6;
+  const int per_split = (KT + splits - 1) / splits;
+  const int k0 = blockIdx.z * per_split, k1 = min(KT, k0 + per_split);
+  const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
+  auto stage_at = [&](int b) { return smem + (size_t)(b % STAGES) * L::kStage; };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], L::kConsumers);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == NWG) {  // the producer warpgroup: its first thread issues every copy, then it leaves
+    set_max_regs<L::kProducerRegs>();
+    pdl_gate();
+    if (threadIdx.x == L::kConsumers) {
+      const int tiles = min(T, NT - nt0);
+      for (int b = 0; b < batches; ++b) {
+        const int s = b % STAGES;
+        if (b >= STAGES) mbar_wait(&empty[s], (b / STAGES - 1) & 1);  // batch b − STAGES is retired
+        unsigned char* st = stage_at(b);
+        const int kb = k0 + b * U, steps = min(U, k1 - kb);
+        mbar_expect_tx(&full[s], (uint32_t)(L::kActBytes + tiles * steps * CH * 512));
+        for (int u = 0; u < U; ++u)  // a step past the slice: a box past K, all zeros
+          tma_load_2d(st + L::kCodeBytes + u * (NTOK * 32), &tmA, u < steps ? (kb + u) * 16 : K, row0, &full[s]);
+        for (int t = 0; t < tiles; ++t)
+          bulk_copy(st + t * U * CH * 512, B + ((size_t)(nt0 + t) * KT + kb) * CH * 32, steps * CH * 512, &full[s]);
+      }
+    }
+  } else {
+    rs_consume<NTOK, NWG, T, U, STAGES, BITS>(smem, full, empty, s_last, C, S, Z, ws, counters, row0, nt0, M, N, KT,
+                                              k0, k1, batches, gshift, splits);
+  }
+#else
+  __trap();  // built without sm_90a: the plan refuses v21 off Hopper before a launch gets here
 #endif
 }
 
@@ -1606,6 +1918,7 @@ struct Plan {
 struct Variant {
   int mb, u, stages, nw;  // nw: n-tiles a CTA (v18: warps a CTA, each its n-tile)
   int wg = 0;             // > 0: v19 (w4a16_wgmma, Hopper), warpgroups a CTA; the rows 16·mb are its NTOK
+  int rs = 0;             // 1 (with wg): v21 (w4a16_wgmma_rs), the weights in registers, a producer warp's copies
 };
 // At 64 rows two steps a stage beat four on the three large layers
 // (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
@@ -1625,11 +1938,17 @@ struct Variant {
 // cuda/NOTES.md, "The sixteenth session" and "The seventeenth session");
 // 19 is 11 with four steps a stage (half the stages, so half the proxy
 // fence's waits for the copies in flight; 22 in face48a's sweep).
+// Variants 20–24 are v21 (sweep-only): 128 tokens over four tiles in two
+// warpgroups, four steps a stage in four or six stages, eight in three;
+// 64 tokens over four tiles in six stages; 128 tokens, two steps a stage
+// in eight. (64 tokens over eight tiles, four a warpgroup, spilled.)
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
-                                 {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2}};
+                                 {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2},
+                                 {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
+                                 {8, 2, 8, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v19's variant in the plan (llmq_ctx::wgmma_max_m): 128 tokens over four
 // tiles in two warpgroups, four steps a stage, for M = 65 … wgmma_max_m.
@@ -1977,16 +2296,56 @@ int group_shift(int group, int K) {
 }
 
 // fused_launch queries a fused kernel's resident CTAs (run false) or
-// launches it: v18 and v19 take the same grid and arguments.
-template <typename Kernel>
+// launches it: v18, v19 and v21 take the same grid and arguments (v21 one
+// more, the activations' tensor map, in extra).
+template <typename Kernel, typename... Extra>
 int fused_launch(llmq_ctx* c, bool run, int slot, Kernel kernel, const Variant& v, size_t smem, int threads, int splits,
                  const half* A, const void* B, const void* S, const void* Z, const Outs& C, void* workspace, int M,
-                 int N, int K, int gshift) {
+                 int N, int K, int gshift, Extra... extra) {
   if (!run) return resident_of(c, slot, kernel, smem, threads);
   float* ws = (float*)workspace;
   const dim3 grid((M + 16 * v.mb - 1) / (16 * v.mb), (N / 64 + v.nw - 1) / v.nw, splits);
   CK(launch(c, (kernel), grid, threads, smem, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z, C, ws,
-            (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
+            (int*)(ws + (size_t)M * N), M, N, K, gshift, splits, extra...));
+  return 0;
+}
+
+// act_map fills m with the copy engine's description of the activations
+// A (M rows of K fp16) in boxes of 16 K × rows, 32-byte swizzled as wgmma
+// reads them (v21). The encoder is the driver's cuTensorMapEncodeTiled,
+// found once through the runtime and kept in the context.
+typedef CUresult (*TensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                         const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                         CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+int act_map(llmq_ctx* c, CUtensorMap* m, const half* A, int M, int K, int rows) {
+  if (!c->tmap_encode) {
+    cudaDriverEntryPointQueryResult q;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &c->tmap_encode, 12000,
+                                                           cudaEnableDefault, &q);
+#else  // (the local checks' older toolkit)
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &c->tmap_encode, cudaEnableDefault, &q);
+#endif
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !c->tmap_encode) {
+      c->tmap_encode = nullptr;
+      llmq::set_error(c, "v21: the driver has no cuTensorMapEncodeTiled (%s)", cudaGetErrorString(e));
+      return 1;
+    }
+  }
+  if (reinterpret_cast<uintptr_t>(A) % 16 != 0) {
+    llmq::set_error(c, "v21: the activations must start 16-byte aligned for the copy engine");
+    return 1;
+  }
+  const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, strides[1] = {(cuuint64_t)K * sizeof(half)};
+  const cuuint32_t box[2] = {16, (cuuint32_t)rows}, steps[2] = {1, 1};
+  const CUresult r = reinterpret_cast<TensorMapEncodeTiled>(c->tmap_encode)(
+    m, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, const_cast<half*>(A), dims, strides, box, steps,
+    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_32B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    llmq::set_error(c, "v21: cuTensorMapEncodeTiled failed (error %d) for %d × %d activations", (int)r, M, K);
+    return 1;
+  }
   return 0;
 }
 
@@ -1995,7 +2354,13 @@ int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* 
                   const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr Variant v = kVariants[V];
   const int slot = resident_slot(1, V, BITS);
-  if constexpr (v.wg > 0) {
+  if constexpr (v.rs) {
+    using L = WgRsTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>;
+    CUtensorMap tm{};  // (a resident query launches nothing and needs none)
+    if (run && act_map(c, &tm, A, M, K, 16 * v.mb)) return 1;
+    return fused_launch(c, run, slot, w4a16_wgmma_rs<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>, v, L::kSmem,
+                        L::kThreads, splits, A, B, S, Z, C, workspace, M, N, K, gshift, tm);
+  } else if constexpr (v.wg > 0) {
     using L = WgTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>;
     return fused_launch(c, run, slot, w4a16_wgmma<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>, v, L::kSmem,
                         L::kThreads, splits, A, B, S, Z, C, workspace, M, N, K, gshift);
@@ -2295,7 +2660,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     char nw[16] = "";  // warps a CTA where not kWarps
     if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
     if (v.wg > 0)
-      snprintf(out, n, "fused v19 wgmma%s n%d t%d wg%d u%d s%d splits%d", bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg,
+      snprintf(out, n, "fused v%d wgmma%s%s n%d t%d wg%d u%d s%d splits%d", v.rs ? 21 : 19, v.rs ? "-rs" : "",
+               bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg,
                v.u, v.stages, p.splits);
     else
       snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw,
