@@ -263,15 +263,16 @@ struct GroupStream {
   const uint4* S;
   const ZV* Z;
   size_t off, stride;  // this lane's entry of group 0; entries per group
-  int gshift, G, cur, pair;
+  int gshift, G, cur;
   SV sv_next;
   ZV zv_next;
+  int pair;  // P = 1: the pair whose scales this lane reads
 
   __device__ __forceinline__ GroupStream() {}
   __device__ __forceinline__ GroupStream(const uint4* S_, const uint32_t* Z_, int nt, int NT, int gid, int KT, int gshift_,
                                          int pair_ = 0)
       : S(S_), Z(reinterpret_cast<const ZV*>(Z_)), off((size_t)nt * 8 + gid), stride((size_t)NT * 8), gshift(gshift_),
-        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), pair(pair_), sv_next(), zv_next() {}
+        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(), zv_next(), pair(pair_) {}
 
   __device__ __forceinline__ SV load_scales(int g) const {
     if constexpr (P == 1)
