@@ -43,8 +43,9 @@
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
 #                                     # PROFILE_ARGS: more bench gemm flags, PROFILE_TAG: ncu$TAG.txt; PROFILE_SOURCE=1:
 #                                     # the stall samples by SASS instruction too, ncu$TAG-sass.txt)
-#   bash cuda/device-model.sh wgmma   # v19's variants on their edges (WGMMA_VARIANTS, WGMMA_COUNT), its plan, three
-#                                     # sanitizers (WGMMA_SANITIZERS); with carry.sh base, the baseline's BASE_VARIANTS too
+#   bash cuda/device-model.sh wgmma   # v19's variants on their edges (WGMMA_VARIANTS, WGMMA_COUNT; WGMMA_TEST_S: the
+#                                     # tests' time limit), its plan, three sanitizers (WGMMA_SANITIZERS); with
+#                                     # carry.sh base, the baseline's BASE_VARIANTS too
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
 #                                     # × QCONFIGS (gptq-w4, gptq-wB-gG[-bs], gptq-w4-act, awq-wB, awqgptq-w4) quantized
 #                                     # with --device cuda and evaluated on the GPU
@@ -54,7 +55,7 @@
 #   bash cuda/device-model.sh reftime # the reference gptq.py timed on a llama3-8b block (.carry/gptq-ref)
 #   bash cuda/device-model.sh seeds   # evals/seeds.sh on the GPU: llama-tiny SEED_CONFIGS ("gptq:4 awq:4")
 #   bash cuda/device-model.sh act     # llama-tiny with INT8 and FP8 activations per token on the GPU (ppl)
-#   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS once per setting in SWEEP_ENV (settings separated by
+#   bash cuda/device-model.sh sweep   # llmq bench gemm $SWEEP_ARGS (each run at most SWEEP_S seconds) once per setting in SWEEP_ENV (settings separated by
 #                                     # ';', each of VAR=value pairs: "LLMQ_W4_SWAP_VARIANT=0;LLMQ_W4_SWAP_VARIANT=3 LLMQ_W4_SPLITS=2"),
 #                                     # into gemm-$G-sweep$SWEEP_TAG.txt
 #   bash cuda/device-model.sh vtests  # the GEMM tests once per setting in VTEST_ENV (';'-separated as SWEEP_ENV; "" the
@@ -203,7 +204,7 @@ case "$1" in
     wgmma_run() {
       local log="$OUT/cuda-wgmma-tests$1.log" tool
       echo "# $3: LLMQ_CUDA_LIB=$2 cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run '$4'" > "$log"
-      LLMQ_CUDA_LIB=$2 build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$4" >> "$log" 2>&1
+      LLMQ_CUDA_LIB=$2 timeout ${WGMMA_TEST_S:-400} build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$4" >> "$log" 2>&1
       echo "wgmma tests$1 rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
       grep -E -- "--- FAIL|largest error at" "$log" | head -8
       for tool in $5; do
@@ -284,7 +285,7 @@ case "$1" in
     split_settings "${SWEEP_ENV:-}"
     for e in "${settings[@]}"; do
       echo "# $LLMQ_COMMIT: $e llmq bench gemm ${SWEEP_ARGS:-}"
-      env $e $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)"
+      env $e timeout ${SWEEP_S:-300} $L bench gemm ${SWEEP_ARGS:-} 2>&1 | grep -E "^(shape|8B|70B)|rror"
     done | tee "$OUT/gemm-$G-sweep${SWEEP_TAG:-}.txt" | cut -c1-150
     ;;
   vtests) # the GEMM tests once per environment setting in VTEST_ENV (';'-separated as SWEEP_ENV): a forced
