@@ -1024,8 +1024,10 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
 template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
 struct WgRsTile {
   static constexpr int kConsumers = 128 * NWG, kThreads = kConsumers + 128, WN = T / NWG, CH = BITS / 4;
-  // registers a thread (setmaxnreg): the producer's, and the consumers'
-  // from the rest of the register file (multiples of 8, at most 256)
+  // registers a thread (setmaxnreg): at launch (the register file over the
+  // CTA, in multiples of 8, at most 255: 168 at 384 threads), then the
+  // producer's, and the consumers' from the rest (multiples of 8, at most 256)
+  static constexpr int kEntryRegs = (65536 / kThreads < 255 ? 65536 / kThreads : 255) / 8 * 8;
   static constexpr int kProducerRegs = 40;
   static constexpr int kRest = (65536 - 128 * kProducerRegs) / kConsumers / 8 * 8;
   static constexpr int kConsumerRegs = kRest < 256 ? kRest : 256;
@@ -1038,7 +1040,8 @@ struct WgRsTile {
   static constexpr size_t kSmem = kBar + 16 * STAGES + 16;
   static_assert((NTOK == 64 || NTOK == 128) && T % NWG == 0 && WN >= 1 && U % 2 == 0 && STAGES >= 2, "v21's shape");
   static_assert(kSmem <= 232448, "v21's stages fit an SM's shared memory");
-  static_assert(128 * kProducerRegs + kConsumers * kConsumerRegs <= 65536, "v21's registers fit an SM's");
+  static_assert(128 * kProducerRegs + kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
+                "v21's consumers take no more registers than its producer gives up");
 };
 
 #if LLMQ_HAVE_WGMMA
@@ -1051,13 +1054,13 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
     "l"(map), "r"(x), "r"(y), "r"(smem_addr(bar))
     : "memory");
 }
-// set_max_regs: the warpgroup's registers a thread become N (setmaxnreg;
-// every thread of the warpgroup runs it).
-template <int N>
+// set_max_regs: the warpgroup's registers a thread go from FROM (what the
+// launch gave it) to N (setmaxnreg; every thread of the warpgroup runs it).
+template <int FROM, int N>
 __device__ __forceinline__ void set_max_regs() {
-  if constexpr (N > 168)
+  if constexpr (N > FROM)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-  else
+  else if constexpr (N < FROM)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 #endif
@@ -1076,7 +1079,7 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
   constexpr int CH = L::CH, WN = L::WN;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2, NT = N >> 6;
   auto stage_at = [&](int b) { return smem + (size_t)(b % STAGES) * L::kStage; };
-  set_max_regs<L::kConsumerRegs>();
+  set_max_regs<L::kEntryRegs, L::kConsumerRegs>();
   const int pair = warp & 3;
   GroupStream<BITS, 1> groups[WN];
   PairRegs gr[WN];
@@ -1171,7 +1174,7 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
   __syncthreads();
 
   if (wg == NWG) {  // the producer warpgroup: its first thread issues every copy, then it leaves
-    set_max_regs<L::kProducerRegs>();
+    set_max_regs<L::kEntryRegs, L::kProducerRegs>();
     pdl_gate();
     if (threadIdx.x == L::kConsumers) {
       const int tiles = min(T, NT - nt0);
