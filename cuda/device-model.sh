@@ -43,7 +43,7 @@
 #   bash cuda/device-model.sh profile # ncu sections of the fused kernel (PROFILE_M, PROFILE_SHAPE, PROFILE_KERNEL,
 #                                     # PROFILE_ARGS: more bench gemm flags, PROFILE_TAG: ncu$TAG.txt; PROFILE_SOURCE=1:
 #                                     # the stall samples by SASS instruction too, ncu$TAG-sass.txt)
-#   bash cuda/device-model.sh wgmma   # v19's variants on their edges (WGMMA_VARIANTS, WGMMA_COUNT; WGMMA_TEST_S: the
+#   bash cuda/device-model.sh wgmma   # v19's and v21's variants on their edges (WGMMA_VARIANTS, WGMMA_COUNT; WGMMA_TEST_S: the
 #                                     # tests' time limit), its plan, three sanitizers (WGMMA_SANITIZERS); with
 #                                     # carry.sh base, the baseline's BASE_VARIANTS too
 #   bash cuda/device-model.sh quant   # GPTQ and AWQ on the GPU: tests, then QMODELS (llama-tiny llama-small)
@@ -190,11 +190,11 @@ case "$1" in
       echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY' "$log" | tail -2 | tr '\n' ' ')"
     done
     ;;
-  wgmma) # v19 (w4a16_wgmma): its variants forced on their edges (WGMMA_COUNT runs each) and the plan's
+  wgmma) # v19 and v21 (w4a16_wgmma, _rs): their variants forced on their edges (WGMMA_COUNT runs each) and the plan's
           # choice, then racecheck, synccheck and memcheck on them; with a baseline (carry.sh base) the
           # baseline's library on BASE_VARIANTS too, plain and under racecheck (a fix's before and after)
     # (-test.run takes a top-level '|' as two patterns, then splits each at '/': both levels in parentheses)
-    r="(TestFusedVariantsMatchReference|TestPlanTakesV19WhenAsked)/(LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-9]})\$|LLMQ_W4_WGMMA_MAX_M)"
+    r="(TestFusedVariantsMatchReference|TestPlanTakesV19WhenAsked)/(LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-9]|2[0-4]})\$|LLMQ_W4_WGMMA_MAX_M)"
     # the fences each v19 instantiation compiled to (MEMBAR: the wait for every access in flight)
     cuobjdump -sass build/device/libllmqcuda.so 2>/dev/null |
       python3 evals/sass_steps.py --count MEMBAR,FENCE.VIEW.ASYNC w4a16_wgmma | tee "$OUT/sass-wgmma-fences.txt"

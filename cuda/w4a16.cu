@@ -1040,6 +1040,10 @@ struct WgRsTile {
   static constexpr size_t kSmem = kBar + 16 * STAGES + 16;
   static_assert((NTOK == 64 || NTOK == 128) && T % NWG == 0 && WN >= 1 && U % 2 == 0 && STAGES >= 2, "v21's shape");
   static_assert(kSmem <= 232448, "v21's stages fit an SM's shared memory");
+  // stage: where batch b's stage starts
+  static __device__ __forceinline__ unsigned char* stage(unsigned char* smem, int b) {
+    return smem + (size_t)(b % STAGES) * kStage;
+  }
   static_assert(128 * kProducerRegs + kConsumers * kConsumerRegs <= kThreads * kEntryRegs,
                 "v21's consumers take no more registers than its producer gives up");
 };
@@ -1063,9 +1067,7 @@ __device__ __forceinline__ void set_max_regs() {
   else if constexpr (N < FROM)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
-#endif
 
-#if LLMQ_HAVE_WGMMA
 // rs_consume is v21's consumer warpgroups' part (w4a16_wgmma_rs): warp w
 // takes rows 16·(w mod 4) … 16·(w mod 4) + 15 of its warpgroup's tiles
 // wg·WN + j, stage by stage as the producer fills them, then the epilogue.
@@ -1078,7 +1080,6 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
   using L = WgRsTile<NTOK, NWG, T, U, STAGES, BITS>;
   constexpr int CH = L::CH, WN = L::WN;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2, NT = N >> 6;
-  auto stage_at = [&](int b) { return smem + (size_t)(b % STAGES) * L::kStage; };
   set_max_regs<L::kEntryRegs, L::kConsumerRegs>();
   const int pair = warp & 3;
   GroupStream<BITS, 1> groups[WN];
@@ -1099,7 +1100,7 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
   uint32_t a[2][4];  // tile-step i's A fragments in a[i % 2] (the one before may be in flight)
   for (int b = 0; b < batches; ++b) {
     mbar_wait(&full[b % STAGES], (b / STAGES) & 1);  // batch b has landed
-    const unsigned char* st = stage_at(b);
+    const unsigned char* st = L::stage(smem, b);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = k0 + b * U + u;
@@ -1157,8 +1158,8 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
   constexpr int CH = L::CH;
   extern __shared__ __align__(1024) unsigned char rs_smem[];  // (the swizzle needs 256-byte alignment)
   unsigned char* const smem = rs_smem;
-  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + L::kBar);
-  uint64_t* const empty = full + STAGES;
+  auto& full = *reinterpret_cast<uint64_t(*)[STAGES]>(smem + L::kBar);
+  auto& empty = *reinterpret_cast<uint64_t(*)[STAGES]>(smem + L::kBar + 8 * STAGES);
   int& s_last = *reinterpret_cast<int*>(smem + L::kBar + 16 * STAGES);
   const int row0 = blockIdx.x * NTOK, nt0 = blockIdx.y * T;
   const int wg = threadIdx.x >> 7;
@@ -1166,12 +1167,7 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
   const int per_split = (KT + splits - 1) / splits;
   const int k0 = blockIdx.z * per_split, k1 = min(KT, k0 + per_split);
   const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
-  auto stage_at = [&](int b) { return smem + (size_t)(b % STAGES) * L::kStage; };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], L::kConsumers);
-    mbar_init_fence();
-  }
-  __syncthreads();
+  ring_init(full, empty, L::kConsumers);
 
   if (wg == NWG) {  // the producer warpgroup: its first thread issues every copy, then it leaves
     set_max_regs<L::kEntryRegs, L::kProducerRegs>();
@@ -1181,7 +1177,7 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
       for (int b = 0; b < batches; ++b) {
         const int s = b % STAGES;
         if (b >= STAGES) mbar_wait(&empty[s], (b / STAGES - 1) & 1);  // batch b − STAGES is retired
-        unsigned char* st = stage_at(b);
+        unsigned char* st = L::stage(smem, b);
         const int kb = k0 + b * U, steps = min(U, k1 - kb);
         mbar_expect_tx(&full[s], (uint32_t)(L::kActBytes + tiles * steps * CH * 512));
         for (int u = 0; u < U; ++u)  // a step past the slice: a box past K, all zeros
@@ -2637,8 +2633,7 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
     if (v.wg > 0)
       snprintf(out, n, "fused v%d wgmma%s%s n%d t%d wg%d u%d s%d splits%d", v.rs ? 21 : 19, v.rs ? "-rs" : "",
-               bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg,
-               v.u, v.stages, p.splits);
+               bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg, v.u, v.stages, p.splits);
     else
       snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw,
                p.splits);
