@@ -123,6 +123,10 @@ struct SubtileRegs {
 };
 using GroupRegs = SubtileRegs<4>;
 using PairRegs = SubtileRegs<1>;
+// ZerosOf<BITS>: a lane's zeros of a group as stored, one word for 2- to
+// 4-bit codes (a nibble a sub-tile), two for 8-bit (a byte a sub-tile).
+template <int BITS>
+using ZerosOf = typename std::conditional<BITS == 8, uint2, uint32_t>::type;
 
 // pair_scales: sub-tiles 2i and 2i + 1's scales (s[0], s[1]) from their
 // word sw (fp16, sub-tile 2i in the low half), one byte permute a scale.
@@ -254,66 +258,49 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
 // the warp walks its K range in order. gshift: a group spans 2^gshift
 // 16-row steps (−1: a single group). BITS: the codes' width, 4 (a lane's
 // zeros in one word) or 8 (two).
-template <int BITS = 4, int P = 4>
+template <int BITS = 4>
 struct GroupStream {
-  using ZV = typename std::conditional<BITS == 8, uint2, uint32_t>::type;
-  // a group's scales as loaded: all eight sub-tiles' (uint4), or with P =
-  // 1 (PairRegs, v21) pair `pair`'s word alone
-  using SV = typename std::conditional<P == 1, uint32_t, uint4>::type;
+  using ZV = ZerosOf<BITS>;
   const uint4* S;
   const ZV* Z;
   size_t off, stride;  // this lane's entry of group 0; entries per group
   int gshift, G, cur;
-  SV sv_next;
+  uint4 sv_next;
   ZV zv_next;
-  int pair;  // P = 1: the pair whose scales this lane reads
 
   __device__ __forceinline__ GroupStream() {}
-  __device__ __forceinline__ GroupStream(const uint4* S_, const uint32_t* Z_, int nt, int NT, int gid, int KT, int gshift_,
-                                         int pair_ = 0)
+  __device__ __forceinline__ GroupStream(const uint4* S_, const uint32_t* Z_, int nt, int NT, int gid, int KT, int gshift_)
       : S(S_), Z(reinterpret_cast<const ZV*>(Z_)), off((size_t)nt * 8 + gid), stride((size_t)NT * 8), gshift(gshift_),
-        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(), zv_next(), pair(pair_) {}
+        G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(), zv_next() {}
 
-  __device__ __forceinline__ SV load_scales(int g) const {
-    if constexpr (P == 1)
-      return __ldg(reinterpret_cast<const uint32_t*>(S) + (g * stride + off) * 4 + pair);
-    else
-      return __ldg(S + g * stride + off);
-  }
-  __device__ __forceinline__ void convert(SubtileRegs<P>& gr, SV sv, ZV zv) const {
-    if constexpr (P == 1)
-      convert_group(gr, sv, zv, pair);
-    else
-      convert_group(gr, sv, zv);
-  }
   __device__ __forceinline__ void prefetch() {
     if (cur + 1 < G) {
-      sv_next = load_scales(cur + 1);
+      sv_next = __ldg(S + (cur + 1) * stride + off);
       zv_next = __ldg(Z + (cur + 1) * stride + off);
     }
   }
   // start loads the group of step k0 into gr.
-  __device__ __forceinline__ void start(SubtileRegs<P>& gr, int k0) {
+  __device__ __forceinline__ void start(GroupRegs& gr, int k0) {
     cur = gshift < 0 ? 0 : k0 >> gshift;
-    convert(gr, load_scales(cur), __ldg(Z + cur * stride + off));
+    convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
     prefetch();
   }
   // crosses: whether step k lies past gr's group.
   __device__ __forceinline__ bool crosses(int k) const { return gshift >= 0 && (k >> gshift) != cur; }
   // advance moves gr to step k's group, the next one (crosses(k) held).
-  __device__ __forceinline__ void advance(SubtileRegs<P>& gr, int k) {
+  __device__ __forceinline__ void advance(GroupRegs& gr, int k) {
     cur = k >> gshift;
-    convert(gr, sv_next, zv_next);
+    convert_group(gr, sv_next, zv_next);
     prefetch();
   }
   // at moves gr to step k's group (k increases by one step at a time).
-  __device__ __forceinline__ void at(SubtileRegs<P>& gr, int k) {
+  __device__ __forceinline__ void at(GroupRegs& gr, int k) {
     if (crosses(k)) advance(gr, k);
   }
   // seek moves gr to step k's group for any k past the last one: the
   // group loaded ahead if k is in it, else k's own, loaded now (v19's
   // warps that take every R-th step, with groups shorter than R steps).
-  __device__ __forceinline__ void seek(SubtileRegs<P>& gr, int k) {
+  __device__ __forceinline__ void seek(GroupRegs& gr, int k) {
     if (!crosses(k)) return;
     if ((k >> gshift) == cur + 1)
       advance(gr, k);
@@ -1002,12 +989,19 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
 //   rows 16w … 16w + 15 of each of the warpgroup's WN tiles, which are
 //   sub-tiles 2w and 2w + 1 of the GPU layout — one dequant_pair of the
 //   lane's chunk, whose B fragments are the lane's A fragment in another
-//   order (PairRegs: that pair's scales and zeros alone);
+//   order (PairRegs: that pair's scales and zeros alone). A warp reads
+//   its word of each chunk a step ahead;
 // - a producer warpgroup (the CTA's last; one thread of it) fills the
 //   STAGES stages through the copy engine: each tile's codes for a
 //   stage's U steps as one bulk copy, the activations as U boxes of a
 //   tensor map (16 K × NTOK rows) that land in wgmma's 32-byte swizzle,
-//   rows past M and steps past the slice as zeros. A stage's `full`
+//   rows past M and steps past the slice as zeros, and the scales and
+//   zeros of each group the steps touch (the CTA's tiles' entries are
+//   contiguous: two bulk copies a group). The consumers so load nothing
+//   from global memory: before, each warp loaded its next group's scales
+//   ahead into registers, and a convert waited on the load another tile
+//   had just issued (a warp's loads share a few scoreboards): ncu's
+//   stall samples, cuda/NOTES.md, "The nineteenth session". A stage's `full`
 //   mbarrier completes when its bytes have landed, its `empty` one when
 //   every consumer thread has retired the stage's wgmmas. (A whole
 //   warpgroup, since ptxas gives every thread of a wgmma kernel the
@@ -1033,7 +1027,12 @@ struct WgRsTile {
   static constexpr int kConsumerRegs = kRest < 256 ? kRest : 256;
   static constexpr int kCodeBytes = T * U * CH * 512;  // a stage's codes: tile t's U steps, then t + 1's
   static constexpr int kActBytes = U * NTOK * 32;      // its activations: step u's NTOK rows of 32 bytes (sw32)
-  static constexpr int kStage = kCodeBytes + kActBytes;
+  // its groups' scales, then zeros: the i-th group the stage's steps
+  // touch (at most U of them) for tile t at (i·T + t)·kScaleTile, as
+  // stored (a tile's eight lanes' entries, gid by gid)
+  static constexpr int kZeroTile = 8 * (int)sizeof(ZerosOf<BITS>), kScaleTile = 8 * 16;
+  static constexpr int kScaleBytes = U * T * kScaleTile, kZeroBytes = U * T * kZeroTile;
+  static constexpr int kStage = (kCodeBytes + kActBytes + kScaleBytes + kZeroBytes + 1023) / 1024 * 1024;  // (the swizzle's alignment)
   static constexpr int kEpiStride = T * 64 + 4;  // floats a token's row of the epilogue's tile
   static constexpr size_t kMain = (size_t)STAGES * kStage, kEpi = (size_t)NTOK * kEpiStride * 4;
   static constexpr size_t kBar = kMain > kEpi ? kMain : kEpi;  // full[STAGES], empty[STAGES], then s_last
@@ -1073,24 +1072,18 @@ __device__ __forceinline__ void set_max_regs() {
 // wg·WN + j, stage by stage as the producer fills them, then the epilogue.
 template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
 __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, uint64_t* empty, int& s_last,
-                                           const Outs& C, const uint4* __restrict__ S,
-                                           const uint32_t* __restrict__ Z, float* __restrict__ ws,
-                                           int* __restrict__ counters, int row0, int nt0, int M, int N, int KT, int k0,
-                                           int k1, int batches, int gshift, int splits) {
+                                           const Outs& C, float* __restrict__ ws, int* __restrict__ counters, int row0,
+                                           int nt0, int M, int N, int k0, int k1, int batches, int gshift,
+                                           int splits) {
   using L = WgRsTile<NTOK, NWG, T, U, STAGES, BITS>;
   constexpr int CH = L::CH, WN = L::WN;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2, NT = N >> 6;
   set_max_regs<L::kEntryRegs, L::kConsumerRegs>();
-  const int pair = warp & 3;
-  GroupStream<BITS, 1> groups[WN];
-  PairRegs gr[WN];
+  const int pair = warp & 3, gid = lane >> 2;
   bool tile_ok[WN];
 #pragma unroll
-  for (int j = 0; j < WN; ++j) {
-    tile_ok[j] = nt0 + wg * WN + j < NT;
-    groups[j] = GroupStream<BITS, 1>(S, Z, tile_ok[j] ? nt0 + wg * WN + j : 0, NT, lane >> 2, KT, gshift, pair);
-    if (k0 < k1) groups[j].start(gr[j], k0);
-  }
+  for (int j = 0; j < WN; ++j) tile_ok[j] = nt0 + wg * WN + j < NT;
+  PairRegs gr[WN];
   pdl_gate();
   float acc[WN][NTOK / 2];
 #pragma unroll
@@ -1101,28 +1094,53 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
   for (int b = 0; b < batches; ++b) {
     mbar_wait(&full[b % STAGES], (b / STAGES) & 1);  // batch b has landed
     const unsigned char* st = L::stage(smem, b);
+    const int kb = k0 + b * U, g0 = gshift < 0 ? 0 : kb >> gshift;
+    // StepIn: what a step takes from the stage for the warp's tiles — the
+    // pair's words (word `pair` of the lane's chunk at 4 bits, words
+    // 2·pair and + 1, in chunk pair / 2, at 8) and its group's scales and
+    // zeros as stored — read a step ahead, so that the reads' latency
+    // hides behind the step before
+    struct StepIn {
+      uint32_t w[WN][CH], sw[WN];
+      ZerosOf<BITS> zv[WN];
+    };
+    auto read_step = [&](StepIn& in, int u) {
+      const int gi = gshift < 0 ? 0 : ((kb + u) >> gshift) - g0;
+      const unsigned char* sc = st + L::kCodeBytes + L::kActBytes;
+#pragma unroll
+      for (int j = 0; j < WN; ++j) {
+        const uint32_t* chunk = reinterpret_cast<const uint32_t*>(st) +
+                                ((((wg * WN + j) * U + u) * CH + (CH - 1) * (pair >> 1)) * 32 + lane) * 4;
+        if constexpr (CH == 1) {
+          in.w[j][0] = chunk[pair];
+        } else {
+          const uint2 v = reinterpret_cast<const uint2*>(chunk)[pair & 1];
+          in.w[j][0] = v.x;
+          in.w[j][1] = v.y;
+        }
+        const int t = gi * T + wg * WN + j;
+        in.sw[j] = reinterpret_cast<const uint32_t*>(sc + t * L::kScaleTile + gid * 16)[pair];
+        in.zv[j] = reinterpret_cast<const ZerosOf<BITS>*>(sc + L::kScaleBytes + t * L::kZeroTile)[gid];
+      }
+    };
+    StepIn next;
+    read_step(next, 0);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = k0 + b * U + u;
+      const int k = kb + u;
       const uint64_t db = wgmma_desc(st + L::kCodeBytes + u * (NTOK * 32));
+      const StepIn in = next;
+      if (u + 1 < U) read_step(next, u + 1);
+      // a new group at the batch's first step and where a group starts
+      if (k < k1 && (u == 0 || (gshift >= 0 && (k & ((1 << gshift) - 1)) == 0)))
+#pragma unroll
+        for (int j = 0; j < WN; ++j) convert_group(gr[j], in.sw[j], in.zv[j], pair);
 #pragma unroll
       for (int j = 0; j < WN; ++j) {
         uint32_t(&af)[4] = a[(u * WN + j) & 1];
         const bool ok = k < k1 && tile_ok[j];  // (uniform across the warp)
-        if (k < k1) groups[j].at(gr[j], k);
-        // the pair's words: word `pair` of the lane's chunk at 4 bits,
-        // words 2·pair and + 1 (in chunk pair / 2) at 8
-        const uint4 q = reinterpret_cast<const uint4*>(
-          st)[(((wg * WN + j) * U + u) * CH + (CH - 1) * (pair >> 1)) * 32 + lane];
-        uint32_t w[2];
-        if constexpr (CH == 1) {
-          w[0] = pair == 0 ? q.x : pair == 1 ? q.y : pair == 2 ? q.z : q.w;
-        } else {
-          w[0] = pair & 1 ? q.z : q.x;
-          w[1] = pair & 1 ? q.w : q.y;
-        }
         uint32_t bq[4];
-        dequant_pair<BITS>(bq, w, 0, gr[j]);
+        dequant_pair<BITS>(bq, in.w[j], 0, gr[j]);
         // A's fragment: rows gid and gid + 8 (sub-tiles 2·pair and + 1) at
         // K 2·tig, then at 2·tig + 8; zeros past the slice or N's edge
         af[0] = ok ? bq[0] : 0u;
@@ -1179,16 +1197,27 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
         if (b >= STAGES) mbar_wait(&empty[s], (b / STAGES - 1) & 1);  // batch b − STAGES is retired
         unsigned char* st = L::stage(smem, b);
         const int kb = k0 + b * U, steps = min(U, k1 - kb);
-        mbar_expect_tx(&full[s], (uint32_t)(L::kActBytes + tiles * steps * CH * 512));
+        // the groups the batch's steps touch: g0 … g1 (one, g = 0, for a single group)
+        const int g0 = gshift < 0 ? 0 : kb >> gshift, g1 = gshift < 0 ? 0 : (kb + steps - 1) >> gshift;
+        mbar_expect_tx(&full[s], (uint32_t)(L::kActBytes + tiles * steps * CH * 512 +
+                                            (g1 - g0 + 1) * tiles * (L::kScaleTile + L::kZeroTile)));
         for (int u = 0; u < U; ++u)  // a step past the slice: a box past K, all zeros
           tma_load_2d(st + L::kCodeBytes + u * (NTOK * 32), &tmA, u < steps ? (kb + u) * 16 : K, row0, &full[s]);
         for (int t = 0; t < tiles; ++t)
           bulk_copy(st + t * U * CH * 512, B + ((size_t)(nt0 + t) * KT + kb) * CH * 32, steps * CH * 512, &full[s]);
+        unsigned char* sc = st + L::kCodeBytes + L::kActBytes;
+        for (int g = g0; g <= g1; ++g) {  // each group's scales and zeros of the CTA's tiles, contiguous as stored
+          const size_t e = ((size_t)g * NT + nt0) * 8;  // entry (g, nt0, gid 0)
+          bulk_copy(sc + (g - g0) * T * L::kScaleTile, S + e, tiles * L::kScaleTile, &full[s]);
+          bulk_copy(sc + L::kScaleBytes + (g - g0) * T * L::kZeroTile,
+                    reinterpret_cast<const unsigned char*>(Z) + e * sizeof(ZerosOf<BITS>), tiles * L::kZeroTile,
+                    &full[s]);
+        }
       }
     }
   } else {
-    rs_consume<NTOK, NWG, T, U, STAGES, BITS>(smem, full, empty, s_last, C, S, Z, ws, counters, row0, nt0, M, N, KT,
-                                              k0, k1, batches, gshift, splits);
+    rs_consume<NTOK, NWG, T, U, STAGES, BITS>(smem, full, empty, s_last, C, ws, counters, row0, nt0, M, N, k0, k1,
+                                              batches, gshift, splits);
   }
 #else
   __trap();  // built without sm_90a: the plan refuses v21 off Hopper before a launch gets here
