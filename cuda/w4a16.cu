@@ -2337,6 +2337,14 @@ int act_map(llmq_ctx* c, CUtensorMap* m, const half* A, int M, int K, int rows) 
     llmq::set_error(c, "v21: the activations must start 16-byte aligned for the copy engine");
     return 1;
   }
+  // The encoder is a driver call: it needs the device's context current
+  // on this thread, which a runtime call makes so only on threads that
+  // made one before (Go calls in from any of its threads: error 201,
+  // CUDA_ERROR_INVALID_CONTEXT, in an H100 sweep, gemm-h100-sweep-v21a.txt).
+  if (cudaSetDevice(c->device) != cudaSuccess) {
+    llmq::set_error(c, "v21: cudaSetDevice(%d): %s", c->device, cudaGetErrorString(cudaGetLastError()));
+    return 1;
+  }
   const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, strides[1] = {(cuuint64_t)K * sizeof(half)};
   const cuuint32_t box[2] = {16, (cuuint32_t)rows}, steps[2] = {1, 1};
   const CUresult r = reinterpret_cast<TensorMapEncodeTiled>(c->tmap_encode)(
