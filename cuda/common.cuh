@@ -39,12 +39,10 @@ struct llmq_ctx {
   // M ≤ 8, 0 turns it off).
   int swap_max_m = 32;
   int fused_max_m = 128;
-  // On Hopper the fused path runs v19 (wgmma) at M = 65 … this for 4-bit
-  // codes in groups of 32 or more, v18 otherwise (LLMQ_W4_WGMMA_MAX_M; 0:
-  // v18 throughout), past fused_max_m too. Its four-steps-a-stage variant
-  // took 30%, 13% and 26% less time than v18 at 128 rows on the three
-  // large layers, and 20%, 13% and 26% less than dequantize + cuBLAS at
-  // 256 (H100, gemm-h100-sweep-v19d/e/f.txt; w4a16.cu, kWgmmaVariant).
+  // On Hopper the fused path runs v21 (wgmma, the weights in registers)
+  // at M = 33 … this for 4-bit codes in groups of 32 or more, v18
+  // otherwise (LLMQ_W4_WGMMA_MAX_M; 32 or less: v18 throughout), past
+  // fused_max_m too (w4a16.cu, kWgmmaVariant: what it was measured against).
   int wgmma_max_m = 256;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
   void* tmap_encode = nullptr;  // the driver's cuTensorMapEncodeTiled, once looked up (w4a16.cu's act_map, v21)

@@ -389,12 +389,12 @@ func checkPlans(t *testing.T, l *Context, w *W4, want map[int]string) {
 // and the automatic plan gives 4-bit M = 1 to the CUDA-core GEMV (v15 on
 // layers of 2^26 weights or more), M = 2–8 to v15, M = 9–64 to v11 (v15
 // to M = 32 on layers that need no K split), M = 33–128 to the fused
-// kernel on layers of 2^25 weights or more (v18, and on Hopper v19 above
-// 64 rows and up to 256; where each is faster, NOTES.md v11, v15, v18 and
-// "The seventeenth session") and larger M to dequantize + cuBLAS.
+// kernel on layers of 2^25 weights or more (v18, and on Hopper v21 up to
+// 256 rows; where each is faster, NOTES.md v11, v15, v18 and "The
+// nineteenth session") and larger M to dequantize + cuBLAS.
 func TestGEMVRefusesLargeM(t *testing.T) {
 	l := openContext(t)
-	above64, above128 := fusedAbove64(t, l), fusedAbove128(t, l)
+	above32, above64, above128 := fusedAbove32(t, l), fusedAbove64(t, l), fusedAbove128(t, l)
 	r := rand.New(rand.NewPCG(5, 5))
 	_, w := upload(t, l, randomLayer(r, 256, 128, 128, 4, false, false))
 	defer w.Free(l)
@@ -406,12 +406,12 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	// (8B gate+up's 448 n-tiles), v11 the others (8B down's 64).
 	checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128}, map[int]string{1: "gemv-swap v15 mt8",
 		9: "gemv-swap v15 mt16", 16: "gemv-swap v15 mt16 u4 b1 splits1", 32: "gemv-swap v15 mt32 u2 scaled b1 splits1",
-		33: "fused v18 mb4 u2", 64: "fused v18 mb4 u2", 65: above64, 128: above64, 129: above128, 256: above128,
+		33: above32, 64: above32, 65: above64, 128: above64, 129: above128, 256: above128,
 		257: "dequant+cublas"})
 	// The fused kernel takes M = 33–128 on layers of 2^25 weights and more
 	// (8B down), not on smaller ones (8B q/k/v).
 	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1", 16: "gemv-mma v11 mt16",
-		32: "gemv-mma v11 mt32", 64: "fused v18 mb4 u2", 100: above64, 129: above128, 300: "dequant+cublas"})
+		32: "gemv-mma v11 mt32", 64: above32, 100: above64, 129: above128, 300: "dequant+cublas"})
 	checkPlans(t, l, &W4{K: 4096, N: 6144, Group: 128}, map[int]string{33: "gemv-mma v11 mt64", 65: "dequant+cublas",
 		200: "dequant+cublas"})
 	// 2^25 weights exactly take the fused kernel; 64 columns fewer do not.
@@ -642,25 +642,36 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 	})
 }
 
-// v19Plan is the plan's v19 variant: 128 tokens over four tiles in two
-// warpgroups, four steps a stage.
-const v19Plan = "fused v19 wgmma n128 t4 wg2 u4"
+// v21Plan64 and v21Plan are the plan's v21 variants: 64 tokens over four
+// tiles in two warpgroups, four steps a stage, and 128 tokens, eight
+// steps a stage.
+const (
+	v21Plan64 = "fused v21 wgmma-rs n64 t4 wg2 u4 s6"
+	v21Plan   = "fused v21 wgmma-rs n128 t4 wg2 u8 s3"
+)
 
-// fusedAbove64 and fusedAbove128 are the plan's kernels for 65–128 and
-// 129–256 rows of a large 4-bit layer in groups of 128: v19 on Hopper; on
-// other GPUs v18, then dequantize + cuBLAS. (The library reports no
-// compute capability, so Hopper is told by name: H100, H200, H800, H20,
-// GH200.)
+// fusedAbove32, fusedAbove64 and fusedAbove128 are the plan's kernels for
+// 33–64, 65–128 and 129–256 rows of a large 4-bit layer in groups of 128:
+// v21 on Hopper; on other GPUs v18, then dequantize + cuBLAS. (The
+// library reports no compute capability, so Hopper is told by name: H100,
+// H200, H800, H20, GH200.)
+func fusedAbove32(t *testing.T, l *Context) string {
+	if isHopper(t, l) {
+		return v21Plan64
+	}
+	return "fused v18 mb4 u2"
+}
+
 func fusedAbove64(t *testing.T, l *Context) string {
 	if isHopper(t, l) {
-		return v19Plan
+		return v21Plan
 	}
 	return "fused v18 mb4 u2"
 }
 
 func fusedAbove128(t *testing.T, l *Context) string {
 	if isHopper(t, l) {
-		return v19Plan
+		return v21Plan
 	}
 	return "dequant+cublas"
 }
@@ -674,16 +685,16 @@ func isHopper(t *testing.T, l *Context) bool {
 	return strings.Contains(dev.Name, "H100") || strings.Contains(dev.Name, "H20") || strings.Contains(dev.Name, "H800")
 }
 
-// TestPlanTakesV19WhenAsked: LLMQ_W4_WGMMA_MAX_M (default 256) puts v19
-// (wgmma) in the plan on Hopper above 64 rows on layers of 2^25 weights
-// or more (4-bit codes), up to the setting: in v18's place to 128 rows
-// (fused_max_m), in dequantize + cuBLAS's past it. M ≤ 64 and groups of
-// 16 stay on v18, as do other GPUs.
-func TestPlanTakesV19WhenAsked(t *testing.T) {
+// TestPlanTakesWgmmaWhenAsked: LLMQ_W4_WGMMA_MAX_M (default 256) puts
+// v21 (wgmma) in the plan on Hopper above 32 rows on layers of 2^25
+// weights or more (4-bit codes), up to the setting: in v18's place to 128
+// rows (fused_max_m), in dequantize + cuBLAS's past it. Groups of 16 stay
+// on v18, as do other GPUs.
+func TestPlanTakesWgmmaWhenAsked(t *testing.T) {
 	inSettings(t, []string{"LLMQ_W4_WGMMA_MAX_M=100"}, func(t *testing.T, l *Context, _ string) {
-		v128 := fusedAbove64(t, l)
+		v64, v128 := fusedAbove32(t, l), fusedAbove64(t, l)
 		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128},
-			map[int]string{32: "gemv-swap v15", 33: "fused v18 mb4", 64: "fused v18 mb4", 65: v128, 100: v128, 101: "fused v18 mb4", 129: "dequant+cublas"})
+			map[int]string{32: "gemv-swap v15", 33: v64, 64: v64, 65: v128, 100: v128, 101: "fused v18 mb4", 129: "dequant+cublas"})
 		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 16}, map[int]string{64: "fused v18 mb4", 100: "fused v18 mb4"})
 	})
 	inSettings(t, []string{"LLMQ_W4_WGMMA_MAX_M=200"}, func(t *testing.T, l *Context, _ string) {

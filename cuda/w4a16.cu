@@ -1951,13 +1951,15 @@ constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},
                                  {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
                                  {8, 2, 8, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
-// v19's variant in the plan (llmq_ctx::wgmma_max_m): 128 tokens over four
-// tiles in two warpgroups, four steps a stage, for M = 65 … wgmma_max_m.
-// In one H100 run it took 18%, 11% and 17% less time than variant 11 (two
-// steps a stage) at 128 rows on 8B gate+up, down and 70B down
-// (gemm-h100-sweep-v19e.txt, -v19d.txt), and 20%, 13% and 26% less than
-// dequantize + cuBLAS at 256 rows (gemm-h100-sweep-v19f.txt).
-constexpr int kWgmmaVariant = 19;
+// v21's variants in the plan (llmq_ctx::wgmma_max_m): 128 tokens over
+// four tiles in two warpgroups, eight steps a stage, for M = 65 …
+// wgmma_max_m, and its 64-token variant (four steps a stage) for M =
+// 33–64. On one H100 (cuda/NOTES.md, "The nineteenth session") variant 22
+// took 26%, 18% and 24% less time than v19's variant 19 (the plan before)
+// at 128 rows on 8B gate+up, down and 70B down, 28%, 22% and 29% less at
+// 256 (gemm-h100-sweep-v21c.txt); at 64 rows variant 23 took 20%, 13% and
+// 2% less than v18 (v21c against -v21d.txt, the same machine).
+constexpr int kWgmmaVariant = 22, kWgmmaVariant64 = 23;
 struct GemvVariant {
   int mt, u, minb;
 };
@@ -2168,11 +2170,12 @@ int swap_wide_layer(llmq_ctx* c, int M, int N, bool& wide) {
   return 0;
 }
 
-// v19 where it is measured ahead: Hopper, groups of two steps or more
-// (its two-warps-a-tile variants would reload a group a step), and more
-// than 64 rows (at 64 every v19 variant lost to v18) up to wgmma_max_m.
+// v21 where it is measured ahead: Hopper, groups of two steps or more
+// (measured in groups of 128; in groups of one step a stage of eight
+// would take sixteen bulk copies of scales and zeros), more than 32 rows
+// (to 32, v15 and v11 lead) up to wgmma_max_m.
 bool wgmma_serves(const llmq_ctx* c, int M, int group) {
-  return c->cc_major == 9 && M > 64 && M <= c->wgmma_max_m && group >= 32;
+  return c->cc_major == 9 && M > 32 && M <= c->wgmma_max_m && group >= 32;
 }
 
 int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool have_scratch) {
@@ -2185,7 +2188,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // gate+up); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
   // from there to mma_max_m (64), except that the fused kernel (v18) takes
   // M = 33–fused_max_m (128) on layers of kFusedMinWeights or more (4-bit
-  // codes), on Hopper up to wgmma_max_m (256) with v19; then dequantize +
+  // codes), on Hopper v21 up to wgmma_max_m (256); then dequantize +
   // cuBLAS (the fused kernel without a scratch).
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
@@ -2261,8 +2264,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // until a wave fills the resident slots, each split keeping at least
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
-  // v19 on Hopper for 4-bit codes above 64 rows (wgmma_serves).
-  if (bits == 4 && wgmma_serves(c, M, group)) p.variant = kWgmmaVariant;
+  // v21 on Hopper for 4-bit codes above 32 rows (wgmma_serves).
+  if (bits == 4 && wgmma_serves(c, M, group)) p.variant = M <= 64 ? kWgmmaVariant64 : kWgmmaVariant;
   if (c->fused_forced_variant >= 0) {  // LLMQ_W4_FUSED_VARIANT: any M fits (row blocks)
     if (c->fused_forced_variant >= kFusedVariants) {
       llmq::set_error(c, "LLMQ_W4_FUSED_VARIANT=%d: the fused kernel has variants 0–%d", c->fused_forced_variant,
