@@ -604,12 +604,12 @@ func TestSmallForSanitizer(t *testing.T) {
 // fusedVariants is the fused kernel's instantiations (kFusedVariants in
 // w4a16.cu): TestFusedVariantsMatchReference runs each and checks the
 // next is refused, so the two counts cannot drift apart.
-const fusedVariants = 27
+const fusedVariants = 25
 
 // TestFusedVariantsMatchReference runs each of the fused kernel's (v18)
 // instantiations, forced with LLMQ_W4_FUSED_VARIANT, on its edges: 3, 6
 // and 7 n-tiles (CTAs with fewer tiles than warps), a partial row block
-// and several (of up to 256 rows), a K of 65 steps (no whole number of stages), group 16,
+// and several (of up to 128 rows), a K of 65 steps (no whole number of stages), group 16,
 // per-channel, act-order, split K into three outputs, gated and 8-bit.
 func TestFusedVariantsMatchReference(t *testing.T) {
 	settings := make([]string, fusedVariants)
@@ -643,14 +643,12 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 	})
 }
 
-// v21Plan64, v21Plan and v21Plan256 are the plan's v21 variants: 64
-// tokens over four tiles in two warpgroups, four steps a stage; 128
-// tokens, eight steps a stage; 256 tokens over two tiles, four steps a
-// stage.
+// v21Plan64 and v21Plan are the plan's v21 variants: 64 tokens over four
+// tiles in two warpgroups, four steps a stage, and 128 tokens, eight
+// steps a stage.
 const (
-	v21Plan64  = "fused v21 wgmma-rs n64 t4 wg2 u4 s6"
-	v21Plan    = "fused v21 wgmma-rs n128 t4 wg2 u8 s3"
-	v21Plan256 = "fused v21 wgmma-rs n256 t2 wg2 u4 s5"
+	v21Plan64 = "fused v21 wgmma-rs n64 t4 wg2 u4 s6"
+	v21Plan   = "fused v21 wgmma-rs n128 t4 wg2 u8 s3"
 )
 
 // fusedAbove32, fusedAbove64 and fusedAbove128 are the plan's kernels for
@@ -674,7 +672,7 @@ func fusedAbove64(t *testing.T, l *Context) string {
 
 func fusedAbove128(t *testing.T, l *Context) string {
 	if isHopper(t, l) {
-		return v21Plan256
+		return v21Plan
 	}
 	return "dequant+cublas"
 }

@@ -740,20 +740,11 @@ __device__ __forceinline__ void stmatrix_x4(void* smem, const uint32_t (&r)[4]) 
   "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
   "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49," \
   "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-#define LLMQ_ACC_REGS128 \
-  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
-  "%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49," \
-  "%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73," \
-  "%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97," \
-  "%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116," \
-  "%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
 #define LLMQ_ACC4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define LLMQ_ACC16(d, i) LLMQ_ACC4(d, i), LLMQ_ACC4(d, i + 4), LLMQ_ACC4(d, i + 8), LLMQ_ACC4(d, i + 12)
 #define LLMQ_ACC_OPS16(d) LLMQ_ACC16(d, 0)
 #define LLMQ_ACC_OPS32(d) LLMQ_ACC16(d, 0), LLMQ_ACC16(d, 16)
 #define LLMQ_ACC_OPS64(d) LLMQ_ACC16(d, 0), LLMQ_ACC16(d, 16), LLMQ_ACC16(d, 32), LLMQ_ACC16(d, 48)
-#define LLMQ_ACC_OPS128(d) \
-  LLMQ_ACC_OPS64(d), LLMQ_ACC16(d, 64), LLMQ_ACC16(d, 80), LLMQ_ACC16(d, 96), LLMQ_ACC16(d, 112)
 // WgmmaSS<N>::mma is wgmma.mma_async m64nNk16, fp32 += fp16 × fp16, both
 // operands K-major in shared memory by descriptor, accumulating into d.
 template <>
@@ -803,7 +794,6 @@ struct WgmmaRS;
   };
 LLMQ_WGMMA_RS(64, 32, "%37", "{%32,%33,%34,%35}, %36")
 LLMQ_WGMMA_RS(128, 64, "%69", "{%64,%65,%66,%67}, %68")
-LLMQ_WGMMA_RS(256, 128, "%133", "{%128,%129,%130,%131}, %132")
 #endif
 
 // wg_acc_to_tile writes a wgmma warp's accumulators (v19, v21) to the
@@ -1047,8 +1037,7 @@ struct WgRsTile {
   static constexpr size_t kMain = (size_t)STAGES * kStage, kEpi = (size_t)NTOK * kEpiStride * 4;
   static constexpr size_t kBar = kMain > kEpi ? kMain : kEpi;  // full[STAGES], empty[STAGES], then s_last
   static constexpr size_t kSmem = kBar + 16 * STAGES + 16;
-  static_assert((NTOK == 64 || NTOK == 128 || NTOK == 256) && T % NWG == 0 && WN >= 1 && U % 2 == 0 && STAGES >= 2,
-                "v21's shape");
+  static_assert((NTOK == 64 || NTOK == 128) && T % NWG == 0 && WN >= 1 && U % 2 == 0 && STAGES >= 2, "v21's shape");
   static_assert(kSmem <= 232448, "v21's stages fit an SM's shared memory");
   // stage: where batch b's stage starts
   static __device__ __forceinline__ unsigned char* stage(unsigned char* smem, int b) {
@@ -1950,19 +1939,17 @@ struct Variant {
 // cuda/NOTES.md, "The sixteenth session" and "The seventeenth session");
 // 19 is 11 with four steps a stage (half the stages, so half the proxy
 // fence's waits for the copies in flight; 22 in face48a's sweep).
-// Variants 20–26 are v21: 128 tokens over four tiles in two warpgroups,
-// four steps a stage in four or six stages, eight in three (22, the
-// plan's above 64 rows); 64 tokens over four tiles in six stages (23, the
-// plan's at 33–64); 128 tokens, two steps a stage in eight; 256 tokens
-// over two tiles (one a warpgroup), four steps a stage in five or six in
-// three. (64 tokens over eight tiles, four a warpgroup, spilled.)
+// Variants 20–24 are v21 (sweep-only): 128 tokens over four tiles in two
+// warpgroups, four steps a stage in four or six stages, eight in three;
+// 64 tokens over four tiles in six stages; 128 tokens, two steps a stage
+// in eight. (64 tokens over eight tiles, four a warpgroup, spilled.)
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2},
                                  {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
-                                 {8, 2, 8, 4, 2, 1}, {16, 4, 5, 2, 2, 1}, {16, 6, 3, 2, 2, 1}};
+                                 {8, 2, 8, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v21's variants in the plan (llmq_ctx::wgmma_max_m): 128 tokens over
 // four tiles in two warpgroups, eight steps a stage, for M = 65 …
@@ -1972,9 +1959,7 @@ constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // at 128 rows on 8B gate+up, down and 70B down, 28%, 22% and 29% less at
 // 256 (gemm-h100-sweep-v21c.txt); at 64 rows variant 23 took 20%, 13% and
 // 2% less than v18 (v21c against -v21d.txt, the same machine).
-// Above 128 rows variant 25 (256 tokens over two tiles) dequantizes each
-// weight once where two 128-token blocks did so twice.
-constexpr int kWgmmaVariant = 22, kWgmmaVariant64 = 23, kWgmmaVariant256 = 25;
+constexpr int kWgmmaVariant = 22, kWgmmaVariant64 = 23;
 struct GemvVariant {
   int mt, u, minb;
 };
@@ -2280,8 +2265,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
   // v21 on Hopper for 4-bit codes above 32 rows (wgmma_serves).
-  if (bits == 4 && wgmma_serves(c, M, group))
-    p.variant = M <= 64 ? kWgmmaVariant64 : M <= 128 ? kWgmmaVariant : kWgmmaVariant256;
+  if (bits == 4 && wgmma_serves(c, M, group)) p.variant = M <= 64 ? kWgmmaVariant64 : kWgmmaVariant;
   if (c->fused_forced_variant >= 0) {  // LLMQ_W4_FUSED_VARIANT: any M fits (row blocks)
     if (c->fused_forced_variant >= kFusedVariants) {
       llmq::set_error(c, "LLMQ_W4_FUSED_VARIANT=%d: the fused kernel has variants 0–%d", c->fused_forced_variant,
