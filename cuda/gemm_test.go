@@ -604,7 +604,7 @@ func TestSmallForSanitizer(t *testing.T) {
 // fusedVariants is the fused kernel's instantiations (kFusedVariants in
 // w4a16.cu): TestFusedVariantsMatchReference runs each and checks the
 // next is refused, so the two counts cannot drift apart.
-const fusedVariants = 26
+const fusedVariants = 25
 
 // TestFusedVariantsMatchReference runs each of the fused kernel's (v18)
 // instantiations, forced with LLMQ_W4_FUSED_VARIANT, on its edges: 3, 6

@@ -1070,14 +1070,13 @@ __device__ __forceinline__ void set_max_regs() {
 // rs_consume is v21's consumer warpgroups' part (w4a16_wgmma_rs): warp w
 // takes rows 16·(w mod 4) … 16·(w mod 4) + 15 of its warpgroup's tiles
 // wg·WN + j, stage by stage as the producer fills them, then the epilogue.
-template <int NTOK, int NWG, int T, int U, int STAGES, int BITS, int RS>
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
 __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, uint64_t* empty, int& s_last,
                                            const Outs& C, float* __restrict__ ws, int* __restrict__ counters, int row0,
                                            int nt0, int M, int N, int k0, int k1, int batches, int gshift,
                                            int splits) {
   using L = WgRsTile<NTOK, NWG, T, U, STAGES, BITS>;
   constexpr int CH = L::CH, WN = L::WN;
-  constexpr int GS = RS == 2 ? WN : 1;  // tiles a wgmma group: a tile-step (RS 1) or a step (RS 2)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2, NT = N >> 6;
   set_max_regs<L::kEntryRegs, L::kConsumerRegs>();
   const int pair = warp & 3, gid = lane >> 2;
@@ -1091,7 +1090,7 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
   for (int j = 0; j < WN; ++j)
 #pragma unroll
     for (int i = 0; i < NTOK / 2; ++i) acc[j][i] = 0.f;
-  uint32_t a[2][GS][4];  // group i's A fragments in a[i % 2] (the group before may be in flight)
+  uint32_t a[2][4];  // tile-step i's A fragments in a[i % 2] (the one before may be in flight)
   for (int b = 0; b < batches; ++b) {
     mbar_wait(&full[b % STAGES], (b / STAGES) & 1);  // batch b has landed
     const unsigned char* st = L::stage(smem, b);
@@ -1137,27 +1136,22 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
 #pragma unroll
         for (int j = 0; j < WN; ++j) convert_group(gr[j], in.sw[j], in.zv[j], pair);
 #pragma unroll
-      for (int j0 = 0; j0 < WN; j0 += GS) {  // a wgmma group: tiles j0 … j0 + GS − 1 of step u
-        uint32_t(&ag)[GS][4] = a[((u * WN + j0) / GS) & 1];
-#pragma unroll
-        for (int g = 0; g < GS; ++g) {
-          const int j = j0 + g;
-          const bool ok = k < k1 && tile_ok[j];  // (uniform across the warp)
-          uint32_t bq[4];
-          dequant_pair<BITS>(bq, in.w[j], 0, gr[j]);
-          // A's fragment: rows gid and gid + 8 (sub-tiles 2·pair and + 1)
-          // at K 2·tig, then at 2·tig + 8; zeros past the slice or N's edge
-          ag[g][0] = ok ? bq[0] : 0u;
-          ag[g][1] = ok ? bq[2] : 0u;
-          ag[g][2] = ok ? bq[1] : 0u;
-          ag[g][3] = ok ? bq[3] : 0u;
-        }
+      for (int j = 0; j < WN; ++j) {
+        uint32_t(&af)[4] = a[(u * WN + j) & 1];
+        const bool ok = k < k1 && tile_ok[j];  // (uniform across the warp)
+        uint32_t bq[4];
+        dequant_pair<BITS>(bq, in.w[j], 0, gr[j]);
+        // A's fragment: rows gid and gid + 8 (sub-tiles 2·pair and + 1) at
+        // K 2·tig, then at 2·tig + 8; zeros past the slice or N's edge
+        af[0] = ok ? bq[0] : 0u;
+        af[1] = ok ? bq[2] : 0u;
+        af[2] = ok ? bq[1] : 0u;
+        af[3] = ok ? bq[3] : 0u;
         wgmma_fence();
-#pragma unroll
-        for (int g = 0; g < GS; ++g) WgmmaRS<NTOK>::mma(acc[j0 + g], ag[g], db);
+        WgmmaRS<NTOK>::mma(acc[j], af, db);
         wgmma_commit();
-        wgmma_wait<1>();  // the group before is retired: its A buffers are free
-        if (u == 0 && j0 == 0 && b > 0) mbar_arrive(&empty[(b - 1) % STAGES]);  // and with it batch b − 1's stage
+        wgmma_wait<1>();  // the tile-step before is retired: its A buffer is free
+        if (u == 0 && j == 0 && b > 0) mbar_arrive(&empty[(b - 1) % STAGES]);  // and with it batch b − 1's stage
       }
     }
   }
@@ -1172,7 +1166,7 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
 }
 #endif
 
-template <int NTOK, int NWG, int T, int U, int STAGES, int BITS, int RS>
+template <int NTOK, int NWG, int T, int U, int STAGES, int BITS>
 __global__ void __launch_bounds__(128 * NWG + 128, 1)
   w4a16_wgmma_rs(const half* __restrict__ A, const uint4* __restrict__ B, const uint4* __restrict__ S,
                  const uint32_t* __restrict__ Z, const Outs C, float* __restrict__ ws, int* __restrict__ counters,
@@ -1222,7 +1216,7 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
       }
     }
   } else {
-    rs_consume<NTOK, NWG, T, U, STAGES, BITS, RS>(smem, full, empty, s_last, C, ws, counters, row0, nt0, M, N, k0, k1,
+    rs_consume<NTOK, NWG, T, U, STAGES, BITS>(smem, full, empty, s_last, C, ws, counters, row0, nt0, M, N, k0, k1,
                                               batches, gshift, splits);
   }
 #else
@@ -1925,8 +1919,7 @@ struct Plan {
 struct Variant {
   int mb, u, stages, nw;  // nw: n-tiles a CTA (v18: warps a CTA, each its n-tile)
   int wg = 0;             // > 0: v19 (w4a16_wgmma, Hopper), warpgroups a CTA; the rows 16·mb are its NTOK
-  int rs = 0;             // 1 (with wg): v21 (w4a16_wgmma_rs), the weights in registers, a producer warp's copies;
-                          // 2: v21 with one wgmma group a step (its tiles' A fragments together) rather than a tile-step
+  int rs = 0;             // 1 (with wg): v21 (w4a16_wgmma_rs), the weights in registers, a producer warp's copies
 };
 // At 64 rows two steps a stage beat four on the three large layers
 // (gemm-h100-sweep-v18b.txt, variant 3 then). Variants 3–7 are for sweeps
@@ -1950,16 +1943,13 @@ struct Variant {
 // warpgroups, four steps a stage in four or six stages, eight in three;
 // 64 tokens over four tiles in six stages; 128 tokens, two steps a stage
 // in eight. (64 tokens over eight tiles, four a warpgroup, spilled.)
-// Variant 25 is 23 with one wgmma group a step (both of a warpgroup's
-// tiles, four A buffers) rather than a tile-step. (At 128 tokens so, ptxas
-// serialized the wgmmas, C7512: 128 accumulators and four A buffers.)
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2},
                                  {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
-                                 {8, 2, 8, 4, 2, 1}, {4, 4, 6, 4, 2, 2}};
+                                 {8, 2, 8, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // v21's variants in the plan (llmq_ctx::wgmma_max_m): 128 tokens over
 // four tiles in two warpgroups, eight steps a stage, for M = 65 …
@@ -2380,7 +2370,7 @@ int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* 
     using L = WgRsTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>;
     CUtensorMap tm{};  // (a resident query launches nothing and needs none)
     if (run && act_map(c, &tm, A, M, K, 16 * v.mb)) return 1;
-    return fused_launch(c, run, slot, w4a16_wgmma_rs<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS, v.rs>, v, L::kSmem,
+    return fused_launch(c, run, slot, w4a16_wgmma_rs<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>, v, L::kSmem,
                         L::kThreads, splits, A, B, S, Z, C, workspace, M, N, K, gshift, tm);
   } else if constexpr (v.wg > 0) {
     using L = WgTile<16 * v.mb, v.wg, v.nw, v.u, v.stages, BITS>;
@@ -2682,8 +2672,7 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     char nw[16] = "";  // warps a CTA where not kWarps
     if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
     if (v.wg > 0)
-      snprintf(out, n, "fused v%d wgmma%s%s n%d t%d wg%d u%d s%d splits%d", v.rs ? 21 : 19,
-               v.rs == 2 ? "-rs2" : v.rs ? "-rs" : "",  // (rs2: a wgmma group a step)
+      snprintf(out, n, "fused v%d wgmma%s%s n%d t%d wg%d u%d s%d splits%d", v.rs ? 21 : 19, v.rs ? "-rs" : "",
                bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg, v.u, v.stages, p.splits);
     else
       snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw,
