@@ -643,6 +643,25 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 	})
 }
 
+// TestWgmmaSplitsMidGroup: v21's producer copies each group its stage's
+// steps touch, found from the steps' place in K, and a consumer converts
+// a group where one starts and at each stage's first step. Three K splits
+// of 2048 rows (43 steps each) start and end inside groups of 2, 4 and 8
+// steps, and inside a stage, for both plan variants (Hopper only).
+func TestWgmmaSplitsMidGroup(t *testing.T) {
+	inSettings(t, []string{"LLMQ_W4_FUSED_VARIANT=22 LLMQ_W4_SPLITS=3", "LLMQ_W4_FUSED_VARIANT=23 LLMQ_W4_SPLITS=3"},
+		func(t *testing.T, l *Context, _ string) {
+			if !isHopper(t, l) {
+				t.Skip("v21 runs on Hopper's wgmma")
+			}
+			r := rand.New(rand.NewPCG(13, 13))
+			for _, g := range []int{32, 64, 128} {
+				runCase(t, l, r, gemmCase{M: 100, K: 2048, N: 448, group: g, path: PathFused})
+			}
+			runCase(t, l, r, gemmCase{M: 70, K: 2048, N: 192, group: 64, bits: 8, path: PathFused})
+		})
+}
+
 // v21Plan64 and v21Plan are the plan's v21 variants: 64 tokens over four
 // tiles in two warpgroups, four steps a stage, and 128 tokens, eight
 // steps a stage.

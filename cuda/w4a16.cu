@@ -978,7 +978,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) w4a16_wgmma(const half* __restri
 #endif
 }
 
-// v21 (w4a16_wgmma_rs; sweep-only until measured): v19 without its proxy
+// v21 (w4a16_wgmma_rs; the plan's on Hopper at M = 33–256): v19 without its proxy
 // fence. v19's fence.proxy.async, which makes the dequantized weights
 // (stmatrix) and the activations (cp.async) visible to wgmma, compiles to
 // a MEMBAR that waits for every copy and load its thread has in flight,
@@ -1032,7 +1032,8 @@ struct WgRsTile {
   // stored (a tile's eight lanes' entries, gid by gid)
   static constexpr int kZeroTile = 8 * (int)sizeof(ZerosOf<BITS>), kScaleTile = 8 * 16;
   static constexpr int kScaleBytes = U * T * kScaleTile, kZeroBytes = U * T * kZeroTile;
-  static constexpr int kStage = (kCodeBytes + kActBytes + kScaleBytes + kZeroBytes + 1023) / 1024 * 1024;  // (the swizzle's alignment)
+  // (rounded up to 1 KiB: every stage's boxes as aligned as the first's; the swizzle needs 256 bytes)
+  static constexpr int kStage = (kCodeBytes + kActBytes + kScaleBytes + kZeroBytes + 1023) / 1024 * 1024;
   static constexpr int kEpiStride = T * 64 + 4;  // floats a token's row of the epilogue's tile
   static constexpr size_t kMain = (size_t)STAGES * kStage, kEpi = (size_t)NTOK * kEpiStride * 4;
   static constexpr size_t kBar = kMain > kEpi ? kMain : kEpi;  // full[STAGES], empty[STAGES], then s_last
@@ -1939,10 +1940,11 @@ struct Variant {
 // cuda/NOTES.md, "The sixteenth session" and "The seventeenth session");
 // 19 is 11 with four steps a stage (half the stages, so half the proxy
 // fence's waits for the copies in flight; 22 in face48a's sweep).
-// Variants 20–24 are v21 (sweep-only): 128 tokens over four tiles in two
-// warpgroups, four steps a stage in four or six stages, eight in three;
-// 64 tokens over four tiles in six stages; 128 tokens, two steps a stage
-// in eight. (64 tokens over eight tiles, four a warpgroup, spilled.)
+// Variants 20–24 are v21: 128 tokens over four tiles in two
+// warpgroups, four steps a stage in four or six stages, eight in three
+// (22, the plan's at 65–256 rows); 64 tokens over four tiles in six
+// stages (23, the plan's at 33–64); 128 tokens, two steps a stage in
+// eight. (64 tokens over eight tiles, four a warpgroup, spilled.)
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
@@ -2013,7 +2015,7 @@ constexpr int kSwapMaxM = 32;
 // thirteenth's same-run A/B on an H100 did not (gemm-h100-ab-kswap0.txt,
 // decode-ab-h100-kswap0.txt). An H200 A/B decides (cuda/NOTES.md).
 constexpr size_t kSwapMinWeights = size_t(1) << 26;
-// The plan takes the fused kernel (v18) at M = kFusedMinM + 1 to
+// The plan takes the fused kernel (v18; on Hopper v21) at M = kFusedMinM + 1 to
 // fused_max_m on layers of this many weights or more: in one H100 run
 // (gemm-h100-sweep-v18b.txt against gemm-h100-paths-v18b.txt) it beat v11
 // at M = 64 and dequantize + cuBLAS at M = 128 on 8B gate+up (2^26.8
@@ -2275,8 +2277,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     p.variant = c->fused_forced_variant;
   }
   if (kVariants[p.variant].wg > 0 && c->cc_major != 9) {
-    llmq::set_error(c, "fused variant %d (v19) runs on Hopper's wgmma (compute capability 9.0), not on %d.x",
-                    p.variant, c->cc_major);
+    llmq::set_error(c, "fused variant %d (v%d) runs on Hopper's wgmma (compute capability 9.0), not on %d.x",
+                    p.variant, kVariants[p.variant].rs ? 21 : 19, c->cc_major);
     return 1;
   }
   const Variant v = kVariants[p.variant];
@@ -2344,8 +2346,8 @@ int act_map(llmq_ctx* c, CUtensorMap* m, const half* A, int M, int K, int rows) 
   // on this thread, which a runtime call makes so only on threads that
   // made one before (Go calls in from any of its threads: error 201,
   // CUDA_ERROR_INVALID_CONTEXT, in an H100 sweep, gemm-h100-sweep-v21a.txt).
-  if (cudaSetDevice(c->device) != cudaSuccess) {
-    llmq::set_error(c, "v21: cudaSetDevice(%d): %s", c->device, cudaGetErrorString(cudaGetLastError()));
+  if (const cudaError_t e = cudaSetDevice(c->device); e != cudaSuccess) {
+    llmq::set_error(c, "v21: cudaSetDevice(%d): %s", c->device, cudaGetErrorString(e));
     return 1;
   }
   const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)M}, strides[1] = {(cuuint64_t)K * sizeof(half)};
