@@ -654,11 +654,23 @@ func TestWgmmaSplitsMidGroup(t *testing.T) {
 			if !isHopper(t, l) {
 				t.Skip("v21 runs on Hopper's wgmma")
 			}
-			r := rand.New(rand.NewPCG(13, 13))
-			for _, g := range []int{32, 64, 128} {
-				runCase(t, l, r, gemmCase{M: 100, K: 2048, N: 448, group: g, path: PathFused})
+			if err := l.SetPath(PathFused); err != nil {
+				t.Fatal(err)
 			}
-			runCase(t, l, r, gemmCase{M: 70, K: 2048, N: 192, group: 64, bits: 8, path: PathFused})
+			r := rand.New(rand.NewPCG(13, 13))
+			for _, c := range []gemmCase{
+				{M: 100, K: 2048, N: 448, group: 32, path: PathFused},
+				{M: 100, K: 2048, N: 448, group: 64, path: PathFused},
+				{M: 100, K: 2048, N: 448, group: 128, path: PathFused},
+				{M: 70, K: 2048, N: 192, group: 64, bits: 8, path: PathFused},
+			} {
+				// the case is only what it claims if v21 runs in three splits
+				w := &W4{K: c.K, N: c.N, Group: c.group, Bits: c.bits}
+				if v, err := l.Plan(w, c.M); err != nil || !strings.HasPrefix(v, "fused v21") || !strings.HasSuffix(v, "splits3") {
+					t.Fatalf("group %d, %d-bit: plan %q, %v; want v21 in three K splits", c.group, w.codeBits(), v, err)
+				}
+				runCase(t, l, r, c)
+			}
 		})
 }
 
