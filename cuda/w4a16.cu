@@ -253,6 +253,10 @@ __device__ __forceinline__ void compute_step(float (&acc)[MB][8][4], const uint4
   mma_step<MB, BITS>(acc, w, af, gr);
 }
 
+// step_group: the group of 16-row step k, groups of 2^gshift steps
+// (gshift < 0: a single group, 0).
+__device__ __forceinline__ int step_group(int k, int gshift) { return gshift < 0 ? 0 : k >> gshift; }
+
 // GroupStream keeps a warp's current group's scales and zeros in
 // registers (GroupRegs) and the next group's raw values loaded ahead, as
 // the warp walks its K range in order. gshift: a group spans 2^gshift
@@ -281,7 +285,7 @@ struct GroupStream {
   }
   // start loads the group of step k0 into gr.
   __device__ __forceinline__ void start(GroupRegs& gr, int k0) {
-    cur = gshift < 0 ? 0 : k0 >> gshift;
+    cur = step_group(k0, gshift);
     convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
     prefetch();
   }
@@ -1095,7 +1099,7 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
   for (int b = 0; b < batches; ++b) {
     mbar_wait(&full[b % STAGES], (b / STAGES) & 1);  // batch b has landed
     const unsigned char* st = L::stage(smem, b);
-    const int kb = k0 + b * U, g0 = gshift < 0 ? 0 : kb >> gshift;
+    const int kb = k0 + b * U, g0 = step_group(kb, gshift);
     // StepIn: what a step takes from the stage for the warp's tiles — the
     // pair's words (word `pair` of the lane's chunk at 4 bits, words
     // 2·pair and + 1, in chunk pair / 2, at 8) and its group's scales and
@@ -1199,7 +1203,7 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
         unsigned char* st = L::stage(smem, b);
         const int kb = k0 + b * U, steps = min(U, k1 - kb);
         // the groups the batch's steps touch: g0 … g1 (one, g = 0, for a single group)
-        const int g0 = gshift < 0 ? 0 : kb >> gshift, g1 = gshift < 0 ? 0 : (kb + steps - 1) >> gshift;
+        const int g0 = step_group(kb, gshift), g1 = step_group(kb + steps - 1, gshift);
         mbar_expect_tx(&full[s], (uint32_t)(L::kActBytes + tiles * steps * CH * 512 +
                                             (g1 - g0 + 1) * tiles * (L::kScaleTile + L::kZeroTile)));
         for (int u = 0; u < U; ++u)  // a step past the slice: a box past K, all zeros
@@ -1953,6 +1957,8 @@ constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},
                                  {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
                                  {8, 2, 8, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+// wgmma_version: a wgmma variant's kernel, v19 or v21 (for messages).
+constexpr int wgmma_version(const Variant& v) { return v.rs ? 21 : 19; }
 // v21's variants in the plan (llmq_ctx::wgmma_max_m): 128 tokens over
 // four tiles in two warpgroups, eight steps a stage, for M = 65 …
 // wgmma_max_m, and its 64-token variant (four steps a stage) for M =
@@ -2278,7 +2284,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   }
   if (kVariants[p.variant].wg > 0 && c->cc_major != 9) {
     llmq::set_error(c, "fused variant %d (v%d) runs on Hopper's wgmma (compute capability 9.0), not on %d.x",
-                    p.variant, kVariants[p.variant].rs ? 21 : 19, c->cc_major);
+                    p.variant, wgmma_version(kVariants[p.variant]), c->cc_major);
     return 1;
   }
   const Variant v = kVariants[p.variant];
@@ -2674,7 +2680,7 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     char nw[16] = "";  // warps a CTA where not kWarps
     if (v.nw != kWarps) snprintf(nw, sizeof nw, " nw%d", v.nw);
     if (v.wg > 0)
-      snprintf(out, n, "fused v%d wgmma%s%s n%d t%d wg%d u%d s%d splits%d", v.rs ? 21 : 19, v.rs ? "-rs" : "",
+      snprintf(out, n, "fused v%d wgmma%s%s n%d t%d wg%d u%d s%d splits%d", wgmma_version(v), v.rs ? "-rs" : "",
                bits == 8 ? " w8" : "", 16 * v.mb, v.nw, v.wg, v.u, v.stages, p.splits);
     else
       snprintf(out, n, "fused v18%s mb%d u%d s%d%s splits%d", bits == 8 ? " w8" : "", v.mb, v.u, v.stages, nw,
