@@ -409,15 +409,21 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 		33: above32, 64: above32, 65: above64, 128: above64, 129: above128, 256: above128,
 		257: "dequant+cublas"})
 	// The fused kernel takes M = 33–128 on layers of 2^25 weights and more
-	// (8B down), not on smaller ones (8B q/k/v).
+	// (8B down), not on smaller ones (8B q/k/v) but on Hopper.
 	checkPlans(t, l, &W4{K: 14336, N: 4096, Group: 128}, map[int]string{1: "gemv mt1", 16: "gemv-mma v11 mt16",
 		32: "gemv-mma v11 mt32", 64: above32, 100: above64, 129: above128, 300: "dequant+cublas"})
-	checkPlans(t, l, &W4{K: 4096, N: 6144, Group: 128}, map[int]string{33: "gemv-mma v11 mt64", 65: "dequant+cublas",
-		200: "dequant+cublas"})
-	// 2^25 weights exactly take the fused kernel; 64 columns fewer do not.
+	// On Hopper v21 takes them from 3 · 2^23 weights (8B q/k/v), not 8B o.
+	checkPlans(t, l, &W4{K: 4096, N: 6144, Group: 128}, map[int]string{
+		33: onHopper(t, l, v21Plan64, "gemv-mma v11 mt64"), 65: onHopper(t, l, v21Plan, "dequant+cublas"),
+		200: onHopper(t, l, v21Plan, "dequant+cublas")})
+	checkPlans(t, l, &W4{K: 4096, N: 6080, Group: 128}, map[int]string{33: "gemv-mma v11 mt64", 65: "dequant+cublas"})
+	checkPlans(t, l, &W4{K: 4096, N: 4096, Group: 128}, map[int]string{64: "gemv-mma v11 mt64", 128: "dequant+cublas"})
+	// 2^25 weights exactly take the fused kernel; 64 columns fewer do not,
+	// but on Hopper.
 	checkPlans(t, l, &W4{K: 8192, N: 4096, Group: 128}, map[int]string{100: above64})
-	checkPlans(t, l, &W4{K: 8192, N: 4032, Group: 128}, map[int]string{64: "gemv-mma v11 mt64", 100: "dequant+cublas",
-		200: "dequant+cublas"})
+	checkPlans(t, l, &W4{K: 8192, N: 4032, Group: 128}, map[int]string{
+		64: onHopper(t, l, v21Plan64, "gemv-mma v11 mt64"), 100: onHopper(t, l, v21Plan, "dequant+cublas"),
+		200: onHopper(t, l, v21Plan, "dequant+cublas")})
 	defer l.SetPath(PathAuto)
 	for _, c := range []struct {
 		path, M int
@@ -604,7 +610,7 @@ func TestSmallForSanitizer(t *testing.T) {
 // fusedVariants is the fused kernel's instantiations (kFusedVariants in
 // w4a16.cu): TestFusedVariantsMatchReference runs each and checks the
 // next is refused, so the two counts cannot drift apart.
-const fusedVariants = 25
+const fusedVariants = 26
 
 // TestFusedVariantsMatchReference runs each of the fused kernel's (v18)
 // instantiations, forced with LLMQ_W4_FUSED_VARIANT, on its edges: 3, 6
@@ -654,9 +660,6 @@ func TestWgmmaSplitsMidGroup(t *testing.T) {
 			if !isHopper(t, l) {
 				t.Skip("v21 runs on Hopper's wgmma")
 			}
-			if err := l.SetPath(PathFused); err != nil {
-				t.Fatal(err)
-			}
 			r := rand.New(rand.NewPCG(13, 13))
 			for _, c := range []gemmCase{
 				{M: 100, K: 2048, N: 448, group: 32, path: PathFused},
@@ -665,6 +668,10 @@ func TestWgmmaSplitsMidGroup(t *testing.T) {
 				{M: 70, K: 2048, N: 192, group: 64, bits: 8, path: PathFused},
 			} {
 				// the case is only what it claims if v21 runs in three splits
+				// (the path set for each: runCase sets it back to auto)
+				if err := l.SetPath(c.path); err != nil {
+					t.Fatal(err)
+				}
 				w := &W4{K: c.K, N: c.N, Group: c.group, Bits: c.bits}
 				if v, err := l.Plan(w, c.M); err != nil || !strings.HasPrefix(v, "fused v21") || !strings.HasSuffix(v, "splits3") {
 					t.Fatalf("group %d, %d-bit: plan %q, %v; want v21 in three K splits", c.group, w.codeBits(), v, err)
@@ -688,24 +695,21 @@ const (
 // library reports no compute capability, so Hopper is told by name: H100,
 // H200, H800, H20, GH200.)
 func fusedAbove32(t *testing.T, l *Context) string {
-	if isHopper(t, l) {
-		return v21Plan64
-	}
-	return "fused v18 mb4 u2"
+	return onHopper(t, l, v21Plan64, "fused v18 mb4 u2")
 }
 
 func fusedAbove64(t *testing.T, l *Context) string {
-	if isHopper(t, l) {
-		return v21Plan
-	}
-	return "fused v18 mb4 u2"
+	return onHopper(t, l, v21Plan, "fused v18 mb4 u2")
 }
 
-func fusedAbove128(t *testing.T, l *Context) string {
+func fusedAbove128(t *testing.T, l *Context) string { return onHopper(t, l, v21Plan, "dequant+cublas") }
+
+// onHopper is hopper's plan on Hopper, other's elsewhere.
+func onHopper(t *testing.T, l *Context, hopper, other string) string {
 	if isHopper(t, l) {
-		return v21Plan
+		return hopper
 	}
-	return "dequant+cublas"
+	return other
 }
 
 func isHopper(t *testing.T, l *Context) bool {

@@ -1027,7 +1027,7 @@ struct WgRsTile {
   // producer's, and the consumers' from the rest (multiples of 8, at most 256)
   static constexpr int kEntryRegs = (65536 / kThreads < 255 ? 65536 / kThreads : 255) / 8 * 8;
   static constexpr int kProducerRegs = 40;
-  static constexpr int kRest = (65536 - 128 * kProducerRegs) / kConsumers / 8 * 8;
+  static constexpr int kRest = (kThreads * kEntryRegs - 128 * kProducerRegs) / kConsumers / 8 * 8;
   static constexpr int kConsumerRegs = kRest < 256 ? kRest : 256;
   static constexpr int kCodeBytes = T * U * CH * 512;  // a stage's codes: tile t's U steps, then t + 1's
   static constexpr int kActBytes = U * NTOK * 32;      // its activations: step u's NTOK rows of 32 bytes (sw32)
@@ -1082,12 +1082,9 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
                                            int splits) {
   using L = WgRsTile<NTOK, NWG, T, U, STAGES, BITS>;
   constexpr int CH = L::CH, WN = L::WN;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2, NT = N >> 6;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   set_max_regs<L::kEntryRegs, L::kConsumerRegs>();
   const int pair = warp & 3, gid = lane >> 2;
-  bool tile_ok[WN];
-#pragma unroll
-  for (int j = 0; j < WN; ++j) tile_ok[j] = nt0 + wg * WN + j < NT;
   PairRegs gr[WN];
   pdl_gate();
   float acc[WN][NTOK / 2];
@@ -1100,11 +1097,19 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
     mbar_wait(&full[b % STAGES], (b / STAGES) & 1);  // batch b has landed
     const unsigned char* st = L::stage(smem, b);
     const int kb = k0 + b * U, g0 = step_group(kb, gshift);
+    // converts: whether step kb + u takes a group's scales and zeros — the
+    // split's first step and each group's first; the registers keep them
+    // across batches otherwise (a step past the slice takes none: its
+    // group's entries may not be in the stage)
+    auto converts = [&](int u) {
+      const int k = kb + u;
+      return k < k1 && ((b == 0 && u == 0) || (gshift >= 0 && (k & ((1 << gshift) - 1)) == 0));
+    };
     // StepIn: what a step takes from the stage for the warp's tiles — the
     // pair's words (word `pair` of the lane's chunk at 4 bits, words
-    // 2·pair and + 1, in chunk pair / 2, at 8) and its group's scales and
-    // zeros as stored — read a step ahead, so that the reads' latency
-    // hides behind the step before
+    // 2·pair and + 1, in chunk pair / 2, at 8) and, where it converts, its
+    // group's scales and zeros as stored — read a step ahead, so that the
+    // reads' latency hides behind the step before
     struct StepIn {
       uint32_t w[WN][CH], sw[WN];
       ZerosOf<BITS> zv[WN];
@@ -1112,6 +1117,7 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
     auto read_step = [&](StepIn& in, int u) {
       const int gi = gshift < 0 ? 0 : ((kb + u) >> gshift) - g0;
       const unsigned char* sc = st + L::kCodeBytes + L::kActBytes;
+      const bool group = converts(u);
 #pragma unroll
       for (int j = 0; j < WN; ++j) {
         const uint32_t* chunk = reinterpret_cast<const uint32_t*>(st) +
@@ -1123,9 +1129,11 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
           in.w[j][0] = v.x;
           in.w[j][1] = v.y;
         }
-        const int t = gi * T + wg * WN + j;
-        in.sw[j] = reinterpret_cast<const uint32_t*>(sc + t * L::kScaleTile + gid * 16)[pair];
-        in.zv[j] = reinterpret_cast<const ZerosOf<BITS>*>(sc + L::kScaleBytes + t * L::kZeroTile)[gid];
+        if (group) {
+          const int t = gi * T + wg * WN + j;
+          in.sw[j] = reinterpret_cast<const uint32_t*>(sc + t * L::kScaleTile + gid * 16)[pair];
+          in.zv[j] = reinterpret_cast<const ZerosOf<BITS>*>(sc + L::kScaleBytes + t * L::kZeroTile)[gid];
+        }
       }
     };
     StepIn next;
@@ -1136,22 +1144,29 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
       const uint64_t db = wgmma_desc(st + L::kCodeBytes + u * (NTOK * 32));
       const StepIn in = next;
       if (u + 1 < U) read_step(next, u + 1);
-      // a new group at the batch's first step and where a group starts
-      if (k < k1 && (u == 0 || (gshift >= 0 && (k & ((1 << gshift) - 1)) == 0)))
+      if (converts(u))
 #pragma unroll
         for (int j = 0; j < WN; ++j) convert_group(gr[j], in.sw[j], in.zv[j], pair);
+      // The steps past the slice (in its last batch) multiply zero weights:
+      // their codes are whatever the stage held before (finite weights with
+      // any scale, as codes_word makes them), their activations a box past
+      // K (zeros), and zero scales keep an overflowing scale's ∞ · 0 out.
+      if (k == k1)
+#pragma unroll
+        for (int j = 0; j < WN; ++j) gr[j].s[0] = gr[j].s[1] = 0u;
 #pragma unroll
       for (int j = 0; j < WN; ++j) {
         uint32_t(&af)[4] = a[(u * WN + j) & 1];
-        const bool ok = k < k1 && tile_ok[j];  // (uniform across the warp)
+        // A's fragment: rows gid and gid + 8 (sub-tiles 2·pair and + 1) at
+        // K 2·tig, then at 2·tig + 8. A tile past N's edge computes rows of
+        // garbage (its stage's bytes were never copied) that the epilogue
+        // does not store, and no other row sums them.
         uint32_t bq[4];
         dequant_pair<BITS>(bq, in.w[j], 0, gr[j]);
-        // A's fragment: rows gid and gid + 8 (sub-tiles 2·pair and + 1) at
-        // K 2·tig, then at 2·tig + 8; zeros past the slice or N's edge
-        af[0] = ok ? bq[0] : 0u;
-        af[1] = ok ? bq[2] : 0u;
-        af[2] = ok ? bq[1] : 0u;
-        af[3] = ok ? bq[3] : 0u;
+        af[0] = bq[0];
+        af[1] = bq[2];
+        af[2] = bq[1];
+        af[3] = bq[3];
         wgmma_fence();
         WgmmaRS<NTOK>::mma(acc[j], af, db);
         wgmma_commit();
@@ -1948,14 +1963,18 @@ struct Variant {
 // warpgroups, four steps a stage in four or six stages, eight in three
 // (22, the plan's at 65–256 rows); 64 tokens over four tiles in six
 // stages (23, the plan's at 33–64); 128 tokens, two steps a stage in
-// eight. (64 tokens over eight tiles, four a warpgroup, spilled.)
+// eight. (64 tokens over eight tiles, four a warpgroup, spilled.) 25 is
+// 23 with a tile a warpgroup in four consumer warpgroups: twice the warps
+// an SM to hide a step's dequantization, in 96 registers a thread (ptxas
+// holds the whole kernel to the launch's) instead of 168. (22 so, at 128
+// tokens, had its wgmmas serialized: C7512.)
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2},
                                  {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
-                                 {8, 2, 8, 4, 2, 1}};
+                                 {8, 2, 8, 4, 2, 1}, {4, 4, 6, 4, 4, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // wgmma_version: a wgmma variant's kernel, v19 or v21 (for messages).
 constexpr int wgmma_version(const Variant& v) { return v.rs ? 21 : 19; }
@@ -2031,6 +2050,13 @@ constexpr size_t kSwapMinWeights = size_t(1) << 26;
 // dequantize + cuBLAS won on every shape. At M = 128 it was 6% ahead on
 // q/k/v too, which this threshold leaves to dequantize + cuBLAS.
 constexpr size_t kFusedMinWeights = size_t(1) << 25;
+// v21 (Hopper) takes smaller layers too, down to 8B's q/k/v (4096 × 6144,
+// 3 · 2^23 weights): in one H100 run (gemm-h100-sweep-v21g.txt against
+// -v21g-auto.txt, 9b78bbf) it ran q/k/v in 24.98, 35.22 and 51.05 µs at
+// M = 64, 128 and 256 against v11's 32.21 and dequantize + cuBLAS's 45.81
+// and 50.25; on o (2^24) it lost at 64 (23.83 against v11's 20.42) and
+// 256 (37.37 against 32.09) and drew at 128.
+constexpr size_t kWgmmaMinWeights = size_t(3) << 23;
 constexpr int kFusedMinM = 32;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
 // kept (llmq_ctx::resident): the fused kernel's kFusedVariants, then the
@@ -2196,8 +2222,8 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // gate+up); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
   // from there to mma_max_m (64), except that the fused kernel (v18) takes
   // M = 33–fused_max_m (128) on layers of kFusedMinWeights or more (4-bit
-  // codes), on Hopper v21 up to wgmma_max_m (256); then dequantize +
-  // cuBLAS (the fused kernel without a scratch).
+  // codes), on Hopper v21 up to wgmma_max_m (256) and from kWgmmaMinWeights;
+  // then dequantize + cuBLAS (the fused kernel without a scratch).
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
   bool swap_wide = false;  // M = 9–32 on a wide layer (swap_wide_layer)
@@ -2209,7 +2235,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   else if (M <= gemv_max && pow2)
     p.path = 3;
   else if (bits == 4 && pow2 && M > kFusedMinM && (M <= c->fused_max_m || wgmma_serves(c, M, group)) &&
-           (size_t)N * K >= kFusedMinWeights)
+           (size_t)N * K >= (wgmma_serves(c, M, group) ? kWgmmaMinWeights : kFusedMinWeights))
     p.path = 1;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
     p.path = 4;
