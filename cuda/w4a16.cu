@@ -1964,17 +1964,17 @@ struct Variant {
 // (22, the plan's at 65–256 rows); 64 tokens over four tiles in six
 // stages (23, the plan's at 33–64); 128 tokens, two steps a stage in
 // eight. (64 tokens over eight tiles, four a warpgroup, spilled.) 25 is
-// 23 with a tile a warpgroup in four consumer warpgroups: twice the warps
-// an SM to hide a step's dequantization, in 96 registers a thread (ptxas
-// holds the whole kernel to the launch's) instead of 168. (22 so, at 128
-// tokens, had its wgmmas serialized: C7512.)
+// 23 with eight steps a stage in four stages (fewer barrier rounds a
+// step). (64 tokens over four tiles in four consumer warpgroups, a tile
+// each, lost: 70.25 against 62.80 µs on gate+up at 64 rows,
+// gemm-h100-sweep-v21h.txt against -ab-v21h.txt; at 128 tokens ptxas serialized its wgmmas.)
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2},
                                  {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
-                                 {8, 2, 8, 4, 2, 1}, {4, 4, 6, 4, 4, 1}};
+                                 {8, 2, 8, 4, 2, 1}, {4, 8, 4, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // wgmma_version: a wgmma variant's kernel, v19 or v21 (for messages).
 constexpr int wgmma_version(const Variant& v) { return v.rs ? 21 : 19; }
