@@ -194,7 +194,7 @@ case "$1" in
           # choice, then racecheck, synccheck and memcheck on them; with a baseline (carry.sh base) the
           # baseline's library on BASE_VARIANTS too, plain and under racecheck (a fix's before and after)
     # (-test.run takes a top-level '|' as two patterns, then splits each at '/': both levels in parentheses)
-    r="(TestFusedVariantsMatchReference|TestPlanTakesWgmmaWhenAsked|TestWgmmaSplitsMidGroup)/(LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-9]|2[0-4]})\$|LLMQ_W4_WGMMA_MAX_M|LLMQ_W4_SPLITS)"
+    r="(TestFusedVariantsMatchReference|TestPlanTakesWgmmaWhenAsked|TestWgmmaSplitsMidGroup)/(LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-9]|2[0-6]})\$|LLMQ_W4_WGMMA_MAX_M|LLMQ_W4_SPLITS)"
     # the fences each v19 instantiation compiled to (MEMBAR: the wait for every access in flight)
     cuobjdump -sass build/device/libllmqcuda.so 2>/dev/null |
       python3 evals/sass_steps.py --count MEMBAR,FENCE.VIEW.ASYNC w4a16_wgmma | tee "$OUT/sass-wgmma-fences.txt"

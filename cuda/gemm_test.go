@@ -610,7 +610,7 @@ func TestSmallForSanitizer(t *testing.T) {
 // fusedVariants is the fused kernel's instantiations (kFusedVariants in
 // w4a16.cu): TestFusedVariantsMatchReference runs each and checks the
 // next is refused, so the two counts cannot drift apart.
-const fusedVariants = 26
+const fusedVariants = 27
 
 // TestFusedVariantsMatchReference runs each of the fused kernel's (v18)
 // instantiations, forced with LLMQ_W4_FUSED_VARIANT, on its edges: 3, 6
@@ -651,11 +651,12 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 
 // TestWgmmaSplitsMidGroup: v21's producer copies each group its stage's
 // steps touch, found from the steps' place in K, and a consumer converts
-// a group where one starts and at each stage's first step. Three K splits
+// a group where one starts and at its split's first step, and zeroes the
+// scales at its split's end inside a stage. Three K splits
 // of 2048 rows (43 steps each) start and end inside groups of 2, 4 and 8
 // steps, and inside a stage, for both plan variants (Hopper only).
 func TestWgmmaSplitsMidGroup(t *testing.T) {
-	inSettings(t, []string{"LLMQ_W4_FUSED_VARIANT=22 LLMQ_W4_SPLITS=3", "LLMQ_W4_FUSED_VARIANT=23 LLMQ_W4_SPLITS=3"},
+	inSettings(t, []string{"LLMQ_W4_FUSED_VARIANT=22 LLMQ_W4_SPLITS=3", "LLMQ_W4_FUSED_VARIANT=25 LLMQ_W4_SPLITS=3"},
 		func(t *testing.T, l *Context, _ string) {
 			if !isHopper(t, l) {
 				t.Skip("v21 runs on Hopper's wgmma")
@@ -682,10 +683,10 @@ func TestWgmmaSplitsMidGroup(t *testing.T) {
 }
 
 // v21Plan64 and v21Plan are the plan's v21 variants: 64 tokens over four
-// tiles in two warpgroups, four steps a stage, and 128 tokens, eight
-// steps a stage.
+// tiles in two warpgroups, eight steps a stage in four stages, and 128
+// tokens, eight steps a stage in three.
 const (
-	v21Plan64 = "fused v21 wgmma-rs n64 t4 wg2 u4 s6"
+	v21Plan64 = "fused v21 wgmma-rs n64 t4 wg2 u8 s4"
 	v21Plan   = "fused v21 wgmma-rs n128 t4 wg2 u8 s3"
 )
 

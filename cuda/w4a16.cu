@@ -1964,29 +1964,34 @@ struct Variant {
 // (22, the plan's at 65–256 rows); 64 tokens over four tiles in six
 // stages (23, the plan's at 33–64); 128 tokens, two steps a stage in
 // eight. (64 tokens over eight tiles, four a warpgroup, spilled.) 25 is
-// 23 with eight steps a stage in four stages (fewer barrier rounds a
-// step). (64 tokens over four tiles in four consumer warpgroups, a tile
-// each, lost: 70.25 against 62.80 µs on gate+up at 64 rows,
-// gemm-h100-sweep-v21h.txt against -ab-v21h.txt; at 128 tokens ptxas serialized its wgmmas.)
+// 23 with eight steps a stage in four stages (half the barrier rounds a
+// step), the plan's at 33–64; 26 is 64 tokens with sixteen steps a stage
+// in two (sweep-only; three, or 22 in four stages, would not fit shared
+// memory with 8-bit codes). (64 tokens over four
+// tiles in four consumer warpgroups, a tile each, lost: 70.25 against
+// 62.80 µs on gate+up at 64 rows, gemm-h100-sweep-v21h.txt against
+// -ab-v21h.txt; at 128 tokens ptxas serialized its wgmmas.)
 constexpr Variant kVariants[] = {{1, 4, 4, 4},    {2, 4, 4, 4},    {4, 2, 4, 4},    {4, 4, 4, 4},
                                  {2, 2, 4, 4},    {4, 2, 8, 4},    {4, 4, 6, 4},    {2, 4, 8, 4},
                                  {4, 2, 8, 8},    {4, 4, 4, 8},    {4, 2, 4, 4, 1}, {8, 2, 4, 4, 2},
                                  {8, 2, 4, 2, 1}, {4, 4, 4, 4, 1}, {4, 2, 6, 4, 1}, {4, 2, 4, 8, 2},
                                  {4, 4, 4, 4, 4}, {2, 2, 4, 4, 1}, {4, 2, 4, 4, 2}, {8, 4, 4, 4, 2},
                                  {8, 4, 4, 4, 2, 1}, {8, 4, 6, 4, 2, 1}, {8, 8, 3, 4, 2, 1}, {4, 4, 6, 4, 2, 1},
-                                 {8, 2, 8, 4, 2, 1}, {4, 8, 4, 4, 2, 1}};
+                                 {8, 2, 8, 4, 2, 1}, {4, 8, 4, 4, 2, 1}, {4, 16, 2, 4, 2, 1}};
 constexpr int kFusedVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 // wgmma_version: a wgmma variant's kernel, v19 or v21 (for messages).
 constexpr int wgmma_version(const Variant& v) { return v.rs ? 21 : 19; }
 // v21's variants in the plan (llmq_ctx::wgmma_max_m): 128 tokens over
 // four tiles in two warpgroups, eight steps a stage, for M = 65 …
-// wgmma_max_m, and its 64-token variant (four steps a stage) for M =
-// 33–64. On one H100 (cuda/NOTES.md, "The nineteenth session") variant 22
-// took 26%, 18% and 24% less time than v19's variant 19 (the plan before)
-// at 128 rows on 8B gate+up, down and 70B down, 28%, 22% and 29% less at
-// 256 (gemm-h100-sweep-v21c.txt); at 64 rows variant 23 took 20%, 13% and
-// 2% less than v18 (v21c against -v21d.txt, the same machine).
-constexpr int kWgmmaVariant = 22, kWgmmaVariant64 = 23;
+// wgmma_max_m, and 64 tokens, eight steps a stage in four, for M = 33–64.
+// On one H100 (cuda/NOTES.md, "The nineteenth session") variant 22 took
+// 26%, 18% and 24% less time than v19's variant 19 (the plan before) at
+// 128 rows on 8B gate+up, down and 70B down, 28%, 22% and 29% less at 256
+// (gemm-h100-sweep-v21c.txt). At 64 rows variant 25 took 23%, 13% and 23%
+// less than variant 23 (four steps a stage in six, the plan before) in
+// one run (gemm-h100-sweep-v21i.txt: 49.00, 34.80 and 90.89 µs against
+// 63.33, 39.81 and 118.65).
+constexpr int kWgmmaVariant = 22, kWgmmaVariant64 = 25;
 struct GemvVariant {
   int mt, u, minb;
 };
