@@ -389,9 +389,10 @@ func checkPlans(t *testing.T, l *Context, w *W4, want map[int]string) {
 // and the automatic plan gives 4-bit M = 1 to the CUDA-core GEMV (v15 on
 // layers of 2^26 weights or more), M = 2–8 to v15, M = 9–64 to v11 (v15
 // to M = 32 on layers that need no K split), M = 33–128 to the fused
-// kernel on layers of 2^25 weights or more (v18, and on Hopper v21 up to
-// 256 rows; where each is faster, NOTES.md v11, v15, v18 and "The
-// nineteenth session") and larger M to dequantize + cuBLAS.
+// kernel on layers of 2^25 weights or more (v18; on Hopper v21 up to
+// 256 rows, from 3 · 2^23 weights; where each is faster, NOTES.md v11,
+// v15, v18, "The nineteenth session" and "The twentieth session") and
+// larger M to dequantize + cuBLAS.
 func TestGEMVRefusesLargeM(t *testing.T) {
 	l := openContext(t)
 	above32, above64, above128 := fusedAbove32(t, l), fusedAbove64(t, l), fusedAbove128(t, l)
@@ -630,6 +631,9 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 			{M: 17, K: 4096, N: 64, group: -1, sym: true, act: true, path: PathFused},
 			{M: 70, K: 1024, N: 192, group: 64, bits: 8, path: PathFused},
 			{M: 300, K: 512, N: 192, group: 128, path: PathFused},
+			// the largest scales with the last stage part-filled (65 steps):
+			// v21's steps past the slice take zero scales
+			{M: 40, K: 1040, N: 192, group: 32, bits: 4, path: PathFused, edit: "extreme"},
 		} {
 			runCase(t, l, r, c)
 		}
@@ -653,7 +657,7 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 // steps touch, found from the steps' place in K, and a consumer converts
 // a group where one starts and at its split's first step, and zeroes the
 // scales at its split's end inside a stage. Three K splits
-// of 2048 rows (43 steps each) start and end inside groups of 2, 4 and 8
+// of 2048 rows (43, 43 and 42 steps) start and end inside groups of 2, 4 and 8
 // steps, and inside a stage, for both plan variants (Hopper only).
 func TestWgmmaSplitsMidGroup(t *testing.T) {
 	inSettings(t, []string{"LLMQ_W4_FUSED_VARIANT=22 LLMQ_W4_SPLITS=3", "LLMQ_W4_FUSED_VARIANT=25 LLMQ_W4_SPLITS=3"},
@@ -723,7 +727,7 @@ func isHopper(t *testing.T, l *Context) bool {
 }
 
 // TestPlanTakesWgmmaWhenAsked: LLMQ_W4_WGMMA_MAX_M (default 256) puts
-// v21 (wgmma) in the plan on Hopper above 32 rows on layers of 2^25
+// v21 (wgmma) in the plan on Hopper above 32 rows on layers of 3 · 2^23
 // weights or more (4-bit codes), up to the setting: in v18's place to 128
 // rows (fused_max_m), in dequantize + cuBLAS's past it. Groups of 16 stay
 // on v18, as do other GPUs.

@@ -1959,10 +1959,10 @@ struct Variant {
 // cuda/NOTES.md, "The sixteenth session" and "The seventeenth session");
 // 19 is 11 with four steps a stage (half the stages, so half the proxy
 // fence's waits for the copies in flight; 22 in face48a's sweep).
-// Variants 20–24 are v21: 128 tokens over four tiles in two
+// Variants 20–26 are v21: 128 tokens over four tiles in two
 // warpgroups, four steps a stage in four or six stages, eight in three
 // (22, the plan's at 65–256 rows); 64 tokens over four tiles in six
-// stages (23, the plan's at 33–64); 128 tokens, two steps a stage in
+// stages (23, the plan's at 33–64 before 25); 128 tokens, two steps a stage in
 // eight. (64 tokens over eight tiles, four a warpgroup, spilled.) 25 is
 // 23 with eight steps a stage in four stages (half the barrier rounds a
 // step), the plan's at 33–64; 26 is 64 tokens with sixteen steps a stage
@@ -2057,10 +2057,12 @@ constexpr size_t kSwapMinWeights = size_t(1) << 26;
 constexpr size_t kFusedMinWeights = size_t(1) << 25;
 // v21 (Hopper) takes smaller layers too, down to 8B's q/k/v (4096 × 6144,
 // 3 · 2^23 weights): in one H100 run (gemm-h100-sweep-v21g.txt against
-// -v21g-auto.txt, 9b78bbf) it ran q/k/v in 24.98, 35.22 and 51.05 µs at
-// M = 64, 128 and 256 against v11's 32.21 and dequantize + cuBLAS's 45.81
-// and 50.25; on o (2^24) it lost at 64 (23.83 against v11's 20.42) and
-// 256 (37.37 against 32.09) and drew at 128.
+// -v21g-auto.txt, 9b78bbf) it ran q/k/v in 24.98 and 35.22 µs at M = 64
+// and 128 against v11's 32.21 and dequantize + cuBLAS's 45.81, and lost at
+// 256 (51.05 against 50.25); with 7cfdff1's consumer it took 47.47 there
+// against 50.16 (gemm-h100-ab-v21h.txt). On o (2^24) it lost at 64 (23.83
+// against v11's 20.42), 128 (33.63 against 28.63; variant 23 forced drew,
+// 28.22) and 256 (37.37 against 32.09).
 constexpr size_t kWgmmaMinWeights = size_t(3) << 23;
 constexpr int kFusedMinM = 32;
 // resident_slot: where a kernel instantiation's resident CTAs per SM are
