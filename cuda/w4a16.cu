@@ -2235,14 +2235,15 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
   bool swap_wide = false;  // M = 9–32 on a wide layer (swap_wide_layer)
   if (!c->w4_path && swap_ok && M > 8 && swap_wide_layer(c, M, N, swap_wide)) return 1;
+  const bool v21 = bits == 4 && wgmma_serves(c, M, group);  // v21 for 4-bit codes, where measured ahead
   if (c->w4_path)
     p.path = c->w4_path;
   else if (swap_ok && (M <= 8 ? M > 1 || (size_t)N * K >= kSwapMinWeights : swap_wide))
     p.path = 5;
   else if (M <= gemv_max && pow2)
     p.path = 3;
-  else if (bits == 4 && pow2 && M > kFusedMinM && (M <= c->fused_max_m || wgmma_serves(c, M, group)) &&
-           (size_t)N * K >= (wgmma_serves(c, M, group) ? kWgmmaMinWeights : kFusedMinWeights))
+  else if (bits == 4 && pow2 && M > kFusedMinM && (M <= c->fused_max_m || v21) &&
+           (size_t)N * K >= (v21 ? kWgmmaMinWeights : kFusedMinWeights))
     p.path = 1;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
     p.path = 4;
@@ -2305,8 +2306,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // until a wave fills the resident slots, each split keeping at least
   // two rings' worth of batches.
   p.variant = M <= 16 ? 0 : M <= 32 ? 1 : 2;
-  // v21 on Hopper for 4-bit codes above 32 rows (wgmma_serves).
-  if (bits == 4 && wgmma_serves(c, M, group)) p.variant = M <= 64 ? kWgmmaVariant64 : kWgmmaVariant;
+  if (v21) p.variant = M <= 64 ? kWgmmaVariant64 : kWgmmaVariant;
   if (c->fused_forced_variant >= 0) {  // LLMQ_W4_FUSED_VARIANT: any M fits (row blocks)
     if (c->fused_forced_variant >= kFusedVariants) {
       llmq::set_error(c, "LLMQ_W4_FUSED_VARIANT=%d: the fused kernel has variants 0–%d", c->fused_forced_variant,
