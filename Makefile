@@ -8,7 +8,8 @@
 #   make e2e     drive llmq serve with the official openai npm package
 #   make gguf-check  llmq export gguf read back by @huggingface/gguf (npm)
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
-#   make probe   build/stream-probe, the GEMV's streaming alone (cuda/probe/stream.cu; on a GPU machine)
+#   make probe   build/stream-probe and build/chain-probe: the GEMV's streaming alone, and what a
+#                dependency between kernels costs (cuda/probe/; on a GPU machine)
 #   make cuda-check  compile-check cuda/*.cu without a GPU (cuda/local-check.sh)
 #   make schemes the quantization-scheme table for MODEL (evals/schemes.sh;
 #                WINDOWS=N for the first N WikiText-2 windows only)
@@ -150,8 +151,15 @@ build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 # The streaming probe (cuda/probe/stream.cu): a program of its own, for
 # Hopper (its bulk copies and L2 prefetch are sm_90's). It includes
 # cuda/stream.cuh, the kernels' loads, so a change there rebuilds it.
-probe: build/stream-probe
+probe: build/stream-probe build/chain-probe
 build/stream-probe: cuda/probe/stream.cu cuda/stream.cuh
+	@mkdir -p build
+	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
+
+# The chain probe (cuda/probe/chain.cu): what a dependency between two
+# kernels of a decode step costs, launched apart or inside one persistent
+# kernel.
+build/chain-probe: cuda/probe/chain.cu cuda/stream.cuh
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
 

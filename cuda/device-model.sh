@@ -15,6 +15,8 @@
 #   bash cuda/device-model.sh trace   # nsys: a decode step's kernels in place, in the graph (TRACE_PRESET, TRACE_BATCH, TRACE_CTX)
 #   bash cuda/device-model.sh probe   # cuda/probe/stream.cu: the GEMV's streaming alone, by transport, warps an SM,
 #                                     # steps a batch and work a step (stream-probe-$G.json; PROBE_MB, PROBE_ARGS)
+#   bash cuda/device-model.sh chain   # cuda/probe/chain.cu: a decode step's chain of dependent reads, launched apart or in
+#                                     # one persistent kernel (CHAIN_ARGS; chain-probe-$G.json)
 #   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
 #   bash cuda/device-model.sh pdl     # programmatic dependent launch (on unless LLMQ_PDL=0): tests with it, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
@@ -582,6 +584,21 @@ import json, sys
 print(json.dumps({"command": sys.argv[2], "commit": sys.argv[1], "runs": [json.load(open(f)) for f in sys.argv[3:]]}, indent=1))
 PY
     exit $prc
+    ;;
+  chain) # what a dependency between a decode step's kernels costs: each op its own kernel in a graph (with and
+         # without PDL) or one persistent kernel on counters, against the weights' reads alone
+         # (cuda/probe/chain.cu; CHAIN_ARGS; chain-probe-$G.json)
+    make build/chain-probe NVCC_FLAGS="-O3 -std=c++17" > "$OUT/build-chain.log" 2>&1 || { tail -20 "$OUT/build-chain.log"; exit 1; }
+    if build/chain-probe ${CHAIN_ARGS:-} > /tmp/chain.json; then
+      python3 - "$LLMQ_COMMIT" "build/chain-probe ${CHAIN_ARGS:-}" /tmp/chain.json > "$OUT/chain-probe-$G.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[3]))
+print(json.dumps({"command": sys.argv[2], "commit": sys.argv[1], **d}, indent=1))
+PY
+      python3 -c "import json,sys; [print(r['mode'], r['small_ops'], r['us_step'], r['us_layer'], r['gemv_gbps']) for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/chain-probe-$G.json"
+    else
+      echo "chain-probe failed"; cp /tmp/chain.json "$OUT/chain-probe-$G-failed.txt"; exit 1
+    fi
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"

@@ -406,7 +406,8 @@ func TestGEMVRefusesLargeM(t *testing.T) {
 	// Past 8 tokens v15 takes the layers a wave covers without a K split
 	// (8B gate+up's 448 n-tiles), v11 the others (8B down's 64).
 	checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128}, map[int]string{1: "gemv-swap v15 mt8",
-		9: "gemv-swap v15 mt16", 16: "gemv-swap v15 mt16 u4 b1 splits1", 32: "gemv-swap v15 mt32 u2 scaled b1 splits1",
+		9: "gemv-swap v15 mt16", 16: "gemv-swap v15 mt16 u4 b1 splits1",
+		17: onHopper(t, l, v21Plan64, "gemv-swap v15 mt32"), 32: onHopper(t, l, v21Plan64, "gemv-swap v15 mt32 u2 scaled b1 splits1"),
 		33: above32, 64: above32, 65: above64, 128: above64, 129: above128, 256: above128,
 		257: "dequant+cublas"})
 	// The fused kernel takes M = 33–128 on layers of 2^25 weights and more
@@ -631,9 +632,9 @@ func TestFusedVariantsMatchReference(t *testing.T) {
 			{M: 17, K: 4096, N: 64, group: -1, sym: true, act: true, path: PathFused},
 			{M: 70, K: 1024, N: 192, group: 64, bits: 8, path: PathFused},
 			{M: 300, K: 512, N: 192, group: 128, path: PathFused},
-			// the largest scales with the last stage part-filled (65 steps):
+			// the largest scales with the last stage part-filled (66 steps):
 			// v21's steps past the slice take zero scales
-			{M: 40, K: 1040, N: 192, group: 32, bits: 4, path: PathFused, edit: "extreme"},
+			{M: 40, K: 1056, N: 192, group: 32, bits: 4, path: PathFused, edit: "extreme"},
 		} {
 			runCase(t, l, r, c)
 		}
@@ -735,7 +736,8 @@ func TestPlanTakesWgmmaWhenAsked(t *testing.T) {
 	inSettings(t, []string{"LLMQ_W4_WGMMA_MAX_M=100"}, func(t *testing.T, l *Context, _ string) {
 		v64, v128 := fusedAbove32(t, l), fusedAbove64(t, l)
 		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 128},
-			map[int]string{32: "gemv-swap v15", 33: v64, 64: v64, 65: v128, 100: v128, 101: "fused v18 mb4", 129: "dequant+cublas"})
+			map[int]string{16: "gemv-swap v15", 32: onHopper(t, l, v21Plan64, "gemv-swap v15"), 33: v64, 64: v64, 65: v128,
+				100: v128, 101: "fused v18 mb4", 129: "dequant+cublas"})
 		checkPlans(t, l, &W4{K: 4096, N: 28672, Group: 16}, map[int]string{64: "fused v18 mb4", 100: "fused v18 mb4"})
 	})
 	inSettings(t, []string{"LLMQ_W4_WGMMA_MAX_M=200"}, func(t *testing.T, l *Context, _ string) {

@@ -98,6 +98,9 @@ if [ $rc = 0 ] && [ $whole = 1 ]; then  # the whole library: it links with no sy
   nvcc -ccbin "$cxx" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o "$out/stream-probe" cuda/probe/stream.cu \
     > "$out/stream-probe.log" 2>&1 || { echo "cuda/probe/stream.cu failed:"; tail -20 "$out/stream-probe.log"; rc=1; }
   [ $rc = 0 ] && echo "built $out/stream-probe"
+  nvcc -ccbin "$cxx" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o "$out/chain-probe" cuda/probe/chain.cu \
+    > "$out/chain-probe.log" 2>&1 || { echo "cuda/probe/chain.cu failed:"; tail -20 "$out/chain-probe.log"; rc=1; }
+  [ $rc = 0 ] && echo "built $out/chain-probe"
 fi
 # Registers and spills of each sm_90a kernel, as ptxas reported them.
 for f in "$out"/*.log; do

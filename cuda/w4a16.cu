@@ -1053,6 +1053,12 @@ struct WgRsTile {
 };
 
 #if LLMQ_HAVE_WGMMA
+// rs_warp_arrive: whether v21's consumers free a stage with one arrival a
+// warp (at 64 tokens) rather than one a thread (128). In one H100 A/B
+// (gemm-h100-ab-v21-warp-arrive.txt) a warp's arrival was 1–2% faster on
+// every large layer at 48 and 64 rows, and 2–4% slower at 128 and 256.
+__device__ constexpr bool rs_warp_arrive(int ntok) { return ntok == 64; }
+
 // tma_load_2d copies the box of map at (x, y) (innermost first) to dst,
 // completing on bar; parts of the box outside the tensor land as zeros.
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
@@ -1171,7 +1177,14 @@ __device__ __forceinline__ void rs_consume(unsigned char* smem, uint64_t* full, 
         WgmmaRS<NTOK>::mma(acc[j], af, db);
         wgmma_commit();
         wgmma_wait<1>();  // the tile-step before is retired: its A buffer is free
-        if (u == 0 && j == 0 && b > 0) mbar_arrive(&empty[(b - 1) % STAGES]);  // and with it batch b − 1's stage
+        if (u == 0 && j == 0 && b > 0) {  // and with it batch b − 1's stage
+          if constexpr (rs_warp_arrive(NTOK)) {   // once every lane of the warp is past
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[(b - 1) % STAGES]);
+          } else {
+            mbar_arrive(&empty[(b - 1) % STAGES]);
+          }
+        }
       }
     }
   }
@@ -1205,7 +1218,7 @@ __global__ void __launch_bounds__(128 * NWG + 128, 1)
   const int per_split = (KT + splits - 1) / splits;
   const int k0 = blockIdx.z * per_split, k1 = min(KT, k0 + per_split);
   const int batches = k1 > k0 ? (k1 - k0 + U - 1) / U : 0;
-  ring_init(full, empty, L::kConsumers);
+  ring_init(full, empty, rs_warp_arrive(NTOK) ? L::kConsumers / 32 : L::kConsumers);
 
   if (wg == NWG) {  // the producer warpgroup: its first thread issues every copy, then it leaves
     set_max_regs<L::kEntryRegs, L::kProducerRegs>();
@@ -2214,9 +2227,13 @@ int swap_wide_layer(llmq_ctx* c, int M, int N, bool& wide) {
 // v21 where it is measured ahead: Hopper, groups of two steps or more
 // (measured in groups of 128; in groups of one step a stage of eight
 // would take sixteen bulk copies of scales and zeros), more than 32 rows
-// (to 32, v15 and v11 lead) up to wgmma_max_m.
-bool wgmma_serves(const llmq_ctx* c, int M, int group) {
-  return c->cc_major == 9 && M > 32 && M <= c->wgmma_max_m && group >= 32;
+// (to 32, v15 and v11 lead) up to wgmma_max_m — and from 17 rows on a
+// layer v15 runs without a K split (wide: 8B gate+up, where variant 25
+// took 48.01, 47.83 and 48.33 µs at 17, 24 and 32 rows against v15's
+// 49.63, 52.40 and 56.51 in one H200 run, gemm-h200-sweep-v21k.txt
+// against -v21k-auto.txt; on the other layers v11 led at 32 rows).
+bool wgmma_serves(const llmq_ctx* c, int M, int group, bool wide) {
+  return c->cc_major == 9 && M > (wide ? 16 : 32) && M <= c->wgmma_max_m && group >= 32;
 }
 
 int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool have_scratch) {
@@ -2226,7 +2243,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   // The measured choice (NOTES.md, v11 and v15): for 4-bit codes v15 at
   // M = 2–8, at M = 1 on large layers, and at M = 9–swap_max_m (32) on
   // layers wide enough that a wave of its CTAs needs no K split (8B
-  // gate+up); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
+  // gate+up; on Hopper v21 from 17 rows there); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
   // from there to mma_max_m (64), except that the fused kernel (v18) takes
   // M = 33–fused_max_m (128) on layers of kFusedMinWeights or more (4-bit
   // codes), on Hopper v21 up to wgmma_max_m (256) and from kWgmmaMinWeights;
@@ -2235,9 +2252,11 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
   bool swap_wide = false;  // M = 9–32 on a wide layer (swap_wide_layer)
   if (!c->w4_path && swap_ok && M > 8 && swap_wide_layer(c, M, N, swap_wide)) return 1;
-  const bool v21 = bits == 4 && wgmma_serves(c, M, group);  // v21 for 4-bit codes, where measured ahead
+  const bool v21 = bits == 4 && pow2 && wgmma_serves(c, M, group, swap_wide);
   if (c->w4_path)
     p.path = c->w4_path;
+  else if (v21 && M <= kFusedMinM && (size_t)N * K >= kWgmmaMinWeights)  // a wide layer at 17–32 rows
+    p.path = 1;
   else if (swap_ok && (M <= 8 ? M > 1 || (size_t)N * K >= kSwapMinWeights : swap_wide))
     p.path = 5;
   else if (M <= gemv_max && pow2)

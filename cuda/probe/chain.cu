@@ -1,0 +1,316 @@
+// chain-probe: what a dependency between two kernels of a decode step
+// costs, and how much of it one persistent kernel would take back — the
+// question behind cuda/NOTES.md's "A persistent decode step".
+//
+// A batch-1 step of llama3-8b W4 is 32 layers of nine dependent ops: four
+// GEMVs that stream their codes from memory (q/k/v 12.6 MB, o 8.4 MB,
+// gate+up 58.7 MB, down 29.4 MB) and five small ops that read a few
+// kilobytes of activations from L2 (two norms, RoPE, attention over 128
+// keys, its combine). This program runs that chain of reads — each op
+// reads, after its wait, the value the op before it wrote, so no op can
+// begin its dependent part early — in these ways:
+//   graph            one kernel an op, captured in a CUDA graph;
+//   graph-pdl        the same with programmatic dependent launch: a GEMV's
+//                    CTAs ask for their first batch of codes, then wait
+//                    (griddepcontrol.wait), as the GEMV kernels do;
+//   persistent       one kernel for the whole step, every CTA resident,
+//                    each op's CTAs waiting on the op before's counter in
+//                    global memory (ld.acquire by one thread, then a
+//                    barrier), a GEMV's first batch asked for before the
+//                    wait;
+//   persistent-late  the same with the first batch asked for after it;
+//   stream           the GEMVs' bytes read by one kernel with no
+//                    dependency at all: the floor the others approach.
+// Each runs with the small ops (the step as it is) and without them (the
+// four GEMVs alone), so the small ops' share shows too. The streaming is
+// v15's: each warp a contiguous range of 512-byte steps (a lane's 16
+// bytes), two register batches of U = 4 steps in turn; the work on the
+// bytes is one XOR a word: the probe prices the hops, not the arithmetic.
+// GEMV regions are distinct for every layer (3.5 GB a step), so the codes
+// come from memory as in a real step.
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o build/chain-probe cuda/probe/chain.cu
+//   build/chain-probe [--layers 32] [--iters 20] > chain-probe.json
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <algorithm>
+#include <string>
+#include <vector>
+#include "../stream.cuh"  // ld_stream
+
+#define CHECK(call)                                                                               \
+  do {                                                                                            \
+    cudaError_t e_ = (call);                                                                      \
+    if (e_ != cudaSuccess) {                                                                      \
+      fprintf(stderr, "chain-probe: %s: %s (line %d)\n", #call, cudaGetErrorString(e_), __LINE__); \
+      exit(1);                                                                                    \
+    }                                                                                             \
+  } while (0)
+
+namespace {
+
+constexpr int kWarps = 4;   // a CTA's warps, as the GEMV kernels'
+constexpr int kU = 4;       // steps a register batch (v15's)
+constexpr int kP = 4;       // CTAs an SM (v15's at M = 1)
+
+// Op is one op of the chain: `tasks` CTAs, each warp reading `steps`
+// 512-byte steps of its own contiguous range from src.
+struct Op {
+  const uint4* src;
+  int steps, tasks;
+  int gemv;  // 1: weights (the first batch may be asked for before the wait)
+};
+
+enum Mode { kGraph = 0, kPDL = 1, kPersistent = 2, kLate = 3 };
+
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// op_task is CTA t's part of op i: ask for the first batch (a GEMV, unless
+// mode is kLate), wait for op i − 1 (mode's way), read its value, stream
+// the rest, and add one bit of the sums into val[i]; in the persistent
+// modes it then counts itself done on done[i].
+__device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val, int* done, int mode) {
+  const Op op = ops[i];
+  const int lane = threadIdx.x & 31;
+  const size_t warp = (size_t)t * kWarps + (threadIdx.x >> 5);
+  const uint4* bp = op.src + warp * op.steps * 32 + lane;
+  uint32_t acc = 0;
+  uint4 qa[kU], qb[kU];
+  auto load = [&](uint4 (&q)[kU], int kb) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) q[u] = kb + u < op.steps ? ld_stream(bp + (size_t)(kb + u) * 32) : make_uint4(0, 0, 0, 0);
+  };
+  auto use = [&](const uint4 (&q)[kU]) {
+#pragma unroll
+    for (int u = 0; u < kU; ++u) acc ^= q[u].x ^ q[u].y ^ q[u].z ^ q[u].w;
+  };
+  const bool early = op.gemv && mode != kLate && mode != kGraph;
+  if (early) load(qa, 0);
+  if (i > 0) {
+    if (mode == kPDL) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+    } else if (mode >= kPersistent) {
+      if (threadIdx.x == 0) {
+        const int need = ops[i - 1].tasks;
+        while (ld_acquire(&done[i - 1]) < need) {
+        }
+      }
+      __syncthreads();
+    }
+    acc ^= __float_as_uint(__ldcg(&val[i - 1]));
+  }
+  if (!early) load(qa, 0);
+  for (int kb = 0; kb < op.steps; kb += 2 * kU) {
+    load(qb, kb + kU);
+    use(qa);
+    if (kb + 2 * kU < op.steps) load(qa, kb + 2 * kU);
+    use(qb);
+  }
+  // the CTA's one bit, into val[i]
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+  __shared__ uint32_t red[kWarps];
+  if (lane == 0) red[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t x = red[0] ^ red[1] ^ red[2] ^ red[3];
+    atomicAdd(&val[i], (float)(x & 1));
+    if (mode >= kPersistent) {
+      __threadfence();
+      atomicAdd(&done[i], 1);
+    }
+  }
+  __syncthreads();  // red is reused by the CTA's next op
+}
+
+__global__ void __launch_bounds__(kWarps * 32, kP) op_kernel(const Op* ops, int i, float* val, int* done, int mode) {
+  op_task(ops, i, blockIdx.x, val, done, mode);
+}
+
+// persistent_kernel: every op of the step in order; a CTA takes op i's
+// task blockIdx.x if there is one (every CTA is resident: the grid is
+// checked against the occupancy, so a wait never waits on a CTA that has
+// not started).
+__global__ void __launch_bounds__(kWarps * 32, kP) persistent_kernel(const Op* ops, int n, float* val, int* done, int mode) {
+  for (int i = 0; i < n; ++i)
+    if ((int)blockIdx.x < ops[i].tasks) op_task(ops, i, blockIdx.x, val, done, mode);
+}
+
+struct Timing {
+  double median_us, min_us;
+};
+
+Timing time_graph(cudaGraphExec_t exec, cudaStream_t s, int iters) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int w = 0; w < 3; ++w) CHECK(cudaGraphLaunch(exec, s));
+  std::vector<double> us;
+  for (int it = 0; it < iters; ++it) {
+    CHECK(cudaEventRecord(a, s));
+    CHECK(cudaGraphLaunch(exec, s));
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    us.push_back(ms * 1000.0);
+  }
+  std::sort(us.begin(), us.end());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return {us[us.size() / 2], us[0]};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int layers = 32, iters = 20;
+  for (int a = 1; a < argc; ++a) {
+    if (!strcmp(argv[a], "--layers") && a + 1 < argc)
+      layers = atoi(argv[++a]);
+    else if (!strcmp(argv[a], "--iters") && a + 1 < argc)
+      iters = atoi(argv[++a]);
+    else {
+      fprintf(stderr, "usage: chain-probe [--layers N] [--iters N]\n");
+      return 2;
+    }
+  }
+  if (layers < 1 || iters < 1) {
+    fprintf(stderr, "chain-probe: --layers and --iters must be positive\n");
+    return 2;
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  int occ_op = 0, occ_persistent = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_op, op_kernel, kWarps * 32, 0));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_persistent, persistent_kernel, kWarps * 32, 0));
+  const int per_sm = std::min(kP, occ_persistent);
+  const int G = prop.multiProcessorCount * per_sm;  // every GEMV's CTAs, and the persistent grid
+
+  // A layer's ops (llama3-8b, batch 1): bytes, tasks, gemv.
+  struct Shape {
+    const char* name;
+    size_t bytes;
+    int tasks, gemv;
+  };
+  const Shape layer[] = {
+      {"norm", 16 << 10, 1, 0},        {"qkv", 4096ull * 6144 / 2, G, 1}, {"rope", 16 << 10, 8, 0},
+      {"attention", 512 << 10, 64, 0}, {"combine", 64 << 10, 32, 0},      {"o", 4096ull * 4096 / 2, G, 1},
+      {"norm", 16 << 10, 1, 0},        {"gate+up", 4096ull * 28672 / 2, G, 1}, {"down", 14336ull * 4096 / 2, G, 1},
+  };
+  constexpr int kLayerOps = sizeof(layer) / sizeof(layer[0]);
+  auto steps_of = [](size_t bytes, int tasks) {
+    return (int)std::max<size_t>(1, (bytes + (size_t)tasks * kWarps * 512 / 2) / ((size_t)tasks * kWarps * 512));
+  };
+  size_t gemv_bytes = 0, small_bytes = 0;  // as read (steps rounded)
+  for (const Shape& s : layer) {
+    const size_t b = (size_t)steps_of(s.bytes, s.tasks) * s.tasks * kWarps * 512;
+    (s.gemv ? gemv_bytes : small_bytes) += b;
+  }
+  const size_t total = gemv_bytes * layers;
+  uint4 *weights, *acts;
+  CHECK(cudaMalloc(&weights, total + (64 << 20)));
+  CHECK(cudaMalloc(&acts, small_bytes + (1 << 20)));
+  CHECK(cudaMemset(weights, 0x5a, total + (64 << 20)));
+  CHECK(cudaMemset(acts, 0x33, small_bytes + (1 << 20)));
+
+  // The chains: with the small ops, and the GEMVs alone.
+  auto chain = [&](bool small) {
+    std::vector<Op> ops;
+    size_t w = 0;
+    for (int l = 0; l < layers; ++l) {
+      size_t a = 0;
+      for (const Shape& s : layer) {
+        const int steps = steps_of(s.bytes, s.tasks);
+        const size_t b = (size_t)steps * s.tasks * kWarps * 512;
+        if (s.gemv) {
+          ops.push_back({weights + w / 16, steps, s.tasks, 1});
+          w += b;
+        } else {
+          if (small) ops.push_back({acts + a / 16, steps, s.tasks, 0});
+          a += b;
+        }
+      }
+    }
+    return ops;
+  };
+  Op* d_ops;
+  const size_t max_ops = (size_t)layers * kLayerOps;
+  CHECK(cudaMalloc(&d_ops, max_ops * sizeof(Op)));
+  float* val;
+  int* done;
+  CHECK(cudaMalloc(&val, max_ops * sizeof(float)));
+  CHECK(cudaMalloc(&done, max_ops * sizeof(int)));
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  printf("{\n \"device\": \"%s\", \"sms\": %d, \"ctas_an_sm\": %d, \"occupancy_op\": %d, \"occupancy_persistent\": %d,\n",
+         prop.name, prop.multiProcessorCount, per_sm, occ_op, occ_persistent);
+  printf(" \"layers\": %d, \"iters\": %d, \"gemv_bytes_a_layer\": %zu, \"small_bytes_a_layer\": %zu,\n \"rows\": [\n", layers,
+         iters, gemv_bytes, small_bytes);
+  bool first = true;
+  for (int small = 1; small >= 0; --small) {
+    std::vector<Op> ops = chain(small);
+    const int n = (int)ops.size();
+    CHECK(cudaMemcpy(d_ops, ops.data(), n * sizeof(Op), cudaMemcpyHostToDevice));
+    const char* names[] = {"graph", "graph-pdl", "persistent", "persistent-late", "stream"};
+    for (int mode = 0; mode < 5; ++mode) {
+      if (mode == 4 && small) continue;  // the floor: the GEMVs' bytes only
+      // the floor's one op over every GEMV byte of the step, no wait (after
+      // the chain's ops: the chain without small ops is shorter than max_ops)
+      Op* d_all = d_ops + n;
+      if (mode == 4) {
+        const Op all = {weights, steps_of(total, G), G, 1};
+        CHECK(cudaMemcpy(d_all, &all, sizeof(Op), cudaMemcpyHostToDevice));
+      }
+      cudaGraph_t graph;
+      CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      CHECK(cudaMemsetAsync(val, 0, n * sizeof(float), s));
+      CHECK(cudaMemsetAsync(done, 0, n * sizeof(int), s));
+      if (mode == kGraph || mode == kPDL) {
+        for (int i = 0; i < n; ++i) {
+          cudaLaunchConfig_t cfg = {};
+          cfg.gridDim = dim3(ops[i].tasks);
+          cfg.blockDim = dim3(kWarps * 32);
+          cfg.stream = s;
+          cudaLaunchAttribute attr[1];
+          attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+          attr[0].val.programmaticStreamSerializationAllowed = 1;
+          cfg.attrs = attr;
+          cfg.numAttrs = mode == kPDL && i > 0 ? 1 : 0;
+          CHECK(cudaLaunchKernelEx(&cfg, op_kernel, (const Op*)d_ops, i, val, done, mode));
+        }
+      } else if (mode == 4) {
+        op_kernel<<<G, kWarps * 32, 0, s>>>(d_all, 0, val, done, kGraph);
+      } else {
+        persistent_kernel<<<G, kWarps * 32, 0, s>>>(d_ops, n, val, done, mode);
+      }
+      CHECK(cudaGetLastError());
+      CHECK(cudaStreamEndCapture(s, &graph));
+      cudaGraphExec_t exec;
+      CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      const Timing t = time_graph(exec, s, iters);
+      CHECK(cudaGetLastError());
+      const double bytes = (double)gemv_bytes * layers;
+      printf("%s  {\"mode\": \"%s\", \"small_ops\": %s, \"ops\": %d, \"us_step\": %.2f, \"us_step_min\": %.2f, "
+             "\"us_layer\": %.3f, \"gemv_gbps\": %.1f}",
+             first ? "" : ",\n", names[mode], small ? "true" : "false", mode == 4 ? 1 : n, t.median_us, t.min_us,
+             t.median_us / layers, bytes / (t.median_us * 1e3));
+      first = false;
+      CHECK(cudaGraphExecDestroy(exec));
+      CHECK(cudaGraphDestroy(graph));
+    }
+  }
+  printf("\n ]\n}\n");
+  return 0;
+}
