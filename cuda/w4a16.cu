@@ -1057,7 +1057,21 @@ struct WgRsTile {
 // warp (at 64 tokens) rather than one a thread (128). In one H100 A/B
 // (gemm-h100-ab-v21-warp-arrive.txt) a warp's arrival was 1–2% faster on
 // every large layer at 48 and 64 rows, and 2–4% slower at 128 and 256.
-__device__ constexpr bool rs_warp_arrive(int ntok) { return ntok == 64; }
+// The warp's lanes read the stage before its __syncwarp, and lane 0's
+// arrival (a release) follows it, so the producer's wait orders the
+// refill after every lane's reads — an elected arrival, as CUTLASS's
+// pipelines release stages. compute-sanitizer's racecheck does not follow
+// that chain and reports each read as a hazard
+// (cuda-racecheck-wgmma-d335a87-h100.log: only the 64-token kernels);
+// build with -DLLMQ_RS_THREAD_ARRIVE for a racecheck run, which gives
+// every kernel one arrival a thread.
+__device__ constexpr bool rs_warp_arrive(int ntok) {
+#ifdef LLMQ_RS_THREAD_ARRIVE
+  return false;
+#else
+  return ntok == 64;
+#endif
+}
 
 // tma_load_2d copies the box of map at (x, y) (innermost first) to dst,
 // completing on bar; parts of the box outside the tensor land as zeros.
@@ -2231,7 +2245,9 @@ int swap_wide_layer(llmq_ctx* c, int M, int N, bool& wide) {
 // layer v15 runs without a K split (wide: 8B gate+up, where variant 25
 // took 48.01, 47.83 and 48.33 µs at 17, 24 and 32 rows against v15's
 // 49.63, 52.40 and 56.51 in one H200 run, gemm-h200-sweep-v21k.txt
-// against -v21k-auto.txt; on the other layers v11 led at 32 rows).
+// against -v21k-auto.txt, and 48.12, 47.16 and 47.03 against 49.92,
+// 52.66 and 56.46 in one H100 run, gemm-h100-sweep-m17.txt; on the other
+// layers v11 led at 32 rows).
 bool wgmma_serves(const llmq_ctx* c, int M, int group, bool wide) {
   return c->cc_major == 9 && M > (wide ? 16 : 32) && M <= c->wgmma_max_m && group >= 32;
 }
