@@ -609,7 +609,7 @@ import json, sys
 d = json.load(open(sys.argv[3]))
 print(json.dumps({"command": sys.argv[2], "commit": sys.argv[1], **d}, indent=1))
 PY
-      python3 -c "import json,sys; [print(r['mode'], r['small_ops'], r['us_step'], r['us_layer'], r['gemv_gbps']) for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/chain-probe-$G.json"
+      python3 -c "import json,sys; [print(r['mode'], r['small_ops'], r['gemv_grid'], r['us_step'], r['us_layer'], r['gemv_gbps']) for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/chain-probe-$G.json"
     else
       echo "chain-probe failed"; cp /tmp/chain.json "$OUT/chain-probe-$G-failed.txt"; exit 1
     fi

@@ -22,7 +22,13 @@
 //   stream           the GEMVs' bytes read by one kernel with no
 //                    dependency at all: the floor the others approach.
 // Each runs with the small ops (the step as it is) and without them (the
-// four GEMVs alone), so the small ops' share shows too. The streaming is
+// four GEMVs alone), so the small ops' share shows too. With the small
+// ops, graph-pdl and persistent also run the GEMVs on the runtime's own
+// grids at M = 1 — 64-column tiles × K splits (q/k/v 96 × 5, o 64 × 8,
+// gate+up 448 × 1, down 64 × 8) — first without, then with the splits'
+// tail as the GEMV kernels pay it (the tile's workspace row, a count, the
+// last CTA's read-back), which prices the tail in the chain (its rows'
+// GB/s count the every-CTA grid's bytes: within 2%). The streaming is
 // v15's: each warp a contiguous range of 512-byte steps (a lane's 16
 // bytes), two register batches of U = 4 steps in turn; the work on the
 // bytes is one XOR a word: the probe prices the hops, not the arithmetic.
@@ -31,6 +37,7 @@
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o build/chain-probe cuda/probe/chain.cu
 //   build/chain-probe [--layers 32] [--iters 20] > chain-probe.json
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -57,11 +64,19 @@ constexpr int kU = 4;       // steps a register batch (v15's)
 constexpr int kP = 4;       // CTAs an SM (v15's at M = 1)
 
 // Op is one op of the chain: `tasks` CTAs, each warp reading `steps`
-// 512-byte steps of its own contiguous range from src.
+// 512-byte steps of its own contiguous range from src. With splits > 1
+// the CTAs are tiles × splits of a GEMV's K and pay its split tail as the
+// GEMV kernels do (finish_splits): 64 sums added into the tile's
+// workspace row ws, a count on cnt, the last CTA reading the row back,
+// writing it out and zeroing it.
 struct Op {
   const uint4* src;
   int steps, tasks;
   int gemv;  // 1: weights (the first batch may be asked for before the wait)
+  int splits;
+  float* ws;  // [tiles][64]
+  int* cnt;   // [tiles]
+  __half* out;  // [tiles][64]
 };
 
 enum Mode { kGraph = 0, kPDL = 1, kPersistent = 2, kLate = 3 };
@@ -122,6 +137,24 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
   __shared__ uint32_t red[kWarps];
   if (lane == 0) red[threadIdx.x >> 5] = acc;
   __syncthreads();
+  if (op.splits > 1) {  // the split tail
+    const int tile = t / op.splits;
+    float* w = op.ws + (size_t)tile * 64;
+    if (threadIdx.x < 64) atomicAdd(&w[threadIdx.x], (float)((red[threadIdx.x & 3] >> (threadIdx.x >> 2)) & 1));
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(&op.cnt[tile], 1) == op.splits - 1;
+    __syncthreads();
+    if (last) {
+      __threadfence();
+      if (threadIdx.x < 64) {
+        op.out[(size_t)tile * 64 + threadIdx.x] = __float2half(__ldcg(&w[threadIdx.x]));
+        w[threadIdx.x] = 0.f;
+      }
+      if (threadIdx.x == 0) op.cnt[tile] = 0;
+    }
+  }
   if (threadIdx.x == 0) {
     const uint32_t x = red[0] ^ red[1] ^ red[2] ^ red[3];
     atomicAdd(&val[i], (float)(x & 1));
@@ -197,16 +230,24 @@ int main(int argc, char** argv) {
   const int per_sm = std::min(kP, occ_persistent);
   const int G = prop.multiProcessorCount * per_sm;  // every GEMV's CTAs, and the persistent grid
 
-  // A layer's ops (llama3-8b, batch 1): bytes, tasks, gemv.
+  // A layer's ops (llama3-8b, batch 1): bytes, tasks, gemv; a GEMV's
+  // 64-column tiles and K splits as the runtime's plan takes them at M = 1
+  // on 132 SMs (gemm-h100.json: q/k/v 5 splits, o and down 8, gate+up 1).
   struct Shape {
     const char* name;
     size_t bytes;
-    int tasks, gemv;
+    int tasks, gemv, tiles, splits;
   };
   const Shape layer[] = {
-      {"norm", 16 << 10, 1, 0},        {"qkv", 4096ull * 6144 / 2, G, 1}, {"rope", 16 << 10, 8, 0},
-      {"attention", 512 << 10, 64, 0}, {"combine", 64 << 10, 32, 0},      {"o", 4096ull * 4096 / 2, G, 1},
-      {"norm", 16 << 10, 1, 0},        {"gate+up", 4096ull * 28672 / 2, G, 1}, {"down", 14336ull * 4096 / 2, G, 1},
+      {"norm", 16 << 10, 1, 0, 0, 1},
+      {"qkv", 4096ull * 6144 / 2, G, 1, 96, 5},
+      {"rope", 16 << 10, 8, 0, 0, 1},
+      {"attention", 512 << 10, 64, 0, 0, 1},
+      {"combine", 64 << 10, 32, 0, 0, 1},
+      {"o", 4096ull * 4096 / 2, G, 1, 64, 8},
+      {"norm", 16 << 10, 1, 0, 0, 1},
+      {"gate+up", 4096ull * 28672 / 2, G, 1, 448, 1},
+      {"down", 14336ull * 4096 / 2, G, 1, 64, 8},
   };
   constexpr int kLayerOps = sizeof(layer) / sizeof(layer[0]);
   auto steps_of = [](size_t bytes, int tasks) {
@@ -224,28 +265,42 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(weights, 0x5a, total + (64 << 20)));
   CHECK(cudaMemset(acts, 0x33, small_bytes + (1 << 20)));
 
-  // The chains: with the small ops, and the GEMVs alone.
-  auto chain = [&](bool small) {
+  // The chains: with the small ops or the GEMVs alone; a GEMV over every
+  // CTA in one contiguous range each (grid 0), or over the plan's tiles ×
+  // splits (1), with their split tails too (2).
+  const size_t max_ops = (size_t)layers * kLayerOps;
+  constexpr int kMaxTiles = 448;
+  float* ws;
+  int* cnt;
+  __half* outs;
+  CHECK(cudaMalloc(&ws, max_ops * kMaxTiles * 64 * sizeof(float)));
+  CHECK(cudaMalloc(&cnt, max_ops * kMaxTiles * sizeof(int)));
+  CHECK(cudaMalloc(&outs, max_ops * kMaxTiles * 64 * sizeof(__half)));
+  CHECK(cudaMemset(ws, 0, max_ops * kMaxTiles * 64 * sizeof(float)));
+  CHECK(cudaMemset(cnt, 0, max_ops * kMaxTiles * sizeof(int)));
+  auto chain = [&](bool small, int grid) {
     std::vector<Op> ops;
     size_t w = 0;
     for (int l = 0; l < layers; ++l) {
       size_t a = 0;
       for (const Shape& s : layer) {
-        const int steps = steps_of(s.bytes, s.tasks);
-        const size_t b = (size_t)steps * s.tasks * kWarps * 512;
+        const size_t b0 = (size_t)steps_of(s.bytes, s.tasks) * s.tasks * kWarps * 512;  // the bytes, as gemv_bytes counts them
         if (s.gemv) {
-          ops.push_back({weights + w / 16, steps, s.tasks, 1});
-          w += b;
+          const int tasks = grid ? s.tiles * s.splits : s.tasks;
+          const size_t k = ops.size();
+          // (the plan's grid rounds a warp's steps its own way: within 2% of b0)
+          ops.push_back({weights + w / 16, steps_of(b0, tasks), tasks, 1, grid == 2 ? s.splits : 1,
+                         ws + k * kMaxTiles * 64, cnt + k * kMaxTiles, outs + k * kMaxTiles * 64});
+          w += b0;
         } else {
-          if (small) ops.push_back({acts + a / 16, steps, s.tasks, 0});
-          a += b;
+          if (small) ops.push_back({acts + a / 16, steps_of(s.bytes, s.tasks), s.tasks, 0, 1, nullptr, nullptr, nullptr});
+          a += b0;
         }
       }
     }
     return ops;
   };
   Op* d_ops;
-  const size_t max_ops = (size_t)layers * kLayerOps;
   CHECK(cudaMalloc(&d_ops, max_ops * sizeof(Op)));
   float* val;
   int* done;
@@ -259,18 +314,22 @@ int main(int argc, char** argv) {
   printf(" \"layers\": %d, \"iters\": %d, \"gemv_bytes_a_layer\": %zu, \"small_bytes_a_layer\": %zu,\n \"rows\": [\n", layers,
          iters, gemv_bytes, small_bytes);
   bool first = true;
-  for (int small = 1; small >= 0; --small) {
-    std::vector<Op> ops = chain(small);
+  const char* grids[] = {"every CTA", "tiles x splits", "tiles x splits + tails"};
+  for (int variant = 0; variant < 4; ++variant) {
+    // with small ops: every CTA, then tiles × splits, then with tails; the GEMVs alone: every CTA
+    const int small = variant < 3, grid = variant < 3 ? variant : 0;
+    std::vector<Op> ops = chain(small, grid);
     const int n = (int)ops.size();
     CHECK(cudaMemcpy(d_ops, ops.data(), n * sizeof(Op), cudaMemcpyHostToDevice));
     const char* names[] = {"graph", "graph-pdl", "persistent", "persistent-late", "stream"};
     for (int mode = 0; mode < 5; ++mode) {
       if (mode == 4 && small) continue;  // the floor: the GEMVs' bytes only
+      if (grid > 0 && (mode == kGraph || mode == kLate)) continue;  // the plan's grids: PDL and persistent
       // the floor's one op over every GEMV byte of the step, no wait (after
       // the chain's ops: the chain without small ops is shorter than max_ops)
       Op* d_all = d_ops + n;
       if (mode == 4) {
-        const Op all = {weights, steps_of(total, G), G, 1};
+        const Op all = {weights, steps_of(total, G), G, 1, 1, nullptr, nullptr, nullptr};
         CHECK(cudaMemcpy(d_all, &all, sizeof(Op), cudaMemcpyHostToDevice));
       }
       cudaGraph_t graph;
@@ -302,10 +361,10 @@ int main(int argc, char** argv) {
       const Timing t = time_graph(exec, s, iters);
       CHECK(cudaGetLastError());
       const double bytes = (double)gemv_bytes * layers;
-      printf("%s  {\"mode\": \"%s\", \"small_ops\": %s, \"ops\": %d, \"us_step\": %.2f, \"us_step_min\": %.2f, "
-             "\"us_layer\": %.3f, \"gemv_gbps\": %.1f}",
-             first ? "" : ",\n", names[mode], small ? "true" : "false", mode == 4 ? 1 : n, t.median_us, t.min_us,
-             t.median_us / layers, bytes / (t.median_us * 1e3));
+      printf("%s  {\"mode\": \"%s\", \"small_ops\": %s, \"gemv_grid\": \"%s\", \"ops\": %d, \"us_step\": %.2f, "
+             "\"us_step_min\": %.2f, \"us_layer\": %.3f, \"gemv_gbps\": %.1f}",
+             first ? "" : ",\n", names[mode], small ? "true" : "false", grids[grid], mode == 4 ? 1 : n, t.median_us,
+             t.min_us, t.median_us / layers, bytes / (t.median_us * 1e3));
       first = false;
       CHECK(cudaGraphExecDestroy(exec));
       CHECK(cudaGraphDestroy(graph));
