@@ -194,7 +194,8 @@ case "$1" in
     ;;
   wgmma) # v19 and v21 (w4a16_wgmma, _rs): their variants forced on their edges (WGMMA_COUNT runs each) and the plan's
           # choice, then racecheck, synccheck and memcheck on them; with a baseline (carry.sh base) the
-          # baseline's library on BASE_VARIANTS too, plain and under racecheck (a fix's before and after)
+          # baseline's library on BASE_VARIANTS too, plain and under racecheck (a fix's before and after; the
+          # baseline's own library: a 64-token v21 variant there shows racecheck's false hazards, rs_warp_arrive)
     # (-test.run takes a top-level '|' as two patterns, then splits each at '/': both levels in parentheses)
     r="(TestFusedVariantsMatchReference|TestPlanTakesWgmmaWhenAsked|TestWgmmaSplitsMidGroup)/(LLMQ_W4_FUSED_VARIANT=(${WGMMA_VARIANTS:-1[0-9]|2[0-6]})\$|LLMQ_W4_WGMMA_MAX_M|LLMQ_W4_SPLITS)"
     # the fences each v19 instantiation compiled to (MEMBAR: the wait for every access in flight)
@@ -203,16 +204,14 @@ case "$1" in
     tools=${WGMMA_SANITIZERS-racecheck synccheck memcheck}  # (set empty: the tests alone)
     # racecheck does not follow v21's elected stage release (rs_warp_arrive in w4a16.cu) and reports
     # its reads as hazards: it checks a library built with one arrival a thread instead
-    rlib=$PWD/build/device/libllmqcuda.so
+    # (built in the background while the plain tests run; -lineinfo: racecheck's reports name source lines)
+    rlib=$PWD/build/device/libllmqcuda.so rpid=
     if [[ " $tools " == *" racecheck "* ]]; then
       mkdir -p build/racecheck
-      if nvcc -O3 -std=c++17 -DLLMQ_RS_THREAD_ARRIVE --shared -Xcompiler -fPIC,-fvisibility=hidden \
+      nvcc -O3 -std=c++17 -lineinfo -DLLMQ_RS_THREAD_ARRIVE --shared -Xcompiler -fPIC,-fvisibility=hidden \
         -gencode arch=compute_90a,code=sm_90a -lcublas -lcusolver -o build/racecheck/libllmqcuda.so cuda/*.cu \
-        > "$OUT/build-racecheck.log" 2>&1; then
-        rlib=$PWD/build/racecheck/libllmqcuda.so
-      else
-        echo "the racecheck library (-DLLMQ_RS_THREAD_ARRIVE) failed to build: racecheck runs the measured one"
-      fi
+        > "$OUT/build-racecheck.log" 2>&1 &
+      rpid=$!
     fi
     # wgmma_run NAME LIB COMMIT PATTERN TOOLS: the tests matching PATTERN on library LIB, WGMMA_COUNT
     # times (cuda-wgmma-tests$NAME.log), then each sanitizer in TOOLS once (cuda-$tool-wgmma$NAME.log)
@@ -222,6 +221,11 @@ case "$1" in
       LLMQ_CUDA_LIB=$2 timeout ${WGMMA_TEST_S:-400} build/device/cuda.test -test.v -test.count ${WGMMA_COUNT:-3} -test.run "$4" >> "$log" 2>&1
       echo "wgmma tests$1 rc=$? $(grep -c -- '^    --- PASS' "$log") passed, $(grep -c -- '^    --- FAIL' "$log") failed"
       grep -E -- "--- FAIL|largest error at" "$log" | head -8
+      if [ -n "$rpid" ]; then
+        if wait $rpid; then rlib=$PWD/build/racecheck/libllmqcuda.so; else
+          echo "the racecheck library (-DLLMQ_RS_THREAD_ARRIVE) failed to build: racecheck runs the measured one"; fi
+        rpid=
+      fi
       for tool in $5; do
         log="$OUT/cuda-$tool-wgmma$1.log" lib=$2
         [ "$tool" = racecheck ] && [ -z "$1" ] && lib=$rlib
@@ -233,7 +237,7 @@ case "$1" in
     wgmma_run "" "$PWD/build/device/libllmqcuda.so" "$LLMQ_COMMIT" "$r" "$tools"
     if [ -s build/base/libllmqcuda.so ]; then  # the baseline: its variants plain, then under racecheck
       wgmma_run -base "$PWD/build/base/libllmqcuda.so" "base $(cat .carry/base/COMMIT)" \
-        "TestFusedVariantsMatchReference/LLMQ_W4_FUSED_VARIANT=(${BASE_VARIANTS:-12|17})\$" "${tools:+racecheck}"
+        "TestFusedVariantsMatchReference/LLMQ_W4_FUSED_VARIANT=(${BASE_VARIANTS:-12|17})\$" "$([[ " $tools " == *" racecheck "* ]] && echo racecheck)"
     fi
     ;;
   lowbit)
@@ -602,16 +606,16 @@ PY
   chain) # what a dependency between a decode step's kernels costs: each op its own kernel in a graph (with and
          # without PDL) or one persistent kernel on counters, against the weights' reads alone
          # (cuda/probe/chain.cu; CHAIN_ARGS; chain-probe-$G.json)
-    make build/chain-probe NVCC_FLAGS="-O3 -std=c++17" > "$OUT/build-chain.log" 2>&1 || { tail -20 "$OUT/build-chain.log"; exit 1; }
-    if build/chain-probe ${CHAIN_ARGS:-} > /tmp/chain.json; then
+    make -B build/chain-probe NVCC_FLAGS="-O3 -std=c++17" > "$OUT/build-chain.log" 2>&1 || { tail -20 "$OUT/build-chain.log"; exit 1; }
+    if timeout 240 build/chain-probe ${CHAIN_ARGS:-} > /tmp/chain.json 2> "$OUT/chain-probe-stderr.txt"; then
       python3 - "$LLMQ_COMMIT" "build/chain-probe ${CHAIN_ARGS:-}" /tmp/chain.json > "$OUT/chain-probe-$G.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[3]))
 print(json.dumps({"command": sys.argv[2], "commit": sys.argv[1], **d}, indent=1))
 PY
-      python3 -c "import json,sys; [print(r['mode'], r['small_ops'], r['gemv_grid'], r['us_step'], r['us_layer'], r['gemv_gbps']) for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/chain-probe-$G.json"
+      python3 -c "import json,sys; [print(r['pass'], r['mode'], r['small_ops'], r['gemv_grid'], r['us_step'], r['us_layer'], r['gemv_gbps'], sep='\t') for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/chain-probe-$G.json"
     else
-      echo "chain-probe failed"; cp /tmp/chain.json "$OUT/chain-probe-$G-failed.txt"; exit 1
+      echo "chain-probe failed: $(tail -2 "$OUT/chain-probe-stderr.txt")"; cp /tmp/chain.json "$OUT/chain-probe-$G-failed.txt"; exit 1
     fi
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)

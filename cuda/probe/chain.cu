@@ -28,7 +28,7 @@
 // gate+up 448 × 1, down 64 × 8) — first without, then with the splits'
 // tail as the GEMV kernels pay it (the tile's workspace row, a count, the
 // last CTA's read-back), which prices the tail in the chain (its rows'
-// GB/s count the every-CTA grid's bytes: within 2%). The streaming is
+// GB/s count the every-CTA grid's bytes: within 3% an op). The streaming is
 // v15's: each warp a contiguous range of 512-byte steps (a lane's 16
 // bytes), two register batches of U = 4 steps in turn; the work on the
 // bytes is one XOR a word: the probe prices the hops, not the arithmetic.
@@ -80,6 +80,13 @@ struct Op {
 };
 
 enum Mode { kGraph = 0, kPDL = 1, kPersistent = 2, kLate = 3 };
+constexpr int kLine = 32;  // an op's done counter on a 128-byte line of its own
+
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ int ld_acquire(const int* p) {
   int v;
@@ -117,8 +124,9 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
     } else if (mode >= kPersistent) {
       if (threadIdx.x == 0) {
         const int need = ops[i - 1].tasks;
-        while (ld_acquire(&done[i - 1]) < need) {
-        }
+        const uint64_t t0 = globaltimer();
+        while (ld_acquire(&done[(i - 1) * kLine]) < need)
+          if (globaltimer() - t0 > 2000000000ull) __trap();  // 2 s: a hang is a bug, not a figure
       }
       __syncthreads();
     }
@@ -154,35 +162,44 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
       }
       if (threadIdx.x == 0) op.cnt[tile] = 0;
     }
+    __syncthreads();  // the op counts as done once its tail is
   }
   if (threadIdx.x == 0) {
     const uint32_t x = red[0] ^ red[1] ^ red[2] ^ red[3];
     atomicAdd(&val[i], (float)(x & 1));
     if (mode >= kPersistent) {
       __threadfence();
-      atomicAdd(&done[i], 1);
+      atomicAdd(&done[i * kLine], 1);
     }
   }
   __syncthreads();  // red is reused by the CTA's next op
 }
 
+// Both kernels are launched with dynamic shared memory they do not use,
+// sized so that at most kP CTAs fit an SM: the runtime's GEMVs at M = 1
+// fit 4 (v15 and the CUDA-core GEMV, by their registers), and a probe
+// kernel that fit 8 would let a whole next grid sit beside the running
+// one under PDL, asking for its codes a kernel early.
 __global__ void __launch_bounds__(kWarps * 32, kP) op_kernel(const Op* ops, int i, float* val, int* done, int mode) {
   op_task(ops, i, blockIdx.x, val, done, mode);
 }
 
 // persistent_kernel: every op of the step in order; a CTA takes op i's
-// task blockIdx.x if there is one (every CTA is resident: the grid is
+// tasks blockIdx.x, + gridDim.x, … (every CTA is resident: the grid is
 // checked against the occupancy, so a wait never waits on a CTA that has
 // not started).
 __global__ void __launch_bounds__(kWarps * 32, kP) persistent_kernel(const Op* ops, int n, float* val, int* done, int mode) {
   for (int i = 0; i < n; ++i)
-    if ((int)blockIdx.x < ops[i].tasks) op_task(ops, i, blockIdx.x, val, done, mode);
+    for (int t = blockIdx.x; t < ops[i].tasks; t += gridDim.x) op_task(ops, i, t, val, done, mode);
 }
 
 struct Timing {
   double median_us, min_us;
 };
 
+// time_graph: the graph's replay time, kReps replays back to back
+// between two events (a decode's steady state), median and least of iters.
+constexpr int kReps = 10;
 Timing time_graph(cudaGraphExec_t exec, cudaStream_t s, int iters) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
@@ -191,12 +208,12 @@ Timing time_graph(cudaGraphExec_t exec, cudaStream_t s, int iters) {
   std::vector<double> us;
   for (int it = 0; it < iters; ++it) {
     CHECK(cudaEventRecord(a, s));
-    CHECK(cudaGraphLaunch(exec, s));
+    for (int r = 0; r < kReps; ++r) CHECK(cudaGraphLaunch(exec, s));
     CHECK(cudaEventRecord(b, s));
     CHECK(cudaEventSynchronize(b));
     float ms;
     CHECK(cudaEventElapsedTime(&ms, a, b));
-    us.push_back(ms * 1000.0);
+    us.push_back(ms * 1000.0 / kReps);
   }
   std::sort(us.begin(), us.end());
   CHECK(cudaEventDestroy(a));
@@ -224,10 +241,19 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
+  // the padding: an SM's shared memory over kP CTAs, less each CTA's reserve and a little static
+  const size_t pad = prop.sharedMemPerMultiprocessor / kP - prop.reservedSharedMemPerBlock - 256;
+  CHECK(cudaFuncSetAttribute(op_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pad));
+  CHECK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pad));
   int occ_op = 0, occ_persistent = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_op, op_kernel, kWarps * 32, 0));
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_persistent, persistent_kernel, kWarps * 32, 0));
-  const int per_sm = std::min(kP, occ_persistent);
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_op, op_kernel, kWarps * 32, pad));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_persistent, persistent_kernel, kWarps * 32, pad));
+  if (occ_op != kP || occ_persistent != kP) {
+    fprintf(stderr, "chain-probe: %d and %d CTAs an SM fit with %zu bytes of padding, want %d\n", occ_op, occ_persistent, pad,
+            kP);
+    return 1;
+  }
+  const int per_sm = kP;
   const int G = prop.multiProcessorCount * per_sm;  // every GEMV's CTAs, and the persistent grid
 
   // A layer's ops (llama3-8b, batch 1): bytes, tasks, gemv; a GEMV's
@@ -305,16 +331,17 @@ int main(int argc, char** argv) {
   float* val;
   int* done;
   CHECK(cudaMalloc(&val, max_ops * sizeof(float)));
-  CHECK(cudaMalloc(&done, max_ops * sizeof(int)));
+  CHECK(cudaMalloc(&done, max_ops * kLine * sizeof(int)));
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
-  printf("{\n \"device\": \"%s\", \"sms\": %d, \"ctas_an_sm\": %d, \"occupancy_op\": %d, \"occupancy_persistent\": %d,\n",
-         prop.name, prop.multiProcessorCount, per_sm, occ_op, occ_persistent);
+  printf("{\n \"device\": \"%s\", \"sms\": %d, \"ctas_an_sm\": %d, \"padding_bytes\": %zu, \"grid\": %d, \"reps\": %d,\n",
+         prop.name, prop.multiProcessorCount, per_sm, pad, G, kReps);
   printf(" \"layers\": %d, \"iters\": %d, \"gemv_bytes_a_layer\": %zu, \"small_bytes_a_layer\": %zu,\n \"rows\": [\n", layers,
          iters, gemv_bytes, small_bytes);
   bool first = true;
   const char* grids[] = {"every CTA", "tiles x splits", "tiles x splits + tails"};
+  for (int pass = 1; pass <= 2; ++pass)  // twice, so the spread between runs of a row shows
   for (int variant = 0; variant < 4; ++variant) {
     // with small ops: every CTA, then tiles × splits, then with tails; the GEMVs alone: every CTA
     const int small = variant < 3, grid = variant < 3 ? variant : 0;
@@ -335,12 +362,13 @@ int main(int argc, char** argv) {
       cudaGraph_t graph;
       CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
       CHECK(cudaMemsetAsync(val, 0, n * sizeof(float), s));
-      CHECK(cudaMemsetAsync(done, 0, n * sizeof(int), s));
+      CHECK(cudaMemsetAsync(done, 0, n * kLine * sizeof(int), s));
       if (mode == kGraph || mode == kPDL) {
         for (int i = 0; i < n; ++i) {
           cudaLaunchConfig_t cfg = {};
           cfg.gridDim = dim3(ops[i].tasks);
           cfg.blockDim = dim3(kWarps * 32);
+          cfg.dynamicSmemBytes = pad;
           cfg.stream = s;
           cudaLaunchAttribute attr[1];
           attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -350,9 +378,9 @@ int main(int argc, char** argv) {
           CHECK(cudaLaunchKernelEx(&cfg, op_kernel, (const Op*)d_ops, i, val, done, mode));
         }
       } else if (mode == 4) {
-        op_kernel<<<G, kWarps * 32, 0, s>>>(d_all, 0, val, done, kGraph);
+        op_kernel<<<G, kWarps * 32, pad, s>>>(d_all, 0, val, done, kGraph);
       } else {
-        persistent_kernel<<<G, kWarps * 32, 0, s>>>(d_ops, n, val, done, mode);
+        persistent_kernel<<<G, kWarps * 32, pad, s>>>(d_ops, n, val, done, mode);
       }
       CHECK(cudaGetLastError());
       CHECK(cudaStreamEndCapture(s, &graph));
@@ -361,10 +389,10 @@ int main(int argc, char** argv) {
       const Timing t = time_graph(exec, s, iters);
       CHECK(cudaGetLastError());
       const double bytes = (double)gemv_bytes * layers;
-      printf("%s  {\"mode\": \"%s\", \"small_ops\": %s, \"gemv_grid\": \"%s\", \"ops\": %d, \"us_step\": %.2f, "
-             "\"us_step_min\": %.2f, \"us_layer\": %.3f, \"gemv_gbps\": %.1f}",
-             first ? "" : ",\n", names[mode], small ? "true" : "false", grids[grid], mode == 4 ? 1 : n, t.median_us,
-             t.min_us, t.median_us / layers, bytes / (t.median_us * 1e3));
+      printf("%s  {\"pass\": %d, \"mode\": \"%s\", \"small_ops\": %s, \"gemv_grid\": \"%s\", \"ops\": %d, "
+             "\"us_step\": %.2f, \"us_step_min\": %.2f, \"us_layer\": %.3f, \"gemv_gbps\": %.1f}",
+             first ? "" : ",\n", pass, names[mode], small ? "true" : "false", grids[grid], mode == 4 ? 1 : n,
+             t.median_us, t.min_us, t.median_us / layers, bytes / (t.median_us * 1e3));
       first = false;
       CHECK(cudaGraphExecDestroy(exec));
       CHECK(cudaGraphDestroy(graph));
