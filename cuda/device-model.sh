@@ -605,18 +605,23 @@ PY
     ;;
   chain) # what a dependency between a decode step's kernels costs: each op its own kernel in a graph (with and
          # without PDL) or one persistent kernel on counters, against the weights' reads alone
-         # (cuda/probe/chain.cu; CHAIN_ARGS; chain-probe-$G.json)
+         # (cuda/probe/chain.cu; CHAIN_ARGS; chain-probe-$G.json, and -qwen3-30b-a3b.json for issue 20's mixture)
     make -B build/chain-probe NVCC_FLAGS="-O3 -std=c++17" > "$OUT/build-chain.log" 2>&1 || { tail -20 "$OUT/build-chain.log"; exit 1; }
-    if timeout 240 build/chain-probe ${CHAIN_ARGS:-} > /tmp/chain.json 2> "$OUT/chain-probe-stderr.txt"; then
-      python3 - "$LLMQ_COMMIT" "build/chain-probe ${CHAIN_ARGS:-}" /tmp/chain.json > "$OUT/chain-probe-$G.json" <<'PY'
+    crc=0
+    for model in llama3-8b qwen3-30b-a3b; do  # chain-probe-$G.json (llama3-8b) and chain-probe-$G-qwen3-30b-a3b.json
+      f=chain-probe-$G; [ $model = llama3-8b ] || f+=-$model
+      if timeout 200 build/chain-probe --model $model ${CHAIN_ARGS:-} > /tmp/chain.json 2> "$OUT/$f-stderr.txt"; then
+        python3 - "$LLMQ_COMMIT" "build/chain-probe --model $model ${CHAIN_ARGS:-}" /tmp/chain.json > "$OUT/$f.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[3]))
 print(json.dumps({"command": sys.argv[2], "commit": sys.argv[1], **d}, indent=1))
 PY
-      python3 -c "import json,sys; [print(r['pass'], r['mode'], r['small_ops'], r['gemv_grid'], r['us_step'], r['us_layer'], r['gemv_gbps'], sep='\t') for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/chain-probe-$G.json"
-    else
-      echo "chain-probe failed: $(tail -2 "$OUT/chain-probe-stderr.txt")"; cp /tmp/chain.json "$OUT/chain-probe-$G-failed.txt"; exit 1
-    fi
+        python3 -c "import json,sys; [print(r['pass'], r['mode'], r['small_ops'], r['gemv_grid'], r['us_step'], r['us_layer'], r['gemv_gbps'], sep='\t') for r in json.load(open(sys.argv[1]))['rows']]" "$OUT/$f.json"
+      else
+        echo "chain-probe --model $model failed: $(tail -2 "$OUT/$f-stderr.txt")"; cp /tmp/chain.json "$OUT/$f-failed.txt"; crc=1
+      fi
+    done
+    exit $crc
     ;;
   ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
     { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"

@@ -6,7 +6,9 @@
 // GEMVs that stream their codes from memory (q/k/v 12.6 MB, o 8.4 MB,
 // gate+up 58.7 MB, down 29.4 MB) and five small ops that read a few
 // kilobytes of activations from L2 (two norms, RoPE, attention over 128
-// keys, its combine). This program runs that chain of reads — each op
+// keys, its combine); --model qwen3-30b-a3b, issue 20's mixture, is 48
+// layers of nine such ops whose GEMVs read 4–13 MB. This program runs
+// that chain of reads — each op
 // reads, after its wait, the value the op before it wrote, so no op can
 // begin its dependent part early — in these ways:
 //   graph            one kernel an op, captured in a CUDA graph;
@@ -36,7 +38,7 @@
 // come from memory as in a real step.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o build/chain-probe cuda/probe/chain.cu
-//   build/chain-probe [--layers 32] [--iters 20] > chain-probe.json
+//   build/chain-probe [--model llama3-8b|qwen3-30b-a3b] [--layers N] [--iters 20] > chain-probe.json
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -224,17 +226,25 @@ Timing time_graph(cudaGraphExec_t exec, cudaStream_t s, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int layers = 32, iters = 20;
+  int layers = 0, iters = 20;
+  std::string model = "llama3-8b";
   for (int a = 1; a < argc; ++a) {
     if (!strcmp(argv[a], "--layers") && a + 1 < argc)
       layers = atoi(argv[++a]);
     else if (!strcmp(argv[a], "--iters") && a + 1 < argc)
       iters = atoi(argv[++a]);
+    else if (!strcmp(argv[a], "--model") && a + 1 < argc)
+      model = argv[++a];
     else {
-      fprintf(stderr, "usage: chain-probe [--layers N] [--iters N]\n");
+      fprintf(stderr, "usage: chain-probe [--model llama3-8b|qwen3-30b-a3b] [--layers N] [--iters N]\n");
       return 2;
     }
   }
+  if (model != "llama3-8b" && model != "qwen3-30b-a3b") {
+    fprintf(stderr, "chain-probe: --model %s: want llama3-8b or qwen3-30b-a3b\n", model.c_str());
+    return 2;
+  }
+  if (layers == 0) layers = model == "llama3-8b" ? 32 : 48;
   if (layers < 1 || iters < 1) {
     fprintf(stderr, "chain-probe: --layers and --iters must be positive\n");
     return 2;
@@ -256,26 +266,47 @@ int main(int argc, char** argv) {
   const int per_sm = kP;
   const int G = prop.multiProcessorCount * per_sm;  // every GEMV's CTAs, and the persistent grid
 
-  // A layer's ops (llama3-8b, batch 1): bytes, tasks, gemv; a GEMV's
+  // A layer's ops at batch 1: bytes, tasks, gemv; for llama3-8b a GEMV's
   // 64-column tiles and K splits as the runtime's plan takes them at M = 1
   // on 132 SMs (gemm-h100.json: q/k/v 5 splits, o and down 8, gate+up 1).
+  // qwen3-30b-a3b (issue 20's mixture: hidden 2048, 48 layers, 8 of 128
+  // experts of 768): the norm with the router (fp32, 1 MB, 32 CTAs as
+  // rmsnorm_router), q/k/v, RoPE, attention over 128 keys of 4 key heads,
+  // its combine, o, the second norm with the router, the 8 experts'
+  // gate+up and down as one GEMV each (the grouped kernel's); its rows run
+  // the every-CTA grid only (its GEMVs' plans are the grouped kernel's).
   struct Shape {
     const char* name;
     size_t bytes;
     int tasks, gemv, tiles, splits;
   };
-  const Shape layer[] = {
-      {"norm", 16 << 10, 1, 0, 0, 1},
-      {"qkv", 4096ull * 6144 / 2, G, 1, 96, 5},
-      {"rope", 16 << 10, 8, 0, 0, 1},
-      {"attention", 512 << 10, 64, 0, 0, 1},
-      {"combine", 64 << 10, 32, 0, 0, 1},
-      {"o", 4096ull * 4096 / 2, G, 1, 64, 8},
-      {"norm", 16 << 10, 1, 0, 0, 1},
-      {"gate+up", 4096ull * 28672 / 2, G, 1, 448, 1},
-      {"down", 14336ull * 4096 / 2, G, 1, 64, 8},
-  };
-  constexpr int kLayerOps = sizeof(layer) / sizeof(layer[0]);
+  std::vector<Shape> layer;
+  if (model == "llama3-8b")
+    layer = {
+        {"norm", 16 << 10, 1, 0, 0, 1},
+        {"qkv", 4096ull * 6144 / 2, G, 1, 96, 5},
+        {"rope", 16 << 10, 8, 0, 0, 1},
+        {"attention", 512 << 10, 64, 0, 0, 1},
+        {"combine", 64 << 10, 32, 0, 0, 1},
+        {"o", 4096ull * 4096 / 2, G, 1, 64, 8},
+        {"norm", 16 << 10, 1, 0, 0, 1},
+        {"gate+up", 4096ull * 28672 / 2, G, 1, 448, 1},
+        {"down", 14336ull * 4096 / 2, G, 1, 64, 8},
+    };
+  else
+    layer = {
+        {"norm+router", 1 << 20, 32, 0, 0, 1},
+        {"qkv", 2048ull * 5120 / 2, G, 1, 0, 1},
+        {"rope", 16 << 10, 8, 0, 0, 1},
+        {"attention", 256 << 10, 32, 0, 0, 1},
+        {"combine", 64 << 10, 32, 0, 0, 1},
+        {"o", 4096ull * 2048 / 2, G, 1, 0, 1},
+        {"norm+router", 1 << 20, 32, 0, 0, 1},
+        {"experts gate+up", 8ull * 2048 * 1536 / 2, G, 1, 0, 1},
+        {"experts down", 8ull * 768 * 2048 / 2, G, 1, 0, 1},
+    };
+  const int kLayerOps = (int)layer.size();
+  const bool plan_grids = model == "llama3-8b";
   auto steps_of = [](size_t bytes, int tasks) {
     return (int)std::max<size_t>(1, (bytes + (size_t)tasks * kWarps * 512 / 2) / ((size_t)tasks * kWarps * 512));
   };
@@ -335,8 +366,8 @@ int main(int argc, char** argv) {
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
-  printf("{\n \"device\": \"%s\", \"sms\": %d, \"ctas_an_sm\": %d, \"padding_bytes\": %zu, \"grid\": %d, \"reps\": %d,\n",
-         prop.name, prop.multiProcessorCount, per_sm, pad, G, kReps);
+  printf("{\n \"model\": \"%s\", \"device\": \"%s\", \"sms\": %d, \"ctas_an_sm\": %d, \"padding_bytes\": %zu, \"grid\": %d, \"reps\": %d,\n",
+         model.c_str(), prop.name, prop.multiProcessorCount, per_sm, pad, G, kReps);
   printf(" \"layers\": %d, \"iters\": %d, \"gemv_bytes_a_layer\": %zu, \"small_bytes_a_layer\": %zu,\n \"rows\": [\n", layers,
          iters, gemv_bytes, small_bytes);
   bool first = true;
@@ -345,6 +376,7 @@ int main(int argc, char** argv) {
   for (int variant = 0; variant < 4; ++variant) {
     // with small ops: every CTA, then tiles × splits, then with tails; the GEMVs alone: every CTA
     const int small = variant < 3, grid = variant < 3 ? variant : 0;
+    if (grid > 0 && !plan_grids) continue;
     std::vector<Op> ops = chain(small, grid);
     const int n = (int)ops.size();
     CHECK(cudaMemcpy(d_ops, ops.data(), n * sizeof(Op), cudaMemcpyHostToDevice));
