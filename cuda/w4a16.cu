@@ -2256,14 +2256,16 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   p = Plan{};
   p.bits = bits;
   const bool pow2 = group >= K || !(group & (group - 1));
-  // The measured choice (NOTES.md, v11 and v15): for 4-bit codes v15 at
-  // M = 2–8, at M = 1 on large layers, and at M = 9–swap_max_m (32) on
-  // layers wide enough that a wave of its CTAs needs no K split (8B
-  // gate+up; on Hopper v21 from 17 rows there); the CUDA-core GEMV at M = 1 (and M = 2 for 8-bit codes), v11
-  // from there to mma_max_m (64), except that the fused kernel (v18) takes
-  // M = 33–fused_max_m (128) on layers of kFusedMinWeights or more (4-bit
-  // codes), on Hopper v21 up to wgmma_max_m (256) and from kWgmmaMinWeights;
-  // then dequantize + cuBLAS (the fused kernel without a scratch).
+  // The measured choice (NOTES.md, v11 and v15): on Hopper v21 wherever
+  // wgmma_serves (4-bit codes, 33–wgmma_max_m rows, from 17 on a wide
+  // layer) on layers of kWgmmaMinWeights or more; otherwise for 4-bit
+  // codes v15 at M = 2–8, at M = 1 on large layers, and at M =
+  // 9–swap_max_m (32) on layers wide enough that a wave of its CTAs needs
+  // no K split (8B gate+up); the CUDA-core GEMV at M = 1 (and M = 2 for
+  // 8-bit codes), v11 from there to mma_max_m (64), except that the fused
+  // kernel (v18) takes M = 33–fused_max_m (128) on layers of
+  // kFusedMinWeights or more (4-bit codes); then dequantize + cuBLAS (the
+  // fused kernel without a scratch).
   const int gemv_max = c->gemv_max_m >= 0 ? min(c->gemv_max_m, kGemvMaxM) : bits == 8 ? 2 : 1;
   const bool swap_ok = M <= min(c->swap_max_m, kSwapMaxM) && pow2 && bits == 4;
   bool swap_wide = false;  // M = 9–32 on a wide layer (swap_wide_layer)
@@ -2271,14 +2273,13 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
   const bool v21 = bits == 4 && pow2 && wgmma_serves(c, M, group, swap_wide);
   if (c->w4_path)
     p.path = c->w4_path;
-  else if (v21 && M <= kFusedMinM && (size_t)N * K >= kWgmmaMinWeights)  // a wide layer at 17–32 rows
+  else if (v21 && (size_t)N * K >= kWgmmaMinWeights)
     p.path = 1;
   else if (swap_ok && (M <= 8 ? M > 1 || (size_t)N * K >= kSwapMinWeights : swap_wide))
     p.path = 5;
   else if (M <= gemv_max && pow2)
     p.path = 3;
-  else if (bits == 4 && pow2 && M > kFusedMinM && (M <= c->fused_max_m || v21) &&
-           (size_t)N * K >= (v21 ? kWgmmaMinWeights : kFusedMinWeights))
+  else if (bits == 4 && pow2 && !v21 && M > kFusedMinM && M <= c->fused_max_m && (size_t)N * K >= kFusedMinWeights)
     p.path = 1;
   else if (M <= min(c->mma_max_m, kMmaMaxM) && pow2)
     p.path = 4;
