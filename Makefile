@@ -152,14 +152,14 @@ build/libllmqcuda.so: $(wildcard cuda/*.cu cuda/*.cuh cuda/*.h)
 # Hopper (its bulk copies and L2 prefetch are sm_90's). It includes
 # cuda/stream.cuh, the kernels' loads, so a change there rebuilds it.
 probe: build/stream-probe build/chain-probe
-build/stream-probe: cuda/probe/stream.cu cuda/stream.cuh
+build/stream-probe: cuda/probe/stream.cu cuda/probe/check.cuh cuda/stream.cuh
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
 
 # The chain probe (cuda/probe/chain.cu): what a dependency between two
 # kernels of a decode step costs, launched apart or inside one persistent
 # kernel.
-build/chain-probe: cuda/probe/chain.cu cuda/stream.cuh
+build/chain-probe: cuda/probe/chain.cu cuda/probe/check.cuh cuda/stream.cuh
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
 

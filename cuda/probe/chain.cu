@@ -49,15 +49,7 @@
 #include <string>
 #include <vector>
 #include "../stream.cuh"  // ld_stream
-
-#define CHECK(call)                                                                               \
-  do {                                                                                            \
-    cudaError_t e_ = (call);                                                                      \
-    if (e_ != cudaSuccess) {                                                                      \
-      fprintf(stderr, "chain-probe: %s: %s (line %d)\n", #call, cudaGetErrorString(e_), __LINE__); \
-      exit(1);                                                                                    \
-    }                                                                                             \
-  } while (0)
+#include "check.cuh"  // CHECK
 
 namespace {
 

@@ -52,15 +52,7 @@
 #include <string>
 #include <vector>
 #include "../stream.cuh"  // the kernels' loads (ld_stream, prefetch_l2) and bulk copies (mbar_*, bulk_copy)
-
-#define CHECK(call)                                                                                \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess) {                                                                       \
-      fprintf(stderr, "stream-probe: %s: %s (line %d)\n", #call, cudaGetErrorString(e_), __LINE__); \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
+#include "check.cuh"  // CHECK
 
 namespace {
 
