@@ -265,6 +265,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
 int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V);
+int f16_to_f32(llmq_ctx* c, const void* src, float* dst, size_t n);
 // sample.cu
 int sample_rows(llmq_ctx* c, const float* logits, const double* params, int32_t* out, int T, int V);
 int fake_quant(llmq_ctx* c, const void* in, void* out, int rows, int cols, int bits, int fp8, int per_token,

@@ -24,6 +24,9 @@
 #                                     # cancellation, nothing lost under load; llama-tiny)
 #   bash cuda/device-model.sh serve8b # llmq bench serve on a synthetic llama3-8b W4, 1/8/32/64 streams
 #   bash cuda/device-model.sh load    # W4 llama3-8b load time; --device auto
+#   bash cuda/device-model.sh lmhead  # a packed LM head: its model tests (llama-tiny RTN w4 with and without
+#                                     # --quantize-lm-head), then llama3-8b W4 decode with it and, in the same run,
+#                                     # with the fp16 head (HEAD_CTX, HEAD_BATCH, HEAD_PREFILL)
 #   bash cuda/device-model.sh tasks   # eval tasks and echoed logprobs (llmq serve) of llama-tiny
 #   bash cuda/device-model.sh zoo     # the model-family tests (flash kernel, zoo logits, joined layers)
 #   bash cuda/device-model.sh attn    # the decode attention kernels: tests, BenchmarkAttentionDecode (once per setting
@@ -149,7 +152,7 @@ case "$1" in
     d=build/q/qwen3-30b-a3b-mixed-synth-w4
     $L synth --preset qwen3-30b-a3b --layers 3 --mlp-only-layers 1 --bits 4 --group 128 -o $d --force \
       --tokenizer "$LLMQ_SHARED/models/llama-tiny" > /dev/null 2>&1 && W4+=":$PWD/$d"
-    # and one whose lm_head is quantized too (run dequantized, in fp16)
+    # and one whose lm_head is quantized too (run packed, headRows rows at a time)
     d=build/q/llama-tiny-rtn-w4-head
     [ -d "$LLMQ_SHARED/models/llama-tiny" ] && $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 \
       --quantize-lm-head -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
@@ -504,6 +507,29 @@ case "$1" in
     $L synth --preset llama3-8b --bits 4 --group 128 -o /tmp/w4 --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
     $L bench decode /tmp/w4 --device cuda --context 128 --batch 1 --steps 16 --prefill 0 --json "$OUT/decode-$G-llama3-8b-w4-load.json" 2>&1 | grep -v "^\s*$"
     $L generate $LLMQ_SHARED/models/llama-tiny --prompt "The history of the" --max-tokens 8 2>&1 | tail -3
+    ;;
+  lmhead) # a packed LM head (the W4A16 kernels, headRows rows at a time) against the fp16 one
+    W4=
+    for h in "" --quantize-lm-head; do
+      d=build/q/llama-tiny-rtn-w4${h:+-head}
+      $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 $h -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
+    done
+    r='TestJoined|TestEstimate|TestModelLogits|TestGreedy'
+    LLMQ_TEST_W4_MODELS=${W4#:} build/device/cuda.test -test.v -test.run "$r" > "$OUT/cuda-tests-lmhead.log" 2>&1
+    hrc=$?
+    echo "# $LLMQ_COMMIT: LLMQ_TEST_W4_MODELS=(llama-tiny RTN w4, and with --quantize-lm-head) cuda.test -test.v -test.run '$r'" |
+      cat - "$OUT/cuda-tests-lmhead.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests-lmhead.log"
+    echo "lm_head tests rc=$hrc"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|panic" "$OUT/cuda-tests-lmhead.log" | head -30
+    for h in --quantize-lm-head ""; do  # the packed head first, then the fp16 one (decode-$G-llama3-8b-w4-beside-head.json)
+      d=/tmp/llama3-8b-w4${h:+-head}; f=decode-$G-llama3-8b-w4-head.json
+      [ -z "$h" ] && f=decode-$G-llama3-8b-w4-beside-head.json
+      $L synth --preset llama3-8b --bits 4 --group 128 $h -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+      echo "== llama3-8b W4, lm_head ${h:-fp16}"
+      $L bench decode $d --device cuda --context ${HEAD_CTX:-128,2048} --batch ${HEAD_BATCH:-1,8,32,64} --prefill ${HEAD_PREFILL:-512,2048} \
+        --steps 32 --json "$OUT/$f" 2>&1 | grep -v "^\s*$"
+      rm -rf $d
+    done
+    exit $hrc
     ;;
   moe) # issue 20's MoE decode: a synthetic qwen3-30b-a3b W4 and, in the same run, the dense llama3-8b W4 it must beat
     TOK=$LLMQ_SHARED/models/${2:-llama-tiny}

@@ -197,6 +197,7 @@ static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P w, P out, P W, P logit
 	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)w, (void*)out, (const float*)W, (float*)logits,
 		n, H, E, eps);
 }
+static int c_f16_to_f32(A a, llmq_ctx* c, P src, P dst, size_t n) { return a->f16_to_f32(c, (const void*)src, (float*)dst, n); }
 static int c_sample_rows(A a, llmq_ctx* c, P logits, P params, P out, int T, int V) {
 	return a->sample_rows(c, (const float*)logits, (const double*)params, (int32_t*)out, T, V);
 }
@@ -949,6 +950,12 @@ func (x *Context) MoEAct(gu, g Buf, S, I int, act string, interleaved bool) erro
 // [T][V]): the first index of the largest value, 0 when the first is NaN.
 func (x *Context) ArgmaxRows(logits, out Buf, T, V int) error {
 	return x.do("argmax_rows", func() C.int { return C.c_argmax_rows(x.lib.api, x.c, logits.p, out.p, C.int(T), C.int(V)) })
+}
+
+// F16ToF32 writes n fp32 values into dst from n fp16 values of src (n
+// even): a packed LM head's logits, which GemmW4Into writes in fp16.
+func (x *Context) F16ToF32(src, dst Buf, n int) error {
+	return x.do("f16_to_f32", func() C.int { return C.c_f16_to_f32(x.lib.api, x.c, src.p, dst.p, C.size_t(n)) })
 }
 
 // SampleRows writes out[t] (int32) = the token llm.Sampler.SampleWith

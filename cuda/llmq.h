@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 19
+#define LLMQ_API_VERSION 20
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -319,6 +319,9 @@ typedef struct {
    * LLMQ_MOE_NORM_ROUTER=0: the norm, then moe_router. */
   int (*rmsnorm_router)(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
                         float* logits, int n, int H, int E, float eps);
+  /* API 20: dst fp32 = src fp16, n values (n even; src 4-byte, dst 8-byte
+   * aligned): a packed LM head's logits, written by w4a16_gemm in fp16. */
+  int (*f16_to_f32)(llmq_ctx* c, const void* src, float* dst, size_t n);
 } llmq_api;
 
 /* The library's one exported symbol. */

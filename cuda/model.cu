@@ -976,6 +976,15 @@ __global__ void nll_kernel(const float* __restrict__ logits, const int32_t* __re
   if (threadIdx.x == 0) nll[blockIdx.x] = logf(s) + mx - l[targets[blockIdx.x]];
 }
 
+// widen_kernel: dst fp32 = src fp16, n values, a pair a thread (n
+// even): the logits of a packed LM head, which the W4A16 kernels write
+// in fp16 (f16_to_f32).
+__global__ void widen_kernel(const half2* __restrict__ src, float2* __restrict__ dst, size_t pairs) {
+  pdl_gate();  // before any global access: see common.cuh
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = __half22float2(src[i]);
+}
+
 // argmax_kernel: one block a row of logits; out[row] = llm.Argmax of the
 // row: the first index of the largest value, NaNs skipped, 0 when the
 // first value is NaN or nothing exceeds it. VEC reads four floats a load
@@ -1306,6 +1315,17 @@ int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V) {
     CK(launch(c, (argmax_kernel<true>), T, 1024, 0, logits, out, V));
   else
     CK(launch(c, (argmax_kernel<false>), T, 1024, 0, logits, out, V));
+  return 0;
+}
+
+int f16_to_f32(llmq_ctx* c, const void* src, float* dst, size_t n) {
+  if (n % 2 || ((uintptr_t)src & 3) || ((uintptr_t)dst & 7)) {
+    set_error(c, "f16_to_f32: %zu values (want an even count) at %p and %p (want 4- and 8-byte alignment)", n, src, (void*)dst);
+    return 1;
+  }
+  if (!n) return 0;
+  const unsigned blocks = (unsigned)std::min<size_t>((n / 2 + 255) / 256, (size_t)c->sms * 8);
+  CK(launch(c, (widen_kernel), blocks, 256, 0, (const half2*)src, (float2*)dst, n / 2));
   return 0;
 }
 

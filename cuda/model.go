@@ -218,18 +218,19 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 	case tied: // the LM head is the embedding matrix
 		m.lmHead = &gpuLinear{in: c.Hidden, out: c.Vocab, w: m.embed}
 	default:
-		// A quantized lm_head (quantize --quantize-lm-head) is dequantized
-		// at load and runs in fp16 like an unquantized one: the step's
-		// logits are fp32 for every vocabulary entry, which the W4A16
-		// kernels do not write, and their large-M path would need a
-		// vocabulary-wide fp16 scratch. So it takes the fp16 bytes on the
-		// GPU, and its logits are the CPU's to fp16 rounding.
-		h, err := m.readLinearAs(ck, q, spec, func(*pack.GPUWeights) bool { return false })
+		// A quantized lm_head (quantize --quantize-lm-head) stays packed
+		// where its groups are a power of two (headPackable) and runs on
+		// the W4A16 kernels a few rows at a time (head); otherwise it is
+		// dequantized at load and runs in fp16 like an unquantized one.
+		h, err := m.readLinearAs(ck, q, spec, func(gw *pack.GPUWeights) bool { return headPackable(gw.Group, gw.K) })
 		if err != nil {
 			return err
 		}
 		if m.lmHead, err = m.uploadLinear(h); err != nil {
 			return err
+		}
+		if w := m.lmHead.w4; w != nil && !w.Perm.Nil() {
+			m.maxPermK = max(m.maxPermK, h.in)
 		}
 	}
 	// The rotary tables, one pair per distinct rotary embedding.
@@ -481,7 +482,7 @@ func tensorGPUBytes(t checkpoint.Tensor, q *pack.QuantConfig) int64 {
 		if g, ok := q.GridFor(prefix); ok && g.Bits > 0 {
 			weights := bytes * 8 / int64(g.Bits) // a stored byte holds 8/bits codes
 			switch {
-			case prefix == "lm_head" || strings.HasSuffix(prefix, ".lm_head"): // dequantized at load (Load)
+			case (prefix == "lm_head" || strings.HasSuffix(prefix, ".lm_head")) && !headPackable(g.GroupSize, 0): // dequantized at load (Load)
 				return weights * 2
 			case g.GPUPacked() && g.Bits == 8:
 				return weights // a byte a code
@@ -704,7 +705,11 @@ func (m *Model) run(l *gpuLinear, A Buf, M int, a *acts, f32 bool, C ...Buf) err
 	}
 	var err error
 	if l.w4 != nil {
-		err = m.x.GemmW4Into(A, C, l.w4, M, a.ws, m.scratch, a.aperm)
+		scratch := m.scratch // sized for the decoder's layers: a packed LM head runs without it
+		if l.in*l.out*2 > scratch.Bytes {
+			scratch = Buf{}
+		}
+		err = m.x.GemmW4Into(A, C, l.w4, M, a.ws, scratch, a.aperm)
 	} else {
 		err = m.x.GemmNT(A, l.w, C[0], M, l.out, l.in, f32)
 	}
@@ -738,6 +743,7 @@ func (m *Model) runParts(joined *gpuLinear, parts []*gpuLinear, A Buf, M int, a 
 type acts struct {
 	rows                                     int
 	x, h, q, k, v, att, delta, g, u, logits  Buf
+	logits16                                 Buf // a packed LM head's fp16 logits, headRows rows (head)
 	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
 	next                                     Buf // the ids picked on the device (argmax or sampled)
@@ -772,14 +778,20 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		gWidth = max(gWidth, c.MoE.TopK*moeI)
 	}
 	maxChunks := max(MoEMaxChunks(slots, E, 1), MoEMaxChunks(slots, E, 4))
+	ws := m.lib.WorkspaceBytes(rows, m.maxN)
+	var logits16 int
+	if m.lmHead != nil && m.lmHead.w4 != nil { // a packed LM head runs headRows rows at a time (head)
+		ws = max(ws, m.lib.WorkspaceBytes(min(rows, headRows), c.Vocab))
+		logits16 = min(rows, headRows) * c.Vocab * 2
+	}
 	sizes := []struct {
 		b     *Buf
 		bytes int
 	}{
 		{&a.x, rows * c.Hidden * 4}, {&a.h, rows * c.Hidden * 2}, {&a.q, rows * qd * 2}, {&a.k, rows * kvd * 2},
 		{&a.v, rows * kvd * 2}, {&a.att, rows * qd * 2}, {&a.delta, rows * c.Hidden * 2},
-		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4},
-		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
+		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4}, {&a.logits16, logits16},
+		{&a.ws, ws}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
@@ -1188,13 +1200,46 @@ func moeChunk(slots, experts int) int {
 	return 1
 }
 
+// headRows is how many rows a packed LM head runs at a time: the W4A16
+// kernels write its logits in fp16 into a [headRows][vocab] buffer
+// (acts.logits16), which f16_to_f32 widens into the fp32 logits; and up to
+// 64 rows every W4A16 path of 4- and 8-bit codes runs without the
+// dequantize scratch, which is sized for the decoder's layers, not for a
+// vocabulary-wide one.
+const headRows = 64
+
+// headPackable says whether a quantized LM head with groups of group
+// input rows (of k; k 0: unknown, group ≤ 0: one group) stays packed on
+// the GPU: the W4A16 kernels need power-of-two groups or one group a
+// column, and other groups go through dequantize + cuBLAS, whose scratch
+// a head would need vocabulary-wide. So those heads are dequantized at
+// load.
+func headPackable(group, k int) bool {
+	return group <= 0 || k > 0 && group >= k || group&(group-1) == 0
+}
+
 // head queues the final norm of the rows a.rowIdx[:n] and the LM head,
-// leaving n rows of fp32 logits in a.logits.
+// leaving n rows of fp32 logits in a.logits: an fp16 head in one cuBLAS
+// call with fp32 outputs, a packed one headRows rows at a time (its
+// logits rounded to fp16 on the way, as vLLM's are in the model's dtype).
 func (m *Model) head(a *acts, n int) error {
 	if err := m.x.RMSNorm(a.x, Buf{}, Buf{}, a.rowIdx, m.norm, a.h, n, m.cfg.Hidden, float32(m.cfg.RMSNormEps)); err != nil {
 		return err
 	}
-	return m.run(m.lmHead, a.h, n, a, true, a.logits)
+	if m.lmHead.w4 == nil {
+		return m.run(m.lmHead, a.h, n, a, true, a.logits)
+	}
+	H, V := m.cfg.Hidden, m.cfg.Vocab
+	for r := 0; r < n; r += headRows {
+		rows := min(headRows, n-r)
+		if err := m.run(m.lmHead, a.h.Offset(r*H*2), rows, a, false, a.logits16); err != nil {
+			return err
+		}
+		if err := m.x.F16ToF32(a.logits16, a.logits.Offset(r*V*4), rows*V); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // eagerActs returns the eager buffers, grown to at least rows.

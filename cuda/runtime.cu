@@ -309,6 +309,7 @@ const llmq_api kAPI = {
     sample_rows,
     moe_gemv_routed,
     rmsnorm_router,
+    f16_to_f32,
 };
 }  // namespace
 }  // namespace llmq

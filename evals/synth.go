@@ -181,17 +181,20 @@ type SynthOptions struct {
 	// MLPOnly overrides a Qwen3-MoE preset's layers that keep a dense
 	// MLP (mlp_only_layers; nil: keep): a model mixing dense and sparse
 	// layers, as some checkpoints do.
-	MLPOnly   []int
-	Tokenizer string // directory with tokenizer.json (and tokenizer_config.json)
-	Out       string
-	Force     bool
+	MLPOnly []int
+	// QuantizeLMHead packs the LM head too, as quantize --quantize-lm-head
+	// does (a quantized checkpoint with untied embeddings only).
+	QuantizeLMHead bool
+	Tokenizer      string // directory with tokenizer.json (and tokenizer_config.json)
+	Out            string
+	Force          bool
 	// MaxShardBytes bounds a shard (pack.DefaultMaxShardBytes when 0).
 	MaxShardBytes int64
 	Progress      func(done, total int)
 }
 
 // A SynthOptionError is a SynthOptions field Synth cannot use: the field's
-// name (Preset, Arch, Bits, Group, Tokenizer, MLPOnly), its value as text, and what
+// name (Preset, Arch, Bits, Group, Tokenizer, MLPOnly, QuantizeLMHead), its value as text, and what
 // was expected, or the error reading it. A command line names its own
 // flag.
 type SynthOptionError struct {
@@ -251,6 +254,10 @@ func Synth(opt SynthOptions) error {
 			return &SynthOptionError{Field: "Arch", Value: p.Arch, Err: err}
 		}
 		return &SynthOptionError{Field: "Preset", Value: strconv.Quote(opt.Preset), Err: err}
+	}
+	if opt.QuantizeLMHead && (opt.Bits == 16 || cfg.TieEmbeddings) {
+		return &SynthOptionError{Field: "QuantizeLMHead", Value: "true",
+			Want: fmt.Sprintf("a quantized checkpoint (bits %d) whose lm_head is its own (tie_word_embeddings %v)", opt.Bits, cfg.TieEmbeddings)}
 	}
 	// The GPU kernel's layout takes groups of whole 16-row tiles (pack.GPULayout),
 	// and synthetic checkpoints are made to be run there.
@@ -334,7 +341,12 @@ func Synth(opt SynthOptions) error {
 		"model.embed_tokens.weight": randomBF16("embed", cfg.Vocab*cfg.Hidden, cfg.Vocab, cfg.Hidden),
 		"model.norm.weight":         ones(cfg, cfg.Hidden),
 	}
-	if !cfg.TieEmbeddings {
+	switch {
+	case opt.QuantizeLMHead:
+		if err := w.AddGPTQ(t, "lm_head", synthGPTQ("lm_head", cfg.Hidden, cfg.Vocab, grid)); err != nil {
+			return err
+		}
+	case !cfg.TieEmbeddings:
 		t["lm_head.weight"] = randomBF16("lm_head", cfg.Vocab*cfg.Hidden, cfg.Vocab, cfg.Hidden)
 	}
 	if err := w.WritePart(t); err != nil {
@@ -343,7 +355,8 @@ func Synth(opt SynthOptions) error {
 	var qc *pack.QuantConfig
 	if opt.Bits != 16 {
 		qc = &pack.QuantConfig{QuantMethod: "gptq", Bits: grid.Bits, GroupSize: grid.GroupSize, Sym: &grid.Sym,
-			ModulesInBlockToQuantize: pack.ModulesInBlock(cfg), Meta: &pack.QuantMeta{Quantizer: "llmq", Method: "synthetic"}}
+			ModulesInBlockToQuantize: pack.ModulesInBlock(cfg), LMHead: opt.QuantizeLMHead,
+			Meta: &pack.QuantMeta{Quantizer: "llmq", Method: "synthetic"}}
 	}
 	if err := w.Finish(src, qc); err != nil {
 		return err

@@ -196,6 +196,58 @@ func TestSynthGPTQWidths(t *testing.T) {
 	}
 }
 
+// QuantizeLMHead packs lm_head as the decoder's layers are, and says so
+// in quantization_config (lm_head: true) as quantize --quantize-lm-head
+// does; the loader's head is the layer read back. A bf16 checkpoint or a
+// tied head refuses it, naming the option.
+func TestSynthQuantizedLMHead(t *testing.T) {
+	arch := &evals.Preset{Hidden: 128, Intermediate: 256, Layers: 1, Heads: 4, KVHeads: 2, Vocab: 8192,
+		MaxPositions: 256, RopeTheta: 10000, Arch: "LlamaForCausalLM", ModelType: "llama"}
+	tok := filepath.Dir(shared.Path(t, "models/llama-tiny/tokenizer.json"))
+	out := filepath.Join(t.TempDir(), "m")
+	if err := evals.Synth(evals.SynthOptions{Arch: arch, Bits: 4, Group: 32, QuantizeLMHead: true, Tokenizer: tok, Out: out}); err != nil {
+		t.Fatal(err)
+	}
+	m, err := pack.OpenModel(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	ck := m.Checkpoint
+	q, err := pack.ParseQuantConfig(ck.Config.Quantization)
+	if err != nil || q == nil || !q.LMHead {
+		t.Fatalf("quantization_config %+v (%v): want lm_head true", q, err)
+	}
+	if ck.Has("lm_head.weight") || !ck.Has("lm_head.qweight") {
+		t.Fatalf("lm_head is stored as %v, want only lm_head.qweight and its groups", ck.Names())
+	}
+	l, err := q.Read(ck, "lm_head", arch.Hidden, arch.Vocab)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Grid.Bits != 4 || l.Grid.Group(arch.Hidden) != 32 {
+		t.Errorf("lm_head read back with %s, want 4 bits in groups of 32", l.Grid.Describe())
+	}
+	head, ok := m.LinearByName("lm_head")
+	if d, isDense := (*head).(*llm.Dense); !ok || !isDense || !slices.Equal(d.W, l.Dequantize()) {
+		t.Errorf("the loader's lm_head is not the layer read back")
+	}
+	for _, bad := range []struct {
+		name string
+		opt  evals.SynthOptions
+	}{
+		{"bf16", evals.SynthOptions{Arch: arch, Bits: 16, Group: 32}},
+		{"tied", evals.SynthOptions{Arch: &evals.Preset{Hidden: 128, Intermediate: 256, Layers: 1, Heads: 4, KVHeads: 2,
+			Vocab: 8192, MaxPositions: 256, RopeTheta: 10000, Tied: true, Arch: "LlamaForCausalLM", ModelType: "llama"}, Bits: 4, Group: 32}},
+	} {
+		bad.opt.QuantizeLMHead, bad.opt.Tokenizer, bad.opt.Out = true, tok, filepath.Join(t.TempDir(), bad.name)
+		var oe *evals.SynthOptionError
+		if err := evals.Synth(bad.opt); !errors.As(err, &oe) || oe.Field != "QuantizeLMHead" {
+			t.Errorf("%s: QuantizeLMHead gave %v, want a SynthOptionError naming it", bad.name, err)
+		}
+	}
+}
+
 // Each preset has its published model's size: the parameter count the
 // loader's config gives (embeddings counted once when tied) is within 2%
 // of the figure on the model's card.

@@ -62,6 +62,6 @@ benchmarks.`,
 		}
 	}
 	root.AddCommand(newInspect(), newTokenize(), withFlagErrors(newQuantize(), flagNames{"bits": "--bits", "group size": "--group"}), newEval(), newGenerate(), newServe(), newCalibrate(), newSensitivity(),
-		withFlagErrors(newSynth(), flagNames{"Preset": "--preset", "Bits": "--bits", "Group": "--group", "Tokenizer": "--tokenizer", "MLPOnly": "--mlp-only-layers"}), newBench(), newExport())
+		withFlagErrors(newSynth(), flagNames{"Preset": "--preset", "Bits": "--bits", "Group": "--group", "Tokenizer": "--tokenizer", "MLPOnly": "--mlp-only-layers", "QuantizeLMHead": "--quantize-lm-head"}), newBench(), newExport())
 	return root
 }

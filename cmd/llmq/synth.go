@@ -59,6 +59,7 @@ Presets: ` + strings.Join(evals.PresetNames(), ", "),
 	f.IntVar(&opt.Group, "group", 128, "quantization group size")
 	f.StringVar(&shardSize, "max-shard-size", "5GB", "largest shard of the output: bytes, or with kB/MB/GB or KiB/MiB/GiB")
 	f.IntVar(&opt.Layers, "layers", 0, "override the number of layers (0: the preset's)")
+	f.BoolVar(&opt.QuantizeLMHead, "quantize-lm-head", false, "pack lm_head too, as quantize --quantize-lm-head does (not with --bits 16 or tied embeddings)")
 	f.IntSliceVar(&opt.MLPOnly, "mlp-only-layers", nil, "layers of a Qwen3-MoE preset that keep a dense MLP (mlp_only_layers), e.g. 1,3")
 	f.StringVar(&opt.Tokenizer, "tokenizer", filepath.Join(assets.Root(), "models", "llama-small"), "directory whose tokenizer.json (and tokenizer_config.json) to copy")
 	f.StringVarP(&opt.Out, "output", "o", "", "output directory")
