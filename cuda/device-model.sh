@@ -509,14 +509,14 @@ case "$1" in
     $L generate $LLMQ_SHARED/models/llama-tiny --prompt "The history of the" --max-tokens 8 2>&1 | tail -3
     ;;
   lmhead) # a packed LM head (the W4A16 kernels, headRows rows at a time) against the fp16 one
-    W4=
+    W4=; hrc=0
     for h in "" --quantize-lm-head; do
       d=build/q/llama-tiny-rtn-w4${h:+-head}
-      $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 $h -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
+      $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 $h -o $d --force > "$OUT/quantize.log" 2>&1 &&
+        W4+=":$PWD/$d" || { echo "quantize $h failed: $(tail -3 "$OUT/quantize.log")"; hrc=1; }
     done
-    r='TestJoined|TestEstimate|TestModelLogits|TestGreedy'
-    LLMQ_TEST_W4_MODELS=${W4#:} build/device/cuda.test -test.v -test.run "$r" > "$OUT/cuda-tests-lmhead.log" 2>&1
-    hrc=$?
+    r='TestJoined|TestEstimate'
+    LLMQ_TEST_W4_MODELS=${W4#:} build/device/cuda.test -test.v -test.run "$r" > "$OUT/cuda-tests-lmhead.log" 2>&1 || hrc=1
     echo "# $LLMQ_COMMIT: LLMQ_TEST_W4_MODELS=(llama-tiny RTN w4, and with --quantize-lm-head) cuda.test -test.v -test.run '$r'" |
       cat - "$OUT/cuda-tests-lmhead.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests-lmhead.log"
     echo "lm_head tests rc=$hrc"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|panic" "$OUT/cuda-tests-lmhead.log" | head -30
@@ -524,9 +524,9 @@ case "$1" in
       d=/tmp/llama3-8b-w4${h:+-head}; f=decode-$G-llama3-8b-w4-head.json
       [ -z "$h" ] && f=decode-$G-llama3-8b-w4-beside-head.json
       $L synth --preset llama3-8b --bits 4 --group 128 $h -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
-      echo "== llama3-8b W4, lm_head ${h:-fp16}"
+      echo "== llama3-8b W4, lm_head $([ -n "$h" ] && echo packed || echo fp16)"
       $L bench decode $d --device cuda --context ${HEAD_CTX:-128,2048} --batch ${HEAD_BATCH:-1,8,32,64} --prefill ${HEAD_PREFILL:-512,2048} \
-        --steps 32 --json "$OUT/$f" 2>&1 | grep -v "^\s*$"
+        --steps 32 --json "$OUT/$f" 2>&1 | grep -v "^\s*$" || hrc=1
       rm -rf $d
     done
     exit $hrc

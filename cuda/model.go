@@ -49,6 +49,7 @@ type Model struct {
 	lmHead     *gpuLinear
 	ropes      []ropeTables // each layer's rotary tables (Gemma 3's sliding layers have their own)
 	scratch    Buf          // K·N fp16: large-M W4 layers dequantize here for cuBLAS
+	headOut    Buf          // a packed LM head's fp16 logits, headRows rows (head)
 	maxN       int          // widest linear (workspace sizing)
 	maxPermK   int          // widest act-order input (a_perm sizing)
 	w4Layers   int          // linears the W4A16 kernels run, 8-bit codes included
@@ -142,6 +143,9 @@ type gpuLinear struct {
 	// with threshold when the scheme is per tensor.
 	actIn     bool
 	threshold float32
+	// ws, when set, is the layer's own split-K workspace (the packed LM
+	// head's, vocabulary-wide), used instead of the pass's.
+	ws Buf
 }
 
 // hostLinear is a layer as read from the checkpoint, before upload.
@@ -219,18 +223,33 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 		m.lmHead = &gpuLinear{in: c.Hidden, out: c.Vocab, w: m.embed}
 	default:
 		// A quantized lm_head (quantize --quantize-lm-head) stays packed
-		// where its groups are a power of two (headPackable) and runs on
-		// the W4A16 kernels a few rows at a time (head); otherwise it is
-		// dequantized at load and runs in fp16 like an unquantized one.
-		h, err := m.readLinearAs(ck, q, spec, func(gw *pack.GPUWeights) bool { return headPackable(gw.Group, gw.K) })
+		// where the kernels run it without a scratch (headPackable) and
+		// runs headRows rows at a time (head), through the model's one
+		// fp16 output and split-K workspace, which every pass shares (they
+		// run one at a time, on one stream, and the kernels leave the
+		// workspace zeroed); otherwise it is dequantized at load and runs
+		// in fp16 like an unquantized one.
+		h, err := m.readLinearAs(ck, q, spec, func(gw *pack.GPUWeights) bool { return headPackable(gw.K, gw.N, gw.Group) })
 		if err != nil {
 			return err
 		}
 		if m.lmHead, err = m.uploadLinear(h); err != nil {
 			return err
 		}
-		if w := m.lmHead.w4; w != nil && !w.Perm.Nil() {
-			m.maxPermK = max(m.maxPermK, h.in)
+		if w := m.lmHead.w4; w != nil {
+			if !w.Perm.Nil() {
+				m.maxPermK = max(m.maxPermK, h.in)
+			}
+			if m.headOut, err = m.x.Alloc(headRows * c.Vocab * 2); err != nil {
+				return fmt.Errorf("lm_head's fp16 logits: %w", err)
+			}
+			ws := m.lib.WorkspaceBytes(headRows, c.Vocab)
+			if m.lmHead.ws, err = m.x.Alloc(ws); err != nil {
+				return fmt.Errorf("lm_head's workspace: %w", err)
+			}
+			if err := m.x.Memset(m.lmHead.ws, 0, ws); err != nil {
+				return err
+			}
 		}
 	}
 	// The rotary tables, one pair per distinct rotary embedding.
@@ -482,7 +501,8 @@ func tensorGPUBytes(t checkpoint.Tensor, q *pack.QuantConfig) int64 {
 		if g, ok := q.GridFor(prefix); ok && g.Bits > 0 {
 			weights := bytes * 8 / int64(g.Bits) // a stored byte holds 8/bits codes
 			switch {
-			case (prefix == "lm_head" || strings.HasSuffix(prefix, ".lm_head")) && !headPackable(g.GroupSize, 0): // dequantized at load (Load)
+			case (prefix == "lm_head" || strings.HasSuffix(prefix, ".lm_head")) && len(t.Shape) == 2 &&
+				!headPackable(int(weights)/t.Shape[1], t.Shape[1], g.Group(int(weights)/t.Shape[1])): // dequantized at load (Load)
 				return weights * 2
 			case g.GPUPacked() && g.Bits == 8:
 				return weights // a byte a code
@@ -709,7 +729,11 @@ func (m *Model) run(l *gpuLinear, A Buf, M int, a *acts, f32 bool, C ...Buf) err
 		if l.in*l.out*2 > scratch.Bytes {
 			scratch = Buf{}
 		}
-		err = m.x.GemmW4Into(A, C, l.w4, M, a.ws, scratch, a.aperm)
+		ws := a.ws
+		if !l.ws.Nil() {
+			ws = l.ws
+		}
+		err = m.x.GemmW4Into(A, C, l.w4, M, ws, scratch, a.aperm)
 	} else {
 		err = m.x.GemmNT(A, l.w, C[0], M, l.out, l.in, f32)
 	}
@@ -743,7 +767,6 @@ func (m *Model) runParts(joined *gpuLinear, parts []*gpuLinear, A Buf, M int, a 
 type acts struct {
 	rows                                     int
 	x, h, q, k, v, att, delta, g, u, logits  Buf
-	logits16                                 Buf // a packed LM head's fp16 logits, headRows rows (head)
 	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
 	next                                     Buf // the ids picked on the device (argmax or sampled)
@@ -778,20 +801,15 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		gWidth = max(gWidth, c.MoE.TopK*moeI)
 	}
 	maxChunks := max(MoEMaxChunks(slots, E, 1), MoEMaxChunks(slots, E, 4))
-	ws := m.lib.WorkspaceBytes(rows, m.maxN)
-	var logits16 int
-	if m.lmHead != nil && m.lmHead.w4 != nil { // a packed LM head runs headRows rows at a time (head)
-		ws = max(ws, m.lib.WorkspaceBytes(min(rows, headRows), c.Vocab))
-		logits16 = min(rows, headRows) * c.Vocab * 2
-	}
+
 	sizes := []struct {
 		b     *Buf
 		bytes int
 	}{
 		{&a.x, rows * c.Hidden * 4}, {&a.h, rows * c.Hidden * 2}, {&a.q, rows * qd * 2}, {&a.k, rows * kvd * 2},
 		{&a.v, rows * kvd * 2}, {&a.att, rows * qd * 2}, {&a.delta, rows * c.Hidden * 2},
-		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4}, {&a.logits16, logits16},
-		{&a.ws, ws}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
+		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4},
+		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
 		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
@@ -890,7 +908,10 @@ func (m *Model) Memory() (llm.Memory, error) {
 		act += a.bytes
 	}
 	r := llm.Memory{Weights: m.weights, Caches: m.caches, Activations: act,
-		Workspace: int64(m.scratch.Bytes) + cm.CuBLASBytes, Graphs: cm.Graphs}
+		Workspace: int64(m.scratch.Bytes+m.headOut.Bytes) + cm.CuBLASBytes, Graphs: cm.Graphs}
+	if m.lmHead != nil {
+		r.Workspace += int64(m.lmHead.ws.Bytes)
+	}
 	if r.Total() != cm.LiveBytes {
 		return r, fmt.Errorf("cuda: memory accounting is off: the categories add up to %d bytes, the context holds %d", r.Total(), cm.LiveBytes)
 	}
@@ -1202,20 +1223,20 @@ func moeChunk(slots, experts int) int {
 
 // headRows is how many rows a packed LM head runs at a time: the W4A16
 // kernels write its logits in fp16 into a [headRows][vocab] buffer
-// (acts.logits16), which f16_to_f32 widens into the fp32 logits; and up to
-// 64 rows every W4A16 path of 4- and 8-bit codes runs without the
-// dequantize scratch, which is sized for the decoder's layers, not for a
-// vocabulary-wide one.
+// (Model.headOut), which f16_to_f32 widens into the fp32 logits; and up
+// to 64 rows every W4A16 path of 4- and 8-bit codes runs without the
+// dequantize scratch (with the default LLMQ_W4_MMA_MAX_M), which is
+// sized for the decoder's layers, not for a vocabulary-wide one.
 const headRows = 64
 
-// headPackable says whether a quantized LM head with groups of group
-// input rows (of k; k 0: unknown, group ≤ 0: one group) stays packed on
-// the GPU: the W4A16 kernels need power-of-two groups or one group a
-// column, and other groups go through dequantize + cuBLAS, whose scratch
-// a head would need vocabulary-wide. So those heads are dequantized at
-// load.
-func headPackable(group, k int) bool {
-	return group <= 0 || k > 0 && group >= k || group&(group-1) == 0
+// headPackable says whether a quantized LM head of k inputs, n outputs
+// and groups of group inputs stays packed on the GPU: it must fit the
+// kernels' tiles (pack.GPUShapeError), and its groups be a power of two
+// or one a column, since other groups go through dequantize + cuBLAS,
+// whose scratch a head would need vocabulary-wide. Other heads are
+// dequantized at load.
+func headPackable(k, n, group int) bool {
+	return pack.GPUShapeError(k, n, group) == nil && (group >= k || group&(group-1) == 0)
 }
 
 // head queues the final norm of the rows a.rowIdx[:n] and the LM head,
@@ -1232,10 +1253,10 @@ func (m *Model) head(a *acts, n int) error {
 	H, V := m.cfg.Hidden, m.cfg.Vocab
 	for r := 0; r < n; r += headRows {
 		rows := min(headRows, n-r)
-		if err := m.run(m.lmHead, a.h.Offset(r*H*2), rows, a, false, a.logits16); err != nil {
+		if err := m.run(m.lmHead, a.h.Offset(r*H*2), rows, a, false, m.headOut); err != nil {
 			return err
 		}
-		if err := m.x.F16ToF32(a.logits16, a.logits.Offset(r*V*4), rows*V); err != nil {
+		if err := m.x.F16ToF32(m.headOut, a.logits.Offset(r*V*4), rows*V); err != nil {
 			return err
 		}
 	}

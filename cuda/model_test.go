@@ -634,12 +634,13 @@ func TestEstimateCountsCodesAsTheGPUHoldsThem(t *testing.T) {
 		}
 	}
 	// A quantized lm_head stays packed (K·N/2 bytes at 4 bits), but one
-	// with groups of 96 rows runs dequantized, in fp16: K·N·2 bytes.
-	head := checkpoint.Tensor{Name: "lm_head.qweight", DType: safetensors.I32, Shape: []int{K * 4 / 32, N}}
-	for _, c := range []struct{ group, want int64 }{{128, K * N / 2}, {-1, K * N / 2}, {96, K * N * 2}} {
+	// with groups of 96 rows, or 1040 outputs (not whole 64-column tiles),
+	// runs dequantized, in fp16: K·N·2 bytes.
+	for _, c := range []struct{ group, n, want int64 }{{128, N, K * N / 2}, {-1, N, K * N / 2}, {96, N, K * N * 2}, {128, 1040, K * 1040 * 2}} {
+		head := checkpoint.Tensor{Name: "lm_head.qweight", DType: safetensors.I32, Shape: []int{K * 4 / 32, int(c.n)}}
 		q := &pack.QuantConfig{QuantMethod: "gptq", Bits: 4, GroupSize: int(c.group)}
 		if got := tensorGPUBytes(head, q); got != c.want {
-			t.Errorf("4-bit lm_head, groups of %d: %d bytes, want %d", c.group, got, c.want)
+			t.Errorf("4-bit lm_head, %d outputs in groups of %d: %d bytes, want %d", c.n, c.group, got, c.want)
 		}
 	}
 	bf16 := checkpoint.Tensor{Name: "model.layers.0.mlp.down_proj.weight", DType: safetensors.BF16, Shape: []int{N, K}}

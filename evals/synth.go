@@ -218,7 +218,8 @@ func (e *SynthOptionError) Unwrap() error { return e.Err }
 // fp16 scales — so that loading and running it costs what the real model
 // costs. Quantized, it is what llmq's quantizer writes: every linear layer
 // of the decoder (each expert's, in a mixture) packed, and the norms, the
-// routers, the embeddings and the LM head in bf16. Weights are uniform
+// routers, the embeddings and the LM head in bf16 (the head packed too
+// with QuantizeLMHead). Weights are uniform
 // with standard deviation 0.02 (dequantized ones too), which keeps
 // activations in range through every layer. It is deterministic.
 func Synth(opt SynthOptions) error {

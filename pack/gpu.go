@@ -57,6 +57,16 @@ func (g *GPUWeights) zeroAt(grp, nt, gid, j int) (word int, shift uint) {
 	return ((grp*g.N/64+nt)*8+gid)*g.zeroWords() + j/per, uint(g.Bits * (j % per))
 }
 
+// GPUShapeError says why a layer of in inputs, out outputs and groups of
+// group inputs does not fit the kernels' tiles (nil when it does): out a
+// multiple of the 64-column tile, groups whole 16-row steps dividing in.
+func GPUShapeError(in, out, group int) error {
+	if out%64 != 0 || in%16 != 0 || group <= 0 || group%16 != 0 || in%group != 0 {
+		return fmt.Errorf("the GPU kernel needs out %% 64 == 0 and a group that is a multiple of 16 dividing in (have out %d, in %d, group %d)", out, in, group)
+	}
+	return nil
+}
+
 // GPULayout repacks a 2-, 3-, 4- or 8-bit integer layer for the kernels.
 func (l *Linear) GPULayout() (*GPUWeights, error) {
 	K, N := l.In, l.Out
@@ -64,8 +74,8 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 		return nil, fmt.Errorf("the GPU kernels run 2-, 3-, 4- and 8-bit integer weights, this layer has %s", l.Grid.Describe())
 	}
 	group := l.Grid.Group(K)
-	if N%64 != 0 || K%16 != 0 || group%16 != 0 || K%group != 0 {
-		return nil, fmt.Errorf("the GPU kernel needs out %% 64 == 0 and a group that is a multiple of 16 dividing in (have out %d, in %d, group %d)", N, K, group)
+	if err := GPUShapeError(K, N, group); err != nil {
+		return nil, err
 	}
 	G := K / group
 	perm, err := groupOrder(l.GIdx, G, group)
