@@ -2047,11 +2047,10 @@ constexpr int kMmaMaxM = 64;
 // registers 32 tokens cannot spare), and the CTAs an SM the registers are
 // bounded for (MINB). At 8 tokens the sweep's winner (NOTES.md, v15) is
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
-// for a warp's codes PF batches ahead; variants 7–9 bound 16 tokens to
-// more CTAs an SM than variant 1's 2 (192 registers): 3 CTAs at 4 steps a
-// batch (168, a 76-byte spill) and at 2 (157, none), 4 CTAs at 2 steps
-// (128, 316 bytes of spill; nvcc 12.4's ptxas); sweeps only
-// (LLMQ_W4_SWAP_VARIANT).
+// for a warp's codes PF batches ahead; sweeps only (LLMQ_W4_SWAP_VARIANT).
+// 16 tokens bounded to 3 or 4 CTAs an SM (168, 157 and 128 registers
+// against variant 1's 192) lost 2–34% on gate+up, 8B down and 70B down at 12 and 16
+// rows (cuda/NOTES.md, "The twenty-second session").
 // Three other designs were tried in the eleventh and twelfth sessions and
 // removed after losing to variant 0 on the large layers (cuda/NOTES.md,
 // "The twelfth session"; gemm-h200-sweep-swap-v17.txt, -swap-u2.txt):
@@ -2064,10 +2063,9 @@ struct SwapVariant {
   int minb;
   int pf;  // batches ahead a warp's codes are asked of L2 (0: none)
 };
-constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0},  {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
-                                 {8, 4, false, 4, 2},  {8, 4, false, 4, 4},  {16, 4, false, 1, 2},
-                                 {32, 2, true, 1, 4},  {16, 4, false, 3, 0}, {16, 2, false, 3, 0},
-                                 {16, 2, false, 4, 0}};
+constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32, 2, true, 1, 0},
+                                 {8, 4, false, 4, 2}, {8, 4, false, 4, 4}, {16, 4, false, 1, 2},
+                                 {32, 2, true, 1, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
 // At M = 1 the plan takes v15 on layers of this many weights or more
