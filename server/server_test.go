@@ -313,7 +313,9 @@ func TestErrors(t *testing.T) {
 	}
 }
 
-// gate holds every forward pass until the test releases it.
+// gate holds every forward pass until the test releases it. entered
+// holds one signal (make it with capacity 1): a pass that begins before
+// the test waits on it must not lose its signal to the select's default.
 type gate struct {
 	llm.Backend
 	entered chan struct{}
@@ -331,7 +333,7 @@ func (g *gate) Forward(ctx context.Context, steps []llm.Step) error {
 
 // A full queue answers 503 with Retry-After.
 func TestBusy(t *testing.T) {
-	g := &gate{entered: make(chan struct{}), release: make(chan struct{})}
+	g := &gate{entered: make(chan struct{}, 1), release: make(chan struct{})}
 	ts, e, _ := serve(t, engine.Options{MaxBatch: 1, MaxQueue: 1}, func(b llm.Backend) llm.Backend { g.Backend = b; return g })
 	body := `{"model": "llama-tiny", "prompt": "x", "max_tokens": 2}`
 	done := make(chan int, 2)
