@@ -314,7 +314,7 @@ case "$1" in
   vtests) # the GEMM tests once per environment setting in VTEST_ENV (';'-separated as SWEEP_ENV): a forced
            # variant's correctness before its timing (cuda-gemm-tests-SETTING.log)
     split_settings "${VTEST_ENV:-}"
-    r='TestW4A16|TestGatedGEMM|TestSmallForSanitizer'
+    r=${VTEST_RUN:-'TestW4A16|TestGatedGEMM|TestSmallForSanitizer'}  # VTEST_RUN: another -test.run
     vrc=0
     for e in "${settings[@]}"; do
       # the setting in the file name, '=' as '-' and spaces as '_' (anything else the device tool
