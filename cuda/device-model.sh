@@ -123,6 +123,13 @@ split_settings() { readarray -td';' settings < <(printf '%s;' "$1"); }
 ppl() { # name dir
   $L eval ppl "$2" --data "$WIKI" --device cuda --json "$OUT/ppl-$1-wikitext2-cuda.json" 2>&1 | grep -v "^ppl " | tr '\r' '\n' | grep -E "perplexity|speed|loaded|error|Error"
 }
+# tiny_w4 [--quantize-lm-head]: llama-tiny RTN w4 (groups of 128) in build/q, with its lm_head
+# quantized too when asked; prints the directory, nothing if quantize failed (its log: $OUT/quantize.log).
+tiny_w4() {
+  local d=build/q/llama-tiny-rtn-w4${1:+-head}
+  $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 ${1:-} -o $d --force > "$OUT/quantize.log" 2>&1 &&
+    echo "$PWD/$d"
+}
 # Joined modes run one after another in this call.
 case "$1" in
   *+*)
@@ -153,9 +160,7 @@ case "$1" in
     $L synth --preset qwen3-30b-a3b --layers 3 --mlp-only-layers 1 --bits 4 --group 128 -o $d --force \
       --tokenizer "$LLMQ_SHARED/models/llama-tiny" > /dev/null 2>&1 && W4+=":$PWD/$d"
     # and one whose lm_head is quantized too (run packed, headRows rows at a time)
-    d=build/q/llama-tiny-rtn-w4-head
-    [ -d "$LLMQ_SHARED/models/llama-tiny" ] && $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 \
-      --quantize-lm-head -o $d --force > /dev/null 2>&1 && W4+=":$PWD/$d"
+    [ -d "$LLMQ_SHARED/models/llama-tiny" ] && d=$(tiny_w4 --quantize-lm-head) && W4+=":$d"
     export LLMQ_TEST_W4_MODELS=${W4#:}
     run=.; [ "$1" = zoo ] && run='TestAttentionCausal|TestAttentionDecode|TestLongContext|TestMoE|TestZoo|TestSupports|TestJoined|TestModelLogits|TestGreedy|TestWindowNLL|TestRMSNorm|TestArgmax|TestBatched|TestPaged'
     build/device/cuda.test -test.v -test.run "$run" > "$OUT/cuda-tests.log" 2>&1
@@ -511,9 +516,7 @@ case "$1" in
   lmhead) # a packed LM head (the W4A16 kernels, headRows rows at a time) against the fp16 one
     W4=; hrc=0
     for h in "" --quantize-lm-head; do
-      d=build/q/llama-tiny-rtn-w4${h:+-head}
-      $L quantize "$LLMQ_SHARED/models/llama-tiny" --method rtn --bits 4 --group 128 $h -o $d --force > "$OUT/quantize.log" 2>&1 &&
-        W4+=":$PWD/$d" || { echo "quantize $h failed: $(tail -3 "$OUT/quantize.log")"; hrc=1; }
+      d=$(tiny_w4 $h) && W4+=":$d" || { echo "quantize $h failed: $(tail -3 "$OUT/quantize.log")"; hrc=1; }
     done
     r='TestJoined|TestEstimate'
     LLMQ_TEST_W4_MODELS=${W4#:} build/device/cuda.test -test.v -test.run "$r" > "$OUT/cuda-tests-lmhead.log" 2>&1 || hrc=1

@@ -500,9 +500,13 @@ func tensorGPUBytes(t checkpoint.Tensor, q *pack.QuantConfig) int64 {
 	if prefix, ok := strings.CutSuffix(t.Name, ".qweight"); ok && q != nil {
 		if g, ok := q.GridFor(prefix); ok && g.Bits > 0 {
 			weights := bytes * 8 / int64(g.Bits) // a stored byte holds 8/bits codes
+			var in, out int                      // qweight is [in·bits/32][out]
+			if len(t.Shape) == 2 && t.Shape[1] > 0 {
+				out = t.Shape[1]
+				in = int(weights) / out
+			}
 			switch {
-			case (prefix == "lm_head" || strings.HasSuffix(prefix, ".lm_head")) && len(t.Shape) == 2 &&
-				!headPackable(int(weights)/t.Shape[1], t.Shape[1], g.Group(int(weights)/t.Shape[1])): // dequantized at load (Load)
+			case (prefix == "lm_head" || strings.HasSuffix(prefix, ".lm_head")) && !headPackable(in, out, g.Group(in)): // dequantized at load (Load)
 				return weights * 2
 			case g.GPUPacked() && g.Bits == 8:
 				return weights // a byte a code
@@ -801,7 +805,6 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		gWidth = max(gWidth, c.MoE.TopK*moeI)
 	}
 	maxChunks := max(MoEMaxChunks(slots, E, 1), MoEMaxChunks(slots, E, 4))
-
 	sizes := []struct {
 		b     *Buf
 		bytes int

@@ -2049,8 +2049,8 @@ constexpr int kMmaMaxM = 64;
 // 4 steps a batch in 128 registers, 4 CTAs an SM. Variants 3–6 ask L2
 // for a warp's codes PF batches ahead; sweeps only (LLMQ_W4_SWAP_VARIANT).
 // 16 tokens bounded to 3 or 4 CTAs an SM (168, 157 and 128 registers
-// against variant 1's 192) lost 2–34% on gate+up, 8B down and 70B down at 12 and 16
-// rows (cuda/NOTES.md, "The twenty-second session").
+// against variant 1's 192) lost 2–34% on gate+up, 8B down and 70B down
+// at 12 and 16 rows (cuda/NOTES.md, "The twenty-second session").
 // Three other designs were tried in the eleventh and twelfth sessions and
 // removed after losing to variant 0 on the large layers (cuda/NOTES.md,
 // "The twelfth session"; gemm-h200-sweep-swap-v17.txt, -swap-u2.txt):
