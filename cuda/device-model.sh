@@ -561,7 +561,8 @@ case "$1" in
     ;;
   ab) # the working tree's library against the baseline's (carry.sh base; BASE's commit in each header), in turn
       # in one run: bench gemm at AB_BITS × QUICK_M (gemm-$G-ab.txt), then AB_OPS=1: BenchmarkDecodeOps
-      # (decode-ops-$G-ab.txt), AB_DECODE=1: llama3-8b W4 decode at SYNTH_CTX × SYNTH_BATCH (decode-ab-*.json)
+      # (decode-ops-$G-ab.txt), AB_DECODE=1: llama3-8b W4 decode at SYNTH_CTX × SYNTH_BATCH (decode-ab-*.json);
+      # AB_BASE_ENV: settings for the baseline's decode only (a switch the baseline library lacks turned off)
     [ -s build/base/libllmqcuda.so ] || { echo "ab: no baseline library (carry .carry/base.tar.xz)"; exit 1; }
     base=$(cat .carry/base/COMMIT)
     for bits in ${AB_BITS:-4 8}; do
@@ -586,9 +587,9 @@ case "$1" in
       r=0
       for lib in base new base new; do  # twice each, interleaved: the run-to-run spread shows
         r=$((r + 1))
-        so=$PWD/build/device/libllmqcuda.so; [ $lib = base ] && so=$PWD/build/base/libllmqcuda.so
-        echo "== $lib"
-        LLMQ_CUDA_LIB=$so $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
+        so=$PWD/build/device/libllmqcuda.so; e=; [ $lib = base ] && so=$PWD/build/base/libllmqcuda.so && e=${AB_BASE_ENV:-}
+        echo "== $lib${e:+ ($e)}"
+        env $e LLMQ_CUDA_LIB=$so $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
           --prefill 0 --steps 32 --json "$OUT/decode-ab-$r-$lib.json" 2>&1 | grep -E "^decode "
       done
       rm -rf $d

@@ -132,6 +132,10 @@ type gemmCase struct {
 	// split: the layer's columns go to separate outputs of these widths
 	// (a joined q/k/v layer), each compared with its slice of the reference.
 	split []int
+	// sums: the product also through GemmW4Sums, its fp32 sums read from
+	// the workspace (which the test then zeroes, as the norm after o and
+	// down does) and compared with the reference.
+	sums bool
 }
 
 func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
@@ -243,6 +247,91 @@ func runCase(t *testing.T, l *Context, r *rand.Rand, c gemmCase) {
 		} else if run == 0 {
 			t.Logf("%+v (%s): rel err %.2e", c, variant, rel)
 		}
+	}
+	if c.sums {
+		checkSums(t, l, c, variant, A, w, ws, scratch, aperm, ref)
+	}
+}
+
+// checkSums runs case c's product through GemmW4Sums twice, each time
+// reading the fp32 sums from the workspace, comparing them with ref, and
+// zeroing the rows read (as the norm after o and down does); the rest of
+// the workspace must stay zero.
+func checkSums(t *testing.T, l *Context, c gemmCase, variant string, A Buf, w *W4, ws, scratch, aperm Buf, ref []float64) {
+	t.Helper()
+	for run := 0; run < 2; run++ {
+		if err := l.GemmW4Sums(A, w, c.M, ws, scratch, aperm); err != nil {
+			t.Fatal(err)
+		}
+		all := make([]float32, ws.Bytes/4)
+		if err := Download(l, all, ws); err != nil {
+			t.Fatal(err)
+		}
+		var num, den float64
+		for i, v := range all {
+			if i >= c.M*c.N {
+				if v != 0 {
+					t.Fatalf("%+v (%s) sums run %d: workspace float %d past the M·N sums is %g, not 0", c, variant, run, i, v)
+				}
+				continue
+			}
+			if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+				t.Fatalf("%+v (%s) sums run %d: sum %d (row %d) not finite: %v", c, variant, run, i, i/c.N, v)
+			}
+			num += (float64(v) - ref[i]) * (float64(v) - ref[i])
+			den += ref[i] * ref[i]
+		}
+		if rel := math.Sqrt(num / den); rel > 1e-3 {
+			t.Fatalf("%+v (%s) sums run %d: relative Frobenius error %.3g > 1e-3", c, variant, run, rel)
+		} else if run == 0 {
+			t.Logf("%+v (%s) sums: rel err %.2e", c, variant, rel)
+		}
+		if err := l.Memset(ws, 0, c.M*c.N*4); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestGemmW4SumsMatchReference: with no outputs (GemmW4Sums) the GEMV
+// kernels at up to 8 rows and dequantize + cuBLAS at any leave the
+// product's fp32 sums in the workspace — one K split and several, 4- and
+// 8-bit codes, act order; other paths refuse the call.
+func TestGemmW4SumsMatchReference(t *testing.T) {
+	l := openContext(t)
+	r := rand.New(rand.NewPCG(uint64(rand.Int64()), 21))
+	for _, M := range []int{1, 2, 3, 8, 16, 300} {
+		for _, bits := range []int{4, 8} {
+			for _, shape := range [][2]int{{4096, 128}, {512, 1024}} { // K, N: many K splits; wide, few
+				paths := []int{PathCuBLAS}
+				if M <= 8 {
+					paths = pathsFor(M, PathAuto, PathCuBLAS)
+				}
+				for _, path := range paths {
+					c := gemmCase{M: M, K: shape[0], N: shape[1], group: 128, bits: bits, path: path, sums: true, act: M == 3}
+					t.Run(fmt.Sprintf("M%d/w%d/K%d/path%d", M, bits, shape[0], path), func(t *testing.T) { runCase(t, l, r, c) })
+				}
+			}
+		}
+	}
+	// Past 8 rows the kernels have no instantiation that leaves the sums.
+	_, w := upload(t, l, randomLayer(r, 512, 1024, 128, 4, false, false))
+	defer w.Free(l)
+	abits, _ := randomHalf(r, 16*512)
+	A, _ := AllocFrom(l, abits)
+	defer l.Free(A)
+	ws, _ := l.Alloc(l.Lib().WorkspaceBytes(16, 1024))
+	defer l.Free(ws)
+	for _, path := range []int{PathAuto, PathFused, PathMMA, PathSwap} {
+		if err := l.SetPath(path); err != nil {
+			t.Fatal(err)
+		}
+		err := l.GemmW4Sums(A, w, 16, ws, Buf{}, Buf{})
+		if err == nil || !strings.Contains(err.Error(), "no outputs") {
+			t.Errorf("path %d, 16 rows: GemmW4Sums returned %v, want the refusal of a GEMM with no outputs", path, err)
+		}
+	}
+	if err := l.SetPath(PathAuto); err != nil {
+		t.Fatal(err)
 	}
 }
 

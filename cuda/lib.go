@@ -87,7 +87,7 @@ static int c_gemm_w4(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P c
 	void* outs[3] = {(void*)c0, (void*)c1, (void*)c2};
 	int cols[3] = {n0, n1, n2};
 	return a->w4a16_gemm(c, (const void*)A_, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm, (void*)aperm,
-		outs, cols, n2 ? 3 : n1 ? 2 : 1, act, (void*)ws, (void*)scratch, M, N, K, g, bits);
+		outs, cols, !n0 ? 0 : n2 ? 3 : n1 ? 2 : 1, act, (void*)ws, (void*)scratch, M, N, K, g, bits);
 }
 static int c_set_path(A a, llmq_ctx* c, int p) { return a->w4a16_set_path(c, p); }
 static int c_plan(A a, llmq_ctx* c, int M, int N, int K, int g, int bits, char* out, int n) {
@@ -565,6 +565,31 @@ func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm
 		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, p[0], p[1], p[2], n[0], n[1], n[2],
 			C.int(w.Gated.act()), ws.p, scratch.p, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()))
 	})
+}
+
+// GemmW4Sums adds the fp32 sums A·W (M × w.N) into ws and leaves them
+// there (w4a16_gemm with no outputs, API 21): the kernels skip their K
+// splits' last step (the tile counter, the last CTA's read-back into fp16
+// outputs), which the next kernel does instead — RMSNormExperts with
+// SplitSums reads the rows and zeroes them. ws must be zero, as GemmW4
+// leaves it; w must not be gated. The GEMV kernels serve M ≤ 8, the
+// dequantize + cuBLAS path (a scratch) any M; the library refuses a plan
+// that picks another kernel.
+func (x *Context) GemmW4Sums(A Buf, w *W4, M int, ws, scratch, aperm Buf) error {
+	if w.Gated != NotGated {
+		return fmt.Errorf("w4a16_gemm: a gated layer's sums cannot stay in the workspace (its epilogue pairs them)")
+	}
+	return x.do("w4a16_gemm", func() C.int {
+		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, 0, 0, 0, 0, 0, 0,
+			C.int(-1), ws.p, scratch.p, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()))
+	})
+}
+
+// SplitSums is the ExpertSum that hands RMSNormExperts the fp32 sums a
+// GemmW4Sums left in ws for T rows: one "expert" a row, weight 1 (ones:
+// T fp32 ones; zeros: T int32 zeros).
+func SplitSums(ws, zeros, ones Buf) ExpertSum {
+	return ExpertSum{Y: ws, IDs: zeros, Weights: ones, K: 1}
 }
 
 // Plan names the kernel variant GemmW4 runs for M rows of w on this

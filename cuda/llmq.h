@@ -124,7 +124,13 @@ typedef struct {
    * out_cols N/2) gets act(gate)·up, act 0 SiLU or 1 GELU-tanh, as
    * gated_act computes it from the two fp16 results; −1: a plain GEMM.
    * Every output must start on 8 bytes and the workspace on 16 (the
-   * epilogues store several columns at once); refused otherwise. */
+   * epilogues store several columns at once); refused otherwise.
+   * n_outs 0 with act −1 (API 21): no outputs; the fp32 sums [M][N] are
+   * added into the workspace and left there, no K split's last CTA
+   * finishing them, for the caller's next kernel to read and zero
+   * (rmsnorm's y with k 1 and weights of 1). The GEMV kernels do this for
+   * M ≤ 8, dequantize + cuBLAS (a scratch) for any M; a plan that picks
+   * another kernel (more rows, or a forced path) is refused. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
                     void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace,
                     void* scratch, int M, int N, int K, int group, int bits);

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -56,6 +57,7 @@ type Model struct {
 	w8Layers   int          // of those, the ones with 8-bit codes
 	wideLayers int          // quantized linears run in fp16, dequantized at load (other grids: 5–7-bit, FP8; experts the grouped kernel cannot run)
 	join       bool         // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
+	halfDeltas bool         // o and down write fp16 outputs, never their sums to the next norm (LoadOptions.HalfDeltas)
 	act        *ActQuant    // simulated quantization of the decoder linears' inputs, or nil
 	maxIn      int          // widest decoder linear input (the fake-quant buffer)
 
@@ -195,7 +197,8 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	// q/k/v and gate/up separate.
 	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
 	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act,
-		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}, kv: newKVPages(c.Layers, c.KVHeads*c.HeadDim)}
+		halfDeltas: opt.HalfDeltas || os.Getenv("LLMQ_SPLIT_SUMS") == "0",
+		graphs:     map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}, kv: newKVPages(c.Layers, c.KVHeads*c.HeadDim)}
 	if err := m.load(ck, q); err != nil {
 		m.Close()
 		return nil, fmt.Errorf("loading %s on the GPU: %w", ck.Dir, err)
@@ -718,25 +721,76 @@ func (m *Model) uploadLinear(parts ...*hostLinear) (*gpuLinear, error) {
 	return l, nil
 }
 
+// input is A as layer l reads it: quantized and dequantized first when
+// its inputs are (Model.act).
+func (m *Model) input(l *gpuLinear, A Buf, M int, a *acts) (Buf, error) {
+	if !l.actIn {
+		return A, nil
+	}
+	return a.aq, m.x.FakeQuant(A, a.aq, M, l.in, m.act, l.threshold)
+}
+
+// gemmBufs are the split-K workspace and the dequantize scratch a packed
+// layer runs with: the pass's workspace unless it has its own, and the
+// model's scratch, which is sized for the decoder's layers, unless the
+// layer is larger (a packed LM head runs without one).
+func (m *Model) gemmBufs(l *gpuLinear, a *acts) (ws, scratch Buf) {
+	ws, scratch = a.ws, m.scratch
+	if !l.ws.Nil() {
+		ws = l.ws
+	}
+	if l.in*l.out*2 > scratch.Bytes {
+		scratch = Buf{}
+	}
+	return ws, scratch
+}
+
+// sums says whether block b's packed layer l (its o or down, followed by
+// the norm post, Gemma 3's, or none) leaves its fp32 sums for T rows in
+// the pass's workspace for the next RMSNorm to finish (runSums,
+// SplitSums): a dense block's plain layer without a bias or a norm of its
+// output, in a pass of at most sumsMaxRows rows, unless
+// LoadOptions.HalfDeltas.
+func (m *Model) sums(b *gpuBlock, l *gpuLinear, post Buf, T int) bool {
+	if T > sumsMaxRows || m.halfDeltas || b.moe != nil || l.w4 == nil || l.w4.Gated != NotGated || !l.ws.Nil() || !post.Nil() {
+		return false
+	}
+	for _, bias := range l.b {
+		if !bias.Nil() {
+			return false
+		}
+	}
+	return true
+}
+
+// sumsMaxRows is the most rows whose o and down leave their sums to the
+// next norm: the library's kSumsMaxM (w4a16.cu), the rows of the GEMV
+// kernels that have an instantiation for it — a decode step's up to batch
+// 8. Larger passes write fp16 deltas: their K splits are fewer and their
+// tail a small part of the GEMM.
+const sumsMaxRows = 8
+
+// runSums adds A·Wᵀ's fp32 sums for M rows into the pass's workspace and
+// leaves them there (GemmW4Sums): the norm after it reads them as its
+// delta through SplitSums and zeroes them.
+func (m *Model) runSums(l *gpuLinear, A Buf, M int, a *acts) error {
+	A, err := m.input(l, A, M, a)
+	if err != nil {
+		return err
+	}
+	ws, scratch := m.gemmBufs(l, a)
+	return m.x.GemmW4Sums(A, l.w4, M, ws, scratch, a.aperm)
+}
+
 // run computes C = A·Wᵀ (+ b) for M rows on the GPU; a joined layer
 // writes one output per part (C[i]: part i's columns).
 func (m *Model) run(l *gpuLinear, A Buf, M int, a *acts, f32 bool, C ...Buf) error {
-	if l.actIn {
-		if err := m.x.FakeQuant(A, a.aq, M, l.in, m.act, l.threshold); err != nil {
-			return err
-		}
-		A = a.aq
+	A, err := m.input(l, A, M, a)
+	if err != nil {
+		return err
 	}
-	var err error
 	if l.w4 != nil {
-		scratch := m.scratch // sized for the decoder's layers: a packed LM head runs without it
-		if l.in*l.out*2 > scratch.Bytes {
-			scratch = Buf{}
-		}
-		ws := a.ws
-		if !l.ws.Nil() {
-			ws = l.ws
-		}
+		ws, scratch := m.gemmBufs(l, a)
 		err = m.x.GemmW4Into(A, C, l.w4, M, ws, scratch, a.aperm)
 	} else {
 		err = m.x.GemmNT(A, l.w, C[0], M, l.out, l.in, f32)
@@ -771,6 +825,7 @@ func (m *Model) runParts(joined *gpuLinear, parts []*gpuLinear, A Buf, M int, a 
 type acts struct {
 	rows                                     int
 	x, h, q, k, v, att, delta, g, u, logits  Buf
+	sumZeros, sumOnes                        Buf // rows int32 zeros and fp32 ones: SplitSums' ids and weights
 	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
 	next                                     Buf // the ids picked on the device (argmax or sampled)
@@ -813,7 +868,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.v, rows * kvd * 2}, {&a.att, rows * qd * 2}, {&a.delta, rows * c.Hidden * 2},
 		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4},
 		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
-		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
+		{&a.sumZeros, rows * 4}, {&a.sumOnes, rows * 4}, {&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
 		{&a.chunks, maxChunks * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
@@ -827,11 +882,19 @@ func (m *Model) newActs(rows int) (*acts, error) {
 			return nil, fmt.Errorf("activations for %d rows: %w", rows, err)
 		}
 	}
-	for _, b := range []Buf{a.ws, a.gu, a.y} { // kept zeroed by the kernels that use them
+	for _, b := range []Buf{a.ws, a.gu, a.y, a.sumZeros} { // kept zeroed by the kernels that use them
 		if err := m.x.Memset(b, 0, b.Bytes); err != nil {
 			a.free(m.x)
 			return nil, err
 		}
+	}
+	ones := make([]float32, rows)
+	for i := range ones {
+		ones[i] = 1
+	}
+	if err := Upload(m.x, a.sumOnes, ones); err != nil {
+		a.free(m.x)
+		return nil, err
 	}
 	return a, nil
 }
@@ -1064,6 +1127,11 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 					// may lack a pending a.delta, the next pass rewrites.)
 					err = errors.Join(err, x.Memset(a.y, 0, a.y.Bytes))
 				}
+				if prev := m.blocks[max(l-1, 0)]; l > 0 && m.sums(prev, prev.down, prev.norms.postMLP, T) {
+					// Likewise down's sums in the workspace (runSums): the
+					// next pass's GEMMs count on finding it zeroed.
+					err = errors.Join(err, x.Memset(a.ws, 0, a.ws.Bytes))
+				}
 				return err
 			}
 		}
@@ -1092,6 +1160,12 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
 		}
 		norm := func() error { return x.RMSNorm(a.x, a.delta, b.norms.postAttn, Buf{}, b.norms.mlp, a.h, T, H, eps) }
+		if m.sums(b, b.o, b.norms.postAttn, T) { // o's sums finished by the norm (runSums)
+			steps[len(steps)-1] = func() error { return m.runSums(b.o, a.att, T, a) }
+			norm = func() error {
+				return x.RMSNormExperts(a.x, Buf{}, SplitSums(a.ws, a.sumZeros, a.sumOnes), Buf{}, Buf{}, b.norms.mlp, a.h, T, H, eps)
+			}
+		}
 		switch {
 		case b.routesInNorm(T):
 			// The router joins the norm, and a.x takes the attention's
@@ -1112,7 +1186,12 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 					}
 					return x.GatedAct(a.g, a.u, T*c.Intermediate, c.Act)
 				},
-				func() error { return m.run(b.down, a.g, T, a, false, a.delta) })
+				func() error {
+					if m.sums(b, b.down, b.norms.postMLP, T) { // finished by the next norm (mlpOutput)
+						return m.runSums(b.down, a.g, T, a)
+					}
+					return m.run(b.down, a.g, T, a, false, a.delta)
+				})
 		}
 		for _, f := range steps {
 			if err := f(); err != nil {
@@ -1142,6 +1221,9 @@ func (m *Model) mlpOutput(b *gpuBlock, a *acts, T int) (Buf, ExpertSum, Buf) {
 			pending = a.delta
 		}
 		return pending, ExpertSum{Y: a.y, IDs: a.expert, Weights: a.weight, K: m.cfg.MoE.TopK}, b.norms.postMLP
+	}
+	if m.sums(b, b.down, b.norms.postMLP, T) { // down's fp32 sums in the workspace (runSums)
+		return Buf{}, SplitSums(a.ws, a.sumZeros, a.sumOnes), Buf{}
 	}
 	return a.delta, ExpertSum{}, b.norms.postMLP
 }

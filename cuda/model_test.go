@@ -233,6 +233,20 @@ func TestJoinedLinearsMatchSeparate(t *testing.T) {
 				logits[i] = run(gpu)
 				gpu.Close()
 			}
+			// o and down writing fp16 outputs (LoadOptions.HalfDeltas) against
+			// their fp32 sums finished by the next norm (the default): the
+			// deltas differ by their fp16 rounding.
+			half, err := LoadWith(lib, ck, LoadOptions{HalfDeltas: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			halfLogits := run(half)
+			half.Close()
+			if d, _, argmax := logitDiff(logits[0], halfLogits, V); d > 0.05 || argmax < n-1 {
+				t.Errorf("fp16 deltas against split sums finished by the norm: max |Δlogit| %.4f, argmax equal at %d/%d", d, argmax, n)
+			} else {
+				t.Logf("fp16 deltas against split sums: max |Δlogit| %.4f", d)
+			}
 			want := run(cpu)
 			d, mean, argmax := logitDiff(logits[0], logits[1], V)
 			t.Logf("joined against separate: max |Δlogit| %.4f, mean %.5f, argmax equal at %d/%d positions", d, mean, argmax, n)

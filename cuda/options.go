@@ -8,6 +8,13 @@ type LoadOptions struct {
 	// Act, when set, quantizes and dequantizes every decoder linear
 	// layer's input before its GEMM (a W8A8-style simulation).
 	Act *ActQuant
+	// HalfDeltas has the attention's output projection and the MLP's
+	// down projection write their fp16 outputs (the GEMM finishing its K
+	// splits' sums itself), as before API 21, instead of leaving their
+	// fp32 sums in the workspace for the norm that follows to add and
+	// zero (splitSums). LLMQ_SPLIT_SUMS=0 in the environment sets it too:
+	// the switch a same-binary A/B (device-model.sh envab) turns.
+	HalfDeltas bool
 }
 
 // ActQuant is the simulated quantization of every decoder linear layer's

@@ -357,9 +357,11 @@ __device__ __forceinline__ half* out_at(const Outs& o, int r, int col) {
 }
 
 // emit stores output (r, col) (a single split) or adds it into the
-// workspace [M][N].
+// workspace [M][N] (K splits, or SUMS: the sums left there for the caller,
+// w4a16_gemm with no outputs).
+template <bool SUMS = false>
 __device__ __forceinline__ void emit(const Outs& o, float* ws, int r, int col, int N, float v, int splits) {
-  if (splits == 1)
+  if (!SUMS && splits == 1)
     *out_at(o, r, col) = __float2half_rn(v);
   else
     atomicAdd(&ws[(size_t)r * N + col], v);
@@ -418,11 +420,12 @@ __device__ __forceinline__ void copy_codes(uint4* dst, const uint4* __restrict__
 // It runs in CTAs of kWarps warps (the GEMV kernels'): a constant stride,
 // so the compiler can unroll the loops over a tile's rows, which the
 // kernels' epilogues took before emit_tile (finish_splits likewise, with
-// its CTA's thread count a template parameter).
-template <typename Total>
+// its CTA's thread count a template parameter). SUMS: every sum into the
+// workspace, one split or several (no outputs, never gated).
+template <bool SUMS = false, typename Total>
 __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, int rows, int M, int N, int nt, int splits,
                                           Total total) {
-  if (o.act >= 0 && splits == 1) {
+  if (!SUMS && o.act >= 0 && splits == 1) {
     for (int i = threadIdx.x; i < rows * 32; i += kWarps * 32) {
       const int r = row0 + i / 32, c = i & 31;
       if (r < M) store_gated(o, r, N, nt, c, total(i / 32, c), total(i / 32, c + 32));
@@ -431,7 +434,7 @@ __device__ __forceinline__ void emit_tile(const Outs& o, float* ws, int row0, in
   }
   for (int i = threadIdx.x; i < rows * 64; i += kWarps * 32) {
     const int r = row0 + i / 64;
-    if (r < M) emit(o, ws, r, nt * 64 + (i & 63), N, total(i / 64, i & 63), splits);
+    if (r < M) emit<SUMS>(o, ws, r, nt * 64 + (i & 63), N, total(i / 64, i & 63), splits);
   }
 }
 
@@ -451,11 +454,13 @@ __device__ __forceinline__ void cta_sync() {
 // workspace to fp16 (in the gated mode, pairs into act(gate)·up) and
 // re-zeroes the workspace and the counter. ntiles: the CTA's sums cover
 // n-tiles nt … nt+ntiles−1 (the fused kernel's NW, fewer at N's edge),
-// all under the one counter. THREADS: the CTA's.
-template <int THREADS = kWarps * 32, int BAR = 0>
+// all under the one counter. THREADS: the CTA's. SUMS (a GEMM with no
+// outputs): nothing to do, the sums stay in the workspace, where the
+// caller's next kernel reads and zeroes them.
+template <int THREADS = kWarps * 32, int BAR = 0, bool SUMS = false>
 __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* counter, int row0, int rows, int M, int N,
                                               int nt, int splits, int& s_last, int ntiles = 1) {
-  if (splits == 1) return;
+  if (SUMS || splits == 1) return;  // SUMS: the sums stay in the workspace for the caller
   __threadfence();
   cta_sync<BAR, THREADS>();
   if (threadIdx.x == 0) s_last = atomicAdd(counter, 1) == splits - 1;
@@ -1440,7 +1445,7 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
-template <int MT, int U, int MINB, int BITS>
+template <int MT, int U, int MINB, int BITS, bool SUMS = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
@@ -1458,8 +1463,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   float acc[MT][8];
   gemv_steps<MT, U, BITS, true>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
-  emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int m, int col) { return red_total<MT>(red, m, col); });
-  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+  emit_tile<SUMS>(C, ws, 0, MT, M, N, nt, splits, [&](int m, int col) { return red_total<MT>(red, m, col); });
+  finish_splits<kWarps * 32, 0, SUMS>(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
 // w4a16_gemv_mma (v11): the GEMV kernel's streaming — a lane's chunks
@@ -1474,7 +1479,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 // CUDA-core GEMV pays for one by one come free. MT: 8, 16, 32 or 64 rows
 // (MB = 1, 1, 2, 4 m-tiles). CTA and K split as w4a16_gemv. PF > 0: lane 0
 // asks L2 for the warp's codes PF batches ahead (as v15's variants 3–6).
-template <int MT, int U, int BITS, int PF = 0>
+template <int MT, int U, int BITS, int PF = 0, bool SUMS = false>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __restrict__ A, const uint4* __restrict__ B,
                                                             const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                             const Outs C, float* __restrict__ ws,
@@ -1579,10 +1584,10 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
         *reinterpret_cast<float2*>(&red[warp][gid + 8][col]) = make_float2(acc[mb][j][2], acc[mb][j][3]);
     }
     __syncthreads();
-    emit_tile(C, ws, 16 * mb, RT, M, N, nt, splits, [&](int r, int col) { return red_total<RT>(red, r, col); });
+    emit_tile<SUMS>(C, ws, 16 * mb, RT, M, N, nt, splits, [&](int r, int col) { return red_total<RT>(red, r, col); });
     __syncthreads();
   }
-  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+  finish_splits<kWarps * 32, 0, SUMS>(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
 // SwapSums is a v15 lane's sums (w4a16_gemv_swap): tot[i][nb] for m16
@@ -1686,7 +1691,7 @@ __device__ __forceinline__ void swap_acts(uint32_t (&x)[U][NB][2], const uint32_
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS, bool SCALED, int MINB, int PF>
+template <int MT, int U, int BITS, bool SCALED, int MINB, int PF, bool SUMS = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
@@ -1755,8 +1760,8 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   }
   sums.store(red, warp, gid, tig);
   __syncthreads();
-  emit_tile(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
-  finish_splits(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
+  emit_tile<SUMS>(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
+  finish_splits<kWarps * 32, 0, SUMS>(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
 }
 
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
@@ -2068,6 +2073,20 @@ constexpr SwapVariant kSwap[] = {{8, 4, false, 4, 0}, {16, 4, false, 1, 0}, {32,
                                  {32, 2, true, 1, 4}};
 constexpr int kSwapVariants = sizeof(kSwap) / sizeof(kSwap[0]);
 constexpr int kSwapMaxM = 32;
+// A GEMM with no outputs (w4a16_gemm's n_outs 0: its fp32 sums left in the
+// workspace for the next kernel to finish, llmq.h) runs on the GEMV
+// kernels' instantiations of at most kSumsMaxM rows, which the plan picks
+// for M ≤ kSumsMaxM (a decode step's o and down), or through dequantize +
+// cuBLAS. Theirs is a second instantiation (the kernels' SUMS), so that
+// the other kernels' code stays as it was: the same condition at run time
+// in every epilogue cost 6–12% at 8–64 rows (one H100 A/B, cuda/NOTES.md,
+// "The twenty-third session").
+constexpr int kSumsMaxM = 8;
+static_assert(kMma[0].mt == kSumsMaxM && kSwap[0].mt == kSumsMaxM, "the plan's M ≤ 8 variants have their sums");
+constexpr bool sums_serves(int path, int variant) {
+  return path == 2 || (path == 3 && kGemv[variant].mt <= kSumsMaxM) || (path == 4 && kMma[variant].mt <= kSumsMaxM) ||
+         (path == 5 && kSwap[variant].mt <= kSumsMaxM);
+}
 // At M = 1 the plan takes v15 on layers of this many weights or more
 // (8B gate+up, 70B down) and the CUDA-core GEMV on smaller ones, as the
 // seventh session measured. The twelfth session's H200 runs had v15,
@@ -2476,26 +2495,48 @@ int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, int splits, cons
   return 0;
 }
 
+// The variant launchers below run a GEMM with no outputs (C.n 0: the sums
+// left in the workspace, w4a16_gemm's n_outs 0) on the kernel's SUMS
+// instantiation, which exists for the variants of at most kSumsMaxM rows
+// (sums_serves) — the decode steps whose o and down the next norm finishes.
+// Their resident CTAs are the plain instantiation's (the plan's K splits).
 template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  return gemv_kernel(c, run, resident_slot(3, V, BITS), w4a16_gemv<kGemv[V].mt, kGemv[V].u, kGemv[V].minb, BITS>,
-                     splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+  constexpr GemvVariant v = kGemv[V];
+  const int slot = resident_slot(3, V, BITS);
+  if constexpr (v.mt <= kSumsMaxM)
+    if (run && !C.n)
+      return gemv_kernel(c, run, slot, w4a16_gemv<v.mt, v.u, v.minb, BITS, true>, splits, A, B, S, Z, C, workspace, M,
+                         N, K, gshift);
+  return gemv_kernel(c, run, slot, w4a16_gemv<v.mt, v.u, v.minb, BITS>, splits, A, B, S, Z, C, workspace, M, N, K,
+                     gshift);
 }
 
 template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
-  return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<kMma[V].mt, kMma[V].u, BITS, kMma[V].pf>, splits,
-                     A, B, S, Z, C, workspace, M, N, K, gshift);
+  constexpr MmaVariant v = kMma[V];
+  const int slot = resident_slot(4, V, BITS);
+  if constexpr (v.mt <= kSumsMaxM)
+    if (run && !C.n)
+      return gemv_kernel(c, run, slot, w4a16_gemv_mma<v.mt, v.u, BITS, v.pf, true>, splits, A, B, S, Z, C, workspace,
+                         M, N, K, gshift);
+  return gemv_kernel(c, run, slot, w4a16_gemv_mma<v.mt, v.u, BITS, v.pf>, splits, A, B, S, Z, C, workspace, M, N, K,
+                     gshift);
 }
 
 template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr SwapVariant v = kSwap[V];
-  return gemv_kernel(c, run, resident_slot(5, V, BITS), w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf>, splits,
-                     A, B, S, Z, C, workspace, M, N, K, gshift);
+  const int slot = resident_slot(5, V, BITS);
+  if constexpr (v.mt <= kSumsMaxM)
+    if (run && !C.n)
+      return gemv_kernel(c, run, slot, w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf, true>, splits, A, B, S,
+                         Z, C, workspace, M, N, K, gshift);
+  return gemv_kernel(c, run, slot, w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf>, splits, A, B, S, Z, C,
+                     workspace, M, N, K, gshift);
 }
 
 }  // namespace
@@ -2542,6 +2583,19 @@ int gemm_f16_cols(llmq_ctx* c, const void* A, const half* W, int ldw, void* C, i
   return 0;
 }
 
+// gemm_f16_sums adds A·W (W [K][N] fp16) into ws [M][N] fp32: the
+// dequantize + cuBLAS path of a GEMM whose sums stay in the workspace.
+int gemm_f16_sums(llmq_ctx* c, const void* A, const half* W, float* ws, int M, int N, int K) {
+  const float alpha = 1.f, beta = 1.f;
+  cublasStatus_t s = cublasGemmEx(c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, N, A, CUDA_R_16F, K,
+                                  &beta, ws, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    set_error(c, "cublasGemmEx (sums into the workspace) failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
+    return 1;
+  }
+  return 0;
+}
+
 int gemm_f16(llmq_ctx* c, const void* A, const void* W, void* C, int M, int N, int K) {
   return gemm_f16_cols(c, A, (const half*)W, N, C, M, N, K);
 }
@@ -2565,6 +2619,7 @@ int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_col
   C = Outs{};
   C.n = n_outs;
   C.act = act;
+  if (n_outs == 0 && act < 0) return 0;  // the sums into the workspace, left there (llmq.h)
   if (act >= 0) {  // gated: one output, half the columns
     if (act > 1 || n_outs != 1 || out_cols[0] != N / 2 || N % 64) {
       set_error(c,
@@ -2612,6 +2667,13 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
   }
   Plan p;
   if (plan(c, p, M, N, K, group, bits, scratch != nullptr)) return 1;
+  if (!n_outs && !sums_serves(p.path, p.variant)) {
+    set_error(c,
+              "w4a16_gemm with no outputs (the sums left in the workspace) runs the GEMV kernels at M ≤ %d or "
+              "dequantize + cuBLAS; the plan took path %d, variant %d for M=%d (a forced path or variant?)",
+              kSumsMaxM, p.path, p.variant, M);
+    return 1;
+  }
   if (p.path == 2) {
     if (!scratch) {
       set_error(c, "the dequantize+cuBLAS path needs a K·N fp16 scratch");
@@ -2626,6 +2688,7 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
       CK(cudaMemsetAsync(t, 0, (size_t)M * N * sizeof(half), c->stream));
       return 0;
     }
+    if (n_outs == 0) return gemm_f16_sums(c, a, (const half*)scratch, (float*)workspace, M, N, K);
     for (int i = 0, start = 0; i < n_outs; start = C.end[i++])
       if (gemm_f16_cols(c, a, (const half*)scratch + start, N, C.c[i], M, C.end[i] - start, K)) return 1;
     return 0;
