@@ -523,6 +523,7 @@ case "$1" in
     echo "# $LLMQ_COMMIT: LLMQ_TEST_W4_MODELS=(llama-tiny RTN w4, and with --quantize-lm-head) cuda.test -test.v -test.run '$r'" |
       cat - "$OUT/cuda-tests-lmhead.log" > "$OUT/t" && mv "$OUT/t" "$OUT/cuda-tests-lmhead.log"
     echo "lm_head tests rc=$hrc"; grep -E "^(\s*--- |ok|FAIL|PASS)|Δlogit|panic" "$OUT/cuda-tests-lmhead.log" | head -30
+    [ "${HEAD_DECODE:-1}" = 0 ] && exit $hrc  # HEAD_DECODE=0: the model tests only
     for h in --quantize-lm-head ""; do  # the packed head first, then the fp16 one (decode-$G-llama3-8b-w4-beside-head.json)
       d=/tmp/llama3-8b-w4${h:+-head}; f=decode-$G-llama3-8b-w4-head.json
       [ -z "$h" ] && f=decode-$G-llama3-8b-w4-beside-head.json
