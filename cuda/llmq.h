@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 20
+#define LLMQ_API_VERSION 21
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
