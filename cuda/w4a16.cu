@@ -2076,11 +2076,13 @@ constexpr int kSwapMaxM = 32;
 // A GEMM with no outputs (w4a16_gemm's n_outs 0: its fp32 sums left in the
 // workspace for the next kernel to finish, llmq.h) runs on the GEMV
 // kernels' instantiations of at most kSumsMaxM rows, which the plan picks
-// for M ≤ kSumsMaxM (a decode step's o and down), or through dequantize +
-// cuBLAS. Theirs is a second instantiation (the kernels' SUMS), so that
-// the other kernels' code stays as it was: the same condition at run time
-// in every epilogue cost 6–12% at 8–64 rows (one H100 A/B, cuda/NOTES.md,
-// "The twenty-third session").
+// for M ≤ kSumsMaxM (a decode step's, whose sums the next kernel
+// finishes: cuda/model.go, Model.sums), or through dequantize + cuBLAS.
+// Theirs is a second instantiation (the kernels' SUMS), so that the other
+// kernels' code stays as it was: the same condition at run time in every
+// epilogue cost up to 12% where it was never taken (o at 64 rows; q/k/v
+// and o at 8 rows 6% and 9%; one H100 A/B, cuda/NOTES.md, "The
+// twenty-third session").
 constexpr int kSumsMaxM = 8;
 static_assert(kMma[0].mt == kSumsMaxM && kSwap[0].mt == kSumsMaxM, "the plan's M ≤ 8 variants have their sums");
 constexpr bool sums_serves(int path, int variant) {
@@ -2498,7 +2500,7 @@ int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, int splits, cons
 // The variant launchers below run a GEMM with no outputs (C.n 0: the sums
 // left in the workspace, w4a16_gemm's n_outs 0) on the kernel's SUMS
 // instantiation, which exists for the variants of at most kSumsMaxM rows
-// (sums_serves) — the decode steps whose o and down the next norm finishes.
+// (sums_serves) — the decode steps' layers whose sums the next kernel finishes.
 // Their resident CTAs are the plain instantiation's (the plan's K splits).
 template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
