@@ -9,7 +9,10 @@
 // may be split across CTAs: their fp32 sums meet by atomics in a
 // workspace, and the last CTA to finish a tile (a per-tile counter)
 // converts it to fp16 and re-zeroes the workspace and counter
-// (finish_splits), so one launch does the whole product.
+// (finish_splits), so one launch does the whole product. A GEMM with no
+// outputs (a decode step's o and down, at most kSumsMaxM rows) skips that
+// last step: the GEMV kernels' SUMS instantiations leave the sums in the
+// workspace, and the next kernel (the norm) adds and zeroes them.
 //
 // Fused path (v18; M = 33–128 on large layers): a CTA of NW warps owns NW
 // adjacent n-tiles for a row block of up to 64 rows and streams the
