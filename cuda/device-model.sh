@@ -562,7 +562,7 @@ case "$1" in
     ;;
   ab) # the working tree's library against the baseline's (carry.sh base; BASE's commit in each header), in turn
       # in one run: bench gemm at AB_BITS × QUICK_M (gemm-$G-ab.txt), then AB_OPS=1: BenchmarkDecodeOps
-      # (decode-ops-$G-ab.txt), AB_DECODE=1: llama3-8b W4 decode at SYNTH_CTX × SYNTH_BATCH (decode-ab-*.json);
+      # (decode-ops-$G-ab.txt), AB_DECODE=1: llama3-8b (AB_PRESET) W4 decode at SYNTH_CTX × SYNTH_BATCH (decode-ab-*.json);
       # AB_BASE_ENV: settings for the baseline's decode only (a switch the baseline library lacks turned off)
     [ -s build/base/libllmqcuda.so ] || { echo "ab: no baseline library (carry .carry/base.tar.xz)"; exit 1; }
     base=$(cat .carry/base/COMMIT)
@@ -583,8 +583,8 @@ case "$1" in
       done | tee "$OUT/decode-ops-$G-ab.txt" | grep -E "^#|batch1/(qkv|o|gate|down|experts)"
     fi
     if [ -n "${AB_DECODE:-}" ]; then
-      d=/tmp/llama3-8b-b4
-      $L synth --preset llama3-8b --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+      d=/tmp/ab-b4  # AB_PRESET: another synth preset (qwen3-30b-a3b for a mixture's kernels)
+      $L synth --preset ${AB_PRESET:-llama3-8b} --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
       r=0
       for lib in base new base new; do  # twice each, interleaved: the run-to-run spread shows
         r=$((r + 1))
