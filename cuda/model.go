@@ -749,10 +749,10 @@ func (m *Model) gemmBufs(l *gpuLinear, a *acts) (ws, scratch Buf) {
 // the norm post, Gemma 3's, or none) leaves its fp32 sums for T rows in
 // the pass's workspace for the next RMSNorm to finish (runSums,
 // SplitSums): a dense block's plain layer without a bias or a norm of its
-// output, in a pass of at most sumsMaxRows rows, unless
+// output, in a pass of at most SumsMaxRows rows, unless
 // LoadOptions.HalfDeltas.
 func (m *Model) sums(b *gpuBlock, l *gpuLinear, post Buf, T int) bool {
-	if T > sumsMaxRows || m.halfDeltas || b.moe != nil || l.w4 == nil || l.w4.Gated != NotGated || !l.ws.Nil() || !post.Nil() {
+	if T > SumsMaxRows || m.halfDeltas || b.moe != nil || l.w4 == nil || l.w4.Gated != NotGated || !l.ws.Nil() || !post.Nil() {
 		return false
 	}
 	for _, bias := range l.b {
@@ -762,13 +762,6 @@ func (m *Model) sums(b *gpuBlock, l *gpuLinear, post Buf, T int) bool {
 	}
 	return true
 }
-
-// sumsMaxRows is the most rows whose o and down leave their sums to the
-// next norm: the library's kSumsMaxM (w4a16.cu), the rows of the GEMV
-// kernels that have an instantiation for it — a decode step's up to batch
-// 8. Larger passes write fp16 deltas: their K splits are fewer and their
-// tail a small part of the GEMM.
-const sumsMaxRows = 8
 
 // runSums adds A·Wᵀ's fp32 sums for M rows into the pass's workspace and
 // leaves them there (GemmW4Sums): the norm after it reads them as its

@@ -28,3 +28,10 @@ type ActQuant struct {
 	PerToken   bool
 	Thresholds map[string]float32
 }
+
+// SumsMaxRows is the most rows whose o and down leave their sums to the
+// next norm: the library's kSumsMaxM (w4a16.cu), the rows of the GEMV
+// kernels that have an instantiation for it — a decode step's up to batch
+// 8. Larger passes write fp16 deltas: their K splits are fewer and their
+// tail a small part of the GEMM.
+const SumsMaxRows = 8

@@ -52,6 +52,10 @@ type GemmBench struct {
 	GPU   *cuda.Context // the context the weights and timings live in
 	Iters int
 	Bits  int // the weights' codes: 4 (0 reads as 4) or 8
+	// Sums times the GEMM with no outputs (cuda.Context.GemmW4Sums): the
+	// fp32 sums left in the workspace, as a decode step's o and down run.
+	// The workspace is zeroed after each M (the sums pile up over the runs).
+	Sums bool
 	// ReadBW is the measured read bandwidth in bytes/s (MeasureReadBW).
 	ReadBW float64
 }
@@ -176,10 +180,19 @@ func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 			return nil, fmt.Errorf("%s M=%d: %w", s.Name, M, err)
 		}
 		t4, err := b.median(func(i int) error {
+			if b.Sums {
+				return l.GemmW4Sums(A, ws4[i%len(ws4)], M, ws, scratch, cuda.Buf{})
+			}
 			return l.GemmW4(A, C, ws4[i%len(ws4)], M, ws, scratch, cuda.Buf{})
 		}, b.Iters)
 		if err != nil {
 			return nil, fmt.Errorf("%s M=%d: %w", s.Name, M, err)
+		}
+		if b.Sums {
+			variant += " sums"
+			if err := l.Memset(ws, 0, ws.Bytes); err != nil {
+				return nil, err
+			}
 		}
 		t16, err := b.median(func(i int) error {
 			return l.GemmF16(A, wf16[i%len(wf16)], C, M, s.N, s.K)

@@ -16,17 +16,26 @@ import (
 func newBenchGemm() *cobra.Command {
 	var ms, jsonOut, only, peer, path string
 	var bits, iters int
+	var sums bool
 	cmd := &cobra.Command{
 		Use:   "gemm",
 		Short: "Time the W4A16 kernel against cuBLAS fp16 (and tinygemm) on Llama-3 8B/70B shapes",
 		Example: `  llmq bench gemm --json evals/results/gemm-h200.json --peer tinygemm.json
   llmq bench gemm --m 1,16,64 --iters 50
-  llmq bench gemm --bits 8 --m 1,2,4,16,64 --json evals/results/gemm-w8-h200.json`,
+  llmq bench gemm --bits 8 --m 1,2,4,16,64 --json evals/results/gemm-w8-h200.json
+  llmq bench gemm --sums --m 1,8 --shape 8B`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			Ms, err := parseInts(ms)
 			if err != nil {
 				return fmt.Errorf("--m: %w", err)
+			}
+			if sums && path != "dequant" {
+				for _, m := range Ms {
+					if m > cuda.SumsMaxRows {
+						return fmt.Errorf("--sums: the GEMV kernels leave their sums at M ≤ %d, not M=%d (--path dequant runs any M)", cuda.SumsMaxRows, m)
+					}
+				}
 			}
 			var pr *evals.PeerRun
 			if peer != "" {
@@ -69,7 +78,7 @@ func newBenchGemm() *cobra.Command {
 			if bits == 8 && pr != nil {
 				return fmt.Errorf("--peer is PyTorch's int4 kernel: it compares with --bits 4")
 			}
-			b := &evals.GemmBench{GPU: gpu, Iters: iters, Bits: bits}
+			b := &evals.GemmBench{GPU: gpu, Iters: iters, Bits: bits, Sums: sums}
 			bw, err := b.MeasureReadBW()
 			if err != nil {
 				return err
@@ -101,7 +110,7 @@ func newBenchGemm() *cobra.Command {
 				all = append(all, res...)
 			}
 			if jsonOut != "" {
-				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "path": path, "bits": bits, "results": all}
+				data := map[string]any{"gpu": dev.Name, "read_bw_bytes_per_s": bw, "iters": iters, "path": path, "bits": bits, "sums": sums, "results": all}
 				if pr != nil {
 					data["peer"] = map[string]any{"kernel": "torch " + pr.Torch + " _weight_int4pack_mm (tinygemm)", "gpu": pr.GPU, "command": pr.Command, "date": pr.Date}
 				}
@@ -116,6 +125,7 @@ func newBenchGemm() *cobra.Command {
 	cmd.Flags().StringVar(&jsonOut, "json", "", "write results as JSON here")
 	cmd.Flags().StringVar(&only, "shape", "", "only shapes whose name contains this")
 	cmd.Flags().StringVar(&peer, "peer", "", "JSON of evals/torchref/tinygemm.py from the same machine, shown beside")
+	cmd.Flags().BoolVar(&sums, "sums", false, "time the GEMM with no outputs, its fp32 sums left in the workspace (how o and down decode at ≤ 8 rows: no K split's last step)")
 	cmd.Flags().StringVar(&path, "path", "auto", "the W4A16 path to time: auto (what the runtime runs), gemv (M ≤ 2), mma (the GEMV on the Tensor Cores, M ≤ 64), swap (the same with the operands swapped, M ≤ 32), fused or dequant (+cuBLAS)")
 	return cmd
 }

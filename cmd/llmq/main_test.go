@@ -198,6 +198,7 @@ func TestCommandLineErrors(t *testing.T) {
 	}{
 		{"unknown command", []string{"quantise", model}, []string{`unknown command "quantise"`}, nil},
 		{"unknown flag", []string{"quantize", model, "--bogus", "-o", out}, []string{"unknown flag: --bogus"}, nil},
+		{"bench gemm --sums past the GEMV's rows", []string{"bench", "gemm", "--sums", "--m", "1,16"}, []string{"--sums", "M=16", "--path dequant"}, nil},
 		{"no model argument", []string{"inspect"}, []string{"accepts 1 arg(s), received 0"}, nil},
 		{"bad flag value", []string{"quantize", model, "--bits", "four", "-o", out}, []string{`invalid argument "four" for "--bits"`}, nil},
 		{"unknown method", []string{"quantize", model, "--method", "int4", "-o", out}, []string{"--method", `"int4"`, "gptq, awq, awq+gptq, rtn or fp8"}, nil},
