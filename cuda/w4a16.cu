@@ -2500,48 +2500,48 @@ int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, int splits, cons
   return 0;
 }
 
-// The variant launchers below run a GEMM with no outputs (C.n 0: the sums
-// left in the workspace, w4a16_gemm's n_outs 0) on the kernel's SUMS
-// instantiation, which exists for the variants of at most kSumsMaxM rows
-// (sums_serves) — the decode steps' layers whose sums the next kernel finishes.
-// Their resident CTAs are the plain instantiation's (the plan's K splits).
+// with_sums calls launch(std::bool_constant<SUMS>) for the instantiation
+// a GEMV variant of MT rows runs: a GEMM with no outputs (C.n 0: the sums
+// left in the workspace, w4a16_gemm's n_outs 0) the kernel's SUMS one,
+// which exists for the variants of at most kSumsMaxM rows (sums_serves,
+// checked before); a resident query and every other GEMM the plain one,
+// whose resident CTAs give the plan's K splits for both.
+template <int MT, typename F>
+int with_sums(bool run, const Outs& C, F launch) {
+  if constexpr (MT <= kSumsMaxM)
+    if (run && !C.n) return launch(std::true_type{});
+  return launch(std::false_type{});
+}
+
 template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr GemvVariant v = kGemv[V];
-  const int slot = resident_slot(3, V, BITS);
-  if constexpr (v.mt <= kSumsMaxM)
-    if (run && !C.n)
-      return gemv_kernel(c, run, slot, w4a16_gemv<v.mt, v.u, v.minb, BITS, true>, splits, A, B, S, Z, C, workspace, M,
-                         N, K, gshift);
-  return gemv_kernel(c, run, slot, w4a16_gemv<v.mt, v.u, v.minb, BITS>, splits, A, B, S, Z, C, workspace, M, N, K,
-                     gshift);
+  return with_sums<v.mt>(run, C, [&](auto sums) {
+    return gemv_kernel(c, run, resident_slot(3, V, BITS), w4a16_gemv<v.mt, v.u, v.minb, BITS, decltype(sums)::value>,
+                       splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+  });
 }
 
 template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr MmaVariant v = kMma[V];
-  const int slot = resident_slot(4, V, BITS);
-  if constexpr (v.mt <= kSumsMaxM)
-    if (run && !C.n)
-      return gemv_kernel(c, run, slot, w4a16_gemv_mma<v.mt, v.u, BITS, v.pf, true>, splits, A, B, S, Z, C, workspace,
-                         M, N, K, gshift);
-  return gemv_kernel(c, run, slot, w4a16_gemv_mma<v.mt, v.u, BITS, v.pf>, splits, A, B, S, Z, C, workspace, M, N, K,
-                     gshift);
+  return with_sums<v.mt>(run, C, [&](auto sums) {
+    return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<v.mt, v.u, BITS, v.pf, decltype(sums)::value>,
+                       splits, A, B, S, Z, C, workspace, M, N, K, gshift);
+  });
 }
 
 template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr SwapVariant v = kSwap[V];
-  const int slot = resident_slot(5, V, BITS);
-  if constexpr (v.mt <= kSumsMaxM)
-    if (run && !C.n)
-      return gemv_kernel(c, run, slot, w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf, true>, splits, A, B, S,
-                         Z, C, workspace, M, N, K, gshift);
-  return gemv_kernel(c, run, slot, w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf>, splits, A, B, S, Z, C,
-                     workspace, M, N, K, gshift);
+  return with_sums<v.mt>(run, C, [&](auto sums) {
+    return gemv_kernel(c, run, resident_slot(5, V, BITS),
+                       w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf, decltype(sums)::value>, splits, A, B, S, Z, C,
+                       workspace, M, N, K, gshift);
+  });
 }
 
 }  // namespace
@@ -2575,27 +2575,15 @@ int w4_dequant(llmq_ctx* c, const void* B, const void* S, const void* Z, void* W
 }
 
 // gemm_f16_cols: C[M,n] = A[M,K]·W[:, cols] for the n columns of a
-// row-major W[K][ldw] starting at W.
-int gemm_f16_cols(llmq_ctx* c, const void* A, const half* W, int ldw, void* C, int M, int n, int K) {
-  const float alpha = 1.f, beta = 0.f;
+// row-major W[K][ldw] starting at W; with sums, C is fp32 and the product
+// is added to it (a GEMM with no outputs: its sums into the workspace).
+int gemm_f16_cols(llmq_ctx* c, const void* A, const half* W, int ldw, void* C, int M, int n, int K, bool sums = false) {
+  const float alpha = 1.f, beta = sums ? 1.f : 0.f;
   // Row-major C = A·W is column-major Cᵀ = Wᵀ·Aᵀ.
   cublasStatus_t s = cublasGemmEx(c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, n, M, K, &alpha, W, CUDA_R_16F, ldw, A, CUDA_R_16F,
-                                  K, &beta, C, CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                                  K, &beta, C, sums ? CUDA_R_32F : CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS) {
-    set_error(c, "cublasGemmEx failed: status %d (M=%d N=%d K=%d)", (int)s, M, n, K);
-    return 1;
-  }
-  return 0;
-}
-
-// gemm_f16_sums adds A·W (W [K][N] fp16) into ws [M][N] fp32: the
-// dequantize + cuBLAS path of a GEMM whose sums stay in the workspace.
-int gemm_f16_sums(llmq_ctx* c, const void* A, const half* W, float* ws, int M, int N, int K) {
-  const float alpha = 1.f, beta = 1.f;
-  cublasStatus_t s = cublasGemmEx(c->cublas, CUBLAS_OP_N, CUBLAS_OP_N, N, M, K, &alpha, W, CUDA_R_16F, N, A, CUDA_R_16F, K,
-                                  &beta, ws, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (s != CUBLAS_STATUS_SUCCESS) {
-    set_error(c, "cublasGemmEx (sums into the workspace) failed: status %d (M=%d N=%d K=%d)", (int)s, M, N, K);
+    set_error(c, "cublasGemmEx failed: status %d (M=%d N=%d K=%d%s)", (int)s, M, n, K, sums ? ", sums" : "");
     return 1;
   }
   return 0;
@@ -2693,7 +2681,7 @@ int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, co
       CK(cudaMemsetAsync(t, 0, (size_t)M * N * sizeof(half), c->stream));
       return 0;
     }
-    if (n_outs == 0) return gemm_f16_sums(c, a, (const half*)scratch, (float*)workspace, M, N, K);
+    if (n_outs == 0) return gemm_f16_cols(c, a, (const half*)scratch, N, workspace, M, N, K, true);
     for (int i = 0, start = 0; i < n_outs; start = C.end[i++])
       if (gemm_f16_cols(c, a, (const half*)scratch + start, N, C.c[i], M, C.end[i] - start, K)) return 1;
     return 0;
