@@ -12,7 +12,7 @@ type LoadOptions struct {
 	// down projection write their fp16 outputs (the GEMM finishing its K
 	// splits' sums itself), as before API 21, instead of leaving their
 	// fp32 sums in the workspace for the norm that follows to add and
-	// zero (splitSums). LLMQ_SPLIT_SUMS=0 in the environment sets it too:
+	// zero (SplitSums). LLMQ_SPLIT_SUMS=0 in the environment sets it too:
 	// the switch a same-binary A/B (device-model.sh envab) turns.
 	HalfDeltas bool
 }

@@ -200,7 +200,11 @@ func (b *GemmBench) Run(s GemmShape, Ms []int) ([]GemmResult, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s M=%d cuBLAS: %w", s.Name, M, err)
 		}
-		bytes := int64(w4Bytes) + int64(M*s.K*2) + int64(M*s.N*2)
+		outBytes := M * s.N * 2 // fp16 outputs, or with Sums fp32 sums added into the workspace
+		if b.Sums {
+			outBytes *= 2
+		}
+		bytes := int64(w4Bytes) + int64(M*s.K*2) + int64(outBytes)
 		res := GemmResult{Shape: s.Name, M: M, K: s.K, N: s.N, Variant: variant, W4Micros: t4 * 1e3, CuBLASMicro: t16 * 1e3,
 			Speedup: t16 / t4, TFLOPS: 2 * float64(M) * float64(s.K) * float64(s.N) / (t4 / 1e3) / 1e12, Bytes: bytes}
 		if b.ReadBW > 0 {
