@@ -8,6 +8,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/x448/float16"
 )
 
 // TestAttentionDecodeMatchesReference runs the cache attention kernels on
@@ -311,5 +313,141 @@ func BenchmarkAttentionDecode(b *testing.B) {
 			b.ReportMetric(us, "µs/call")
 			b.ReportMetric(float64(tc.batch*kvBytes)/(us*1e-6)/1e9, "GB/s")
 		})
+	}
+}
+
+// TestQKRoPEStoreFromSums: qk_rope_store fed the fp32 sums a joined q/k/v
+// GEMM with no outputs leaves in its workspace writes the same q, k and v
+// and the same cache rows, bit for bit, as when fed those sums rounded to
+// fp16 in q, k and v (what the GEMV kernels would have written), and
+// leaves the sums zeroed — with and without Qwen3's per-head norms. Head
+// dimension 48: a lane's rotation reads values other lanes wrote.
+func TestQKRoPEStoreFromSums(t *testing.T) {
+	x := openContext(t)
+	r := rand.New(rand.NewPCG(23, 24))
+	const T, heads, kvHeads, hd, positions = 3, 4, 2, 48, 40
+	qd, kd := heads*hd, kvHeads*hd
+	N := qd + 2*kd
+	sums := make([]float32, T*N)
+	for i := range sums {
+		sums[i] = float32(r.NormFloat64() * 3)
+	}
+	tables := func() []float32 {
+		v := make([]float32, positions*hd/2)
+		for i := range v {
+			v[i] = float32(r.Float64()*2 - 1)
+		}
+		return v
+	}
+	norm := make([]float32, hd)
+	for i := range norm {
+		norm[i] = float32(0.5 + r.Float64())
+	}
+	upload := func(v any) Buf {
+		t.Helper()
+		var b Buf
+		var err error
+		switch v := v.(type) {
+		case []float32:
+			b, err = AllocFrom(x, v)
+		case []uint16:
+			b, err = AllocFrom(x, v)
+		case []int32:
+			b, err = AllocFrom(x, v)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { x.Free(b) })
+		return b
+	}
+	cos, sin := upload(tables()), upload(tables())
+	// A contiguous cache a row (sequence), one layer: [2][positions][kd] fp16.
+	caps := []int32{positions, positions, positions}
+	meta := RowMeta{RowSeq: upload([]int32{0, 1, 2}), RowPos: upload([]int32{0, 17, 39}), KVCap: upload(caps)}
+	// part returns the fp16 bits of sums' columns [from, from+width) of every row.
+	part := func(from, width int) []uint16 {
+		out := make([]uint16, 0, T*width)
+		for row := 0; row < T; row++ {
+			for _, v := range sums[row*N+from : row*N+from+width] {
+				out = append(out, float16.Fromfloat32(v).Bits())
+			}
+		}
+		return out
+	}
+	for _, normed := range []bool{false, true} {
+		qn, kn := Buf{}, Buf{}
+		if normed {
+			qn, kn = upload(norm), upload(norm)
+		}
+		run := func(fromSums bool) (q, k, v, cache []uint16, ws []float32) {
+			caches := make([]Buf, T)
+			bases := make([]uint64, T)
+			for s := range caches {
+				caches[s] = upload(make([]uint16, 2*positions*kd))
+				bases[s] = caches[s].Ptr()
+			}
+			m := meta
+			m.KVBase = upload(bases)
+			var qb, kb, vb, sb Buf
+			if fromSums { // q, k and v zero: the kernel must write them
+				qb, kb, vb = upload(make([]uint16, T*qd)), upload(make([]uint16, T*kd)), upload(make([]uint16, T*kd))
+				sb = upload(sums)
+			} else {
+				qb, kb, vb = upload(part(0, qd)), upload(part(qd, kd)), upload(part(qd+kd, kd))
+			}
+			if err := x.QKRoPEStore(qb, kb, vb, sb, qn, kn, 1e-6, m, cos, sin, 0, 1, T, heads, kvHeads, hd, true); err != nil {
+				t.Fatal(err)
+			}
+			q, k, v = make([]uint16, T*qd), make([]uint16, T*kd), make([]uint16, T*kd)
+			for _, d := range []struct {
+				dst []uint16
+				src Buf
+			}{{q, qb}, {k, kb}, {v, vb}} {
+				if err := Download(x, d.dst, d.src); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, c := range caches {
+				part := make([]uint16, 2*positions*kd)
+				if err := Download(x, part, c); err != nil {
+					t.Fatal(err)
+				}
+				cache = append(cache, part...)
+			}
+			if fromSums {
+				ws = make([]float32, T*N)
+				if err := Download(x, ws, sb); err != nil {
+					t.Fatal(err)
+				}
+			}
+			return q, k, v, cache, ws
+		}
+		q0, k0, v0, c0, _ := run(false)
+		q1, k1, v1, c1, ws := run(true)
+		for _, c := range []struct {
+			name       string
+			want, have []uint16
+		}{{"q", q0, q1}, {"k", k0, k1}, {"v", v0, v1}, {"the caches", c0, c1}} {
+			for j := range c.want {
+				if c.want[j] != c.have[j] {
+					t.Fatalf("norms %v: %s from the sums differs at %d: %#04x, from fp16 %#04x", normed, c.name, j, c.have[j], c.want[j])
+				}
+			}
+		}
+		stored := 0
+		for _, h := range c0 {
+			if h != 0 {
+				stored++
+			}
+		}
+		if stored < T*2*kd/2 { // each row's k and v, nearly all nonzero
+			t.Fatalf("norms %v: only %d cache values written, want about %d", normed, stored, T*2*kd)
+		}
+		for i, v := range ws {
+			if v != 0 {
+				t.Fatalf("norms %v: sum %d (row %d, column %d) left %g, not zeroed", normed, i, i/N, i%N, v)
+			}
+		}
 	}
 }

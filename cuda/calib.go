@@ -293,7 +293,7 @@ func (c *Calibrator) attentionTo(out Buf, rows int) error {
 		func() error { return c.linear("self_attn.k_proj", c.h, c.k, rows) },
 		func() error { return c.linear("self_attn.v_proj", c.h, c.v, rows) },
 		func() error {
-			return x.QKRoPEStore(c.q, c.k, c.v, c.blk.norms.q, c.blk.norms.k, float32(cfg.RMSNormEps), c.meta, c.cos, c.sin,
+			return x.QKRoPEStore(c.q, c.k, c.v, Buf{}, c.blk.norms.q, c.blk.norms.k, float32(cfg.RMSNormEps), c.meta, c.cos, c.sin,
 				0, 1, rows, cfg.Heads, cfg.KVHeads, hd, !flash)
 		},
 	}

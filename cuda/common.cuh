@@ -255,9 +255,10 @@ int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* 
                    float* logits, int n, int H, int E, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
-int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
-                  const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base, const int32_t* kv_cap,
-                  const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads, int kv_heads, int hd);
+int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const float* q_norm, const float* k_norm,
+                  float eps, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                  const int32_t* kv_cap, const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads,
+                  int kv_heads, int hd);
 size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
               const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,

@@ -109,9 +109,9 @@ static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P dn, P y, P ids, P wts, int k,
 }
 static int c_add(A a, llmq_ctx* c, P x, P d, size_t n) { return a->add(c, (float*)x, (const void*)d, n); }
 static int c_bias(A a, llmq_ctx* c, P y, P b, int T, int N) { return a->add_bias(c, (void*)y, (const void*)b, T, N); }
-static int c_qk_rope_store(A a, llmq_ctx* c, P q, P k, P v, P qn, P kn, float eps, P rs, P rp, P base, P cap, P cs, P sn,
+static int c_qk_rope_store(A a, llmq_ctx* c, P q, P k, P v, P sums, P qn, P kn, float eps, P rs, P rp, P base, P cap, P cs, P sn,
 		int layer, int layers, int T, int heads, int kvh, int hd) {
-	return a->qk_rope_store(c, (void*)q, (void*)k, (const void*)v, (const float*)qn, (const float*)kn, eps,
+	return a->qk_rope_store(c, (void*)q, (void*)k, (void*)v, (float*)sums, (const float*)qn, (const float*)kn, eps,
 		(const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, (const float*)cs,
 		(const float*)sn, layer, layers, T, heads, kvh, hd);
 }
@@ -572,7 +572,8 @@ func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm
 // splits' last step (the tile counter, the last CTA's read-back into fp16
 // outputs), which the next kernel does instead — RMSNormExperts with
 // SplitSums reads the rows and zeroes them. ws must be zero, as GemmW4
-// leaves it; w must not be gated. The GEMV kernels serve M ≤ 8, the
+// leaves it; w must not be gated. (QKRoPEStore's sums
+// reads a joined q/k/v's likewise.) The GEMV kernels serve M ≤ 8, the
 // dequantize + cuBLAS path (a scratch) any M; the library refuses a plan
 // that picks another kernel.
 func (x *Context) GemmW4Sums(A Buf, w *W4, M int, ws, scratch, aperm Buf) error {
@@ -782,14 +783,16 @@ type RowMeta struct{ RowSeq, RowPos, KVBase, KVCap Buf }
 // for attention, in place: Qwen3's per-head RMSNorm (qNorm, kNorm; Nil
 // when the model has none), then RoPE by each row's position (cos, sin:
 // the [positions][hd/2] tables). With store, k's rows (rotated) and v's
-// also go into their sequences' caches at layer.
-func (x *Context) QKRoPEStore(q, k, v, qNorm, kNorm Buf, eps float32, m RowMeta, cos, sin Buf, layer, layers, T, heads, kvHeads, hd int, store bool) error {
+// also go into their sequences' caches at layer. With sums (not Nil), q,
+// k and v are first written from the fp32 sums a joined q/k/v
+// GemmW4Sums left there ([T][(heads + 2·kvHeads)·hd]), which it zeroes.
+func (x *Context) QKRoPEStore(q, k, v, sums, qNorm, kNorm Buf, eps float32, m RowMeta, cos, sin Buf, layer, layers, T, heads, kvHeads, hd int, store bool) error {
 	base := m.KVBase
 	if !store {
 		base = Buf{}
 	}
 	return x.do("qk_rope_store", func() C.int {
-		return C.c_qk_rope_store(x.lib.api, x.c, q.p, k.p, v.p, qNorm.p, kNorm.p, C.float(eps), m.RowSeq.p, m.RowPos.p,
+		return C.c_qk_rope_store(x.lib.api, x.c, q.p, k.p, v.p, sums.p, qNorm.p, kNorm.p, C.float(eps), m.RowSeq.p, m.RowPos.p,
 			base.p, m.KVCap.p, cos.p, sin.p, C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd))
 	})
 }

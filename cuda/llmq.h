@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 21
+#define LLMQ_API_VERSION 22
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -128,7 +128,7 @@ typedef struct {
    * n_outs 0 with act −1 (API 21): no outputs; the fp32 sums [M][N] are
    * added into the workspace and left there, no K split's last CTA
    * finishing them, for the caller's next kernel to read and zero
-   * (rmsnorm's y with k 1 and weights of 1). The GEMV kernels do this for
+   * (rmsnorm's y with k 1 and weights of 1; qk_rope_store's sums). The GEMV kernels do this for
    * M ≤ 8, dequantize + cuBLAS (a scratch) for any M; a plan that picks
    * another kernel (more rows, or a forced path) is refused. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
@@ -171,11 +171,14 @@ typedef struct {
    * then RoPE by row_pos from cos_t, sin_t ([positions][hd/2] fp32
    * tables). With kv_base (NULL: no cache), k's rotated rows and v's
    * rows [T][kv_heads·hd] are also written to their sequences' caches
-   * at layer. */
-  int (*qk_rope_store)(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
-                       const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base, const int32_t* kv_cap,
-                       const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads, int kv_heads,
-                       int hd);
+   * at layer. With sums (API 22; NULL: none), q, k and v are first
+   * written from the fp32 sums [T][(heads + 2·kv_heads)·hd] a joined
+   * q/k/v w4a16_gemm with no outputs left in its workspace (each rounded
+   * to fp16 once), which are zeroed. */
+  int (*qk_rope_store)(llmq_ctx* c, void* q, void* k, void* v, float* sums, const float* q_norm, const float* k_norm,
+                       float eps, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                       const int32_t* kv_cap, const float* cos_t, const float* sin_t, int layer, int layers, int T,
+                       int heads, int kv_heads, int hd);
   /* max_keys bounds row_pos+1 over the rows; workspace holds
    * attention_workspace_bytes(T, heads, hd, max_keys) bytes. window > 0:
    * a row at position p sees keys p−window+1 … p (a sliding window), 0:

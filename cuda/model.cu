@@ -276,18 +276,43 @@ __device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_
 // With kv_base, a k head's rotated values and the same head of v also
 // go into the row's slot of its sequence's cache. One kernel for what
 // were five launches a layer (two norms, two rotations, the store).
-__global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k, const half* __restrict__ v,
-                                     const float* __restrict__ qw, const float* __restrict__ kw, float eps,
-                                     const int32_t* __restrict__ row_seq, const int32_t* __restrict__ row_pos,
-                                     const uint64_t* __restrict__ kv_base, const int32_t* __restrict__ kv_cap,
-                                     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int layer,
-                                     int layers, int heads, int kv_heads, int hd) {
+//
+// SUMS: the joined q/k/v GEMM left its fp32 sums in sums [T][(heads +
+// 2·kv_heads)·hd] (w4a16_gemm with no outputs: no K split's last CTA
+// finished them), q's columns, then k's, then v's. Each warp first turns
+// its head's sums (a k head's: the same head of v too) into fp16 q, k
+// and v, rounding each sum once as finish_splits does (so, on the GEMV
+// kernels, bit for bit what the GEMM would have written), and zeroes them (the workspace is kept
+// zeroed between GEMMs); the rest runs on those values as without.
+template <bool SUMS>
+__global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k, half* __restrict__ v,
+                                     float* __restrict__ sums, const float* __restrict__ qw,
+                                     const float* __restrict__ kw, float eps, const int32_t* __restrict__ row_seq,
+                                     const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
+                                     const int32_t* __restrict__ kv_cap, const float* __restrict__ cos_t,
+                                     const float* __restrict__ sin_t, int layer, int layers, int heads, int kv_heads,
+                                     int hd) {
   pdl_gate();  // before any global access: see common.cuh
   const int t = blockIdx.x, y = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (y >= heads + kv_heads) return;  // whole warps leave together: the shuffles below see all 32 lanes
   const bool is_q = y < heads;
   const int h = is_q ? y : y - heads;
   half* r = is_q ? q + ((size_t)t * heads + h) * hd : k + ((size_t)t * kv_heads + h) * hd;
+  if constexpr (SUMS) {
+    float* row = sums + (size_t)t * (heads + 2 * kv_heads) * hd;
+    float* src = row + (is_q ? h : heads + h) * hd;
+    float* vsrc = row + (heads + kv_heads + h) * hd;
+    half* vdst = v + ((size_t)t * kv_heads + h) * hd;
+    for (int i = lane; i < hd; i += 32) {
+      r[i] = __float2half_rn(src[i]);
+      src[i] = 0.f;
+      if (!is_q) {
+        vdst[i] = __float2half_rn(vsrc[i]);
+        vsrc[i] = 0.f;
+      }
+    }
+    __syncwarp();  // the lanes below read what other lanes of the warp wrote
+  }
   const float* w = is_q ? qw : kw;
   float inv = 1.f;
   if (w) {
@@ -1084,17 +1109,23 @@ int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N) {
   return 0;
 }
 
-int qk_rope_store(llmq_ctx* c, void* q, void* k, const void* v, const float* q_norm, const float* k_norm, float eps,
-                  const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base, const int32_t* kv_cap,
-                  const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads, int kv_heads, int hd) {
+int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const float* q_norm, const float* k_norm,
+                  float eps, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                  const int32_t* kv_cap, const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads,
+                  int kv_heads, int hd) {
   if (T <= 0 || heads <= 0 || kv_heads <= 0 || hd <= 0 || hd % 2) {
     set_error(c, "qk_rope_store: %d rows of %d q and %d k heads of dimension %d (want positive counts, an even dimension)",
               T, heads, kv_heads, hd);
     return 1;
   }
   constexpr int kHeadsPerBlock = 4;
-  CK(launch(c, (qk_rope_store_kernel), dim3(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock), 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (const half*)v, q_norm, k_norm, eps, row_seq, row_pos, kv_base,
-                                      kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
+  const dim3 grid(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
+  if (sums)
+    CK(launch(c, (qk_rope_store_kernel<true>), grid, 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (half*)v, sums, q_norm,
+              k_norm, eps, row_seq, row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
+  else
+    CK(launch(c, (qk_rope_store_kernel<false>), grid, 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (half*)v, sums, q_norm,
+              k_norm, eps, row_seq, row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
   return 0;
 }
 

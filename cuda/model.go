@@ -57,7 +57,8 @@ type Model struct {
 	w8Layers   int          // of those, the ones with 8-bit codes
 	wideLayers int          // quantized linears run in fp16, dequantized at load (other grids: 5–7-bit, FP8; experts the grouped kernel cannot run)
 	join       bool         // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
-	halfDeltas bool         // o and down write fp16 outputs, never their sums to the next norm (LoadOptions.HalfDeltas)
+	halfDeltas bool         // q/k/v, o and down write fp16 outputs, never their sums to the next kernel (LoadOptions.HalfDeltas)
+	halfQKV    bool         // q/k/v write fp16 outputs, o and down may leave sums (LLMQ_SPLIT_SUMS=od)
 	act        *ActQuant    // simulated quantization of the decoder linears' inputs, or nil
 	maxIn      int          // widest decoder linear input (the fake-quant buffer)
 
@@ -197,8 +198,8 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	// q/k/v and gate/up separate.
 	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
 	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act,
-		halfDeltas: opt.HalfDeltas || os.Getenv("LLMQ_SPLIT_SUMS") == "0",
-		graphs:     map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}, kv: newKVPages(c.Layers, c.KVHeads*c.HeadDim)}
+		halfDeltas: opt.HalfDeltas || os.Getenv("LLMQ_SPLIT_SUMS") == "0", halfQKV: os.Getenv("LLMQ_SPLIT_SUMS") == "od",
+		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}, kv: newKVPages(c.Layers, c.KVHeads*c.HeadDim)}
 	if err := m.load(ck, q); err != nil {
 		m.Close()
 		return nil, fmt.Errorf("loading %s on the GPU: %w", ck.Dir, err)
@@ -745,14 +746,12 @@ func (m *Model) gemmBufs(l *gpuLinear, a *acts) (ws, scratch Buf) {
 	return ws, scratch
 }
 
-// sums says whether block b's packed layer l (its o or down, followed by
-// the norm post, Gemma 3's, or none) leaves its fp32 sums for T rows in
-// the pass's workspace for the next RMSNorm to finish (runSums,
-// SplitSums): a dense block's plain layer without a bias or a norm of its
-// output, in a pass of at most SumsMaxRows rows, unless
-// LoadOptions.HalfDeltas.
-func (m *Model) sums(b *gpuBlock, l *gpuLinear, post Buf, T int) bool {
-	if T > SumsMaxRows || m.halfDeltas || b.moe != nil || l.w4 == nil || l.w4.Gated != NotGated || !l.ws.Nil() || !post.Nil() {
+// leavesSums says whether packed layer l can leave its fp32 sums for T
+// rows in the pass's workspace for the kernel after it to finish
+// (runSums): a plain layer (not gated, no bias, no workspace of its own)
+// in a pass of at most SumsMaxRows rows, unless LoadOptions.HalfDeltas.
+func (m *Model) leavesSums(l *gpuLinear, T int) bool {
+	if l == nil || T > SumsMaxRows || m.halfDeltas || l.w4 == nil || l.w4.Gated != NotGated || !l.ws.Nil() {
 		return false
 	}
 	for _, bias := range l.b {
@@ -763,9 +762,28 @@ func (m *Model) sums(b *gpuBlock, l *gpuLinear, post Buf, T int) bool {
 	return true
 }
 
+// sums says whether block b's o or down (l, followed by the norm post,
+// Gemma 3's, or none) leaves its sums to the next RMSNorm (SplitSums):
+// in a dense block whose output has no norm of its own.
+func (m *Model) sums(b *gpuBlock, l *gpuLinear, post Buf, T int) bool {
+	return b.moe == nil && post.Nil() && m.leavesSums(l, T)
+}
+
+// qkvSums says whether block b's joined q/k/v leaves its sums to the
+// RoPE kernel (QKRoPEStore's sums), unless LLMQ_SPLIT_SUMS=od.
+// The kernel takes the sums' columns as q's, k's and v's heads in turn.
+func (m *Model) qkvSums(b *gpuBlock, T int) bool {
+	c := m.cfg
+	return !m.halfQKV && m.leavesSums(b.qkv, T) &&
+		slices.Equal(b.qkv.w4.Cols, []int{c.Heads * c.HeadDim, c.KVHeads * c.HeadDim, c.KVHeads * c.HeadDim})
+}
+
 // runSums adds A·Wᵀ's fp32 sums for M rows into the pass's workspace and
-// leaves them there (GemmW4Sums): the norm after it reads them as its
-// delta through SplitSums and zeroes them.
+// leaves them there (GemmW4Sums): the kernel after it reads and zeroes
+// them — the norm after o and down as its delta (SplitSums), the RoPE
+// kernel after q/k/v as q, k and v (QKRoPEStore's sums). An error between
+// the two leaves them there; the pass fails, and the next one's GEMMs
+// would find the workspace dirty, as after any failed launch.
 func (m *Model) runSums(l *gpuLinear, A Buf, M int, a *acts) error {
 	A, err := m.input(l, A, M, a)
 	if err != nil {
@@ -1139,10 +1157,18 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			func() error {
 				return x.RMSNormExperts(a.x, delta, experts, deltaNorm, Buf{}, b.norms.attn, a.h, T, H, eps)
 			},
-			func() error { return m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v) },
 			func() error {
-				r := m.ropes[l]
-				return x.QKRoPEStore(a.q, a.k, a.v, b.norms.q, b.norms.k, eps, a.meta, r.cos, r.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
+				if m.qkvSums(b, T) { // finished by the RoPE kernel
+					return m.runSums(b.qkv, a.h, T, a)
+				}
+				return m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v)
+			},
+			func() error {
+				r, sums := m.ropes[l], Buf{}
+				if m.qkvSums(b, T) {
+					sums = a.ws
+				}
+				return x.QKRoPEStore(a.q, a.k, a.v, sums, b.norms.q, b.norms.k, eps, a.meta, r.cos, r.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
 			},
 			func() error {
 				if windows > 0 {

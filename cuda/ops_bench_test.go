@@ -158,7 +158,7 @@ func BenchmarkDecodeOps(b *testing.B) {
 					{"add+rmsnorm", 0, func(int) error { return x.RMSNorm(xs, delta, Buf{}, Buf{}, norm, h, B, H, 1e-6) }},
 					{"qkv", qkv[0].Bytes(), w4(h, qkv, []int{qd, kvd, kvd}, NotGated, q, k, v)},
 					{"rope+store", 0, func(i int) error {
-						return x.QKRoPEStore(q, k, v, Buf{}, Buf{}, 1e-6, m, cos, sin, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, true)
+						return x.QKRoPEStore(q, k, v, Buf{}, Buf{}, Buf{}, 1e-6, m, cos, sin, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, true)
 					}},
 					{"attention", 0, func(i int) error {
 						return x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{})
