@@ -71,7 +71,10 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // first reduction and x is read once: at batch 1 the kernel is one block,
 // and a strided scalar loop paid a dependent round trip per 256 values
 // (6.7 µs for 4096 of them, decode-ops-h200.txt). H is a multiple of 4, at
-// most 16384 (V ≤ 4: at 1024 threads a thread has 64 registers).
+// most 16384 (V ≤ 4: at 1024 threads a thread has 64 registers). MAXT:
+// the most threads the launch may have (launch_bounds); 512 for a
+// mixture's combine on rows of at most 2,048 values, whose registers then
+// hold eight experts' rows in flight at once.
 //
 // With both delta and y, x + delta comes first, then the experts' sum: the
 // delta a ROUTER norm left pending (below) before the mixture that
@@ -85,8 +88,8 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // a warp (router_dot, moe_router_kernel's arithmetic), their rows of W
 // asked of L2 before the kernel waits on the one before (E = 0: the norm
 // alone, one CTA). No y, rows or dw.
-template <int V, bool ROUTER = false>
-__global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
+template <int V, bool ROUTER = false, int MAXT = 1024>
+__global__ void __launch_bounds__(MAXT) rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
                                float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
                                int H, float eps, const float* __restrict__ W, float* __restrict__ logits, int E) {
@@ -139,14 +142,37 @@ __global__ void __launch_bounds__(1024) rmsnorm_kernel(float* __restrict__ x, co
       if (e < k) slot[place] = r * k + e, wt[place] = ew[r * k + e];
     }
     __syncthreads();
-    for (int e = 0; e < k; e++) {
-      const float4* ye = reinterpret_cast<const float4*>(y + (size_t)slot[e] * H);
+    if constexpr (MAXT <= 512 && V == 1) {
+      // kSlots slots' rows asked for at once, then added in order: the
+      // rows were just written (the expert GEMVs' atomics, in L2), and at
+      // 1,024 threads' 64 registers ptxas issues them about two at a time,
+      // a round trip each (qwen3-30b-a3b's eight). At most 512 threads
+      // (hidden ≤ 2,048) leave the registers for eight.
+      constexpr int kSlots = 8;
+      for (int e0 = 0; e0 < k; e0 += kSlots) {
+        float4 u[kSlots];
+        const int i = threadIdx.x;
 #pragma unroll
-      for (int j = 0; j < V; j++) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < H4) {
-          const float4 u = ye[i];
-          d[j] = make_float4(d[j].x + wt[e] * u.x, d[j].y + wt[e] * u.y, d[j].z + wt[e] * u.z, d[j].w + wt[e] * u.w);
+        for (int s = 0; s < kSlots; s++) {
+          const float4* ye = reinterpret_cast<const float4*>(y + (size_t)slot[min(e0 + s, k - 1)] * H);
+          u[s] = e0 + s < k && i < H4 ? ye[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int s = 0; s < kSlots; s++)
+          if (e0 + s < k)
+            d[0] = make_float4(d[0].x + wt[e0 + s] * u[s].x, d[0].y + wt[e0 + s] * u[s].y,
+                               d[0].z + wt[e0 + s] * u[s].z, d[0].w + wt[e0 + s] * u[s].w);
+      }
+    } else {
+      for (int e = 0; e < k; e++) {
+        const float4* ye = reinterpret_cast<const float4*>(y + (size_t)slot[e] * H);
+#pragma unroll
+        for (int j = 0; j < V; j++) {
+          const int i = threadIdx.x + j * blockDim.x;
+          if (i < H4) {
+            const float4 u = ye[i];
+            d[j] = make_float4(d[j].x + wt[e] * u.x, d[j].y + wt[e] * u.y, d[j].z + wt[e] * u.z, d[j].w + wt[e] * u.w);
+          }
         }
       }
     }
@@ -1075,6 +1101,10 @@ static int launch_norm(llmq_ctx* c, dim3 grid, size_t smem, float* x, const half
                        const int32_t* ids, const float* ew, int k, const int32_t* rows, const float* w, half* out, int H,
                        float eps, const float* W, float* logits, int E) {
   const int threads = norm_threads(H);
+  if (!ROUTER && y && threads <= 512) {  // a mixture's combine on a hidden size ≤ 2,048 (rmsnorm_kernel's MAXT)
+    CK(launch(c, (rmsnorm_kernel<1, false, 512>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E));
+    return 0;
+  }
   switch (norm_chunks(H)) {
     case 1: CK(launch(c, (rmsnorm_kernel<1, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
     case 2: CK(launch(c, (rmsnorm_kernel<2, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
