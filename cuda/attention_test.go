@@ -354,6 +354,10 @@ func TestQKRoPEStoreFromSums(t *testing.T) {
 			b, err = AllocFrom(x, v)
 		case []int32:
 			b, err = AllocFrom(x, v)
+		case []uint64:
+			b, err = AllocFrom(x, v)
+		default:
+			t.Fatalf("upload: no case for %T", v)
 		}
 		if err != nil {
 			t.Fatal(err)
