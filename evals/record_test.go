@@ -2,6 +2,7 @@ package evals
 
 import (
 	"os"
+	"path/filepath"
 	"regexp"
 	"runtime/debug"
 	"slices"
@@ -63,21 +64,33 @@ func TestCommandLineNamesTuningVariables(t *testing.T) {
 }
 
 // tuningEnv lists exactly the LLMQ_ variables the CUDA library reads
-// (getenv in cuda/runtime.cu) and the one its loader reads (os.Getenv in
-// cuda/lib.go), so that none is run without being recorded.
+// (getenv in cuda/*.cu) and its Go side reads (os.Getenv in cuda/*.go,
+// tests aside), so that none is run without being recorded.
 func TestTuningEnvMatchesTheLibrary(t *testing.T) {
+	files, err := filepath.Glob("../cuda/*")
+	if err != nil {
+		t.Fatal(err)
+	}
+	patterns := map[string]*regexp.Regexp{
+		".cu": regexp.MustCompile(`getenv\("(LLMQ_\w+)"\)`),
+		".go": regexp.MustCompile(`os\.Getenv\("(LLMQ_\w+)"\)`),
+	}
 	var read []string
-	for file, pattern := range map[string]string{
-		"../cuda/runtime.cu": `getenv\("(LLMQ_\w+)"\)`,
-		"../cuda/lib.go":     `os\.Getenv\("(LLMQ_\w+)"\)`,
-	} {
+	for _, file := range files {
+		re := patterns[filepath.Ext(file)]
+		if re == nil || strings.HasSuffix(file, "_test.go") {
+			continue
+		}
 		src, err := os.ReadFile(file)
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, m := range regexp.MustCompile(pattern).FindAllSubmatch(src, -1) {
+		for _, m := range re.FindAllSubmatch(src, -1) {
 			read = append(read, string(m[1]))
 		}
+	}
+	if !slices.Contains(read, "LLMQ_CUDA_LIB") || !slices.Contains(read, "LLMQ_PDL") {
+		t.Fatalf("found %v in ../cuda: the loader's LLMQ_CUDA_LIB or runtime.cu's LLMQ_PDL missing (files moved?)", read)
 	}
 	slices.Sort(read)
 	read = slices.Compact(read)
