@@ -570,10 +570,10 @@ func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm
 // GemmW4Sums adds the fp32 sums A·W (M × w.N) into ws and leaves them
 // there (w4a16_gemm with no outputs, API 21): the kernels skip their K
 // splits' last step (the tile counter, the last CTA's read-back into fp16
-// outputs), which the next kernel does instead — RMSNormExperts with
-// SplitSums reads the rows and zeroes them. ws must be zero, as GemmW4
-// leaves it; w must not be gated. (QKRoPEStore's sums
-// reads a joined q/k/v's likewise.) The GEMV kernels serve M ≤ 8, the
+// outputs), which the next kernel does instead and zeroes them: for o
+// and down RMSNormExperts with SplitSums, for a joined q/k/v QKRoPEStore
+// with sums. ws must be zero, as GemmW4 leaves it; w must not be gated.
+// The GEMV kernels serve M ≤ 8, the
 // dequantize + cuBLAS path (a scratch) any M; the library refuses a plan
 // that picks another kernel.
 func (x *Context) GemmW4Sums(A Buf, w *W4, M int, ws, scratch, aperm Buf) error {

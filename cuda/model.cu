@@ -1150,12 +1150,9 @@ int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const flo
   }
   constexpr int kHeadsPerBlock = 4;
   const dim3 grid(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
-  if (sums)
-    CK(launch(c, (qk_rope_store_kernel<true>), grid, 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (half*)v, sums, q_norm,
-              k_norm, eps, row_seq, row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
-  else
-    CK(launch(c, (qk_rope_store_kernel<false>), grid, 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (half*)v, sums, q_norm,
-              k_norm, eps, row_seq, row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
+  const auto kernel = sums ? qk_rope_store_kernel<true> : qk_rope_store_kernel<false>;
+  CK(launch(c, kernel, grid, 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (half*)v, sums, q_norm, k_norm, eps, row_seq,
+            row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
   return 0;
 }
 

@@ -1153,22 +1153,23 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		if l > 0 {
 			delta, experts, deltaNorm = m.mlpOutput(m.blocks[l-1], a, T)
 		}
+		var qkvSums Buf // q/k/v's sums in the workspace, for the RoPE kernel to finish
+		if m.qkvSums(b, T) {
+			qkvSums = a.ws
+		}
 		steps := []func() error{
 			func() error {
 				return x.RMSNormExperts(a.x, delta, experts, deltaNorm, Buf{}, b.norms.attn, a.h, T, H, eps)
 			},
 			func() error {
-				if m.qkvSums(b, T) { // finished by the RoPE kernel
+				if !qkvSums.Nil() {
 					return m.runSums(b.qkv, a.h, T, a)
 				}
 				return m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v)
 			},
 			func() error {
-				r, sums := m.ropes[l], Buf{}
-				if m.qkvSums(b, T) {
-					sums = a.ws
-				}
-				return x.QKRoPEStore(a.q, a.k, a.v, sums, b.norms.q, b.norms.k, eps, a.meta, r.cos, r.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
+				r := m.ropes[l]
+				return x.QKRoPEStore(a.q, a.k, a.v, qkvSums, b.norms.q, b.norms.k, eps, a.meta, r.cos, r.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
 			},
 			func() error {
 				if windows > 0 {

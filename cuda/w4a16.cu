@@ -10,9 +10,10 @@
 // workspace, and the last CTA to finish a tile (a per-tile counter)
 // converts it to fp16 and re-zeroes the workspace and counter
 // (finish_splits), so one launch does the whole product. A GEMM with no
-// outputs (a decode step's o and down, at most kSumsMaxM rows) skips that
-// last step: the GEMV kernels' SUMS instantiations leave the sums in the
-// workspace, and the next kernel (the norm) adds and zeroes them.
+// outputs (a decode step's q/k/v, o and down, at most kSumsMaxM rows)
+// skips that last step: the GEMV kernels' SUMS instantiations leave the
+// sums in the workspace, and the next kernel (RoPE, the norm) finishes
+// and zeroes them.
 //
 // Fused path (v18; M = 33–128 on large layers): a CTA of NW warps owns NW
 // adjacent n-tiles for a row block of up to 64 rows and streams the
@@ -2080,7 +2081,7 @@ constexpr int kSwapMaxM = 32;
 // workspace for the next kernel to finish, llmq.h) runs on the GEMV
 // kernels' instantiations of at most kSumsMaxM rows, which the plan picks
 // for M ≤ kSumsMaxM (a decode step's, whose sums the next kernel
-// finishes: cuda/model.go, Model.sums), or through dequantize + cuBLAS.
+// finishes: cuda/model.go, Model.leavesSums), or through dequantize + cuBLAS.
 // Theirs is a second instantiation (the kernels' SUMS), so that the other
 // kernels' code stays as it was: the same condition at run time in every
 // epilogue cost up to 12% where it was never taken (o at 64 rows; q/k/v
