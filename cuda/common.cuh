@@ -249,10 +249,10 @@ int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int 
 int check_gated(llmq_ctx* c, const char* fn, const void* g, int act);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);
-int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, float* sums, const float* delta_norm, float* y, const int32_t* ids,
             const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
-int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
-                   float* logits, int n, int H, int E, float eps);
+int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* sums, const float* w, void* out,
+                   const float* W, float* logits, int n, int H, int E, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
 int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const float* q_norm, const float* k_norm,

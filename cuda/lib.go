@@ -103,8 +103,8 @@ static int c_probe(A a, llmq_ctx* c, P p, size_t n, P out) { return a->read_prob
 static int c_embed(A a, llmq_ctx* c, P ids, P E, P x, int T, int H, float scale) {
 	return a->embed(c, (const int32_t*)ids, (const void*)E, (float*)x, T, H, scale);
 }
-static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P dn, P y, P ids, P wts, int k, P rows, P w, P out, int n, int H, float eps) {
-	return a->rmsnorm(c, (float*)x, (const void*)d, (const float*)dn, (float*)y, (const int32_t*)ids, (const float*)wts, k,
+static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P sums, P dn, P y, P ids, P wts, int k, P rows, P w, P out, int n, int H, float eps) {
+	return a->rmsnorm(c, (float*)x, (const void*)d, (float*)sums, (const float*)dn, (float*)y, (const int32_t*)ids, (const float*)wts, k,
 		(const int32_t*)rows, (const float*)w, (void*)out, n, H, eps);
 }
 static int c_add(A a, llmq_ctx* c, P x, P d, size_t n) { return a->add(c, (float*)x, (const void*)d, n); }
@@ -193,9 +193,9 @@ static int c_moe_gemv_routed(A a, llmq_ctx* c, P A_, P logits, int T, int E, int
 	return a->moe_gemv_routed(c, (const void*)A_, (const float*)logits, T, E, k, norm, (int32_t*)ids, (float*)weights,
 		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, group, (void*)gated, act);
 }
-static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P w, P out, P W, P logits, int n, int H, int E, float eps) {
-	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)w, (void*)out, (const float*)W, (float*)logits,
-		n, H, E, eps);
+static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P sums, P w, P out, P W, P logits, int n, int H, int E, float eps) {
+	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)sums, (const float*)w, (void*)out, (const float*)W,
+		(float*)logits, n, H, E, eps);
 }
 static int c_f16_to_f32(A a, llmq_ctx* c, P src, P dst, size_t n) { return a->f16_to_f32(c, (const void*)src, (float*)dst, n); }
 static int c_sample_rows(A a, llmq_ctx* c, P logits, P params, P out, int T, int V) {
@@ -570,10 +570,10 @@ func (x *Context) GemmW4Into(A Buf, outs []Buf, w *W4, M int, ws, scratch, aperm
 // GemmW4Sums adds the fp32 sums A·W (M × w.N) into ws and leaves them
 // there (w4a16_gemm with no outputs, API 21): the kernels skip their K
 // splits' last step (the tile counter, the last CTA's read-back into fp16
-// outputs), which the next kernel does instead and zeroes them: for o
-// and down RMSNormExperts with SplitSums, for a joined q/k/v QKRoPEStore
-// with sums. ws must be zero, as GemmW4 leaves it; w must not be gated.
-// The GEMV kernels serve M ≤ 8, the
+// outputs), which later kernels do instead and zero them: for o and
+// down RMSNormExperts with sums (a mixture's o: RMSNormRouter reads them
+// first), for a joined q/k/v QKRoPEStore with sums. ws must be zero, as
+// GemmW4 leaves it; w must not be gated. The GEMV kernels serve M ≤ 8, the
 // dequantize + cuBLAS path (a scratch) any M; the library refuses a plan
 // that picks another kernel.
 func (x *Context) GemmW4Sums(A Buf, w *W4, M int, ws, scratch, aperm Buf) error {
@@ -584,13 +584,6 @@ func (x *Context) GemmW4Sums(A Buf, w *W4, M int, ws, scratch, aperm Buf) error 
 		return C.c_gemm_w4(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, 0, 0, 0, 0, 0, 0,
 			C.int(-1), ws.p, scratch.p, C.int(M), C.int(w.N), C.int(w.K), C.int(w.Group), C.int(w.codeBits()))
 	})
-}
-
-// SplitSums is the ExpertSum that hands RMSNormExperts the fp32 sums a
-// GemmW4Sums left in ws for T rows: one "expert" a row, weight 1 (ones:
-// T fp32 ones; zeros: T int32 zeros).
-func SplitSums(ws, zeros, ones Buf) ExpertSum {
-	return ExpertSum{Y: ws, IDs: zeros, Weights: ones, K: 1}
 }
 
 // Plan names the kernel variant GemmW4 runs for M rows of w on this
@@ -719,7 +712,7 @@ func (x *Context) Embed(ids, E, xs Buf, T, H int, scale float32) error {
 // over n rows; with rows, out row i = RMSNorm(x[rows[i]])·w. H is a
 // multiple of 4, at most MaxNormHidden.
 func (x *Context) RMSNorm(xs, delta, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
-	return x.RMSNormExperts(xs, delta, ExpertSum{}, deltaNorm, rows, w, out, n, H, eps)
+	return x.RMSNormExperts(xs, delta, Buf{}, ExpertSum{}, deltaNorm, rows, w, out, n, H, eps)
 }
 
 // MaxNormHidden is the widest row RMSNorm takes (a thread holds 4 chunks
@@ -734,18 +727,27 @@ type ExpertSum struct {
 	K               int
 }
 
-// RMSNormExperts is RMSNorm whose delta also holds e, a mixture's output:
-// the mixture's combine joined to the norm after it. e's slots are added
-// in fp32 in ascending expert order (the CPU's order of additions), and
-// e.Y is zeroed on return (the expert GEMVs accumulate into it). With
-// both delta and e, delta (one RMSNormRouter left pending) is added
-// first, then the experts, and deltaNorm must be Nil.
-func (x *Context) RMSNormExperts(xs, delta Buf, e ExpertSum, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
+// RMSNormExperts is RMSNorm whose delta may come as fp32 sums and may
+// hold e, a mixture's output: the mixture's combine joined to the norm
+// after it. sums (not with delta) are the fp32 rows [n][H] a GemmW4Sums
+// left in its workspace (o's, down's), added as delta would be and zeroed
+// on return. e's slots are added in fp32 in ascending expert order (the
+// CPU's order of additions), and e.Y is zeroed on return (the expert GEMVs
+// accumulate into it). With both a delta (or sums) and e — what an
+// RMSNormRouter left pending — the delta is added first, then the
+// experts, and deltaNorm must be Nil.
+func (x *Context) RMSNormExperts(xs, delta, sums Buf, e ExpertSum, deltaNorm, rows, w, out Buf, n, H int, eps float32) error {
 	if e.K > 0 && (e.Y.Nil() || e.IDs.Nil() || e.Weights.Nil()) || e.K == 0 && !e.Y.Nil() {
 		return fmt.Errorf("rmsnorm: an experts' sum needs its outputs, ids and weights and a top k (have k=%d)", e.K)
 	}
+	if !delta.Nil() && !sums.Nil() {
+		return fmt.Errorf("rmsnorm: a delta and sums given (want at most one)")
+	}
+	if !sums.Nil() && !rows.Nil() {
+		return fmt.Errorf("rmsnorm: sums with rows (sums are added and zeroed row by row: want no rows)")
+	}
 	return x.do("rmsnorm", func() C.int {
-		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, deltaNorm.p, e.Y.p, e.IDs.p, e.Weights.p, C.int(e.K), rows.p, w.p,
+		return C.c_rmsnorm(x.lib.api, x.c, xs.p, delta.p, sums.p, deltaNorm.p, e.Y.p, e.IDs.p, e.Weights.p, C.int(e.K), rows.p, w.p,
 			out.p, C.int(n), C.int(H), C.float(eps))
 	})
 }
@@ -754,14 +756,16 @@ func (x *Context) RMSNormExperts(xs, delta Buf, e ExpertSum, deltaNorm, rows, w,
 // RMSNorm(xs + delta)·w (fp16 [n][H]) and logits = out · routerᵀ (fp32
 // [n][E], router fp32 [E][H]), as RMSNorm then MoERouter compute them,
 // except that xs is left as it was: the caller passes the same delta to
-// the next norm (RMSNormExperts), which adds it before the experts.
-func (x *Context) RMSNormRouter(xs, delta, w, out, router, logits Buf, n, H, E int, eps float32) error {
-	if delta.Nil() || router.Nil() || logits.Nil() {
-		return fmt.Errorf("rmsnorm_router: a delta, the router's weights and room for its logits are needed (have %v, %v, %v)",
-			!delta.Nil(), !router.Nil(), !logits.Nil())
+// the next norm (RMSNormExperts), which adds it before the experts. The
+// delta comes as fp16 rows (delta) or as a GemmW4Sums' fp32 sums (sums),
+// one of the two; sums are left in place for that next norm to zero.
+func (x *Context) RMSNormRouter(xs, delta, sums, w, out, router, logits Buf, n, H, E int, eps float32) error {
+	if delta.Nil() == sums.Nil() || router.Nil() || logits.Nil() {
+		return fmt.Errorf("rmsnorm_router: one of a delta and sums, the router's weights and room for its logits are needed "+
+			"(have delta %v, sums %v, router %v, logits %v)", !delta.Nil(), !sums.Nil(), !router.Nil(), !logits.Nil())
 	}
 	return x.do("rmsnorm_router", func() C.int {
-		return C.c_rmsnorm_router(x.lib.api, x.c, xs.p, delta.p, w.p, out.p, router.p, logits.p, C.int(n), C.int(H), C.int(E),
+		return C.c_rmsnorm_router(x.lib.api, x.c, xs.p, delta.p, sums.p, w.p, out.p, router.p, logits.p, C.int(n), C.int(H), C.int(E),
 			C.float(eps))
 	})
 }

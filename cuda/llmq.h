@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 22
+#define LLMQ_API_VERSION 23
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -127,8 +127,9 @@ typedef struct {
    * epilogues store several columns at once); refused otherwise.
    * n_outs 0 with act −1 (API 21): no outputs; the fp32 sums [M][N] are
    * added into the workspace and left there, no K split's last CTA
-   * finishing them, for the caller's next kernel to read and zero
-   * (rmsnorm's y with k 1 and weights of 1; qk_rope_store's sums). The GEMV kernels do this for
+   * finishing them, for the caller's later kernels to read and zero
+   * (rmsnorm's sums, which rmsnorm_router may read first; qk_rope_store's
+   * sums). The GEMV kernels do this for
    * M ≤ 8, dequantize + cuBLAS (a scratch) for any M; a plan that picks
    * another kernel (more rows, or a forced path) is refused. */
   int (*w4a16_gemm)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
@@ -159,11 +160,16 @@ typedef struct {
    * weights[t·k+j] · y[t·k+j], added in fp32 in ascending expert order
    * (ids), as the CPU does; k ≤ 16. With both delta and y (a delta
    * rmsnorm_router left pending), x + delta comes first, then the
-   * experts' sum (no delta_norm then). H % 4 == 0, H ≤ 16384; x, w,
-   * delta_norm and y 16-byte aligned, delta and out 8-byte aligned (rows
-   * of H values from an aligned start are). */
-  int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
-                 const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps);
+   * experts' sum (no delta_norm then). API 23: sums (fp32 [n][H], not
+   * with delta or rows) is the delta as the fp32 sums a w4a16_gemm with
+   * no outputs left in its workspace (o's or down's), added where delta
+   * would be (before y's experts too) and zeroed on return.
+   * H % 4 == 0, H ≤ 16384; x, w, delta_norm, sums and y 16-byte aligned,
+   * delta and out 8-byte aligned (rows of H values from an aligned start
+   * are). */
+  int (*rmsnorm)(llmq_ctx* c, float* x, const void* delta, float* sums, const float* delta_norm, float* y,
+                 const int32_t* ids, const float* weights, int k, const int32_t* rows, const float* w, void* out, int n,
+                 int H, float eps);
   int (*add)(llmq_ctx* c, float* x, const void* delta, size_t n);
   int (*add_bias)(llmq_ctx* c, void* y, const void* b, int T, int N);
   /* q [T][heads·hd] and k [T][kv_heads·hd] fp16, in place: per-head
@@ -325,9 +331,11 @@ typedef struct {
    * or rows), except that x is not written: the caller passes delta again
    * to the next norm (rmsnorm with delta and y); and logits [n][E] fp32 =
    * out · Wᵀ as moe_router computes them (W [E][H] fp32). E ≤ 256.
-   * LLMQ_MOE_NORM_ROUTER=0: the norm, then moe_router. */
-  int (*rmsnorm_router)(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
-                        float* logits, int n, int H, int E, float eps);
+   * LLMQ_MOE_NORM_ROUTER=0: the norm, then moe_router. API 23: sums
+   * instead of delta (one of the two): fp32 sums as rmsnorm's, read and
+   * left as they are for the next rmsnorm (its sums with y). */
+  int (*rmsnorm_router)(llmq_ctx* c, const float* x, const void* delta, const float* sums, const float* w, void* out,
+                        const float* W, float* logits, int n, int H, int E, float eps);
   /* API 20: dst fp32 = src fp16, n values (n even; src 4-byte, dst 8-byte
    * aligned): a packed LM head's logits, written by w4a16_gemm in fp16. */
   int (*f16_to_f32)(llmq_ctx* c, const void* src, float* dst, size_t n);

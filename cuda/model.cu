@@ -67,7 +67,7 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // them). This is the mixture's combine, joined to the norm that follows it.
 //
 // A row is held in registers, V chunks of 4 values a thread (float4 of x
-// and w, 4 halves of delta), so every load of the row is issued before the
+// and w, 4 halves of delta or a float4 of sums), so every load of the row is issued before the
 // first reduction and x is read once: at batch 1 the kernel is one block,
 // and a strided scalar loop paid a dependent round trip per 256 values
 // (6.7 µs for 4096 of them, decode-ops-h200.txt). H is a multiple of 4, at
@@ -80,6 +80,11 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // delta a ROUTER norm left pending (below) before the mixture that
 // followed it, the CPU's order of additions.
 //
+// SUMS: the delta comes as sums (fp32 rows, not delta's fp16), what a
+// GEMM with no outputs left in the workspace (w4a16_gemm's n_outs 0),
+// added as the fp16 delta would be; each thread zeroes the values it read,
+// unless ROUTER (whose CTAs share the row; the next norm zeroes them).
+//
 // ROUTER (rmsnorm_router, a mixture's norm): x + delta is normed but not
 // written back (the next norm adds the same delta, still in its buffer),
 // so that the row's gridDim.y CTAs can each norm it from the same x;
@@ -88,11 +93,12 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // a warp (router_dot, moe_router_kernel's arithmetic), their rows of W
 // asked of L2 before the kernel waits on the one before (E = 0: the norm
 // alone, one CTA). No y, rows or dw.
-template <int V, bool ROUTER = false, int MAXT = 1024>
+template <int V, bool ROUTER = false, int MAXT = 1024, bool SUMS = false>
 __global__ void __launch_bounds__(MAXT) rmsnorm_kernel(float* __restrict__ x, const half* __restrict__ delta, const float* __restrict__ dw,
                                float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
-                               int H, float eps, const float* __restrict__ W, float* __restrict__ logits, int E) {
+                               int H, float eps, const float* __restrict__ W, float* __restrict__ logits, int E,
+                               float* __restrict__ sums) {
   if constexpr (ROUTER) {  // this CTA's experts' rows of W on their way to L2 while the kernel before ends (weights: common.cuh)
     const int e = blockIdx.y * router_warps() + (threadIdx.x >> 5);
     if ((threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < router_warps() && e < E) prefetch_l2(W + (size_t)e * H, H * 4);
@@ -105,21 +111,27 @@ __global__ void __launch_bounds__(MAXT) rmsnorm_kernel(float* __restrict__ x, co
   const int r = rows ? rows[blockIdx.x] : blockIdx.x;
   const int H4 = H >> 2;
   float4* xr = reinterpret_cast<float4*>(x + (size_t)r * H);
-  const uint2* dr = delta ? reinterpret_cast<const uint2*>(delta + (size_t)r * H) : nullptr;
+  const uint2* dr = delta && !SUMS ? reinterpret_cast<const uint2*>(delta + (size_t)r * H) : nullptr;
+  float4* sr = SUMS ? reinterpret_cast<float4*>(sums) + (size_t)r * H4 : nullptr;
   float4 v[V], d[V];
 #pragma unroll
   for (int j = 0; j < V; j++) {
     const int i = threadIdx.x + j * blockDim.x;
     v[j] = i < H4 ? xr[i] : make_float4(0.f, 0.f, 0.f, 0.f);
     d[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (dr && i < H4) {
+    if constexpr (SUMS) {
+      if (i < H4) {
+        d[j] = sr[i];
+        if constexpr (!ROUTER) sr[i] = make_float4(0.f, 0.f, 0.f, 0.f);  // this thread's own values: read, then zeroed
+      }
+    } else if (dr && i < H4) {
       const uint2 u = dr[i];
       const float2 a = __half22float2(*reinterpret_cast<const half2*>(&u.x));
       const float2 b = __half22float2(*reinterpret_cast<const half2*>(&u.y));
       d[j] = make_float4(a.x, a.y, b.x, b.y);
     }
   }
-  if (y && dr) {  // a pending delta (ROUTER) before the experts
+  if (y && (dr || SUMS)) {  // a pending delta (ROUTER) before the experts
 #pragma unroll
     for (int j = 0; j < V; j++) {
       v[j] = make_float4(v[j].x + d[j].x, v[j].y + d[j].y, v[j].z + d[j].z, v[j].w + d[j].w);
@@ -185,7 +197,7 @@ __global__ void __launch_bounds__(MAXT) rmsnorm_kernel(float* __restrict__ x, co
       }
     }
   }
-  if (dr || y) {
+  if (dr || y || SUMS) {
     if (dw) {  // the delta's own norm first: x += RMSNorm(delta)·dw
       float ds = 0.f;
 #pragma unroll
@@ -1094,38 +1106,52 @@ int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H
 static int norm_chunks(int H) { return H / 4 <= 1024 ? 1 : H / 4 <= 2048 ? 2 : 4; }
 static int norm_threads(int H) { return ((H / 4 + norm_chunks(H) - 1) / norm_chunks(H) + 31) / 32 * 32; }
 
-// launch_norm launches rmsnorm_kernel<V, ROUTER> over grid for rows of H
-// values (rmsnorm, rmsnorm_router), with the kernel's arguments.
-template <bool ROUTER>
+// launch_norm launches rmsnorm_kernel<V, ROUTER, MAXT, SUMS> over grid
+// for rows of H values (rmsnorm, rmsnorm_router), with the kernel's
+// arguments (sums: SUMS's fp32 delta).
+template <bool ROUTER, bool SUMS>
 static int launch_norm(llmq_ctx* c, dim3 grid, size_t smem, float* x, const half* d, const float* dw, float* y,
                        const int32_t* ids, const float* ew, int k, const int32_t* rows, const float* w, half* out, int H,
-                       float eps, const float* W, float* logits, int E) {
+                       float eps, const float* W, float* logits, int E, float* sums) {
   const int threads = norm_threads(H);
   if (!ROUTER && y && threads <= 512) {  // a mixture's combine on a hidden size ≤ 2,048 (rmsnorm_kernel's MAXT)
-    CK(launch(c, (rmsnorm_kernel<1, false, 512>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E));
+    CK(launch(c, (rmsnorm_kernel<1, false, 512, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W,
+              logits, E, sums));
     return 0;
   }
   switch (norm_chunks(H)) {
-    case 1: CK(launch(c, (rmsnorm_kernel<1, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
-    case 2: CK(launch(c, (rmsnorm_kernel<2, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
-    default: CK(launch(c, (rmsnorm_kernel<4, ROUTER>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E)); break;
+    case 1: CK(launch(c, (rmsnorm_kernel<1, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums)); break;
+    case 2: CK(launch(c, (rmsnorm_kernel<2, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums)); break;
+    default: CK(launch(c, (rmsnorm_kernel<4, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums)); break;
   }
   return 0;
 }
 
-int rmsnorm(llmq_ctx* c, float* x, const void* delta, const float* delta_norm, float* y, const int32_t* ids,
+int rmsnorm(llmq_ctx* c, float* x, const void* delta, float* sums, const float* delta_norm, float* y, const int32_t* ids,
             const float* weights, int k, const int32_t* rows, const float* w, void* out, int n, int H, float eps) {
   if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden) {
     set_error(c, "rmsnorm: hidden size %d (want a multiple of 4, at most %d)", H, kMaxNormHidden);
     return 1;
   }
-  if (y && (k <= 0 || k > kMaxTopK || (delta && delta_norm))) {
-    set_error(c, "rmsnorm: the experts' sum of %d a row (want 1 to %d%s)", k, kMaxTopK,
-              delta && delta_norm ? ", and no delta_norm with a delta before it" : "");
+  if (delta && sums) {
+    set_error(c, "rmsnorm: a delta and sums (want at most one)");
     return 1;
   }
-  return launch_norm<false>(c, n, 0, x, (const half*)delta, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
-                            nullptr, nullptr, 0);
+  if (sums && rows) {
+    set_error(c, "rmsnorm: sums with rows (sums are added and zeroed row by row: want no rows)");
+    return 1;
+  }
+  const bool pending = delta || sums;
+  if (y && (k <= 0 || k > kMaxTopK || (pending && delta_norm))) {
+    set_error(c, "rmsnorm: the experts' sum of %d a row (want 1 to %d%s)", k, kMaxTopK,
+              pending && delta_norm ? ", and no delta_norm with a delta before it" : "");
+    return 1;
+  }
+  if (sums)
+    return launch_norm<false, true>(c, n, 0, x, nullptr, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
+                                    nullptr, nullptr, 0, sums);
+  return launch_norm<false, false>(c, n, 0, x, (const half*)delta, delta_norm, y, ids, weights, k, rows, w, (half*)out, H,
+                                   eps, nullptr, nullptr, 0, nullptr);
 }
 
 int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
@@ -1230,24 +1256,30 @@ int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act) {
   return 0;
 }
 
-int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* w, void* out, const float* W,
-                   float* logits, int n, int H, int E, float eps) {
-  if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden || E <= 0 || E > kMaxExperts || n <= 0 || n > 65535 || !delta || !W ||
-      !logits) {
+int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* sums, const float* w, void* out,
+                   const float* W, float* logits, int n, int H, int E, float eps) {
+  if (H <= 0 || H % 4 != 0 || H > kMaxNormHidden || E <= 0 || E > kMaxExperts || n <= 0 || n > 65535 || !delta == !sums ||
+      !W || !logits) {
     set_error(c, "rmsnorm_router: %d rows (at most 65535), hidden size %d (want a multiple of 4, at most %d), %d experts "
-                 "(at most %d)%s%s%s", n, H, kMaxNormHidden, E, kMaxExperts, delta ? "" : ", no delta",
+                 "(at most %d)%s%s%s", n, H, kMaxNormHidden, E, kMaxExperts,
+              delta && sums ? ", a delta and sums (want one of the two)" : !delta && !sums ? ", no delta or sums (want one)" : "",
               W ? "" : ", no router weights", logits ? "" : ", no logits");
     return 1;
   }
   // router_warps() experts a CTA, as moe_router's grid, so that as many SMs
   // read W (or one CTA of no experts, the norm alone, when
   // LLMQ_MOE_NORM_ROUTER=0 and moe_router follows). x is read, never
-  // written.
+  // written, and sums are left for the next rmsnorm to add and zero.
   const int per = std::min(kRouterWarps, norm_threads(H) / 32);
   const int R = c->moe_norm_router ? (E + per - 1) / per : 1, Ek = c->moe_norm_router ? E : 0;
-  if (launch_norm<true>(c, dim3(n, R), (size_t)H * sizeof(half), const_cast<float*>(x), (const half*)delta, nullptr,
-                        nullptr, nullptr, nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek))
-    return 1;
+  const dim3 grid(n, R);
+  const size_t smem = (size_t)H * sizeof(half);
+  const int rc = sums ? launch_norm<true, true>(c, grid, smem, const_cast<float*>(x), nullptr, nullptr, nullptr, nullptr,
+                                                nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek,
+                                                const_cast<float*>(sums))
+                      : launch_norm<true, false>(c, grid, smem, const_cast<float*>(x), (const half*)delta, nullptr, nullptr,
+                                                 nullptr, nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek, nullptr);
+  if (rc) return 1;
   if (!c->moe_norm_router) return moe_router(c, out, W, logits, n, E, H);
   return 0;
 }

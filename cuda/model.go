@@ -57,8 +57,7 @@ type Model struct {
 	w8Layers   int          // of those, the ones with 8-bit codes
 	wideLayers int          // quantized linears run in fp16, dequantized at load (other grids: 5–7-bit, FP8; experts the grouped kernel cannot run)
 	join       bool         // run joinable q/k/v and gate/up as one GEMM each (gpuBlock)
-	halfDeltas bool         // q/k/v, o and down write fp16 outputs, never their sums to the next kernel (LoadOptions.HalfDeltas)
-	halfQKV    bool         // q/k/v write fp16 outputs, o and down may leave sums (LLMQ_SPLIT_SUMS=od)
+	split      splitSums    // which layers leave their K splits' sums to the next kernel (LoadOptions.HalfDeltas, LLMQ_SPLIT_SUMS)
 	act        *ActQuant    // simulated quantization of the decoder linears' inputs, or nil
 	maxIn      int          // widest decoder linear input (the fake-quant buffer)
 
@@ -190,6 +189,10 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	if err := checkFits(ck.Dir, estimateBytes(ck, q), dev); err != nil {
 		return nil, err
 	}
+	split, err := splitSumsFrom(opt.HalfDeltas, os.Getenv("LLMQ_SPLIT_SUMS"))
+	if err != nil {
+		return nil, err
+	}
 	x, err := lib.NewContext()
 	if err != nil {
 		return nil, err
@@ -197,8 +200,7 @@ func LoadWith(lib *Lib, ck *checkpoint.Checkpoint, opt LoadOptions) (*Model, err
 	// Per-tensor activation thresholds are per layer: such a run keeps
 	// q/k/v and gate/up separate.
 	join := !opt.Separate && (opt.Act == nil || opt.Act.PerToken)
-	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act,
-		halfDeltas: opt.HalfDeltas || os.Getenv("LLMQ_SPLIT_SUMS") == "0", halfQKV: os.Getenv("LLMQ_SPLIT_SUMS") == "od",
+	m := &Model{lib: lib, x: x, cfg: c, dev: dev, join: join, act: opt.Act, split: split,
 		graphs: map[graphKey]*decodeGraph{}, batchActs: map[int]*acts{}, kv: newKVPages(c.Layers, c.KVHeads*c.HeadDim)}
 	if err := m.load(ck, q); err != nil {
 		m.Close()
@@ -749,9 +751,9 @@ func (m *Model) gemmBufs(l *gpuLinear, a *acts) (ws, scratch Buf) {
 // leavesSums says whether packed layer l can leave its fp32 sums for T
 // rows in the pass's workspace for the kernel after it to finish
 // (runSums): a plain layer (not gated, no bias, no workspace of its own)
-// in a pass of at most SumsMaxRows rows, unless LoadOptions.HalfDeltas.
+// in a pass of at most SumsMaxRows rows.
 func (m *Model) leavesSums(l *gpuLinear, T int) bool {
-	if l == nil || T > SumsMaxRows || m.halfDeltas || l.w4 == nil || l.w4.Gated != NotGated || !l.ws.Nil() {
+	if l == nil || T > SumsMaxRows || l.w4 == nil || l.w4.Gated != NotGated || !l.ws.Nil() {
 		return false
 	}
 	for _, bias := range l.b {
@@ -763,27 +765,37 @@ func (m *Model) leavesSums(l *gpuLinear, T int) bool {
 }
 
 // sums says whether block b's o or down (l, followed by the norm post,
-// Gemma 3's, or none) leaves its sums to the next RMSNorm (SplitSums):
-// in a dense block whose output has no norm of its own.
+// Gemma 3's, or none) leaves its sums to the next RMSNorm: in a dense
+// block whose output has no norm of its own.
 func (m *Model) sums(b *gpuBlock, l *gpuLinear, post Buf, T int) bool {
-	return b.moe == nil && post.Nil() && m.leavesSums(l, T)
+	return m.split.od && b.moe == nil && post.Nil() && m.leavesSums(l, T)
+}
+
+// moeSums says whether mixture block b's o leaves its sums to the norm
+// with the router (RMSNormRouter reads them) and the combine after the
+// experts (RMSNormExperts adds and zeroes them); the experts' kernels
+// between never use the workspace.
+func (m *Model) moeSums(b *gpuBlock, T int) bool {
+	return m.split.moe && b.routesInNorm(T) && m.leavesSums(b.o, T)
 }
 
 // qkvSums says whether block b's joined q/k/v leaves its sums to the
-// RoPE kernel (QKRoPEStore's sums), unless LLMQ_SPLIT_SUMS=od.
-// The kernel takes the sums' columns as q's, k's and v's heads in turn.
+// RoPE kernel (QKRoPEStore's sums). The kernel takes the sums' columns as
+// q's, k's and v's heads in turn.
 func (m *Model) qkvSums(b *gpuBlock, T int) bool {
 	c := m.cfg
-	return !m.halfQKV && m.leavesSums(b.qkv, T) &&
+	return m.split.qkv && m.leavesSums(b.qkv, T) &&
 		slices.Equal(b.qkv.w4.Cols, []int{c.Heads * c.HeadDim, c.KVHeads * c.HeadDim, c.KVHeads * c.HeadDim})
 }
 
 // runSums adds A·Wᵀ's fp32 sums for M rows into the pass's workspace and
-// leaves them there (GemmW4Sums): the kernel after it reads and zeroes
-// them — the norm after o and down as its delta (SplitSums), the RoPE
-// kernel after q/k/v as q, k and v (QKRoPEStore's sums). An error between
-// the two leaves them there; the pass fails, and the next one's GEMMs
-// would find the workspace dirty, as after any failed launch.
+// leaves them there (GemmW4Sums) for a later kernel to read and zero: the
+// RoPE kernel after q/k/v (QKRoPEStore's sums) and the norm after a dense
+// block's o or down (RMSNormExperts' sums) at once; a mixture's o's, the
+// norm with its router reads, and the combine after the experts adds and
+// zeroes (moeSums). An error between leaves them there; the pass fails,
+// and the next one's GEMMs would find the workspace dirty, as after any
+// failed launch.
 func (m *Model) runSums(l *gpuLinear, A Buf, M int, a *acts) error {
 	A, err := m.input(l, A, M, a)
 	if err != nil {
@@ -836,7 +848,6 @@ func (m *Model) runParts(joined *gpuLinear, parts []*gpuLinear, A Buf, M int, a 
 type acts struct {
 	rows                                     int
 	x, h, q, k, v, att, delta, g, u, logits  Buf
-	sumZeros, sumOnes                        Buf // rows int32 zeros and fp32 ones: SplitSums' ids and weights
 	ws, aperm, aq                            Buf // aq: a linear's input quantized (Model.act)
 	ids, rowIdx, targets, nll, kvBase, kvCap Buf
 	next                                     Buf // the ids picked on the device (argmax or sampled)
@@ -879,7 +890,7 @@ func (m *Model) newActs(rows int) (*acts, error) {
 		{&a.v, rows * kvd * 2}, {&a.att, rows * qd * 2}, {&a.delta, rows * c.Hidden * 2},
 		{&a.g, rows * gWidth * 2}, {&a.u, rows * dense * 2}, {&a.logits, rows * c.Vocab * 4},
 		{&a.ws, m.lib.WorkspaceBytes(rows, m.maxN)}, {&a.aperm, rows * m.maxPermK * 2}, {&a.aq, rows * m.maxIn * 2},
-		{&a.sumZeros, rows * 4}, {&a.sumOnes, rows * 4}, {&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
+		{&a.ids, rows * 4}, {&a.meta.RowSeq, rows * 4}, {&a.meta.RowPos, rows * 4}, {&a.rowIdx, rows * 4},
 		{&a.targets, rows * 4}, {&a.nll, rows * 4}, {&a.next, rows * 4}, {&a.draws, rows * 32}, {&a.meta.KVBase, rows * 8}, {&a.meta.KVCap, rows * 4},
 		{&a.routerLogits, rows * E * 4}, {&a.expert, slots * 4}, {&a.weight, slots * 4}, {&a.order, slots * 4},
 		{&a.chunks, maxChunks * 3 * 4}, {&a.gu, slots * 2 * moeI * 4}, {&a.y, slots * c.Hidden * 4},
@@ -893,19 +904,11 @@ func (m *Model) newActs(rows int) (*acts, error) {
 			return nil, fmt.Errorf("activations for %d rows: %w", rows, err)
 		}
 	}
-	for _, b := range []Buf{a.ws, a.gu, a.y, a.sumZeros} { // kept zeroed by the kernels that use them
+	for _, b := range []Buf{a.ws, a.gu, a.y} { // kept zeroed by the kernels that use them
 		if err := m.x.Memset(b, 0, b.Bytes); err != nil {
 			a.free(m.x)
 			return nil, err
 		}
-	}
-	ones := make([]float32, rows)
-	for i := range ones {
-		ones[i] = 1
-	}
-	if err := Upload(m.x, a.sumOnes, ones); err != nil {
-		a.free(m.x)
-		return nil, err
 	}
 	return a, nil
 }
@@ -1138,9 +1141,10 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 					// may lack a pending a.delta, the next pass rewrites.)
 					err = errors.Join(err, x.Memset(a.y, 0, a.y.Bytes))
 				}
-				if prev := m.blocks[max(l-1, 0)]; l > 0 && m.sums(prev, prev.down, prev.norms.postMLP, T) {
-					// Likewise down's sums in the workspace (runSums): the
-					// next pass's GEMMs count on finding it zeroed.
+				if l > 0 && !m.mlpOutput(m.blocks[l-1], a, T).sums.Nil() {
+					// Likewise down's or a mixture's o's sums in the
+					// workspace (runSums): the next pass's GEMMs count on
+					// finding it zeroed.
 					err = errors.Join(err, x.Memset(a.ws, 0, a.ws.Bytes))
 				}
 				return err
@@ -1149,9 +1153,9 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		// The previous block's MLP output joins the residual stream here
 		// (through its post-feedforward norm in Gemma 3; a mixture's
 		// experts are summed here too).
-		delta, experts, deltaNorm := Buf{}, ExpertSum{}, Buf{}
+		var prev blockOutput
 		if l > 0 {
-			delta, experts, deltaNorm = m.mlpOutput(m.blocks[l-1], a, T)
+			prev = m.mlpOutput(m.blocks[l-1], a, T)
 		}
 		var qkvSums Buf // q/k/v's sums in the workspace, for the RoPE kernel to finish
 		if m.qkvSums(b, T) {
@@ -1159,7 +1163,7 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		}
 		steps := []func() error{
 			func() error {
-				return x.RMSNormExperts(a.x, delta, experts, deltaNorm, Buf{}, b.norms.attn, a.h, T, H, eps)
+				return x.RMSNormExperts(a.x, prev.delta, prev.sums, prev.experts, prev.norm, Buf{}, b.norms.attn, a.h, T, H, eps)
 			},
 			func() error {
 				if !qkvSums.Nil() {
@@ -1180,18 +1184,25 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
 		}
 		norm := func() error { return x.RMSNorm(a.x, a.delta, b.norms.postAttn, Buf{}, b.norms.mlp, a.h, T, H, eps) }
+		runOSums := func() error { return m.runSums(b.o, a.att, T, a) }
 		if m.sums(b, b.o, b.norms.postAttn, T) { // o's sums finished by the norm (runSums)
-			steps[len(steps)-1] = func() error { return m.runSums(b.o, a.att, T, a) }
+			steps[len(steps)-1] = runOSums
 			norm = func() error {
-				return x.RMSNormExperts(a.x, Buf{}, SplitSums(a.ws, a.sumZeros, a.sumOnes), Buf{}, Buf{}, b.norms.mlp, a.h, T, H, eps)
+				return x.RMSNormExperts(a.x, Buf{}, a.ws, ExpertSum{}, Buf{}, Buf{}, b.norms.mlp, a.h, T, H, eps)
 			}
 		}
 		switch {
 		case b.routesInNorm(T):
 			// The router joins the norm, and a.x takes the attention's
-			// delta at the next norm (mlpOutput).
+			// delta at the next norm (mlpOutput): o's fp16 output, or its
+			// sums left in the workspace through the experts (moeSums).
+			delta, sums := a.delta, Buf{}
+			if m.moeSums(b, T) {
+				steps[len(steps)-1] = runOSums
+				delta, sums = Buf{}, a.ws
+			}
 			steps = append(steps, func() error {
-				return x.RMSNormRouter(a.x, a.delta, b.norms.mlp, a.h, b.moe.router, a.routerLogits, T, H, c.MoE.Experts, eps)
+				return x.RMSNormRouter(a.x, delta, sums, b.norms.mlp, a.h, b.moe.router, a.routerLogits, T, H, c.MoE.Experts, eps)
 			}, func() error { return m.moeMLP(b.moe, a, T, true) })
 		case b.moe != nil:
 			steps = append(steps, norm, func() error { return m.moeMLP(b.moe, a, T, false) })
@@ -1219,33 +1230,43 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 			}
 		}
 	}
-	delta, experts, last := m.mlpOutput(m.blocks[len(m.blocks)-1], a, T)
-	if !last.Nil() || experts.K > 0 {
-		// The last MLP output through Gemma 3's norm, or a mixture's
-		// experts summed; the normed rows written to a.h are not used
-		// (head norms the rows it needs).
-		return x.RMSNormExperts(a.x, delta, experts, last, Buf{}, m.norm, a.h, T, H, eps)
+	last := m.mlpOutput(m.blocks[len(m.blocks)-1], a, T)
+	if !last.norm.Nil() || last.experts.K > 0 || !last.sums.Nil() {
+		// The last MLP output through Gemma 3's norm, a mixture's experts
+		// summed, or sums left in the workspace; the normed rows written
+		// to a.h are not used (head norms the rows it needs).
+		return x.RMSNormExperts(a.x, last.delta, last.sums, last.experts, last.norm, Buf{}, m.norm, a.h, T, H, eps)
 	}
-	return x.Add(a.x, a.delta, T*H)
+	return x.Add(a.x, last.delta, T*H)
+}
+
+// blockOutput is what a block leaves for the norm after it to add into
+// the residual stream (RMSNormExperts).
+type blockOutput struct {
+	delta, sums Buf       // fp16 rows (a.delta), or fp32 sums left in the workspace (a.ws, runSums)
+	experts     ExpertSum // a mixture's slots not yet summed, added after delta or sums
+	norm        Buf       // the norm the output goes through first (Gemma 3's post-feedforward norm), else nil
 }
 
 // mlpOutput is where block b leaves its MLP's output for the norm after
-// it: a.delta (fp16), or a mixture's expert slots not yet summed (after
-// the attention's a.delta, which a norm with the router left pending);
-// and the norm it goes through first (Gemma 3's post-feedforward norm,
-// else nil).
-func (m *Model) mlpOutput(b *gpuBlock, a *acts, T int) (Buf, ExpertSum, Buf) {
+// it: a.delta (fp16); down's sums in the workspace (sums); or a mixture's
+// expert slots not yet summed, after the attention's output that a norm
+// with the router left pending (a.delta, or o's sums: moeSums).
+func (m *Model) mlpOutput(b *gpuBlock, a *acts, T int) blockOutput {
 	if b.moe != nil {
-		var pending Buf
-		if b.routesInNorm(T) {
-			pending = a.delta
+		out := blockOutput{experts: ExpertSum{Y: a.y, IDs: a.expert, Weights: a.weight, K: m.cfg.MoE.TopK}, norm: b.norms.postMLP}
+		switch {
+		case m.moeSums(b, T):
+			out.sums = a.ws
+		case b.routesInNorm(T):
+			out.delta = a.delta
 		}
-		return pending, ExpertSum{Y: a.y, IDs: a.expert, Weights: a.weight, K: m.cfg.MoE.TopK}, b.norms.postMLP
+		return out
 	}
 	if m.sums(b, b.down, b.norms.postMLP, T) { // down's fp32 sums in the workspace (runSums)
-		return Buf{}, SplitSums(a.ws, a.sumZeros, a.sumOnes), Buf{}
+		return blockOutput{sums: a.ws}
 	}
-	return a.delta, ExpertSum{}, b.norms.postMLP
+	return blockOutput{delta: a.delta, norm: b.norms.postMLP}
 }
 
 // routesInNorm: block b is a mixture whose router runs in the launch of

@@ -230,6 +230,11 @@ func TestJoinedLinearsMatchSeparate(t *testing.T) {
 						t.Fatalf("join %v: the experts' gate/up runs gating %d, want %d", join, b.moe.gateUp.Gated, want)
 					}
 				}
+				// A mixture's packed o leaves its sums through the experts at
+				// decode (moeSums), as the dense blocks' o and down do.
+				if b.moe != nil && b.o != nil && b.o.w4 != nil && os.Getenv("LLMQ_SPLIT_SUMS") == "" && !gpu.moeSums(b, 1) {
+					t.Fatalf("block 0, a mixture with a packed o: o writes fp16 at decode, want its sums left to the combine")
+				}
 				logits[i] = run(gpu)
 				gpu.Close()
 			}

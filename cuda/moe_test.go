@@ -712,7 +712,7 @@ func TestMoERouterAndCombine(t *testing.T) {
 	if err := x.Memset(xd, 0, T*H*4); err != nil {
 		t.Fatal(err)
 	}
-	if err := x.RMSNormExperts(xd, Buf{}, ExpertSum{Y: yd, IDs: idd, Weights: wtd, K: k}, Buf{}, Buf{}, nd, od, T, H, 1e-6); err != nil {
+	if err := x.RMSNormExperts(xd, Buf{}, Buf{}, ExpertSum{Y: yd, IDs: idd, Weights: wtd, K: k}, Buf{}, Buf{}, nd, od, T, H, 1e-6); err != nil {
 		t.Fatal(err)
 	}
 	got := make([]float32, T*H)

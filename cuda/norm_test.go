@@ -15,11 +15,12 @@ import (
 )
 
 // TestRMSNormMatchesReference checks rmsnorm_kernel against float64 on
-// every form the model calls — the plain norm, the residual add before it,
-// Gemma 3's normed residual, the gathered rows of a last-token norm, a
-// mixture's experts summed into the residual (k = 3, 8 or 11 of 16, the
-// sum zeroed after), and the attention's delta a RMSNormRouter left
-// pending before them — at hidden sizes that take each register layout
+// every form the model calls — the plain norm, the residual add before it
+// (fp16, or a GEMM's fp32 sums, zeroed after), Gemma 3's normed residual,
+// the gathered rows of a last-token norm, a mixture's experts summed into
+// the residual (k = 3, 8 or 11 of 16, the sum zeroed after), and the
+// attention's delta or sums a RMSNormRouter left pending before them — at
+// hidden sizes that take each register layout
 // (1, 2 and 4 chunks of four values a thread, a last warp partly idle),
 // and that a hidden size the kernel cannot hold is refused with its name.
 func TestRMSNormMatchesReference(t *testing.T) {
@@ -27,7 +28,7 @@ func TestRMSNormMatchesReference(t *testing.T) {
 	r := rand.New(rand.NewPCG(11, 12))
 	const eps = 1e-6
 	for _, H := range []int{128, 260, 4096, 5120, 12288} {
-		for _, form := range []string{"plain", "delta", "normed delta", "rows", "experts", "delta then experts"} {
+		for _, form := range []string{"plain", "delta", "sums", "normed delta", "rows", "experts", "delta then experts", "sums then experts"} {
 			t.Run(fmt.Sprintf("H%d/%s", H, form), func(t *testing.T) {
 				const T = 3
 				xv := make([]float32, T*H)
@@ -39,6 +40,12 @@ func TestRMSNormMatchesReference(t *testing.T) {
 					w[i], dw[i] = float32(0.5+r.Float64()), float32(r.NormFloat64())
 				}
 				db, dv := randomHalf(r, T*H)
+				// The sums: the delta's values and what fp16 cannot hold, so
+				// that a kernel rounding them to fp16 would miss it.
+				sv := make([]float32, len(dv))
+				for i := range sv {
+					sv[i] = dv[i] + float32(r.NormFloat64()*1e-3)
+				}
 				rows := []int32{2, 0}
 				// A mixture's outputs: row t's k of 16 experts, slot t·k+j;
 				// k 11 and 3 on the small rows, whose combine takes eight
@@ -62,9 +69,17 @@ func TestRMSNormMatchesReference(t *testing.T) {
 				xs, _ := AllocFrom(x, xv)
 				wd, _ := AllocFrom(x, w)
 				out, _ := x.Alloc(T * H * 2)
-				var delta, deltaNorm, rowsd Buf
+				var delta, sums, deltaNorm, rowsd Buf
 				n := T
 				switch form {
+				case "sums":
+					sums, _ = AllocFrom(x, sv)
+				case "sums then experts":
+					sums, _ = AllocFrom(x, sv)
+					experts.Y, _ = AllocFrom(x, yv)
+					experts.IDs, _ = AllocFrom(x, ids)
+					experts.Weights, _ = AllocFrom(x, wts)
+					experts.K = k
 				case "normed delta":
 					deltaNorm, _ = AllocFrom(x, dw)
 					fallthrough
@@ -83,20 +98,27 @@ func TestRMSNormMatchesReference(t *testing.T) {
 					experts.K = k
 				}
 				defer func() {
-					for _, b := range []Buf{xs, wd, out, delta, deltaNorm, rowsd, experts.Y, experts.IDs, experts.Weights} {
+					for _, b := range []Buf{xs, wd, out, delta, sums, deltaNorm, rowsd, experts.Y, experts.IDs, experts.Weights} {
 						x.Free(b)
 					}
 				}()
-				if err := x.RMSNormExperts(xs, delta, experts, deltaNorm, rowsd, wd, out, n, H, eps); err != nil {
+				if err := x.RMSNormExperts(xs, delta, sums, experts, deltaNorm, rowsd, wd, out, n, H, eps); err != nil {
 					t.Fatal(err)
 				}
-				if experts.K > 0 {
-					left := make([]float32, len(yv))
-					if err := Download(x, left, experts.Y); err != nil {
+				for _, b := range []struct {
+					name string
+					buf  Buf
+					n    int
+				}{{"the experts' outputs", experts.Y, len(yv)}, {"the sums", sums, len(sv)}} {
+					if b.buf.Nil() {
+						continue
+					}
+					left := make([]float32, b.n)
+					if err := Download(x, left, b.buf); err != nil {
 						t.Fatal(err)
 					}
 					if i := slices.IndexFunc(left, func(v float32) bool { return v != 0 }); i >= 0 {
-						t.Fatalf("the experts' outputs hold %v at %d after the sum (want them zeroed)", left[i], i)
+						t.Fatalf("%s hold %v at %d after the norm (want them zeroed)", b.name, left[i], i)
 					}
 				}
 				got, gotX := make([]uint16, n*H), make([]float32, T*H)
@@ -122,10 +144,16 @@ func TestRMSNormMatchesReference(t *testing.T) {
 						switch form {
 						case "delta":
 							res[j] += float64(dv[src*H+j])
+						case "sums":
+							res[j] += float64(sv[src*H+j])
 						case "normed delta":
 							res[j] += float64(dv[src*H+j]) * dinv * float64(dw[j])
-						case "delta then experts":
-							res[j] += float64(dv[src*H+j])
+						case "delta then experts", "sums then experts":
+							if form == "sums then experts" {
+								res[j] += float64(sv[src*H+j])
+							} else {
+								res[j] += float64(dv[src*H+j])
+							}
 							fallthrough
 						case "experts":
 							for e := range k {
@@ -161,7 +189,9 @@ func TestRMSNormMatchesReference(t *testing.T) {
 // one launch (RMSNormRouter) writes the normed rows RMSNorm writes, bit
 // for bit, and the logits MoERouter computes from them, bit for bit (one
 // piece of arithmetic, router_dot), and leaves x as it was — in one
-// launch and with LLMQ_MOE_NORM_ROUTER=0 (the norm, then the router).
+// launch and with LLMQ_MOE_NORM_ROUTER=0 (the norm, then the router); its
+// delta as fp16 rows or as fp32 sums (against RMSNormExperts with the same
+// sums), which it leaves in place for the next norm.
 // Shapes: qwen3-30b-a3b's (hidden 2048, 128 experts: 32 CTAs a row of 4
 // experts each), a Mixtral-like 4096 with 8 experts (2 CTAs), 256
 // experts over a row of 64 (one warp a CTA: 256 CTAs), a hidden size of 4
@@ -170,7 +200,12 @@ func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 	onAndOff(t, "LLMQ_MOE_NORM_ROUTER", func(t *testing.T, x *Context, _ bool) {
 		r := rand.New(rand.NewPCG(21, 22))
 		const eps = 1e-6
-		for _, c := range []struct{ T, H, E int }{{1, 2048, 128}, {3, 2048, 128}, {2, 4096, 8}, {2, 64, 256}, {1, 12288, 60}} {
+		for _, c := range []struct {
+			T, H, E int
+			sums    bool
+		}{{1, 2048, 128, false}, {1, 2048, 128, true}, {3, 2048, 128, false}, {3, 2048, 128, true}, {2, 4096, 8, false},
+			{2, 4096, 8, true}, {2, 64, 256, false}, {1, 6144, 16, false}, {1, 6144, 16, true}, {1, 12288, 60, false},
+			{1, 12288, 60, true}} {
 			name := fmt.Sprintf("%+v", c)
 			xv, w, W := make([]float32, c.T*c.H), make([]float32, c.H), make([]float32, c.E*c.H)
 			for i := range xv {
@@ -182,21 +217,34 @@ func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 			for i := range W {
 				W[i] = float32(r.NormFloat64() * 0.05)
 			}
-			db, _ := randomHalf(r, c.T*c.H)
+			db, dv := randomHalf(r, c.T*c.H)
 			xs, _ := AllocFrom(x, xv)
 			xs2, _ := AllocFrom(x, xv)
 			delta, _ := AllocFrom(x, db)
+			var sums, sums2 Buf // fp32 sums, not fp16-exact, and their copy for the reference norm (which zeroes it)
+			routed := delta
+			for i := range dv {
+				dv[i] += float32(r.NormFloat64() * 1e-3)
+			}
+			if c.sums {
+				sums, _ = AllocFrom(x, dv)
+				sums2, _ = AllocFrom(x, dv)
+				routed = Buf{}
+			}
 			wd, _ := AllocFrom(x, w)
 			Wd, _ := AllocFrom(x, W)
 			out, _ := x.Alloc(c.T * c.H * 2)
 			out2, _ := x.Alloc(c.T * c.H * 2)
 			logits, _ := x.Alloc(c.T * c.E * 4)
 			logits2, _ := x.Alloc(c.T * c.E * 4)
-			if err := x.RMSNormRouter(xs, delta, wd, out, Wd, logits, c.T, c.H, c.E, eps); err != nil {
+			if err := x.RMSNormRouter(xs, routed, sums, wd, out, Wd, logits, c.T, c.H, c.E, eps); err != nil {
 				t.Fatal(err)
 			}
-			if err := errors.Join(x.RMSNorm(xs2, delta, Buf{}, Buf{}, wd, out2, c.T, c.H, eps),
-				x.MoERouter(out2, Wd, logits2, c.T, c.E, c.H)); err != nil {
+			ref := x.RMSNorm(xs2, delta, Buf{}, Buf{}, wd, out2, c.T, c.H, eps)
+			if c.sums {
+				ref = x.RMSNormExperts(xs2, Buf{}, sums2, ExpertSum{}, Buf{}, Buf{}, wd, out2, c.T, c.H, eps)
+			}
+			if err := errors.Join(ref, x.MoERouter(out2, Wd, logits2, c.T, c.E, c.H)); err != nil {
 				t.Fatal(err)
 			}
 			h, h2 := make([]uint16, c.T*c.H), make([]uint16, c.T*c.H)
@@ -207,7 +255,7 @@ func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 				t.Fatal(err)
 			}
 			if !slices.Equal(h, h2) {
-				t.Fatalf("%s: the normed rows differ from RMSNorm's", name)
+				t.Fatalf("%s: the normed rows differ from RMSNorm's (RMSNormExperts' with the sums)", name)
 			}
 			for i := range l {
 				if l[i] != l2[i] {
@@ -217,22 +265,31 @@ func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 			if !slices.Equal(gotX, xv) {
 				t.Fatalf("%s: x changed (the next norm adds the delta)", name)
 			}
-			for _, b := range []Buf{xs, xs2, delta, wd, Wd, out, out2, logits, logits2} {
+			if c.sums {
+				left := make([]float32, len(dv))
+				if err := Download(x, left, sums); err != nil {
+					t.Fatal(err)
+				}
+				if !slices.Equal(left, dv) {
+					t.Fatalf("%s: the sums changed (the next norm adds and zeroes them)", name)
+				}
+			}
+			for _, b := range []Buf{xs, xs2, delta, sums, sums2, wd, Wd, out, out2, logits, logits2} {
 				x.Free(b)
 			}
 		}
 		big, _ := x.Alloc(4)
 		defer x.Free(big)
 		for _, bad := range []struct {
-			delta, router, logits Buf
-			n, E                  int
-			want                  string
+			delta, sums, router, logits Buf
+			n, E                        int
+			want                        string
 		}{
-			{Buf{}, big, big, 1, 128, "a delta"}, {big, Buf{}, big, 1, 128, "router's weights"},
-			{big, big, Buf{}, 1, 128, "logits"}, {big, big, big, 1, 300, "300 experts"},
-			{big, big, big, 70000, 8, "70000 rows"},
+			{Buf{}, Buf{}, big, big, 1, 128, "one of a delta and sums"}, {big, big, big, big, 1, 128, "one of a delta and sums"},
+			{big, Buf{}, Buf{}, big, 1, 128, "router's weights"}, {big, Buf{}, big, Buf{}, 1, 128, "logits"},
+			{big, Buf{}, big, big, 1, 300, "300 experts"}, {Buf{}, big, big, big, 70000, 8, "70000 rows"},
 		} {
-			err := x.RMSNormRouter(big, bad.delta, big, big, bad.router, bad.logits, bad.n, 2048, bad.E, eps)
+			err := x.RMSNormRouter(big, bad.delta, bad.sums, big, big, bad.router, bad.logits, bad.n, 2048, bad.E, eps)
 			if err == nil || !strings.Contains(err.Error(), bad.want) {
 				t.Errorf("%+v: %v, want a refusal naming %q", bad, err, bad.want)
 			}
@@ -241,24 +298,24 @@ func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 }
 
 // TestRMSNormAddsPendingDeltaFirst: with both a delta and the experts'
-// outputs (the delta a RMSNormRouter left pending), the residual is
-// (x + delta) + Σ experts in fp32, the CPU's order, not x + (delta + Σ):
-// at x = 2^27 (fp32 spacing 16) a delta of 6 and experts summing to 6
-// leave x as it was in the CPU's order, and would make it 2^27 + 16 in the
-// other.
+// outputs (the delta a RMSNormRouter left pending, fp16 or fp32 sums), the
+// residual is (x + delta) + Σ experts in fp32, the CPU's order, not x +
+// (delta + Σ): at x = 2^27 (fp32 spacing 16) a delta of 6 and experts
+// summing to 6 leave x as it was in the CPU's order, and would make it
+// 2^27 + 16 in the other.
 func TestRMSNormAddsPendingDeltaFirst(t *testing.T) {
 	x := openContext(t)
 	const H, k = 128, 2
 	xv, w := make([]float32, H), make([]float32, H)
 	yv, ids, wts := make([]float32, k*H), []int32{3, 1}, []float32{0.5, 0.5}
-	dh := make([]uint16, H)
+	dh, ds := make([]uint16, H), make([]float32, H)
 	for i := range xv {
-		xv[i], w[i], dh[i] = 1<<27, 1, float16.Fromfloat32(6).Bits()
+		xv[i], w[i], dh[i], ds[i] = 1<<27, 1, float16.Fromfloat32(6).Bits(), 6
 		yv[i], yv[H+i] = 6, 6 // 0.5·6 + 0.5·6 = 6
 	}
-	bufs := make([]Buf, 6)
+	bufs := make([]Buf, 8)
 	var err error
-	for i, v := range []any{xv, w, dh, yv, ids, wts} {
+	for i, v := range []any{xv, w, dh, yv, ids, wts, ds, xv} {
 		switch v := v.(type) {
 		case []float32:
 			bufs[i], err = AllocFrom(x, v)
@@ -275,19 +332,35 @@ func TestRMSNormAddsPendingDeltaFirst(t *testing.T) {
 	out, _ := x.Alloc(H * 2)
 	defer x.Free(out)
 	e := ExpertSum{Y: bufs[3], IDs: bufs[4], Weights: bufs[5], K: k}
-	if err := x.RMSNormExperts(bufs[0], bufs[2], e, Buf{}, Buf{}, bufs[1], out, 1, H, 1e-6); err != nil {
-		t.Fatal(err)
-	}
-	got := make([]float32, H)
-	if err := Download(x, got, bufs[0]); err != nil {
-		t.Fatal(err)
-	}
-	for i, v := range got {
-		if v != 1<<27 {
-			t.Fatalf("x[%d] = %v after the delta and the experts, want %v ((x + delta) + experts in fp32)", i, v, float32(1<<27))
+	for _, c := range []struct {
+		name        string
+		xs, d, sums Buf
+	}{{"delta", bufs[0], bufs[2], Buf{}}, {"sums", bufs[7], Buf{}, bufs[6]}} {
+		if err := Upload(x, e.Y, yv); err != nil { // the first run zeroed them
+			t.Fatal(err)
+		}
+		if err := x.RMSNormExperts(c.xs, c.d, c.sums, e, Buf{}, Buf{}, bufs[1], out, 1, H, 1e-6); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]float32, H)
+		if err := Download(x, got, c.xs); err != nil {
+			t.Fatal(err)
+		}
+		for i, v := range got {
+			if v != 1<<27 {
+				t.Fatalf("%s: x[%d] = %v after it and the experts, want %v ((x + delta) + experts in fp32)", c.name, i, v, float32(1<<27))
+			}
 		}
 	}
-	if err := x.RMSNormExperts(bufs[0], bufs[2], e, bufs[1], Buf{}, bufs[1], out, 1, H, 1e-6); err == nil {
+	if err := x.RMSNormExperts(bufs[0], bufs[2], Buf{}, e, bufs[1], Buf{}, bufs[1], out, 1, H, 1e-6); err == nil {
 		t.Error("a delta norm with a pending delta and experts: no error")
+	}
+	if err := x.RMSNormExperts(bufs[0], bufs[2], bufs[6], ExpertSum{}, Buf{}, Buf{}, bufs[1], out, 1, H, 1e-6); err == nil ||
+		!strings.Contains(err.Error(), "a delta and sums") {
+		t.Errorf("a delta and sums: %v, want a refusal naming both", err)
+	}
+	if err := x.RMSNormExperts(bufs[0], Buf{}, bufs[6], ExpertSum{}, Buf{}, bufs[4], bufs[1], out, 1, H, 1e-6); err == nil ||
+		!strings.Contains(err.Error(), "sums with rows") {
+		t.Errorf("sums with rows: %v, want a refusal naming them", err)
 	}
 }

@@ -181,6 +181,7 @@ func BenchmarkDecodeOps(b *testing.B) {
 					rl, ids, wts := alloc(B*E*4), alloc(S*4), alloc(S*4)
 					order, chunk := alloc(S*4), alloc(chunks*3*4)
 					gu, g, y := alloc(S*2*I*4), alloc(S*I*2), alloc(S*H*4)
+					sums := alloc(B * H * 4) // o's fp32 sums (their values do not change the time)
 					// Random routings, planned before the capture: the
 					// expert kernels read 8 random experts of 128 a row.
 					const plans = 16
@@ -213,7 +214,11 @@ func BenchmarkDecodeOps(b *testing.B) {
 						decodeOp{"router", int64(E * H * 4), func(int) error { return x.MoERouter(h, router, rl, B, E, H) }},
 						// The norm before the experts and the router above as one launch.
 						decodeOp{"add+rmsnorm+router", int64(E * H * 4), func(int) error {
-							return x.RMSNormRouter(xs, delta, norm, h, router, rl, B, H, E, 1e-6)
+							return x.RMSNormRouter(xs, delta, Buf{}, norm, h, router, rl, B, H, E, 1e-6)
+						}},
+						// The same with o's fp32 sums as the delta (moeSums).
+						decodeOp{"sums+rmsnorm+router", int64(E * H * 4), func(int) error {
+							return x.RMSNormRouter(xs, Buf{}, sums, norm, h, router, rl, B, H, E, 1e-6)
 						}},
 						decodeOp{"route+plan", 0, func(int) error {
 							return x.MoERoutePlan(rl, ids, wts, B, E, kk, true, mt, order, chunk, chunks)
@@ -230,13 +235,17 @@ func BenchmarkDecodeOps(b *testing.B) {
 							return x.MoEGemv(g, 1, pOrder[i%plans], pChunks[i%plans], chunks, mt, S, experts[1], Buf{}, y, Buf{}, H, I)
 						}},
 						decodeOp{"combine+rmsnorm", 0, func(i int) error {
-							return x.RMSNormExperts(xs, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: kk}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
+							return x.RMSNormExperts(xs, Buf{}, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: kk}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
 						}},
 						// The same with one slot a row: against add+rmsnorm, what
 						// reading a row's ids and weights and ordering its slots
 						// costs; against combine+rmsnorm, the other seven rows.
+						// The combine after o's sums (moeSums): (x + sums) + experts.
+						decodeOp{"sums+combine+rmsnorm", 0, func(i int) error {
+							return x.RMSNormExperts(xs, Buf{}, sums, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: kk}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
+						}},
 						decodeOp{"combine1+rmsnorm", 0, func(i int) error {
-							return x.RMSNormExperts(xs, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: 1}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
+							return x.RMSNormExperts(xs, Buf{}, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: 1}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
 						}})
 				}
 				next := alloc(B * 4)
