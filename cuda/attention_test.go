@@ -26,11 +26,17 @@ import (
 // twice: on contiguous caches, then on caches drawn the same way but paged
 // (blocks of 16 positions in shuffled order through block tables, what
 // cuda.Cache uses). The workspace starts as huge values, so a chunk record left
-// unwritten fails the test.
+// unwritten fails the test. All of it runs with LLMQ_ATTN_EARLY on and off
+// (the decode kernel's lookups and L2 requests before its PDL gate, or
+// after), which must give the same bits.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
-	x := openContext(t)
+	first := map[string][]uint16{} // the first setting's outputs by case
+	onAndOff(t, "LLMQ_ATTN_EARLY", func(t *testing.T, x *Context, _ bool) { testAttentionDecode(t, x, first) })
+}
+
+func testAttentionDecode(t *testing.T, x *Context, first map[string][]uint16) {
 	r := rand.New(rand.NewPCG(21, 22))
-	for _, tc := range []struct {
+	for ci, tc := range []struct {
 		rows, heads, kvHeads, hd, window int
 		scale                            float32
 		maxPos                           int     // positions drawn from 0..maxPos−1 (200 when 0)
@@ -125,6 +131,17 @@ func TestAttentionDecodeMatchesReference(t *testing.T) {
 			got16 := make([]uint16, tc.rows*qd)
 			if err := Download(x, got16, out); err != nil {
 				t.Fatal(err)
+			}
+			key := fmt.Sprintf("case %d paged=%v", ci, paged)
+			if prev, ok := first[key]; !ok {
+				first[key] = got16
+			} else {
+				for i := range prev {
+					if prev[i] != got16[i] {
+						t.Errorf("%s: output %d is %#04x, %#04x in the first setting", key, i, got16[i], prev[i])
+						break
+					}
+				}
 			}
 			got := fromF16(got16)
 			var worst float64

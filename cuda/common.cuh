@@ -54,6 +54,10 @@ struct llmq_ctx {
   // Hopper unless LLMQ_PDL=0: with weights_then_gate the decode gains
   // 4–7% at batch 1 and 8, NOTES.md "The ninth session").
   bool pdl = true;
+  // The decode attention kernel reads the rows' positions and block
+  // tables, and asks L2 for its first keys and values, before its gate
+  // (model.cu, attention_decode_kernel; LLMQ_ATTN_EARLY=0: after, for A/Bs).
+  bool attn_early = true;
   // A decode step's mixture routes inside the experts' gate/up GEMV
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
@@ -125,7 +129,9 @@ int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
 // it until the previous grid has finished and its writes are
 // visible (so reads and writes order exactly as without PDL), then
 // griddepcontrol.launch_dependents lets the next kernel be scheduled.
-// Without the attribute both instructions return at once.
+// Without the attribute both instructions return at once. (The decode
+// attention kernel also reads, before its gate, what only kernels before
+// the one ahead of it wrote: model.cu, attention_decode_kernel's early.)
 //
 // weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _swap)
 // ask for their first batch of codes (with PF > 0, L2 for a later one),

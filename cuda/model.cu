@@ -559,8 +559,14 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     attention_decode_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
-                            float scale, int window, int wave, int min_spans) {
-  pdl_gate();  // before any global access: see common.cuh
+                            float scale, int window, int wave, int min_spans, int early) {
+  // early (LLMQ_ATTN_EARLY, on by default): what the step fixed before
+  // the kernel that runs just before this one (RoPE and the cache store)
+  // — the rows' sequences and positions, the caches' block tables — is
+  // read, and the first sub-chunk's key and value rows asked of L2,
+  // before pdl_gate(); see the prefetch below. Otherwise the gate first,
+  // as every kernel (common.cuh).
+  if (!early) pdl_gate();
   // kSlots·VPL·2 uint4s a thread (its keys' and values' slices), then
   // [warps][GB] m, [warps][GB] l, [warps][GB][hd] outputs in the same bytes
   extern __shared__ uint4 decode_smem[];
@@ -578,6 +584,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   float* out = part + (((size_t)t * heads + h0) * gridDim.z + c) * (hd + 2);
   const size_t head_stride = (size_t)gridDim.z * (hd + 2);
   if (j0 >= j1) {  // beyond this row's keys, or before its window: an empty chunk
+    if (early) pdl_gate();  // (no write before the gate)
     if (threadIdx.x < GB) out[threadIdx.x * head_stride + hd] = -INFINITY, out[threadIdx.x * head_stride + hd + 1] = 0.f;
     return;
   }
@@ -601,6 +608,23 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
       cache_span(kv_base, kv_cap, s, layer, layers, p0, kv_dim, K, V);
       kj = (unsigned long long)K, vj = (unsigned long long)V;  // the span's first row: lane-independent
     }
+  }
+  if (early) {
+    // Under PDL this kernel starts once the one before it (RoPE and the
+    // cache store) has passed its own gate, so every kernel before that
+    // has finished: the rows, positions and block tables read above are
+    // final. The store is still writing this step's key and value rows,
+    // so sub-chunk 0's rows are only asked of L2 here (a hint: L2 is where
+    // all SMs' reads and writes meet, so a row the store writes after the
+    // prefetch is read new by the copies after the gate, never stale),
+    // and the copies themselves wait for the gate.
+    // A lane takes one row of the warp's 16 positions (lanes 0–15 the
+    // keys, 16–31 the values): its head's hd values, one bulk request.
+    const unsigned long long k0 = __shfl_sync(0xffffffffu, kj, 0), v0 = __shfl_sync(0xffffffffu, vj, 0);
+    const int r = lane & 15, jj = pw + r;
+    if (k0 != 0 && jj >= j0 && jj < j1)
+      prefetch_l2(reinterpret_cast<const half*>(lane < 16 ? k0 : v0) + (size_t)r * kv_dim + kvh * hd, hd * 2);
+    pdl_gate();
   }
   // issue copies sub-chunk j's keys (kv 0) or values (1) into the lane's
   // slots — slot k, slice i at stage[((k·VPL + i)·2 + kv)·T]: a warp's
@@ -1225,7 +1249,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   if (allow_smem(c, attention_decode_kernel<GB, VPL>, smem)) return 1;                                                 \
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
-      window, wave, min_spans))
+      window, wave, min_spans, c->attn_early ? 1 : 0))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;
