@@ -28,7 +28,11 @@ import (
 // cuda.Cache uses). The workspace starts as huge values, so a chunk record left
 // unwritten fails the test. All of it runs with LLMQ_ATTN_EARLY on and off
 // (the decode kernel's lookups and L2 requests before its PDL gate, or
-// after), which must give the same bits.
+// after): each against the reference, and the two the same bits (the
+// prefetch is a hint). Here the kernel follows host copies, so nothing
+// runs beside its early reads; the chain it guards (the cache store just
+// before it under PDL) is the model tests' (TestJoinedLinearsMatchSeparate,
+// the zoo's logits against the CPU).
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
 	onAndOff(t, "LLMQ_ATTN_EARLY", func(t *testing.T, x *Context, _ bool) { testAttentionDecode(t, x, first) })

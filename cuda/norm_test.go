@@ -270,6 +270,18 @@ func TestRMSNormRouterMatchesSeparate(t *testing.T) {
 				t.Fatalf("%s: x changed (the next norm adds the delta)", name)
 			}
 			if c.sums {
+				// The reference norm added the sums into its x: x + sums in
+				// fp32, row by row (so the sums' offsets are checked against
+				// the host, not only router against reference).
+				refX := make([]float32, len(xv))
+				if err := Download(x, refX, xs2); err != nil {
+					t.Fatal(err)
+				}
+				for i := range refX {
+					if want := xv[i] + dv[i]; refX[i] != want {
+						t.Fatalf("%s: the reference's x[%d] = %v, want x + sums = %v", name, i, refX[i], want)
+					}
+				}
 				left := make([]float32, len(dv))
 				if err := Download(x, left, sums); err != nil {
 					t.Fatal(err)
