@@ -5,7 +5,9 @@
 # xz-compressed so that they fit the device tool's 64 MiB carry beside
 # the repository.
 #
-#   bash cuda/carry.sh            # dev + tinynodata + zoolite + moe (≈ 54 MB)
+#   bash cuda/carry.sh            # dev + tinynodata + zoolite + moe (≈ 56 MB: with the
+#                                 # repository's own 12 MB past the 64 MiB since December 2026;
+#                                 # carry zoolite or moe beside dev and tiny, not both)
 #   bash cuda/carry.sh dev tiny   # only those
 #
 # dev:      build/device/{llmq,cuda.test,engine.test,COMMIT} (run make device first)
