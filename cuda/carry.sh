@@ -5,9 +5,9 @@
 # xz-compressed so that they fit the device tool's 64 MiB carry beside
 # the repository.
 #
-#   bash cuda/carry.sh            # dev + tinynodata + zoolite + moe (≈ 56 MB: with the
-#                                 # repository's own 12 MB past the 64 MiB since December 2026;
-#                                 # carry zoolite or moe beside dev and tiny, not both)
+#   bash cuda/carry.sh            # dev + tinynodata + moe (≈ 37 MB; with zoolite too, 56 MB
+#                                 # and the repository's own 12 MB pass the 64 MiB: carry
+#                                 # zoolite or moe beside dev and tiny, not both)
 #   bash cuda/carry.sh dev tiny   # only those
 #
 # dev:      build/device/{llmq,cuda.test,engine.test,COMMIT} (run make device first)
@@ -38,7 +38,7 @@ pack() { # name patterns... (expanded in the staging folder, where .carry/shared
   (cd "$stage" && tar -chf - $@) | xz -T0 -6 > ".carry/$name.tar.xz"
   echo "$name: $(du -h ".carry/$name.tar.xz" | cut -f1)"
 }
-for what in "${@:-dev tiny zoolite moe}"; do
+for what in "${@:-dev tiny moe}"; do
   for w in $what; do
     case $w in
       dev)
