@@ -1171,11 +1171,9 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, float* sums, const float* 
               pending && delta_norm ? ", and no delta_norm with a delta before it" : "");
     return 1;
   }
-  if (sums)
-    return launch_norm<false, true>(c, n, 0, x, nullptr, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps,
-                                    nullptr, nullptr, 0, sums);
-  return launch_norm<false, false>(c, n, 0, x, (const half*)delta, delta_norm, y, ids, weights, k, rows, w, (half*)out, H,
-                                   eps, nullptr, nullptr, 0, nullptr);
+  const auto norm = sums ? launch_norm<false, true> : launch_norm<false, false>;  // (delta is null with sums)
+  return norm(c, n, 0, x, (const half*)delta, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps, nullptr, nullptr,
+              0, sums);
 }
 
 int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
@@ -1296,14 +1294,10 @@ int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* 
   // written, and sums are left for the next rmsnorm to add and zero.
   const int per = std::min(kRouterWarps, norm_threads(H) / 32);
   const int R = c->moe_norm_router ? (E + per - 1) / per : 1, Ek = c->moe_norm_router ? E : 0;
-  const dim3 grid(n, R);
-  const size_t smem = (size_t)H * sizeof(half);
-  const int rc = sums ? launch_norm<true, true>(c, grid, smem, const_cast<float*>(x), nullptr, nullptr, nullptr, nullptr,
-                                                nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek,
-                                                const_cast<float*>(sums))
-                      : launch_norm<true, false>(c, grid, smem, const_cast<float*>(x), (const half*)delta, nullptr, nullptr,
-                                                 nullptr, nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek, nullptr);
-  if (rc) return 1;
+  const auto norm = sums ? launch_norm<true, true> : launch_norm<true, false>;  // (delta is null with sums)
+  if (norm(c, dim3(n, R), (size_t)H * sizeof(half), const_cast<float*>(x), (const half*)delta, nullptr, nullptr, nullptr,
+           nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek, const_cast<float*>(sums)))
+    return 1;
   if (!c->moe_norm_router) return moe_router(c, out, W, logits, n, E, H);
   return 0;
 }
