@@ -237,13 +237,13 @@ func BenchmarkDecodeOps(b *testing.B) {
 						decodeOp{"combine+rmsnorm", 0, func(i int) error {
 							return x.RMSNormExperts(xs, Buf{}, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: kk}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
 						}},
-						// The same with one slot a row: against add+rmsnorm, what
-						// reading a row's ids and weights and ordering its slots
-						// costs; against combine+rmsnorm, the other seven rows.
 						// The combine after o's sums (moeSums): (x + sums) + experts.
 						decodeOp{"sums+combine+rmsnorm", 0, func(i int) error {
 							return x.RMSNormExperts(xs, Buf{}, sums, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: kk}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
 						}},
+						// The combine with one slot a row: against add+rmsnorm, what
+						// reading a row's ids and weights and ordering its slots
+						// costs; against combine+rmsnorm, the other seven rows.
 						decodeOp{"combine1+rmsnorm", 0, func(i int) error {
 							return x.RMSNormExperts(xs, Buf{}, Buf{}, ExpertSum{Y: y, IDs: pIDs[i%plans], Weights: wts, K: 1}, Buf{}, Buf{}, norm, h, B, H, 1e-6)
 						}})
