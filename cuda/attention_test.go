@@ -4,9 +4,11 @@ package cuda
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/x448/float16"
@@ -32,13 +34,28 @@ import (
 // prefetch is a hint). Here the kernel follows host copies, so nothing
 // runs beside its early reads; the chain it guards (the cache store just
 // before it under PDL) is the model tests' (TestJoinedLinearsMatchSeparate,
-// the zoo's logits against the CPU).
+// the zoo's logits against the CPU). The kernel is also given a buffer to
+// ask L2 for (AttnOptions.Prefetch, a hint: whole 16-byte units of
+// 100,003 bytes; 8 bytes in, so misaligned, with LLMQ_ATTN_EARLY=0, which
+// the library must skip rather than fault on), and a third setting,
+// LLMQ_ATTN_PREFETCH=0, ignores it: none may change a bit.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
-	onAndOff(t, "LLMQ_ATTN_EARLY", func(t *testing.T, x *Context, _ bool) { testAttentionDecode(t, x, first) })
+	settings := []string{"LLMQ_ATTN_EARLY=1", "LLMQ_ATTN_EARLY=0", "LLMQ_ATTN_PREFETCH=0"}
+	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
+		pf, err := x.Alloc(100_003)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x.Free(pf)
+		if setting == settings[1] {
+			pf = pf.Offset(8)
+		}
+		testAttentionDecode(t, x, pf, first)
+	})
 }
 
-func testAttentionDecode(t *testing.T, x *Context, first map[string][]uint16) {
+func testAttentionDecode(t *testing.T, x *Context, pf Buf, first map[string][]uint16) {
 	r := rand.New(rand.NewPCG(21, 22))
 	for ci, tc := range []struct {
 		rows, heads, kvHeads, hd, window int
@@ -129,7 +146,7 @@ func testAttentionDecode(t *testing.T, x *Context, first map[string][]uint16) {
 			m.KVCap, _ = AllocFrom(x, kvCap)
 			bufs = append(bufs, qb, out, ws, m.RowSeq, m.RowPos, m.KVBase, m.KVCap)
 			if err := x.Attention(qb, out, ws, m, layer, layers, tc.rows, tc.heads, tc.kvHeads, tc.hd, maxKeys,
-				AttnOptions{Window: tc.window, Scale: tc.scale}); err != nil {
+				AttnOptions{Window: tc.window, Scale: tc.scale, Prefetch: pf}); err != nil {
 				t.Fatal(err)
 			}
 			got16 := make([]uint16, tc.rows*qd)
@@ -335,6 +352,140 @@ func BenchmarkAttentionDecode(b *testing.B) {
 			b.ReportMetric(float64(tc.batch*kvBytes)/(us*1e-6)/1e9, "GB/s")
 		})
 	}
+}
+
+// TestQKRoPEStoreMatchesReference: qk_rope_store's q and k against a
+// host reference — Qwen3's per-head norm (each value rounded to fp16 as
+// the kernel rounds it), then the rotation by each row's position, each
+// result rounded to fp16 — within 2.5e-3·(|a| + |b|) of a pair (a, b)'s
+// results (the kernel's float32 and rsqrtf against float64 may round a
+// normed input, and then the result, one fp16 step the other way; a wrong
+// angle or pair is off by about |a| + |b|), and the cache rows: k's rotated, v's as
+// given, at each row's position with store, none without. Head dims 36,
+// 48, 128, 256 and 320: a lane's first four rotation pairs and, at 320,
+// the pairs past them; with LLMQ_ATTN_EARLY on and off (the row's
+// position, cache slot and first cos/sin values read before the PDL gate,
+// or after).
+func TestQKRoPEStoreMatchesReference(t *testing.T) {
+	onAndOff(t, "LLMQ_ATTN_EARLY", func(t *testing.T, x *Context, _ bool) {
+		r := rand.New(rand.NewPCG(25, 26))
+		const T, heads, kvHeads, positions, eps = 2, 4, 2, 30, 1e-6
+		pos := []int32{7, 29}
+		for _, hd := range []int{36, 48, 128, 256, 320} {
+			for _, normed := range []bool{false, true} {
+				for _, store := range []bool{false, true} {
+					name := fmt.Sprintf("hd %d normed=%v store=%v", hd, normed, store)
+					qd, kd, half := heads*hd, kvHeads*hd, hd/2
+					qh, qv := randomHalf(r, T*qd)
+					kh, kv := randomHalf(r, T*kd)
+					vh, _ := randomHalf(r, T*kd)
+					cosT, sinT := make([]float32, positions*half), make([]float32, positions*half)
+					for i := range cosT {
+						a := r.Float64() * 2 * math.Pi
+						cosT[i], sinT[i] = float32(math.Cos(a)), float32(math.Sin(a))
+					}
+					w := make([]float32, hd)
+					for i := range w {
+						w[i] = float32(0.5 + r.Float64())
+					}
+					var bufs []Buf
+					up := func(b Buf, err error) Buf {
+						t.Helper()
+						if err != nil {
+							t.Fatal(err)
+						}
+						bufs = append(bufs, b)
+						return b
+					}
+					qb, kb, vb := up(AllocFrom(x, qh)), up(AllocFrom(x, kh)), up(AllocFrom(x, vh))
+					cb, sb := up(AllocFrom(x, cosT)), up(AllocFrom(x, sinT))
+					var qn, kn Buf
+					if normed {
+						qn, kn = up(AllocFrom(x, w)), up(AllocFrom(x, w))
+					}
+					// One contiguous cache a row (sequence), one layer: [2][positions][kd] fp16, zeros.
+					caches := make([]Buf, T)
+					bases := make([]uint64, T)
+					for s := range caches {
+						caches[s] = up(AllocFrom(x, make([]uint16, 2*positions*kd)))
+						bases[s] = caches[s].Ptr()
+					}
+					m := RowMeta{RowSeq: up(AllocFrom(x, []int32{0, 1})), RowPos: up(AllocFrom(x, pos)),
+						KVBase: up(AllocFrom(x, bases)), KVCap: up(AllocFrom(x, []int32{positions, positions}))}
+					if err := x.QKRoPEStore(qb, kb, vb, Buf{}, qn, kn, eps, m, cb, sb, 0, 1, T, heads, kvHeads, hd, store); err != nil {
+						t.Fatal(err)
+					}
+					gotQ, gotK := make([]uint16, T*qd), make([]uint16, T*kd)
+					if err := errors.Join(Download(x, gotQ, qb), Download(x, gotK, kb)); err != nil {
+						t.Fatal(err)
+					}
+					// rope is the reference for one head's values at row t, and
+					// each result's tolerance.
+					f16 := func(v float64) float64 { return float64(float16.Fromfloat32(float32(v)).Float32()) }
+					rope := func(vals []float32, t int) (out, tol []float64) {
+						out, tol = make([]float64, hd), make([]float64, hd)
+						inv := 1.0
+						if normed {
+							ss := 0.0
+							for _, v := range vals {
+								ss += float64(v) * float64(v)
+							}
+							inv = 1 / math.Sqrt(ss/float64(hd)+eps)
+						}
+						for j := 0; j < half; j++ {
+							a, b := float64(vals[j]), float64(vals[j+half])
+							if normed {
+								a, b = f16(a*inv*float64(w[j])), f16(b*inv*float64(w[j+half]))
+							}
+							c, s := float64(cosT[int(pos[t])*half+j]), float64(sinT[int(pos[t])*half+j])
+							out[j], out[j+half] = f16(a*c-b*s), f16(b*c+a*s)
+							tol[j] = 2.5e-3*(math.Abs(a)+math.Abs(b)) + 1e-6
+							tol[j+half] = tol[j]
+						}
+						return out, tol
+					}
+					check := func(what string, got []uint16, want, tol []float64) {
+						t.Helper()
+						for i, wv := range want {
+							g := float64(float16.Frombits(got[i]).Float32())
+							if math.Abs(g-wv) > tol[i] {
+								t.Fatalf("%s: %s value %d is %v, want %v ± %.1e", name, what, i, g, wv, tol[i])
+							}
+						}
+					}
+					for row := 0; row < T; row++ {
+						for h := 0; h < heads; h++ {
+							at := (row*heads + h) * hd
+							want, tol := rope(qv[at:at+hd], row)
+							check(fmt.Sprintf("row %d q head %d", row, h), gotQ[at:at+hd], want, tol)
+						}
+						cache := make([]uint16, 2*positions*kd)
+						if err := Download(x, cache, caches[row]); err != nil {
+							t.Fatal(err)
+						}
+						for h := 0; h < kvHeads; h++ {
+							at := (row*kvHeads + h) * hd
+							want, tol := rope(kv[at:at+hd], row)
+							check(fmt.Sprintf("row %d k head %d", row, h), gotK[at:at+hd], want, tol)
+							slot := int(pos[row])*kd + h*hd
+							for i := 0; i < hd; i++ {
+								kc, vc := cache[slot+i], cache[positions*kd+slot+i]
+								if store && (kc != gotK[at+i] || vc != vh[at+i]) {
+									t.Fatalf("%s: row %d head %d dim %d: cache k %#04x v %#04x, want %#04x %#04x", name, row, h, i, kc, vc, gotK[at+i], vh[at+i])
+								}
+							}
+						}
+						if !store && slices.ContainsFunc(cache, func(b uint16) bool { return b != 0 }) {
+							t.Fatalf("%s: row %d: the cache was written without store", name, row)
+						}
+					}
+					for _, b := range bufs {
+						x.Free(b)
+					}
+				}
+			}
+		}
+	})
 }
 
 // TestQKRoPEStoreFromSums: qk_rope_store fed the fp32 sums a joined q/k/v

@@ -55,9 +55,15 @@ struct llmq_ctx {
   // 4–7% at batch 1 and 8, NOTES.md "The ninth session").
   bool pdl = true;
   // The decode attention kernel reads the rows' positions and block
-  // tables, and asks L2 for its first keys and values, before its gate
-  // (model.cu, attention_decode_kernel; LLMQ_ATTN_EARLY=0: after, for A/Bs).
+  // tables, and asks L2 for its first keys and values, before its gate;
+  // qk_rope_store_kernel reads its row's position, cache slot and first
+  // cos/sin values before its gate (model.cu; LLMQ_ATTN_EARLY=0: after,
+  // for A/Bs).
   bool attn_early = true;
+  // The decode attention asks L2 for the codes of the GEMM after it (o's)
+  // while it runs, when the model passes them (model.cu, attention;
+  // LLMQ_ATTN_PREFETCH=0: never, for A/Bs).
+  bool attn_prefetch = true;
   // A decode step's mixture routes inside the experts' gate/up GEMV
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
@@ -130,8 +136,9 @@ int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
 // visible (so reads and writes order exactly as without PDL), then
 // griddepcontrol.launch_dependents lets the next kernel be scheduled.
 // Without the attribute both instructions return at once. (The decode
-// attention kernel also reads, before its gate, what only kernels before
-// the one ahead of it wrote: model.cu, attention_decode_kernel's early.)
+// attention kernel and qk_rope_store_kernel also read, before their gate,
+// what only the host or kernels before the one ahead of them wrote:
+// model.cu, their `early`.)
 //
 // weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _swap)
 // ask for their first batch of codes (with PF > 0, L2 for a later one),
@@ -268,7 +275,7 @@ int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const flo
 size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
               const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-              int hd, int max_keys, int window, float scale);
+              int hd, int max_keys, int window, float scale, const void* prefetch, size_t prefetch_bytes);
 int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V);

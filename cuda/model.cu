@@ -329,12 +329,34 @@ __global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k,
                                      const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                                      const int32_t* __restrict__ kv_cap, const float* __restrict__ cos_t,
                                      const float* __restrict__ sin_t, int layer, int layers, int heads, int kv_heads,
-                                     int hd) {
-  pdl_gate();  // before any global access: see common.cuh
+                                     int hd, int early) {
+  // early (LLMQ_ATTN_EARLY, as attention_decode_kernel's): the row's
+  // position and cache slot, and the lane's first cos and sin values, are
+  // read before pdl_gate() — the kernel before this one (the q/k/v GEMM)
+  // writes none of them, and every kernel before that has finished when
+  // this one starts (attention_decode_kernel says why) — so only the
+  // GEMM's outputs wait for the gate.
+  if (!early) pdl_gate();  // otherwise before any global access: see common.cuh
   const int t = blockIdx.x, y = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (y >= heads + kv_heads) return;  // whole warps leave together: the shuffles below see all 32 lanes
   const bool is_q = y < heads;
   const int h = is_q ? y : y - heads;
+  const int half_d = hd / 2, pos = row_pos[t], kv_dim = kv_heads * hd;
+  const float* ct = cos_t + (size_t)pos * half_d;
+  const float* st = sin_t + (size_t)pos * half_d;
+  half *kc = nullptr, *vc = nullptr;
+  if (!is_q && kv_base) {
+    cache_kv(kv_base, kv_cap, row_seq[t], layer, layers, pos, kv_dim, kc, vc);
+    kc += h * hd, vc += h * hd;
+  }
+  constexpr int kPre = 4;  // a lane's first rotation pairs (head dims up to 256) have their cos and sin here
+  float cpre[kPre], spre[kPre];
+#pragma unroll
+  for (int i = 0; i < kPre; i++) {
+    const int j = lane + 32 * i;
+    cpre[i] = j < half_d ? ct[j] : 0.f, spre[i] = j < half_d ? st[j] : 0.f;
+  }
+  if (early) pdl_gate();
   half* r = is_q ? q + ((size_t)t * heads + h) * hd : k + ((size_t)t * kv_heads + h) * hd;
   if constexpr (SUMS) {
     float* row = sums + (size_t)t * (heads + 2 * kv_heads) * hd;
@@ -361,24 +383,15 @@ __global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k,
     }
     inv = rsqrtf(warp_sum(ss) / hd + eps);
   }
-  const int half_d = hd / 2, pos = row_pos[t];
-  const float* ct = cos_t + (size_t)pos * half_d;
-  const float* st = sin_t + (size_t)pos * half_d;
-  half *kc = nullptr, *vc = nullptr;
-  const half* vr = nullptr;
-  if (!is_q && kv_base) {
-    const int kv_dim = kv_heads * hd;
-    cache_kv(kv_base, kv_cap, row_seq[t], layer, layers, pos, kv_dim, kc, vc);
-    kc += h * hd, vc += h * hd;
-    vr = v + (size_t)t * kv_dim + h * hd;
-  }
-  for (int j = lane; j < half_d; j += 32) {
+  const half* vr = kc ? v + (size_t)t * kv_dim + h * hd : nullptr;
+  // rotate turns pair (j, j + hd/2) by the position's angle (its cos c and sin s).
+  auto rotate = [&](int j, float c, float s) {
     float a = __half2float(r[j]), b = __half2float(r[j + half_d]);
     if (w) {
       a = __half2float(__float2half(a * inv * w[j]));
       b = __half2float(__float2half(b * inv * w[j + half_d]));
     }
-    const half ra = __float2half(a * ct[j] - b * st[j]), rb = __float2half(b * ct[j] + a * st[j]);
+    const half ra = __float2half(a * c - b * s), rb = __float2half(b * c + a * s);
     r[j] = ra;
     r[j + half_d] = rb;
     if (kc) {
@@ -387,7 +400,11 @@ __global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k,
       vc[j] = vr[j];
       vc[j + half_d] = vr[j + half_d];
     }
-  }
+  };
+#pragma unroll
+  for (int i = 0; i < kPre; i++)
+    if (lane + 32 * i < half_d) rotate(lane + 32 * i, cpre[i], spre[i]);
+  for (int j = lane + 32 * kPre; j < half_d; j += 32) rotate(j, ct[j], st[j]);
 }
 
 // Attention runs in two kernels, as flash-decoding does (Dao et al. 2023):
@@ -559,7 +576,25 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     attention_decode_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
-                            float scale, int window, int wave, int min_spans, int early) {
+                            float scale, int window, int wave, int min_spans, int early, const char* __restrict__ pf,
+                            size_t pf_bytes) {
+  // pf: pf_bytes (a multiple of 16) of the next GEMM's codes, asked of L2
+  // now, weights being safe to read at any time (common.cuh): the grid's
+  // warps take equal shares, in requests of at most kPrefetchChunk bytes.
+  // At a decode step's few rows this kernel waits on its loads' latency,
+  // and so does the GEMM after it (o at batch 1 reaches about 1.3 TB/s);
+  // the codes then come from L2 instead of DRAM.
+  if (pf_bytes) {
+    constexpr size_t kPrefetchChunk = 32 << 10;
+    const size_t warps = (size_t)gridDim.x * gridDim.y * gridDim.z * kDecodeWarps;
+    const size_t wid = (((size_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * kDecodeWarps +
+                       (threadIdx.x >> 5);
+    const size_t share = (pf_bytes / 16 + warps - 1) / warps * 16;
+    const size_t end = min(pf_bytes, (wid + 1) * share);
+    if ((threadIdx.x & 31) == 0)
+      for (size_t at = wid * share; at < end; at += kPrefetchChunk)
+        prefetch_l2(pf + at, (uint32_t)min(kPrefetchChunk, end - at));
+  }
   // early (LLMQ_ATTN_EARLY, on by default): what the step fixed before
   // the kernel that runs just before this one (RoPE and the cache store)
   // — the rows' sequences and positions, the caches' block tables — is
@@ -1200,7 +1235,7 @@ int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const flo
   const dim3 grid(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
   const auto kernel = sums ? qk_rope_store_kernel<true> : qk_rope_store_kernel<false>;
   CK(launch(c, kernel, grid, 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (half*)v, sums, q_norm, k_norm, eps, row_seq,
-            row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd));
+            row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd, c->attn_early ? 1 : 0));
   return 0;
 }
 
@@ -1211,7 +1246,7 @@ size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
 
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-                   int hd, int max_keys, int window, float scale) {
+                   int hd, int max_keys, int window, float scale, const void* prefetch, size_t prefetch_bytes) {
   if (heads % kv_heads || hd % 2 || hd > 32 * kMaxDimsPerLane || window < 0) {
     set_error(c, "attention: heads %d must be a multiple of kv_heads %d, head_dim %d even and at most %d, window %d ≥ 0",
               heads, kv_heads, hd, 32 * kMaxDimsPerLane, window);
@@ -1243,11 +1278,14 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const size_t meet = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float),
                  kv = (size_t)kSlots * vpl * 2 * 32 * kDecodeWarps * sizeof(uint4), smem = meet > kv ? meet : kv;
     const dim3 grid(T, heads / gb, chunks);
+    // The prefetch (a hint) only from a 16-byte aligned address, which the
+    // bulk request requires (a misaligned one would fault the context).
+    const bool pf = c->attn_prefetch && prefetch && ((uintptr_t)prefetch & 15) == 0;
 #define LLMQ_DECODE(GB, VPL)                                                                                          \
   if (allow_smem(c, attention_decode_kernel<GB, VPL>, smem)) return 1;                                                 \
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
-      window, wave, min_spans, c->attn_early ? 1 : 0))
+      window, wave, min_spans, c->attn_early ? 1 : 0, (const char*)(pf ? prefetch : nullptr), pf ? prefetch_bytes / 16 * 16 : 0))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;
