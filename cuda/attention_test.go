@@ -36,12 +36,13 @@ import (
 // before it under PDL) is the model tests' (TestJoinedLinearsMatchSeparate,
 // the zoo's logits against the CPU). The kernel is also given a buffer to
 // ask L2 for (AttnOptions.Prefetch, a hint: whole 16-byte units of
-// 100,003 bytes; 8 bytes in, so misaligned, with LLMQ_ATTN_EARLY=0, which
-// the library must skip rather than fault on), and a third setting,
-// LLMQ_ATTN_PREFETCH=0, ignores it: none may change a bit.
+// 100,003 bytes, asked for under LLMQ_ATTN_PREFETCH=1; 8 bytes in, so
+// misaligned, with LLMQ_ATTN_EARLY=0, which the library must skip rather
+// than fault on), and a third setting, LLMQ_ATTN_PREFETCH=0 (the
+// default), ignores it: none may change a bit.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
-	settings := []string{"LLMQ_ATTN_EARLY=1", "LLMQ_ATTN_EARLY=0", "LLMQ_ATTN_PREFETCH=0"}
+	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		pf, err := x.Alloc(100_003)
 		if err != nil {

@@ -60,10 +60,12 @@ struct llmq_ctx {
   // cos/sin values before its gate (model.cu; LLMQ_ATTN_EARLY=0: after,
   // for A/Bs).
   bool attn_early = true;
-  // The decode attention asks L2 for the codes of the GEMM after it (o's)
-  // while it runs, when the model passes them (model.cu, attention;
-  // LLMQ_ATTN_PREFETCH=0: never, for A/Bs).
-  bool attn_prefetch = true;
+  // LLMQ_ATTN_PREFETCH=1: the decode attention asks L2 for the codes of
+  // the GEMM after it (o's) while it runs, when the model passes them
+  // (model.cu, attention). Off by default: on an H100 it lost 0.3–1.5% on
+  // llama3-8b W4 at batch 1 and 8 and gained 0.9% on qwen3-30b-a3b at
+  // batch 1, 128 keys (NOTES.md, "The twenty-sixth session").
+  bool attn_prefetch = false;
   // A decode step's mixture routes inside the experts' gate/up GEMV
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
