@@ -806,7 +806,7 @@ func (x *Context) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, 
 	return x.do("attention", func() C.int {
 		return C.c_attention(x.lib.api, x.c, q.p, out.p, ws.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
 			C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys),
-			C.int(o.Window), C.float(o.Scale), o.Prefetch.p, C.size_t(o.Prefetch.Bytes/16*16))
+			C.int(o.Window), C.float(o.Scale), o.Prefetch.p, C.size_t(o.Prefetch.Bytes)) // (the library takes whole 16-byte units)
 	})
 }
 
