@@ -38,11 +38,14 @@ import (
 // ask L2 for (AttnOptions.Prefetch, a hint: whole 16-byte units of
 // 100,003 bytes, asked for under LLMQ_ATTN_PREFETCH=1; 8 bytes in, so
 // misaligned, with LLMQ_ATTN_EARLY=0, which the library must skip rather
-// than fault on), and a third setting, LLMQ_ATTN_PREFETCH=0 (the
-// default), ignores it: none may change a bit.
+// than fault on), a third setting, LLMQ_ATTN_PREFETCH=0 (the default),
+// ignores it, and a fourth asks for its first 4,100 bytes (rounded down
+// to 4,096) once each block has issued its own copies
+// (LLMQ_ATTN_PREFETCH=2, LLMQ_ATTN_PREFETCH_MAX): none may change a bit.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
-	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0"}
+	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0",
+		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		pf, err := x.Alloc(100_003)
 		if err != nil {

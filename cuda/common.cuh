@@ -65,7 +65,11 @@ struct llmq_ctx {
   // (model.cu, attention). Off by default: on an H100 it lost 0.3–1.5% on
   // llama3-8b W4 at batch 1 and 8 and gained 0.9% on qwen3-30b-a3b at
   // batch 1, 128 keys (NOTES.md, "The twenty-sixth session").
-  bool attn_prefetch = false;
+  // LLMQ_ATTN_PREFETCH=2 asks once each block has issued its own copies
+  // (its last sub-chunk's), and LLMQ_ATTN_PREFETCH_MAX=N bounds the request
+  // to its first N bytes (for A/Bs of when and how much).
+  int attn_prefetch = 0;
+  size_t attn_prefetch_max = 0;
   // A decode step's mixture routes inside the experts' gate/up GEMV
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).

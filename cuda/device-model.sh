@@ -17,7 +17,8 @@
 #                                     # steps a batch and work a step (stream-probe-$G.json; PROBE_MB, PROBE_ARGS)
 #   bash cuda/device-model.sh chain   # cuda/probe/chain.cu: a decode step's chain of dependent reads, launched apart or in
 #                                     # one persistent kernel (CHAIN_ARGS; chain-probe-$G.json)
-#   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8)
+#   bash cuda/device-model.sh ops     # every kernel of a decode layer timed alone (llama3-8b, qwen3-30b-a3b; batch 1, 8),
+#                                     # once per OPS_ENV setting (decode-ops-$G$OPS_TAG.txt)
 #   bash cuda/device-model.sh pdl     # programmatic dependent launch (on unless LLMQ_PDL=0): tests with it, llama3-8b W4 decode off/on
 #   bash cuda/device-model.sh serve   # llmq bench serve --device cuda on llama-tiny, memcheck
 #   bash cuda/device-model.sh engine  # the engine's paged-cache tests on the GPU (admission, preemption,
@@ -654,9 +655,14 @@ PY
     done
     exit $crc
     ;;
-  ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8)
-    { echo "# $LLMQ_COMMIT: cuda.test -test.run '^\$' -test.bench DecodeOps -test.benchtime 10x"
-      build/device/cuda.test -test.run '^$' -test.bench DecodeOps -test.benchtime 10x 2>&1; } | tee "$OUT/decode-ops-$G.txt" | grep -E "µs/call|FAIL|panic"
+  ops) # each kernel of a decode layer timed on its own (BenchmarkDecodeOps: llama3-8b and qwen3-30b-a3b, batch 1 and 8),
+       # once per setting in OPS_ENV (';'-separated as SWEEP_ENV), OPS_BENCH another -test.bench, OPS_TAG the file's tail
+    split_settings "${OPS_ENV:-}"
+    bench=${OPS_BENCH:-DecodeOps}
+    for e in "${settings[@]}"; do
+      echo "# $LLMQ_COMMIT: ${e:+$e }cuda.test -test.run '^\$' -test.bench '$bench' -test.benchtime 10x"
+      env $e build/device/cuda.test -test.run '^$' -test.bench "$bench" -test.benchtime 10x 2>&1
+    done | tee "$OUT/decode-ops-$G${OPS_TAG:-}.txt" | grep -E "^#|µs/call|FAIL|panic"
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}

@@ -816,8 +816,8 @@ func (x *Context) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, 
 // Gemma: query_pre_attn_scalar^-½). Prefetch, when set, is memory the
 // decode kernel asks L2 for while it runs (the codes of the GEMM after
 // it; whole 16-byte units of Prefetch.Bytes, from a 16-byte aligned
-// address, else none), when the library's LLMQ_ATTN_PREFETCH=1 (off by
-// default): a hint that changes no result. Attention only;
+// address, else none), when the library's LLMQ_ATTN_PREFETCH is 1 or 2
+// (off by default; llmq.h): a hint that changes no result. Attention only;
 // AttentionCausal ignores it.
 type AttnOptions struct {
 	Window   int

@@ -191,9 +191,10 @@ typedef struct {
    * all of 0 … p. scale multiplies q·k (0: head_dim^-½). API 24:
    * prefetch_bytes (a multiple of 16) from prefetch (16-byte aligned;
    * the next GEMM's codes) are asked of L2 while the decode kernel runs,
-   * when the context was created with LLMQ_ATTN_PREFETCH=1 (off by
-   * default) — a hint, skipped where the decode kernel does not run; 0:
-   * none. */
+   * when the context was created with LLMQ_ATTN_PREFETCH=1 (at the
+   * kernel's start) or 2 (once each block has issued its own loads), at
+   * most LLMQ_ATTN_PREFETCH_MAX bytes if set (off by default) — a hint,
+   * skipped where the decode kernel does not run; 0: none. */
   size_t (*attention_workspace_bytes)(int T, int heads, int hd, int max_keys);
   int (*attention)(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,

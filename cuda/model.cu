@@ -577,14 +577,17 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
                             float scale, int window, int wave, int min_spans, int early, const char* __restrict__ pf,
-                            size_t pf_bytes) {
-  // pf: pf_bytes (a multiple of 16) of the next GEMM's codes, asked of L2
-  // now, weights being safe to read at any time (common.cuh): the grid's
-  // warps take equal shares, in requests of at most kPrefetchChunk bytes.
-  // At a decode step's few rows this kernel waits on its loads' latency,
-  // and so does the GEMM after it (o at batch 1 reaches about 1.3 TB/s);
-  // the codes then come from L2 instead of DRAM.
-  if (pf_bytes) {
+                            size_t pf_bytes, int pf_late) {
+  // pf: pf_bytes (a multiple of 16) of the next GEMM's codes, asked of L2,
+  // weights being safe to read at any time (common.cuh): the grid's warps
+  // take equal shares, in requests of at most kPrefetchChunk bytes. At a
+  // decode step's few rows this kernel waits on its loads' latency, and so
+  // does the GEMM after it (o at batch 1 reaches about 1.3 TB/s); the codes
+  // then come from L2 instead of DRAM. Asked at the kernel's start, or
+  // with pf_late once the block's own copies are all issued (after its
+  // last sub-chunk), so that they do not queue ahead of its keys and values.
+  auto ask_l2 = [&]() {
+    if (!pf_bytes) return;
     constexpr size_t kPrefetchChunk = 32 << 10;
     const size_t warps = (size_t)gridDim.x * gridDim.y * gridDim.z * kDecodeWarps;
     const size_t wid = (((size_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * kDecodeWarps +
@@ -594,7 +597,8 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     if ((threadIdx.x & 31) == 0)
       for (size_t at = wid * share; at < end; at += kPrefetchChunk)
         prefetch_l2(pf + at, (uint32_t)min(kPrefetchChunk, end - at));
-  }
+  };
+  if (!pf_late) ask_l2();
   // early (LLMQ_ATTN_EARLY, on by default): what the step fixed before
   // the kernel that runs just before this one (RoPE and the cache store)
   // — the rows' sequences and positions, the caches' block tables — is
@@ -620,6 +624,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   const size_t head_stride = (size_t)gridDim.z * (hd + 2);
   if (j0 >= j1) {  // beyond this row's keys, or before its window: an empty chunk
     if (early) pdl_gate();  // (no write before the gate)
+    if (pf_late) ask_l2();  // (no copies of its own)
     if (threadIdx.x < GB) out[threadIdx.x * head_stride + hd] = -INFINITY, out[threadIdx.x * head_stride + hd + 1] = 0.f;
     return;
   }
@@ -777,6 +782,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     asm volatile("" ::: "memory");  // the values are read before their slots are refilled
     issue(1, j + 1);
   }
+  if (pf_late) ask_l2();
   cp_async_wait<0>();
 #pragma unroll
   for (int g = 0; g < GB; g++) {
@@ -1281,11 +1287,14 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     // The prefetch (a hint) only from a 16-byte aligned address, which the
     // bulk request requires (a misaligned one would fault the context).
     const bool pf = c->attn_prefetch && prefetch && ((uintptr_t)prefetch & 15) == 0;
+    size_t pf_bytes = pf ? prefetch_bytes / 16 * 16 : 0;
+    if (c->attn_prefetch_max > 0 && pf_bytes > c->attn_prefetch_max) pf_bytes = c->attn_prefetch_max / 16 * 16;
 #define LLMQ_DECODE(GB, VPL)                                                                                          \
   if (allow_smem(c, attention_decode_kernel<GB, VPL>, smem)) return 1;                                                 \
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
-      window, wave, min_spans, c->attn_early ? 1 : 0, (const char*)(pf ? prefetch : nullptr), pf ? prefetch_bytes / 16 * 16 : 0))
+      window, wave, min_spans, c->attn_early ? 1 : 0, (const char*)(pf ? prefetch : nullptr), pf_bytes,            \
+      c->attn_prefetch == 2 ? 1 : 0))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;

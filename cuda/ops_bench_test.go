@@ -45,7 +45,9 @@ type decodeShape struct {
 
 // BenchmarkDecodeOps times each kernel of a decode step's layer on its
 // own — the residual add and norm, q/k/v, RoPE and the cache store,
-// attention over 2048 keys, o, the MLP or the mixture's router, routing,
+// attention over 2048 keys, o (and the attention and o in turn, the
+// attention asking L2 for o's codes where the library's switch says so),
+// the MLP or the mixture's router, routing,
 // experts, activation and the experts' sum joined to the next norm, the
 // lm_head and the greedy argmax — each replayed in a graph of many calls with
 // its weights rotating through copies (or, for the experts, random
@@ -164,6 +166,17 @@ func BenchmarkDecodeOps(b *testing.B) {
 						return x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{})
 					}},
 					{"o", o[0].Bytes(), w4(att, o, nil, NotGated, delta)},
+					// The two above as the decode runs them: the attention
+					// handed o's codes to ask L2 for, which it does only
+					// under LLMQ_ATTN_PREFETCH (1 or 2; llmq.h); against
+					// attention + o, what the request wins or costs.
+					{"attention→o", o[0].Bytes(), func(i int) error {
+						w := o[i%len(o)]
+						if err := x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{Prefetch: w.B}); err != nil {
+							return err
+						}
+						return w4(att, o, nil, NotGated, delta)(i)
+					}},
 				}
 				if sh.experts == 0 {
 					g, u := alloc(B*sh.inter*2), alloc(B*sh.inter*2)
