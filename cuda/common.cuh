@@ -60,6 +60,10 @@ struct llmq_ctx {
   // cos/sin values before its gate (model.cu; LLMQ_ATTN_EARLY=0: after,
   // for A/Bs).
   bool attn_early = true;
+  // A mixture's combine (rmsnorm with y) orders its rows' slots — reads
+  // their ids and weights — before its gate (model.cu, rmsnorm_kernel;
+  // LLMQ_COMBINE_EARLY=0: after, for A/Bs).
+  bool combine_early = true;
   // LLMQ_ATTN_PREFETCH=1: the decode attention asks L2 for the codes of
   // the GEMM after it (o's) while it runs, when the model passes them
   // (model.cu, attention). Off by default: on an H100 it lost 0.3–1.5% on
@@ -142,9 +146,9 @@ int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
 // visible (so reads and writes order exactly as without PDL), then
 // griddepcontrol.launch_dependents lets the next kernel be scheduled.
 // Without the attribute both instructions return at once. (The decode
-// attention kernel and qk_rope_store_kernel also read, before their gate,
-// what only the host or kernels before the one ahead of them wrote:
-// model.cu, their `early`.)
+// attention kernel, qk_rope_store_kernel and a mixture's combine also
+// read, before their gate, what only the host or kernels before the one
+// ahead of them wrote: model.cu, their `early`.)
 //
 // weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _swap)
 // ask for their first batch of codes (with PF > 0, L2 for a later one),

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 24
+#define LLMQ_API_VERSION 25
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -163,7 +163,11 @@ typedef struct {
    * experts' sum (no delta_norm then). API 23: sums (fp32 [n][H], not
    * with delta or rows) is the delta as the fp32 sums a w4a16_gemm with
    * no outputs left in its workspace (o's or down's), added where delta
-   * would be (before y's experts too) and zeroed on return.
+   * would be (before y's experts too) and zeroed on return. API 25: with y and
+   * no rows, ids and weights are read before the kernel waits on the
+   * launch before it (programmatic dependent launch; LLMQ_COMBINE_EARLY=0:
+   * after): they must come from the host or from a launch before that one
+   * (the routing, ahead of the expert GEMVs).
    * H % 4 == 0, H ≤ 16384; x, w, delta_norm, sums and y 16-byte aligned,
    * delta and out 8-byte aligned (rows of H values from an aligned start
    * are). */

@@ -85,6 +85,15 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // added as the fp16 delta would be; each thread zeroes the values it read,
 // unless ROUTER (whose CTAs share the row; the next norm zeroes them).
 //
+// early (a mixture's combine, under LLMQ_COMBINE_EARLY, on by default):
+// the row's slots are ordered — its ids and weights read — before
+// pdl_gate(). They were written by the routing, a launch before the
+// expert down GEMV that runs just before this kernel, and under PDL this
+// kernel starts only once that GEMV has passed its own gate, so every
+// kernel before it has finished (common.cuh): the ids are final, and only
+// y, which the GEMV is still writing, waits for the gate. One dependent
+// round trip fewer after the gate.
+//
 // ROUTER (rmsnorm_router, a mixture's norm): x + delta is normed but not
 // written back (the next norm adds the same delta, still in its buffer),
 // so that the row's gridDim.y CTAs can each norm it from the same x;
@@ -98,16 +107,33 @@ __global__ void __launch_bounds__(MAXT) rmsnorm_kernel(float* __restrict__ x, co
                                float* y, const int32_t* __restrict__ ids, const float* __restrict__ ew, int k,
                                const int32_t* __restrict__ rows, const float* __restrict__ w, half* __restrict__ out,
                                int H, float eps, const float* __restrict__ W, float* __restrict__ logits, int E,
-                               float* __restrict__ sums) {
+                               float* __restrict__ sums, int early) {
+  __shared__ int slot[kMaxTopK];
+  __shared__ float wt[kMaxTopK];
+  // order_slots puts row r's k slots in ascending expert order (slot,
+  // wt): lane e of warp 0 reads slot e's expert and counts the slots that
+  // go before it (a lower expert, or the same one at a lower slot) — its
+  // place, at once for all k instead of one dependent read after another.
+  auto order_slots = [&](int r) {
+    if (threadIdx.x < 32) {
+      const int e = threadIdx.x;
+      const int id = e < k ? ids[r * k + e] : INT_MAX;
+      int place = 0;
+      for (int j = 0; j < k; j++) {
+        const int other = __shfl_sync(0xffffffffu, id, j);
+        place += other < id || (other == id && j < e);
+      }
+      if (e < k) slot[place] = r * k + e, wt[place] = ew[r * k + e];
+    }
+  };
   if constexpr (ROUTER) {  // this CTA's experts' rows of W on their way to L2 while the kernel before ends (weights: common.cuh)
     const int e = blockIdx.y * router_warps() + (threadIdx.x >> 5);
     if ((threadIdx.x & 31) == 0 && (threadIdx.x >> 5) < router_warps() && e < E) prefetch_l2(W + (size_t)e * H, H * 4);
   }
-  pdl_gate();  // before any global access but the router's weights: see common.cuh
+  if (early) order_slots(blockIdx.x);  // (no rows then)
+  pdl_gate();  // before any global access but the router's weights and the early slots: see common.cuh
   __shared__ float red[32];
   extern __shared__ uint2 norm_h[];  // ROUTER: the normed row, 4 halves a word
-  __shared__ int slot[kMaxTopK];
-  __shared__ float wt[kMaxTopK];
   const int r = rows ? rows[blockIdx.x] : blockIdx.x;
   const int H4 = H >> 2;
   float4* xr = reinterpret_cast<float4*>(x + (size_t)r * H);
@@ -139,20 +165,7 @@ __global__ void __launch_bounds__(MAXT) rmsnorm_kernel(float* __restrict__ x, co
     }
   }
   if (y) {
-    // The row's k slots in ascending expert order: lane e of warp 0 reads
-    // slot e's expert and counts the slots that go before it (a lower
-    // expert, or the same one at a lower slot) — its place, at once for
-    // all k instead of one dependent read after another.
-    if (threadIdx.x < 32) {
-      const int e = threadIdx.x;
-      const int id = e < k ? ids[r * k + e] : INT_MAX;
-      int place = 0;
-      for (int j = 0; j < k; j++) {
-        const int other = __shfl_sync(0xffffffffu, id, j);
-        place += other < id || (other == id && j < e);
-      }
-      if (e < k) slot[place] = r * k + e, wt[place] = ew[r * k + e];
-    }
+    if (!early) order_slots(r);
     __syncthreads();
     if constexpr (MAXT <= 512 && V == 1) {
       // kSlots slots' rows asked for at once, then added in order: the
@@ -1177,17 +1190,17 @@ static int norm_threads(int H) { return ((H / 4 + norm_chunks(H) - 1) / norm_chu
 template <bool ROUTER, bool SUMS>
 static int launch_norm(llmq_ctx* c, dim3 grid, size_t smem, float* x, const half* d, const float* dw, float* y,
                        const int32_t* ids, const float* ew, int k, const int32_t* rows, const float* w, half* out, int H,
-                       float eps, const float* W, float* logits, int E, float* sums) {
+                       float eps, const float* W, float* logits, int E, float* sums, int early) {
   const int threads = norm_threads(H);
   if (!ROUTER && y && threads <= 512) {  // a mixture's combine on a hidden size ≤ 2,048 (rmsnorm_kernel's MAXT)
     CK(launch(c, (rmsnorm_kernel<1, false, 512, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W,
-              logits, E, sums));
+              logits, E, sums, early));
     return 0;
   }
   switch (norm_chunks(H)) {
-    case 1: CK(launch(c, (rmsnorm_kernel<1, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums)); break;
-    case 2: CK(launch(c, (rmsnorm_kernel<2, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums)); break;
-    default: CK(launch(c, (rmsnorm_kernel<4, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums)); break;
+    case 1: CK(launch(c, (rmsnorm_kernel<1, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums, early)); break;
+    case 2: CK(launch(c, (rmsnorm_kernel<2, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums, early)); break;
+    default: CK(launch(c, (rmsnorm_kernel<4, ROUTER, 1024, SUMS>), grid, threads, smem, x, d, dw, y, ids, ew, k, rows, w, out, H, eps, W, logits, E, sums, early)); break;
   }
   return 0;
 }
@@ -1213,8 +1226,9 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, float* sums, const float* 
     return 1;
   }
   const auto norm = sums ? launch_norm<false, true> : launch_norm<false, false>;  // (delta is null with sums)
+  const int early = y && !rows && c->combine_early;  // (the slots ordered before the gate: rmsnorm_kernel)
   return norm(c, n, 0, x, (const half*)delta, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps, nullptr, nullptr,
-              0, sums);
+              0, sums, early);
 }
 
 int add(llmq_ctx* c, float* x, const void* delta, size_t n) {
@@ -1343,7 +1357,7 @@ int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* 
   const int R = c->moe_norm_router ? (E + per - 1) / per : 1, Ek = c->moe_norm_router ? E : 0;
   const auto norm = sums ? launch_norm<true, true> : launch_norm<true, false>;  // (delta is null with sums)
   if (norm(c, dim3(n, R), (size_t)H * sizeof(half), const_cast<float*>(x), (const half*)delta, nullptr, nullptr, nullptr,
-           nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek, const_cast<float*>(sums)))
+           nullptr, 0, nullptr, w, (half*)out, H, eps, W, logits, Ek, const_cast<float*>(sums), 0))
     return 1;
   if (!c->moe_norm_router) return moe_router(c, out, W, logits, n, E, H);
   return 0;

@@ -23,8 +23,17 @@ import (
 // hidden sizes that take each register layout
 // (1, 2 and 4 chunks of four values a thread, a last warp partly idle),
 // and that a hidden size the kernel cannot hold is refused with its name.
+//
+// It runs with LLMQ_COMBINE_EARLY on and off (the experts' ids and
+// weights read before the kernel's PDL gate, or after); here the kernel
+// follows host copies, so both must give the reference. The chain the
+// early read counts on (the routing two launches ahead) is the model
+// tests' (the mixtures' logits against the CPU).
 func TestRMSNormMatchesReference(t *testing.T) {
-	x := openContext(t)
+	onAndOff(t, "LLMQ_COMBINE_EARLY", func(t *testing.T, x *Context, _ bool) { testRMSNorm(t, x) })
+}
+
+func testRMSNorm(t *testing.T, x *Context) {
 	r := rand.New(rand.NewPCG(11, 12))
 	const eps = 1e-6
 	for _, H := range []int{128, 260, 4096, 5120, 12288} {
