@@ -42,11 +42,18 @@ import (
 // ignores it, and a fourth asks for its first 4,100 bytes (rounded down
 // to 4,096) once each block has issued its own copies
 // (LLMQ_ATTN_PREFETCH=2, LLMQ_ATTN_PREFETCH_MAX): none may change a bit.
+// A fifth setting merges the chunks in attention_combine's three passes
+// (LLMQ_ATTN_COMBINE=3) instead of the default one: its own rounding,
+// held to the reference only.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
 	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0",
-		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100"}
+		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=3"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
+		first := first
+		if setting == settings[4] {
+			first = map[string][]uint16{}
+		}
 		pf, err := x.Alloc(100_003)
 		if err != nil {
 			t.Fatal(err)

@@ -64,6 +64,9 @@ struct llmq_ctx {
   // their ids and weights — before its gate (model.cu, rmsnorm_kernel;
   // LLMQ_COMBINE_EARLY=0: after, for A/Bs).
   bool combine_early = true;
+  // The attention's chunks merged in one pass (attention_combine1; 1, the
+  // default) or in attention_combine's three (LLMQ_ATTN_COMBINE=3, for A/Bs).
+  int attn_combine = 1;
   // LLMQ_ATTN_PREFETCH=1: the decode attention asks L2 for the codes of
   // the GEMM after it (o's) while it runs, when the model passes them
   // (model.cu, attention). Off by default: on an H100 it lost 0.3–1.5% on

@@ -889,6 +889,63 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   }
 }
 
+// attention_combine1 is attention_combine in one pass over the chunks (the
+// default; LLMQ_ATTN_COMBINE=3 the three passes below, for A/Bs): each
+// warp takes every kCombineWarps-th chunk and keeps its own online
+// softmax state as the decode kernel's warps do — its max m, its sum l and
+// its output, rescaled when m grows — so a chunk's m, l and outputs are
+// loaded together, with no block-wide max to wait for first; the warps
+// then meet once in shared memory: O = Σ_w e^{m_w − M}·o_w / Σ_w
+// e^{m_w − M}·l_w. After the gate the block's loads are one round trip
+// (a few for a long context's many chunks, unrolled by four), not three.
+__global__ void __launch_bounds__(32 * kCombineWarps)
+    attention_combine1(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
+  pdl_gate();  // before any global access: see common.cuh
+  __shared__ float wm[kCombineWarps], wl[kCombineWarps];
+  __shared__ float wo[kCombineWarps][32 * kMaxDimsPerLane];
+  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float* p = part + ((size_t)t * heads + h) * chunks * (hd + 2);
+  float m = -INFINITY, l = 0.f, acc[kMaxDimsPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
+#pragma unroll 4
+  for (int c = warp; c < chunks; c += kCombineWarps) {
+    const float* pc = p + c * (hd + 2);
+    const float mc = pc[hd], lc = pc[hd + 1];
+    float v[kMaxDimsPerLane];
+#pragma unroll
+    for (int i = 0; i < kMaxDimsPerLane; i++) v[i] = lane + 32 * i < hd ? pc[lane + 32 * i] : 0.f;
+    if (lc > 0.f) {  // l = 0: an empty chunk (the same for the whole warp)
+      const float mn = fmaxf(m, mc), r = __expf(m - mn), w = __expf(mc - mn);  // r = 0 for the warp's first
+      l = l * r + w * lc;
+#pragma unroll
+      for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = acc[i] * r + w * v[i];
+      m = mn;
+    }
+  }
+  if (lane == 0) wm[warp] = m, wl[warp] = l;
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++)
+    if (lane + 32 * i < hd) wo[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; w++) M = fmaxf(M, wm[w]);
+  float L = 0.f, e[kCombineWarps];
+#pragma unroll
+  for (int w = 0; w < kCombineWarps; w++) {
+    e[w] = wl[w] > 0.f ? __expf(wm[w] - M) : 0.f;  // a warp without a chunk's keys: m = −inf, l = 0
+    L += e[w] * wl[w];
+  }
+  half* o = out + ((size_t)t * heads + h) * hd;
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; w++) sum += e[w] * wo[w][i];
+    o[i] = __float2half(sum / L);
+  }
+}
+
 // gated_act_kernel: g = act(g)·u.
 __global__ void gated_act_kernel(half* __restrict__ g, const half* __restrict__ u, size_t n, int act) {
   pdl_gate();  // before any global access: see common.cuh
@@ -1325,8 +1382,8 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
                                                                        kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
                                                                        qscale, chunk, window));
   }
-  CK(launch(c, (attention_combine), dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
-                                                                          chunks));
+  CK(launch(c, c->attn_combine == 3 ? attention_combine : attention_combine1, dim3(T, heads), 32 * kCombineWarps, 0,
+            (const float*)workspace, (half*)out, heads, hd, chunks));
   return 0;
 }
 
