@@ -9,6 +9,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/x448/float16"
@@ -42,16 +43,19 @@ import (
 // ignores it, and a fourth asks for its first 4,100 bytes (rounded down
 // to 4,096) once each block has issued its own copies
 // (LLMQ_ATTN_PREFETCH=2, LLMQ_ATTN_PREFETCH_MAX): none may change a bit.
-// A fifth setting merges the chunks in attention_combine's three passes
-// (LLMQ_ATTN_COMBINE=3) instead of the default one: its own rounding,
-// held to the reference only.
+// Two more settings merge the chunks in attention_combine's three passes
+// (LLMQ_ATTN_COMBINE=3) or in the decode kernel's last block of each head
+// group (LLMQ_ATTN_COMBINE=0) instead of attention_combine1: each its own
+// rounding, held to the reference only. The cases run one after another
+// on one context, so a merge count the last block failed to set back to
+// zero would leave a later case's output unwritten.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
 	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0",
-		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=3"}
+		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=3", "LLMQ_ATTN_COMBINE=0"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		first := first
-		if setting == settings[4] {
+		if strings.Contains(setting, "LLMQ_ATTN_COMBINE") {
 			first = map[string][]uint16{}
 		}
 		pf, err := x.Alloc(100_003)
@@ -133,6 +137,9 @@ func testAttentionDecode(t *testing.T, x *Context, pf Buf, first map[string][]ui
 			}
 			qb, _ := AllocFrom(x, toF16(q))
 			out, _ := x.Alloc(tc.rows * qd * 2)
+			if err := x.Memset(out, 0xFF, tc.rows*qd*2); err != nil { // NaNs: an output left unwritten shows
+				t.Fatal(err)
+			}
 			// The workspace starts as 3.4e38s (bytes 0x7F): a chunk record the
 			// kernels leave unwritten wins the combine's max and shows.
 			wsBytes := x.Lib().AttentionWorkspaceBytes(tc.rows, tc.heads, tc.hd, maxKeys)

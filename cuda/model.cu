@@ -584,13 +584,105 @@ __device__ __forceinline__ void unpack8(uint4 u, float* f) {
   }
 }
 
+// fold_chunks folds chunk records c0, c0 + step, … < chunks of one
+// head (p: its first record, hd + 2 floats each: outputs, m, l) into
+// warp w's online softmax state — its max m, its sum l and its outputs
+// (lane's dimensions lane + 32·i), rescaled when m grows — and leaves it
+// in shared memory for meet_warps: wm[w], wl[w], wo[w·hd …]. A record's
+// m, l and outputs are loaded together (through L2: they were written by
+// other blocks), four records' at a time.
+__device__ __forceinline__ void fold_chunks(const float* p, int c0, int step, int chunks, int hd, float* wm, float* wl,
+                                            float* wo) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  float m = -INFINITY, l = 0.f, acc[kMaxDimsPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
+#pragma unroll 4
+  for (int c = c0; c < chunks; c += step) {
+    const float* pc = p + (size_t)c * (hd + 2);
+    const float mc = __ldcg(pc + hd), lc = __ldcg(pc + hd + 1);
+    float v[kMaxDimsPerLane];
+#pragma unroll
+    for (int i = 0; i < kMaxDimsPerLane; i++) v[i] = lane + 32 * i < hd ? __ldcg(pc + lane + 32 * i) : 0.f;
+    if (lc > 0.f) {  // l = 0: an empty chunk (the same for the whole warp)
+      const float mn = fmaxf(m, mc), r = __expf(m - mn), e = __expf(mc - mn);  // r = 0 for the warp's first
+      l = l * r + e * lc;
+#pragma unroll
+      for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = acc[i] * r + e * v[i];
+      m = mn;
+    }
+  }
+  if (lane == 0) wm[w] = m, wl[w] = l;
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; i++)
+    if (lane + 32 * i < hd) wo[w * hd + lane + 32 * i] = acc[i];
+}
+
+// meet_warps is dimension i of a head's output from the states of warps
+// w0 … w0 + n − 1 in shared memory (wm, wl: a float each; wo: hd floats
+// each): Σ_w e^{m_w − M}·o_w / Σ_w e^{m_w − M}·l_w, M = max_w m_w.
+__device__ __forceinline__ float meet_warps(const float* wm, const float* wl, const float* wo, int w0, int n, int hd,
+                                            int i) {
+  float M = -INFINITY;
+  for (int w = w0; w < w0 + n; w++) M = fmaxf(M, wm[w]);
+  float L = 0.f, o = 0.f;
+  for (int w = w0; w < w0 + n; w++)
+    if (wl[w] > 0.f) {  // a warp without keys: m = −inf, l = 0
+      const float e = __expf(wm[w] - M);
+      L += e * wl[w], o += e * wo[w * hd + i];
+    }
+  return o / L;
+}
+
+// merge_if_last is attention_combine1's merge done by the decode kernel
+// itself (LLMQ_ATTN_COMBINE=0): each block, its (row, head group, chunk)
+// records written, counts itself in counters[row · gridDim.y + group],
+// and the group's last block merges the group's GB heads' records into
+// merged (fp16 [T][heads][hd]) — one launch fewer than the combine
+// kernel, whose wait on this kernel's end is what it saves. The classic
+// last-block pattern (the CUDA programming guide's memory fence
+// example): every thread's records are fenced before the count, and the
+// last block reads the others' through L2 (__ldcg) after a fence of its
+// own. It sets the count back to 0 for the next launch. Warp w merges
+// head w / (kDecodeWarps/GB), every (kDecodeWarps/GB)-th chunk, keeping
+// its own online softmax state; the warps of a head meet in smem.
+template <int GB>
+__device__ __forceinline__ void merge_if_last(const float* part, half* __restrict__ merged, int* __restrict__ counters,
+                                              int heads, int hd, float* smem) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();  // (also: every thread is done with smem's meeting)
+  const int t = blockIdx.x, Z = gridDim.z;
+  if (threadIdx.x == 0) {
+    int* n = counters + (size_t)t * gridDim.y + blockIdx.y;
+    last = atomicAdd(n, 1) == Z - 1;
+    if (last) *n = 0;  // every block of this launch has counted
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  constexpr int kWarpsAHead = kDecodeWarps / GB;
+  const int warp = threadIdx.x >> 5, g = warp / kWarpsAHead, h0 = blockIdx.y * GB;
+  // The meeting: [warps] m, [warps] l, [warps][hd] outputs (the decode
+  // kernel's shared memory holds kDecodeWarps·GB·(hd + 2) floats).
+  float* wm = smem;
+  float* wl = wm + kDecodeWarps;
+  float* wo = wl + kDecodeWarps;
+  fold_chunks(part + ((size_t)t * heads + h0 + g) * Z * (hd + 2), warp % kWarpsAHead, kWarpsAHead, Z, hd, wm, wl, wo);
+  __syncthreads();
+  for (int k = threadIdx.x; k < GB * hd; k += blockDim.x) {
+    const int gk = k / hd, i = k % hd;
+    merged[((size_t)t * heads + h0 + gk) * hd + i] = __float2half(meet_warps(wm, wl, wo, gk * kWarpsAHead, kWarpsAHead, hd, i));
+  }
+}
+
 template <int GB, int VPL>
 __global__ void __launch_bounds__(32 * kDecodeWarps)
     attention_decode_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
                             float scale, int window, int wave, int min_spans, int early, const char* __restrict__ pf,
-                            size_t pf_bytes, int pf_late) {
+                            size_t pf_bytes, int pf_late, half* __restrict__ merged, int* __restrict__ counters) {
   // pf: pf_bytes (a multiple of 16) of the next GEMM's codes, asked of L2,
   // weights being safe to read at any time (common.cuh): the grid's warps
   // take equal shares, in requests of at most kPrefetchChunk bytes. At a
@@ -639,6 +731,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     if (early) pdl_gate();  // (no write before the gate)
     if (pf_late) ask_l2();  // (no copies of its own)
     if (threadIdx.x < GB) out[threadIdx.x * head_stride + hd] = -INFINITY, out[threadIdx.x * head_stride + hd + 1] = 0.f;
+    if (counters) merge_if_last<GB>(part, merged, counters, heads, hd, smem);
     return;
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -837,6 +930,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     }
     out[g * head_stride + i] = i == hd ? M : o;  // i = hd + 1: L
   }
+  if (counters) merge_if_last<GB>(part, merged, counters, heads, hd, smem);
 }
 
 // attention_combine: one block per (row, head) merges the chunks:
@@ -902,48 +996,12 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
     attention_combine1(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
   pdl_gate();  // before any global access: see common.cuh
   __shared__ float wm[kCombineWarps], wl[kCombineWarps];
-  __shared__ float wo[kCombineWarps][32 * kMaxDimsPerLane];
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* p = part + ((size_t)t * heads + h) * chunks * (hd + 2);
-  float m = -INFINITY, l = 0.f, acc[kMaxDimsPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
-#pragma unroll 4
-  for (int c = warp; c < chunks; c += kCombineWarps) {
-    const float* pc = p + c * (hd + 2);
-    const float mc = pc[hd], lc = pc[hd + 1];
-    float v[kMaxDimsPerLane];
-#pragma unroll
-    for (int i = 0; i < kMaxDimsPerLane; i++) v[i] = lane + 32 * i < hd ? pc[lane + 32 * i] : 0.f;
-    if (lc > 0.f) {  // l = 0: an empty chunk (the same for the whole warp)
-      const float mn = fmaxf(m, mc), r = __expf(m - mn), w = __expf(mc - mn);  // r = 0 for the warp's first
-      l = l * r + w * lc;
-#pragma unroll
-      for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = acc[i] * r + w * v[i];
-      m = mn;
-    }
-  }
-  if (lane == 0) wm[warp] = m, wl[warp] = l;
-#pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; i++)
-    if (lane + 32 * i < hd) wo[warp][lane + 32 * i] = acc[i];
+  __shared__ float wo[kCombineWarps * 32 * kMaxDimsPerLane];
+  const int t = blockIdx.x, h = blockIdx.y;
+  fold_chunks(part + ((size_t)t * heads + h) * chunks * (hd + 2), threadIdx.x >> 5, kCombineWarps, chunks, hd, wm, wl, wo);
   __syncthreads();
-  float M = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < kCombineWarps; w++) M = fmaxf(M, wm[w]);
-  float L = 0.f, e[kCombineWarps];
-#pragma unroll
-  for (int w = 0; w < kCombineWarps; w++) {
-    e[w] = wl[w] > 0.f ? __expf(wm[w] - M) : 0.f;  // a warp without a chunk's keys: m = −inf, l = 0
-    L += e[w] * wl[w];
-  }
   half* o = out + ((size_t)t * heads + h) * hd;
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCombineWarps; w++) sum += e[w] * wo[w][i];
-    o[i] = __float2half(sum / L);
-  }
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) o[i] = __float2half(meet_warps(wm, wl, wo, 0, kCombineWarps, hd, i));
 }
 
 // gated_act_kernel: g = act(g)·u.
@@ -1333,6 +1391,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   // blocks. Many rows (prefill): one chunk per row is parallel enough
   // (the scores of a whole row must fit in shared memory).
   const bool decode = T <= 64;
+  bool merge = false;  // the decode kernel merges the chunks itself
   const int chunk = decode ? kDecodeChunk : max_keys;
   int chunks = (max_keys + chunk - 1) / chunk;
   const float qscale = scale > 0 ? scale : 1.f / sqrtf((float)hd);
@@ -1357,6 +1416,9 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const dim3 grid(T, heads / gb, chunks);
     // The prefetch (a hint) only from a 16-byte aligned address, which the
     // bulk request requires (a misaligned one would fault the context).
+    // The merge by the kernel's last blocks (merge_if_last), where the
+    // context's counters cover the grid's (row, head group)s.
+    merge = c->attn_combine == 0 && (size_t)T * (heads / gb) <= kAttnCounters;
     const bool pf = c->attn_prefetch && prefetch && ((uintptr_t)prefetch & 15) == 0;
     size_t pf_bytes = pf ? prefetch_bytes / 16 * 16 : 0;
     if (c->attn_prefetch_max > 0 && pf_bytes > c->attn_prefetch_max) pf_bytes = c->attn_prefetch_max / 16 * 16;
@@ -1365,7 +1427,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
       window, wave, min_spans, c->attn_early ? 1 : 0, (const char*)(pf ? prefetch : nullptr), pf_bytes,            \
-      c->attn_prefetch == 2 ? 1 : 0))
+      c->attn_prefetch == 2 ? 1 : 0, (half*)out, merge ? c->attn_counters : nullptr))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;
@@ -1382,6 +1444,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
                                                                        kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
                                                                        qscale, chunk, window));
   }
+  if (merge) return 0;
   CK(launch(c, c->attn_combine == 3 ? attention_combine : attention_combine1, dim3(T, heads), 32 * kCombineWarps, 0,
             (const float*)workspace, (half*)out, heads, hd, chunks));
   return 0;
