@@ -43,20 +43,20 @@ import (
 // ignores it, and a fourth asks for its first 4,100 bytes (rounded down
 // to 4,096) once each block has issued its own copies
 // (LLMQ_ATTN_PREFETCH=2, LLMQ_ATTN_PREFETCH_MAX): none may change a bit.
-// Two more settings merge the chunks in attention_combine's three passes
-// (LLMQ_ATTN_COMBINE=3) or in the decode kernel's last block of each head
-// group (LLMQ_ATTN_COMBINE=0) instead of attention_combine1: each its own
-// rounding, held to the reference only. The cases run one after another
-// on one context, so a merge count the last block failed to set back to
-// zero would leave a later case's output unwritten.
+// Two more settings merge the chunks in attention_combine1's one pass
+// (LLMQ_ATTN_COMBINE=1), which reads only each row's own records (rows
+// at random positions below the key bound leave empty records after
+// theirs; the windowed cases, before), with its lookups before the gate
+// and after: their own rounding, held to the reference and to each other.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
 	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0",
-		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=3", "LLMQ_ATTN_COMBINE=0"}
+		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=1", "LLMQ_ATTN_COMBINE=1 LLMQ_ATTN_EARLY=0"}
+	onePass := map[string][]uint16{}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		first := first
-		if strings.Contains(setting, "LLMQ_ATTN_COMBINE") {
-			first = map[string][]uint16{}
+		if strings.Contains(setting, "LLMQ_ATTN_COMBINE=1") {
+			first = onePass
 		}
 		pf, err := x.Alloc(100_003)
 		if err != nil {

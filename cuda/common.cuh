@@ -10,11 +10,6 @@
 #include <unordered_set>
 #include "llmq.h"
 
-// The decode attention's merge counters a context holds (llmq_ctx's
-// attn_counters): one a (row, head group) of a launch; 64 rows of up to
-// 128 head groups.
-constexpr int kAttnCounters = 64 * 128;
-
 // llmq_ctx owns a stream and everything issued on it (see llmq.h).
 struct llmq_ctx {
   int device = 0;
@@ -69,13 +64,9 @@ struct llmq_ctx {
   // their ids and weights — before its gate (model.cu, rmsnorm_kernel;
   // LLMQ_COMBINE_EARLY=0: after, for A/Bs).
   bool combine_early = true;
-  // The attention's chunks merged in one pass (attention_combine1; 1, the
-  // default), in attention_combine's three (LLMQ_ATTN_COMBINE=3), or by
-  // the decode kernel's last block of each head group (0; merge_if_last,
-  // counting in attn_counters: kAttnCounters ints, zero between launches,
-  // 32 KB of the context's own, not in live_bytes).
-  int attn_combine = 1;
-  int* attn_counters = nullptr;
+  // The attention's chunks merged in attention_combine's three passes (3,
+  // the default) or in attention_combine1's one (LLMQ_ATTN_COMBINE=1).
+  int attn_combine = 3;
   // LLMQ_ATTN_PREFETCH=1: the decode attention asks L2 for the codes of
   // the GEMM after it (o's) while it runs, when the model passes them
   // (model.cu, attention). Off by default: on an H100 it lost 0.3–1.5% on

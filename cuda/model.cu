@@ -575,6 +575,14 @@ __host__ __device__ __forceinline__ int spans_for(long work, int wave, int floor
   return want >= kMaxSpans ? kMaxSpans : want > floor ? (int)want : floor;
 }
 
+// row_spans is the sub-chunks each block of a row takes, the row's keys
+// lo … n − 1 spread over a grid of `rows` (row, head group)s: the decode
+// kernel's chunk is kDecodeChunk of them, and attention_combine1 bounds
+// the row's records with the same count.
+__device__ __forceinline__ int row_spans(int n, int lo, long rows, int wave, int min_spans) {
+  return spans_for(rows * ((n - lo + kDecodeChunk - 1) / kDecodeChunk), wave, min_spans);
+}
+
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {
   const half2* h = reinterpret_cast<const half2*>(&u);
 #pragma unroll
@@ -634,55 +642,13 @@ __device__ __forceinline__ float meet_warps(const float* wm, const float* wl, co
   return o / L;
 }
 
-// merge_if_last is attention_combine1's merge done by the decode kernel
-// itself (LLMQ_ATTN_COMBINE=0): each block, its (row, head group, chunk)
-// records written, counts itself in counters[row · gridDim.y + group],
-// and the group's last block merges the group's GB heads' records into
-// merged (fp16 [T][heads][hd]) — one launch fewer than the combine
-// kernel, whose wait on this kernel's end is what it saves. The classic
-// last-block pattern (the CUDA programming guide's memory fence
-// example): every thread's records are fenced before the count, and the
-// last block reads the others' through L2 (__ldcg) after a fence of its
-// own. It sets the count back to 0 for the next launch. Warp w merges
-// head w / (kDecodeWarps/GB), every (kDecodeWarps/GB)-th chunk, keeping
-// its own online softmax state; the warps of a head meet in smem.
-template <int GB>
-__device__ __forceinline__ void merge_if_last(const float* part, half* __restrict__ merged, int* __restrict__ counters,
-                                              int heads, int hd, float* smem) {
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();  // (also: every thread is done with smem's meeting)
-  const int t = blockIdx.x, Z = gridDim.z;
-  if (threadIdx.x == 0) {
-    int* n = counters + (size_t)t * gridDim.y + blockIdx.y;
-    last = atomicAdd(n, 1) == Z - 1;
-    if (last) *n = 0;  // every block of this launch has counted
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  constexpr int kWarpsAHead = kDecodeWarps / GB;
-  const int warp = threadIdx.x >> 5, g = warp / kWarpsAHead, h0 = blockIdx.y * GB;
-  // The meeting: [warps] m, [warps] l, [warps][hd] outputs (the decode
-  // kernel's shared memory holds kDecodeWarps·GB·(hd + 2) floats).
-  float* wm = smem;
-  float* wl = wm + kDecodeWarps;
-  float* wo = wl + kDecodeWarps;
-  fold_chunks(part + ((size_t)t * heads + h0 + g) * Z * (hd + 2), warp % kWarpsAHead, kWarpsAHead, Z, hd, wm, wl, wo);
-  __syncthreads();
-  for (int k = threadIdx.x; k < GB * hd; k += blockDim.x) {
-    const int gk = k / hd, i = k % hd;
-    merged[((size_t)t * heads + h0 + gk) * hd + i] = __float2half(meet_warps(wm, wl, wo, gk * kWarpsAHead, kWarpsAHead, hd, i));
-  }
-}
-
 template <int GB, int VPL>
 __global__ void __launch_bounds__(32 * kDecodeWarps)
     attention_decode_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
                             float scale, int window, int wave, int min_spans, int early, const char* __restrict__ pf,
-                            size_t pf_bytes, int pf_late, half* __restrict__ merged, int* __restrict__ counters) {
+                            size_t pf_bytes, int pf_late) {
   // pf: pf_bytes (a multiple of 16) of the next GEMM's codes, asked of L2,
   // weights being safe to read at any time (common.cuh): the grid's warps
   // take equal shares, in requests of at most kPrefetchChunk bytes. At a
@@ -722,7 +688,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   // graph's, is up to twice the rows' lengths); the blocks past the row's
   // chunks only write empty records.
   const int lo = window > 0 ? max(0, n - window) : 0;
-  const int spans = spans_for((long)gridDim.x * gridDim.y * ((n - lo + kDecodeChunk - 1) / kDecodeChunk), wave, min_spans);
+  const int spans = row_spans(n, lo, (long)gridDim.x * gridDim.y, wave, min_spans);
   const int chunk = kDecodeChunk * spans;
   const int j0 = max(c * chunk, lo), j1 = min(n, c * chunk + chunk);
   float* out = part + (((size_t)t * heads + h0) * gridDim.z + c) * (hd + 2);
@@ -731,7 +697,6 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     if (early) pdl_gate();  // (no write before the gate)
     if (pf_late) ask_l2();  // (no copies of its own)
     if (threadIdx.x < GB) out[threadIdx.x * head_stride + hd] = -INFINITY, out[threadIdx.x * head_stride + hd + 1] = 0.f;
-    if (counters) merge_if_last<GB>(part, merged, counters, heads, hd, smem);
     return;
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -930,7 +895,6 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     }
     out[g * head_stride + i] = i == hd ? M : o;  // i = hd + 1: L
   }
-  if (counters) merge_if_last<GB>(part, merged, counters, heads, hd, smem);
 }
 
 // attention_combine: one block per (row, head) merges the chunks:
@@ -983,22 +947,38 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   }
 }
 
-// attention_combine1 is attention_combine in one pass over the chunks (the
-// default; LLMQ_ATTN_COMBINE=3 the three passes below, for A/Bs): each
-// warp takes every kCombineWarps-th chunk and keeps its own online
-// softmax state as the decode kernel's warps do — its max m, its sum l and
-// its output, rescaled when m grows — so a chunk's m, l and outputs are
-// loaded together, with no block-wide max to wait for first; the warps
-// then meet once in shared memory: O = Σ_w e^{m_w − M}·o_w / Σ_w
-// e^{m_w − M}·l_w. After the gate the block's loads are one round trip
-// (a few for a long context's many chunks, unrolled by four), not three.
+// attention_combine1 is attention_combine in one pass over the chunks
+// (LLMQ_ATTN_COMBINE=1; the default is attention_combine): each warp takes
+// every kCombineWarps-th chunk and keeps its own online softmax state as
+// the decode kernel's warps do — its max m, its sum l and its output,
+// rescaled when m grows — so a chunk's m, l and outputs are loaded
+// together (fold_chunks), with no block-wide max to wait for first; the
+// warps then meet once in shared memory (meet_warps). After the decode
+// kernel (row_pos set), only the row's own records are read: a CUDA
+// graph's key bound is up to twice the row's keys, and the records past
+// them (or before a sliding window) are empty. The row's chunk is the
+// decode kernel's (row_spans, from the same grid sizes: rows, wave,
+// min_spans); its position, fixed before the RoPE kernel ahead of the
+// attention, is read before the gate when early (the decode kernel's
+// argument).
 __global__ void __launch_bounds__(32 * kCombineWarps)
-    attention_combine1(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
-  pdl_gate();  // before any global access: see common.cuh
+    attention_combine1(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks,
+                       const int32_t* __restrict__ row_pos, int rows, int wave, int min_spans, int window, int early) {
+  const int t = blockIdx.x, h = blockIdx.y;
+  int c0 = 0, c1 = chunks;
+  auto bound = [&]() {
+    if (!row_pos) return;
+    const int n = row_pos[t] + 1, lo = window > 0 ? max(0, n - window) : 0;
+    const int chunk = kDecodeChunk * row_spans(n, lo, rows, wave, min_spans);
+    c0 = lo / chunk, c1 = min(chunks, (n + chunk - 1) / chunk);
+  };
+  if (early) bound();
+  pdl_gate();  // before any other global access: see common.cuh
+  if (!early) bound();
   __shared__ float wm[kCombineWarps], wl[kCombineWarps];
   __shared__ float wo[kCombineWarps * 32 * kMaxDimsPerLane];
-  const int t = blockIdx.x, h = blockIdx.y;
-  fold_chunks(part + ((size_t)t * heads + h) * chunks * (hd + 2), threadIdx.x >> 5, kCombineWarps, chunks, hd, wm, wl, wo);
+  fold_chunks(part + ((size_t)t * heads + h) * chunks * (hd + 2), c0 + (threadIdx.x >> 5), kCombineWarps, c1, hd, wm, wl,
+              wo);
   __syncthreads();
   half* o = out + ((size_t)t * heads + h) * hd;
   for (int i = threadIdx.x; i < hd; i += blockDim.x) o[i] = __float2half(meet_warps(wm, wl, wo, 0, kCombineWarps, hd, i));
@@ -1391,7 +1371,10 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   // blocks. Many rows (prefill): one chunk per row is parallel enough
   // (the scores of a whole row must fit in shared memory).
   const bool decode = T <= 64;
-  bool merge = false;  // the decode kernel merges the chunks itself
+  // What attention_combine1 bounds each row's records with, when the
+  // decode kernel ran: its grid's rows, wave and min_spans.
+  bool decoded = false;
+  int decoded_rows = 0, decoded_wave = 0, decoded_min_spans = 0;
   const int chunk = decode ? kDecodeChunk : max_keys;
   int chunks = (max_keys + chunk - 1) / chunk;
   const float qscale = scale > 0 ? scale : 1.f / sqrtf((float)hd);
@@ -1409,6 +1392,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const int span_chunks = window > 0 ? std::min(chunks, (window + kDecodeChunk - 1) / kDecodeChunk + 1) : chunks;
     const int min_spans = spans_for((long)T * (heads / gb) * ((span_chunks + 1) / 2), wave, 1);
     chunks = (chunks + min_spans - 1) / min_spans;
+    decoded = true, decoded_rows = T * (heads / gb), decoded_wave = wave, decoded_min_spans = min_spans;
     // Shared memory: the block's keys and values in flight, then the
     // warps' meeting in the same bytes (whichever is larger).
     const size_t meet = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float),
@@ -1416,9 +1400,6 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const dim3 grid(T, heads / gb, chunks);
     // The prefetch (a hint) only from a 16-byte aligned address, which the
     // bulk request requires (a misaligned one would fault the context).
-    // The merge by the kernel's last blocks (merge_if_last), where the
-    // context's counters cover the grid's (row, head group)s.
-    merge = c->attn_combine == 0 && (size_t)T * (heads / gb) <= kAttnCounters;
     const bool pf = c->attn_prefetch && prefetch && ((uintptr_t)prefetch & 15) == 0;
     size_t pf_bytes = pf ? prefetch_bytes / 16 * 16 : 0;
     if (c->attn_prefetch_max > 0 && pf_bytes > c->attn_prefetch_max) pf_bytes = c->attn_prefetch_max / 16 * 16;
@@ -1427,7 +1408,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
       window, wave, min_spans, c->attn_early ? 1 : 0, (const char*)(pf ? prefetch : nullptr), pf_bytes,            \
-      c->attn_prefetch == 2 ? 1 : 0, (half*)out, merge ? c->attn_counters : nullptr))
+      c->attn_prefetch == 2 ? 1 : 0))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;
@@ -1444,9 +1425,14 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
                                                                        kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
                                                                        qscale, chunk, window));
   }
-  if (merge) return 0;
-  CK(launch(c, c->attn_combine == 3 ? attention_combine : attention_combine1, dim3(T, heads), 32 * kCombineWarps, 0,
-            (const float*)workspace, (half*)out, heads, hd, chunks));
+  if (c->attn_combine == 1) {
+    CK(launch(c, attention_combine1, dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
+              chunks, decoded ? row_pos : nullptr, decoded_rows, decoded_wave, decoded_min_spans, window,
+              c->attn_early ? 1 : 0));
+  } else {
+    CK(launch(c, attention_combine, dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
+              chunks));
+  }
   return 0;
 }
 

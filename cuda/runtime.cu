@@ -123,11 +123,6 @@ int ctx_create(int device, llmq_ctx** out) {
     set_error(c, "cublasSetStream/cublasSetWorkspace failed");
     return fail();
   }
-  if ((e = cudaMalloc(&c->attn_counters, kAttnCounters * sizeof(int))) != cudaSuccess ||
-      (e = cudaMemset(c->attn_counters, 0, kAttnCounters * sizeof(int))) != cudaSuccess) {
-    set_error(c, "the attention's counters: %s", cudaGetErrorString(e));
-    return fail();
-  }
   *out = c;
   return 0;
 }
@@ -152,7 +147,6 @@ int ctx_destroy(llmq_ctx* c) {
     rc = 1;
   }
   for (auto& a : c->allocs) note(cudaFree(a.first), "cudaFree");
-  if (c->attn_counters) note(cudaFree(c->attn_counters), "cudaFree");
   if (c->stream) note(cudaStreamDestroy(c->stream), "cudaStreamDestroy");
   delete c;
   return rc;
