@@ -48,14 +48,23 @@ import (
 // at random positions below the key bound leave empty records after
 // theirs; the windowed cases, before), with its lookups before the gate
 // and after: their own rounding, held to the reference and to each other.
+// A third one-pass setting shrinks the decode grid's target to 8 blocks
+// (LLMQ_DECODE_WAVE), so that rows take several sub-chunks a block and
+// the grid fewer chunks than the key bound's (min_spans > 1): the bound's
+// chunk arithmetic beyond 64 keys, windows included (a bound too narrow
+// drops keys and fails the reference).
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
 	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0",
-		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=1", "LLMQ_ATTN_COMBINE=1 LLMQ_ATTN_EARLY=0"}
+		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=1", "LLMQ_ATTN_COMBINE=1 LLMQ_ATTN_EARLY=0",
+		"LLMQ_ATTN_COMBINE=1 LLMQ_DECODE_WAVE=8"}
 	onePass := map[string][]uint16{}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		first := first
-		if strings.Contains(setting, "LLMQ_ATTN_COMBINE=1") {
+		switch {
+		case strings.Contains(setting, "LLMQ_DECODE_WAVE"):
+			first = map[string][]uint16{} // other chunks: other rounding
+		case strings.Contains(setting, "LLMQ_ATTN_COMBINE=1"):
 			first = onePass
 		}
 		pf, err := x.Alloc(100_003)

@@ -65,7 +65,9 @@ struct llmq_ctx {
   // LLMQ_COMBINE_EARLY=0: after, for A/Bs).
   bool combine_early = true;
   // The attention's chunks merged in attention_combine's three passes (3,
-  // the default) or in attention_combine1's one (LLMQ_ATTN_COMBINE=1).
+  // the default; so is any value but 1) or in attention_combine1's one
+  // (LLMQ_ATTN_COMBINE=1). (=0 was the decode kernel's own merge in the
+  // twenty-seventh session's A/Bs, since removed: it now means three.)
   int attn_combine = 3;
   // LLMQ_ATTN_PREFETCH=1: the decode attention asks L2 for the codes of
   // the GEMM after it (o's) while it runs, when the model passes them

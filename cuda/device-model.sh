@@ -663,6 +663,7 @@ PY
       echo "# $LLMQ_COMMIT: ${e:+$e }cuda.test -test.run '^\$' -test.bench '$bench' -test.benchtime 10x"
       env $e build/device/cuda.test -test.run '^$' -test.bench "$bench" -test.benchtime 10x 2>&1
     done | tee "$OUT/decode-ops-$G${OPS_TAG:-}.txt" | grep -E "^#|µs/call|FAIL|panic"
+    grep -qE "^(FAIL|panic)|^--- FAIL" "$OUT/decode-ops-$G${OPS_TAG:-}.txt" && exit 1
     ;;
   synth)
     TOK=$LLMQ_SHARED/models/${2:-llama-small}

@@ -655,8 +655,10 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   // decode step's few rows this kernel waits on its loads' latency, and so
   // does the GEMM after it (o at batch 1 reaches about 1.3 TB/s); the codes
   // then come from L2 instead of DRAM. Asked at the kernel's start, or
-  // with pf_late once the block's own copies are all issued (after its
-  // last sub-chunk), so that they do not queue ahead of its keys and values.
+  // with pf_late once the block's own copies are all issued (its last
+  // sub-chunk's), so that they do not queue ahead of its keys and values.
+  // (The twenty-seventh session measured a first version that asked
+  // after the loop, once those copies had also arrived and been used.)
   auto ask_l2 = [&]() {
     if (!pf_bytes) return;
     constexpr size_t kPrefetchChunk = 32 << 10;
@@ -764,6 +766,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   };
   issue(0, 0);
   issue(1, 0);
+  if (pf_late && spans == 1) ask_l2();  // the block's copies all issued
   float qf[GB][VPL][8];
 #pragma unroll
   for (int g = 0; g < GB; g++)
@@ -852,8 +855,8 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     }
     asm volatile("" ::: "memory");  // the values are read before their slots are refilled
     issue(1, j + 1);
+    if (pf_late && j + 2 == spans) ask_l2();  // the last sub-chunk's copies issued
   }
-  if (pf_late) ask_l2();
   cp_async_wait<0>();
 #pragma unroll
   for (int g = 0; g < GB; g++) {

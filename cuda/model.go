@@ -1847,8 +1847,9 @@ func OpenModelWith(ck *checkpoint.Checkpoint, opt LoadOptions) (Backend, error) 
 // runs: o's codes, the GEMM after it, in a pass of at most SumsMaxRows
 // rows, where both wait on their loads' latency rather than on DRAM's
 // bandwidth, and at most attnPrefetchMax bytes of them. The library asks
-// only under LLMQ_ATTN_PREFETCH=1 (off by default: measured, it lost on
-// the dense llama3-8b and gained under 1% on qwen3-30b-a3b).
+// only under LLMQ_ATTN_PREFETCH=1 or 2 (at most LLMQ_ATTN_PREFETCH_MAX
+// bytes if set; off by default: measured, it lost on the dense llama3-8b
+// and gained under 1% on qwen3-30b-a3b).
 func attnPrefetch(b *gpuBlock, T int) Buf {
 	if T > SumsMaxRows || b.o == nil || b.o.w4 == nil {
 		return Buf{}
