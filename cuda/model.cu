@@ -626,15 +626,14 @@ __device__ __forceinline__ void fold_chunks(const float* p, int c0, int step, in
     if (lane + 32 * i < hd) wo[w * hd + lane + 32 * i] = acc[i];
 }
 
-// meet_warps is dimension i of a head's output from the states of warps
-// w0 … w0 + n − 1 in shared memory (wm, wl: a float each; wo: hd floats
-// each): Σ_w e^{m_w − M}·o_w / Σ_w e^{m_w − M}·l_w, M = max_w m_w.
-__device__ __forceinline__ float meet_warps(const float* wm, const float* wl, const float* wo, int w0, int n, int hd,
-                                            int i) {
+// meet_warps is dimension i of a head's output from the states of its n
+// warps in shared memory (wm, wl: a float each; wo: hd floats each):
+// Σ_w e^{m_w − M}·o_w / Σ_w e^{m_w − M}·l_w, M = max_w m_w.
+__device__ __forceinline__ float meet_warps(const float* wm, const float* wl, const float* wo, int n, int hd, int i) {
   float M = -INFINITY;
-  for (int w = w0; w < w0 + n; w++) M = fmaxf(M, wm[w]);
+  for (int w = 0; w < n; w++) M = fmaxf(M, wm[w]);
   float L = 0.f, o = 0.f;
-  for (int w = w0; w < w0 + n; w++)
+  for (int w = 0; w < n; w++)
     if (wl[w] > 0.f) {  // a warp without keys: m = −inf, l = 0
       const float e = __expf(wm[w] - M);
       L += e * wl[w], o += e * wo[w * hd + i];
@@ -984,7 +983,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
               wo);
   __syncthreads();
   half* o = out + ((size_t)t * heads + h) * hd;
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) o[i] = __float2half(meet_warps(wm, wl, wo, 0, kCombineWarps, hd, i));
+  for (int i = threadIdx.x; i < hd; i += blockDim.x) o[i] = __float2half(meet_warps(wm, wl, wo, kCombineWarps, hd, i));
 }
 
 // gated_act_kernel: g = act(g)·u.

@@ -156,6 +156,7 @@ func BenchmarkDecodeOps(b *testing.B) {
 						return x.GemmW4Into(in, outs, w, B, gemmWS, Buf{}, Buf{})
 					}
 				}
+				runO := w4(att, o, nil, NotGated, delta)
 				ops := []decodeOp{
 					{"add+rmsnorm", 0, func(int) error { return x.RMSNorm(xs, delta, Buf{}, Buf{}, norm, h, B, H, 1e-6) }},
 					{"qkv", qkv[0].Bytes(), w4(h, qkv, []int{qd, kvd, kvd}, NotGated, q, k, v)},
@@ -165,18 +166,18 @@ func BenchmarkDecodeOps(b *testing.B) {
 					{"attention", 0, func(i int) error {
 						return x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{})
 					}},
-					{"o", o[0].Bytes(), w4(att, o, nil, NotGated, delta)},
+					{"o", o[0].Bytes(), runO},
 					// The two above as the decode runs them: the attention
 					// handed o's codes to ask L2 for, which it does only
 					// under LLMQ_ATTN_PREFETCH (1 or 2; llmq.h); against
 					// attention + o, what the request wins or costs (no
 					// GB/s: the pair's time is not o's).
 					{"attention→o", 0, func(i int) error {
-						w := o[i%len(o)]
-						if err := x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{Prefetch: w.B}); err != nil {
+						prefetch := AttnOptions{Prefetch: o[i%len(o)].B} // the copy runO reads at call i
+						if err := x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, prefetch); err != nil {
 							return err
 						}
-						return w4(att, o, nil, NotGated, delta)(i)
+						return runO(i)
 					}},
 				}
 				if sh.experts == 0 {
