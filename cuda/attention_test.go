@@ -31,55 +31,32 @@ import (
 // cuda.Cache uses). The workspace starts as huge values, so a chunk record left
 // unwritten fails the test. All of it runs with LLMQ_ATTN_EARLY on and off
 // (the decode kernel's lookups and L2 requests before its PDL gate, or
-// after): each against the reference, and the two the same bits (the
-// prefetch is a hint). Here the kernel follows host copies, so nothing
+// after): each against the reference, and the two the same bits (where
+// a value is read changes no arithmetic; the L2 requests are hints). Here the kernel follows host copies, so nothing
 // runs beside its early reads; the chain it guards (the cache store just
 // before it under PDL) is the model tests' (TestJoinedLinearsMatchSeparate,
-// the zoo's logits against the CPU). The kernel is also given a buffer to
-// ask L2 for (AttnOptions.Prefetch, a hint: whole 16-byte units of
-// 100,003 bytes, asked for under LLMQ_ATTN_PREFETCH=1; 8 bytes in, so
-// misaligned, with LLMQ_ATTN_EARLY=0, which the library must skip rather
-// than fault on), a third setting, LLMQ_ATTN_PREFETCH=0 (the default),
-// ignores it, and a fourth asks for its first 4,100 bytes (rounded down
-// to 4,096) once each block has issued its own copies
-// (LLMQ_ATTN_PREFETCH=2, LLMQ_ATTN_PREFETCH_MAX): none may change a bit.
-// Two more settings merge the chunks in attention_combine1's one pass
-// (LLMQ_ATTN_COMBINE=1), which reads only each row's own records (rows
-// at random positions below the key bound leave empty records after
-// theirs; the windowed cases, before), with its lookups before the gate
-// and after: their own rounding, held to the reference and to each other.
-// A third one-pass setting shrinks the decode grid's target to 8 blocks
-// (LLMQ_DECODE_WAVE), so that rows take several sub-chunks a block and
-// the grid fewer chunks than the key bound's (min_spans > 1): the bound's
-// chunk arithmetic beyond 64 keys, windows included (a bound too narrow
-// drops keys and fails the reference).
+// the zoo's logits against the CPU). attention_combine reads only each
+// row's own records (rows at random positions below the key bound leave
+// empty records after theirs; the windowed cases, before). A third
+// setting shrinks the decode grid's target to 8 blocks (LLMQ_DECODE_WAVE),
+// so that rows take several sub-chunks a block and the grid fewer chunks
+// than the key bound's (min_spans > 1): the combine's chunk arithmetic
+// beyond 64 keys, windows included (a bound too narrow drops keys and
+// fails the reference); its chunks round differently, so it is held to
+// the reference only.
 func TestAttentionDecodeMatchesReference(t *testing.T) {
 	first := map[string][]uint16{} // the first setting's outputs by case
-	settings := []string{"LLMQ_ATTN_EARLY=1 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_EARLY=0 LLMQ_ATTN_PREFETCH=1", "LLMQ_ATTN_PREFETCH=0",
-		"LLMQ_ATTN_PREFETCH=2 LLMQ_ATTN_PREFETCH_MAX=4100", "LLMQ_ATTN_COMBINE=1", "LLMQ_ATTN_COMBINE=1 LLMQ_ATTN_EARLY=0",
-		"LLMQ_ATTN_COMBINE=1 LLMQ_DECODE_WAVE=8"}
-	onePass := map[string][]uint16{}
+	settings := []string{"LLMQ_ATTN_EARLY=1", "LLMQ_ATTN_EARLY=0", "LLMQ_DECODE_WAVE=8"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		first := first
-		switch {
-		case strings.Contains(setting, "LLMQ_DECODE_WAVE"):
+		if strings.Contains(setting, "LLMQ_DECODE_WAVE") {
 			first = map[string][]uint16{} // other chunks: other rounding
-		case strings.Contains(setting, "LLMQ_ATTN_COMBINE=1"):
-			first = onePass
 		}
-		pf, err := x.Alloc(100_003)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer x.Free(pf)
-		if setting == settings[1] {
-			pf = pf.Offset(8)
-		}
-		testAttentionDecode(t, x, pf, first)
+		testAttentionDecode(t, x, first)
 	})
 }
 
-func testAttentionDecode(t *testing.T, x *Context, pf Buf, first map[string][]uint16) {
+func testAttentionDecode(t *testing.T, x *Context, first map[string][]uint16) {
 	r := rand.New(rand.NewPCG(21, 22))
 	for ci, tc := range []struct {
 		rows, heads, kvHeads, hd, window int
@@ -173,7 +150,7 @@ func testAttentionDecode(t *testing.T, x *Context, pf Buf, first map[string][]ui
 			m.KVCap, _ = AllocFrom(x, kvCap)
 			bufs = append(bufs, qb, out, ws, m.RowSeq, m.RowPos, m.KVBase, m.KVCap)
 			if err := x.Attention(qb, out, ws, m, layer, layers, tc.rows, tc.heads, tc.kvHeads, tc.hd, maxKeys,
-				AttnOptions{Window: tc.window, Scale: tc.scale, Prefetch: pf}); err != nil {
+				AttnOptions{Window: tc.window, Scale: tc.scale}); err != nil {
 				t.Fatal(err)
 			}
 			got16 := make([]uint16, tc.rows*qd)

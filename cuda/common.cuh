@@ -64,21 +64,6 @@ struct llmq_ctx {
   // their ids and weights — before its gate (model.cu, rmsnorm_kernel;
   // LLMQ_COMBINE_EARLY=0: after, for A/Bs).
   bool combine_early = true;
-  // The attention's chunks merged in attention_combine's three passes (3,
-  // the default; so is any value but 1) or in attention_combine1's one
-  // (LLMQ_ATTN_COMBINE=1). (=0 was the decode kernel's own merge in the
-  // twenty-seventh session's A/Bs, since removed: it now means three.)
-  int attn_combine = 3;
-  // LLMQ_ATTN_PREFETCH=1: the decode attention asks L2 for the codes of
-  // the GEMM after it (o's) while it runs, when the model passes them
-  // (model.cu, attention). Off by default: on an H100 it lost 0.3–1.5% on
-  // llama3-8b W4 at batch 1 and 8 and gained 0.9% on qwen3-30b-a3b at
-  // batch 1, 128 keys (NOTES.md, "The twenty-sixth session").
-  // LLMQ_ATTN_PREFETCH=2 asks once each block has issued its own copies
-  // (its last sub-chunk's), and LLMQ_ATTN_PREFETCH_MAX=N bounds the request
-  // to its first N bytes (for A/Bs of when and how much).
-  int attn_prefetch = 0;
-  size_t attn_prefetch_max = 0;
   // A decode step's mixture routes inside the experts' gate/up GEMV
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
@@ -290,7 +275,7 @@ int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const flo
 size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
               const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-              int hd, int max_keys, int window, float scale, const void* prefetch, size_t prefetch_bytes);
+              int hd, int max_keys, int window, float scale);
 int gated_act(llmq_ctx* c, void* g, const void* u, size_t n, int act);
 int nll(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);
 int argmax_rows(llmq_ctx* c, const float* logits, int32_t* out, int T, int V);

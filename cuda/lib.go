@@ -117,9 +117,9 @@ static int c_qk_rope_store(A a, llmq_ctx* c, P q, P k, P v, P sums, P qn, P kn, 
 }
 static size_t c_attn_ws(A a, int T, int heads, int hd, int maxk) { return a->attention_workspace_bytes(T, heads, hd, maxk); }
 static int c_attention(A a, llmq_ctx* c, P q, P out, P ws, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads,
-		int kvh, int hd, int maxk, int window, float scale, P pf, size_t pf_bytes) {
+		int kvh, int hd, int maxk, int window, float scale) {
 	return a->attention(c, (const void*)q, (void*)out, (void*)ws, (const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base,
-		(const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk, window, scale, (const void*)pf, pf_bytes);
+		(const int32_t*)cap, layer, layers, T, heads, kvh, hd, maxk, window, scale);
 }
 static int c_gated_act(A a, llmq_ctx* c, P g, P u, size_t n, int act) { return a->gated_act(c, (void*)g, (const void*)u, n, act); }
 static int c_nll(A a, llmq_ctx* c, P logits, P targets, P nll, int T, int V) {
@@ -806,23 +806,17 @@ func (x *Context) Attention(q, out, ws Buf, m RowMeta, layer, layers, T, heads, 
 	return x.do("attention", func() C.int {
 		return C.c_attention(x.lib.api, x.c, q.p, out.p, ws.p, m.RowSeq.p, m.RowPos.p, m.KVBase.p, m.KVCap.p,
 			C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd), C.int(maxKeys),
-			C.int(o.Window), C.float(o.Scale), o.Prefetch.p, C.size_t(o.Prefetch.Bytes)) // (the library takes whole 16-byte units)
+			C.int(o.Window), C.float(o.Scale))
 	})
 }
 
 // AttnOptions are a layer's attention settings beside the shapes: Window
 // > 0 limits a row at position p to keys p−Window+1 … p (Mistral's sliding
 // window, Gemma's sliding layers); Scale multiplies q·k (0: head_dim^-½;
-// Gemma: query_pre_attn_scalar^-½). Prefetch, when set, is memory the
-// decode kernel asks L2 for while it runs (the codes of the GEMM after
-// it; whole 16-byte units of Prefetch.Bytes, from a 16-byte aligned
-// address, else none), when the library's LLMQ_ATTN_PREFETCH is 1 or 2
-// (off by default; llmq.h): a hint that changes no result. Attention only;
-// AttentionCausal ignores it.
+// Gemma: query_pre_attn_scalar^-½).
 type AttnOptions struct {
-	Window   int
-	Scale    float32
-	Prefetch Buf
+	Window int
+	Scale  float32
 }
 
 // GatedAct does g = act(g)·u over n fp16 values, act a config.json

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 25
+#define LLMQ_API_VERSION 26
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -192,17 +192,13 @@ typedef struct {
   /* max_keys bounds row_pos+1 over the rows; workspace holds
    * attention_workspace_bytes(T, heads, hd, max_keys) bytes. window > 0:
    * a row at position p sees keys p−window+1 … p (a sliding window), 0:
-   * all of 0 … p. scale multiplies q·k (0: head_dim^-½). API 24:
-   * prefetch_bytes (a multiple of 16) from prefetch (16-byte aligned;
-   * the next GEMM's codes) are asked of L2 while the decode kernel runs,
-   * when the context was created with LLMQ_ATTN_PREFETCH=1 (at the
-   * kernel's start) or 2 (once each block has issued its own loads), at
-   * most LLMQ_ATTN_PREFETCH_MAX bytes if set (off by default) — a hint,
-   * skipped where the decode kernel does not run; 0: none. */
+   * all of 0 … p. scale multiplies q·k (0: head_dim^-½). (API 24 and 25
+   * also took the next GEMM's codes to ask L2 for while the decode kernel
+   * ran; API 26 dropped them: no setting of it was faster.) */
   size_t (*attention_workspace_bytes)(int T, int heads, int hd, int max_keys);
   int (*attention)(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-                   int hd, int max_keys, int window, float scale, const void* prefetch, size_t prefetch_bytes);
+                   int hd, int max_keys, int window, float scale);
   /* g = act(g)·u over n fp16 values: act 0 SiLU, 1 GELU (tanh approximation). */
   int (*gated_act)(llmq_ctx* c, void* g, const void* u, size_t n, int act);
   int (*nll)(llmq_ctx* c, const float* logits, const int32_t* targets, float* nll, int T, int V);

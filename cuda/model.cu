@@ -577,7 +577,7 @@ __host__ __device__ __forceinline__ int spans_for(long work, int wave, int floor
 
 // row_spans is the sub-chunks each block of a row takes, the row's keys
 // lo … n − 1 spread over a grid of `rows` (row, head group)s: the decode
-// kernel's chunk is kDecodeChunk of them, and attention_combine1 bounds
+// kernel's chunk is kDecodeChunk of them, and attention_combine bounds
 // the row's records with the same count.
 __device__ __forceinline__ int row_spans(int n, int lo, long rows, int wave, int min_spans) {
   return spans_for(rows * ((n - lo + kDecodeChunk - 1) / kDecodeChunk), wave, min_spans);
@@ -646,31 +646,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     attention_decode_kernel(const half* __restrict__ q, float* __restrict__ part, const int32_t* __restrict__ row_seq,
                             const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
                             const int32_t* __restrict__ kv_cap, int layer, int layers, int heads, int kv_heads, int hd,
-                            float scale, int window, int wave, int min_spans, int early, const char* __restrict__ pf,
-                            size_t pf_bytes, int pf_late) {
-  // pf: pf_bytes (a multiple of 16) of the next GEMM's codes, asked of L2,
-  // weights being safe to read at any time (common.cuh): the grid's warps
-  // take equal shares, in requests of at most kPrefetchChunk bytes. At a
-  // decode step's few rows this kernel waits on its loads' latency, and so
-  // does the GEMM after it (o at batch 1 reaches about 1.3 TB/s); the codes
-  // then come from L2 instead of DRAM. Asked at the kernel's start, or
-  // with pf_late once the block's own copies are all issued (its last
-  // sub-chunk's), so that they do not queue ahead of its keys and values.
-  // (The twenty-seventh session measured a first version that asked
-  // after the loop, once those copies had also arrived and been used.)
-  auto ask_l2 = [&]() {
-    if (!pf_bytes) return;
-    constexpr size_t kPrefetchChunk = 32 << 10;
-    const size_t warps = (size_t)gridDim.x * gridDim.y * gridDim.z * kDecodeWarps;
-    const size_t wid = (((size_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * kDecodeWarps +
-                       (threadIdx.x >> 5);
-    const size_t share = (pf_bytes / 16 + warps - 1) / warps * 16;
-    const size_t end = min(pf_bytes, (wid + 1) * share);
-    if ((threadIdx.x & 31) == 0)
-      for (size_t at = wid * share; at < end; at += kPrefetchChunk)
-        prefetch_l2(pf + at, (uint32_t)min(kPrefetchChunk, end - at));
-  };
-  if (!pf_late) ask_l2();
+                            float scale, int window, int wave, int min_spans, int early) {
   // early (LLMQ_ATTN_EARLY, on by default): what the step fixed before
   // the kernel that runs just before this one (RoPE and the cache store)
   // — the rows' sequences and positions, the caches' block tables — is
@@ -696,7 +672,6 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   const size_t head_stride = (size_t)gridDim.z * (hd + 2);
   if (j0 >= j1) {  // beyond this row's keys, or before its window: an empty chunk
     if (early) pdl_gate();  // (no write before the gate)
-    if (pf_late) ask_l2();  // (no copies of its own)
     if (threadIdx.x < GB) out[threadIdx.x * head_stride + hd] = -INFINITY, out[threadIdx.x * head_stride + hd + 1] = 0.f;
     return;
   }
@@ -765,7 +740,6 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   };
   issue(0, 0);
   issue(1, 0);
-  if (pf_late && spans == 1) ask_l2();  // the block's copies all issued
   float qf[GB][VPL][8];
 #pragma unroll
   for (int g = 0; g < GB; g++)
@@ -854,7 +828,6 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     }
     asm volatile("" ::: "memory");  // the values are read before their slots are refilled
     issue(1, j + 1);
-    if (pf_late && j + 2 == spans) ask_l2();  // the last sub-chunk's copies issued
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -899,72 +872,27 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   }
 }
 
-// attention_combine: one block per (row, head) merges the chunks:
-// O = Σ_c e^{m_c − M}·o_c / Σ_c e^{m_c − M}·l_c with M = max_c m_c. The
-// threads split the chunks to find M and the denominator, then each warp
-// sums a quarter of the chunks' outputs (lane l owning dimensions l,
-// l + 32, …) and the warps meet in shared memory: a long context's 128
-// chunks are 32 steps of a warp, not 3·128 of every thread.
+// attention_combine: one block per (row, head) merges the chunks,
+// O = Σ_c e^{m_c − M}·o_c / Σ_c e^{m_c − M}·l_c with M = max_c m_c, in one
+// pass over them: each warp takes every kCombineWarps-th chunk and keeps
+// its own online softmax state as the decode kernel's warps do — its max
+// m, its sum l and its output, rescaled when m grows — so a chunk's m, l
+// and outputs are loaded together (fold_chunks), with no block-wide max
+// to wait for first; the warps then meet once in shared memory
+// (meet_warps). After the decode kernel (row_pos set), only the row's own
+// records are read: a CUDA graph's key bound is up to twice the row's
+// keys, and the records past them (or before a sliding window) are
+// empty. The row's chunk is the decode kernel's (row_spans, from the same
+// grid sizes: rows, wave, min_spans); its position, fixed before the
+// RoPE kernel ahead of the attention, is read before the gate when early
+// (the decode kernel's argument). (It replaced three passes — a
+// block-wide max, the sums, then the outputs — which loaded the records
+// three times: 0.3–1.5% slower decodes on an H100, cuda/NOTES.md, "The
+// twenty-eighth session".)
 constexpr int kCombineWarps = 4;
 
 __global__ void __launch_bounds__(32 * kCombineWarps)
-    attention_combine(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks) {
-  pdl_gate();  // before any global access: see common.cuh
-  __shared__ float red[32];
-  __shared__ float wo[kCombineWarps][32 * kMaxDimsPerLane];
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const float* p = part + ((size_t)t * heads + h) * chunks * (hd + 2);
-  float M = -INFINITY;
-  for (int c = threadIdx.x; c < chunks; c += blockDim.x) M = fmaxf(M, p[c * (hd + 2) + hd]);
-  M = block_max(M, red);
-  float L = 0.f;
-  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-    const float* pc = p + c * (hd + 2);
-    if (pc[hd + 1] > 0.f) L += __expf(pc[hd] - M) * pc[hd + 1];  // l = 0: an empty chunk
-  }
-  L = block_sum(L, red);
-  float acc[kMaxDimsPerLane];
-#pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; i++) acc[i] = 0.f;
-#pragma unroll 4
-  for (int c = warp; c < chunks; c += kCombineWarps) {
-    const float* pc = p + c * (hd + 2);
-    if (pc[hd + 1] > 0.f) {  // the same for the whole warp
-      const float w = __expf(pc[hd] - M);
-#pragma unroll
-      for (int i = 0; i < kMaxDimsPerLane; i++)
-        if (lane + 32 * i < hd) acc[i] += w * pc[lane + 32 * i];
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; i++)
-    if (lane + 32 * i < hd) wo[warp][lane + 32 * i] = acc[i];
-  __syncthreads();
-  half* o = out + ((size_t)t * heads + h) * hd;
-  for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCombineWarps; w++) sum += wo[w][i];
-    o[i] = __float2half(sum / L);
-  }
-}
-
-// attention_combine1 is attention_combine in one pass over the chunks
-// (LLMQ_ATTN_COMBINE=1; the default is attention_combine): each warp takes
-// every kCombineWarps-th chunk and keeps its own online softmax state as
-// the decode kernel's warps do — its max m, its sum l and its output,
-// rescaled when m grows — so a chunk's m, l and outputs are loaded
-// together (fold_chunks), with no block-wide max to wait for first; the
-// warps then meet once in shared memory (meet_warps). After the decode
-// kernel (row_pos set), only the row's own records are read: a CUDA
-// graph's key bound is up to twice the row's keys, and the records past
-// them (or before a sliding window) are empty. The row's chunk is the
-// decode kernel's (row_spans, from the same grid sizes: rows, wave,
-// min_spans); its position, fixed before the RoPE kernel ahead of the
-// attention, is read before the gate when early (the decode kernel's
-// argument).
-__global__ void __launch_bounds__(32 * kCombineWarps)
-    attention_combine1(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks,
+    attention_combine(const float* __restrict__ part, half* __restrict__ out, int heads, int hd, int chunks,
                        const int32_t* __restrict__ row_pos, int rows, int wave, int min_spans, int window, int early) {
   const int t = blockIdx.x, h = blockIdx.y;
   int c0 = 0, c1 = chunks;
@@ -1363,7 +1291,7 @@ size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys) {
 
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,
-                   int hd, int max_keys, int window, float scale, const void* prefetch, size_t prefetch_bytes) {
+                   int hd, int max_keys, int window, float scale) {
   if (heads % kv_heads || hd % 2 || hd > 32 * kMaxDimsPerLane || window < 0) {
     set_error(c, "attention: heads %d must be a multiple of kv_heads %d, head_dim %d even and at most %d, window %d ≥ 0",
               heads, kv_heads, hd, 32 * kMaxDimsPerLane, window);
@@ -1373,7 +1301,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   // blocks. Many rows (prefill): one chunk per row is parallel enough
   // (the scores of a whole row must fit in shared memory).
   const bool decode = T <= 64;
-  // What attention_combine1 bounds each row's records with, when the
+  // What attention_combine bounds each row's records with, when the
   // decode kernel ran: its grid's rows, wave and min_spans.
   bool decoded = false;
   int decoded_rows = 0, decoded_wave = 0, decoded_min_spans = 0;
@@ -1400,17 +1328,11 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     const size_t meet = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float),
                  kv = (size_t)kSlots * vpl * 2 * 32 * kDecodeWarps * sizeof(uint4), smem = meet > kv ? meet : kv;
     const dim3 grid(T, heads / gb, chunks);
-    // The prefetch (a hint) only from a 16-byte aligned address, which the
-    // bulk request requires (a misaligned one would fault the context).
-    const bool pf = c->attn_prefetch && prefetch && ((uintptr_t)prefetch & 15) == 0;
-    size_t pf_bytes = pf ? prefetch_bytes / 16 * 16 : 0;
-    if (c->attn_prefetch_max > 0 && pf_bytes > c->attn_prefetch_max) pf_bytes = c->attn_prefetch_max / 16 * 16;
 #define LLMQ_DECODE(GB, VPL)                                                                                          \
   if (allow_smem(c, attention_decode_kernel<GB, VPL>, smem)) return 1;                                                 \
   CK(launch(c, (attention_decode_kernel<GB, VPL>), grid, 32 * kDecodeWarps, smem,                                      \
       (const half*)q, (float*)workspace, row_seq, row_pos, kv_base, kv_cap, layer, layers, heads, kv_heads, hd, qscale, \
-      window, wave, min_spans, c->attn_early ? 1 : 0, (const char*)(pf ? prefetch : nullptr), pf_bytes,            \
-      c->attn_prefetch == 2 ? 1 : 0))
+      window, wave, min_spans, c->attn_early ? 1 : 0))
     switch (vpl * 10 + gb) {
       case 14: LLMQ_DECODE(4, 1); break;
       case 12: LLMQ_DECODE(2, 1); break;
@@ -1427,14 +1349,9 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
                                                                        kv_base, kv_cap, layer, layers, heads, kv_heads, hd,
                                                                        qscale, chunk, window));
   }
-  if (c->attn_combine == 1) {
-    CK(launch(c, attention_combine1, dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
-              chunks, decoded ? row_pos : nullptr, decoded_rows, decoded_wave, decoded_min_spans, window,
-              c->attn_early ? 1 : 0));
-  } else {
-    CK(launch(c, attention_combine, dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
-              chunks));
-  }
+  CK(launch(c, attention_combine, dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
+            chunks, decoded ? row_pos : nullptr, decoded_rows, decoded_wave, decoded_min_spans, window,
+            c->attn_early ? 1 : 0));
   return 0;
 }
 

@@ -1179,9 +1179,7 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 				if windows > 0 {
 					return x.AttentionCausal(a.q, a.k, a.v, a.att, windows, T/windows, c.Heads, c.KVHeads, hd, attnOptions(c, l))
 				}
-				o := attnOptions(c, l)
-				o.Prefetch = attnPrefetch(b, T)
-				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys, o)
+				return x.Attention(a.q, a.att, attnWS, a.meta, l, L, T, c.Heads, c.KVHeads, hd, maxKeys, attnOptions(c, l))
 			},
 			func() error { return m.run(b.o, a.att, T, a, false, a.delta) },
 		}
@@ -1842,26 +1840,6 @@ func OpenModelWith(ck *checkpoint.Checkpoint, opt LoadOptions) (Backend, error) 
 	}
 	return LoadWith(lib, ck, opt)
 }
-
-// attnPrefetch is what block b's decode attention asks L2 for while it
-// runs: o's codes, the GEMM after it, in a pass of at most SumsMaxRows
-// rows, where both wait on their loads' latency rather than on DRAM's
-// bandwidth, and at most attnPrefetchMax bytes of them. The library asks
-// only under LLMQ_ATTN_PREFETCH=1 or 2 (at most LLMQ_ATTN_PREFETCH_MAX
-// bytes if set; off by default: measured, it lost on the dense llama3-8b
-// and gained under 1% on qwen3-30b-a3b).
-func attnPrefetch(b *gpuBlock, T int) Buf {
-	if T > SumsMaxRows || b.o == nil || b.o.w4 == nil {
-		return Buf{}
-	}
-	p := b.o.w4.B
-	p.Bytes = min(p.Bytes, attnPrefetchMax)
-	return p
-}
-
-// attnPrefetchMax is half the L2 of an H100 or H200 (50 MB): the attention's
-// own cache rows stay in L2 beside o's codes.
-const attnPrefetchMax = 24 << 20
 
 // attnOptions are layer l's sliding window and score scale.
 func attnOptions(c *checkpoint.Config, l int) AttnOptions {

@@ -167,18 +167,6 @@ func BenchmarkDecodeOps(b *testing.B) {
 						return x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{})
 					}},
 					{"o", o[0].Bytes(), runO},
-					// The two above as the decode runs them: the attention
-					// handed o's codes to ask L2 for, which it does only
-					// under LLMQ_ATTN_PREFETCH (1 or 2; llmq.h); against
-					// attention + o, what the request wins or costs (no
-					// GB/s: the pair's time is not o's).
-					{"attention→o", 0, func(i int) error {
-						prefetch := AttnOptions{Prefetch: o[i%len(o)].B} // the copy runO reads at call i
-						if err := x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, prefetch); err != nil {
-							return err
-						}
-						return runO(i)
-					}},
 				}
 				if sh.experts == 0 {
 					g, u := alloc(B*sh.inter*2), alloc(B*sh.inter*2)

@@ -82,9 +82,6 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_ATTN_EARLY")) c->attn_early = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_COMBINE_EARLY")) c->combine_early = atoi(e) != 0;
-  if (const char* e = getenv("LLMQ_ATTN_COMBINE")) c->attn_combine = atoi(e);
-  if (const char* e = getenv("LLMQ_ATTN_PREFETCH")) c->attn_prefetch = atoi(e);
-  if (const char* e = getenv("LLMQ_ATTN_PREFETCH_MAX")) c->attn_prefetch_max = strtoull(e, nullptr, 10);
   if (const char* e = getenv("LLMQ_MOE_ROUTED")) c->moe_routed = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_FUSED_ACT")) c->moe_fused_act = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_NORM_ROUTER")) c->moe_norm_router = atoi(e) != 0;
