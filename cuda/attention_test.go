@@ -28,14 +28,16 @@ import (
 // prefill-sized pass (attention_kernel, one head a block). Every case runs
 // twice: on contiguous caches, then on caches drawn the same way but paged
 // (blocks of 16 positions in shuffled order through block tables, what
-// cuda.Cache uses). The workspace starts as huge values, so a chunk record left
-// unwritten fails the test. All of it runs with LLMQ_ATTN_EARLY on and off
-// (the decode kernel's lookups and L2 requests before its PDL gate, or
-// after): each against the reference, and the two the same bits (where
-// a value is read changes no arithmetic; the L2 requests are hints). Here the kernel follows host copies, so nothing
-// runs beside its early reads; the chain it guards (the cache store just
-// before it under PDL) is the model tests' (TestJoinedLinearsMatchSeparate,
-// the zoo's logits against the CPU). attention_combine reads only each
+// cuda.Cache uses). The workspace starts as huge values, so a chunk
+// record left unwritten fails the test. All of it runs with
+// LLMQ_ATTN_EARLY on and off (the decode kernel's lookups and L2 requests,
+// and its combine's, before their PDL gates, or after): each against the
+// reference, and the two the same bits (where a value is read changes no
+// arithmetic; the L2 requests are hints). Here the kernels follow host
+// copies, so nothing runs beside their early reads; the chain they
+// guard (the cache store just before the attention under PDL) is the
+// model tests' (TestJoinedLinearsMatchSeparate, the zoo's logits against
+// the CPU). attention_combine reads only each
 // row's own records (rows at random positions below the key bound leave
 // empty records after theirs; the windowed cases, before). A third
 // setting shrinks the decode grid's target to 8 blocks (LLMQ_DECODE_WAVE),

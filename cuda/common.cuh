@@ -55,7 +55,8 @@ struct llmq_ctx {
   // 4–7% at batch 1 and 8, NOTES.md "The ninth session").
   bool pdl = true;
   // The decode attention kernel reads the rows' positions and block
-  // tables, and asks L2 for its first keys and values, before its gate;
+  // tables, and asks L2 for its first keys and values, before its gate,
+  // and its combine the rows' positions (to bound their records);
   // qk_rope_store_kernel reads its row's position, cache slot and first
   // cos/sin values before its gate (model.cu; LLMQ_ATTN_EARLY=0: after,
   // for A/Bs).
@@ -136,8 +137,8 @@ int allow_smem(llmq_ctx* c, Kernel kernel, size_t bytes) {
 // visible (so reads and writes order exactly as without PDL), then
 // griddepcontrol.launch_dependents lets the next kernel be scheduled.
 // Without the attribute both instructions return at once. (The decode
-// attention kernel, qk_rope_store_kernel and a mixture's combine also
-// read, before their gate, what only the host or kernels before the one
+// attention kernel and its combine, qk_rope_store_kernel and a mixture's
+// combine also read, before their gate, what only the host or kernels before the one
 // ahead of them wrote: model.cu, their `early`.)
 //
 // weights_then_gate: the GEMV kernels (w4a16_gemv, _mma, _swap)

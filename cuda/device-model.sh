@@ -637,11 +637,12 @@ PY
     ;;
   chain) # what a dependency between a decode step's kernels costs: each op its own kernel in a graph (with and
          # without PDL) or one persistent kernel on counters, against the weights' reads alone
-         # (cuda/probe/chain.cu; CHAIN_ARGS; chain-probe-$G.json, and -qwen3-30b-a3b.json for issue 20's mixture)
+         # (cuda/probe/chain.cu; CHAIN_ARGS, e.g. "--skip rope"; chain-probe-$G$CHAIN_TAG.json, and
+         # -qwen3-30b-a3b$CHAIN_TAG.json for issue 20's mixture)
     make -B build/chain-probe NVCC_FLAGS="-O3 -std=c++17" > "$OUT/build-chain.log" 2>&1 || { tail -20 "$OUT/build-chain.log"; exit 1; }
     crc=0
     for model in llama3-8b qwen3-30b-a3b; do  # chain-probe-$G.json (llama3-8b) and chain-probe-$G-qwen3-30b-a3b.json
-      f=chain-probe-$G; [ $model = llama3-8b ] || f+=-$model
+      f=chain-probe-$G; [ $model = llama3-8b ] || f+=-$model; f+=${CHAIN_TAG:-}  # (CHAIN_TAG: e.g. -skip-rope with --skip rope)
       if timeout 200 build/chain-probe --model $model ${CHAIN_ARGS:-} > /tmp/chain.json 2> "$OUT/$f-stderr.txt"; then
         python3 - "$LLMQ_COMMIT" "build/chain-probe --model $model ${CHAIN_ARGS:-}" /tmp/chain.json > "$OUT/$f.json" <<'PY'
 import json, sys

@@ -194,7 +194,8 @@ typedef struct {
    * a row at position p sees keys p−window+1 … p (a sliding window), 0:
    * all of 0 … p. scale multiplies q·k (0: head_dim^-½). (API 24 and 25
    * also took the next GEMM's codes to ask L2 for while the decode kernel
-   * ran; API 26 dropped them: no setting of it was faster.) */
+   * ran; API 26 dropped them: no form of the request made attention then
+   * o faster, and in the decode it gained at most 0.9%, on one model.) */
   size_t (*attention_workspace_bytes)(int T, int heads, int hd, int max_keys);
   int (*attention)(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
                    const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,

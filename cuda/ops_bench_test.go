@@ -45,9 +45,7 @@ type decodeShape struct {
 
 // BenchmarkDecodeOps times each kernel of a decode step's layer on its
 // own — the residual add and norm, q/k/v, RoPE and the cache store,
-// attention over 2048 keys, o (and the attention and o in turn, the
-// attention asking L2 for o's codes where the library's switch says so),
-// the MLP or the mixture's router, routing,
+// attention over 2048 keys, o, the MLP or the mixture's router, routing,
 // experts, activation and the experts' sum joined to the next norm, the
 // lm_head and the greedy argmax — each replayed in a graph of many calls with
 // its weights rotating through copies (or, for the experts, random

@@ -38,7 +38,10 @@
 // come from memory as in a real step.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o build/chain-probe cuda/probe/chain.cu
-//   build/chain-probe [--model llama3-8b|qwen3-30b-a3b] [--layers N] [--iters 20] > chain-probe.json
+//   build/chain-probe [--model llama3-8b|qwen3-30b-a3b] [--layers N] [--iters 20] [--skip rope,combine] > chain-probe.json
+//
+// --skip leaves the named small ops out of every layer: the chain a kernel
+// that took over their work (RoPE in q/k/v's epilogue, say) would leave.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -219,7 +222,7 @@ Timing time_graph(cudaGraphExec_t exec, cudaStream_t s, int iters) {
 
 int main(int argc, char** argv) {
   int layers = 0, iters = 20;
-  std::string model = "llama3-8b";
+  std::string model = "llama3-8b", skip;
   for (int a = 1; a < argc; ++a) {
     if (!strcmp(argv[a], "--layers") && a + 1 < argc)
       layers = atoi(argv[++a]);
@@ -227,8 +230,10 @@ int main(int argc, char** argv) {
       iters = atoi(argv[++a]);
     else if (!strcmp(argv[a], "--model") && a + 1 < argc)
       model = argv[++a];
+    else if (!strcmp(argv[a], "--skip") && a + 1 < argc)
+      skip = argv[++a];
     else {
-      fprintf(stderr, "usage: chain-probe [--model llama3-8b|qwen3-30b-a3b] [--layers N] [--iters N]\n");
+      fprintf(stderr, "usage: chain-probe [--model llama3-8b|qwen3-30b-a3b] [--layers N] [--iters N] [--skip OP,...]\n");
       return 2;
     }
   }
@@ -297,6 +302,22 @@ int main(int argc, char** argv) {
         {"experts gate+up", 8ull * 2048 * 1536 / 2, G, 1, 0, 1},
         {"experts down", 8ull * 768 * 2048 / 2, G, 1, 0, 1},
     };
+  // --skip leaves small ops out of every layer (each name once a layer, the
+  // first such op: "norm" twice for both of llama3-8b's): the chain a
+  // fused kernel would leave, its hops' worth against the full layer's.
+  for (size_t at = 0; at <= skip.size();) {
+    const size_t comma = std::min(skip.find(',', at), skip.size());
+    const std::string name = skip.substr(at, comma - at);
+    at = comma + 1;
+    if (name.empty()) continue;
+    auto it = std::find_if(layer.begin(), layer.end(), [&](const Shape& s) { return !s.gemv && name == s.name; });
+    if (it == layer.end()) {
+      fprintf(stderr, "chain-probe: --skip %s: no small op of that name left in a %s layer\n", name.c_str(),
+              model.c_str());
+      return 2;
+    }
+    layer.erase(it);
+  }
   const int kLayerOps = (int)layer.size();
   const bool plan_grids = model == "llama3-8b";
   auto steps_of = [](size_t bytes, int tasks) {
@@ -360,8 +381,9 @@ int main(int argc, char** argv) {
 
   printf("{\n \"model\": \"%s\", \"device\": \"%s\", \"sms\": %d, \"ctas_an_sm\": %d, \"padding_bytes\": %zu, \"grid\": %d, \"reps\": %d,\n",
          model.c_str(), prop.name, prop.multiProcessorCount, per_sm, pad, G, kReps);
-  printf(" \"layers\": %d, \"iters\": %d, \"gemv_bytes_a_layer\": %zu, \"small_bytes_a_layer\": %zu,\n \"rows\": [\n", layers,
-         iters, gemv_bytes, small_bytes);
+  printf(" \"layers\": %d, \"iters\": %d, \"layer_ops\": %d, \"skipped\": \"%s\", \"gemv_bytes_a_layer\": %zu,"
+         " \"small_bytes_a_layer\": %zu,\n \"rows\": [\n",
+         layers, iters, kLayerOps, skip.c_str(), gemv_bytes, small_bytes);
   bool first = true;
   const char* grids[] = {"every CTA", "tiles x splits", "tiles x splits + tails"};
   for (int pass = 1; pass <= 2; ++pass)  // twice, so the spread between runs of a row shows
