@@ -1301,10 +1301,9 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
   // blocks. Many rows (prefill): one chunk per row is parallel enough
   // (the scores of a whole row must fit in shared memory).
   const bool decode = T <= 64;
-  // What attention_combine bounds each row's records with, when the
-  // decode kernel ran: its grid's rows, wave and min_spans.
-  bool decoded = false;
-  int decoded_rows = 0, decoded_wave = 0, decoded_min_spans = 0;
+  // The decode kernel's grid sizes, which attention_combine bounds each
+  // row's records with (rows 0: the decode kernel did not run).
+  int rows = 0, wave = 0, min_spans = 0;
   const int chunk = decode ? kDecodeChunk : max_keys;
   int chunks = (max_keys + chunk - 1) / chunk;
   const float qscale = scale > 0 ? scale : 1.f / sqrtf((float)hd);
@@ -1317,12 +1316,12 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
     // kDecodeWaveBlocks blocks an SM. Every row takes at least the
     // sub-chunks that rows of half the key bound would (min_spans), so
     // the grid needs only chunks / min_spans blocks a head group.
-    const int wave = c->decode_wave > 0 ? c->decode_wave : c->sms * kDecodeWaveBlocks;
+    wave = c->decode_wave > 0 ? c->decode_wave : c->sms * kDecodeWaveBlocks;
     // (A sliding window bounds a row's keys below the key bound.)
     const int span_chunks = window > 0 ? std::min(chunks, (window + kDecodeChunk - 1) / kDecodeChunk + 1) : chunks;
-    const int min_spans = spans_for((long)T * (heads / gb) * ((span_chunks + 1) / 2), wave, 1);
+    rows = T * (heads / gb);
+    min_spans = spans_for((long)rows * ((span_chunks + 1) / 2), wave, 1);
     chunks = (chunks + min_spans - 1) / min_spans;
-    decoded = true, decoded_rows = T * (heads / gb), decoded_wave = wave, decoded_min_spans = min_spans;
     // Shared memory: the block's keys and values in flight, then the
     // warps' meeting in the same bytes (whichever is larger).
     const size_t meet = (size_t)kDecodeWarps * gb * (hd + 2) * sizeof(float),
@@ -1350,8 +1349,7 @@ int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int3
                                                                        qscale, chunk, window));
   }
   CK(launch(c, attention_combine, dim3(T, heads), 32 * kCombineWarps, 0, (const float*)workspace, (half*)out, heads, hd,
-            chunks, decoded ? row_pos : nullptr, decoded_rows, decoded_wave, decoded_min_spans, window,
-            c->attn_early ? 1 : 0));
+            chunks, rows ? row_pos : nullptr, rows, wave, min_spans, window, c->attn_early ? 1 : 0));
   return 0;
 }
 

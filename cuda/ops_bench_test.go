@@ -154,7 +154,6 @@ func BenchmarkDecodeOps(b *testing.B) {
 						return x.GemmW4Into(in, outs, w, B, gemmWS, Buf{}, Buf{})
 					}
 				}
-				runO := w4(att, o, nil, NotGated, delta)
 				ops := []decodeOp{
 					{"add+rmsnorm", 0, func(int) error { return x.RMSNorm(xs, delta, Buf{}, Buf{}, norm, h, B, H, 1e-6) }},
 					{"qkv", qkv[0].Bytes(), w4(h, qkv, []int{qd, kvd, kvd}, NotGated, q, k, v)},
@@ -164,7 +163,7 @@ func BenchmarkDecodeOps(b *testing.B) {
 					{"attention", 0, func(i int) error {
 						return x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{})
 					}},
-					{"o", o[0].Bytes(), runO},
+					{"o", o[0].Bytes(), w4(att, o, nil, NotGated, delta)},
 				}
 				if sh.experts == 0 {
 					g, u := alloc(B*sh.inter*2), alloc(B*sh.inter*2)
