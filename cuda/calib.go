@@ -293,9 +293,8 @@ func (c *Calibrator) attentionTo(out Buf, rows int) error {
 		func() error { return c.linear("self_attn.k_proj", c.h, c.k, rows) },
 		func() error { return c.linear("self_attn.v_proj", c.h, c.v, rows) },
 		func() error {
-			return x.QKRoPEStore(RoPE{Q: c.q, K: c.k, V: c.v, QNorm: c.blk.norms.q, KNorm: c.blk.norms.k, Eps: float32(cfg.RMSNormEps),
-				Meta: c.meta, Cos: c.cos, Sin: c.sin, Layers: 1, T: rows, Heads: cfg.Heads, KVHeads: cfg.KVHeads, HeadDim: hd,
-				Store: !flash}, Buf{})
+			return x.QKRoPEStore(c.q, c.k, c.v, Buf{}, c.blk.norms.q, c.blk.norms.k, float32(cfg.RMSNormEps), c.meta, c.cos, c.sin,
+				0, 1, rows, cfg.Heads, cfg.KVHeads, hd, !flash)
 		},
 	}
 	if flash {

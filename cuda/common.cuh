@@ -65,9 +65,6 @@ struct llmq_ctx {
   // their ids and weights — before its gate (model.cu, rmsnorm_kernel;
   // LLMQ_COMBINE_EARLY=0: after, for A/Bs).
   bool combine_early = true;
-  // w4a16_gemm_rope joins qk_rope_store's work to the GEMV kernels' last
-  // CTAs where they run it (LLMQ_ROPE_JOIN=0: the two launches, for A/Bs).
-  bool rope_join = true;
   // A decode step's mixture routes inside the experts' gate/up GEMV
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
@@ -252,9 +249,6 @@ size_t w4a16_workspace_bytes(int M, int N);
 int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
                void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace, void* scratch,
                int M, int N, int K, int group, int bits);
-int w4a16_gemm_rope(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros,
-                    const int32_t* perm, void* a_perm, void* workspace, void* scratch, int N, int K, int group, int bits,
-                    const llmq_rope* r);
 int w4a16_set_path(llmq_ctx* c, int path);
 int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n);
 int w4_dequant(llmq_ctx* c, const void* B, const void* scales, const void* zeros, void* W, int N, int K, int group,
@@ -275,8 +269,10 @@ int rmsnorm_router(llmq_ctx* c, const float* x, const void* delta, const float* 
                    const float* W, float* logits, int n, int H, int E, float eps);
 int add(llmq_ctx* c, float* x, const void* delta, size_t n);
 int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N);
-int qk_rope_store(llmq_ctx* c, const llmq_rope* r, float* sums);
-int check_rope(llmq_ctx* c, const char* fn, const llmq_rope* r);
+int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const float* q_norm, const float* k_norm,
+                  float eps, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                  const int32_t* kv_cap, const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads,
+                  int kv_heads, int hd);
 size_t attention_workspace_bytes(int T, int heads, int hd, int max_keys);
 int attention(llmq_ctx* c, const void* q, void* out, void* workspace, const int32_t* row_seq, const int32_t* row_pos,
               const uint64_t* kv_base, const int32_t* kv_cap, int layer, int layers, int T, int heads, int kv_heads,

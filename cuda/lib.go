@@ -109,17 +109,11 @@ static int c_rmsnorm(A a, llmq_ctx* c, P x, P d, P sums, P dn, P y, P ids, P wts
 }
 static int c_add(A a, llmq_ctx* c, P x, P d, size_t n) { return a->add(c, (float*)x, (const void*)d, n); }
 static int c_bias(A a, llmq_ctx* c, P y, P b, int T, int N) { return a->add_bias(c, (void*)y, (const void*)b, T, N); }
-static llmq_rope mk_rope(P q, P k, P v, P qn, P kn, float eps, P rs, P rp, P base, P cap, P cs, P sn, int layer, int layers,
-		int T, int heads, int kvh, int hd) {
-	llmq_rope r = {(void*)q, (void*)k, (void*)v, (const float*)qn, (const float*)kn, eps, (const int32_t*)rs, (const int32_t*)rp,
-		(const uint64_t*)base, (const int32_t*)cap, (const float*)cs, (const float*)sn, layer, layers, T, heads, kvh, hd};
-	return r;
-}
-static int c_qk_rope_store(A a, llmq_ctx* c, llmq_rope r, P sums) { return a->qk_rope_store(c, &r, (float*)sums); }
-static int c_gemm_rope(A a, llmq_ctx* c, P A_, P B, P S, P Z, P perm, P aperm, P ws, P scratch, int N, int K, int g, int bits,
-		llmq_rope r) {
-	return a->w4a16_gemm_rope(c, (const void*)A_, (const void*)B, (const void*)S, (const void*)Z, (const int32_t*)perm,
-		(void*)aperm, (void*)ws, (void*)scratch, N, K, g, bits, &r);
+static int c_qk_rope_store(A a, llmq_ctx* c, P q, P k, P v, P sums, P qn, P kn, float eps, P rs, P rp, P base, P cap, P cs, P sn,
+		int layer, int layers, int T, int heads, int kvh, int hd) {
+	return a->qk_rope_store(c, (void*)q, (void*)k, (void*)v, (float*)sums, (const float*)qn, (const float*)kn, eps,
+		(const int32_t*)rs, (const int32_t*)rp, (const uint64_t*)base, (const int32_t*)cap, (const float*)cs,
+		(const float*)sn, layer, layers, T, heads, kvh, hd);
 }
 static size_t c_attn_ws(A a, int T, int heads, int hd, int maxk) { return a->attention_workspace_bytes(T, heads, hd, maxk); }
 static int c_attention(A a, llmq_ctx* c, P q, P out, P ws, P rs, P rp, P base, P cap, int layer, int layers, int T, int heads,
@@ -783,49 +777,21 @@ func (x *Context) AddBias(y, b Buf, T, N int) error {
 // RowMeta are the per-row and per-sequence arrays of a forward pass.
 type RowMeta struct{ RowSeq, RowPos, KVBase, KVCap Buf }
 
-// RoPE is a pass's q [T][Heads·HeadDim] and k [T][KVHeads·HeadDim]
-// prepared for attention, in place (QKRoPEStore, GemmW4RoPE): Qwen3's
-// per-head RMSNorm (QNorm, KNorm; Nil when the model has none), then RoPE
-// by each row's position (Cos, Sin: the [positions][HeadDim/2] tables).
-// With Store, k's rows (rotated) and v's [T][KVHeads·HeadDim] also go
-// into their sequences' caches at Layer (of Layers).
-type RoPE struct {
-	Q, K, V, QNorm, KNorm                     Buf
-	Eps                                       float32
-	Meta                                      RowMeta
-	Cos, Sin                                  Buf
-	Layer, Layers, T, Heads, KVHeads, HeadDim int
-	Store                                     bool
-}
-
-func (r *RoPE) c() C.llmq_rope {
-	m, base := r.Meta, r.Meta.KVBase
-	if !r.Store {
+// QKRoPEStore prepares a pass's q [T][heads·hd] and k [T][kvHeads·hd]
+// for attention, in place: Qwen3's per-head RMSNorm (qNorm, kNorm; Nil
+// when the model has none), then RoPE by each row's position (cos, sin:
+// the [positions][hd/2] tables). With store, k's rows (rotated) and v's
+// also go into their sequences' caches at layer. With sums (not Nil), q,
+// k and v are first written from the fp32 sums a joined q/k/v
+// GemmW4Sums left there ([T][(heads + 2·kvHeads)·hd]), which it zeroes.
+func (x *Context) QKRoPEStore(q, k, v, sums, qNorm, kNorm Buf, eps float32, m RowMeta, cos, sin Buf, layer, layers, T, heads, kvHeads, hd int, store bool) error {
+	base := m.KVBase
+	if !store {
 		base = Buf{}
 	}
-	return C.mk_rope(r.Q.p, r.K.p, r.V.p, r.QNorm.p, r.KNorm.p, C.float(r.Eps), m.RowSeq.p, m.RowPos.p, base.p, m.KVCap.p,
-		r.Cos.p, r.Sin.p, C.int(r.Layer), C.int(r.Layers), C.int(r.T), C.int(r.Heads), C.int(r.KVHeads), C.int(r.HeadDim))
-}
-
-// QKRoPEStore prepares r's q and k (RoPE). With sums (not Nil), q, k and
-// v are first written from the fp32 sums a joined q/k/v GemmW4Sums left
-// there ([T][(Heads + 2·KVHeads)·HeadDim]), which it zeroes.
-func (x *Context) QKRoPEStore(r RoPE, sums Buf) error {
-	return x.do("qk_rope_store", func() C.int { return C.c_qk_rope_store(x.lib.api, x.c, r.c(), sums.p) })
-}
-
-// GemmW4RoPE is GemmW4Sums of a joined q/k/v (w, its columns q's, k's
-// and v's heads) for r.T rows followed by QKRoPEStore(r, ws), in one
-// launch where the GEMV kernels run it (w4a16_gemm_rope, API 27: their
-// last CTA of each head prepares it; LLMQ_ROPE_JOIN=0, or a plan on
-// other kernels: the two launches). ws must be zero, and is left so.
-func (x *Context) GemmW4RoPE(A Buf, w *W4, ws, scratch, aperm Buf, r RoPE) error {
-	if w.Gated != NotGated {
-		return fmt.Errorf("w4a16_gemm_rope: a gated layer is no joined q/k/v")
-	}
-	return x.do("w4a16_gemm_rope", func() C.int {
-		return C.c_gemm_rope(x.lib.api, x.c, A.p, w.B.p, w.S.p, w.Z.p, w.Perm.p, aperm.p, ws.p, scratch.p, C.int(w.N), C.int(w.K),
-			C.int(w.Group), C.int(w.codeBits()), r.c())
+	return x.do("qk_rope_store", func() C.int {
+		return C.c_qk_rope_store(x.lib.api, x.c, q.p, k.p, v.p, sums.p, qNorm.p, kNorm.p, C.float(eps), m.RowSeq.p, m.RowPos.p,
+			base.p, m.KVCap.p, cos.p, sin.p, C.int(layer), C.int(layers), C.int(T), C.int(heads), C.int(kvHeads), C.int(hd))
 	})
 }
 

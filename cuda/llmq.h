@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 27
+#define LLMQ_API_VERSION 26
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -68,23 +68,6 @@ typedef struct {
   int graphs;            /* instantiated graphs not destroyed */
   int events;
 } llmq_memory;
-
-/* A pass's q/k preparation (qk_rope_store, w4a16_gemm_rope; API 27):
- * q [T][heads·hd] and k [T][kv_heads·hd] fp16, in place: per-head RMSNorm
- * by q_norm / k_norm (fp32 [hd]; NULL: none, Qwen3 has them), then RoPE
- * by row_pos from cos_t, sin_t ([positions][hd/2] fp32 tables). With
- * kv_base (NULL: no cache), k's rotated rows and v's rows [T][kv_heads·hd]
- * also go into their sequences' caches at layer. */
-typedef struct {
-  void *q, *k, *v;
-  const float *q_norm, *k_norm;
-  float eps;
-  const int32_t *row_seq, *row_pos;
-  const uint64_t* kv_base;
-  const int32_t* kv_cap;
-  const float *cos_t, *sin_t;
-  int layer, layers, T, heads, kv_heads, hd;
-} llmq_rope;
 
 typedef struct {
   int version; /* LLMQ_API_VERSION */
@@ -193,25 +176,19 @@ typedef struct {
                  int H, float eps);
   int (*add)(llmq_ctx* c, float* x, const void* delta, size_t n);
   int (*add_bias)(llmq_ctx* c, void* y, const void* b, int T, int N);
-  /* q, k (and v) of a pass prepared for attention as r describes them
-   * (llmq_rope), in place: per-head RMSNorm, RoPE, the cache store. With
-   * sums (API 22; NULL: none), q, k and v are first written from the fp32
-   * sums [T][(heads + 2·kv_heads)·hd] a joined q/k/v w4a16_gemm with no
-   * outputs left in its workspace (each rounded to fp16 once), which are
-   * zeroed. API 27: the rest in r. */
-  int (*qk_rope_store)(llmq_ctx* c, const llmq_rope* r, float* sums);
-  /* API 27: a joined q/k/v GEMM (N = (heads + 2·kv_heads)·hd columns,
-   * M = r->T rows) followed by qk_rope_store on its sums, as w4a16_gemm
-   * with no outputs then qk_rope_store(c, r, workspace) would do them.
-   * Where the GEMV kernels run it (M ≤ 8) and hd is a multiple of 64, one
-   * launch: the last CTA to finish a head's columns (a q head, or a k head
-   * and its v head) does that head's part of qk_rope_store (counted in the
-   * workspace's tile counters, which these kernels leave unused);
-   * otherwise, or with LLMQ_ROPE_JOIN=0, the two launches. The workspace
-   * and the other arguments are as w4a16_gemm's. */
-  int (*w4a16_gemm_rope)(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros,
-                         const int32_t* perm, void* a_perm, void* workspace, void* scratch, int N, int K, int group,
-                         int bits, const llmq_rope* r);
+  /* q [T][heads·hd] and k [T][kv_heads·hd] fp16, in place: per-head
+   * RMSNorm by q_norm / k_norm (fp32 [hd]; NULL: none, Qwen3 has them),
+   * then RoPE by row_pos from cos_t, sin_t ([positions][hd/2] fp32
+   * tables). With kv_base (NULL: no cache), k's rotated rows and v's
+   * rows [T][kv_heads·hd] are also written to their sequences' caches
+   * at layer. With sums (API 22; NULL: none), q, k and v are first
+   * written from the fp32 sums [T][(heads + 2·kv_heads)·hd] a joined
+   * q/k/v w4a16_gemm with no outputs left in its workspace (each rounded
+   * to fp16 once), which are zeroed. */
+  int (*qk_rope_store)(llmq_ctx* c, void* q, void* k, void* v, float* sums, const float* q_norm, const float* k_norm,
+                       float eps, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                       const int32_t* kv_cap, const float* cos_t, const float* sin_t, int layer, int layers, int T,
+                       int heads, int kv_heads, int hd);
   /* max_keys bounds row_pos+1 over the rows; workspace holds
    * attention_workspace_bytes(T, heads, hd, max_keys) bytes. window > 0:
    * a row at position p sees keys p−window+1 … p (a sliding window), 0:

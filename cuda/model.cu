@@ -21,7 +21,6 @@
 #include <math.h>
 #include "common.cuh"
 #include "moe.cuh"
-#include "rope.cuh"
 #include "stream.cuh"
 
 namespace {
@@ -278,6 +277,38 @@ __global__ void bias_kernel(half* __restrict__ y, const half* __restrict__ b, in
   if (i < n) y[i] = __float2half(__half2float(y[i]) + __half2float(b[i % N]));
 }
 
+// A sequence's key/value cache, in either layout:
+// - contiguous (kv_cap[s] > 0, the capacity): one buffer at kv_base[s],
+//   [2][layers][cap][kv_dim];
+// - paged (kv_cap[s] < 0): kv_base[s] is the sequence's block table,
+//   [pos / kPageTokens][layers] device addresses of blocks (llm.BlockTable),
+//   each block [2][kPageTokens][kv_dim]: keys, then values.
+constexpr int kPageTokens = 16;  // llm.DefaultBlockTokens
+
+// cache_span is where the keys and values of positions p0 … p0+15 lie
+// (p0 a multiple of kPageTokens): in either layout they are 16 rows of
+// kv_dim one after another, keys from k, values from v, and a paged cache
+// finds them with one read of its block table.
+__device__ __forceinline__ void cache_span(const uint64_t* kv_base, const int32_t* kv_cap, int s, int layer, int layers,
+                                           int p0, int kv_dim, half*& k, half*& v) {
+  const int cap = kv_cap[s];
+  if (cap < 0) {
+    k = (half*)reinterpret_cast<const uint64_t*>(kv_base[s])[(size_t)(p0 / kPageTokens) * layers + layer];
+    v = k + (size_t)kPageTokens * kv_dim;
+  } else {
+    k = (half*)kv_base[s] + ((size_t)layer * cap + p0) * kv_dim;
+    v = k + (size_t)layers * cap * kv_dim;
+  }
+}
+
+// cache_kv is the key and value rows of one position.
+__device__ __forceinline__ void cache_kv(const uint64_t* kv_base, const int32_t* kv_cap, int s, int layer, int layers,
+                                         int pos, int kv_dim, half*& k, half*& v) {
+  const int r = pos % kPageTokens;
+  cache_span(kv_base, kv_cap, s, layer, layers, pos - r, kv_dim, k, v);
+  k += (size_t)r * kv_dim, v += (size_t)r * kv_dim;
+}
+
 // cache_row is the address of position pos's keys (kind 0) or values (1).
 __device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_t* kv_cap, int s, int kind, int layer,
                                            int layers, int pos, int kv_dim) {
@@ -286,27 +317,107 @@ __device__ __forceinline__ half* cache_row(const uint64_t* kv_base, const int32_
   return kind ? v : k;
 }
 
-// qk_rope_store_kernel prepares q and k for attention (and with a cache,
-// stores k and v), one warp per (row, head) of q (heads) and then k
-// (kv_heads), in place, as rope_begin and rope_end (rope.cuh) describe: one
-// kernel for what were five launches a layer (two norms, two rotations,
-// the store). SUMS: the joined q/k/v GEMM left its fp32 sums in sums (a
-// w4a16_gemm with no outputs; w4a16_gemm_rope does this kernel's work in
-// the GEMM's last CTAs instead where it can).
+// qk_rope_store_kernel prepares q and k for attention, one warp per
+// (row, head) of q (heads) and then k (kv_heads), in place: Qwen3's
+// per-head RMSNorm when its weights are given (the sum of squares in
+// lane-strided order, the result rounded to fp16 as a stored tensor
+// would be), then RoPE on the head's two halves by the row's position,
+// from tables cos/sin [positions][hd/2] made once on the host (float32
+// angle products, cos/sin in double, as the CPU backend computes them).
+// With kv_base, a k head's rotated values and the same head of v also
+// go into the row's slot of its sequence's cache. One kernel for what
+// were five launches a layer (two norms, two rotations, the store).
+//
+// SUMS: the joined q/k/v GEMM left its fp32 sums in sums [T][(heads +
+// 2·kv_heads)·hd] (w4a16_gemm with no outputs: no K split's last CTA
+// finished them), q's columns, then k's, then v's. Each warp first turns
+// its head's sums (a k head's: the same head of v too) into fp16 q, k
+// and v, rounding each sum once as finish_splits does (so, on the GEMV
+// kernels, bit for bit what the GEMM would have written), and zeroes them (the workspace is kept
+// zeroed between GEMMs); the rest runs on those values as without.
 template <bool SUMS>
-__global__ void qk_rope_store_kernel(const llmq_rope a, float* __restrict__ sums, int early) {
-  // early (LLMQ_ATTN_EARLY, as attention_decode_kernel's): rope_begin's
-  // reads come before pdl_gate() — the kernel before this one (the q/k/v
-  // GEMM) writes none of them, and every kernel before that has finished
-  // when this one starts (attention_decode_kernel says why) — so only the
+__global__ void qk_rope_store_kernel(half* __restrict__ q, half* __restrict__ k, half* __restrict__ v,
+                                     float* __restrict__ sums, const float* __restrict__ qw,
+                                     const float* __restrict__ kw, float eps, const int32_t* __restrict__ row_seq,
+                                     const int32_t* __restrict__ row_pos, const uint64_t* __restrict__ kv_base,
+                                     const int32_t* __restrict__ kv_cap, const float* __restrict__ cos_t,
+                                     const float* __restrict__ sin_t, int layer, int layers, int heads, int kv_heads,
+                                     int hd, int early) {
+  // early (LLMQ_ATTN_EARLY, as attention_decode_kernel's): the row's
+  // position and cache slot, and the lane's first cos and sin values, are
+  // read before pdl_gate() — the kernel before this one (the q/k/v GEMM)
+  // writes none of them, and every kernel before that has finished when
+  // this one starts (attention_decode_kernel says why) — so only the
   // GEMM's outputs wait for the gate.
   if (!early) pdl_gate();  // otherwise before any global access: see common.cuh
   const int t = blockIdx.x, y = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  if (y >= a.heads + a.kv_heads) return;  // whole warps leave together: the shuffles below see all 32 lanes
-  RopeLane p;
-  rope_begin(a, t, y, lane, p);
+  if (y >= heads + kv_heads) return;  // whole warps leave together: the shuffles below see all 32 lanes
+  const bool is_q = y < heads;
+  const int h = is_q ? y : y - heads;
+  const int half_d = hd / 2, pos = row_pos[t], kv_dim = kv_heads * hd;
+  const float* ct = cos_t + (size_t)pos * half_d;
+  const float* st = sin_t + (size_t)pos * half_d;
+  half *kc = nullptr, *vc = nullptr;
+  if (!is_q && kv_base) {
+    cache_kv(kv_base, kv_cap, row_seq[t], layer, layers, pos, kv_dim, kc, vc);
+    kc += h * hd, vc += h * hd;
+  }
+  constexpr int kPre = 4;  // a lane's first rotation pairs (head dims up to 256) have their cos and sin here
+  float cpre[kPre], spre[kPre];
+#pragma unroll
+  for (int i = 0; i < kPre; i++) {
+    const int j = lane + 32 * i;
+    cpre[i] = j < half_d ? ct[j] : 0.f, spre[i] = j < half_d ? st[j] : 0.f;
+  }
   if (early) pdl_gate();
-  rope_end<SUMS>(a, sums, t, y, lane, p);
+  half* r = is_q ? q + ((size_t)t * heads + h) * hd : k + ((size_t)t * kv_heads + h) * hd;
+  if constexpr (SUMS) {
+    float* row = sums + (size_t)t * (heads + 2 * kv_heads) * hd;
+    float* src = row + (is_q ? h : heads + h) * hd;
+    float* vsrc = row + (heads + kv_heads + h) * hd;
+    half* vdst = v + ((size_t)t * kv_heads + h) * hd;
+    for (int i = lane; i < hd; i += 32) {
+      r[i] = __float2half_rn(src[i]);
+      src[i] = 0.f;
+      if (!is_q) {
+        vdst[i] = __float2half_rn(vsrc[i]);
+        vsrc[i] = 0.f;
+      }
+    }
+    __syncwarp();  // the lanes below read what other lanes of the warp wrote
+  }
+  const float* w = is_q ? qw : kw;
+  float inv = 1.f;
+  if (w) {
+    float ss = 0.f;
+    for (int i = lane; i < hd; i += 32) {
+      const float x = __half2float(r[i]);
+      ss += x * x;
+    }
+    inv = rsqrtf(warp_sum(ss) / hd + eps);
+  }
+  const half* vr = kc ? v + (size_t)t * kv_dim + h * hd : nullptr;
+  // rotate turns pair (j, j + hd/2) by the position's angle (its cos c and sin s).
+  auto rotate = [&](int j, float c, float s) {
+    float a = __half2float(r[j]), b = __half2float(r[j + half_d]);
+    if (w) {
+      a = __half2float(__float2half(a * inv * w[j]));
+      b = __half2float(__float2half(b * inv * w[j + half_d]));
+    }
+    const half ra = __float2half(a * c - b * s), rb = __float2half(b * c + a * s);
+    r[j] = ra;
+    r[j + half_d] = rb;
+    if (kc) {
+      kc[j] = ra;
+      kc[j + half_d] = rb;
+      vc[j] = vr[j];
+      vc[j + half_d] = vr[j + half_d];
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < kPre; i++)
+    if (lane + 32 * i < half_d) rotate(lane + 32 * i, cpre[i], spre[i]);
+  for (int j = lane + 32 * kPre; j < half_d; j += 32) rotate(j, ct[j], st[j]);
 }
 
 // Attention runs in two kernels, as flash-decoding does (Dao et al. 2023):
@@ -1156,21 +1267,20 @@ int add_bias(llmq_ctx* c, void* y, const void* b, int T, int N) {
   return 0;
 }
 
-int qk_rope_store(llmq_ctx* c, const llmq_rope* r, float* sums) {
-  if (check_rope(c, "qk_rope_store", r)) return 1;
-  constexpr int kHeadsPerBlock = 4;
-  const dim3 grid(r->T, (r->heads + r->kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
-  const auto kernel = sums ? qk_rope_store_kernel<true> : qk_rope_store_kernel<false>;
-  CK(launch(c, kernel, grid, 32 * kHeadsPerBlock, 0, *r, sums, c->attn_early ? 1 : 0));
-  return 0;
-}
-
-int check_rope(llmq_ctx* c, const char* fn, const llmq_rope* r) {
-  if (!r || r->T <= 0 || r->heads <= 0 || r->kv_heads <= 0 || r->hd <= 0 || r->hd % 2) {
-    set_error(c, "%s: %d rows of %d q and %d k heads of dimension %d (want positive counts, an even dimension)", fn,
-              r ? r->T : 0, r ? r->heads : 0, r ? r->kv_heads : 0, r ? r->hd : 0);
+int qk_rope_store(llmq_ctx* c, void* q, void* k, void* v, float* sums, const float* q_norm, const float* k_norm,
+                  float eps, const int32_t* row_seq, const int32_t* row_pos, const uint64_t* kv_base,
+                  const int32_t* kv_cap, const float* cos_t, const float* sin_t, int layer, int layers, int T, int heads,
+                  int kv_heads, int hd) {
+  if (T <= 0 || heads <= 0 || kv_heads <= 0 || hd <= 0 || hd % 2) {
+    set_error(c, "qk_rope_store: %d rows of %d q and %d k heads of dimension %d (want positive counts, an even dimension)",
+              T, heads, kv_heads, hd);
     return 1;
   }
+  constexpr int kHeadsPerBlock = 4;
+  const dim3 grid(T, (heads + kv_heads + kHeadsPerBlock - 1) / kHeadsPerBlock);
+  const auto kernel = sums ? qk_rope_store_kernel<true> : qk_rope_store_kernel<false>;
+  CK(launch(c, kernel, grid, 32 * kHeadsPerBlock, 0, (half*)q, (half*)k, (half*)v, sums, q_norm, k_norm, eps, row_seq,
+            row_pos, kv_base, kv_cap, cos_t, sin_t, layer, layers, heads, kv_heads, hd, c->attn_early ? 1 : 0));
   return 0;
 }
 

@@ -780,8 +780,8 @@ func (m *Model) moeSums(b *gpuBlock, T int) bool {
 }
 
 // qkvSums says whether block b's joined q/k/v leaves its sums to the
-// RoPE's preparation (runRoPE), which takes the sums' columns as q's, k's
-// and v's heads in turn.
+// RoPE kernel (QKRoPEStore's sums). The kernel takes the sums' columns as
+// q's, k's and v's heads in turn.
 func (m *Model) qkvSums(b *gpuBlock, T int) bool {
 	c := m.cfg
 	return m.split.qkv && m.leavesSums(b.qkv, T) &&
@@ -803,18 +803,6 @@ func (m *Model) runSums(l *gpuLinear, A Buf, M int, a *acts) error {
 	}
 	ws, scratch := m.gemmBufs(l, a)
 	return m.x.GemmW4Sums(A, l.w4, M, ws, scratch, a.aperm)
-}
-
-// runRoPE runs a joined q/k/v (l, its sums left in the workspace as
-// runSums leaves them) and r's preparation of the heads on them
-// (GemmW4RoPE: one launch where the GEMV kernels' epilogue does it).
-func (m *Model) runRoPE(l *gpuLinear, A Buf, a *acts, r RoPE) error {
-	A, err := m.input(l, A, r.T, a)
-	if err != nil {
-		return err
-	}
-	ws, scratch := m.gemmBufs(l, a)
-	return m.x.GemmW4RoPE(A, l.w4, ws, scratch, a.aperm, r)
 }
 
 // run computes C = A·Wᵀ (+ b) for M rows on the GPU; a joined layer
@@ -1169,20 +1157,23 @@ func (m *Model) layers(ctx context.Context, a *acts, attnWS Buf, T, maxKeys, win
 		if l > 0 {
 			prev = m.mlpOutput(m.blocks[l-1], a, T)
 		}
-		rope := RoPE{Q: a.q, K: a.k, V: a.v, QNorm: b.norms.q, KNorm: b.norms.k, Eps: eps, Meta: a.meta, Cos: m.ropes[l].cos,
-			Sin: m.ropes[l].sin, Layer: l, Layers: L, T: T, Heads: c.Heads, KVHeads: c.KVHeads, HeadDim: hd, Store: true}
+		var qkvSums Buf // q/k/v's sums in the workspace, for the RoPE kernel to finish
+		if m.qkvSums(b, T) {
+			qkvSums = a.ws
+		}
 		steps := []func() error{
 			func() error {
 				return x.RMSNormExperts(a.x, prev.delta, prev.sums, prev.experts, prev.norm, Buf{}, b.norms.attn, a.h, T, H, eps)
 			},
-			func() error { // q/k/v, then RoPE and the cache store
-				if m.qkvSums(b, T) {
-					return m.runRoPE(b.qkv, a.h, a, rope)
+			func() error {
+				if !qkvSums.Nil() {
+					return m.runSums(b.qkv, a.h, T, a)
 				}
-				if err := m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v); err != nil {
-					return err
-				}
-				return x.QKRoPEStore(rope, Buf{})
+				return m.runParts(b.qkv, []*gpuLinear{b.q, b.k, b.v}, a.h, T, a, a.q, a.k, a.v)
+			},
+			func() error {
+				r := m.ropes[l]
+				return x.QKRoPEStore(a.q, a.k, a.v, qkvSums, b.norms.q, b.norms.k, eps, a.meta, r.cos, r.sin, l, L, T, c.Heads, c.KVHeads, hd, true)
 			},
 			func() error {
 				if windows > 0 {

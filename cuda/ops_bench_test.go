@@ -154,19 +154,11 @@ func BenchmarkDecodeOps(b *testing.B) {
 						return x.GemmW4Into(in, outs, w, B, gemmWS, Buf{}, Buf{})
 					}
 				}
-				rope := func(i int) RoPE {
-					return RoPE{Q: q, K: k, V: v, Eps: 1e-6, Meta: m, Cos: cos, Sin: sin, Layer: i % layers, Layers: layers, T: B,
-						Heads: sh.heads, KVHeads: sh.kvHeads, HeadDim: sh.hd, Store: true}
-				}
 				ops := []decodeOp{
 					{"add+rmsnorm", 0, func(int) error { return x.RMSNorm(xs, delta, Buf{}, Buf{}, norm, h, B, H, 1e-6) }},
 					{"qkv", qkv[0].Bytes(), w4(h, qkv, []int{qd, kvd, kvd}, NotGated, q, k, v)},
-					{"rope+store", 0, func(i int) error { return x.QKRoPEStore(rope(i), Buf{}) }},
-					// The two above as one launch where the GEMV kernels' last CTA of each head prepares it (GemmW4RoPE).
-					{"qkv·rope+store", qkv[0].Bytes(), func(i int) error {
-						w := qkv[i%len(qkv)]
-						w.Cols, w.Gated = []int{qd, kvd, kvd}, NotGated
-						return x.GemmW4RoPE(h, w, gemmWS, Buf{}, Buf{}, rope(i))
+					{"rope+store", 0, func(i int) error {
+						return x.QKRoPEStore(q, k, v, Buf{}, Buf{}, Buf{}, 1e-6, m, cos, sin, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, true)
 					}},
 					{"attention", 0, func(i int) error {
 						return x.Attention(q, att, attnWS, m, i%layers, layers, B, sh.heads, sh.kvHeads, sh.hd, ctx, AttnOptions{})

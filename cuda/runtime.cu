@@ -82,7 +82,6 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_ATTN_EARLY")) c->attn_early = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_COMBINE_EARLY")) c->combine_early = atoi(e) != 0;
-  if (const char* e = getenv("LLMQ_ROPE_JOIN")) c->rope_join = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_ROUTED")) c->moe_routed = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_FUSED_ACT")) c->moe_fused_act = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_NORM_ROUTER")) c->moe_norm_router = atoi(e) != 0;
@@ -284,7 +283,6 @@ const llmq_api kAPI = {
     add,
     add_bias,
     qk_rope_store,
-    w4a16_gemm_rope,
     attention_workspace_bytes,
     attention,
     gated_act,

@@ -51,7 +51,6 @@
 #include <utility>
 #include "common.cuh"
 #include "moe.cuh"
-#include "rope.cuh"
 #include "stream.cuh"
 
 namespace {
@@ -503,40 +502,6 @@ __device__ __forceinline__ void finish_splits(const Outs& o, float* ws, int* cou
       }
     }
   if (threadIdx.x == 0) *counter = 0;
-}
-
-// finish_heads is a GEMV kernel's q/k/v epilogue (w4a16_gemm_rope): with
-// a llmq_rope (its SUMS instantiation, the sums added into the workspace),
-// the last of the CTAs that add into a head's columns — a q head's hd/64
-// n-tiles, or a k head's and its v head's, each over `splits` K slices —
-// does that head's qk_rope_store for every row (rope_begin, rope_end: a
-// warp a row), counted in counters[head] (the tile counters, which a
-// GEMM with no outputs leaves unused, so zero), which it re-zeroes. Each
-// n-tile lies in one head: hd is a multiple of 64 (w4a16_gemm_rope checks).
-// NoEpi: the plain epilogue, nothing more (every other instantiation).
-struct NoEpi {};
-template <int THREADS>
-__device__ __forceinline__ void finish_heads(NoEpi, float*, int*, int, int, int&) {}
-template <int THREADS>
-__device__ __forceinline__ void finish_heads(const llmq_rope& a, float* ws, int* counters, int nt, int splits,
-                                             int& s_last) {
-  const int qcols = a.heads * a.hd, kcols = a.kv_heads * a.hd, col = nt * 64;
-  const bool is_q = col < qcols;
-  const int y = is_q ? col / a.hd : a.heads + (col - qcols) % kcols / a.hd;  // the head (k's for a v column)
-  const int ctas = (is_q ? 1 : 2) * (a.hd / 64) * splits;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&counters[y], 1) == ctas - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int lane = threadIdx.x & 31;
-  for (int t = threadIdx.x >> 5; t < a.T; t += THREADS / 32) {
-    RopeLane p;
-    rope_begin(a, t, y, lane, p);
-    rope_end<true>(a, ws, t, y, lane, p);
-  }
-  if (threadIdx.x == 0) counters[y] = 0;
 }
 
 // w4a16_fused (v18): a CTA of NW warps owns NW adjacent n-tiles (warp w:
@@ -1484,12 +1449,12 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
-template <int MT, int U, int MINB, int BITS, bool SUMS = false, typename Epi = NoEpi>
+template <int MT, int U, int MINB, int BITS, bool SUMS = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
                                                           int* __restrict__ counters, int M, int N, int K, int gshift,
-                                                          int splits, const Epi epi) {
+                                                          int splits) {
   // pdl_gate() is gemv_steps' (GATE): the first codes are asked for before it.
   __shared__ float red[kWarps][MT][64];
   __shared__ int s_last;
@@ -1504,7 +1469,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   emit_tile<SUMS>(C, ws, 0, MT, M, N, nt, splits, [&](int m, int col) { return red_total<MT>(red, m, col); });
   finish_splits<kWarps * 32, 0, SUMS>(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
-  finish_heads<kWarps * 32>(epi, ws, counters, nt, splits, s_last);
 }
 
 // w4a16_gemv_mma (v11): the GEMV kernel's streaming — a lane's chunks
@@ -1519,12 +1483,12 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
 // CUDA-core GEMV pays for one by one come free. MT: 8, 16, 32 or 64 rows
 // (MB = 1, 1, 2, 4 m-tiles). CTA and K split as w4a16_gemv. PF > 0: lane 0
 // asks L2 for the warp's codes PF batches ahead (as v15's variants 3–6).
-template <int MT, int U, int BITS, int PF = 0, bool SUMS = false, typename Epi = NoEpi>
+template <int MT, int U, int BITS, int PF = 0, bool SUMS = false>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __restrict__ A, const uint4* __restrict__ B,
                                                             const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                             const Outs C, float* __restrict__ ws,
                                                             int* __restrict__ counters, int M, int N, int K, int gshift,
-                                                            int splits, const Epi epi) {
+                                                            int splits) {
   static_assert(MT == 8 || MT == 16 || MT == 32 || MT == 64, "rows: half an m-tile or 1, 2, 4 m-tiles");
   constexpr int MB = MT <= 16 ? 1 : MT / 16;  // m-tiles
   constexpr int RT = MT <= 16 ? MT : 16;      // rows an m-tile holds
@@ -1628,7 +1592,6 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_mma(const half* __rest
     __syncthreads();
   }
   finish_splits<kWarps * 32, 0, SUMS>(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
-  finish_heads<kWarps * 32>(epi, ws, counters, nt, splits, s_last);
 }
 
 // SwapSums is a v15 lane's sums (w4a16_gemv_swap): tot[i][nb] for m16
@@ -1732,12 +1695,12 @@ __device__ __forceinline__ void swap_acts(uint32_t (&x)[U][NB][2], const uint32_
 // the lane multiplies its two columns' scales in once per group: per code
 // pair a mask and a subtraction, no multiply. MT: 8, 16 or 32 tokens.
 // CTA and K split as w4a16_gemv.
-template <int MT, int U, int BITS, bool SCALED, int MINB, int PF, bool SUMS = false, typename Epi = NoEpi>
+template <int MT, int U, int BITS, bool SCALED, int MINB, int PF, bool SUMS = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half* __restrict__ A, const uint4* __restrict__ B,
                                                              const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                              const Outs C, float* __restrict__ ws,
                                                              int* __restrict__ counters, int M, int N, int K, int gshift,
-                                                             int splits, const Epi epi) {
+                                                             int splits) {
   static_assert(MT == 8 || MT == 16 || MT == 32, "tokens: 1, 2 or 4 n8 tiles");
   constexpr int NB = MT / 8;     // n8 token tiles
   constexpr int CH = BITS / 4;   // chunks a step: step k's are at bp + 32·(CH·k + c)
@@ -1803,7 +1766,6 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
   __syncthreads();
   emit_tile<SUMS>(C, ws, 0, MT, M, N, nt, splits, [&](int r, int col) { return red_total<MT>(red, r, col); });
   finish_splits<kWarps * 32, 0, SUMS>(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
-  finish_heads<kWarps * 32>(epi, ws, counters, nt, splits, s_last);
 }
 
 // w4a16_gemv_grouped: the GEMV kernel over a mixture's experts, whose
@@ -2175,7 +2137,7 @@ static_assert(resident_slot(5, kSwapVariants - 1, 8) < (int)(sizeof(llmq_ctx::re
 // codes: query its resident CTAs (run false) or launch it.
 template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 const Outs& C, void* workspace, int M, int N, int K, int gshift, const llmq_rope* rope);
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift);
 
 // with_variant calls f(V, BITS), the two as std::integral_constant, for a
 // variant index v in [0, N) and a code width known only at run time (8,
@@ -2218,11 +2180,10 @@ int with_fused(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A
 // with_gemv calls gemv_variant<v, bits> for a variant index and a code
 // width known only at run time.
 int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
-              const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift,
-              const llmq_rope* rope = nullptr) {
+              const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return with_variant<kGemvVariants>(c, "GEMV", v, bits, [&](auto vi, auto bi) {
     return gemv_variant<decltype(vi)::value, decltype(bi)::value>(c, run, splits, A, B, S, Z, C, workspace, M, N, K,
-                                                                   gshift, rope);
+                                                                   gshift);
   });
 }
 
@@ -2230,16 +2191,15 @@ int with_gemv(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A,
 // codes: query its resident CTAs (run false) or launch it.
 template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                const Outs& C, void* workspace, int M, int N, int K, int gshift, const llmq_rope* rope);
+                const Outs& C, void* workspace, int M, int N, int K, int gshift);
 
 // with_mma calls mma_variant<v, bits> for a variant index and a code
 // width known only at run time.
 int with_mma(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
-             const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift,
-             const llmq_rope* rope = nullptr) {
+             const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return with_variant<kMmaVariants>(c, "Tensor Core GEMV", v, bits, [&](auto vi, auto bi) {
     return mma_variant<decltype(vi)::value, decltype(bi)::value>(c, run, splits, A, B, S, Z, C, workspace, M, N, K,
-                                                                  gshift, rope);
+                                                                  gshift);
   });
 }
 
@@ -2247,16 +2207,15 @@ int with_mma(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, 
 // codes: query its resident CTAs (run false) or launch it.
 template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 const Outs& C, void* workspace, int M, int N, int K, int gshift, const llmq_rope* rope);
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift);
 
 // with_swap calls swap_variant<v, bits> for a variant index and a code
 // width known only at run time.
 int with_swap(int v, int bits, llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S,
-              const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift,
-              const llmq_rope* rope = nullptr) {
+              const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   return with_variant<kSwapVariants>(c, "swapped Tensor Core GEMV", v, bits, [&](auto vi, auto bi) {
     return swap_variant<decltype(vi)::value, decltype(bi)::value>(c, run, splits, A, B, S, Z, C, workspace, M, N, K,
-                                                                   gshift, rope);
+                                                                   gshift);
   });
 }
 
@@ -2530,61 +2489,59 @@ int fused_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* 
 }
 
 // gemv_kernel queries a GEMV kernel's resident CTAs into slot (run false)
-// or launches it over N/64 tiles × splits: the one launch of the GEMV
-// kernels, which take the same arguments (epi: finish_heads').
-template <typename Kernel, typename Epi>
+// or launches it over N/64 tiles × splits: the one launch of both GEMV
+// kernels, which take the same arguments.
+template <typename Kernel>
 int gemv_kernel(llmq_ctx* c, bool run, int slot, Kernel kernel, int splits, const half* A, const void* B, const void* S,
-                const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift, const Epi& epi) {
+                const void* Z, const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   if (!run) return resident_of(c, slot, kernel, 0);
   float* ws = (float*)workspace;
   CK(launch(c, (kernel), dim3(N / 64, splits), kWarps * 32, 0, A, (const uint4*)B, (const uint4*)S, (const uint32_t*)Z,
-            C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits, epi));
+            C, ws, (int*)(ws + (size_t)M * N), M, N, K, gshift, splits));
   return 0;
 }
 
-// with_sums calls launch(std::bool_constant<SUMS>, epilogue) for the
-// instantiation a GEMV variant of MT rows runs: a GEMM with no outputs
-// (C.n 0: the sums left in the workspace, w4a16_gemm's n_outs 0) the
-// kernel's SUMS one, which exists for the variants of at most kSumsMaxM
-// rows (sums_serves, checked before), with rope (w4a16_gemm_rope) its
-// q/k/v epilogue's (finish_heads); a resident query and every other GEMM
-// the plain one, whose resident CTAs give the plan's K splits for all.
+// with_sums calls launch(std::bool_constant<SUMS>) for the instantiation
+// a GEMV variant of MT rows runs: a GEMM with no outputs (C.n 0: the sums
+// left in the workspace, w4a16_gemm's n_outs 0) the kernel's SUMS one,
+// which exists for the variants of at most kSumsMaxM rows (sums_serves,
+// checked before); a resident query and every other GEMM the plain one,
+// whose resident CTAs give the plan's K splits for both.
 template <int MT, typename F>
-int with_sums(bool run, const Outs& C, const llmq_rope* rope, F launch) {
+int with_sums(bool run, const Outs& C, F launch) {
   if constexpr (MT <= kSumsMaxM)
-    if (run && !C.n) return rope ? launch(std::true_type{}, *rope) : launch(std::true_type{}, NoEpi{});
-  return launch(std::false_type{}, NoEpi{});
+    if (run && !C.n) return launch(std::true_type{});
+  return launch(std::false_type{});
 }
 
 template <int V, int BITS>
 int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 const Outs& C, void* workspace, int M, int N, int K, int gshift, const llmq_rope* rope) {
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr GemvVariant v = kGemv[V];
-  return with_sums<v.mt>(run, C, rope, [&](auto sums, const auto& epi) {
-    return gemv_kernel(c, run, resident_slot(3, V, BITS), w4a16_gemv<v.mt, v.u, v.minb, BITS, decltype(sums)::value, std::decay_t<decltype(epi)>>,
-                       splits, A, B, S, Z, C, workspace, M, N, K, gshift, epi);
+  return with_sums<v.mt>(run, C, [&](auto sums) {
+    return gemv_kernel(c, run, resident_slot(3, V, BITS), w4a16_gemv<v.mt, v.u, v.minb, BITS, decltype(sums)::value>,
+                       splits, A, B, S, Z, C, workspace, M, N, K, gshift);
   });
 }
 
 template <int V, int BITS>
 int mma_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                const Outs& C, void* workspace, int M, int N, int K, int gshift, const llmq_rope* rope) {
+                const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr MmaVariant v = kMma[V];
-  return with_sums<v.mt>(run, C, rope, [&](auto sums, const auto& epi) {
-    return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<v.mt, v.u, BITS, v.pf, decltype(sums)::value, std::decay_t<decltype(epi)>>,
-                       splits, A, B, S, Z, C, workspace, M, N, K, gshift, epi);
+  return with_sums<v.mt>(run, C, [&](auto sums) {
+    return gemv_kernel(c, run, resident_slot(4, V, BITS), w4a16_gemv_mma<v.mt, v.u, BITS, v.pf, decltype(sums)::value>,
+                       splits, A, B, S, Z, C, workspace, M, N, K, gshift);
   });
 }
 
 template <int V, int BITS>
 int swap_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B, const void* S, const void* Z,
-                 const Outs& C, void* workspace, int M, int N, int K, int gshift, const llmq_rope* rope) {
+                 const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr SwapVariant v = kSwap[V];
-  return with_sums<v.mt>(run, C, rope, [&](auto sums, const auto& epi) {
+  return with_sums<v.mt>(run, C, [&](auto sums) {
     return gemv_kernel(c, run, resident_slot(5, V, BITS),
-                       w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf, decltype(sums)::value,
-                                       std::decay_t<decltype(epi)>>,
-                       splits, A, B, S, Z, C, workspace, M, N, K, gshift, epi);
+                       w4a16_gemv_swap<v.mt, v.u, BITS, v.scaled, v.minb, v.pf, decltype(sums)::value>, splits, A, B, S, Z, C,
+                       workspace, M, N, K, gshift);
   });
 }
 
@@ -2682,41 +2639,14 @@ int make_outs(llmq_ctx* c, const char* fn, void* const* outs, const int* out_col
   return check_out_align(c, fn, C);
 }
 
-// dequant_gemm is the dequantize + cuBLAS path (2) of a planned GEMM:
-// B dequantized into scratch, then cuBLAS into C's outputs, into the
-// workspace (no outputs: the sums, left there), or, gated, into the
-// workspace first and its pairs from there.
-static int dequant_gemm(llmq_ctx* c, const half* a, const void* B, const void* scales, const void* zeros, const Outs& C,
-                        void* workspace, void* scratch, int M, int N, int K, int group, int bits) {
-  if (!scratch) {
-    set_error(c, "the dequantize+cuBLAS path needs a K·N fp16 scratch");
-    return 1;
-  }
-  if (w4_dequant(c, B, scales, zeros, scratch, N, K, group, bits)) return 1;
-  if (C.act >= 0) {  // the interleaved [M][N] product into the workspace (re-zeroed after), then its pairs
-    half* t = (half*)workspace;
-    if (gemm_f16_cols(c, a, (const half*)scratch, N, t, M, N, K)) return 1;
-    const size_t n = (size_t)M * (N / 2);
-    CK(launch(c, (gated_pairs_kernel), (unsigned)((n + 255) / 256), 256, 0, (const half*)t, C, M, N));
-    CK(cudaMemsetAsync(t, 0, (size_t)M * N * sizeof(half), c->stream));
-    return 0;
-  }
-  if (C.n == 0) return gemm_f16_cols(c, a, (const half*)scratch, N, workspace, M, N, K, true);
-  for (int i = 0, start = 0; i < C.n; start = C.end[i++])
-    if (gemm_f16_cols(c, a, (const half*)scratch + start, N, C.c[i], M, C.end[i] - start, K)) return 1;
-  return 0;
-}
-
-// gemm is w4a16_gemm's and w4a16_gemm_rope's body. rope (a GEMM with no
-// outputs): where the GEMV kernels run it (paths 3–5 at M ≤ kSumsMaxM, the
-// SUMS instantiations) and each n-tile lies in one head (hd a multiple of
-// 64), their q/k/v epilogue (finish_heads) prepares the heads in the same
-// launch; otherwise (or LLMQ_ROPE_JOIN=0) qk_rope_store follows on the sums.
-static int gemm(llmq_ctx* c, const char* fn, const void* A, const void* B, const void* scales, const void* zeros,
-                const int32_t* perm, void* a_perm, const Outs& C, void* workspace, void* scratch, int M, int N, int K,
-                int group, int bits, const llmq_rope* rope) {
+int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
+               void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace, void* scratch,
+               int M, int N, int K, int group, int bits) {
+  if (check_shape(c, M, N, K, group) || check_bits(c, bits)) return 1;
+  Outs C;
+  if (make_outs(c, "w4a16_gemm", outs, out_cols, n_outs, act, N, C)) return 1;
   if ((uintptr_t)workspace & 15) {  // finish_splits reads and zeroes it 16 bytes at a time
-    set_error(c, "%s: the workspace at %p is not 16-byte aligned", fn, workspace);
+    set_error(c, "w4a16_gemm: the workspace at %p is not 16-byte aligned", workspace);
     return 1;
   }
   const half* a = (const half*)A;
@@ -2731,53 +2661,43 @@ static int gemm(llmq_ctx* c, const char* fn, const void* A, const void* B, const
   }
   Plan p;
   if (plan(c, p, M, N, K, group, bits, scratch != nullptr)) return 1;
-  if (!C.n && !sums_serves(p.path, p.variant)) {
+  if (!n_outs && !sums_serves(p.path, p.variant)) {
     set_error(c,
-              "%s with no outputs (the sums left in the workspace) runs the GEMV kernels at M ≤ %d or "
+              "w4a16_gemm with no outputs (the sums left in the workspace) runs the GEMV kernels at M ≤ %d or "
               "dequantize + cuBLAS; the plan took path %d, variant %d for M=%d (a forced path or variant?)",
-              fn, kSumsMaxM, p.path, p.variant, M);
+              kSumsMaxM, p.path, p.variant, M);
     return 1;
   }
-  const llmq_rope* epi = rope && c->rope_join && rope->hd % 64 == 0 && p.path >= 3 ? rope : nullptr;
-  const int gshift = group_shift(group, K);
-  int rc;
-  if (p.path == 2)
-    rc = dequant_gemm(c, a, B, scales, zeros, C, workspace, scratch, M, N, K, group, bits);
-  else if (p.path == 3)
-    rc = with_gemv(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, gshift, epi);
-  else if (p.path == 4)
-    rc = with_mma(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, gshift, epi);
-  else if (p.path == 5)
-    rc = with_swap(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, gshift, epi);
-  else
-    rc = with_fused(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K, gshift);
-  if (rc || !rope || epi) return rc;
-  return qk_rope_store(c, rope, (float*)workspace);
-}
-
-int w4a16_gemm(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros, const int32_t* perm,
-               void* a_perm, void* const* outs, const int* out_cols, int n_outs, int act, void* workspace, void* scratch,
-               int M, int N, int K, int group, int bits) {
-  if (check_shape(c, M, N, K, group) || check_bits(c, bits)) return 1;
-  Outs C;
-  if (make_outs(c, "w4a16_gemm", outs, out_cols, n_outs, act, N, C)) return 1;
-  return gemm(c, "w4a16_gemm", A, B, scales, zeros, perm, a_perm, C, workspace, scratch, M, N, K, group, bits, nullptr);
-}
-
-int w4a16_gemm_rope(llmq_ctx* c, const void* A, const void* B, const void* scales, const void* zeros,
-                    const int32_t* perm, void* a_perm, void* workspace, void* scratch, int N, int K, int group, int bits,
-                    const llmq_rope* r) {
-  if (check_rope(c, "w4a16_gemm_rope", r)) return 1;
-  if (N != (r->heads + 2 * r->kv_heads) * r->hd) {
-    set_error(c, "w4a16_gemm_rope: N=%d columns, not a joined q/k/v's (%d + 2·%d heads) × %d", N, r->heads,
-              r->kv_heads, r->hd);
-    return 1;
+  if (p.path == 2) {
+    if (!scratch) {
+      set_error(c, "the dequantize+cuBLAS path needs a K·N fp16 scratch");
+      return 1;
+    }
+    if (w4_dequant(c, B, scales, zeros, scratch, N, K, group, bits)) return 1;
+    if (C.act >= 0) {  // the interleaved [M][N] product into the workspace (re-zeroed after), then its pairs
+      half* t = (half*)workspace;
+      if (gemm_f16_cols(c, a, (const half*)scratch, N, t, M, N, K)) return 1;
+      const size_t n = (size_t)M * (N / 2);
+      CK(launch(c, (gated_pairs_kernel), (unsigned)((n + 255) / 256), 256, 0, (const half*)t, C, M, N));
+      CK(cudaMemsetAsync(t, 0, (size_t)M * N * sizeof(half), c->stream));
+      return 0;
+    }
+    if (n_outs == 0) return gemm_f16_cols(c, a, (const half*)scratch, N, workspace, M, N, K, true);
+    for (int i = 0, start = 0; i < n_outs; start = C.end[i++])
+      if (gemm_f16_cols(c, a, (const half*)scratch + start, N, C.c[i], M, C.end[i] - start, K)) return 1;
+    return 0;
   }
-  if (check_shape(c, r->T, N, K, group) || check_bits(c, bits)) return 1;
-  Outs none{};  // no outputs: the sums into the workspace
-  none.act = -1;
-  return gemm(c, "w4a16_gemm_rope", A, B, scales, zeros, perm, a_perm, none, workspace, scratch, r->T, N, K, group,
-              bits, r);
+  if (p.path == 3)
+    return with_gemv(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                     group_shift(group, K));
+  if (p.path == 4)
+    return with_mma(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                    group_shift(group, K));
+  if (p.path == 5)
+    return with_swap(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                     group_shift(group, K));
+  return with_fused(p.variant, bits, c, true, p.splits, a, B, scales, zeros, C, workspace, M, N, K,
+                    group_shift(group, K));
 }
 
 // moe_splits: the grouped GEMV's K splits — enough CTAs for about four an
