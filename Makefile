@@ -159,7 +159,7 @@ build/stream-probe: cuda/probe/stream.cu cuda/probe/check.cuh cuda/stream.cuh
 # The chain probe (cuda/probe/chain.cu): what a dependency between two
 # kernels of a decode step costs, launched apart or inside one persistent
 # kernel.
-build/chain-probe: cuda/probe/chain.cu cuda/probe/check.cuh cuda/stream.cuh
+build/chain-probe: cuda/probe/chain.cu cuda/probe/check.cuh cuda/stream.cuh cuda/common.cuh
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
 

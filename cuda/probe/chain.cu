@@ -21,6 +21,18 @@
 //                    barrier), a GEMV's first batch asked for before the
 //                    wait;
 //   persistent-late  the same with the first batch asked for after it;
+//   graph-pdl-smem   graph-pdl with a GEMV's CTAs copying their whole share
+//                    of the codes (up to the shared memory a CTA has, 56 KB
+//                    at 4 CTAs an SM) into shared memory before the wait,
+//                    not just the first batch into registers;
+//   persistent-smem  persistent, each CTA copying its share of the next
+//                    GEMV's codes into shared memory as soon as it has
+//                    finished its part of the GEMV before (and the first
+//                    GEMV's at the start): the small ops between two GEMVs
+//                    then run while the second one's codes arrive, as in a
+//                    megakernel that prefetches across ops (a decode step's
+//                    weights are written at load only, so any op may read
+//                    them at any time);
 //   stream           the GEMVs' bytes read by one kernel with no
 //                    dependency at all: the floor the others approach.
 // Each runs with the small ops (the step as it is) and without them (the
@@ -51,6 +63,7 @@
 #include <algorithm>
 #include <string>
 #include <vector>
+#include "../common.cuh"  // cp_async16
 #include "../stream.cuh"  // ld_stream
 #include "check.cuh"  // CHECK
 
@@ -76,7 +89,7 @@ struct Op {
   __half* out;  // [tiles][64]
 };
 
-enum Mode { kGraph = 0, kPDL = 1, kPersistent = 2, kLate = 3 };
+enum Mode { kGraph = 0, kPDL = 1, kPersistent = 2, kLate = 3, kPDLSmem = 4, kPersistSmem = 5, kStream = 6 };
 constexpr int kLine = 32;  // an op's done counter on a 128-byte line of its own
 
 __device__ __forceinline__ uint64_t globaltimer() {
@@ -91,34 +104,55 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
+// prefetch copies the first chunks (16 bytes) of CTA t's share of GEMV
+// op's codes — its warps' ranges, one after another — into smem, at most
+// cap of them, with cp.async (waited on by op_task), and returns how many.
+__device__ __forceinline__ int prefetch(const Op& op, int t, uint4* smem, int cap) {
+  const size_t share = (size_t)kWarps * op.steps * 32;
+  const int n = (int)(share < (size_t)cap ? share : (size_t)cap);
+  const uint4* base = op.src + (size_t)t * share;
+  for (int i = threadIdx.x; i < n; i += kWarps * 32) cp_async16(smem + i, base + i);
+  cp_async_commit();
+  return n;
+}
+
 // op_task is CTA t's part of op i: ask for the first batch (a GEMV, unless
 // mode is kLate), wait for op i − 1 (mode's way), read its value, stream
 // the rest, and add one bit of the sums into val[i]; in the persistent
-// modes it then counts itself done on done[i].
-__device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val, int* done, int mode) {
+// modes it then counts itself done on done[i]. In the smem modes the CTA's
+// first pf chunks are in smem (graph-pdl-smem asks for them here, before
+// the wait; persistent-smem passes those it asked for an op or more ago).
+__device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val, int* done, int mode, uint4* smem,
+                                        int cap, int pf) {
   const Op op = ops[i];
   const int lane = threadIdx.x & 31;
   const size_t warp = (size_t)t * kWarps + (threadIdx.x >> 5);
   const uint4* bp = op.src + warp * op.steps * 32 + lane;
+  const int first = (threadIdx.x >> 5) * op.steps * 32 + lane;  // the lane's first chunk in the CTA's share
   uint32_t acc = 0;
   uint4 qa[kU], qb[kU];
   auto load = [&](uint4 (&q)[kU], int kb) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) q[u] = kb + u < op.steps ? ld_stream(bp + (size_t)(kb + u) * 32) : make_uint4(0, 0, 0, 0);
+    for (int u = 0; u < kU; ++u) {
+      const int k = kb + u, c = first + k * 32;
+      q[u] = k >= op.steps ? make_uint4(0, 0, 0, 0) : c < pf ? smem[c] : ld_stream(bp + (size_t)k * 32);
+    }
   };
+  if (mode == kPDLSmem && op.gemv) pf = prefetch(op, t, smem, cap);
   auto use = [&](const uint4 (&q)[kU]) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) acc ^= q[u].x ^ q[u].y ^ q[u].z ^ q[u].w;
   };
-  const bool early = op.gemv && mode != kLate && mode != kGraph;
+  const bool early = op.gemv && (mode == kPDL || mode == kPersistent);  // (the smem modes' come from pool)
+  const bool persistent = mode == kPersistent || mode == kLate || mode == kPersistSmem;
   if (early) load(qa, 0);
   if (i > 0) {
-    if (mode == kPDL) {
+    if (mode == kPDL || mode == kPDLSmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-    } else if (mode >= kPersistent) {
+    } else if (persistent) {
       if (threadIdx.x == 0) {
         const int need = ops[i - 1].tasks;
         const uint64_t t0 = globaltimer();
@@ -128,6 +162,10 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
       __syncthreads();
     }
     acc ^= __float_as_uint(__ldcg(&val[i - 1]));
+  }
+  if (pf > 0) {  // the CTA's copies have landed and are visible to all its threads
+    cp_async_wait<0>();
+    __syncthreads();
   }
   if (!early) load(qa, 0);
   for (int kb = 0; kb < op.steps; kb += 2 * kU) {
@@ -164,7 +202,7 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
   if (threadIdx.x == 0) {
     const uint32_t x = red[0] ^ red[1] ^ red[2] ^ red[3];
     atomicAdd(&val[i], (float)(x & 1));
-    if (mode >= kPersistent) {
+    if (persistent) {
       __threadfence();
       atomicAdd(&done[i * kLine], 1);
     }
@@ -177,17 +215,38 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
 // fit 4 (v15 and the CUDA-core GEMV, by their registers), and a probe
 // kernel that fit 8 would let a whole next grid sit beside the running
 // one under PDL, asking for its codes a kernel early.
-__global__ void __launch_bounds__(kWarps * 32, kP) op_kernel(const Op* ops, int i, float* val, int* done, int mode) {
-  op_task(ops, i, blockIdx.x, val, done, mode);
+__global__ void __launch_bounds__(kWarps * 32, kP) op_kernel(const Op* ops, int i, float* val, int* done, int mode,
+                                                               int cap) {
+  extern __shared__ uint4 pool[];
+  op_task(ops, i, blockIdx.x, val, done, mode, pool, cap, 0);
 }
 
 // persistent_kernel: every op of the step in order; a CTA takes op i's
 // tasks blockIdx.x, + gridDim.x, … (every CTA is resident: the grid is
 // checked against the occupancy, so a wait never waits on a CTA that has
 // not started).
-__global__ void __launch_bounds__(kWarps * 32, kP) persistent_kernel(const Op* ops, int n, float* val, int* done, int mode) {
-  for (int i = 0; i < n; ++i)
-    for (int t = blockIdx.x; t < ops[i].tasks; t += gridDim.x) op_task(ops, i, t, val, done, mode);
+// In persistent-smem a CTA asks for its share of GEMV op g (its task
+// blockIdx.x there) once it is done with the GEMV before g (g: the next
+// GEMV with such a task).
+__global__ void __launch_bounds__(kWarps * 32, kP) persistent_kernel(const Op* ops, int n, float* val, int* done, int mode,
+                                                                     int cap) {
+  extern __shared__ uint4 pool[];
+  int g = -1, pf = 0;  // the GEMV whose codes are on their way into pool, and how many chunks
+  auto ask_next = [&](int from) {
+    g = -1, pf = 0;
+    if (mode != kPersistSmem) return;
+    for (int j = from + 1; j < n; ++j)
+      if (ops[j].gemv && (int)blockIdx.x < ops[j].tasks) {
+        g = j, pf = prefetch(ops[j], blockIdx.x, pool, cap);
+        return;
+      }
+  };
+  ask_next(-1);
+  for (int i = 0; i < n; ++i) {
+    for (int t = blockIdx.x; t < ops[i].tasks; t += gridDim.x)
+      op_task(ops, i, t, val, done, mode, pool, cap, i == g && t == (int)blockIdx.x ? pf : 0);
+    if (i == g) ask_next(i);  // (op_task's last barrier: pool is no longer read)
+  }
 }
 
 struct Timing {
@@ -250,6 +309,7 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, 0));
   // the padding: an SM's shared memory over kP CTAs, less each CTA's reserve and a little static
   const size_t pad = prop.sharedMemPerMultiprocessor / kP - prop.reservedSharedMemPerBlock - 256;
+  const int cap = (int)(pad / 512) * 32;  // the smem modes' chunks a CTA: whole 512-byte steps of the padding
   CHECK(cudaFuncSetAttribute(op_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pad));
   CHECK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pad));
   int occ_op = 0, occ_persistent = 0;
@@ -394,14 +454,14 @@ int main(int argc, char** argv) {
     std::vector<Op> ops = chain(small, grid);
     const int n = (int)ops.size();
     CHECK(cudaMemcpy(d_ops, ops.data(), n * sizeof(Op), cudaMemcpyHostToDevice));
-    const char* names[] = {"graph", "graph-pdl", "persistent", "persistent-late", "stream"};
-    for (int mode = 0; mode < 5; ++mode) {
-      if (mode == 4 && small) continue;  // the floor: the GEMVs' bytes only
-      if (grid > 0 && (mode == kGraph || mode == kLate)) continue;  // the plan's grids: PDL and persistent
+    const char* names[] = {"graph", "graph-pdl", "persistent", "persistent-late", "graph-pdl-smem", "persistent-smem", "stream"};
+    for (int mode = 0; mode <= kStream; ++mode) {
+      if (mode == kStream && small) continue;  // the floor: the GEMVs' bytes only
+      if (grid > 0 && (mode == kGraph || mode == kLate)) continue;  // the plan's grids: PDL and persistent (smem too)
       // the floor's one op over every GEMV byte of the step, no wait (after
       // the chain's ops: the chain without small ops is shorter than max_ops)
       Op* d_all = d_ops + n;
-      if (mode == 4) {
+      if (mode == kStream) {
         const Op all = {weights, steps_of(total, G), G, 1, 1, nullptr, nullptr, nullptr};
         CHECK(cudaMemcpy(d_all, &all, sizeof(Op), cudaMemcpyHostToDevice));
       }
@@ -409,7 +469,7 @@ int main(int argc, char** argv) {
       CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
       CHECK(cudaMemsetAsync(val, 0, n * sizeof(float), s));
       CHECK(cudaMemsetAsync(done, 0, n * kLine * sizeof(int), s));
-      if (mode == kGraph || mode == kPDL) {
+      if (mode == kGraph || mode == kPDL || mode == kPDLSmem) {
         for (int i = 0; i < n; ++i) {
           cudaLaunchConfig_t cfg = {};
           cfg.gridDim = dim3(ops[i].tasks);
@@ -420,13 +480,13 @@ int main(int argc, char** argv) {
           attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
           attr[0].val.programmaticStreamSerializationAllowed = 1;
           cfg.attrs = attr;
-          cfg.numAttrs = mode == kPDL && i > 0 ? 1 : 0;
-          CHECK(cudaLaunchKernelEx(&cfg, op_kernel, (const Op*)d_ops, i, val, done, mode));
+          cfg.numAttrs = (mode == kPDL || mode == kPDLSmem) && i > 0 ? 1 : 0;
+          CHECK(cudaLaunchKernelEx(&cfg, op_kernel, (const Op*)d_ops, i, val, done, mode, cap));
         }
-      } else if (mode == 4) {
-        op_kernel<<<G, kWarps * 32, pad, s>>>(d_all, 0, val, done, kGraph);
+      } else if (mode == kStream) {
+        op_kernel<<<G, kWarps * 32, pad, s>>>(d_all, 0, val, done, kGraph, cap);
       } else {
-        persistent_kernel<<<G, kWarps * 32, pad, s>>>(d_ops, n, val, done, mode);
+        persistent_kernel<<<G, kWarps * 32, pad, s>>>(d_ops, n, val, done, mode, cap);
       }
       CHECK(cudaGetLastError());
       CHECK(cudaStreamEndCapture(s, &graph));
@@ -437,7 +497,7 @@ int main(int argc, char** argv) {
       const double bytes = (double)gemv_bytes * layers;
       printf("%s  {\"pass\": %d, \"mode\": \"%s\", \"small_ops\": %s, \"gemv_grid\": \"%s\", \"ops\": %d, "
              "\"us_step\": %.2f, \"us_step_min\": %.2f, \"us_layer\": %.3f, \"gemv_gbps\": %.1f}",
-             first ? "" : ",\n", pass, names[mode], small ? "true" : "false", grids[grid], mode == 4 ? 1 : n,
+             first ? "" : ",\n", pass, names[mode], small ? "true" : "false", grids[grid], mode == kStream ? 1 : n,
              t.median_us, t.min_us, t.median_us / layers, bytes / (t.median_us * 1e3));
       first = false;
       CHECK(cudaGraphExecDestroy(exec));
