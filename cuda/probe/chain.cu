@@ -21,10 +21,14 @@
 //                    barrier), a GEMV's first batch asked for before the
 //                    wait;
 //   persistent-late  the same with the first batch asked for after it;
-//   graph-pdl-smem   graph-pdl with a GEMV's CTAs copying their whole share
-//                    of the codes (up to the shared memory a CTA has, 56 KB
-//                    at 4 CTAs an SM) into shared memory before the wait,
-//                    not just the first batch into registers;
+//   graph-pdl-smem   graph-pdl with a GEMV's warps copying their ranges of
+//                    the codes into shared memory before the wait (each its
+//                    first steps, up to a quarter of the 56 KB a CTA has at
+//                    4 CTAs an SM: all of every GEMV's but llama's gate+up,
+//                    half of that), not just the first batch into
+//                    registers; under PDL that overlaps only the one op
+//                    launched before (the norm before q/k/v, the combine
+//                    before o);
 //   persistent-smem  persistent, each CTA copying its share of the next
 //                    GEMV's codes into shared memory as soon as it has
 //                    finished its part of the GEMV before (and the first
@@ -104,38 +108,41 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
-// prefetch copies the first chunks (16 bytes) of CTA t's share of GEMV
-// op's codes — its warps' ranges, one after another — into smem, at most
-// cap of them, with cp.async (waited on by op_task), and returns how many.
+// prefetch copies each warp's first steps of CTA t's share of GEMV op's
+// codes into smem (warp w's at smem + w·pf·32, up to cap chunks of 16
+// bytes for the CTA), each lane the chunks it will read itself, with
+// cp.async (waited on by op_task), and returns pf, the steps a warp has
+// there.
 __device__ __forceinline__ int prefetch(const Op& op, int t, uint4* smem, int cap) {
-  const size_t share = (size_t)kWarps * op.steps * 32;
-  const int n = (int)(share < (size_t)cap ? share : (size_t)cap);
-  const uint4* base = op.src + (size_t)t * share;
-  for (int i = threadIdx.x; i < n; i += kWarps * 32) cp_async16(smem + i, base + i);
+  const int pf = min(op.steps, cap / (kWarps * 32)), w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const uint4* bp = op.src + ((size_t)t * kWarps + w) * op.steps * 32 + lane;
+  for (int k = 0; k < pf; ++k) cp_async16(smem + (w * pf + k) * 32 + lane, bp + (size_t)k * 32);
   cp_async_commit();
-  return n;
+  return pf;
 }
 
 // op_task is CTA t's part of op i: ask for the first batch (a GEMV, unless
 // mode is kLate), wait for op i − 1 (mode's way), read its value, stream
 // the rest, and add one bit of the sums into val[i]; in the persistent
-// modes it then counts itself done on done[i]. In the smem modes the CTA's
-// first pf chunks are in smem (graph-pdl-smem asks for them here, before
-// the wait; persistent-smem passes those it asked for an op or more ago).
+// modes it then counts itself done on done[i]. In the smem modes each
+// warp's first pf steps are in smem (graph-pdl-smem asks for them here,
+// before the wait; persistent-smem passes those it asked for an op or
+// more ago); a warp with more steps streams the rest as the others do.
 __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val, int* done, int mode, uint4* smem,
                                         int cap, int pf) {
   const Op op = ops[i];
   const int lane = threadIdx.x & 31;
   const size_t warp = (size_t)t * kWarps + (threadIdx.x >> 5);
   const uint4* bp = op.src + warp * op.steps * 32 + lane;
-  const int first = (threadIdx.x >> 5) * op.steps * 32 + lane;  // the lane's first chunk in the CTA's share
   uint32_t acc = 0;
   uint4 qa[kU], qb[kU];
   auto load = [&](uint4 (&q)[kU], int kb) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const int k = kb + u, c = first + k * 32;
-      q[u] = k >= op.steps ? make_uint4(0, 0, 0, 0) : c < pf ? smem[c] : ld_stream(bp + (size_t)k * 32);
+      const int k = kb + u;
+      q[u] = k >= op.steps ? make_uint4(0, 0, 0, 0)
+             : k < pf      ? smem[((threadIdx.x >> 5) * pf + k) * 32 + lane]
+                           : ld_stream(bp + (size_t)k * 32);
     }
   };
   if (mode == kPDLSmem && op.gemv) pf = prefetch(op, t, smem, cap);
@@ -143,7 +150,8 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
 #pragma unroll
     for (int u = 0; u < kU; ++u) acc ^= q[u].x ^ q[u].y ^ q[u].z ^ q[u].w;
   };
-  const bool early = op.gemv && (mode == kPDL || mode == kPersistent);  // (the smem modes' come from pool)
+  // the first batch early from memory (not in the smem modes: it is in pool, or a warp's copies come first)
+  const bool early = op.gemv && (mode == kPDL || mode == kPersistent);
   const bool persistent = mode == kPersistent || mode == kLate || mode == kPersistSmem;
   if (early) load(qa, 0);
   if (i > 0) {
@@ -163,10 +171,7 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
     }
     acc ^= __float_as_uint(__ldcg(&val[i - 1]));
   }
-  if (pf > 0) {  // the CTA's copies have landed and are visible to all its threads
-    cp_async_wait<0>();
-    __syncthreads();
-  }
+  if (pf > 0) cp_async_wait<0>();  // the lane's own copies have landed (it reads no other lane's)
   if (!early) load(qa, 0);
   for (int kb = 0; kb < op.steps; kb += 2 * kU) {
     load(qb, kb + kU);
