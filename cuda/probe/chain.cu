@@ -124,10 +124,12 @@ __device__ __forceinline__ int prefetch(const Op& op, int t, uint4* smem, int ca
 // op_task is CTA t's part of op i: ask for the first batch (a GEMV, unless
 // mode is kLate), wait for op i − 1 (mode's way), read its value, stream
 // the rest, and add one bit of the sums into val[i]; in the persistent
-// modes it then counts itself done on done[i]. In the smem modes each
-// warp's first pf steps are in smem (graph-pdl-smem asks for them here,
-// before the wait; persistent-smem passes those it asked for an op or
-// more ago); a warp with more steps streams the rest as the others do.
+// modes it then counts itself done on done[i]. SMEM (the smem modes'
+// kernels, so that the other modes' code stays as it was): each warp's
+// first pf steps are in smem (graph-pdl-smem asks for them here, before
+// the wait; persistent-smem passes those it asked for an op or more ago),
+// and a warp with more steps streams the rest as the others do.
+template <bool SMEM>
 __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val, int* done, int mode, uint4* smem,
                                         int cap, int pf) {
   const Op op = ops[i];
@@ -140,22 +142,25 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const int k = kb + u;
-      q[u] = k >= op.steps ? make_uint4(0, 0, 0, 0)
-             : k < pf      ? smem[((threadIdx.x >> 5) * pf + k) * 32 + lane]
-                           : ld_stream(bp + (size_t)k * 32);
+      if constexpr (SMEM)
+        q[u] = k >= op.steps ? make_uint4(0, 0, 0, 0)
+               : k < pf      ? smem[((threadIdx.x >> 5) * pf + k) * 32 + lane]
+                             : ld_stream(bp + (size_t)k * 32);
+      else
+        q[u] = k < op.steps ? ld_stream(bp + (size_t)k * 32) : make_uint4(0, 0, 0, 0);
     }
   };
-  if (mode == kPDLSmem && op.gemv) pf = prefetch(op, t, smem, cap);
+  if (SMEM && mode == kPDLSmem && op.gemv) pf = prefetch(op, t, smem, cap);
   auto use = [&](const uint4 (&q)[kU]) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) acc ^= q[u].x ^ q[u].y ^ q[u].z ^ q[u].w;
   };
   // the first batch early from memory (not in the smem modes: it is in pool, or a warp's copies come first)
-  const bool early = op.gemv && (mode == kPDL || mode == kPersistent);
-  const bool persistent = mode == kPersistent || mode == kLate || mode == kPersistSmem;
+  const bool early = !SMEM && op.gemv && mode != kLate && mode != kGraph;
+  const bool persistent = SMEM ? mode == kPersistSmem : mode >= kPersistent;
   if (early) load(qa, 0);
   if (i > 0) {
-    if (mode == kPDL || mode == kPDLSmem) {
+    if (mode == (SMEM ? kPDLSmem : kPDL)) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -171,7 +176,7 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
     }
     acc ^= __float_as_uint(__ldcg(&val[i - 1]));
   }
-  if (pf > 0) cp_async_wait<0>();  // the lane's own copies have landed (it reads no other lane's)
+  if (SMEM && pf > 0) cp_async_wait<0>();  // the lane's own copies have landed (it reads no other lane's)
   if (!early) load(qa, 0);
   for (int kb = 0; kb < op.steps; kb += 2 * kU) {
     load(qb, kb + kU);
@@ -220,10 +225,11 @@ __device__ __forceinline__ void op_task(const Op* ops, int i, int t, float* val,
 // fit 4 (v15 and the CUDA-core GEMV, by their registers), and a probe
 // kernel that fit 8 would let a whole next grid sit beside the running
 // one under PDL, asking for its codes a kernel early.
+template <bool SMEM>
 __global__ void __launch_bounds__(kWarps * 32, kP) op_kernel(const Op* ops, int i, float* val, int* done, int mode,
                                                                int cap) {
   extern __shared__ uint4 pool[];
-  op_task(ops, i, blockIdx.x, val, done, mode, pool, cap, 0);
+  op_task<SMEM>(ops, i, blockIdx.x, val, done, mode, pool, cap, 0);
 }
 
 // persistent_kernel: every op of the step in order; a CTA takes op i's
@@ -233,23 +239,20 @@ __global__ void __launch_bounds__(kWarps * 32, kP) op_kernel(const Op* ops, int 
 // In persistent-smem a CTA asks for its share of GEMV op g (its task
 // blockIdx.x there) once it is done with the GEMV before g (g: the next
 // GEMV with such a task).
+template <bool SMEM>
 __global__ void __launch_bounds__(kWarps * 32, kP) persistent_kernel(const Op* ops, int n, float* val, int* done, int mode,
                                                                      int cap) {
   extern __shared__ uint4 pool[];
   int g = -1, pf = 0;  // the GEMV whose codes are on their way into pool, and how many chunks
   auto ask_next = [&](int from) {
     g = -1, pf = 0;
-    if (mode != kPersistSmem) return;
-    for (int j = from + 1; j < n; ++j)
-      if (ops[j].gemv && (int)blockIdx.x < ops[j].tasks) {
-        g = j, pf = prefetch(ops[j], blockIdx.x, pool, cap);
-        return;
-      }
+    for (int j = from + 1; SMEM && g < 0 && j < n; ++j)
+      if (ops[j].gemv && (int)blockIdx.x < ops[j].tasks) g = j, pf = prefetch(ops[j], blockIdx.x, pool, cap);
   };
   ask_next(-1);
   for (int i = 0; i < n; ++i) {
     for (int t = blockIdx.x; t < ops[i].tasks; t += gridDim.x)
-      op_task(ops, i, t, val, done, mode, pool, cap, i == g && t == (int)blockIdx.x ? pf : 0);
+      op_task<SMEM>(ops, i, t, val, done, mode, pool, cap, i == g && t == (int)blockIdx.x ? pf : 0);
     if (i == g) ask_next(i);  // (op_task's last barrier: pool is no longer read)
   }
 }
@@ -315,15 +318,16 @@ int main(int argc, char** argv) {
   // the padding: an SM's shared memory over kP CTAs, less each CTA's reserve and a little static
   const size_t pad = prop.sharedMemPerMultiprocessor / kP - prop.reservedSharedMemPerBlock - 256;
   const int cap = (int)(pad / 512) * 32;  // the smem modes' chunks a CTA: whole 512-byte steps of the padding
-  CHECK(cudaFuncSetAttribute(op_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pad));
-  CHECK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pad));
-  int occ_op = 0, occ_persistent = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_op, op_kernel, kWarps * 32, pad));
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_persistent, persistent_kernel, kWarps * 32, pad));
-  if (occ_op != kP || occ_persistent != kP) {
-    fprintf(stderr, "chain-probe: %d and %d CTAs an SM fit with %zu bytes of padding, want %d\n", occ_op, occ_persistent, pad,
-            kP);
-    return 1;
+  // every kernel (each mode's: op_kernel and persistent_kernel, the smem modes' instantiations and the others')
+  for (const void* k : {(const void*)op_kernel<false>, (const void*)op_kernel<true>, (const void*)persistent_kernel<false>,
+                        (const void*)persistent_kernel<true>}) {
+    CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)pad));
+    int occ = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, kWarps * 32, pad));
+    if (occ != kP) {
+      fprintf(stderr, "chain-probe: %d CTAs an SM fit with %zu bytes of padding, want %d\n", occ, pad, kP);
+      return 1;
+    }
   }
   const int per_sm = kP;
   const int G = prop.multiProcessorCount * per_sm;  // every GEMV's CTAs, and the persistent grid
@@ -486,12 +490,14 @@ int main(int argc, char** argv) {
           attr[0].val.programmaticStreamSerializationAllowed = 1;
           cfg.attrs = attr;
           cfg.numAttrs = (mode == kPDL || mode == kPDLSmem) && i > 0 ? 1 : 0;
-          CHECK(cudaLaunchKernelEx(&cfg, op_kernel, (const Op*)d_ops, i, val, done, mode, cap));
+          CHECK(cudaLaunchKernelEx(&cfg, mode == kPDLSmem ? op_kernel<true> : op_kernel<false>, (const Op*)d_ops, i, val, done,
+                                   mode, cap));
         }
       } else if (mode == kStream) {
-        op_kernel<<<G, kWarps * 32, pad, s>>>(d_all, 0, val, done, kGraph, cap);
+        op_kernel<false><<<G, kWarps * 32, pad, s>>>(d_all, 0, val, done, kGraph, cap);
       } else {
-        persistent_kernel<<<G, kWarps * 32, pad, s>>>(d_ops, n, val, done, mode, cap);
+        (mode == kPersistSmem ? persistent_kernel<true> : persistent_kernel<false>)<<<G, kWarps * 32, pad, s>>>(
+            d_ops, n, val, done, mode, cap);
       }
       CHECK(cudaGetLastError());
       CHECK(cudaStreamEndCapture(s, &graph));
