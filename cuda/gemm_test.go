@@ -954,3 +954,33 @@ func TestWhereOff(t *testing.T) {
 		t.Errorf("whereOff = %q, want %q", got, want)
 	}
 }
+
+// TestGemmW4GemvStageMatchesReference: the CUDA-core GEMV at M = 1 with
+// 8 steps a warp staged in shared memory before its gate
+// (LLMQ_W4_GEMV_STAGE=1, kGemv's variant 2) against the float64
+// reference, and without: warps with fewer steps than the first batch and
+// the stage (K 16, 48, 1024 over splits), more (a deep K), 4- and 8-bit
+// codes, small groups, act order, outputs and sums.
+func TestGemmW4GemvStageMatchesReference(t *testing.T) {
+	onAndOff(t, "LLMQ_W4_GEMV_STAGE", func(t *testing.T, l *Context, on bool) {
+		r := rand.New(rand.NewPCG(41, 42))
+		for _, c := range []gemmCase{
+			{M: 1, K: 16, N: 64, group: -1}, {M: 1, K: 48, N: 64, group: 16}, {M: 1, K: 1024, N: 192, group: 32, bits: 3},
+			{M: 1, K: 14336, N: 256, group: 128, sums: true}, {M: 1, K: 4096, N: 4096, group: 128, act: true, sums: true},
+			{M: 1, K: 4096, N: 448, group: 128, bits: 8, sums: true},
+		} {
+			c.path = PathGEMV
+			if c.bits == 0 {
+				c.bits = 4
+			}
+			plan, err := l.Plan(&W4{K: c.K, N: c.N, Group: c.group, Bits: c.bits}, c.M)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := map[bool]string{true: "stage8", false: "stage0"}[on]; !strings.Contains(plan, want) {
+				t.Fatalf("%+v: the plan runs %q, want the GEMV with %s", c, plan, want)
+			}
+			t.Run(fmt.Sprintf("K%d/N%d/w%d", c.K, c.N, c.bits), func(t *testing.T) { runCase(t, l, r, c) })
+		}
+	})
+}
