@@ -19,6 +19,13 @@ the two runs' GEMVs-alone rows (so that a difference between runs is
 not counted as the ops').
 
     python3 evals/chain_ratio.py HEADS_FILE LLAMA.json,QWEN.json [LLAMA.json,QWEN.json ...]
+
+With --smem, each file's smem modes (a GEMV's first steps copied into
+shared memory ahead of its wait) against their plain twins of the same
+run: graph-pdl-smem against graph-pdl, persistent-smem against
+persistent, for each GEMV grid, with and without the small ops.
+
+    python3 evals/chain_ratio.py --smem FILE.json [FILE.json ...]
 """
 import json
 import re
@@ -60,7 +67,26 @@ def load(pair):
     return files, ds
 
 
+def smem(path):
+    """Each smem mode's step against its plain twin's, from one file's rows."""
+    d = json.load(open(path))
+    rows = {(r["mode"], r["small_ops"], r["gemv_grid"]): r["us_step"] for r in d["rows"] if r["pass"] == PASS}
+    print(f"\n{path} ({d['model']}, commit {d['commit'][:7]}, {d['device']}, pass {PASS})")
+    for (mode, small, grid), us in rows.items():
+        if not mode.endswith("-smem"):
+            continue
+        twin = rows.get((mode[: -len("-smem")], small, grid))
+        if twin is None:
+            sys.exit(f"{path}: {mode} ({grid}, small ops {small}) has no plain twin")
+        print(f"  {mode:16} {'with' if small else 'without':7} small ops, {grid:22}: {us:8.1f} against {twin:8.1f} µs, "
+              f"{us / twin:.3f}×, {(us - twin) / d['layers']:+.2f} µs a layer")
+
+
 def main():
+    if len(sys.argv) >= 3 and sys.argv[1] == "--smem":
+        for path in sys.argv[2:]:
+            smem(path)
+        return
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     h = heads(sys.argv[1])
