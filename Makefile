@@ -10,6 +10,7 @@
 #   make cuda    build/libllmqcuda.so with nvcc (on a machine with CUDA)
 #   make probe   build/stream-probe and build/chain-probe: the GEMV's streaming alone, and what a
 #                dependency between kernels costs (cuda/probe/; on a GPU machine)
+#   make trace   build/libllmqtrace.so: every kernel's GPU time through CUPTI, where nsys is absent
 #   make cuda-check  compile-check cuda/*.cu without a GPU (cuda/local-check.sh)
 #   make schemes the quantization-scheme table for MODEL (evals/schemes.sh;
 #                WINDOWS=N for the first N WikiText-2 windows only)
@@ -36,7 +37,7 @@ NVCC ?= nvcc
 NVCC_FLAGS ?= -O3 -std=c++17
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a -gencode arch=compute_80,code=sm_80
 
-.PHONY: build test test-full fuzz e2e gguf-check demo cuda cuda-check probe bench clean fmt device schemes
+.PHONY: build test test-full fuzz e2e gguf-check demo cuda cuda-check probe trace bench clean fmt device schemes
 
 # Binaries for the GPU machine (no Go there): pure-Go BLAS, cgo for dlopen,
 # without DWARF (-s -w: a quarter smaller, so more assets fit in the
@@ -162,6 +163,22 @@ build/stream-probe: cuda/probe/stream.cu cuda/probe/check.cuh cuda/stream.cuh
 build/chain-probe: cuda/probe/chain.cu cuda/probe/check.cuh cuda/stream.cuh cuda/common.cuh
 	@mkdir -p build
 	$(NVCC) $(NVCC_FLAGS) -gencode arch=compute_90a,code=sm_90a -o $@ $<
+
+# The kernel tracer (cuda/probe/trace.c): a CUPTI injection library that
+# records every kernel's time on the GPU, graph nodes included, where nsys
+# is absent (device-model.sh trace). CUPTI where the toolkit keeps it;
+# CUPTI_DIR and CUPTI_LIB override. The kernel record's newest version in
+# the installed header names the struct the library reads.
+CUDA_HOME ?= $(abspath $(dir $(shell command -v $(NVCC)))/..)
+CUPTI_DIR ?= $(firstword $(foreach d,$(CUDA_HOME)/extras/CUPTI $(CUDA_HOME),$(if $(wildcard $(d)/include/cupti.h),$(d))))
+CUPTI_LIB ?= $(CUPTI_DIR)/lib64
+trace: build/libllmqtrace.so
+build/libllmqtrace.so: cuda/probe/trace.c
+	@mkdir -p build
+	@[ -n "$(CUPTI_DIR)" ] || { echo "make trace: no include/cupti.h under $(CUDA_HOME) or its extras/CUPTI (set CUPTI_DIR)" >&2; exit 1; }
+	$(NVCC) -O2 --shared -Xcompiler -fPIC,-Wall \
+	  -DKERNEL_RECORD=$$(grep -ho 'CUpti_ActivityKernel[0-9]*' $(CUPTI_DIR)/include/cupti_activity.h | sort -V | tail -1) \
+	  -I$(CUPTI_DIR)/include -o $@ $< -L$(CUPTI_LIB) -Xlinker -rpath,$(CUPTI_LIB) -lcupti -lstdc++
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

@@ -12,7 +12,8 @@
 #                                     # (SYNTH_BITS, SYNTH_CTX, SYNTH_BATCH, SYNTH_PREFILL, SYNTH_PPL=0: no ppl,
 #                                     # SYNTH_LOGITS=1: the decode again with --logits)
 #   bash cuda/device-model.sh moe     # synthetic qwen3-30b-a3b W4 decode beside the dense llama3-8b W4
-#   bash cuda/device-model.sh trace   # nsys: a decode step's kernels in place, in the graph (TRACE_PRESET, TRACE_BATCH, TRACE_CTX)
+#   bash cuda/device-model.sh trace   # a decode step's kernels in place, in the graph, by nsys or CUPTI (TRACE_PRESET, TRACE_BATCH,
+#                                     # TRACE_CTX, TRACE_STEPS)
 #   bash cuda/device-model.sh probe   # cuda/probe/stream.cu: the GEMV's streaming alone, by transport, warps an SM,
 #                                     # steps a batch and work a step (stream-probe-$G.json; PROBE_MB, PROBE_ARGS)
 #   bash cuda/device-model.sh chain   # cuda/probe/chain.cu: a decode step's chain of dependent reads, launched apart or in
@@ -597,19 +598,32 @@ case "$1" in
       rm -rf $d
     fi
     ;;
-  trace) # a decode step's kernels in place: nsys on a synthetic W4 model (TRACE_PRESET, default llama3-8b; TRACE_BATCH,
-          # TRACE_CTX), every graph node's start and end (decode-trace-$G[-PRESET]-bB-cC.csv.xz; evals/trace_summary.py reads it)
-    command -v nsys > /dev/null || { echo "trace: no nsys on this machine"; exit 1; }
+  trace) # a decode step's kernels in place: every graph node's start and end on a synthetic W4 model (TRACE_PRESET,
+          # default llama3-8b; TRACE_BATCH, TRACE_CTX) by nsys, or where nsys is absent by cuda/probe/trace.c's CUPTI
+          # library (make trace); decode-trace-$G[-PRESET]-bB-cC.csv.xz, which evals/trace_summary.py reads
+    tracer=nsys
+    if ! command -v nsys > /dev/null; then
+      tracer=cupti
+      make trace > "$OUT/build-trace.log" 2>&1 || { tail -5 "$OUT/build-trace.log"
+        echo "trace: no nsys, and no CUPTI where the Makefile looks; cupti.h here:"; find / -name cupti.h 2>/dev/null | head -5; exit 1; }
+    fi
     tp=${TRACE_PRESET:-llama3-8b}; tag=; [ "$tp" = llama3-8b ] || tag=-$tp
     d=/tmp/trace-$tp
     $L synth --preset $tp --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
     for b in ${TRACE_BATCH:-1}; do for ctx in ${TRACE_CTX:-128}; do
       f=decode-trace-$G$tag-b$b-c$ctx
-      nsys profile -o /tmp/$f --force-overwrite true -t cuda --cuda-graph-trace=node \
-        $L bench decode $d --device cuda --context $ctx --batch $b --prefill 0 --steps 8 2>&1 | grep -E "^decode|rror"
-      nsys stats --report cuda_gpu_trace --format csv -o /tmp/$f /tmp/$f.nsys-rep > /dev/null 2>&1
-      { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq bench decode $tp-w4 --context $ctx --batch $b --prefill 0 --steps 8; nsys stats --report cuda_gpu_trace"
-        cat /tmp/${f}_cuda_gpu_trace.csv; } | xz -6 > "$OUT/$f.csv.xz"
+      run=(bench decode $d --device cuda --context $ctx --batch $b --prefill 0 --steps ${TRACE_STEPS:-8})
+      echo "untraced: $($L "${run[@]}" 2>&1 | grep -E "^decode|rror")"
+      if [ $tracer = nsys ]; then
+        nsys profile -o /tmp/$f --force-overwrite true -t cuda --cuda-graph-trace=node $L "${run[@]}" 2>&1 | grep -E "^decode|rror"
+        nsys stats --report cuda_gpu_trace --format csv -o /tmp/$f /tmp/$f.nsys-rep > /dev/null 2>&1
+        { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq ${run[*]}; nsys stats --report cuda_gpu_trace"
+          cat /tmp/${f}_cuda_gpu_trace.csv; } | xz -6 > "$OUT/$f.csv.xz"
+      else
+        echo "traced:   $(CUDA_INJECTION64_PATH=$PWD/build/libllmqtrace.so LLMQ_TRACE_OUT=/tmp/$f.csv $L "${run[@]}" 2>&1 | grep -E "^decode|rror|llmqtrace")"
+        { echo "# $LLMQ_COMMIT: CUDA_INJECTION64_PATH=build/libllmqtrace.so (cuda/probe/trace.c) llmq ${run[*]}"
+          cat /tmp/$f.csv; } | xz -6 > "$OUT/$f.csv.xz"
+      fi
       python3 evals/trace_summary.py "$OUT/$f.csv.xz" 2>&1 | tee "$OUT/$f-summary.txt" | head -24
     done; done
     rm -rf $d

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Where a decode step's time goes, from an nsys trace of its graph.
+"""Where a decode step's time goes, from a trace of its graph.
 
-Reads the cuda_gpu_trace CSV that `bash cuda/device-model.sh trace`
-writes (decode-trace-*.csv.xz: every kernel of every captured graph
-node, with its start and duration) and prints, per kernel name, over the
+Reads the CSV that `bash cuda/device-model.sh trace` writes
+(decode-trace-*.csv.xz: every kernel of every captured graph node, with
+its start and duration — nsys's cuda_gpu_trace report, or the same
+columns from cuda/probe/trace.c's CUPTI library where nsys is absent) and prints, per kernel name, over the
 last complete decode steps: calls a step, its mean duration, the time it
 adds to the step (its end past the latest end before it: under
 programmatic dependent launch a kernel can start before the one before it
