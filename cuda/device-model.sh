@@ -613,14 +613,16 @@ case "$1" in
     for b in ${TRACE_BATCH:-1}; do for ctx in ${TRACE_CTX:-128}; do
       f=decode-trace-$G$tag-b$b-c$ctx
       run=(bench decode $d --device cuda --context $ctx --batch $b --prefill 0 --steps ${TRACE_STEPS:-8})
-      echo "untraced: $($L "${run[@]}" 2>&1 | grep -E "^decode|rror")"
+      # the decode untraced, then traced (a tracer's cost): printed and kept in $f-decode.txt
+      echo "# $LLMQ_COMMIT: llmq ${run[*]}, untraced then under $tracer" > "$OUT/$f-decode.txt"
+      echo "untraced: $($L "${run[@]}" 2>&1 | grep -E "^decode|rror")" | tee -a "$OUT/$f-decode.txt"
       if [ $tracer = nsys ]; then
-        nsys profile -o /tmp/$f --force-overwrite true -t cuda --cuda-graph-trace=node $L "${run[@]}" 2>&1 | grep -E "^decode|rror"
+        nsys profile -o /tmp/$f --force-overwrite true -t cuda --cuda-graph-trace=node $L "${run[@]}" 2>&1 | grep -E "^decode|rror" | tee -a "$OUT/$f-decode.txt"
         nsys stats --report cuda_gpu_trace --format csv -o /tmp/$f /tmp/$f.nsys-rep > /dev/null 2>&1
         { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq ${run[*]}; nsys stats --report cuda_gpu_trace"
           cat /tmp/${f}_cuda_gpu_trace.csv; } | xz -6 > "$OUT/$f.csv.xz"
       else
-        echo "traced:   $(CUDA_INJECTION64_PATH=$PWD/build/libllmqtrace.so LLMQ_TRACE_OUT=/tmp/$f.csv $L "${run[@]}" 2>&1 | grep -E "^decode|rror|llmqtrace")"
+        echo "traced:   $(CUDA_INJECTION64_PATH=$PWD/build/libllmqtrace.so LLMQ_TRACE_OUT=/tmp/$f.csv $L "${run[@]}" 2>&1 | grep -E "^decode|rror|llmqtrace")" | tee -a "$OUT/$f-decode.txt"
         { echo "# $LLMQ_COMMIT: CUDA_INJECTION64_PATH=build/libllmqtrace.so (cuda/probe/trace.c) llmq ${run[*]}"
           cat /tmp/$f.csv; } | xz -6 > "$OUT/$f.csv.xz"
       fi
