@@ -45,7 +45,6 @@ struct llmq_ctx {
   // fused_max_m too (w4a16.cu, kWgmmaVariant: what it was measured against).
   int wgmma_max_m = 256;
   int w4_splits = 0;  // the W4A16 kernels' K splits, forced (LLMQ_W4_SPLITS; 0: the plan's, one wave)
-  bool gemv_stage = false;  // the CUDA-core GEMV at M = 1 stages 8 more steps a warp before its gate (LLMQ_W4_GEMV_STAGE; w4a16.cu, kGemv)
   void* tmap_encode = nullptr;  // the driver's cuTensorMapEncodeTiled, once looked up (w4a16.cu's act_map, v21)
   int resident[96] = {};  // resident CTAs per SM by kernel instantiation (w4a16.cu's resident_slot)
   // The dynamic shared memory each kernel is allowed (allow_smem).

@@ -78,7 +78,6 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_FUSED_VARIANT")) c->fused_forced_variant = atoi(e);
   if (const char* e = getenv("LLMQ_W4_WGMMA_MAX_M")) c->wgmma_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_W4_SPLITS")) c->w4_splits = atoi(e);
-  if (const char* e = getenv("LLMQ_W4_GEMV_STAGE")) c->gemv_stage = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_DECODE_WAVE")) c->decode_wave = atoi(e);
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_ATTN_EARLY")) c->attn_early = atoi(e) != 0;

@@ -1314,17 +1314,11 @@ __device__ __forceinline__ void codes_batch(uint4 (&q)[U][CH], const uint4* bp, 
 // this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
 // GATE: the kernel left pdl_gate() to it, which it calls after asking for
 // the first batch's codes and before the activations (weights_then_gate).
-// P > 0 (with GATE): before the gate the lane also copies its next P
-// steps' chunks (k0 + U …) into the warp's stage in shared memory
-// (cp.async, [P][CH][32 lanes]), so that while the kernel ahead runs the
-// warp has U + P steps on the way, not U; the loop takes them from there.
-template <int MT, int U, int BITS = 4, bool GATE = false, int P = 0>
+template <int MT, int U, int BITS = 4, bool GATE = false>
 __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
-                                           GroupStream<BITS>& groups, int k0, int k1, uint4* stage = nullptr) {
+                                           GroupStream<BITS>& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
-  static_assert(P == 0 || GATE, "the stage is filled before the gate");
   constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
-  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -1347,14 +1341,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
       if (k < k1) {
 #pragma unroll
         for (int c = 0; c < CH; ++c)
-          if (codes) {
-            if constexpr (P > 0) {
-              const int s = k - (k0 + U);  // the step's slot in the stage, if it has one
-              qn[u][c] = s >= 0 && s < P ? stage[(s * CH + c) * 32 + lane] : ld_stream(bp + ((size_t)k * CH + c) * 32);
-            } else {
-              qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
-            }
-          }
+          if (codes) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
@@ -1369,19 +1356,9 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
     if (k1 > k0) {
       codes_batch<U, CH, 0>(qn, bp, k0, k1, 0);  // steps past k1 − 1 are loaded, never multiplied
       groups.start(gr, k0);
-      if constexpr (P > 0) {
-#pragma unroll
-        for (int s = 0; s < P; ++s)
-          if (k0 + U + s < k1)
-#pragma unroll
-            for (int c = 0; c < CH; ++c)
-              cp_async16(stage + (s * CH + c) * 32 + lane, bp + ((size_t)(k0 + U + s) * CH + c) * 32);
-        cp_async_commit();
-      }
     }
     pdl_gate();
     if (k1 > k0) load(k0, false);
-    if constexpr (P > 0) cp_async_wait<0>();  // the lane's own copies (it reads no other lane's slots)
   } else if (k1 > k0) {
     groups.start(gr, k0);
     load(k0, true);
@@ -1472,7 +1449,7 @@ __device__ __forceinline__ float red_total(const float (&red)[kWarps][MT][64], i
 // (M ≤ MT; rows past M repeat row M−1 and are not written), U 16-row
 // steps a batch (gemv_steps); MINB asks the compiler to fit MINB CTAs per
 // SM.
-template <int MT, int U, int MINB, int BITS, bool SUMS = false, int P = 0>
+template <int MT, int U, int MINB, int BITS, bool SUMS = false>
 __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __restrict__ A, const uint4* __restrict__ B,
                                                           const uint4* __restrict__ S, const uint32_t* __restrict__ Z,
                                                           const Outs C, float* __restrict__ ws,
@@ -1488,13 +1465,7 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv(const half* __re
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)min(m, M - 1) * K) + tig;
   GroupStream<BITS> groups(S, Z, nt, NT, gid, KT, gshift);
   float acc[MT][8];
-  const uint4* bp = B + (size_t)nt * KT * 32 * (BITS / 4) + lane;
-  if constexpr (P > 0) {  // P steps a warp staged in shared memory before the gate (gemv_steps)
-    __shared__ uint4 stage[kWarps][P * (BITS / 4) * 32];
-    gemv_steps<MT, U, BITS, true, P>(acc, ap, bp, groups, k0, k1, stage[warp]);
-  } else {
-    gemv_steps<MT, U, BITS, true>(acc, ap, bp, groups, k0, k1);
-  }
+  gemv_steps<MT, U, BITS, true>(acc, ap, B + (size_t)nt * KT * 32 * (BITS / 4) + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   emit_tile<SUMS>(C, ws, 0, MT, M, N, nt, splits, [&](int m, int col) { return red_total<MT>(red, m, col); });
   finish_splits<kWarps * 32, 0, SUMS>(C, ws, &counters[nt], 0, MT, M, N, nt, splits, s_last);
@@ -2059,14 +2030,11 @@ constexpr int wgmma_version(const Variant& v) { return v.rs ? 21 : 19; }
 constexpr int kWgmmaVariant = 22, kWgmmaVariant64 = 25;
 struct GemvVariant {
   int mt, u, minb;
-  int stage;  // steps a warp staged in shared memory before the gate (gemv_steps' P; 0: none)
 };
 // They serve M = 1 and 2; M = 2 takes 2 steps a batch, the sweep's winner
 // on four of five shapes (NOTES.md, "v7"). v11 (below) took M = 3–4 from
 // it, and M = 2 at 4 bits; v10's activations in shared memory lost.
-// Variant 2 is variant 0 with 8 more steps a warp asked for before the
-// gate, into shared memory (LLMQ_W4_GEMV_STAGE=1 runs it at M = 1).
-constexpr GemvVariant kGemv[] = {{1, 4, 1, 0}, {2, 2, 1, 0}, {1, 4, 1, 8}};
+constexpr GemvVariant kGemv[] = {{1, 4, 1}, {2, 2, 1}};
 constexpr int kGemvVariants = sizeof(kGemv) / sizeof(kGemv[0]);
 constexpr int kGemvMaxM = 2;
 // v11's instantiations (w4a16_gemv_mma): the A rows (MT) and steps a
@@ -2372,7 +2340,7 @@ int plan(llmq_ctx* c, Plan& p, int M, int N, int K, int group, int bits, bool ha
     // 4-bit M = 33–64 runs v11's 64 rows with the L2 prefetch 8 steps
     // ahead (variant 5): 5–7% faster than without on 8B q/k/v and
     // gate+up and 70B down, level on o and down (gemm-h200-sweep-mma-stack.txt).
-    p.variant = p.path == 3 ? (M == 1 && c->gemv_stage ? 2 : M - 1) : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : bits == 4 ? 5 : 3;
+    p.variant = p.path == 3 ? M - 1 : M <= 8 ? 0 : M <= 16 ? 1 : M <= 32 ? 2 : bits == 4 ? 5 : 3;
     // LLMQ_W4_SWAP_VARIANT and LLMQ_W4_MMA_VARIANT: v15 or v11 runs that
     // instantiation wherever M fits it (the plan's elsewhere), so that a
     // sweep can span several M and the GEMM tests can run under one.
@@ -2551,8 +2519,7 @@ int gemv_variant(llmq_ctx* c, bool run, int splits, const half* A, const void* B
                  const Outs& C, void* workspace, int M, int N, int K, int gshift) {
   constexpr GemvVariant v = kGemv[V];
   return with_sums<v.mt>(run, C, [&](auto sums) {
-    return gemv_kernel(c, run, resident_slot(3, V, BITS),
-                       w4a16_gemv<v.mt, v.u, v.minb, BITS, decltype(sums)::value, v.stage>,
+    return gemv_kernel(c, run, resident_slot(3, V, BITS), w4a16_gemv<v.mt, v.u, v.minb, BITS, decltype(sums)::value>,
                        splits, A, B, S, Z, C, workspace, M, N, K, gshift);
   });
 }
@@ -2835,8 +2802,8 @@ int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out,
     snprintf(out, n, "gemv-mma v11%s mt%d u%d%s splits%d", bits == 8 ? " w8" : "", kMma[p.variant].mt,
              kMma[p.variant].u, pf, p.splits);
   else if (p.path == 3)
-    snprintf(out, n, "gemv%s mt%d u%d b%d stage%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt,
-             kGemv[p.variant].u, kGemv[p.variant].minb, kGemv[p.variant].stage, p.splits);
+    snprintf(out, n, "gemv%s mt%d u%d b%d splits%d", bits == 8 ? " w8" : "", kGemv[p.variant].mt, kGemv[p.variant].u,
+             kGemv[p.variant].minb, p.splits);
   else {
     const Variant v = kVariants[p.variant];
     char nw[16] = "";  // warps a CTA where not kWarps
