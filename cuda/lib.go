@@ -425,7 +425,10 @@ func (b Buf) Nil() bool { return b.p == 0 }
 // Ptr is the device address of b, for arrays of pointers.
 func (b Buf) Ptr() uint64 { return uint64(b.p) }
 
-// Upload copies a host slice into device memory and waits for the copy.
+// Upload copies a host slice into device memory, in the stream's order
+// after the work queued before it; src may be reused when it returns. It
+// waits for the copy unless LLMQ_H2D_ASYNC=1 (a context's switch: then it
+// returns once the runtime has staged the bytes).
 func Upload[T any](x *Context, dst Buf, src []T) error {
 	if len(src) == 0 {
 		return nil

@@ -71,3 +71,54 @@ func TestSupports(t *testing.T) {
 		}
 	}
 }
+
+// TestUploadOrderAndReuse: with and without LLMQ_H2D_ASYNC, an upload's
+// source may be overwritten as soon as Upload returns, and uploads keep
+// the stream's order around the work queued between them — a copy out of
+// a buffer sees the bytes uploaded before it, not the ones after. Sizes
+// from a decode step's few ints to more than one staging chunk.
+func TestUploadOrderAndReuse(t *testing.T) {
+	onAndOff(t, "LLMQ_H2D_ASYNC", func(t *testing.T, x *Context, on bool) {
+		for _, n := range []int{1, 37, 1 << 20, 9 << 20} {
+			src := make([]int32, n)
+			for i := range src {
+				src[i] = int32(i) ^ 0x5a5a
+			}
+			buf, err := x.Alloc(4 * n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			first, err := x.Alloc(4 * n)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := Upload(x, buf, src); err != nil {
+				t.Fatal(err)
+			}
+			if err := x.Copy(first, buf, 4*n); err != nil { // queued after the first upload
+				t.Fatal(err)
+			}
+			for i := range src { // the same slice, reused at once
+				src[i] = -int32(i) - 1
+			}
+			if err := Upload(x, buf, src); err != nil {
+				t.Fatal(err)
+			}
+			got, again := make([]int32, n), make([]int32, n)
+			if err := Download(x, got, first); err != nil {
+				t.Fatal(err)
+			}
+			if err := Download(x, again, buf); err != nil {
+				t.Fatal(err)
+			}
+			for i := range got {
+				if got[i] != int32(i)^0x5a5a || again[i] != -int32(i)-1 {
+					t.Fatalf("%d ints: at %d the copy holds %d (want the first upload's %d), the buffer %d (want the second's %d)",
+						n, i, got[i], int32(i)^0x5a5a, again[i], -int32(i)-1)
+				}
+			}
+			x.Free(buf)
+			x.Free(first)
+		}
+	})
+}

@@ -79,6 +79,7 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_WGMMA_MAX_M")) c->wgmma_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_W4_SPLITS")) c->w4_splits = atoi(e);
   if (const char* e = getenv("LLMQ_DECODE_WAVE")) c->decode_wave = atoi(e);
+  if (const char* e = getenv("LLMQ_H2D_ASYNC")) c->h2d_async = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_ATTN_EARLY")) c->attn_early = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_COMBINE_EARLY")) c->combine_early = atoi(e) != 0;
@@ -161,9 +162,14 @@ int ctx_memory(llmq_ctx* c, llmq_memory* m) {
   return 0;
 }
 
+// memcpy_h2d copies n host bytes to d in the stream's order. From pageable
+// memory (every caller's: Go's heap) cudaMemcpyAsync returns once the
+// bytes are staged, so the caller may reuse them at once; the wait for the
+// stream after it (unless c->h2d_async) only makes the copy's own errors
+// show here rather than at the next synchronizing call.
 int memcpy_h2d(llmq_ctx* c, void* d, const void* s, size_t n) {
   CK(cudaMemcpyAsync(d, s, n, cudaMemcpyHostToDevice, c->stream));
-  CK(cudaStreamSynchronize(c->stream));
+  if (!c->h2d_async) CK(cudaStreamSynchronize(c->stream));
   return 0;
 }
 int memcpy_d2h(llmq_ctx* c, void* d, const void* s, size_t n) {
