@@ -166,8 +166,11 @@ build/chain-probe: cuda/probe/chain.cu cuda/probe/check.cuh cuda/stream.cuh cuda
 
 # The kernel tracer (cuda/probe/trace.c): a CUPTI injection library that
 # records every kernel's time on the GPU, graph nodes included, where nsys
-# is absent (device-model.sh trace). CUPTI where the toolkit keeps it;
-# CUPTI_DIR and CUPTI_LIB override. The kernel record's newest version in
+# is absent (device-model.sh trace). CUPTI where the toolkit keeps it
+# (extras/CUPTI, or beside the toolkit's own headers); CUPTI_DIR and
+# CUPTI_LIB override (a Debian-style layout keeps the library in
+# lib/x86_64-linux-gnu: name it, or the rpath points nowhere and the
+# loader's default libcupti is used). The kernel record's newest version in
 # the installed header names the struct the library reads.
 CUDA_HOME ?= $(abspath $(dir $(shell command -v $(NVCC)))/..)
 CUPTI_DIR ?= $(firstword $(foreach d,$(CUDA_HOME)/extras/CUPTI $(CUDA_HOME),$(if $(wildcard $(d)/include/cupti.h),$(d))))
@@ -176,8 +179,9 @@ trace: build/libllmqtrace.so
 build/libllmqtrace.so: cuda/probe/trace.c
 	@mkdir -p build
 	@[ -n "$(CUPTI_DIR)" ] || { echo "make trace: no include/cupti.h under $(CUDA_HOME) or its extras/CUPTI (set CUPTI_DIR)" >&2; exit 1; }
-	$(NVCC) -O2 --shared -Xcompiler -fPIC,-Wall \
-	  -DKERNEL_RECORD=$$(grep -ho 'CUpti_ActivityKernel[0-9]*' $(CUPTI_DIR)/include/cupti_activity.h | sort -V | tail -1) \
+	rec=$$(grep -ho 'CUpti_ActivityKernel[0-9]*' $(CUPTI_DIR)/include/cupti_activity.h | sort -V | tail -1); \
+	[ -n "$$rec" ] || { echo "make trace: no CUpti_ActivityKernelN in $(CUPTI_DIR)/include/cupti_activity.h" >&2; exit 1; }; \
+	$(NVCC) -O2 --shared -Xcompiler -fPIC,-Wall -DKERNEL_RECORD=$$rec \
 	  -I$(CUPTI_DIR)/include -o $@ $< -L$(CUPTI_LIB) -Xlinker -rpath,$(CUPTI_LIB) -lcupti -lstdc++
 
 fmt:

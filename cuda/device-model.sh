@@ -72,6 +72,8 @@
 #                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default),
 #                                     # ENVAB_PASSES times each (2), interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
 #                                     # SYNTH_BATCH; ENVAB_SYNTH_ARGS: more synth flags, e.g. --layers 12)
+#   bash cuda/device-model.sh chainab # the llama3-8b W4 decode one greedy step at a time and in chains of CHAIN_N on the
+#                                     # device (bench decode --chain), interleaved, in one run (decode-chainab-N.json)
 #   bash cuda/device-model.sh ab      # this tree's library against a baseline's in one run (carry.sh base, BASE=rev):
 #                                     # bench gemm (AB_BITS, QUICK_M), AB_OPS=1 BenchmarkDecodeOps, AB_DECODE=1 decode
 #   Result files are named by the GPU ($G: gemm-h100.json on an H100, gemm-h200.json on an H200).
@@ -307,6 +309,21 @@ case "$1" in
         echo "== pass $pass: ${e:-(default)}"
         env $e $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
           --prefill 0 --steps 32 --json "$OUT/decode-envab-$r.json" 2>&1 | grep -E "^decode "
+      done
+    done
+    rm -rf $d
+    ;;
+  chainab) # greedy steps one at a time against chains of CHAIN_N (8) on the device (llm.Chainer, bench decode --chain),
+            # interleaved, ENVAB_PASSES times (2), in one run (decode-chainab-N.json; ENVAB_PRESET, SYNTH_CTX, SYNTH_BATCH)
+    d=/tmp/chainab-b4
+    $L synth --preset ${ENVAB_PRESET:-llama3-8b} --bits 4 --group 128 ${ENVAB_SYNTH_ARGS:-} -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+    r=0
+    for pass in $(seq ${ENVAB_PASSES:-2}); do
+      for n in 1 ${CHAIN_N:-8}; do
+        r=$((r + 1))
+        echo "== pass $pass: --chain $n"
+        $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
+          --prefill 0 --steps 32 --chain $n --json "$OUT/decode-chainab-$r.json" 2>&1 | grep -E "^decode |rror"
       done
     done
     rm -rf $d
@@ -605,7 +622,7 @@ case "$1" in
     if ! command -v nsys > /dev/null; then
       tracer=cupti
       make trace > "$OUT/build-trace.log" 2>&1 || { tail -5 "$OUT/build-trace.log"
-        echo "trace: no nsys, and no CUPTI where the Makefile looks; cupti.h here:"; find / -name cupti.h 2>/dev/null | head -5; exit 1; }
+        echo "trace: no nsys, and no CUPTI where the Makefile looks; cupti.h here:"; find /usr /opt -name cupti.h 2>/dev/null | head -5; exit 1; }
     fi
     tp=${TRACE_PRESET:-llama3-8b}; tag=; [ "$tp" = llama3-8b ] || tag=-$tp
     d=/tmp/trace-$tp
@@ -615,14 +632,16 @@ case "$1" in
       run=(bench decode $d --device cuda --context $ctx --batch $b --prefill 0 --steps ${TRACE_STEPS:-8})
       # the decode untraced, then traced (a tracer's cost): printed and kept in $f-decode.txt
       echo "# $LLMQ_COMMIT: llmq ${run[*]}, untraced then under $tracer" > "$OUT/$f-decode.txt"
-      echo "untraced: $($L "${run[@]}" 2>&1 | grep -E "^decode|rror")" | tee -a "$OUT/$f-decode.txt"
+      echo "untraced: $($L "${run[@]}" 2>&1 | grep -E "^decode +context|rror")" | tee -a "$OUT/$f-decode.txt"
+      rm -f /tmp/$f.csv /tmp/${f}_cuda_gpu_trace.csv
       if [ $tracer = nsys ]; then
-        nsys profile -o /tmp/$f --force-overwrite true -t cuda --cuda-graph-trace=node $L "${run[@]}" 2>&1 | grep -E "^decode|rror" | tee -a "$OUT/$f-decode.txt"
+        nsys profile -o /tmp/$f --force-overwrite true -t cuda --cuda-graph-trace=node $L "${run[@]}" 2>&1 | grep -E "^decode +context|rror" | tee -a "$OUT/$f-decode.txt"
         nsys stats --report cuda_gpu_trace --format csv -o /tmp/$f /tmp/$f.nsys-rep > /dev/null 2>&1
         { echo "# $LLMQ_COMMIT: nsys profile -t cuda --cuda-graph-trace=node llmq ${run[*]}; nsys stats --report cuda_gpu_trace"
           cat /tmp/${f}_cuda_gpu_trace.csv; } | xz -6 > "$OUT/$f.csv.xz"
       else
-        echo "traced:   $(CUDA_INJECTION64_PATH=$PWD/build/libllmqtrace.so LLMQ_TRACE_OUT=/tmp/$f.csv $L "${run[@]}" 2>&1 | grep -E "^decode|rror|llmqtrace")" | tee -a "$OUT/$f-decode.txt"
+        echo "traced:   $(CUDA_INJECTION64_PATH=$PWD/build/libllmqtrace.so LLMQ_TRACE_OUT=/tmp/$f.csv $L "${run[@]}" 2>&1 | grep -E "^decode +context|rror|llmqtrace")" | tee -a "$OUT/$f-decode.txt"
+        [ "$(wc -l < /tmp/$f.csv 2>/dev/null || echo 0)" -gt 1 ] || { echo "trace: the tracer wrote no kernel"; continue; }
         { echo "# $LLMQ_COMMIT: CUDA_INJECTION64_PATH=build/libllmqtrace.so (cuda/probe/trace.c) llmq ${run[*]}"
           cat /tmp/$f.csv; } | xz -6 > "$OUT/$f.csv.xz"
       fi

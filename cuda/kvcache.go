@@ -204,7 +204,8 @@ func (c *Cache) sync(n int) error {
 	for i := range rows {
 		rows[i] = addr(lo + i)
 	}
-	// host records only what reached the device.
+	// host records only what was queued for the device (an upload that
+	// failed leaves it as it was).
 	if err := Upload(c.m.x, c.table.Offset(lo*8), rows); err != nil {
 		return err
 	}

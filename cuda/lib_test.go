@@ -76,13 +76,18 @@ func TestSupports(t *testing.T) {
 // source may be overwritten as soon as Upload returns, and uploads keep
 // the stream's order around the work queued between them — a copy out of
 // a buffer sees the bytes uploaded before it, not the ones after. Sizes
-// from a decode step's few ints to more than one staging chunk.
+// from a decode step's few ints to more than one staging chunk; the
+// buffers are first filled with a marker no upload writes, and the values
+// depend on the size, so nothing left from an earlier case can pass for a
+// copy that did not happen.
 func TestUploadOrderAndReuse(t *testing.T) {
 	onAndOff(t, "LLMQ_H2D_ASYNC", func(t *testing.T, x *Context, on bool) {
 		for _, n := range []int{1, 37, 1 << 20, 9 << 20} {
+			first0 := func(i int) int32 { return int32(i^n) & 0x3fffffff }  // ≥ 0
+			second := func(i int) int32 { return -int32(i) - 1 - int32(n) } // < 0
 			src := make([]int32, n)
 			for i := range src {
-				src[i] = int32(i) ^ 0x5a5a
+				src[i] = first0(i)
 			}
 			buf, err := x.Alloc(4 * n)
 			if err != nil {
@@ -92,6 +97,11 @@ func TestUploadOrderAndReuse(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			for _, b := range []Buf{buf, first} { // 0x7f7f7f7f: neither upload's
+				if err := x.Memset(b, 0x7f, 4*n); err != nil {
+					t.Fatal(err)
+				}
+			}
 			if err := Upload(x, buf, src); err != nil {
 				t.Fatal(err)
 			}
@@ -99,7 +109,7 @@ func TestUploadOrderAndReuse(t *testing.T) {
 				t.Fatal(err)
 			}
 			for i := range src { // the same slice, reused at once
-				src[i] = -int32(i) - 1
+				src[i] = second(i)
 			}
 			if err := Upload(x, buf, src); err != nil {
 				t.Fatal(err)
@@ -112,9 +122,9 @@ func TestUploadOrderAndReuse(t *testing.T) {
 				t.Fatal(err)
 			}
 			for i := range got {
-				if got[i] != int32(i)^0x5a5a || again[i] != -int32(i)-1 {
+				if got[i] != first0(i) || again[i] != second(i) {
 					t.Fatalf("%d ints: at %d the copy holds %d (want the first upload's %d), the buffer %d (want the second's %d)",
-						n, i, got[i], int32(i)^0x5a5a, again[i], -int32(i)-1)
+						n, i, got[i], first0(i), again[i], second(i))
 				}
 			}
 			x.Free(buf)

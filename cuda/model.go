@@ -1034,7 +1034,11 @@ type pass struct {
 	windows int
 }
 
-func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
+// prepare checks steps against their caches and lays out their rows; it
+// reserves each cache's blocks for its tokens and ahead more (a chain of
+// greedy steps, DecodeGreedy, writes them without the host) and writes
+// those blocks into the device's tables.
+func (m *Model) prepare(steps []llm.Step, ahead int) (*pass, []*Cache, error) {
 	p := &pass{}
 	caches := make([]*Cache, len(steps))
 	for i, s := range steps {
@@ -1048,8 +1052,8 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 		if len(s.Tokens) == 0 {
 			return nil, nil, fmt.Errorf("step %d: no tokens", i)
 		}
-		if c.Len()+len(s.Tokens) > c.Cap() {
-			return nil, nil, fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, c.Len(), len(s.Tokens), c.Cap())
+		if c.Len()+len(s.Tokens)+ahead > c.Cap() {
+			return nil, nil, fmt.Errorf("step %d: %d cached + %d new tokens exceed the cache capacity %d", i, c.Len(), len(s.Tokens)+ahead, c.Cap())
 		}
 		if slices.Contains(caches[:i], c) {
 			return nil, nil, fmt.Errorf("step %d: the cache of step %d again", i, slices.Index(caches, c))
@@ -1072,13 +1076,13 @@ func (m *Model) prepare(steps []llm.Step) (*pass, []*Cache, error) {
 	// the pass, or rolls them back.
 	tables, ns := make([]*llm.BlockTable[uint64], len(steps)), make([]int, len(steps))
 	for i, s := range steps {
-		tables[i], ns[i] = caches[i].blocks, len(s.Tokens)
+		tables[i], ns[i] = caches[i].blocks, len(s.Tokens)+ahead
 	}
 	if err := llm.ReserveAll(m.kv.pool, tables, ns); err != nil {
 		return nil, nil, err
 	}
-	for i, s := range steps {
-		if err := caches[i].sync(len(s.Tokens)); err != nil {
+	for i := range steps {
+		if err := caches[i].sync(ns[i]); err != nil {
 			for _, c := range caches {
 				c.blocks.Rollback()
 			}
@@ -1450,7 +1454,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	if m.x == nil {
 		return errModelClosed
 	}
-	p, caches, err := m.prepare(steps)
+	p, caches, err := m.prepare(steps, 0)
 	if err != nil || len(p.ids) == 0 {
 		return err
 	}
@@ -1502,7 +1506,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	}
 	var a *acts
 	if T == len(steps) && len(out) == T { // a decode step: replay a graph
-		if a, err = m.decode(p, draws); err != nil {
+		if a, _, err = m.decode(p, draws); err != nil {
 			return err
 		}
 	} else {
@@ -1560,6 +1564,105 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	}
 	done = true
 	return nil
+}
+
+var _ llm.Chainer = (*Model)(nil)
+
+// DecodeGreedy implements llm.Chainer: n greedy decode steps of
+// len(steps) sequences (each step's Cache and one token), queued on the
+// stream at once — the decode graph, the argmax, and device-to-device
+// copies that make the picked ids the next step's input and advance the
+// positions by one — and one read-back of every picked id at the end, so
+// the GPU runs the n steps without waiting for the host between them.
+// Each cache's blocks for the n tokens the chain writes are reserved and
+// written into the device's tables first. The graph is the one for the
+// chain's last step (its key bound covers every step's keys).
+func (m *Model) DecodeGreedy(ctx context.Context, steps []llm.Step, n int) ([][]int, error) {
+	if n < 1 {
+		return nil, fmt.Errorf("greedy chain of %d steps (want at least 1)", n)
+	}
+	for i, s := range steps {
+		if len(s.Tokens) != 1 {
+			return nil, fmt.Errorf("greedy chain: step %d has %d tokens (a chain decodes one a sequence)", i, len(s.Tokens))
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.x == nil {
+		return nil, errModelClosed
+	}
+	p, caches, err := m.prepare(steps, n-1)
+	if err != nil || len(p.ids) == 0 {
+		return nil, err
+	}
+	done := false
+	defer func() {
+		if !done {
+			for _, c := range caches {
+				c.blocks.Rollback()
+			}
+		}
+	}()
+	B, V := len(steps), m.cfg.Vocab
+	// Every step's positions ([n][B]) and picked ids ([n][B]), in one buffer.
+	pos := make([]int32, n*B)
+	for k := range n {
+		for i, r := range p.rowPos {
+			pos[k*B+i] = r + int32(k)
+		}
+	}
+	chain, err := m.x.Alloc(2 * n * B * 4)
+	if err != nil {
+		return nil, fmt.Errorf("greedy chain of %d steps: %w", n, err)
+	}
+	defer m.x.Free(chain)
+	picked := chain.Offset(n * B * 4)
+	if err := Upload(m.x, chain, pos); err != nil {
+		return nil, err
+	}
+	p.maxKeys += n - 1
+	a, dg, err := m.decode(p, nil) // uploads the first step's inputs and launches its graph
+	if err != nil {
+		return nil, err
+	}
+	for k := range n {
+		if k > 0 {
+			if err := m.x.Copy(a.ids, a.next, B*4); err != nil {
+				return nil, err
+			}
+			if err := m.x.Copy(a.meta.RowPos, chain.Offset(k*B*4), B*4); err != nil {
+				return nil, err
+			}
+			if err := m.x.Launch(dg.g); err != nil {
+				return nil, err
+			}
+		}
+		if err := m.x.ArgmaxRows(a.logits, a.next, B, V); err != nil {
+			return nil, err
+		}
+		if err := m.x.Copy(picked.Offset(k*B*4), a.next, B*4); err != nil {
+			return nil, err
+		}
+	}
+	ids := make([]int32, n*B)
+	if err := Download(m.x, ids, picked); err != nil {
+		return nil, err
+	}
+	out := make([][]int, B)
+	for i := range out {
+		out[i] = make([]int, n)
+		for k := range n {
+			out[i][k] = int(ids[k*B+i])
+		}
+	}
+	for _, c := range caches {
+		c.blocks.Advance(n)
+	}
+	done = true
+	return out, nil
 }
 
 // pick sets each step's Argmax from its row of a.logits (one a step) on
@@ -1634,31 +1737,37 @@ type decodeGraph struct {
 
 // decode runs a step where each sequence adds one token, through the
 // CUDA graph for its batch size and key bound (captured on first use).
-func (m *Model) decode(p *pass, draws []float64) (*acts, error) {
+func (m *Model) decode(p *pass, draws []float64) (*acts, *decodeGraph, error) {
 	B := len(p.ids)
-	keys := 256
-	for keys < p.maxKeys {
-		keys *= 2
-	}
-	keys = min(keys, m.cfg.MaxPositions)
-	key := graphKey{B, keys}
+	key := graphKeyFor(p.maxKeys, B, m.cfg.MaxPositions)
 	dg, ok := m.graphs[key]
 	if !ok {
 		var err error
 		if dg, err = m.capture(key); err != nil {
-			return nil, fmt.Errorf("capturing the decode step for batch %d: %w", B, err)
+			return nil, nil, fmt.Errorf("capturing the decode step for batch %d: %w", B, err)
 		}
 	}
 	m.tick++
 	dg.used = m.tick
 	a := m.batchActs[B]
 	if err := m.upload(a, p, draws); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if err := m.x.Launch(dg.g); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return a, nil
+	return a, dg, nil
+}
+
+// graphKeyFor is the decode graph for B rows whose longest attends to
+// maxKeys keys: its key bound the next power of two from 256 (so a few
+// graphs serve every length), at most the model's positions.
+func graphKeyFor(maxKeys, B, maxPositions int) graphKey {
+	keys := 256
+	for keys < maxKeys {
+		keys *= 2
+	}
+	return graphKey{B, min(keys, maxPositions)}
 }
 
 // capture records the decode graph for key, making room first when
@@ -1776,7 +1885,7 @@ func (m *Model) WindowNLL(ctx context.Context, ids []int) (float64, int, error) 
 }
 
 func (m *Model) windowNLL(ctx context.Context, cache *Cache, ids []int) (float64, int, error) {
-	p, _, err := m.prepare([]llm.Step{{Cache: cache, Tokens: ids}})
+	p, _, err := m.prepare([]llm.Step{{Cache: cache, Tokens: ids}}, 0)
 	if err != nil {
 		return 0, 0, err
 	}

@@ -469,6 +469,135 @@ func TestGreedyStepsOnDevice(t *testing.T) {
 	}
 }
 
+// TestDecodeGreedyMatchesSteps: a chain of greedy steps on the device
+// (llm.Chainer) picks the tokens single steps pick from their logits, for
+// two sequences at once — a short one, and one whose chain crosses
+// 16-position blocks and the graphs' 256-key bound (the chain runs the
+// 512-key graph throughout, single steps switch to it midway: the
+// attention's key splits differ, so a pick may differ where the logits'
+// top two are within 1e-3, and nowhere else) — and leaves the caches as
+// single steps leave them: the step after gives the same logits. Bad
+// chains fail whole, no cache advanced.
+func TestDecodeGreedyMatchesSteps(t *testing.T) {
+	_, gpu := loadBoth(t, "llama-tiny")
+	ch, ok := llm.Backend(gpu).(llm.Chainer)
+	if !ok {
+		t.Fatal("the GPU model does not chain greedy steps")
+	}
+	ctx := context.Background()
+	V := gpu.Config().Vocab
+	long := make([]int, 250)
+	for i := range long {
+		long[i] = (i*7919 + 11) % V
+	}
+	prompts := [][]int{{1, 450, 4955, 310, 278}, long}
+	const n = 12
+	prefill := func() ([]llm.Cache, []int) {
+		caches, next := make([]llm.Cache, 2), make([]int, 2)
+		for i := range caches {
+			c, err := gpu.NewCache(300)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			logits := make([]float32, V)
+			if err := gpu.Forward(ctx, []llm.Step{{Cache: c, Tokens: prompts[i], Logits: logits, LastOnly: true}}); err != nil {
+				t.Fatal(err)
+			}
+			caches[i], next[i] = c, llm.Argmax(logits)
+		}
+		return caches, next
+	}
+	// The reference: single steps with their logits, each pick's margin over the runner-up.
+	one, next := prefill()
+	want, margin := [2][n]int{}, [2][n]float32{}
+	logits := [][]float32{make([]float32, V), make([]float32, V)}
+	for k := range n {
+		st := []llm.Step{{Cache: one[0], Tokens: []int{next[0]}, Logits: logits[0], LastOnly: true},
+			{Cache: one[1], Tokens: []int{next[1]}, Logits: logits[1], LastOnly: true}}
+		if err := gpu.Forward(ctx, st); err != nil {
+			t.Fatal(err)
+		}
+		for i := range 2 {
+			top := llm.Argmax(logits[i])
+			second := float32(math.Inf(-1))
+			for j, v := range logits[i] {
+				if j != top && v > second {
+					second = v
+				}
+			}
+			want[i][k], margin[i][k], next[i] = top, logits[i][top]-second, top
+		}
+	}
+
+	chained, first := prefill()
+	steps := []llm.Step{{Cache: chained[0], Tokens: []int{first[0]}}, {Cache: chained[1], Tokens: []int{first[1]}}}
+	for _, bad := range []struct {
+		steps []llm.Step
+		n     int
+		want  string
+	}{
+		{[]llm.Step{steps[0], {Cache: chained[1], Tokens: []int{first[1], first[1]}}}, n, "2 tokens"},
+		{steps, 0, "at least 1"},
+		{steps, 300, "capacity"},
+		{[]llm.Step{steps[0], {Cache: chained[1], Tokens: []int{V}}}, n, "vocabulary"},
+	} {
+		if _, err := ch.DecodeGreedy(ctx, bad.steps, bad.n); err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("chain of %d (%v): %v, want an error saying %q", bad.n, bad.steps[1].Tokens, err, bad.want)
+		}
+		for i, c := range chained {
+			if c.Len() != len(prompts[i]) {
+				t.Fatalf("after a failed chain, cache %d holds %d tokens, want its prompt's %d", i, c.Len(), len(prompts[i]))
+			}
+		}
+	}
+	got, err := ch.DecodeGreedy(ctx, steps, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	same := [2]bool{true, true} // the sequence's picks agree throughout
+	for i := range 2 {
+		if len(got[i]) != n {
+			t.Fatalf("sequence %d: %d tokens, want %d", i, len(got[i]), n)
+		}
+		if chained[i].Len() != one[i].Len() {
+			t.Errorf("sequence %d: the chain left %d tokens in the cache, single steps %d", i, chained[i].Len(), one[i].Len())
+		}
+		for k := range n {
+			if got[i][k] == want[i][k] {
+				continue
+			}
+			same[i] = false
+			if margin[i][k] >= 1e-3 {
+				t.Fatalf("sequence %d, step %d: the chain picked %d, single steps %d (ahead of the runner-up by %.4g)", i, k, got[i][k], want[i][k], margin[i][k])
+			}
+			t.Logf("sequence %d, step %d: a near-tie (margin %.2g) picked both ways; the rest of it is not compared", i, k, margin[i][k])
+			break
+		}
+	}
+	// The step after: the caches hold the same keys and values.
+	after := [][]float32{make([]float32, V), make([]float32, V)}
+	for i := range 2 {
+		if !same[i] {
+			continue
+		}
+		for _, st := range []llm.Step{{Cache: one[i], Tokens: []int{want[i][n-1]}, Logits: logits[i], LastOnly: true},
+			{Cache: chained[i], Tokens: []int{got[i][n-1]}, Logits: after[i], LastOnly: true}} {
+			if err := gpu.Forward(ctx, []llm.Step{st}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var worst float64
+		for j := range after[i] {
+			worst = math.Max(worst, math.Abs(float64(after[i][j]-logits[i][j])))
+		}
+		if worst > 1e-2 {
+			t.Errorf("sequence %d: the step after the chain's logits differ from single steps' by up to %.3g", i, worst)
+		}
+		t.Logf("sequence %d: %d tokens alike, the step after's logits within %.2g", i, n, worst)
+	}
+}
+
 // A batch mixing a prefill with decodes, then batched decode steps (a
 // graph for batch 3), gives each sequence the tokens it gets alone.
 func TestBatchedSteps(t *testing.T) {

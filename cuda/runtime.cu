@@ -162,11 +162,15 @@ int ctx_memory(llmq_ctx* c, llmq_memory* m) {
   return 0;
 }
 
-// memcpy_h2d copies n host bytes to d in the stream's order. From pageable
-// memory (every caller's: Go's heap) cudaMemcpyAsync returns once the
-// bytes are staged, so the caller may reuse them at once; the wait for the
-// stream after it (unless c->h2d_async) only makes the copy's own errors
-// show here rather than at the next synchronizing call.
+// memcpy_h2d copies n host bytes to d in the stream's order. Every
+// caller's source is pageable (Go's heap), which the runtime stages
+// before cudaMemcpyAsync returns — CUDA's notes on API synchronization
+// promise that for cudaMemcpy and say only that a pageable cudaMemcpyAsync
+// "might be synchronous", so the reuse at return that c->h2d_async relies
+// on is observed behaviour, guarded by TestUploadOrderAndReuse. Without
+// the switch the stream is waited for after the copy, and an error of the
+// copy (or of a kernel queued before it) shows here rather than at the
+// next synchronizing call.
 int memcpy_h2d(llmq_ctx* c, void* d, const void* s, size_t n) {
   CK(cudaMemcpyAsync(d, s, n, cudaMemcpyHostToDevice, c->stream));
   if (!c->h2d_async) CK(cudaStreamSynchronize(c->stream));

@@ -167,6 +167,21 @@ func IsGreedier(b Backend) bool {
 	return ok
 }
 
+// Chainer is a Greedier that runs several greedy decode steps back to
+// back on its device, each step's token the argmax of the step before,
+// with no round trip to the host between them: the host queues the steps
+// ahead of the kernels, so the device does not wait on it between steps
+// (cuda.Model). The same caution as Greedier for wrappers.
+type Chainer interface {
+	Greedier
+	// DecodeGreedy runs n greedy steps from each step's one token (its
+	// Cache and Tokens; the other fields are ignored) and returns each
+	// sequence's n picked tokens — the Argmax values n single Greedy
+	// steps would give. Every cache advances by n: the last token picked
+	// is not in it yet. On an error no cache has advanced.
+	DecodeGreedy(ctx context.Context, steps []Step, n int) ([][]int, error)
+}
+
 // Drawer is a Backend that answers Step.Draw: it sets Step.Argmax to the
 // sampled token and may leave Logits unwritten on the steps that ask
 // (cuda.Model; the same caution as Greedier for wrappers).

@@ -14,7 +14,7 @@ import (
 // a backend's forward passes, logits copied back to the host included.
 func newBenchDecode() *cobra.Command {
 	var device, contexts, batches, prefills, jsonOut string
-	var steps, reps int
+	var steps, reps, chain int
 	var allLogits bool
 	cmd := &cobra.Command{
 		Use:   "decode MODEL_DIR",
@@ -54,13 +54,14 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 			// A measurement past the model's positions would fail midway,
 			// after minutes of others: refuse the flags first.
 			if P := b.Config().MaxPositions; P > 0 {
+				d := decoded(steps, chain)
 				for _, c := range ctxs {
-					if c+steps+2 > P {
-						fix := fmt.Sprintf("use --context %d or less", P-steps-2)
-						if P-steps-2 < 1 {
-							fix = fmt.Sprintf("use --steps %d or less", P-3)
+					if c+d > P {
+						fix := fmt.Sprintf("use --context %d or less", P-d)
+						if P-d < 1 {
+							fix = "use fewer --steps"
 						}
-						return fmt.Errorf("--context %d with --steps %d needs %d positions (two warm-up steps included); the model has %d (max_position_embeddings): %s", c, steps, c+steps+2, P, fix)
+						return fmt.Errorf("--context %d with --steps %d needs %d positions (the warm-up's included); the model has %d (max_position_embeddings): %s", c, steps, c+d, P, fix)
 					}
 				}
 				for _, n := range pre {
@@ -96,9 +97,18 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 			if greedy {
 				fmt.Fprintln(w, "decode steps pick their tokens on the device (--logits: copy the logits to the host)")
 			}
+			if chain < 1 {
+				return fmt.Errorf("--chain %d: want 1 or more steps a chain", chain)
+			}
+			if _, ok := b.(llm.Chainer); chain > 1 && (!ok || !greedy) {
+				return fmt.Errorf("--chain %d: the %s backend does not chain greedy steps on its device (or --logits asks for every step's logits)", chain, b.Name())
+			}
+			if chain > 1 {
+				fmt.Fprintf(w, "greedy steps in chains of %d on the device, the host reading the ids once a chain (times are a chain's over %d)\n", chain, chain)
+			}
 			for _, c := range ctxs {
 				for _, B := range bs {
-					per, err := timeDecode(cmd.Context(), b, c, B, steps, greedy, gpuUsed)
+					per, err := timeDecode(cmd.Context(), b, c, B, steps, chain, greedy, gpuUsed)
 					if err != nil {
 						return fmt.Errorf("context %d, batch %d: %w", c, B, err)
 					}
@@ -107,7 +117,7 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 				}
 			}
 			data := map[string]any{"model": args[0], "backend": b.Name(), "load_s": m.LoadTime.Seconds(), "steps": steps,
-				"greedy_on_device": greedy, "results": results}
+				"greedy_on_device": greedy, "chain": chain, "results": results}
 			if peak > 0 { // a device with its own memory
 				data["weight_bytes"] = most.Weights
 				data["gpu_memory_used_bytes"] = peak
@@ -129,6 +139,7 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 	f.StringVar(&prefills, "prefill", "2048", "comma-separated token counts of the timed prefills (0: skip)")
 	f.IntVar(&reps, "reps", 3, "prefill repetitions (median reported)")
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
+	f.IntVar(&chain, "chain", 1, "greedy steps queued on the device back to back, the ids read once a chain (a backend that chains them: the GPU)")
 	f.BoolVar(&allLogits, "logits", false, "copy every decode step's logits to the host, even where the backend picks greedy tokens itself")
 	return cmd
 }
@@ -161,13 +172,15 @@ func timePrefill(ctx context.Context, b llm.Backend, n int) (float64, error) {
 }
 
 // timeDecode prefills B sequences of n tokens, then returns the seconds
-// per decode step of B tokens (median of steps steps after two warm-ups).
-func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, greedy bool, sample func()) (float64, error) {
+// per decode step of B tokens (median of steps steps after two warm-ups;
+// with chain > 1, of ⌈steps/chain⌉ chains after one, each chain's time
+// over its steps).
+func timeDecode(ctx context.Context, b llm.Backend, n, B, steps, chain int, greedy bool, sample func()) (float64, error) {
 	V := b.Config().Vocab
 	caches := make([]llm.Cache, B)
 	logits := make([][]float32, B)
 	for i := range caches {
-		c, err := b.NewCache(n + steps + 2)
+		c, err := b.NewCache(n + decoded(steps, chain))
 		if err != nil {
 			return 0, err
 		}
@@ -182,6 +195,9 @@ func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, greedy bool
 	next := make([]int, B)
 	for i := range next {
 		next[i] = llm.Argmax(logits[i])
+	}
+	if chain > 1 {
+		return timeChains(ctx, b.(llm.Chainer), caches, next, (steps+chain-1)/chain, chain, sample)
 	}
 	for s := 0; s < steps+2; s++ {
 		for i := range st {
@@ -200,6 +216,41 @@ func timeDecode(ctx context.Context, b llm.Backend, n, B, steps int, greedy bool
 			} else {
 				next[i] = llm.Argmax(logits[i])
 			}
+		}
+	}
+	sample()
+	return evals.Median(times), nil
+}
+
+// decoded is how many tokens timeDecode adds to each sequence: steps and
+// two warm-up steps, or ⌈steps/chain⌉ chains and one warm-up chain.
+func decoded(steps, chain int) int {
+	if chain <= 1 {
+		return steps + 2
+	}
+	return ((steps+chain-1)/chain + 1) * chain
+}
+
+// timeChains times chains+1 greedy chains of n steps from the sequences'
+// caches and next tokens, and returns the median chain's seconds over n
+// (the first chain a warm-up: it captures the graph).
+func timeChains(ctx context.Context, b llm.Chainer, caches []llm.Cache, next []int, chains, n int, sample func()) (float64, error) {
+	st := make([]llm.Step, len(caches))
+	var times []float64
+	for c := 0; c < chains+1; c++ {
+		for i := range st {
+			st[i] = llm.Step{Cache: caches[i], Tokens: []int{next[i]}}
+		}
+		start := time.Now()
+		out, err := b.DecodeGreedy(ctx, st, n)
+		if err != nil {
+			return 0, err
+		}
+		if c > 0 {
+			times = append(times, time.Since(start).Seconds()/float64(n))
+		}
+		for i := range next {
+			next[i] = out[i][n-1]
 		}
 	}
 	sample()

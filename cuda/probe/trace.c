@@ -13,10 +13,14 @@
 // cuda_gpu_trace report. Rows come in the order CUPTI delivers its
 // buffers, not sorted; the summary sorts them.
 //
-// CUPTI hands a buffer back when it is full, every LLMQ_TRACE_FLUSH_MS
-// (default 20) by its own flush thread, and — forced here — when the
-// process destroys a stream or a context (llmq's Close), since a Go
-// program exits without running C's atexit handlers.
+// CUPTI hands a buffer back when it is full or when asked: a thread here
+// asks every LLMQ_TRACE_FLUSH_MS (default 100) for the buffers whose
+// records are all complete (cuptiActivityFlushAll(0)), and when the
+// process destroys a stream or a context (llmq's Close) the rest are
+// forced out, since a Go program exits without running C's atexit
+// handlers. A process that exits without Close loses at most the last
+// period's records; a forced flush may hand back records whose kernel
+// has not ended, which are counted and left out.
 //
 // The kernel record's struct has a version number that changes between
 // CUDA releases (CUpti_ActivityKernel9, 10, 11, ...); the fields read here
@@ -27,6 +31,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #ifndef KERNEL_RECORD
 #error "build with -DKERNEL_RECORD=CUpti_ActivityKernelN (the newest cupti_activity.h declares)"
@@ -37,7 +42,8 @@ char *__cxa_demangle(const char *mangled, char *buf, size_t *n, int *status);
 
 static FILE *out;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static unsigned long long kernels, dropped;
+static unsigned long long kernels, dropped, incomplete;
+static unsigned flush_ms = 100;
 
 #define CHECK(call)                                                             \
   do {                                                                          \
@@ -63,6 +69,10 @@ static void CUPTIAPI complete(CUcontext ctx, uint32_t stream, uint8_t *buf, size
   while (cuptiActivityGetNextRecord(buf, valid, &r) == CUPTI_SUCCESS) {
     if (r->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && r->kind != CUPTI_ACTIVITY_KIND_KERNEL) continue;
     const KERNEL_RECORD *k = (const KERNEL_RECORD *)r;
+    if (k->start == 0 || k->end < k->start) {  // forced out before the kernel ended
+      incomplete++;
+      continue;
+    }
     int status = 0;
     char *name = k->name ? __cxa_demangle(k->name, NULL, NULL, &status) : NULL;
     fprintf(out, "%llu,%llu,%u,%llu,\"%s\"\n", (unsigned long long)k->start,
@@ -86,9 +96,20 @@ static void CUPTIAPI on_api(void *user, CUpti_CallbackDomain domain, CUpti_Callb
   if (id == CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2 || id == CUPTI_DRIVER_TRACE_CBID_cuCtxDestroy_v2) {
     cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
     pthread_mutex_lock(&mu);
-    fprintf(stderr, "llmqtrace: %llu kernels written, %llu records dropped\n", kernels, dropped);
+    fprintf(stderr, "llmqtrace: %llu kernels written, %llu records dropped, %llu incomplete\n", kernels, dropped,
+            incomplete);
     pthread_mutex_unlock(&mu);
   }
+}
+
+// flusher asks CUPTI for its completed buffers every flush_ms.
+static void *flusher(void *arg) {
+  (void)arg;
+  for (;;) {
+    usleep(flush_ms * 1000);
+    cuptiActivityFlushAll(0);
+  }
+  return NULL;
 }
 
 int InitializeInjection(void) {
@@ -105,8 +126,13 @@ int InitializeInjection(void) {
   CHECK(cuptiEnableCallback(1, sub, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuStreamDestroy_v2));
   CHECK(cuptiEnableCallback(1, sub, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuCtxDestroy_v2));
   CHECK(cuptiActivityRegisterCallbacks(request, complete));
-  CHECK(cuptiActivityFlushPeriod(ms ? (uint32_t)atoi(ms) : 20));
   CHECK(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL));
+  if (ms && atoi(ms) > 0) flush_ms = (unsigned)atoi(ms);
+  pthread_t th;
+  if (pthread_create(&th, NULL, flusher, NULL) == 0)
+    pthread_detach(th);
+  else
+    fprintf(stderr, "llmqtrace: no flush thread: records come at Close only\n");
   fprintf(stderr, "llmqtrace: kernels to %s\n", path ? path : "llmq-trace.csv");
   return 1;
 }
