@@ -616,7 +616,7 @@ case "$1" in
     fi
     ;;
   trace) # a decode step's kernels in place: every graph node's start and end on a synthetic W4 model (TRACE_PRESET,
-          # default llama3-8b; TRACE_BATCH, TRACE_CTX) by nsys, or where nsys is absent by cuda/probe/trace.c's CUPTI
+          # default llama3-8b; TRACE_BATCH, TRACE_CTX, TRACE_STEPS, TRACE_SYNTH_ARGS) by nsys, or where nsys is absent by cuda/probe/trace.c's CUPTI
           # library (make trace); decode-trace-$G[-PRESET]-bB-cC.csv.xz, which evals/trace_summary.py reads
     tracer=nsys
     if ! command -v nsys > /dev/null; then
@@ -626,7 +626,10 @@ case "$1" in
     fi
     tp=${TRACE_PRESET:-llama3-8b}; tag=; [ "$tp" = llama3-8b ] || tag=-$tp
     d=/tmp/trace-$tp
-    $L synth --preset $tp --bits 4 --group 128 -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
+    # TRACE_SYNTH_ARGS: more synth flags — "--layers 12" keeps every kind of layer and kernel of a model
+    # whose whole synthetic checkpoint takes minutes (qwen3-30b-a3b's took over 200 s), so the trace's
+    # per-call figures hold, its step total does not
+    $L synth --preset $tp --bits 4 --group 128 ${TRACE_SYNTH_ARGS:-} -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
     for b in ${TRACE_BATCH:-1}; do for ctx in ${TRACE_CTX:-128}; do
       f=decode-trace-$G$tag-b$b-c$ctx
       run=(bench decode $d --device cuda --context $ctx --batch $b --prefill 0 --steps ${TRACE_STEPS:-8})
