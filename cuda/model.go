@@ -1037,7 +1037,10 @@ type pass struct {
 // prepare checks steps against their caches and lays out their rows; it
 // reserves each cache's blocks for its tokens and ahead more (a chain of
 // greedy steps, DecodeGreedy, writes them without the host) and writes
-// those blocks into the device's tables.
+// those blocks into the device's tables. (The GPU's pool keeps every
+// layer's blocks whole — no sliding window hands any back — so a block
+// reserved for a chain's last token cannot be one its first still reads;
+// a windowed GPU pool would have to reserve the chain's whole span.)
 func (m *Model) prepare(steps []llm.Step, ahead int) (*pass, []*Cache, error) {
 	p := &pass{}
 	caches := make([]*Cache, len(steps))

@@ -175,10 +175,13 @@ func IsGreedier(b Backend) bool {
 type Chainer interface {
 	Greedier
 	// DecodeGreedy runs n greedy steps from each step's one token (its
-	// Cache and Tokens; the other fields are ignored) and returns each
-	// sequence's n picked tokens — the Argmax values n single Greedy
-	// steps would give. Every cache advances by n: the last token picked
-	// is not in it yet. On an error no cache has advanced.
+	// Cache and Tokens; the other fields are ignored; each cache needs
+	// room for n more tokens) and returns each sequence's n picked tokens
+	// — the Argmax values n single Greedy steps would give, up to
+	// near-ties (the device may sum a step's attention in another order).
+	// Every cache advances by n: the last token picked is not in it yet.
+	// ctx is checked once, before the chain: a chain runs whole. On an
+	// error no cache has advanced.
 	DecodeGreedy(ctx context.Context, steps []Step, n int) ([][]int, error)
 }
 

@@ -45,6 +45,12 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 					return fmt.Errorf("--prefill: %w", err)
 				}
 			}
+			if chain < 1 {
+				return fmt.Errorf("--chain %d: want 1 or more steps a chain", chain)
+			}
+			if chain > 1 && allLogits {
+				return fmt.Errorf("--chain %d with --logits: a chain reads only the picked ids, once at its end", chain)
+			}
 			m, err := openModel(args[0], device)
 			if err != nil {
 				return err
@@ -53,15 +59,18 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 			b := m.Backend
 			// A measurement past the model's positions would fail midway,
 			// after minutes of others: refuse the flags first.
+			if _, ok := b.(llm.Chainer); chain > 1 && !ok {
+				return fmt.Errorf("--chain %d: the %s backend does not chain greedy steps on a device (the GPU's does)", chain, b.Name())
+			}
 			if P := b.Config().MaxPositions; P > 0 {
 				d := decoded(steps, chain)
 				for _, c := range ctxs {
 					if c+d > P {
 						fix := fmt.Sprintf("use --context %d or less", P-d)
 						if P-d < 1 {
-							fix = "use fewer --steps"
+							fix = "use fewer --steps (or a shorter --chain)"
 						}
-						return fmt.Errorf("--context %d with --steps %d needs %d positions (the warm-up's included); the model has %d (max_position_embeddings): %s", c, steps, c+d, P, fix)
+						return fmt.Errorf("--context %d with --steps %d (--chain %d) needs %d positions (the warm-up's included); the model has %d (max_position_embeddings): %s", c, steps, chain, c+d, P, fix)
 					}
 				}
 				for _, n := range pre {
@@ -97,12 +106,6 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 			if greedy {
 				fmt.Fprintln(w, "decode steps pick their tokens on the device (--logits: copy the logits to the host)")
 			}
-			if chain < 1 {
-				return fmt.Errorf("--chain %d: want 1 or more steps a chain", chain)
-			}
-			if _, ok := b.(llm.Chainer); chain > 1 && (!ok || !greedy) {
-				return fmt.Errorf("--chain %d: the %s backend does not chain greedy steps on its device (or --logits asks for every step's logits)", chain, b.Name())
-			}
 			if chain > 1 {
 				fmt.Fprintf(w, "greedy steps in chains of %d on the device, the host reading the ids once a chain (times are a chain's over %d)\n", chain, chain)
 			}
@@ -117,7 +120,7 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 				}
 			}
 			data := map[string]any{"model": args[0], "backend": b.Name(), "load_s": m.LoadTime.Seconds(), "steps": steps,
-				"greedy_on_device": greedy, "chain": chain, "results": results}
+				"greedy_on_device": greedy, "chain": chain, "timed_steps": decoded(steps, chain) - decoded(0, chain), "results": results}
 			if peak > 0 { // a device with its own memory
 				data["weight_bytes"] = most.Weights
 				data["gpu_memory_used_bytes"] = peak
@@ -223,7 +226,8 @@ func timeDecode(ctx context.Context, b llm.Backend, n, B, steps, chain int, gree
 }
 
 // decoded is how many tokens timeDecode adds to each sequence: steps and
-// two warm-up steps, or ⌈steps/chain⌉ chains and one warm-up chain.
+// two warm-up steps, or ⌈steps/chain⌉ chains and one warm-up chain (so
+// the steps timed are decoded(steps, chain) − decoded(0, chain)).
 func decoded(steps, chain int) int {
 	if chain <= 1 {
 		return steps + 2

@@ -359,10 +359,11 @@ func TestBenchDecodePrefills(t *testing.T) {
 		!strings.Contains(err.Error(), "--context 2016") || !strings.Contains(err.Error(), "2014 or less") {
 		t.Errorf("--context 2016 --steps 32: %v, want an error naming the flag and the largest context that fits", err)
 	}
-	// Chains of greedy steps are a GPU's (llm.Chainer); the CPU refuses them by name.
-	for _, c := range []string{"0", "4"} {
-		if _, err := llmq(t, "bench", "decode", model, "--prefill", "0", "--context", "8", "--steps", "4", "--chain", c); err == nil || !strings.Contains(err.Error(), "--chain "+c) {
-			t.Errorf("--chain %s on the CPU: %v, want an error naming the flag", c, err)
+	// Chains of greedy steps are a GPU's (llm.Chainer); the CPU refuses them by name, before any prefill is timed.
+	for _, args := range [][]string{{"--chain", "0"}, {"--chain", "4"}, {"--chain", "4", "--logits"}} {
+		out, err := llmq(t, append([]string{"bench", "decode", model, "--prefill", "16", "--context", "8", "--steps", "4"}, args...)...)
+		if err == nil || !strings.Contains(err.Error(), "--chain "+args[1]) || strings.Contains(out, "prefill") {
+			t.Errorf("%v on the CPU: %v (output %q), want an error naming the flag and no prefill timed", args, err, out)
 		}
 	}
 }
