@@ -859,8 +859,11 @@ type acts struct {
 	// (fp32, kept zeroed between passes: the kernels that read them clear
 	// them; the activations between go to g).
 	routerLogits, expert, weight, order, chunks, gu, y Buf
-	bufs                                               []Buf
-	bytes                                              int64
+	// chain: a greedy chain's positions and picked ids (DecodeGreedy),
+	// kept between chains and grown to the longest asked for.
+	chain Buf
+	bufs  []Buf
+	bytes int64
 }
 
 func (m *Model) newActs(rows int) (*acts, error) {
@@ -924,6 +927,28 @@ func (a *acts) alloc(x *Context, b *Buf, bytes int) error {
 	a.bufs = append(a.bufs, buf)
 	a.bytes += int64(bytes)
 	return nil
+}
+
+// chainBuf is a's chain buffer with room for n steps' positions and
+// picked ids ([2][n][rows] int32), allocated anew only when a longer chain
+// than any before asks for it.
+func (a *acts) chainBuf(x *Context, n int) (Buf, error) {
+	need := 2 * n * a.rows * 4
+	if a.chain.Bytes >= need {
+		return a.chain, nil
+	}
+	if old := a.chain; old.Bytes > 0 {
+		a.bufs = slices.DeleteFunc(a.bufs, func(b Buf) bool { return b == old })
+		a.bytes -= int64(old.Bytes)
+		a.chain = Buf{}
+		if err := x.Free(old); err != nil {
+			return Buf{}, err
+		}
+	}
+	if err := a.alloc(x, &a.chain, need); err != nil {
+		return Buf{}, err
+	}
+	return a.chain, nil
 }
 
 func (a *acts) free(x *Context) {
@@ -1509,7 +1534,7 @@ func (m *Model) Forward(ctx context.Context, steps []llm.Step) error {
 	}
 	var a *acts
 	if T == len(steps) && len(out) == T { // a decode step: replay a graph
-		if a, _, err = m.decode(p, draws); err != nil {
+		if a, err = m.decode(p, draws); err != nil {
 			return err
 		}
 	} else {
@@ -1610,25 +1635,31 @@ func (m *Model) DecodeGreedy(ctx context.Context, steps []llm.Step, n int) ([][]
 		}
 	}()
 	B, V := len(steps), m.cfg.Vocab
-	// Every step's positions ([n][B]) and picked ids ([n][B]), in one buffer.
-	pos := make([]int32, n*B)
-	for k := range n {
-		for i, r := range p.rowPos {
-			pos[k*B+i] = r + int32(k)
-		}
+	p.maxKeys += n - 1
+	dg, a, err := m.graphFor(p)
+	if err != nil {
+		return nil, err
 	}
-	chain, err := m.x.Alloc(2 * n * B * 4)
+	// The later steps' positions ([n][B]; step 0's slot unused, its
+	// positions go with the pass's inputs) and every step's picked ids
+	// ([n][B]), in a's chain buffer.
+	chain, err := a.chainBuf(m.x, n)
 	if err != nil {
 		return nil, fmt.Errorf("greedy chain of %d steps: %w", n, err)
 	}
-	defer m.x.Free(chain)
 	picked := chain.Offset(n * B * 4)
-	if err := Upload(m.x, chain, pos); err != nil {
-		return nil, err
+	if n > 1 {
+		pos := make([]int32, (n-1)*B)
+		for k := 1; k < n; k++ {
+			for i, r := range p.rowPos {
+				pos[(k-1)*B+i] = r + int32(k)
+			}
+		}
+		if err := Upload(m.x, chain.Offset(B*4), pos); err != nil {
+			return nil, err
+		}
 	}
-	p.maxKeys += n - 1
-	a, dg, err := m.decode(p, nil) // uploads the first step's inputs and launches its graph
-	if err != nil {
+	if err := m.upload(a, p, nil); err != nil {
 		return nil, err
 	}
 	for k := range n {
@@ -1639,9 +1670,9 @@ func (m *Model) DecodeGreedy(ctx context.Context, steps []llm.Step, n int) ([][]
 			if err := m.x.Copy(a.meta.RowPos, chain.Offset(k*B*4), B*4); err != nil {
 				return nil, err
 			}
-			if err := m.x.Launch(dg.g); err != nil {
-				return nil, err
-			}
+		}
+		if err := m.x.Launch(dg.g); err != nil {
+			return nil, err
 		}
 		if err := m.x.ArgmaxRows(a.logits, a.next, B, V); err != nil {
 			return nil, err
@@ -1740,7 +1771,20 @@ type decodeGraph struct {
 
 // decode runs a step where each sequence adds one token, through the
 // CUDA graph for its batch size and key bound (captured on first use).
-func (m *Model) decode(p *pass, draws []float64) (*acts, *decodeGraph, error) {
+func (m *Model) decode(p *pass, draws []float64) (*acts, error) {
+	dg, a, err := m.graphFor(p)
+	if err != nil {
+		return nil, err
+	}
+	if err := m.upload(a, p, draws); err != nil {
+		return nil, err
+	}
+	return a, m.x.Launch(dg.g)
+}
+
+// graphFor is the decode graph for p's rows and key bound, captured on
+// first use, and its batch size's buffers.
+func (m *Model) graphFor(p *pass) (*decodeGraph, *acts, error) {
 	B := len(p.ids)
 	key := graphKeyFor(p.maxKeys, B, m.cfg.MaxPositions)
 	dg, ok := m.graphs[key]
@@ -1752,14 +1796,7 @@ func (m *Model) decode(p *pass, draws []float64) (*acts, *decodeGraph, error) {
 	}
 	m.tick++
 	dg.used = m.tick
-	a := m.batchActs[B]
-	if err := m.upload(a, p, draws); err != nil {
-		return nil, nil, err
-	}
-	if err := m.x.Launch(dg.g); err != nil {
-		return nil, nil, err
-	}
-	return a, dg, nil
+	return dg, m.batchActs[B], nil
 }
 
 // graphKeyFor is the decode graph for B rows whose longest attends to
