@@ -69,11 +69,10 @@
 #                                     # default alone): a forced variant's correctness, cuda-gemm-tests-SETTING.log (SETTING
 #                                     # with '=' as '-', spaces as '_'; the default's cuda-gemm-tests.log); exit 1 if any failed
 #   bash cuda/device-model.sh envab   # the llama3-8b W4 decode (ENVAB_PRESET: another synth preset) with each environment
-#                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default),
+#                                     # setting in ENVAB_ENV (';'-separated as SWEEP_ENV; an empty setting is the default; a
+#                                     # setting's --flag=value words go to bench decode: ";--chain=8" times chains of 8),
 #                                     # ENVAB_PASSES times each (2), interleaved, in one run of one library (decode-envab-N.json; SYNTH_CTX,
 #                                     # SYNTH_BATCH; ENVAB_SYNTH_ARGS: more synth flags, e.g. --layers 12)
-#   bash cuda/device-model.sh chainab # the llama3-8b W4 decode one greedy step at a time and in chains of CHAIN_N on the
-#                                     # device (bench decode --chain), interleaved, in one run (decode-chainab-N.json)
 #   bash cuda/device-model.sh ab      # this tree's library against a baseline's in one run (carry.sh base, BASE=rev):
 #                                     # bench gemm (AB_BITS, QUICK_M), AB_OPS=1 BenchmarkDecodeOps, AB_DECODE=1 decode
 #   Result files are named by the GPU ($G: gemm-h100.json on an H100, gemm-h200.json on an H200).
@@ -307,23 +306,11 @@ case "$1" in
       for e in "${settings[@]}"; do
         r=$((r + 1))
         echo "== pass $pass: ${e:-(default)}"
-        env $e $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
-          --prefill 0 --steps 32 --json "$OUT/decode-envab-$r.json" 2>&1 | grep -E "^decode "
-      done
-    done
-    rm -rf $d
-    ;;
-  chainab) # greedy steps one at a time against chains of CHAIN_N (8) on the device (llm.Chainer, bench decode --chain),
-            # interleaved, ENVAB_PASSES times (2), in one run (decode-chainab-N.json; ENVAB_PRESET, SYNTH_CTX, SYNTH_BATCH)
-    d=/tmp/chainab-b4
-    $L synth --preset ${ENVAB_PRESET:-llama3-8b} --bits 4 --group 128 ${ENVAB_SYNTH_ARGS:-} -o $d --force --tokenizer $LLMQ_SHARED/models/llama-tiny 2>&1 | tail -1
-    r=0
-    for pass in $(seq ${ENVAB_PASSES:-2}); do
-      for n in 1 ${CHAIN_N:-8}; do
-        r=$((r + 1))
-        echo "== pass $pass: --chain $n"
-        $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
-          --prefill 0 --steps 32 --chain $n --json "$OUT/decode-chainab-$r.json" 2>&1 | grep -E "^decode |rror"
+        # a setting's words: VAR=value for the environment, --flag=value for bench decode (--chain=8)
+        vars=(); flags=()
+        for w in $e; do if [[ $w == --* ]]; then flags+=("$w"); else vars+=("$w"); fi; done
+        env "${vars[@]}" $L bench decode $d --device cuda --context ${SYNTH_CTX:-128,2048} --batch ${SYNTH_BATCH:-1,8} \
+          --prefill 0 --steps 32 "${flags[@]}" --json "$OUT/decode-envab-$r.json" 2>&1 | grep -E "^decode "
       done
     done
     rm -rf $d
