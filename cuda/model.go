@@ -862,6 +862,14 @@ type acts struct {
 	// chain: a greedy chain's positions and picked ids (DecodeGreedy),
 	// kept between chains and grown to the longest asked for.
 	chain Buf
+	// sent holds what upload last copied into meta's RowSeq, KVCap and
+	// KVBase, which no kernel writes: in steady decode they stay the same
+	// from step to step (a sequence's slot and its blocks' addresses change
+	// only when a block is added), and an unchanged one is not copied again.
+	sent struct {
+		rowSeq, kvCap []int32
+		kvBase        []uint64
+	}
 	bufs  []Buf
 	bytes int64
 }
@@ -1130,22 +1138,43 @@ func (m *Model) prepare(steps []llm.Step, ahead int) (*pass, []*Cache, error) {
 
 // upload copies a pass's inputs to a's buffers, and the draws of a step
 // whose tokens are picked on the device (sample_rows's parameters) when
-// there are any.
+// there are any. The row metadata that matches what a holds already is
+// skipped (acts.sent).
 func (m *Model) upload(a *acts, p *pass, draws []float64) error {
-	for _, u := range []struct {
-		dst Buf
-		src []int32
-	}{{a.ids, p.ids}, {a.meta.RowSeq, p.rowSeq}, {a.meta.RowPos, p.rowPos}, {a.meta.KVCap, p.kvCap}} {
-		if err := Upload(m.x, u.dst, u.src); err != nil {
-			return err
-		}
+	if err := Upload(m.x, a.ids, p.ids); err != nil {
+		return err
+	}
+	if err := Upload(m.x, a.meta.RowPos, p.rowPos); err != nil {
+		return err
+	}
+	if err := uploadChanged(m.x, a.meta.RowSeq, p.rowSeq, &a.sent.rowSeq); err != nil {
+		return err
+	}
+	if err := uploadChanged(m.x, a.meta.KVCap, p.kvCap, &a.sent.kvCap); err != nil {
+		return err
+	}
+	if err := uploadChanged(m.x, a.meta.KVBase, p.kvBase, &a.sent.kvBase); err != nil {
+		return err
 	}
 	if draws != nil {
-		if err := Upload(m.x, a.draws, draws); err != nil {
-			return err
-		}
+		return Upload(m.x, a.draws, draws)
 	}
-	return Upload(m.x, a.meta.KVBase, p.kvBase)
+	return nil
+}
+
+// uploadChanged uploads src to dst unless *last, what was last uploaded
+// there, holds the same values; *last then holds src (or nothing, when
+// the copy failed and dst's contents are unknown).
+func uploadChanged[T int32 | uint64](x *Context, dst Buf, src []T, last *[]T) error {
+	if *last != nil && slices.Equal(*last, src) {
+		return nil
+	}
+	*last = nil
+	if err := Upload(x, dst, src); err != nil {
+		return err
+	}
+	*last = append(make([]T, 0, len(src)), src...)
+	return nil
 }
 
 // layers queues the embedding and every decoder block for T rows, leaving
