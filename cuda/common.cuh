@@ -50,11 +50,6 @@ struct llmq_ctx {
   // The dynamic shared memory each kernel is allowed (allow_smem).
   std::unordered_map<const void*, size_t> smem_allowed;
   int decode_wave = 0;  // the decode attention's grid target in blocks (0: 4 an SM; LLMQ_DECODE_WAVE, for tests)
-  // memcpy_h2d returns without waiting for the stream (LLMQ_H2D_ASYNC=1),
-  // the runtime having staged the host bytes: a decode step's five small
-  // uploads then queue behind each other and the graph instead of each
-  // waiting out its own round trip (runtime.cu says what this relies on).
-  bool h2d_async = false;
   // Programmatic dependent launch of the model kernels (launch(); on
   // Hopper unless LLMQ_PDL=0: with weights_then_gate the decode gains
   // 4–7% at batch 1 and 8, NOTES.md "The ninth session").

@@ -426,10 +426,7 @@ func (b Buf) Nil() bool { return b.p == 0 }
 func (b Buf) Ptr() uint64 { return uint64(b.p) }
 
 // Upload copies a host slice into device memory, in the stream's order
-// after the work queued before it; src may be reused when it returns. It
-// waits for the copy unless LLMQ_H2D_ASYNC=1 (a context's switch: then it
-// returns once the runtime has staged the bytes, and an error shows at the
-// next call that waits; runtime.cu's memcpy_h2d says what this relies on).
+// after the work queued before it, and waits for the copy.
 func Upload[T any](x *Context, dst Buf, src []T) error {
 	if len(src) == 0 {
 		return nil

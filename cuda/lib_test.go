@@ -72,63 +72,62 @@ func TestSupports(t *testing.T) {
 	}
 }
 
-// TestUploadOrderAndReuse: with and without LLMQ_H2D_ASYNC, an upload's
-// source may be overwritten as soon as Upload returns, and uploads keep
-// the stream's order around the work queued between them — a copy out of
-// a buffer sees the bytes uploaded before it, not the ones after. Sizes
+// TestUploadOrderAndReuse: an upload's source may be overwritten as soon
+// as Upload returns, and uploads keep the stream's order around the work
+// queued between them — a copy out of a buffer sees the bytes uploaded
+// before it, not the ones after. Sizes
 // from a decode step's few ints to more than one staging chunk; the
 // buffers are first filled with a marker no upload writes, and the values
 // depend on the size, so nothing left from an earlier case can pass for a
 // copy that did not happen.
 func TestUploadOrderAndReuse(t *testing.T) {
-	onAndOff(t, "LLMQ_H2D_ASYNC", func(t *testing.T, x *Context, on bool) {
-		for _, n := range []int{1, 37, 1 << 20, 9 << 20} {
-			first0 := func(i int) int32 { return int32(i^n) & 0x3fffffff }  // ≥ 0
-			second := func(i int) int32 { return -int32(i) - 1 - int32(n) } // < 0
-			src := make([]int32, n)
-			for i := range src {
-				src[i] = first0(i)
-			}
-			buf, err := x.Alloc(4 * n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			first, err := x.Alloc(4 * n)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for _, b := range []Buf{buf, first} { // 0x7f7f7f7f: neither upload's
-				if err := x.Memset(b, 0x7f, 4*n); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if err := Upload(x, buf, src); err != nil {
-				t.Fatal(err)
-			}
-			if err := x.Copy(first, buf, 4*n); err != nil { // queued after the first upload
-				t.Fatal(err)
-			}
-			for i := range src { // the same slice, reused at once
-				src[i] = second(i)
-			}
-			if err := Upload(x, buf, src); err != nil {
-				t.Fatal(err)
-			}
-			got, again := make([]int32, n), make([]int32, n)
-			if err := Download(x, got, first); err != nil {
-				t.Fatal(err)
-			}
-			if err := Download(x, again, buf); err != nil {
-				t.Fatal(err)
-			}
-			for i := range got {
-				if got[i] != first0(i) || again[i] != second(i) {
-					t.Fatalf("%d ints: at %d the copy holds %d (want the first upload's %d), the buffer %d (want the second's %d)",
-						n, i, got[i], first0(i), again[i], second(i))
-				}
-			}
-			x.Free(buf)
-			x.Free(first)
+	x := openContext(t)
+	for _, n := range []int{1, 37, 1 << 20, 9 << 20} {
+		first0 := func(i int) int32 { return int32(i^n) & 0x3fffffff }  // ≥ 0
+		second := func(i int) int32 { return -int32(i) - 1 - int32(n) } // < 0
+		src := make([]int32, n)
+		for i := range src {
+			src[i] = first0(i)
 		}
-	})
+		buf, err := x.Alloc(4 * n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first, err := x.Alloc(4 * n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, b := range []Buf{buf, first} { // 0x7f7f7f7f: neither upload's
+			if err := x.Memset(b, 0x7f, 4*n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := Upload(x, buf, src); err != nil {
+			t.Fatal(err)
+		}
+		if err := x.Copy(first, buf, 4*n); err != nil { // queued after the first upload
+			t.Fatal(err)
+		}
+		for i := range src { // the same slice, reused at once
+			src[i] = second(i)
+		}
+		if err := Upload(x, buf, src); err != nil {
+			t.Fatal(err)
+		}
+		got, again := make([]int32, n), make([]int32, n)
+		if err := Download(x, got, first); err != nil {
+			t.Fatal(err)
+		}
+		if err := Download(x, again, buf); err != nil {
+			t.Fatal(err)
+		}
+		for i := range got {
+			if got[i] != first0(i) || again[i] != second(i) {
+				t.Fatalf("%d ints: at %d the copy holds %d (want the first upload's %d), the buffer %d (want the second's %d)",
+					n, i, got[i], first0(i), again[i], second(i))
+			}
+		}
+		x.Free(buf)
+		x.Free(first)
+	}
 }

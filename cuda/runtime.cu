@@ -79,7 +79,6 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_W4_WGMMA_MAX_M")) c->wgmma_max_m = atoi(e);
   if (const char* e = getenv("LLMQ_W4_SPLITS")) c->w4_splits = atoi(e);
   if (const char* e = getenv("LLMQ_DECODE_WAVE")) c->decode_wave = atoi(e);
-  if (const char* e = getenv("LLMQ_H2D_ASYNC")) c->h2d_async = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_PDL")) c->pdl = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_ATTN_EARLY")) c->attn_early = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_COMBINE_EARLY")) c->combine_early = atoi(e) != 0;
@@ -162,18 +161,14 @@ int ctx_memory(llmq_ctx* c, llmq_memory* m) {
   return 0;
 }
 
-// memcpy_h2d copies n host bytes to d in the stream's order. Every
-// caller's source is pageable (Go's heap), which the runtime stages
-// before cudaMemcpyAsync returns — CUDA's notes on API synchronization
-// promise that for cudaMemcpy and say only that a pageable cudaMemcpyAsync
-// "might be synchronous", so the reuse at return that c->h2d_async relies
-// on is observed behaviour, guarded by TestUploadOrderAndReuse. Without
-// the switch the stream is waited for after the copy, and an error of the
-// copy (or of a kernel queued before it) shows here rather than at the
-// next synchronizing call.
+// memcpy_h2d copies n host bytes to d in the stream's order and waits for
+// the stream, so that an error of the copy (or of a kernel queued before
+// it) shows here. Returning before the wait (the source being pageable,
+// staged by the runtime) was measured in the decode and gained nothing:
+// NOTES.md, the thirty-first session.
 int memcpy_h2d(llmq_ctx* c, void* d, const void* s, size_t n) {
   CK(cudaMemcpyAsync(d, s, n, cudaMemcpyHostToDevice, c->stream));
-  if (!c->h2d_async) CK(cudaStreamSynchronize(c->stream));
+  CK(cudaStreamSynchronize(c->stream));
   return 0;
 }
 int memcpy_d2h(llmq_ctx* c, void* d, const void* s, size_t n) {
