@@ -266,18 +266,27 @@ type GenerateOptions struct {
 	MaxTokens int   // new tokens at most
 	Stop      []int // token ids that end generation (not emitted)
 	Sample    SampleOptions
+	// Chain is how many greedy tokens a Chainer backend (the GPU) decodes
+	// a call, with no round trip to the host between them (0 or 1: one a
+	// call). emit then gets a chain's tokens together when it ends, and
+	// the tokens a chain decodes past a stop token are dropped.
+	Chain int
 }
 
 // Generate continues prompt with up to opt.MaxTokens tokens, calling emit
 // with each new token as soon as it is chosen; emit may return an error to
 // stop early. The prompt is run in one prefill, then one token a step
-// through the KV cache. It returns the new tokens.
+// through the KV cache (or opt.Chain a call, greedy on a Chainer). It
+// returns the new tokens.
 func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions, emit func(id int) error) ([]int, error) {
 	if len(prompt) == 0 {
 		return nil, fmt.Errorf("empty prompt: at least one token is needed")
 	}
 	if err := opt.Sample.Validate(); err != nil {
 		return nil, err
+	}
+	if opt.Chain < 0 {
+		return nil, fmt.Errorf("chain of %d tokens (want 0 or more)", opt.Chain)
 	}
 	capacity := len(prompt) + opt.MaxTokens
 	if max := b.Config().MaxPositions; capacity > max {
@@ -295,8 +304,38 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 	sampler := NewSampler(opt.Sample)
 	logits := make([]float32, b.Config().Vocab)
 	var out []int
+	add := func(id int) (bool, error) {
+		if stop[id] {
+			return false, nil
+		}
+		out = append(out, id)
+		if emit != nil {
+			if err := emit(id); err != nil {
+				return false, err
+			}
+		}
+		return true, nil
+	}
 	next := prompt
+	chainer, chained := b.(Chainer)
+	chained = chained && opt.Chain > 1 && opt.Sample.Temperature == 0
 	for len(out) < opt.MaxTokens {
+		if chained && len(out) > 0 {
+			// One token in, n picked on the device: the cache takes the n
+			// fed (next and the first n-1 picks), as n single steps would.
+			n := min(opt.Chain, opt.MaxTokens-len(out))
+			picks, err := chainer.DecodeGreedy(ctx, []Step{{Cache: cache, Tokens: next}}, n)
+			if err != nil {
+				return out, err
+			}
+			for _, id := range picks[0] {
+				if ok, err := add(id); !ok {
+					return out, err
+				}
+			}
+			next = picks[0][n-1:]
+			continue
+		}
 		// The backend picks the token where it can (on the GPU: only its
 		// id comes back).
 		step := []Step{{Cache: cache, Tokens: next, Logits: logits, LastOnly: true}}
@@ -308,14 +347,8 @@ func Generate(ctx context.Context, b Backend, prompt []int, opt GenerateOptions,
 		if !picked {
 			id = sampler.Sample(logits)
 		}
-		if stop[id] {
-			break
-		}
-		out = append(out, id)
-		if emit != nil {
-			if err := emit(id); err != nil {
-				return out, err
-			}
+		if ok, err := add(id); !ok {
+			return out, err
 		}
 		next = []int{id}
 	}
