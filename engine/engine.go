@@ -98,6 +98,13 @@ type Options struct {
 	// (ErrInvalid). Backends that reserve each cache's capacity up front
 	// ignore it.
 	KVCacheBytes int64
+	// Chain is how many greedy decode steps a Chainer backend (the GPU)
+	// runs back to back, with no round trip to the host between them,
+	// when every sequence in the batch decodes greedily one token a step
+	// and no request waits (default 8; 1: a step at a time). A request
+	// that arrives meanwhile waits for the chain's end, and a sequence
+	// that stops inside a chain drops the tokens decoded past its stop.
+	Chain int
 }
 
 func (o Options) withDefaults() Options {
@@ -109,6 +116,9 @@ func (o Options) withDefaults() Options {
 	}
 	if o.MaxScoreLogits <= 0 {
 		o.MaxScoreLogits = 1 << 26
+	}
+	if o.Chain <= 0 {
+		o.Chain = 8
 	}
 	return o
 }
@@ -795,6 +805,10 @@ func (e *Engine) run() {
 			continue
 		}
 		worked = true
+		if n := e.chainLength(active, steps, len(waiting)); n > 1 {
+			active = e.runChain(active, steps, n)
+			continue
+		}
 		if err := e.forward(steps); err != nil {
 			for _, s := range active {
 				s.finish(err)
@@ -844,27 +858,95 @@ func (e *Engine) run() {
 			if !pk.ok { // the first token after a scored prompt
 				pk = s.pick(row, 1)
 			}
-			id, lp := pk.id, pk.lp
-			if slices.Contains(e.Stop, id) {
-				if lp != nil {
-					s.tokens <- token{id: id, lp: lp, eos: true}
-				}
-				s.eos = true
-				s.finish(nil)
-				continue
+			if e.deliver(s, pk.id, pk.lp) {
+				live = append(live, s)
 			}
-			s.tokens <- token{id: id, lp: lp}
-			s.n++
-			e.generated.Add(1)
-			if s.n >= s.req.MaxTokens {
-				s.finish(nil)
-				continue
-			}
-			s.next = []int{id}
-			live = append(live, s)
 		}
 		active = live
 	}
+}
+
+// deliver hands a sequence's new token over: a stop token or the last of
+// its MaxTokens finishes it (a stop token is sent only for its logprob);
+// otherwise the token is its next step's, and deliver reports true.
+func (e *Engine) deliver(s *sequence, id int, lp *TokenLogprob) bool {
+	if slices.Contains(e.Stop, id) {
+		if lp != nil {
+			s.tokens <- token{id: id, lp: lp, eos: true}
+		}
+		s.eos = true
+		s.finish(nil)
+		return false
+	}
+	s.tokens <- token{id: id, lp: lp}
+	s.n++
+	e.generated.Add(1)
+	if s.n >= s.req.MaxTokens {
+		s.finish(nil)
+		return false
+	}
+	s.next = []int{id}
+	return true
+}
+
+// chainLength is how many greedy steps this iteration's steps may run as
+// one chain (llm.Chainer; 1: a single step): up to Options.Chain when the
+// backend chains, nothing waits, every step decodes one token and asks
+// the backend for its argmax, no sequence would pass its MaxTokens, and
+// the KV pool has the blocks the chain's tokens take.
+func (e *Engine) chainLength(active []*sequence, steps []llm.Step, waiting int) int {
+	if _, ok := e.Backend.(llm.Chainer); !ok || e.opt.Chain < 2 || waiting > 0 || len(e.queue) > 0 {
+		return 1
+	}
+	n := e.opt.Chain
+	for i, s := range active {
+		st := steps[i]
+		if !st.Greedy || len(st.Tokens) != 1 || s.refilling || s.scoring || s.refill != nil {
+			return 1
+		}
+		n = min(n, s.req.MaxTokens-s.n)
+	}
+	if n > 1 && e.pool != nil {
+		need := 0
+		for _, s := range active {
+			if pc, ok := s.cache.(llm.PagedCache); ok {
+				need += pc.Need(n)
+			}
+		}
+		if need > e.pool.Free() {
+			return 1
+		}
+	}
+	return n
+}
+
+// runChain runs n greedy steps of the batch on the backend's device and
+// delivers each sequence's n tokens in order; it returns the sequences
+// that go on.
+func (e *Engine) runChain(active []*sequence, steps []llm.Step, n int) []*sequence {
+	picks, err := e.decodeGreedy(steps, n)
+	if err != nil {
+		for _, s := range active {
+			s.finish(err)
+		}
+		return active[:0]
+	}
+	live := active[:0]
+	for i, s := range active {
+		// The cache took the step's token and the first n-1 picks.
+		s.fed = append(append(s.fed, s.step...), picks[i][:n-1]...)
+		goesOn := true
+		for _, id := range picks[i] {
+			if goesOn = e.deliver(s, id, nil); !goesOn {
+				break
+			}
+		}
+		if goesOn {
+			live = append(live, s)
+		}
+	}
+	clear(active[len(live):])
+	return live
 }
 
 // pick is a sequence's next token, with its logprob when asked.
@@ -1020,6 +1102,17 @@ func (e *Engine) forward(steps []llm.Step) (err error) {
 		}
 	}()
 	return e.Backend.Forward(context.Background(), steps)
+}
+
+// decodeGreedy runs a chain of n greedy steps (llm.Chainer), a panic
+// turned into an error as in forward.
+func (e *Engine) decodeGreedy(steps []llm.Step, n int) (picks [][]int, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%s greedy chain: %v", e.Backend.Name(), r)
+		}
+	}()
+	return e.Backend.(llm.Chainer).DecodeGreedy(context.Background(), steps, n)
 }
 
 // stopText decodes tokens to text and ends it at the first stop string,

@@ -277,19 +277,7 @@ func TestGreedyStepsTakeTheBackendsPick(t *testing.T) {
 		{Prompt: prompt, MaxTokens: 4, Sample: llm.SampleOptions{Temperature: 0.8, Seed: 7}},
 		{Prompt: prompt, MaxTokens: 4, Sample: llm.SampleOptions{Temperature: 0.8, Seed: 7}, Logprobs: true},
 	}
-	got := make([]*Result, len(reqs))
-	var wg sync.WaitGroup
-	for i, r := range reqs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			var err error
-			if got[i], err = e.Generate(context.Background(), r, nil); err != nil {
-				t.Errorf("request %d: %v", i, err)
-			}
-		}()
-	}
-	wg.Wait()
+	got := generateAll(t, e, reqs)
 	if t.Failed() {
 		return
 	}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/llmq/llmq/internal/hostchain"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 )
@@ -333,4 +334,86 @@ func TestIdleTrim(t *testing.T) {
 	if n := b.n.Load(); n != 1 {
 		t.Errorf("Trim called %d times after a longer idle, want 1", n)
 	}
+}
+
+// TestChainsMatchSingleSteps: greedy requests on a Chainer (one on the
+// host) run in chains while nothing waits, and get the tokens they get
+// alone — with an unbounded pool, and with a pool small enough that
+// sequences are preempted and chains are cut to what the pool holds.
+// Requests that want logprobs or sample run single steps; Chain 1 turns
+// chains off.
+func TestChainsMatchSingleSteps(t *testing.T) {
+	reqs := pagedRequests(t, 8)
+	want := alone(t, tiny(t, Options{}), reqs)
+	for _, c := range []struct {
+		name   string
+		blocks int // the pool's bound (0: none)
+		chain  int
+	}{{"unbounded", 0, 0}, {"pool of 48 blocks", 48, 0}, {"chain 1", 0, 1}} {
+		t.Run(c.name, func(t *testing.T) {
+			m := openTiny(t)
+			p, ok := m.Backend.(llm.Paged)
+			if !ok {
+				t.Skipf("%s does not page its caches", m.Backend.Name())
+			}
+			hc := hostchain.NewPaged(p)
+			opt := Options{MaxBatch: 8, Chain: c.chain}
+			if c.blocks > 0 {
+				opt.KVCacheBytes = int64(c.blocks) * p.KVPool().BlockBytes()
+			}
+			e := start(t, NewModel(hc, m.Tokenizer, m.Template), opt)
+			got := generateAll(t, e, reqs)
+			if t.Failed() {
+				return
+			}
+			for i := range reqs {
+				if !sameAsAlone(got[i].Tokens, want[i]) {
+					t.Errorf("request %d:\n got %v\nwant %v (alone)", i, got[i].Tokens, want[i].Tokens)
+				}
+			}
+			chains := hc.Chains()
+			st := e.Stats()
+			t.Logf("%d chains (%v), %d preemptions", len(chains), chains, st.Preemptions)
+			switch {
+			case c.chain == 1 && len(chains) > 0:
+				t.Errorf("chains %v with Chain 1", chains)
+			case c.chain == 0 && len(chains) == 0:
+				t.Error("no chain ran")
+			case c.blocks > 0 && st.Preemptions == 0:
+				t.Error("no sequence was preempted: the bounded case does not exercise the pool")
+			}
+			for _, n := range chains {
+				if n < 2 || n > 8 {
+					t.Errorf("a chain of %d steps (want 2 to 8)", n)
+				}
+			}
+			// A request that wants logprobs, or samples, runs single steps.
+			before := len(hc.Chains())
+			generateAll(t, e, []Request{
+				{Prompt: reqs[0].Prompt, MaxTokens: 20, Logprobs: true},
+				{Prompt: reqs[0].Prompt, MaxTokens: 20, Sample: llm.SampleOptions{Temperature: 0.8, Seed: 1}}})
+			if n := len(hc.Chains()) - before; n > 0 {
+				t.Errorf("%d chains ran for requests with logprobs or sampling", n)
+			}
+		})
+	}
+}
+
+// generateAll runs reqs on e at once, each from its own goroutine, and
+// returns their results (nil where one failed: the test is marked failed).
+func generateAll(t *testing.T, e *Engine, reqs []Request) []*Result {
+	got := make([]*Result, len(reqs))
+	var wg sync.WaitGroup
+	for i, r := range reqs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var err error
+			if got[i], err = e.Generate(context.Background(), r, nil); err != nil {
+				t.Errorf("request %d: %v", i, err)
+			}
+		}()
+	}
+	wg.Wait()
+	return got
 }

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/llmq/llmq/internal/hostchain"
 	"github.com/llmq/llmq/internal/shared"
 	"github.com/llmq/llmq/llm"
 )
@@ -146,48 +147,10 @@ func TestGenerateStopsAtEOS(t *testing.T) {
 	}
 }
 
-// chainer answers Step.Greedy and DecodeGreedy on the host, one Forward a
-// token, as cuda.Model does on the GPU; it records each chain's length.
-type chainer struct {
-	llm.Backend
-	chains []int
-}
-
-func (*chainer) AnswersGreedy() {}
-
-func (c *chainer) Forward(ctx context.Context, steps []llm.Step) error {
-	if err := c.Backend.Forward(ctx, steps); err != nil {
-		return err
-	}
-	for i, s := range steps {
-		if s.Greedy && s.LastOnly {
-			steps[i].Argmax = llm.Argmax(s.Logits)
-		}
-	}
-	return nil
-}
-
-func (c *chainer) DecodeGreedy(ctx context.Context, steps []llm.Step, n int) ([][]int, error) {
-	c.chains = append(c.chains, n)
-	out := make([][]int, len(steps))
-	logits := make([]float32, c.Config().Vocab)
-	for i, s := range steps {
-		next := s.Tokens
-		for range n {
-			st := []llm.Step{{Cache: s.Cache, Tokens: next, Logits: logits, LastOnly: true, Greedy: true}}
-			if err := c.Forward(ctx, st); err != nil {
-				return nil, err
-			}
-			out[i] = append(out[i], st[0].Argmax)
-			next = []int{st[0].Argmax}
-		}
-	}
-	return out, nil
-}
-
-// TestGenerateInChains: greedy generation through a Chainer in chains of 4
-// gives the tokens one step at a time gives, emitted in order, stops at a
-// stop token inside a chain, and asks for no token past MaxTokens.
+// TestGenerateInChains: greedy generation through a Chainer (one on the
+// host) in chains of 4 gives the tokens one step at a time gives, emitted
+// in order, stops at a stop token inside a chain, and asks for no token
+// past MaxTokens.
 func TestGenerateInChains(t *testing.T) {
 	m := loadModel(t, "models/llama-tiny")
 	prompt := []int{0, 462, 2347, 286, 265}
@@ -195,7 +158,7 @@ func TestGenerateInChains(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := &chainer{Backend: m}
+	c := hostchain.New(m)
 	var emitted []int
 	got, err := llm.Generate(context.Background(), c, prompt, llm.GenerateOptions{MaxTokens: 10, Chain: 4}, func(id int) error {
 		emitted = append(emitted, id)
@@ -205,8 +168,8 @@ func TestGenerateInChains(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The prefill picks the first token; then chains of 4, 4 and the 1 left.
-	if !reflect.DeepEqual(got, full) || !reflect.DeepEqual(emitted, full) || !reflect.DeepEqual(c.chains, []int{4, 4, 1}) {
-		t.Fatalf("in chains %v: got %v, emitted %v, want %v", c.chains, got, emitted, full)
+	if !reflect.DeepEqual(got, full) || !reflect.DeepEqual(emitted, full) || !reflect.DeepEqual(c.Chains(), []int{4, 4, 1}) {
+		t.Fatalf("in chains %v: got %v, emitted %v, want %v", c.Chains(), got, emitted, full)
 	}
 	// A stop token inside a chain (the first token not seen before it,
 	// past the first chain's first) ends generation there.
@@ -218,10 +181,9 @@ func TestGenerateInChains(t *testing.T) {
 		t.Fatalf("no new token after position 2 in the reference output %v", full)
 	}
 	t.Logf("stop token %d at position %d of %v", full[i], i, full)
-	c.chains = nil
 	got, err = llm.Generate(context.Background(), c, prompt, llm.GenerateOptions{MaxTokens: 10, Chain: 4, Stop: []int{full[i]}}, nil)
 	if err != nil || !reflect.DeepEqual(got, full[:i]) {
-		t.Fatalf("stopping at %d (chains %v): got %v, %v; want %v", full[i], c.chains, got, err, full[:i])
+		t.Fatalf("stopping at %d (chains %v): got %v, %v; want %v", full[i], c.Chains(), got, err, full[:i])
 	}
 	if _, err := llm.Generate(context.Background(), c, prompt, llm.GenerateOptions{MaxTokens: 10, Chain: -1}, nil); err == nil {
 		t.Error("a chain of -1 tokens accepted")

@@ -227,6 +227,7 @@ func TestCommandLineErrors(t *testing.T) {
 		{"eval bad --device", []string{"eval", "ppl", model, "--data", data, "--device", "gpu"}, []string{`--device "gpu": want auto, cpu or cuda`}, nil},
 		{"generate without --prompt", []string{"generate", model}, []string{"--prompt is required"}, nil},
 		{"generate bad --max-tokens", []string{"generate", model, "--prompt", "x", "--max-tokens", "0"}, []string{"--max-tokens must be positive, got 0"}, nil},
+		{"serve bad --chain", []string{"serve", model, "--chain", "0"}, []string{"--chain 0: want at least 1"}, nil},
 		{"generate bad --chain", []string{"generate", model, "--prompt", "x", "--chain", "0"}, []string{"--chain must be at least 1, got 0"}, nil},
 		{"generate bad --temperature", []string{"generate", model, "--prompt", "x", "--temperature", "-1"}, []string{"--temperature must be ≥ 0, got -1"}, nil},
 		{"quantize missing --calib", []string{"quantize", model, "--method", "gptq", "--calib", filepath.Join(dir, "no-calib.txt"), "-o", out}, []string{"--calib", "no-calib.txt"}, fs.ErrNotExist},
