@@ -400,12 +400,17 @@ case "$1" in
     # llmq synth spells every id of the model (filler tokens past the tokenizer's), so each token streams
     # text and the tokens are picked on the GPU; SERVE_LOGPROBS=1 asks for logprobs too (the host's
     # log-softmax over every row, the file then -logprobs).
+    # SERVE_CHAINS: a list of --chain values run in turn (the file then -chainN for each but the default 8).
     lp=; [ "${SERVE_LOGPROBS:-0}" = 1 ] && lp="--logprobs"
-    $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
-      --max-tokens ${SERVE_TOKENS:-128} $lp --json "$OUT/serve-$G-llama3-8b-w4${lp:+-logprobs}.json" 2>&1 | grep -v "^\s*$"
+    for ch in ${SERVE_CHAINS:-8}; do
+      tag=; [ "$ch" = 8 ] || tag="-chain$ch"
+      echo "== --chain $ch"
+      $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
+        --max-tokens ${SERVE_TOKENS:-128} --chain $ch $lp --json "$OUT/serve-$G-llama3-8b-w4${lp:+-logprobs}$tag.json" 2>&1 | grep -v "^\s*$"
+    done
     ;;
   engine) # issue 16, items 3 and 6, on the GPU: the engine package's paged-cache tests with cuda.Model as the backend
-    run='TestContinuousBatching|TestPreemption|TestPreemptScoredPrompt|TestNothingLostUnderLoad|TestCancelFreesBlocks|TestValidatePool'
+    run='TestContinuousBatching|TestPreemption|TestPreemptScoredPrompt|TestNothingLostUnderLoad|TestCancelFreesBlocks|TestValidatePool|TestChainsMatchSingleSteps'
     { echo "# $LLMQ_COMMIT: LLMQ_TEST_DEVICE=cuda engine.test -test.v -test.run '$run'"
       LLMQ_TEST_DEVICE=cuda build/device/engine.test -test.v -test.run "$run" 2>&1; } > "$OUT/engine-tests-$G.log"
     rc=$?

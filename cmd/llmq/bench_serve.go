@@ -36,6 +36,9 @@ goroutines are left behind after shutdown.`,
 			if err != nil {
 				return fmt.Errorf("--clients: %w", err)
 			}
+			if opt.Chain < 1 {
+				return fmt.Errorf("--chain %d: want at least 1", opt.Chain)
+			}
 			base := runtime.NumGoroutine()
 			m, err := loadModel(args[0], device)
 			if err != nil {
@@ -100,7 +103,7 @@ goroutines are left behind after shutdown.`,
 			fmt.Fprintf(w, "goroutines left after shutdown: %d\n", leaked)
 			if jsonOut != "" && len(rows) > 0 { // the levels that finished, also when a later one failed
 				rec := evals.NewRecordOn("bench-serve", map[string]any{"model": args[0], "backend": e.Backend.Name(), "max_batch": opt.MaxBatch,
-					"max_tokens": load.MaxTokens, "levels": rows, "goroutines_leaked": leaked}, evals.GPUName(e.Backend))
+					"chain": opt.Chain, "max_tokens": load.MaxTokens, "levels": rows, "goroutines_leaked": leaked}, evals.GPUName(e.Backend))
 				if err := writeJSON(jsonOut, rec); err != nil {
 					return err
 				}
@@ -130,6 +133,7 @@ goroutines are left behind after shutdown.`,
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
 	f.StringVar(&device, "device", "cpu", "auto, cpu or cuda")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot")
+	f.IntVar(&opt.Chain, "chain", 8, "greedy steps the GPU runs back to back while every running request decodes greedily and none waits (1: a step at a time)")
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
 	return cmd
 }
