@@ -400,10 +400,14 @@ case "$1" in
     # llmq synth spells every id of the model (filler tokens past the tokenizer's), so each token streams
     # text and the tokens are picked on the GPU; SERVE_LOGPROBS=1 asks for logprobs too (the host's
     # log-softmax over every row, the file then -logprobs).
-    # SERVE_CHAINS: a list of --chain values run in turn (the file then -chainN for each but the default 8).
+    # SERVE_CHAINS: a list of --chain values run in turn (the file then -chainN for each but the default 8,
+    # and -passK for a value's K-th run from its second on: "8 1 1 8" is an A/B of two passes).
     lp=; [ "${SERVE_LOGPROBS:-0}" = 1 ] && lp="--logprobs"
+    declare -A runs=()
     for ch in ${SERVE_CHAINS:-8}; do
+      runs[$ch]=$(( ${runs[$ch]:-0} + 1 ))
       tag=; [ "$ch" = 8 ] || tag="-chain$ch"
+      [ "${runs[$ch]}" = 1 ] || tag="$tag-pass${runs[$ch]}"
       echo "== --chain $ch"
       $L bench serve /tmp/s8b --device cuda --clients ${SERVE_CLIENTS:-1,8,32,64} --max-batch 64 --requests-per-client ${SERVE_REQUESTS:-8} \
         --max-tokens ${SERVE_TOKENS:-128} --chain $ch $lp --json "$OUT/serve-$G-llama3-8b-w4${lp:+-logprobs}$tag.json" 2>&1 | grep -v "^\s*$"

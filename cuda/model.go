@@ -863,9 +863,11 @@ type acts struct {
 	// kept between chains and grown to the longest asked for.
 	chain Buf
 	// sent holds what upload last copied into meta's RowSeq, KVCap and
-	// KVBase, which no kernel writes: in steady decode they stay the same
-	// from step to step (a sequence's slot and its blocks' addresses change
-	// only when a block is added), and an unchanged one is not copied again.
+	// KVBase, which no kernel writes. For a decode batch they change only
+	// with the batch's sequences or their order (KVBase is each cache's
+	// block-table address, fixed for the cache's life; a new block changes
+	// the table's contents, Cache.sync), so an unchanged one is not copied
+	// again.
 	sent struct {
 		rowSeq, kvCap []int32
 		kvBase        []uint64

@@ -101,9 +101,10 @@ type Options struct {
 	// Chain is how many greedy decode steps a Chainer backend (the GPU)
 	// runs back to back, with no round trip to the host between them,
 	// when every sequence in the batch decodes greedily one token a step
-	// and no request waits (default 8; 1: a step at a time). A request
-	// that arrives meanwhile waits for the chain's end, and a sequence
-	// that stops inside a chain drops the tokens decoded past its stop.
+	// and no request waits (≤ 0: llm.DefaultChain; 1: a step at a time).
+	// A chain runs whole: a request that arrives meanwhile waits for its
+	// end, as do a cancellation and Close, and a sequence that stops
+	// inside a chain drops the tokens decoded past its stop.
 	Chain int
 }
 
@@ -118,7 +119,7 @@ func (o Options) withDefaults() Options {
 		o.MaxScoreLogits = 1 << 26
 	}
 	if o.Chain <= 0 {
-		o.Chain = 8
+		o.Chain = llm.DefaultChain
 	}
 	return o
 }
@@ -805,7 +806,7 @@ func (e *Engine) run() {
 			continue
 		}
 		worked = true
-		if n := e.chainLength(active, steps, len(waiting)); n > 1 {
+		if n := e.chainLength(active, steps); n > 1 {
 			active = e.runChain(active, steps, n)
 			continue
 		}
@@ -891,33 +892,33 @@ func (e *Engine) deliver(s *sequence, id int, lp *TokenLogprob) bool {
 
 // chainLength is how many greedy steps this iteration's steps may run as
 // one chain (llm.Chainer; 1: a single step): up to Options.Chain when the
-// backend chains, nothing waits, every step decodes one token and asks
-// the backend for its argmax, no sequence would pass its MaxTokens, and
-// the KV pool has the blocks the chain's tokens take.
-func (e *Engine) chainLength(active []*sequence, steps []llm.Step, waiting int) int {
-	if _, ok := e.Backend.(llm.Chainer); !ok || e.opt.Chain < 2 || waiting > 0 || len(e.queue) > 0 {
+// backend chains, no request waits (queued counts the waiting list and
+// the channel), every step decodes one token and asks the backend for its
+// argmax, no sequence would pass its MaxTokens, and the KV pool has the
+// blocks the chain's tokens take (the chain is shortened until it does).
+func (e *Engine) chainLength(active []*sequence, steps []llm.Step) int {
+	if _, ok := e.Backend.(llm.Chainer); !ok || e.opt.Chain < 2 || e.queued.Load() > 0 {
 		return 1
 	}
 	n := e.opt.Chain
 	for i, s := range active {
-		st := steps[i]
-		if !st.Greedy || len(st.Tokens) != 1 || s.refilling || s.scoring || s.refill != nil {
+		if st := steps[i]; !st.Greedy || len(st.Tokens) != 1 || s.refilling || s.scoring {
 			return 1
 		}
 		n = min(n, s.req.MaxTokens-s.n)
 	}
-	if n > 1 && e.pool != nil {
+	for ; n > 1 && e.pool != nil; n-- {
 		need := 0
 		for _, s := range active {
 			if pc, ok := s.cache.(llm.PagedCache); ok {
 				need += pc.Need(n)
 			}
 		}
-		if need > e.pool.Free() {
-			return 1
+		if need <= e.pool.Free() {
+			break
 		}
 	}
-	return n
+	return max(n, 1)
 }
 
 // runChain runs n greedy steps of the batch on the backend's device and
@@ -1104,15 +1105,27 @@ func (e *Engine) forward(steps []llm.Step) (err error) {
 	return e.Backend.Forward(context.Background(), steps)
 }
 
-// decodeGreedy runs a chain of n greedy steps (llm.Chainer), a panic
-// turned into an error as in forward.
+// decodeGreedy runs a chain of n greedy steps (llm.Chainer), a panic or
+// picks of the wrong shape turned into an error as in forward.
 func (e *Engine) decodeGreedy(steps []llm.Step, n int) (picks [][]int, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("%s greedy chain: %v", e.Backend.Name(), r)
 		}
 	}()
-	return e.Backend.(llm.Chainer).DecodeGreedy(context.Background(), steps, n)
+	picks, err = e.Backend.(llm.Chainer).DecodeGreedy(context.Background(), steps, n)
+	if err != nil {
+		return nil, err
+	}
+	if len(picks) != len(steps) {
+		return nil, fmt.Errorf("%s greedy chain: %d sequences' picks for %d sequences", e.Backend.Name(), len(picks), len(steps))
+	}
+	for i, p := range picks {
+		if len(p) != n {
+			return nil, fmt.Errorf("%s greedy chain: sequence %d has %d picks for a chain of %d", e.Backend.Name(), i, len(p), n)
+		}
+	}
+	return picks, nil
 }
 
 // stopText decodes tokens to text and ends it at the first stop string,

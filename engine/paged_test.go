@@ -336,10 +336,11 @@ func TestIdleTrim(t *testing.T) {
 	}
 }
 
-// TestChainsMatchSingleSteps: greedy requests on a Chainer (one on the
-// host) run in chains while nothing waits, and get the tokens they get
-// alone — with an unbounded pool, and with a pool small enough that
-// sequences are preempted and chains are cut to what the pool holds.
+// TestChainsMatchSingleSteps: greedy requests on a Chainer (the backend's
+// own on the GPU, else one on the host) run in chains while nothing
+// waits, and get the tokens they get alone — with an unbounded pool, and
+// with a pool small enough that sequences are preempted and chains are
+// shortened to what the pool holds.
 // Requests that want logprobs or sample run single steps; Chain 1 turns
 // chains off.
 func TestChainsMatchSingleSteps(t *testing.T) {
@@ -416,4 +417,39 @@ func generateAll(t *testing.T, e *Engine, reqs []Request) []*Result {
 	}
 	wg.Wait()
 	return got
+}
+
+// TestChainShortenedToThePool: a chain is shortened until the KV pool
+// holds its blocks. A cache 14 tokens long takes a block a layer more
+// from its third token on (position 16), so with one block fewer free
+// than layers the chain stops at 2 steps, and with as many it runs 8.
+func TestChainShortenedToThePool(t *testing.T) {
+	m := openTiny(t)
+	p, ok := m.Backend.(llm.Paged)
+	if !ok {
+		t.Skipf("%s does not page its caches", m.Backend.Name())
+	}
+	cfg := m.Backend.Config()
+	L := cfg.Layers
+	for _, c := range []struct{ spare, want int }{{L - 1, 2}, {L, 8}} {
+		// The pool: the cache's blocks (one a layer) and spare more.
+		e := start(t, NewModel(hostchain.NewPaged(p), m.Tokenizer, m.Template), Options{KVCacheBytes: int64(L+c.spare) * p.KVPool().BlockBytes()})
+		cache, err := m.Backend.NewCache(64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		prompt := make([]int, 14)
+		if err := m.Backend.Forward(context.Background(), []llm.Step{{Cache: cache, Tokens: prompt, Logits: make([]float32, cfg.Vocab), LastOnly: true}}); err != nil {
+			t.Fatal(err)
+		}
+		if free := e.pool.Free(); free != c.spare {
+			t.Fatalf("%d blocks free after the prefill, want %d", free, c.spare)
+		}
+		s := &sequence{req: Request{MaxTokens: 100}, n: 1, cache: cache}
+		steps := []llm.Step{{Cache: cache, Tokens: []int{1}, Greedy: true, LastOnly: true}}
+		if n := e.chainLength([]*sequence{s}, steps); n != c.want {
+			t.Errorf("%d blocks free for %d layers: a chain of %d, want %d", c.spare, L, n, c.want)
+		}
+		cache.Close()
+	}
 }

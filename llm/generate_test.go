@@ -180,10 +180,16 @@ func TestGenerateInChains(t *testing.T) {
 	if i >= len(full) {
 		t.Fatalf("no new token after position 2 in the reference output %v", full)
 	}
-	t.Logf("stop token %d at position %d of %v", full[i], i, full)
-	got, err = llm.Generate(context.Background(), c, prompt, llm.GenerateOptions{MaxTokens: 10, Chain: 4, Stop: []int{full[i]}}, nil)
-	if err != nil || !reflect.DeepEqual(got, full[:i]) {
-		t.Fatalf("stopping at %d (chains %v): got %v, %v; want %v", full[i], c.Chains(), got, err, full[:i])
+	if (i-1)%4 == 3 || i == len(full)-1 { // positions 1–4, 5–8 and 9 are a chain each
+		t.Fatalf("the stop token %d at position %d ends its chain: no token after it is dropped", full[i], i)
+	}
+	emitted = nil
+	got, err = llm.Generate(context.Background(), c, prompt, llm.GenerateOptions{MaxTokens: 10, Chain: 4, Stop: []int{full[i]}}, func(id int) error {
+		emitted = append(emitted, id)
+		return nil
+	})
+	if err != nil || !reflect.DeepEqual(got, full[:i]) || !reflect.DeepEqual(emitted, full[:i]) {
+		t.Fatalf("stopping at %d (position %d; chains %v): got %v, emitted %v, %v; want %v", full[i], i, c.Chains(), got, emitted, err, full[:i])
 	}
 	if _, err := llm.Generate(context.Background(), c, prompt, llm.GenerateOptions{MaxTokens: 10, Chain: -1}, nil); err == nil {
 		t.Error("a chain of -1 tokens accepted")

@@ -36,8 +36,8 @@ goroutines are left behind after shutdown.`,
 			if err != nil {
 				return fmt.Errorf("--clients: %w", err)
 			}
-			if opt.Chain < 1 {
-				return fmt.Errorf("--chain %d: want at least 1", opt.Chain)
+			if err := checkChain(opt.Chain); err != nil {
+				return err
 			}
 			base := runtime.NumGoroutine()
 			m, err := loadModel(args[0], device)
@@ -133,7 +133,7 @@ goroutines are left behind after shutdown.`,
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
 	f.StringVar(&device, "device", "cpu", "auto, cpu or cuda")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot")
-	f.IntVar(&opt.Chain, "chain", 8, "greedy steps the GPU runs back to back while every running request decodes greedily and none waits (1: a step at a time)")
+	chainFlag(f, &opt.Chain)
 	f.StringVar(&jsonOut, "json", "", "write the results as JSON here")
 	return cmd
 }

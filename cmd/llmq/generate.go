@@ -27,8 +27,8 @@ func newGenerate() *cobra.Command {
 			if opt.MaxTokens <= 0 {
 				return fmt.Errorf("--max-tokens must be positive, got %d", opt.MaxTokens)
 			}
-			if opt.Chain < 1 {
-				return fmt.Errorf("--chain must be at least 1, got %d", opt.Chain)
+			if err := checkChain(opt.Chain); err != nil {
+				return err
 			}
 			if err := opt.Sample.Validate(); err != nil {
 				return fmt.Errorf("--%w", err) // its messages name the option: temperature, top-k, top-p
@@ -73,7 +73,7 @@ func newGenerate() *cobra.Command {
 	f.Float64Var(&opt.Sample.TopP, "top-p", 1, "nucleus sampling: keep the most likely tokens up to this probability")
 	f.IntVar(&opt.Sample.TopK, "top-k", 0, "keep only the K most likely tokens (0: all)")
 	f.Uint64Var(&opt.Sample.Seed, "seed", 0, "random seed for sampling")
-	f.IntVar(&opt.Chain, "chain", 8, "greedy tokens the GPU decodes a call, with no round trip to the host between them (1: one a call)")
+	f.IntVar(&opt.Chain, "chain", llm.DefaultChain, "greedy tokens the GPU decodes a call, with no round trip to the host between them (1: one a call)")
 	f.BoolVar(&noBOS, "no-bos", false, "do not prepend the BOS token")
 	f.StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu, or cuda (decode steps replay a CUDA graph)")
 	return cmd

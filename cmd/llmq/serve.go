@@ -12,8 +12,10 @@ import (
 
 	"github.com/llmq/llmq/backend"
 	"github.com/llmq/llmq/engine"
+	"github.com/llmq/llmq/llm"
 	"github.com/llmq/llmq/server"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 func newServe() *cobra.Command {
@@ -77,8 +79,8 @@ keeps its window.)`,
 				return fmt.Errorf("--kv-cache-gb %g: want a size in GiB (0: unbounded)", kvGB)
 			}
 			opt.KVCacheBytes = int64(kvGB * (1 << 30))
-			if opt.Chain < 1 {
-				return fmt.Errorf("--chain %d: want at least 1", opt.Chain)
+			if err := checkChain(opt.Chain); err != nil {
+				return err
 			}
 			if !cmd.Flags().Changed("api-key") {
 				sopt.APIKey = os.Getenv("LLMQ_API_KEY")
@@ -143,7 +145,7 @@ keeps its window.)`,
 	f.StringVar(&device, "device", "auto", "auto (the GPU when there is one, else the CPU), cpu or cuda")
 	f.IntVar(&opt.MaxBatch, "max-batch", 16, "most sequences in one forward pass")
 	f.IntVar(&opt.MaxQueue, "max-queue", 64, "most requests waiting for a batch slot before 503")
-	f.IntVar(&opt.Chain, "chain", 8, "greedy steps the GPU runs back to back while every running request decodes greedily and none waits (1: a step at a time)")
+	chainFlag(f, &opt.Chain)
 	f.Float64Var(&kvGB, "kv-cache-gb", 4, "memory for the key/value caches of all requests together, in GiB (paged in blocks of 16 positions; 0: unbounded; unset on the GPU: three quarters of the device memory free after loading)")
 	f.DurationVar(&tout.Grace, "grace", 30*time.Second, "on SIGTERM, how long running requests may take to finish")
 	f.Int64Var(&sopt.MaxBodyBytes, "max-body", 1<<20, "request body limit in bytes (413 beyond)")
@@ -197,4 +199,18 @@ func loadForServe(ctx context.Context, dir, device string, opt engine.Options, k
 	case <-ctx.Done():
 		return nil, nil, nil
 	}
+}
+
+// chainFlag adds --chain, the engine's Options.Chain, to a command that
+// serves (serve, bench serve).
+func chainFlag(f *pflag.FlagSet, chain *int) {
+	f.IntVar(chain, "chain", llm.DefaultChain, "greedy steps the GPU runs back to back while every running request decodes greedily and none waits (1: a step at a time)")
+}
+
+// checkChain refuses a --chain below 1.
+func checkChain(chain int) error {
+	if chain < 1 {
+		return fmt.Errorf("--chain %d: want at least 1", chain)
+	}
+	return nil
 }

@@ -1,9 +1,10 @@
-// Package hostchain makes any backend an llm.Chainer for tests: greedy
-// steps and chains answered on the host, one batched Forward a step, so
-// that the code that drives a Chainer (llm.Generate, the engine) can be
-// checked on the CPU against single steps. It records each chain's length.
-// A chain that fails part way leaves the caches advanced (the GPU's does
-// not): tests must not rely on a failed chain here.
+// Package hostchain makes any backend an llm.Chainer for tests, so that
+// the code that drives a Chainer (llm.Generate, the engine) can be checked
+// on the CPU against single steps: greedy steps and chains are answered on
+// the host, one batched Forward a step — or, where the backend chains
+// itself (cuda.Model), by the backend. It records each chain's length.
+// A chain answered on the host that fails part way leaves the caches
+// advanced (the GPU's does not): tests must not rely on a failed chain.
 package hostchain
 
 import (
@@ -48,12 +49,16 @@ func (c *Chainer) Forward(ctx context.Context, steps []llm.Step) error {
 	return nil
 }
 
-// DecodeGreedy runs n greedy steps of the sequences together, each step
-// one batched Forward, and returns each sequence's n picks.
+// DecodeGreedy runs n greedy steps of the sequences together — the
+// backend's own chain where it has one, else each step one batched
+// Forward — and returns each sequence's n picks.
 func (c *Chainer) DecodeGreedy(ctx context.Context, steps []llm.Step, n int) ([][]int, error) {
 	c.mu.Lock()
 	c.chains = append(c.chains, n)
 	c.mu.Unlock()
+	if b, ok := c.Backend.(llm.Chainer); ok {
+		return b.DecodeGreedy(ctx, steps, n)
+	}
 	V := c.Config().Vocab
 	st := make([]llm.Step, len(steps))
 	for i, s := range steps {
