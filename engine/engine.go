@@ -1023,7 +1023,8 @@ func (s *sequence) setStep() {
 // sequences, the latest arrival first, until the pool has the blocks that
 // this iteration's steps of the others take; then it admits waiting
 // sequences, in order of arrival, while the blocks their first step takes
-// are left over and the batch has room. A preempted sequence gives its
+// (a preempted scored prompt's: its refill and its next chunk) are left
+// over and the batch has room. A preempted sequence gives its
 // blocks back and waits (first in line, by its arrival) to be prefilled
 // again with everything it held. waiting is in order of arrival, and so
 // is what schedule returns.
@@ -1059,6 +1060,13 @@ func (e *Engine) schedule(active, waiting []*sequence) ([]*sequence, []*sequence
 	for n < len(waiting) && len(active) < e.opt.MaxBatch {
 		s := waiting[n]
 		k := need(s)
+		if s.refilling {
+			// Restoring a scored prompt's cache is no progress by itself:
+			// admitted with room for the refill alone, the sequence would
+			// be preempted again at its next chunk, and refilled again,
+			// every step while the pool stays short.
+			k = e.pool.BlocksFor(len(s.refill) + len(s.next))
+		}
 		if k > budget {
 			if len(active) > 0 {
 				break

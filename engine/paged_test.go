@@ -147,7 +147,10 @@ func waitIdle(t *testing.T, e *Engine, p *llm.BlockPool) {
 // on a pool of 10 blocks a layer; midway through its prompt the two no
 // longer fit, so it (the later arrival) is preempted, and it scores the
 // rest of its prompt once the other is done: its prompt logprobs and
-// tokens are those it gets alone.
+// tokens are those it gets alone. It joins after the long one's 1st,
+// 9th, 17th or 25th token, and is preempted once each time: a refill
+// that would be preempted again at its next chunk is not admitted (the
+// first version re-admitted it every step, 4 to 12 times).
 func TestPreemptScoredPrompt(t *testing.T) {
 	ids := shared.Int32s(t, "reference/wikitext2-test.tokens.i32")
 	long := Request{Prompt: ids[1000:1100], MaxTokens: 40}
@@ -157,45 +160,49 @@ func TestPreemptScoredPrompt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, p := bounded(t, 40, opt)
-	started := make(chan struct{})
-	longDone := make(chan error, 1)
-	go func() {
-		n := 0
-		_, err := e.Generate(context.Background(), long, func(string) error {
-			if n++; n == 1 {
-				close(started)
-			}
-			return nil
-		})
-		longDone <- err
-	}()
-	<-started
-	res, err := e.Generate(context.Background(), scored, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := <-longDone; err != nil {
-		t.Fatal(err)
-	}
 	// The CPU scores a prompt the same in any batch; the GPU (nearTie)
 	// within a few thousandths.
 	tol := 1e-4
 	if testDevice() != "cpu" {
 		tol = 1e-2
 	}
-	if !sameAsAlone(res.Tokens, ref) || len(res.PromptLogprobs) != len(ref.PromptLogprobs) {
-		t.Fatalf("scored request: tokens %v, %d prompt logprobs; alone %v, %d", res.Tokens, len(res.PromptLogprobs), ref.Tokens, len(ref.PromptLogprobs))
+	for _, after := range []int{1, 9, 17, 25} {
+		t.Run(fmt.Sprintf("after %d tokens", after), func(t *testing.T) {
+			e, p := bounded(t, 40, opt)
+			started := make(chan struct{})
+			longDone := make(chan error, 1)
+			go func() {
+				n := 0
+				_, err := e.Generate(context.Background(), long, func(string) error {
+					if n++; n == after {
+						close(started)
+					}
+					return nil
+				})
+				longDone <- err
+			}()
+			<-started
+			res, err := e.Generate(context.Background(), scored, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := <-longDone; err != nil {
+				t.Fatal(err)
+			}
+			if !sameAsAlone(res.Tokens, ref) || len(res.PromptLogprobs) != len(ref.PromptLogprobs) {
+				t.Fatalf("scored request: tokens %v, %d prompt logprobs; alone %v, %d", res.Tokens, len(res.PromptLogprobs), ref.Tokens, len(ref.PromptLogprobs))
+			}
+			for j := range ref.PromptLogprobs {
+				if d := res.PromptLogprobs[j].Logprob - ref.PromptLogprobs[j].Logprob; math.Abs(d) > tol || res.PromptLogprobs[j].ID != ref.PromptLogprobs[j].ID {
+					t.Errorf("prompt logprob %d: %+v, alone %+v", j, res.PromptLogprobs[j], ref.PromptLogprobs[j])
+				}
+			}
+			if st := e.Stats(); st.Preemptions != 1 {
+				t.Errorf("%d preemptions, want 1 (the scored request, midway through its prompt)", st.Preemptions)
+			}
+			waitIdle(t, e, p)
+		})
 	}
-	for j := range ref.PromptLogprobs {
-		if d := res.PromptLogprobs[j].Logprob - ref.PromptLogprobs[j].Logprob; math.Abs(d) > tol || res.PromptLogprobs[j].ID != ref.PromptLogprobs[j].ID {
-			t.Errorf("prompt logprob %d: %+v, alone %+v", j, res.PromptLogprobs[j], ref.PromptLogprobs[j])
-		}
-	}
-	if st := e.Stats(); st.Preemptions != 1 {
-		t.Errorf("%d preemptions, want 1 (the scored request, midway through its prompt)", st.Preemptions)
-	}
-	waitIdle(t, e, p)
 }
 
 // TestNothingLostUnderLoad (issue 16, item 6): 64 concurrent streaming
