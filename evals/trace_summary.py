@@ -12,7 +12,11 @@ ends, so durations overlap), and the idle time before it (no kernel
 running). A step's adds and idles sum to its length exactly. A step ends
 with the greedy argmax (argmax_kernel).
 
-    python3 evals/trace_summary.py evals/results/decode-trace-h100-b1-c128.csv.xz [--steps 4]
+With --layers N (the model's layers in the trace) it adds each kernel's
+µs added a layer and the layers' total: every kernel's but the head's
+(an fp16 lm_head's cuBLAS kernels, the argmax) and the embedding's.
+
+    python3 evals/trace_summary.py evals/results/decode-trace-h100-b1-c128.csv.xz [--steps 4] [--layers 32]
 """
 import argparse
 import csv
@@ -55,6 +59,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, default=4, help="the last N complete steps")
+    ap.add_argument("--layers", type=int, default=0, help="the model's layers: add µs a layer")
     a = ap.parse_args()
     ks = read(a.trace)
     ends = [i for i, k in enumerate(ks) if k[2].startswith("argmax")]
@@ -75,13 +80,20 @@ def main():
         wall += last - first
     n = a.steps
     print(f"{a.trace}: the last {n} steps, {wall / n / 1e3:.1f} µs a step (argmax end to argmax end)")
-    print(f"{'kernel':34s} {'calls':>6s} {'µs/call':>8s} {'µs added':>9s} {'µs idle':>8s}")
-    ta = ti = 0
+    L = a.layers
+    print(f"{'kernel':34s} {'calls':>6s} {'µs/call':>8s} {'µs added':>9s} {'µs idle':>8s}" + (f" {'µs a layer':>10s}" if L else ""))
+    ta = ti = tl = 0
     for name, (c, b, add, idle) in sorted(per.items(), key=lambda kv: -(kv[1][2] + kv[1][3])):
         ta += add
         ti += idle
-        print(f"{name[:34]:34s} {c / n:6.0f} {b / c / 1e3:8.2f} {add / n / 1e3:9.1f} {idle / n / 1e3:8.1f}")
-    print(f"{'total':34s} {'':6s} {'':8s} {ta / n / 1e3:9.1f} {ti / n / 1e3:8.1f}")
+        line = f"{name[:34]:34s} {c / n:6.0f} {b / c / 1e3:8.2f} {add / n / 1e3:9.1f} {idle / n / 1e3:8.1f}"
+        if L and name not in ("cublas(lm_head)", "argmax_kernel", "embed_kernel"):
+            tl += add
+            line += f" {add / n / L / 1e3:10.2f}"
+        print(line)
+    print(f"{'total':34s} {'':6s} {'':8s} {ta / n / 1e3:9.1f} {ti / n / 1e3:8.1f}" + (f" {tl / n / L / 1e3:10.2f}" if L else ""))
+    if L:
+        print(f"the {L} layers' kernels (all but the lm_head, the argmax and the embedding): {tl / n / 1e3:.1f} µs added a step, {tl / n / L / 1e3:.2f} a layer")
 
 if __name__ == "__main__":
     main()

@@ -276,9 +276,9 @@ type GenerateOptions struct {
 
 // DefaultChain is the greedy steps a Chainer runs a call unless told
 // otherwise (GenerateOptions.Chain, the engine's Options.Chain): on an
-// H100, chains of 8 gave llama3-8b W4 +1.9% at batch 1 and +1.3% at
-// batch 8 over single steps, the host's part of a step (≈50 µs) paid once
-// a chain (evals/results/decode-h100-llama3-8b-w4-envab-chain8-*.json).
+// H100, chains of 8 gave llama3-8b W4 ×1.020 at batch 1 and ×1.013 at
+// batch 8 over single steps, the host's part of a step paid once a chain
+// (evals/results/decode-h100-llama3-8b-w4-envab-chain8.txt).
 const DefaultChain = 8
 
 // Generate continues prompt with up to opt.MaxTokens tokens, calling emit
