@@ -948,10 +948,8 @@ func (a *acts) chainBuf(x *Context, n int) (Buf, error) {
 		return a.chain, nil
 	}
 	if old := a.chain; old.Bytes > 0 {
-		a.bufs = slices.DeleteFunc(a.bufs, func(b Buf) bool { return b == old })
-		a.bytes -= int64(old.Bytes)
 		a.chain = Buf{}
-		if err := x.Free(old); err != nil {
+		if err := a.release(x, old); err != nil {
 			return Buf{}, err
 		}
 	}
@@ -959,6 +957,18 @@ func (a *acts) chainBuf(x *Context, n int) (Buf, error) {
 		return Buf{}, err
 	}
 	return a.chain, nil
+}
+
+// release frees b, one of the buffers a owns, and takes it off a's list
+// and count (nothing when a does not own it).
+func (a *acts) release(x *Context, b Buf) error {
+	i := slices.Index(a.bufs, b)
+	if i < 0 {
+		return nil
+	}
+	a.bufs = slices.Delete(a.bufs, i, i+1)
+	a.bytes -= int64(b.Bytes)
+	return x.Free(b)
 }
 
 func (a *acts) free(x *Context) {
@@ -1908,16 +1918,7 @@ func (m *Model) evictGraph() error {
 }
 
 // freeFrom frees b, one of the buffers a owns.
-func (m *Model) freeFrom(a *acts, b Buf) {
-	for i, o := range a.bufs {
-		if o == b {
-			a.bufs = append(a.bufs[:i], a.bufs[i+1:]...)
-			a.bytes -= int64(b.Bytes)
-			m.x.Free(b)
-			return
-		}
-	}
-}
+func (m *Model) freeFrom(a *acts, b Buf) { a.release(m.x, b) }
 
 // dropBatchActs frees batch size B's buffers when no graph uses them.
 func (m *Model) dropBatchActs(B int) {

@@ -902,7 +902,8 @@ func (e *Engine) chainLength(active []*sequence, steps []llm.Step) int {
 	}
 	n := e.opt.Chain
 	for i, s := range active {
-		if st := steps[i]; !st.Greedy || len(st.Tokens) != 1 || s.refilling || s.scoring {
+		// (A refill or a scored prompt's chunk asks for no argmax.)
+		if st := steps[i]; !st.Greedy || len(st.Tokens) != 1 {
 			return 1
 		}
 		n = min(n, s.req.MaxTokens-s.n)
