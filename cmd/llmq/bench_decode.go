@@ -45,8 +45,8 @@ CUDA graphs; the memory in use on the GPU is reported.`,
 					return fmt.Errorf("--prefill: %w", err)
 				}
 			}
-			if chain < 1 {
-				return fmt.Errorf("--chain %d: want 1 or more steps a chain", chain)
+			if err := checkChain(chain); err != nil {
+				return err
 			}
 			if chain > 1 && allLogits {
 				return fmt.Errorf("--chain %d with --logits: a chain reads only the picked ids, once at its end", chain)
