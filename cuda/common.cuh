@@ -69,6 +69,10 @@ struct llmq_ctx {
   // (moe_gemv_routed in one launch; LLMQ_MOE_ROUTED=0: route+plan, then
   // the GEMV, for A/Bs).
   bool moe_routed = true;
+  // API 27: the routed gate/up GEMV asks L2 for the routed experts' down
+  // codes (LLMQ_MOE_PREFETCH: 0 no, 1 right after routing, 2 after each
+  // CTA's loop; w4a16.cu, MoEPrefetch). Off until a decode A/B says.
+  int moe_prefetch = 0;
   // API 19: a mixture's gated gate/up GEMV writes act(gate)·up itself
   // (LLMQ_MOE_FUSED_ACT=0: the sums, then moe_act), and the norm before
   // the experts computes the router's logits (LLMQ_MOE_NORM_ROUTER=0: the
@@ -259,7 +263,8 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
                 void* g, int act);
 int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                     float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
-                    float* out, int N, int K, int group, void* g, int act);
+                    float* out, int N, int K, int group, void* g, int act, const void* nB, const void* nS,
+                    const void* nZ, int nN, int nK, int ngroup);
 int check_gated(llmq_ctx* c, const char* fn, const void* g, int act);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);

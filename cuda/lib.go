@@ -189,9 +189,10 @@ static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act, int int
 	return a->moe_act(c, (float*)gu, (void*)g, S, I, act, interleaved);
 }
 static int c_moe_gemv_routed(A a, llmq_ctx* c, P A_, P logits, int T, int E, int k, int norm, P ids, P weights, P order, P chunks,
-		P B, P S, P Z, P out, int N, int K, int group, P gated, int act) {
+		P B, P S, P Z, P out, int N, int K, int group, P gated, int act, P nB, P nS, P nZ, int nN, int nK, int ngroup) {
 	return a->moe_gemv_routed(c, (const void*)A_, (const float*)logits, T, E, k, norm, (int32_t*)ids, (float*)weights,
-		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, group, (void*)gated, act);
+		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, group, (void*)gated, act,
+		(const void*)nB, (const void*)nS, (const void*)nZ, nN, nK, ngroup);
 }
 static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P sums, P w, P out, P W, P logits, int n, int H, int E, float eps) {
 	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)sums, (const float*)w, (void*)out, (const float*)W,
@@ -936,25 +937,46 @@ func checkGated(fn string, w *W4, g Buf) error {
 // (MoERoutable); the routing (ids, weights [T·k]) and the plan (order
 // [T·k], chunks [T·k][3]: MoEGemv's with mt 1 and maxChunks T·k) are left
 // as MoERoutePlan leaves them (LLMQ_MOE_ROUTED=0 runs the two launches,
-// for A/Bs). Gated experts write g, as MoEGemv's.
-func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out, g Buf, N, K int) error {
-	switch {
-	case w == nil:
-		return fmt.Errorf("moe_gemv_routed: no experts")
-	case w.N != N || w.K != K:
-		return fmt.Errorf("moe_gemv_routed: experts of %d×%d run as %d×%d", w.N, w.K, N, K)
-	case w.Bits == 8 || !w.Perm.Nil():
-		return fmt.Errorf("moe_gemv_routed: the experts must be UploadExperts' (4-bit, no act order)")
-	case E > 0 && w.B.Bytes < E*N*K/2:
-		return fmt.Errorf("moe_gemv_routed: %d bytes of codes hold fewer than %d experts of %d×%d", w.B.Bytes, E, N, K)
+// for A/Bs). Gated experts write g, as MoEGemv's. next (nil: none) is
+// the grouped GEMV that reads this one's output over the plan (down):
+// with LLMQ_MOE_PREFETCH 1 or 2 the launch asks L2 for the routed
+// experts' share of it (llmq.h); the results do not depend on it.
+func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out, g Buf, N, K int, next *W4) error {
+	if err := checkRoutedExperts("", w, E, N, K); err != nil {
+		return err
+	}
+	var nB, nS, nZ C.P
+	var nN, nK, nGroup int
+	if next != nil {
+		if err := checkRoutedExperts("next layer's ", next, E, next.N, next.K); err != nil {
+			return err
+		}
+		nB, nS, nZ, nN, nK, nGroup = next.B.p, next.S.p, next.Z.p, next.N, next.K, next.Group
 	}
 	if err := checkGated("moe_gemv_routed", w, g); err != nil {
 		return err
 	}
 	return x.do("moe_gemv_routed", func() C.int {
 		return C.c_moe_gemv_routed(x.lib.api, x.c, A.p, logits.p, C.int(T), C.int(E), C.int(k), cbool(norm), ids.p, weights.p,
-			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group), g.p, C.int(w.Gated.act()))
+			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group), g.p, C.int(w.Gated.act()),
+			nB, nS, nZ, C.int(nN), C.int(nK), C.int(nGroup))
 	})
+}
+
+// checkRoutedExperts: w holds E 4-bit experts of N×K as UploadExperts
+// leaves them (what MoEGemvRouted reads, or asks L2 for: which).
+func checkRoutedExperts(which string, w *W4, E, N, K int) error {
+	switch {
+	case w == nil:
+		return fmt.Errorf("moe_gemv_routed: no %sexperts", which)
+	case w.N != N || w.K != K:
+		return fmt.Errorf("moe_gemv_routed: %sexperts of %d×%d run as %d×%d", which, w.N, w.K, N, K)
+	case w.Bits == 8 || !w.Perm.Nil():
+		return fmt.Errorf("moe_gemv_routed: the %sexperts must be UploadExperts' (4-bit, no act order)", which)
+	case E > 0 && w.B.Bytes < E*N*K/2:
+		return fmt.Errorf("moe_gemv_routed: %d bytes of %scodes hold fewer than %d experts of %d×%d", w.B.Bytes, which, E, N, K)
+	}
+	return nil
 }
 
 // MoERoutable says whether MoEGemvRouted takes a pass of T rows of k

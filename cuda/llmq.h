@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 26
+#define LLMQ_API_VERSION 27
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -329,10 +329,15 @@ typedef struct {
    * plan moe_gemv reads with mt 1 and max_chunks T·k) are written as
    * moe_route_plan writes them (the order within an expert by slot; in any
    * order with LLMQ_MOE_ROUTED=0, which runs the two launches). A holds
-   * the T rows (a_div k). g and act (API 19): gated experts, as moe_gemv. */
+   * the T rows (a_div k). g and act (API 19): gated experts, as moe_gemv.
+   * API 27: nB, nS, nZ (NULL: none), nN × nK in groups of ngroup: the next
+   * grouped GEMV's 4-bit experts (down), whose routed experts this launch
+   * asks L2 for when LLMQ_MOE_PREFETCH is 1 (after routing) or 2 (after
+   * each CTA's loop); only a hint, the results do not change. */
   int (*moe_gemv_routed)(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                          float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
-                         const void* zeros, float* out, int N, int K, int group, void* g, int act);
+                         const void* zeros, float* out, int N, int K, int group, void* g, int act, const void* nB,
+                         const void* nS, const void* nZ, int nN, int nK, int ngroup);
   /* API 19: a mixture's norm and router in one launch: out [n][H] fp16 =
    * RMSNorm(x + delta)·w, as rmsnorm with delta (no delta_norm, experts
    * or rows), except that x is not written: the caller passes delta again

@@ -414,7 +414,9 @@ func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 // expert; a second grouped GEMV over that plan (the down GEMV's place: a
 // row per slot, maxChunks S) gives each slot's product too — in one
 // launch, again with LLMQ_MOE_ROUTED=0 (route+plan, then the GEMV), and
-// with LLMQ_MOE_FUSED_ACT=0 (gated experts' sums, then MoEAct). The
+// with LLMQ_MOE_FUSED_ACT=0 (gated experts' sums, then MoEAct), and with
+// the second GEMV's experts asked into L2 after routing and after the
+// loop (LLMQ_MOE_PREFETCH=1, 2: only a hint, so the same checks). The
 // outputs start poisoned, so a routing or plan left unwritten fails.
 // Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32
 // slots), each also with gated experts (their act(gate)·up the second
@@ -422,7 +424,8 @@ func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 // a K split, a row of NaN logits (the lowest experts, NaN weights, as on
 // the CPU).
 func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
-	inSettings(t, []string{"LLMQ_MOE_ROUTED=1", "LLMQ_MOE_ROUTED=0", "LLMQ_MOE_FUSED_ACT=0"}, func(t *testing.T, x *Context, setting string) {
+	settings := []string{"LLMQ_MOE_ROUTED=1", "LLMQ_MOE_ROUTED=0", "LLMQ_MOE_FUSED_ACT=0", "LLMQ_MOE_PREFETCH=1", "LLMQ_MOE_PREFETCH=2"}
+	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		routed := setting != "LLMQ_MOE_ROUTED=0"
 		r := rand.New(rand.NewPCG(13, 14))
 		for _, c := range []struct {
@@ -461,6 +464,13 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			abits, avals := randomHalf(r, c.T*c.K)
 			A, _ := AllocFrom(x, abits)
 			lb, _ := AllocFrom(x, logits)
+			// The second GEMV's experts: a row per slot over the plan the
+			// first leaves, the routed launch's next layer.
+			N2, K2 := 64, c.N
+			if c.gated {
+				K2 = c.N / 2
+			}
+			W2, w42 := randomExperts(t, x, r, c.E, N2, K2, 64)
 			ib, _ := x.Alloc(S * 4)
 			wb, _ := x.Alloc(S * 4)
 			ob, _ := x.Alloc(S * 4)
@@ -470,7 +480,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			}
 			out, _ := x.Alloc(S * c.N * 4)
 			x.Memset(out, 0, out.Bytes)
-			if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, gated, c.N, c.K); err != nil {
+			if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, gated, c.N, c.K, w42); err != nil {
 				t.Fatal(err)
 			}
 			ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, S*3)
@@ -493,22 +503,20 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 					}
 				}
 			}
-			// The down GEMV's place: a row per slot over the plan left
-			// behind, whose input is the gated output where there is one.
-			N2, K2 := 64, c.N
+			// The down GEMV's place, whose input is the gated output where
+			// there is one.
 			var A2 Buf
 			var a2vals []float32
 			if c.gated {
 				a2vals = checkGatedSlots(t, name, x, gated, avals, gate, up, ids, c.k, c.N/2, c.K)
 				checkZero(t, name, x, out)
-				A2, K2 = gated, c.N/2
+				A2 = gated
 			} else {
 				checkSlots(t, name, x, out, avals, W, ids, c.k, c.N, c.K)
 				var a2bits []uint16
 				a2bits, a2vals = randomHalf(r, S*K2)
 				A2, _ = AllocFrom(x, a2bits)
 			}
-			W2, w42 := randomExperts(t, x, r, c.E, N2, K2, 64)
 			out2, _ := x.Alloc(S * N2 * 4)
 			x.Memset(out2, 0, out2.Bytes)
 			if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, Buf{}, N2, K2); err != nil {
@@ -527,15 +535,17 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 		big := &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 128 * 64 * 128 / 2}}
 		for _, bad := range []struct {
 			T, E, k int
-			w       *W4
+			w, next *W4
 			want    string
 		}{
-			{5, 128, 8, big, "rows·top ≤ 32"}, {1, 128, 0, big, "rows·top ≤ 32"},
-			{1, 128, 8, nil, "no experts"}, {1, 128, 8, &W4{N: 64, K: 128, Group: 128, Bits: 8}, "4-bit"},
-			{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, "fewer than 128 experts"},
-			{1, 128, 8, &W4{N: 64, K: 128, Group: 128, B: big.B, Gated: GatedSiLU}, "need an output g"},
+			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, B: Buf{Bytes: 64 * 128 / 2}}, want: "next layer's codes hold fewer than 128"},
+			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, Bits: 8}, want: "next layer's experts must be"},
+			{T: 5, E: 128, k: 8, w: big, want: "rows·top ≤ 32"}, {T: 1, E: 128, k: 0, w: big, want: "rows·top ≤ 32"},
+			{T: 1, E: 128, k: 8, want: "no experts"}, {T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, Bits: 8}, want: "4-bit"},
+			{T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, want: "fewer than 128 experts"},
+			{T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, B: big.B, Gated: GatedSiLU}, want: "need an output g"},
 		} {
-			err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, Buf{}, 64, 128)
+			err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, Buf{}, 64, 128, bad.next)
 			if err == nil || !strings.Contains(err.Error(), bad.want) {
 				t.Errorf("%d rows of %d experts, top %d: %v; want an error naming %q", bad.T, bad.E, bad.k, err, bad.want)
 			}

@@ -1789,6 +1789,24 @@ __global__ void __launch_bounds__(kWarps * 32, MINB) w4a16_gemv_swap(const half*
 // takes chunk blockIdx.y. CTA (0, 0, 0) writes the routing (ids, weights:
 // the combine's) and that plan (order, chunks [S][3]: the down GEMV's), so
 // that moe_route_plan's launch and its round trip through memory go.
+//
+// ROUTED with a next layer (API 27, LLMQ_MOE_PREFETCH 1 or 2): the routing
+// also says which of the next grouped GEMV's experts (down's) the step
+// reads, so the CTAs of each routed expert ask L2 for that expert's codes,
+// scales and zeros of the next layer — a 1/(gridDim.x·gridDim.z) share
+// each, one bulk request per array — either right after routing (1: the
+// requests stream beside this GEMV's own loads) or after the CTA's loop
+// (2: in the GEMV's tail), so that the down launch, which waits on this
+// one, finds its bytes in L2. An expert routed twice asks once (its first
+// rank). Only a hint: results are the same.
+struct MoEPrefetch {
+  const char* B;               // the next layer's codes, scales and zeros, expert after expert
+  const char* S;
+  const char* Z;
+  uint32_t b_bytes, s_bytes, z_bytes;  // an expert's bytes of each
+  int mode;                    // 0 none; 1 after routing; 2 after the loop
+};
+
 struct MoERouting {
   const float* logits;  // [T][E] fp32
   int T, E, k, norm;
@@ -1796,7 +1814,25 @@ struct MoERouting {
   float* weights;       // [T·k]
   int32_t* order;       // [T·k]
   int32_t* chunks;      // [T·k][3]
+  MoEPrefetch next;
 };
+
+// prefetch_share asks L2 for share `part` of `parts` of an expert's
+// `bytes` (16-byte multiples) from p.
+__device__ __forceinline__ void prefetch_share(const char* p, uint32_t bytes, int part, int parts) {
+  const uint32_t piece = ((bytes + parts - 1) / parts + 15) & ~15u, off = part * piece;
+  if (off < bytes) prefetch_l2(p + off, min(piece, bytes - off));
+}
+
+// prefetch_next: the CTA's share of expert e's next-layer arrays (one
+// request a warp: codes, scales, zeros), unless an earlier rank holds e.
+__device__ __forceinline__ void prefetch_next(const MoEPrefetch& nx, int e, bool first_rank) {
+  if (!first_rank || (threadIdx.x & 31) != 0 || threadIdx.x >= 96) return;
+  const int part = blockIdx.x + gridDim.x * blockIdx.z, parts = gridDim.x * gridDim.z, w = threadIdx.x >> 5;
+  if (w == 0) prefetch_share(nx.B + (size_t)e * nx.b_bytes, nx.b_bytes, part, parts);
+  if (w == 1) prefetch_share(nx.S + (size_t)e * nx.s_bytes, nx.s_bytes, part, parts);
+  if (w == 2) prefetch_share(nx.Z + (size_t)e * nx.z_bytes, nx.z_bytes, part, parts);
+}
 
 struct MoEGated {
   half* g;  // [S][N/2] fp16: act(gate)·up
@@ -1815,6 +1851,7 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   __shared__ float red[kWarps][MT][64];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int e, n, start = 0, routed_slot = 0;
+  bool first_rank = true;  // ROUTED: no lower rank has this chunk's expert
   if constexpr (ROUTED) {
     static_assert(MT == 1, "a routed pass has chunks of one slot");
     static_assert(kWarps >= kMaxRoutedRows, "a warp routes a row");
@@ -1837,6 +1874,8 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
       rt.chunks[3 * i] = ids[slot_at[i]], rt.chunks[3 * i + 1] = i, rt.chunks[3 * i + 2] = 1;
     }
     routed_slot = slot_at[blockIdx.y], e = ids[routed_slot], n = 1;
+    first_rank = blockIdx.y == 0 || ids[slot_at[blockIdx.y - 1]] != e;
+    if (rt.next.mode == 1) prefetch_next(rt.next, e, first_rank);
   } else {
     const int* ch = chunks + 3 * blockIdx.y;
     e = ch[0], start = ch[1], n = ch[2];
@@ -1857,6 +1896,8 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   float acc[MT][8];
   gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
   gemv_reduce<MT>(acc, red, warp, gid, tig);
+  if constexpr (ROUTED)
+    if (rt.next.mode == 2) prefetch_next(rt.next, e, first_rank);
   if (gt.act >= 0) {  // act(gate)·up of the tile's 32 pairs (columns c and c + 32) for each slot
     for (int i = threadIdx.x; i < MT * 32; i += kWarps * 32) {
       const int m = i >> 5, c = i & 31;
@@ -2771,7 +2812,8 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
 
 int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                     float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
-                    float* out, int N, int K, int group, void* g, int act) {
+                    float* out, int N, int K, int group, void* g, int act, const void* nB, const void* nS,
+                    const void* nZ, int nN, int nK, int ngroup) {
   if (T < 1 || T > kMaxRoutedRows || k < 1 || k > E || k > kMaxTopK || E > kMaxExperts || T * k > kMaxRoutedSlots) {
     set_error(c, "moe_gemv_routed: %d rows of %d experts, top %d (want 1–%d rows, top ≤ experts ≤ %d, top ≤ %d, "
                  "rows·top ≤ %d)", T, E, k, kMaxRoutedRows, kMaxExperts, kMaxTopK, kMaxRoutedSlots);
@@ -2782,7 +2824,14 @@ int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int 
     if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, T * k)) return 1;
     return moe_gemv_w4(c, A, k, order, chunks, T * k, 1, T * k, B, scales, zeros, out, N, K, group, g, act);
   }
-  const MoERouting rt{logits, T, E, k, norm, ids, weights, order, chunks};
+  MoEPrefetch next{};
+  if (nB && c->moe_prefetch) {
+    if (check_grouped(c, "moe_gemv_routed's next layer", nN, nK, ngroup)) return 1;
+    const uint32_t G = nK / ngroup;  // an expert's groups: G·N/64 tiles of 8 uint4 scales and 8 words of zeros
+    next = MoEPrefetch{(const char*)nB, (const char*)nS, (const char*)nZ, (uint32_t)nN * nK / 2, G * nN * 2, G * nN / 2,
+                       c->moe_prefetch};
+  }
+  const MoERouting rt{logits, T, E, k, norm, ids, weights, order, chunks, next};
   return grouped_launch<1, 4, true>(c, T * k, T * k, A, k, nullptr, nullptr, B, scales, zeros, out, N, K, group, g, act, rt);
 }
 
