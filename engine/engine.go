@@ -101,10 +101,14 @@ type Options struct {
 	// Chain is how many greedy decode steps a Chainer backend (the GPU)
 	// runs back to back, with no round trip to the host between them,
 	// when every sequence in the batch decodes greedily one token a step
-	// and no request waits (≤ 0: llm.DefaultChain; 1: a step at a time).
-	// A chain runs whole: a request that arrives meanwhile waits for its
-	// end, as do a cancellation and Close, and a sequence that stops
-	// inside a chain drops the tokens decoded past its stop.
+	// and no request waits that the batch could take now (≤ 0:
+	// llm.DefaultChain; 1: a step at a time). Requests the scheduler left
+	// waiting (the batch full, or the pool short) do not stop a chain: a
+	// chain ends where a sequence reaches its MaxTokens, so they wait
+	// longer only where one stops early inside it. A chain runs whole: a
+	// request that arrives meanwhile waits for its end, as do a
+	// cancellation and Close, and a sequence that stops inside a chain
+	// drops the tokens decoded past its stop.
 	Chain int
 }
 
@@ -806,7 +810,7 @@ func (e *Engine) run() {
 			continue
 		}
 		worked = true
-		if n := e.chainLength(active, steps); n > 1 {
+		if n := e.chainLength(active, steps, len(waiting)); n > 1 {
 			active = e.runChain(active, steps, n)
 			continue
 		}
@@ -892,12 +896,14 @@ func (e *Engine) deliver(s *sequence, id int, lp *TokenLogprob) bool {
 
 // chainLength is how many greedy steps this iteration's steps may run as
 // one chain (llm.Chainer; 1: a single step): up to Options.Chain when the
-// backend chains, no request waits (queued counts the waiting list and
-// the channel), every step decodes one token and asks the backend for its
-// argmax, no sequence would pass its MaxTokens, and the KV pool has the
-// blocks the chain's tokens take (the chain is shortened until it does).
-func (e *Engine) chainLength(active []*sequence, steps []llm.Step) int {
-	if _, ok := e.Backend.(llm.Chainer); !ok || e.opt.Chain < 2 || e.queued.Load() > 0 {
+// backend chains, no request has arrived that the scheduler has not seen
+// (queued counts the channel beside the `waiting` it left: those the batch
+// or the pool could not take), every step decodes one token and asks the
+// backend for its argmax, no sequence would pass its MaxTokens, and the
+// KV pool has the blocks the chain's tokens take (the chain is shortened
+// until it does).
+func (e *Engine) chainLength(active []*sequence, steps []llm.Step, waiting int) int {
+	if _, ok := e.Backend.(llm.Chainer); !ok || e.opt.Chain < 2 || e.queued.Load() > int64(waiting) {
 		return 1
 	}
 	n := e.opt.Chain

@@ -344,10 +344,10 @@ func TestIdleTrim(t *testing.T) {
 }
 
 // TestChainsMatchSingleSteps: greedy requests on a Chainer (the backend's
-// own on the GPU, else one on the host) run in chains while nothing
-// waits, and get the tokens they get alone — with an unbounded pool, and
-// with a pool small enough that sequences are preempted and chains are
-// shortened to what the pool holds.
+// own on the GPU, else one on the host) run in chains while no waiting
+// request could join the batch, and get the tokens they get alone — with
+// an unbounded pool, and with a pool small enough that sequences are
+// preempted and chains are shortened to what the pool holds.
 // Requests that want logprobs or sample run single steps; Chain 1 turns
 // chains off.
 func TestChainsMatchSingleSteps(t *testing.T) {
@@ -407,6 +407,46 @@ func TestChainsMatchSingleSteps(t *testing.T) {
 	}
 }
 
+// TestChainsWhileRequestsWait: a request the batch cannot take does not
+// stop the sequences in it from chaining. With a batch of one and two
+// requests, the one that waits gets its tokens after the other's, each in
+// chains, so the chains' steps reach both requests' decode steps (each
+// request's first token comes from its prefill); had a waiting request
+// stopped them, they would cover only the last request's. Both get the
+// tokens they get alone.
+func TestChainsWhileRequestsWait(t *testing.T) {
+	reqs := pagedRequests(t, 2)
+	want := alone(t, tiny(t, Options{}), reqs)
+	m := openTiny(t)
+	p, ok := m.Backend.(llm.Paged)
+	if !ok {
+		t.Skipf("%s does not page its caches", m.Backend.Name())
+	}
+	hc := hostchain.NewPaged(p)
+	e := start(t, NewModel(hc, m.Tokenizer, m.Template), Options{MaxBatch: 1})
+	got := generateAll(t, e, reqs)
+	if t.Failed() {
+		return
+	}
+	decode := 0 // the decode steps: every token but the first
+	for i := range reqs {
+		if !sameAsAlone(got[i].Tokens, want[i]) {
+			t.Errorf("request %d:\n got %v\nwant %v (alone)", i, got[i].Tokens, want[i].Tokens)
+		}
+		if len(got[i].Tokens) < 2 {
+			t.Fatalf("request %d generated %d tokens: no decode step to chain", i, len(got[i].Tokens))
+		}
+		decode += len(got[i].Tokens) - 1
+	}
+	steps := 0
+	for _, n := range hc.Chains() {
+		steps += n
+	}
+	if steps < decode {
+		t.Errorf("chains ran %d steps (%v) of the requests' %d decode steps: a request waiting stopped them", steps, hc.Chains(), decode)
+	}
+}
+
 // generateAll runs reqs on e at once, each from its own goroutine, and
 // returns their results (nil where one failed: the test is marked failed).
 func generateAll(t *testing.T, e *Engine, reqs []Request) []*Result {
@@ -454,7 +494,7 @@ func TestChainShortenedToThePool(t *testing.T) {
 		}
 		s := &sequence{req: Request{MaxTokens: 100}, n: 1, cache: cache}
 		steps := []llm.Step{{Cache: cache, Tokens: []int{1}, Greedy: true, LastOnly: true}}
-		if n := e.chainLength([]*sequence{s}, steps); n != c.want {
+		if n := e.chainLength([]*sequence{s}, steps, 0); n != c.want {
 			t.Errorf("%d blocks free for %d layers: a chain of %d, want %d", c.spare, L, n, c.want)
 		}
 		cache.Close()
