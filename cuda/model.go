@@ -1385,7 +1385,7 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, haveLogits bool) error {
 	if mo.gateUp != nil && mt == 1 && MoERoutable(T, k) {
 		steps = append(steps, func() error {
 			return x.MoEGemvRouted(a.h, a.routerLogits, T, E, k, c.MoE.NormTopK, a.expert, a.weight, a.order, a.chunks,
-				mo.gateUp, a.gu, gated, 2*I, H, routedNext(mo.down))
+				mo.gateUp, a.gu, gated, 2*I, H, mo.down)
 		})
 	} else {
 		steps = append(steps, func() error {
@@ -1406,16 +1406,6 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, haveLogits bool) error {
 		}
 	}
 	return nil
-}
-
-// routedNext is the layer the routed gate/up GEMV may ask L2 for
-// (LLMQ_MOE_PREFETCH): down's experts where they are packed 4-bit ones,
-// else none.
-func routedNext(down *W4) *W4 {
-	if down == nil || down.Bits == 8 || !down.Perm.Nil() {
-		return nil
-	}
-	return down
 }
 
 // moeChunk is how many slots of one expert a grouped GEMV's CTA takes:

@@ -540,6 +540,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 		}{
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, B: Buf{Bytes: 64 * 128 / 2}}, want: "next layer's codes hold fewer than 128"},
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, Bits: 8}, want: "next layer's experts must be"},
+			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 128, Group: 64}, want: "next layer's experts of 128×128 run as 128×64"},
 			{T: 5, E: 128, k: 8, w: big, want: "rows·top ≤ 32"}, {T: 1, E: 128, k: 0, w: big, want: "rows·top ≤ 32"},
 			{T: 1, E: 128, k: 8, want: "no experts"}, {T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, Bits: 8}, want: "4-bit"},
 			{T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, want: "fewer than 128 experts"},

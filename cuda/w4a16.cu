@@ -2825,6 +2825,14 @@ int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int 
     return moe_gemv_w4(c, A, k, order, chunks, T * k, 1, T * k, B, scales, zeros, out, N, K, group, g, act);
   }
   MoEPrefetch next{};
+  if (c->moe_prefetch < 0 || c->moe_prefetch > 2) {
+    set_error(c, "LLMQ_MOE_PREFETCH=%d: want 0 (none), 1 (after routing) or 2 (after the loop)", c->moe_prefetch);
+    return 1;
+  }
+  if (!nB != !nS || !nB != !nZ) {
+    set_error(c, "moe_gemv_routed: the next layer's codes, scales and zeros: all three or none");
+    return 1;
+  }
   if (nB && c->moe_prefetch) {
     if (check_grouped(c, "moe_gemv_routed's next layer", nN, nK, ngroup)) return 1;
     const uint32_t G = nK / ngroup;  // an expert's groups: G·N/64 tiles of 8 uint4 scales and 8 words of zeros

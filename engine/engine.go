@@ -101,7 +101,7 @@ type Options struct {
 	// Chain is how many greedy decode steps a Chainer backend (the GPU)
 	// runs back to back, with no round trip to the host between them,
 	// when every sequence in the batch decodes greedily one token a step
-	// and no request waits that the batch could take now (≤ 0:
+	// and no request has arrived since the scheduler last looked (≤ 0:
 	// llm.DefaultChain; 1: a step at a time). Requests the scheduler left
 	// waiting (the batch full, or the pool short) do not stop a chain: a
 	// chain ends where a sequence reaches its MaxTokens, so they wait

@@ -204,7 +204,7 @@ func loadForServe(ctx context.Context, dir, device string, opt engine.Options, k
 // chainFlag adds --chain, the engine's Options.Chain, to a command that
 // serves (serve, bench serve).
 func chainFlag(f *pflag.FlagSet, chain *int) {
-	f.IntVar(chain, "chain", llm.DefaultChain, "greedy steps the GPU runs back to back while every running request decodes greedily and no waiting one could join the batch (1: a step at a time)")
+	f.IntVar(chain, "chain", llm.DefaultChain, "greedy steps the GPU runs back to back while every running request decodes greedily and no request has arrived since the scheduler last looked (1: a step at a time)")
 }
 
 // checkChain refuses a --chain below 1.
