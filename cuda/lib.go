@@ -948,11 +948,11 @@ func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weig
 	var nB, nS, nZ C.P
 	var nN, nK, nGroup int
 	if next != nil {
-		nK := N // the next layer reads out, or g where gated: half as wide
+		reads := N // the next layer reads out, or g where gated: half as wide
 		if w.Gated != NotGated {
-			nK = N / 2
+			reads = N / 2
 		}
-		if err := checkRoutedExperts("next layer's ", next, E, next.N, nK); err != nil {
+		if err := checkRoutedExperts("next layer's ", next, E, next.N, reads); err != nil {
 			return err
 		}
 		nB, nS, nZ, nN, nK, nGroup = next.B.p, next.S.p, next.Z.p, next.N, next.K, next.Group
