@@ -440,8 +440,10 @@ func TestChainsWhileRequestsWait(t *testing.T) {
 				defer wg.Done()
 				got[1], errs[1] = e.Generate(context.Background(), reqs[1], nil)
 			}()
-			for e.Stats().Queued < 1 {
-				runtime.Gosched()
+			for deadline := time.Now().Add(10 * time.Second); e.Stats().Queued < 1; runtime.Gosched() {
+				if time.Now().After(deadline) {
+					return errors.New("the second request was not queued within 10 s")
+				}
 			}
 		}
 		return nil
