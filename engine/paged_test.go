@@ -417,7 +417,8 @@ func TestChainsMatchSingleSteps(t *testing.T) {
 // comes from its prefill) but for one: the second request, arriving
 // between the scheduler's look at the queue and its chain check, costs a
 // single step. Had a waiting request stopped chains, they would cover
-// only the second request's steps. Both get the tokens they get alone.
+// only the first request's chains before the second came and the
+// second request's steps. Both get the tokens they get alone.
 func TestChainsWhileRequestsWait(t *testing.T) {
 	reqs := pagedRequests(t, 2)
 	want := alone(t, tiny(t, Options{}), reqs)
