@@ -71,7 +71,8 @@ struct llmq_ctx {
   bool moe_routed = true;
   // API 27: the routed gate/up GEMV asks L2 for the routed experts' down
   // codes (LLMQ_MOE_PREFETCH: 0 no, 1 right after routing, 2 after each
-  // CTA's loop; w4a16.cu, MoEPrefetch). Off until a decode A/B says.
+  // CTA's loop; w4a16.cu, MoEPrefetch; ctx_create refuses other values).
+  // Off until a decode A/B says.
   int moe_prefetch = 0;
   // API 19: a mixture's gated gate/up GEMV writes act(gate)·up itself
   // (LLMQ_MOE_FUSED_ACT=0: the sums, then moe_act), and the norm before

@@ -960,7 +960,8 @@ func (a *acts) chainBuf(x *Context, n int) (Buf, error) {
 }
 
 // release frees b, one of the buffers a owns, and takes it off a's list
-// and count (nothing when a does not own it).
+// and count (nothing when a does not own it): a longer chain's buffer,
+// an evicted graph's scratch.
 func (a *acts) release(x *Context, b Buf) error {
 	i := slices.Index(a.bufs, b)
 	if i < 0 {
@@ -1888,7 +1889,7 @@ func (m *Model) capture(key graphKey) (*decodeGraph, error) {
 		return m.head(a, B)
 	})
 	if err != nil {
-		m.freeFrom(a, dg.ws)
+		a.release(m.x, dg.ws)
 		m.dropBatchActs(B)
 		return nil, err
 	}
@@ -1912,13 +1913,10 @@ func (m *Model) evictGraph() error {
 	}
 	delete(m.graphs, old)
 	err := m.x.DestroyGraph(oldest.g)
-	m.freeFrom(m.batchActs[old.batch], oldest.ws)
+	m.batchActs[old.batch].release(m.x, oldest.ws)
 	m.dropBatchActs(old.batch)
 	return err
 }
-
-// freeFrom frees b, one of the buffers a owns.
-func (m *Model) freeFrom(a *acts, b Buf) { a.release(m.x, b) }
 
 // dropBatchActs frees batch size B's buffers when no graph uses them.
 func (m *Model) dropBatchActs(B int) {

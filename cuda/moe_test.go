@@ -416,7 +416,8 @@ func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 // launch, again with LLMQ_MOE_ROUTED=0 (route+plan, then the GEMV), and
 // with LLMQ_MOE_FUSED_ACT=0 (gated experts' sums, then MoEAct), and with
 // the second GEMV's experts asked into L2 after routing and after the
-// loop (LLMQ_MOE_PREFETCH=1, 2: only a hint, so the same checks). The
+// loop (LLMQ_MOE_PREFETCH=1, 2: only a hint, so the same checks; 3, no
+// mode, is refused with the context). The
 // outputs start poisoned, so a routing or plan left unwritten fails.
 // Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32
 // slots), each also with gated experts (their act(gate)·up the second
@@ -552,6 +553,14 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			}
 		}
 	})
+	// A prefetch mode the kernel does not have is refused with the context.
+	t.Setenv("LLMQ_MOE_PREFETCH", "3")
+	if x, err := openLib(t).NewContext(); err == nil || !strings.Contains(err.Error(), "LLMQ_MOE_PREFETCH=3") {
+		if err == nil {
+			x.Close()
+		}
+		t.Errorf("a context with LLMQ_MOE_PREFETCH=3: %v; want an error naming it", err)
+	}
 }
 
 // TestMoERoutePlanMatchesCPU: the fused route and plan (one launch) gives

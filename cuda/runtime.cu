@@ -92,6 +92,10 @@ int ctx_create(int device, llmq_ctx** out) {
     ctx_destroy(c);
     return 1;
   };
+  if (c->moe_prefetch < 0 || c->moe_prefetch > 2) {
+    set_error(c, "LLMQ_MOE_PREFETCH=%d: want 0 (none), 1 (after routing) or 2 (after the loop)", c->moe_prefetch);
+    return fail();
+  }
   if (cudaSetDevice(device) != cudaSuccess || cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     set_error(c, "cudaSetDevice(%d): %s", device, cudaGetErrorString(cudaGetLastError()));
     return fail();

@@ -2824,11 +2824,7 @@ int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int 
     if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, T * k)) return 1;
     return moe_gemv_w4(c, A, k, order, chunks, T * k, 1, T * k, B, scales, zeros, out, N, K, group, g, act);
   }
-  MoEPrefetch next{};
-  if (c->moe_prefetch < 0 || c->moe_prefetch > 2) {
-    set_error(c, "LLMQ_MOE_PREFETCH=%d: want 0 (none), 1 (after routing) or 2 (after the loop)", c->moe_prefetch);
-    return 1;
-  }
+  MoEPrefetch next{};  // c->moe_prefetch is 0–2: ctx_create refuses others
   if (!nB != !nS || !nB != !nZ) {
     set_error(c, "moe_gemv_routed: the next layer's codes, scales and zeros: all three or none");
     return 1;
