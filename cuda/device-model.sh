@@ -414,7 +414,7 @@ case "$1" in
     done
     ;;
   engine) # issue 16, items 3 and 6, on the GPU: the engine package's paged-cache tests with cuda.Model as the backend
-    run='TestContinuousBatching|TestPreemption|TestPreemptScoredPrompt|TestNothingLostUnderLoad|TestCancelFreesBlocks|TestValidatePool|TestChainsMatchSingleSteps|TestChainShortenedToThePool|TestChainsWhileRequestsWait'
+    run='TestContinuousBatching|TestPreemption|TestPreemptScoredPrompt|TestNothingLostUnderLoad|TestCancelFreesBlocks|TestValidatePool|TestChainsMatchSingleSteps|TestChainShortenedToThePool|TestChainsWhileRequestsWait|TestBackendPanicIsAnError'
     { echo "# $LLMQ_COMMIT: LLMQ_TEST_DEVICE=cuda engine.test -test.v -test.run '$run'"
       LLMQ_TEST_DEVICE=cuda build/device/engine.test -test.v -test.run "$run" 2>&1; } > "$OUT/engine-tests-$G.log"
     rc=$?

@@ -104,8 +104,9 @@ type Options struct {
 	// and no request has arrived since the scheduler last looked (≤ 0:
 	// llm.DefaultChain; 1: a step at a time). Requests the scheduler left
 	// waiting (the batch full, or the pool short) do not stop a chain: a
-	// chain ends where a sequence reaches its MaxTokens, so they wait
-	// longer only where one stops early inside it. A chain runs whole: a
+	// chain runs at most Chain steps, as many as the pool has room for,
+	// and never past a sequence's MaxTokens, so they wait longer only
+	// where a sequence stops early inside it. A chain runs whole: a
 	// request that arrives meanwhile waits for its end, as do a
 	// cancellation and Close, and a sequence that stops inside a chain
 	// drops the tokens decoded past its stop.
@@ -1109,26 +1110,30 @@ func (e *Engine) preempt(s *sequence) {
 // freed cache memory back to the system.
 const idleTrim = time.Second
 
-// forward runs one batched step, turning a panic in a backend into an
-// error so that one bad request cannot take the server down.
-func (e *Engine) forward(steps []llm.Step) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("%s forward pass: %v", e.Backend.Name(), r)
-		}
-	}()
-	return e.Backend.Forward(context.Background(), steps)
+// forward runs one batched step.
+func (e *Engine) forward(steps []llm.Step) error {
+	return e.guard("forward pass", func() error { return e.Backend.Forward(context.Background(), steps) })
 }
 
-// decodeGreedy runs a chain of n greedy steps (llm.Chainer), a panic or
-// picks of the wrong shape turned into an error as in forward.
-func (e *Engine) decodeGreedy(steps []llm.Step, n int) (picks [][]int, err error) {
+// guard runs a call into the backend, turning a panic in it into an error
+// naming the call, so that one bad request cannot take the server down.
+func (e *Engine) guard(call string, f func() error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("%s greedy chain: %v", e.Backend.Name(), r)
+			err = fmt.Errorf("%s %s: %v", e.Backend.Name(), call, r)
 		}
 	}()
-	picks, err = e.Backend.(llm.Chainer).DecodeGreedy(context.Background(), steps, n)
+	return f()
+}
+
+// decodeGreedy runs a chain of n greedy steps (llm.Chainer), a panic
+// (guard) or picks of the wrong shape turned into an error.
+func (e *Engine) decodeGreedy(steps []llm.Step, n int) ([][]int, error) {
+	var picks [][]int
+	err := e.guard("greedy chain", func() (err error) {
+		picks, err = e.Backend.(llm.Chainer).DecodeGreedy(context.Background(), steps, n)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}

@@ -529,3 +529,51 @@ func TestChainShortenedToThePool(t *testing.T) {
 		cache.Close()
 	}
 }
+
+// panicky panics once, in Forward or in DecodeGreedy (in), and otherwise
+// answers as the Chainer it wraps.
+type panicky struct {
+	*hostchain.Chainer
+	in       string // "forward" or "chain"
+	panicked atomic.Bool
+}
+
+func (p *panicky) Forward(ctx context.Context, steps []llm.Step) error {
+	if p.in == "forward" && p.panicked.CompareAndSwap(false, true) {
+		panic("a bad kernel")
+	}
+	return p.Chainer.Forward(ctx, steps)
+}
+
+func (p *panicky) DecodeGreedy(ctx context.Context, steps []llm.Step, n int) ([][]int, error) {
+	if p.in == "chain" && p.panicked.CompareAndSwap(false, true) {
+		panic("a bad kernel")
+	}
+	return p.Chainer.DecodeGreedy(ctx, steps, n)
+}
+
+// TestBackendPanicIsAnError: a panic in the backend, in a forward pass or
+// in a greedy chain, fails the requests of that step with an error naming
+// the call, and the engine goes on: the next request gets the tokens it
+// gets alone.
+func TestBackendPanicIsAnError(t *testing.T) {
+	reqs := pagedRequests(t, 1)
+	want := alone(t, tiny(t, Options{}), reqs)
+	for _, c := range []struct{ in, call string }{{"forward", "forward pass"}, {"chain", "greedy chain"}} {
+		t.Run(c.in, func(t *testing.T) {
+			m := openTiny(t)
+			e := start(t, NewModel(&panicky{Chainer: hostchain.New(m.Backend), in: c.in}, m.Tokenizer, m.Template), Options{})
+			_, err := e.Generate(context.Background(), reqs[0], nil)
+			if err == nil || !strings.Contains(err.Error(), c.call+": a bad kernel") {
+				t.Fatalf("a panic in the %s: %v; want an error naming %q", c.call, err, c.call)
+			}
+			res, err := e.Generate(context.Background(), reqs[0], nil)
+			if err != nil {
+				t.Fatalf("the request after the panic: %v", err)
+			}
+			if !sameAsAlone(res.Tokens, want[0]) {
+				t.Errorf("the request after the panic:\n got %v\nwant %v (alone)", res.Tokens, want[0].Tokens)
+			}
+		})
+	}
+}
