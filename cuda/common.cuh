@@ -74,6 +74,11 @@ struct llmq_ctx {
   // CTA's loop; w4a16.cu, MoEPrefetch; ctx_create refuses other values).
   // Off until a decode A/B says.
   int moe_prefetch = 0;
+  // API 28: a routed gated pass given its down layer and that layer's
+  // output runs down in the same launch (LLMQ_MOE_FUSED_DOWN=1; w4a16.cu,
+  // MoEDown), else in a launch of its own after (0). Off until a decode
+  // A/B says.
+  bool moe_fused_down = false;
   // API 19: a mixture's gated gate/up GEMV writes act(gate)·up itself
   // (LLMQ_MOE_FUSED_ACT=0: the sums, then moe_act), and the norm before
   // the experts computes the router's logits (LLMQ_MOE_NORM_ROUTER=0: the
@@ -265,7 +270,7 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
 int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                     float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
                     float* out, int N, int K, int group, void* g, int act, const void* nB, const void* nS,
-                    const void* nZ, int nN, int nK, int ngroup);
+                    const void* nZ, int nN, int nK, int ngroup, float* nout);
 int check_gated(llmq_ctx* c, const char* fn, const void* g, int act);
 // model.cu
 int embed(llmq_ctx* c, const int32_t* ids, const void* E, float* x, int T, int H, float scale);

@@ -189,10 +189,10 @@ static int c_moe_act(A a, llmq_ctx* c, P gu, P g, int S, int I, int act, int int
 	return a->moe_act(c, (float*)gu, (void*)g, S, I, act, interleaved);
 }
 static int c_moe_gemv_routed(A a, llmq_ctx* c, P A_, P logits, int T, int E, int k, int norm, P ids, P weights, P order, P chunks,
-		P B, P S, P Z, P out, int N, int K, int group, P gated, int act, P nB, P nS, P nZ, int nN, int nK, int ngroup) {
+		P B, P S, P Z, P out, int N, int K, int group, P gated, int act, P nB, P nS, P nZ, int nN, int nK, int ngroup, P nout) {
 	return a->moe_gemv_routed(c, (const void*)A_, (const float*)logits, T, E, k, norm, (int32_t*)ids, (float*)weights,
 		(int32_t*)order, (int32_t*)chunks, (const void*)B, (const void*)S, (const void*)Z, (float*)out, N, K, group, (void*)gated, act,
-		(const void*)nB, (const void*)nS, (const void*)nZ, nN, nK, ngroup);
+		(const void*)nB, (const void*)nS, (const void*)nZ, nN, nK, ngroup, (float*)nout);
 }
 static int c_rmsnorm_router(A a, llmq_ctx* c, P x, P d, P sums, P w, P out, P W, P logits, int n, int H, int E, float eps) {
 	return a->rmsnorm_router(c, (const float*)x, (const void*)d, (const float*)sums, (const float*)w, (void*)out, (const float*)W,
@@ -941,9 +941,19 @@ func checkGated(fn string, w *W4, g Buf) error {
 // the grouped GEMV that reads this one's output over the plan (down):
 // with LLMQ_MOE_PREFETCH 1 or 2 the launch asks L2 for the routed
 // experts' share of it (llmq.h); the results do not depend on it.
-func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out, g Buf, N, K int, next *W4) error {
+// With nextOut (API 28; Nil: none; fp32 [T·k][next.N], zero before) the
+// call runs next too, gated experts only: nextOut += g · next over the
+// plan, what MoEGemv(g, 1, order, chunks, T·k, 1, T·k, next, …, nextOut,
+// …) adds — in the same launch with LLMQ_MOE_FUSED_DOWN=1 where llmq.h
+// says it can, else in one after — so a decode step's whole mixture is
+// one call.
+func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weights, order, chunks Buf, w *W4, out, g Buf, N, K int, next *W4, nextOut Buf) error {
 	if err := checkRoutedExperts("", w, E, N, K); err != nil {
 		return err
+	}
+	if !nextOut.Nil() && (next == nil || w.Gated == NotGated) {
+		return fmt.Errorf("moe_gemv_routed: an output for the next layer needs gated experts and their next layer (gated: %v, next layer: %v)",
+			w.Gated != NotGated, next != nil)
 	}
 	var nB, nS, nZ C.P
 	var nN, nK, nGroup int
@@ -963,7 +973,7 @@ func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weig
 	return x.do("moe_gemv_routed", func() C.int {
 		return C.c_moe_gemv_routed(x.lib.api, x.c, A.p, logits.p, C.int(T), C.int(E), C.int(k), cbool(norm), ids.p, weights.p,
 			order.p, chunks.p, w.B.p, w.S.p, w.Z.p, out.p, C.int(N), C.int(K), C.int(w.Group), g.p, C.int(w.Gated.act()),
-			nB, nS, nZ, C.int(nN), C.int(nK), C.int(nGroup))
+			nB, nS, nZ, C.int(nN), C.int(nK), C.int(nGroup), nextOut.p)
 	})
 }
 

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define LLMQ_API_VERSION 27
+#define LLMQ_API_VERSION 28
 
 /* The most rows and slots (rows × top k) moe_gemv_routed routes. */
 #define LLMQ_MOE_ROUTED_ROWS 4
@@ -333,11 +333,19 @@ typedef struct {
    * API 27: nB, nS, nZ (NULL: none), nN × nK in groups of ngroup: the next
    * grouped GEMV's 4-bit experts (down), whose routed experts this launch
    * asks L2 for when LLMQ_MOE_PREFETCH is 1 (after routing) or 2 (after
-   * each CTA's loop); only a hint, the results do not change. */
+   * each CTA's loop); only a hint, the results do not change. API 28:
+   * nout (NULL: none), fp32 [T·k][nN], zero before: the launch runs the
+   * next layer too, nout += g · its experts over the plan, as moe_gemv
+   * would (gated experts only, nK = N/2): inside this launch with
+   * LLMQ_MOE_FUSED_DOWN=1 where this launch writes g itself in one K
+   * split and the next layer's groups are of 32 rows or more (each CTA
+   * multiplies its 32 values of g by their rows of the next layer and
+   * adds into nout: the same sums but for the order of the fp32
+   * additions), else by moe_gemv's launch after this one. */
   int (*moe_gemv_routed)(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                          float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
                          const void* zeros, float* out, int N, int K, int group, void* g, int act, const void* nB,
-                         const void* nS, const void* nZ, int nN, int nK, int ngroup);
+                         const void* nS, const void* nZ, int nN, int nK, int ngroup, float* nout);
   /* API 19: a mixture's norm and router in one launch: out [n][H] fp16 =
    * RMSNorm(x + delta)·w, as rmsnorm with delta (no delta_norm, experts
    * or rows), except that x is not written: the caller passes delta again

@@ -1366,7 +1366,9 @@ const normRouterMaxRows = 64
 // over the slots, which writes act(gate)·up itself when they are
 // interleaved (W4.Gated), else the gated activation follows; down. A
 // decode step's few rows of 4-bit experts route inside the gate/up GEMV
-// instead (MoEGemvRouted: one launch fewer). The weighted sum of each
+// instead (MoEGemvRouted: one launch fewer), and that call runs down too
+// where the experts are gated (in its own launch with
+// LLMQ_MOE_FUSED_DOWN=1: one launch fewer again). The weighted sum of each
 // row's k outputs, in ascending expert order, is the next norm's
 // (mlpOutput, RMSNormExperts).
 func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, haveLogits bool) error {
@@ -1383,10 +1385,15 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, haveLogits bool) error {
 	if mo.gateUp != nil && mo.gateUp.Gated != NotGated {
 		gated = a.g
 	}
+	downDone := false // the routed call ran down too
 	if mo.gateUp != nil && mt == 1 && MoERoutable(T, k) {
+		var y Buf
+		if !gated.Nil() && mo.down != nil {
+			y, downDone = a.y, true
+		}
 		steps = append(steps, func() error {
 			return x.MoEGemvRouted(a.h, a.routerLogits, T, E, k, c.MoE.NormTopK, a.expert, a.weight, a.order, a.chunks,
-				mo.gateUp, a.gu, gated, 2*I, H, mo.down)
+				mo.gateUp, a.gu, gated, 2*I, H, mo.down, y)
 		})
 	} else {
 		steps = append(steps, func() error {
@@ -1398,9 +1405,11 @@ func (m *Model) moeMLP(mo *gpuMoE, a *acts, T int, haveLogits bool) error {
 	if gated.Nil() {
 		steps = append(steps, func() error { return x.MoEAct(a.gu, a.g, S, I, c.Act, false) })
 	}
-	steps = append(steps, func() error {
-		return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, Buf{}, H, I)
-	})
+	if !downDone {
+		steps = append(steps, func() error {
+			return x.MoEGemv(a.g, 1, a.order, a.chunks, maxChunks, mt, S, mo.down, mo.down16, a.y, Buf{}, H, I)
+		})
+	}
 	for _, f := range steps {
 		if err := f(); err != nil {
 			return fmt.Errorf("mixture of experts: %w", err)

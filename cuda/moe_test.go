@@ -3,6 +3,7 @@
 package cuda
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -417,26 +418,35 @@ func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 // with LLMQ_MOE_FUSED_ACT=0 (gated experts' sums, then MoEAct), and with
 // the second GEMV's experts asked into L2 after routing and after the
 // loop (LLMQ_MOE_PREFETCH=1, 2: only a hint, so the same checks; 3, no
-// mode, is refused with the context). The
+// mode, is refused with the context). Gated experts then run the whole
+// mixture in one call (API 28: the second GEMV's output given), whose
+// output must be the separate second GEMV's to fp32 reordering (1e-5) —
+// the second GEMV in this launch where LLMQ_MOE_FUSED_DOWN=1 can (the
+// gated cases that write act(gate)·up in one K split), else in its own
+// after. The
 // outputs start poisoned, so a routing or plan left unwritten fails.
 // Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32
 // slots), each also with gated experts (their act(gate)·up the second
-// GEMV's input), 256 experts top 16 over 2 rows without renormalisation,
-// a K split, a row of NaN logits (the lowest experts, NaN weights, as on
-// the CPU).
+// GEMV's input), qwen3-30b-a3b's widths gated (16 experts: its down of
+// 2048 columns the second GEMV), 256 experts top 16 over 2 rows without
+// renormalisation, a K split, a row of NaN logits (the lowest experts,
+// NaN weights, as on the CPU).
 func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
-	settings := []string{"LLMQ_MOE_ROUTED=1", "LLMQ_MOE_ROUTED=0", "LLMQ_MOE_FUSED_ACT=0", "LLMQ_MOE_PREFETCH=1", "LLMQ_MOE_PREFETCH=2"}
+	settings := []string{"LLMQ_MOE_ROUTED=1", "LLMQ_MOE_ROUTED=0", "LLMQ_MOE_FUSED_ACT=0", "LLMQ_MOE_PREFETCH=1", "LLMQ_MOE_PREFETCH=2",
+		"LLMQ_MOE_FUSED_DOWN=1", "LLMQ_MOE_FUSED_DOWN=1 LLMQ_MOE_FUSED_ACT=0"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		routed := setting != "LLMQ_MOE_ROUTED=0"
 		r := rand.New(rand.NewPCG(13, 14))
 		for _, c := range []struct {
 			T, E, k, N, K, group int
 			nan, raw, gated      bool // raw: the weights not renormalised
+			n2                   int  // the second GEMV's columns (0: 64)
 		}{
 			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128},
 			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128, gated: true}, // 32 tiles: K split, then MoEAct
 			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64},
-			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64, gated: true}, // one split planned: fused
+			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64, gated: true},             // one split planned: fused
+			{T: 1, E: 16, k: 8, N: 1536, K: 2048, group: 128, gated: true, n2: 2048}, // 192 tiles: fused
 			{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256, raw: true},
 			{T: 3, E: 8, k: 2, N: 64, K: 2048, group: 128},
 			{T: 2, E: 8, k: 3, N: 64, K: 128, group: 32, nan: true},
@@ -467,7 +477,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			lb, _ := AllocFrom(x, logits)
 			// The second GEMV's experts: a row per slot over the plan the
 			// first leaves, the routed launch's next layer.
-			N2, K2 := 64, c.N
+			N2, K2 := cmp.Or(c.n2, 64), c.N
 			if c.gated {
 				K2 = c.N / 2
 			}
@@ -481,7 +491,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			}
 			out, _ := x.Alloc(S * c.N * 4)
 			x.Memset(out, 0, out.Bytes)
-			if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, gated, c.N, c.K, w42); err != nil {
+			if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, gated, c.N, c.K, w42, Buf{}); err != nil {
 				t.Fatal(err)
 			}
 			ids, w, ord, ch := make([]int32, S), make([]float32, S), make([]int32, S), make([]int32, S*3)
@@ -523,7 +533,29 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, Buf{}, N2, K2); err != nil {
 				t.Fatal(err)
 			}
-			checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
+			want2 := checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
+			if c.gated { // the whole mixture in one call: the second GEMV's sums again
+				x.Memset(gated, 0xff, gated.Bytes)
+				x.Memset(out2, 0, out2.Bytes)
+				if err := x.MoEGemvRouted(A, lb, c.T, c.E, c.k, !c.raw, ib, wb, ob, cb, w4, out, gated, c.N, c.K, w42, out2); err != nil {
+					t.Fatal(err)
+				}
+				got2 := make([]float32, len(want2))
+				if err := Download(x, got2, out2); err != nil {
+					t.Fatal(err)
+				}
+				var num, den float64
+				for i, v := range want2 {
+					d := float64(got2[i]) - float64(v)
+					num, den = num+d*d, den+float64(v)*float64(v)
+				}
+				rel := math.Sqrt(num / den)
+				t.Logf("%s: the second GEMV in the same call: relative Frobenius difference %.2e from its own launch's", name, rel)
+				if !(rel <= 1e-5) {
+					t.Errorf("%s: the second GEMV in the same call differs from its own launch's by %.3g (want ≤ 1e-5)", name, rel)
+				}
+				checkZero(t, name+" (whole mixture)", x, out)
+			}
 			for _, b := range []Buf{A, lb, ib, wb, ob, cb, out, A2, out2} {
 				x.Free(b)
 			}
@@ -534,11 +566,19 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 		// library's check: the codes' size passes Go's), and experts that
 		// are not E of UploadExperts' are refused before the library.
 		big := &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 128 * 64 * 128 / 2}}
+		y, err := x.Alloc(64) // an output for the next layer: never written, every call below fails first
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x.Free(y)
 		for _, bad := range []struct {
 			T, E, k int
 			w, next *W4
+			nextOut bool
 			want    string
 		}{
+			{T: 1, E: 128, k: 8, w: big, nextOut: true, want: "needs gated experts and their next layer"},
+			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, B: big.B}, nextOut: true, want: "needs gated experts"},
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, B: Buf{Bytes: 64 * 128 / 2}}, want: "next layer's codes hold fewer than 128"},
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, Bits: 8}, want: "next layer's experts must be"},
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 128, Group: 64}, want: "next layer's experts of 128×128 run as 128×64"},
@@ -547,7 +587,11 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			{T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, want: "fewer than 128 experts"},
 			{T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, B: big.B, Gated: GatedSiLU}, want: "need an output g"},
 		} {
-			err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, Buf{}, 64, 128, bad.next)
+			var nextOut Buf
+			if bad.nextOut {
+				nextOut = y
+			}
+			err := x.MoEGemvRouted(Buf{}, Buf{}, bad.T, bad.E, bad.k, true, Buf{}, Buf{}, Buf{}, Buf{}, bad.w, Buf{}, Buf{}, 64, 128, bad.next, nextOut)
 			if err == nil || !strings.Contains(err.Error(), bad.want) {
 				t.Errorf("%d rows of %d experts, top %d: %v; want an error naming %q", bad.T, bad.E, bad.k, err, bad.want)
 			}

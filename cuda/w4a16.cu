@@ -1807,6 +1807,24 @@ struct MoEPrefetch {
   int mode;                    // 0 none; 1 after routing; 2 after the loop
 };
 
+// ROUTED and gated with its down fused (API 28, LLMQ_MOE_FUSED_DOWN=1):
+// CTA (nt, c) holds act(gate)·up for 32 rows of its slot's expert's
+// intermediate — rows 32·nt … 32·nt + 31, down's 16-row steps 2·nt and
+// 2·nt + 1 — so it multiplies them by those rows of the expert's down
+// (every one of down's N columns) and adds the products into out row
+// slot, where the gate/up tiles of the slot meet (fp32 atomics, as the
+// split down GEMV's slices meet). The down launch, and the wait on the
+// gate/up launch before it, go; the sums are the down GEMV's but for the
+// order of the fp32 additions (its half2 products are formed over the
+// same pairs of steps).
+struct MoEDown {
+  const uint4* B;      // down's experts, expert after expert (UploadExperts); nullptr: not fused
+  const uint4* S;
+  const uint32_t* Z;
+  float* out;          // [T·k][N] fp32, zero before (the next norm reads and zeroes it)
+  int N, K, gshift;    // down's N × K (K: the gate/up's N/2); gshift ≥ 1 or −1 (a group holds both steps)
+};
+
 struct MoERouting {
   const float* logits;  // [T][E] fp32
   int T, E, k, norm;
@@ -1815,7 +1833,92 @@ struct MoERouting {
   int32_t* order;       // [T·k]
   int32_t* chunks;      // [T·k][3]
   MoEPrefetch next;
+  MoEDown down;
 };
+
+// red_add4 adds v into p[0 … 3] (16-byte aligned) with one vector
+// reduction where the GPU has it (Hopper), else four.
+__device__ __forceinline__ void red_add4(float* p, float4 v) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+#else
+  atomicAdd(p, v.x), atomicAdd(p + 1, v.y), atomicAdd(p + 2, v.z), atomicAdd(p + 3, v.w);
+#endif
+}
+
+// down_slice is a fused down's share (MoEDown) of CTA (nt, ·) of expert
+// e: the 32 fp16 rows h (act(gate)·up, in shared memory) times down's
+// steps 2·nt and 2·nt + 1, every n-tile of down, added into out row
+// `slot`. Warp w takes n-tiles w, w + kWarps, …, kBatch of them at a
+// time, their codes and group entries asked for before any is
+// multiplied; per n-tile the arithmetic is gemv_steps' for one pair of
+// steps, then gemv_reduce's lane sums, staged in `stage` so that 16 lanes
+// add the tile's 64 columns four at a time.
+__device__ __forceinline__ void down_slice(const MoEDown& d, int e, int slot, int nt, const half* hs,
+                                           float (&stage)[kWarps][64], int warp, int lane) {
+  constexpr int kBatch = 4;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int NT = d.N >> 6, KT = d.K >> 4, k = 2 * nt;
+  const size_t per_b = (size_t)NT * KT * 32, per_group = (size_t)(d.gshift < 0 ? 1 : KT >> d.gshift) * NT * 8;
+  const uint4* bp = d.B + e * per_b + (size_t)k * 32 + lane;  // n-tile t's two steps: bp + t·KT·32 (+ 32)
+  const size_t gi = e * per_group + (size_t)step_group(k, d.gshift) * NT * 8 + gid;  // n-tile t's entry: gi + 8t
+  // The lane's activations of each step, as gemv_steps takes them: rows
+  // 2·tig, 2·tig + 1 (word tig) and 2·tig + 8, 2·tig + 9 (word tig + 4).
+  const uint32_t* hw = reinterpret_cast<const uint32_t*>(hs);
+  const uint32_t x[2][2] = {{hw[tig], hw[tig + 4]}, {hw[8 + tig], hw[12 + tig]}};
+  float* out = d.out + (size_t)slot * d.N;
+  for (int t0 = warp; t0 < NT; t0 += kWarps * kBatch) {
+    uint4 q[kBatch][2], sv[kBatch];
+    uint32_t zv[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int t = t0 + kWarps * b;
+      if (t < NT) {
+        q[b][0] = ld_stream(bp + (size_t)t * KT * 32);
+        q[b][1] = ld_stream(bp + (size_t)t * KT * 32 + 32);
+        sv[b] = __ldg(d.S + gi + 8 * t);
+        zv[b] = __ldg(d.Z + gi + 8 * t);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int t = t0 + kWarps * b;
+      if (t >= NT) break;  // the same for the whole warp
+      GroupRegs gr;
+      convert_group(gr, sv[b], zv[b]);
+      half2 h[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) h[j] = __float2half2_rn(0.f);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        uint32_t w[4];
+        put_words(w, 0, q[b][s]);
+        const half2 x01 = as_h2(x[s][0]), x89 = as_h2(x[s][1]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t c[4];
+          dequant_pair<4>(c, w, i, gr);
+          h[2 * i] = __hfma2(as_h2(c[0]), x01, h[2 * i]);
+          h[2 * i] = __hfma2(as_h2(c[1]), x89, h[2 * i]);
+          h[2 * i + 1] = __hfma2(as_h2(c[2]), x01, h[2 * i + 1]);
+          h[2 * i + 1] = __hfma2(as_h2(c[3]), x89, h[2 * i + 1]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 f = __half22float2(h[j]);
+        float v = f.x + f.y;
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (tig == 0) stage[warp][j * 8 + gid] = v;
+      }
+      __syncwarp();
+      if (lane < 16) red_add4(out + t * 64 + 4 * lane, *reinterpret_cast<const float4*>(&stage[warp][4 * lane]));
+      __syncwarp();
+    }
+  }
+}
 
 // prefetch_share asks L2 for share `part` of `parts` of an expert's
 // `bytes` (16-byte multiples) from p.
@@ -1839,7 +1942,7 @@ struct MoEGated {
   int act;  // act_of's; < 0: not gated (out gets the sums)
 };
 
-template <int MT, int U, bool ROUTED = false>
+template <int MT, int U, bool ROUTED = false, bool DOWN = false>
 __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __restrict__ A, int a_div,
                                                                const int32_t* __restrict__ order,
                                                                const int32_t* __restrict__ chunks,
@@ -1899,9 +2002,20 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   if constexpr (ROUTED)
     if (rt.next.mode == 2) prefetch_next(rt.next, e, first_rank);
   if (gt.act >= 0) {  // act(gate)·up of the tile's 32 pairs (columns c and c + 32) for each slot
+    __shared__ __align__(16) half hs[32];  // DOWN: the tile's act(gate)·up, down_slice's rows
     for (int i = threadIdx.x; i < MT * 32; i += kWarps * 32) {
       const int m = i >> 5, c = i & 31;
-      if (m < n) gt.g[(size_t)slot(m) * (N / 2) + nt * 32 + c] = gated_pair(red_total<MT>(red, m, c), red_total<MT>(red, m, c + 32), gt.act);
+      if (m < n) {
+        const half v = gated_pair(red_total<MT>(red, m, c), red_total<MT>(red, m, c + 32), gt.act);
+        gt.g[(size_t)slot(m) * (N / 2) + nt * 32 + c] = v;
+        if constexpr (DOWN) hs[c] = v;
+      }
+    }
+    if constexpr (DOWN) {  // MoEDown: this tile's rows of down, from its own act(gate)·up
+      static_assert(ROUTED && MT == 1, "a fused down follows a routed pass");
+      __shared__ __align__(16) float stage[kWarps][64];
+      __syncthreads();
+      down_slice(rt.down, e, routed_slot, nt, hs, stage, warp, lane);
     }
     return;
   }
@@ -2779,16 +2893,21 @@ int check_gated(llmq_ctx* c, const char* fn, const void* g, int act) {
 // and that tail cost more than the split gained at qwen3-30b-a3b's batch
 // 1, 192 tiles on 132 SMs (NOTES.md, "The fourteenth session") — else
 // moe_splits', the sums into out, and moe_act after when gated.
-template <int MT, int U, bool ROUTED>
+// fuses_act: whether grouped_launch writes a gated pass's act(gate)·up
+// in the GEMV's own launch (one K split).
+static bool fuses_act(const llmq_ctx* c, int chunks, int slots, int mt, int N, int K, int act) {
+  return act >= 0 && c->moe_fused_act && (moe_splits(c, slots, mt, N, K) == 1 || (N / 64) * chunks >= c->sms);
+}
+
+template <int MT, int U, bool ROUTED, bool DOWN = false>
 static int grouped_launch(llmq_ctx* c, int chunks, int slots, const void* A, int a_div, const int32_t* order,
                           const int32_t* chunk_list, const void* B, const void* scales, const void* zeros, float* out,
                           int N, int K, int group, void* g, int act, const MoERouting& rt) {
-  const int planned = moe_splits(c, slots, MT, N, K);
-  const bool fused = act >= 0 && c->moe_fused_act && (planned == 1 || (N / 64) * chunks >= c->sms);
-  const int splits = fused ? 1 : planned;
+  const bool fused = fuses_act(c, chunks, slots, MT, N, K, act);
+  const int splits = fused ? 1 : moe_splits(c, slots, MT, N, K);
   const MoEGated gt{(half*)g, fused ? act : -1};
-  CK(launch(c, (w4a16_gemv_grouped<MT, U, ROUTED>), dim3(N / 64, chunks, splits), kWarps * 32, 0, (const half*)A, a_div,
-            order, chunk_list, (const uint4*)B, (const uint4*)scales, (const uint32_t*)zeros, out, N, K,
+  CK(launch(c, (w4a16_gemv_grouped<MT, U, ROUTED, DOWN>), dim3(N / 64, chunks, splits), kWarps * 32, 0, (const half*)A,
+            a_div, order, chunk_list, (const uint4*)B, (const uint4*)scales, (const uint32_t*)zeros, out, N, K,
             group_shift(group, K), splits, rt, gt));
   CK_LAUNCH("w4a16_gemv_grouped");
   if (act >= 0 && !fused) return moe_act(c, out, g, slots, N / 2, act, 1);
@@ -2813,30 +2932,51 @@ int moe_gemv_w4(llmq_ctx* c, const void* A, int a_div, const int32_t* order, con
 int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                     float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales, const void* zeros,
                     float* out, int N, int K, int group, void* g, int act, const void* nB, const void* nS,
-                    const void* nZ, int nN, int nK, int ngroup) {
+                    const void* nZ, int nN, int nK, int ngroup, float* nout) {
   if (T < 1 || T > kMaxRoutedRows || k < 1 || k > E || k > kMaxTopK || E > kMaxExperts || T * k > kMaxRoutedSlots) {
     set_error(c, "moe_gemv_routed: %d rows of %d experts, top %d (want 1–%d rows, top ≤ experts ≤ %d, top ≤ %d, "
                  "rows·top ≤ %d)", T, E, k, kMaxRoutedRows, kMaxExperts, kMaxTopK, kMaxRoutedSlots);
     return 1;
   }
   if (check_grouped(c, "moe_gemv_routed", N, K, group) || check_gated(c, "moe_gemv_routed", g, act)) return 1;
-  if (!c->moe_routed) {  // LLMQ_MOE_ROUTED=0: the same results in two launches (the A/B's baseline)
-    if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, T * k)) return 1;
-    return moe_gemv_w4(c, A, k, order, chunks, T * k, 1, T * k, B, scales, zeros, out, N, K, group, g, act);
-  }
-  MoEPrefetch next{};  // c->moe_prefetch is 0–2: ctx_create refuses others
-  if (!nB != !nS || !nB != !nZ) {
-    set_error(c, "moe_gemv_routed: the next layer's codes, scales and zeros: all three or none");
+  if (!nB != !nS || !nB != !nZ || (nout && !nB)) {
+    set_error(c, "moe_gemv_routed: the next layer's codes, scales and zeros: all three or none (and all three with its output)");
     return 1;
   }
-  if (nB && c->moe_prefetch) {
-    if (check_grouped(c, "moe_gemv_routed's next layer", nN, nK, ngroup)) return 1;
+  if (nB && check_grouped(c, "moe_gemv_routed's next layer", nN, nK, ngroup)) return 1;
+  const int S = T * k;
+  if (nout && (act < 0 || nK != N / 2)) {  // the next layer reads g, act(gate)·up
+    set_error(c, "moe_gemv_routed: a next layer of %d inputs run with its output: want gated experts (act %d) of %d "
+                 "outputs, their act(gate)·up's %d", nK, act, N, N / 2);
+    return 1;
+  }
+  // API 28: the next layer (down) over the plan, into nout (the whole MLP):
+  // in this launch where its CTAs hold whole groups of it (MoEDown), else
+  // by its own launch after.
+  auto next_layer = [&]() {
+    return nout ? moe_gemv_w4(c, g, 1, order, chunks, S, 1, S, nB, nS, nZ, nout, nN, nK, ngroup, nullptr, -1) : 0;
+  };
+  if (!c->moe_routed) {  // LLMQ_MOE_ROUTED=0: the same results in two launches (the A/B's baseline)
+    if (moe_route_plan(c, logits, ids, weights, T, E, k, norm, 1, order, chunks, S) ||
+        moe_gemv_w4(c, A, k, order, chunks, S, 1, S, B, scales, zeros, out, N, K, group, g, act))
+      return 1;
+    return next_layer();
+  }
+  const bool fuse_down = nout && c->moe_fused_down && fuses_act(c, S, S, 1, N, K, act) && (ngroup >= 32 || ngroup == nK);
+  MoEPrefetch next{};  // c->moe_prefetch is 0–2: ctx_create refuses others
+  if (nB && c->moe_prefetch && !fuse_down) {
     const uint32_t G = nK / ngroup;  // an expert's groups: G·N/64 tiles of 8 uint4 scales and 8 words of zeros
     next = MoEPrefetch{(const char*)nB, (const char*)nS, (const char*)nZ, (uint32_t)nN * nK / 2, G * nN * 2, G * nN / 2,
                        c->moe_prefetch};
   }
-  const MoERouting rt{logits, T, E, k, norm, ids, weights, order, chunks, next};
-  return grouped_launch<1, 4, true>(c, T * k, T * k, A, k, nullptr, nullptr, B, scales, zeros, out, N, K, group, g, act, rt);
+  MoEDown down{};
+  if (fuse_down)
+    down = MoEDown{(const uint4*)nB, (const uint4*)nS, (const uint32_t*)nZ, nout, nN, nK, group_shift(ngroup, nK)};
+  const MoERouting rt{logits, T, E, k, norm, ids, weights, order, chunks, next, down};
+  if (fuse_down)
+    return grouped_launch<1, 4, true, true>(c, S, S, A, k, nullptr, nullptr, B, scales, zeros, out, N, K, group, g, act, rt);
+  if (grouped_launch<1, 4, true>(c, S, S, A, k, nullptr, nullptr, B, scales, zeros, out, N, K, group, g, act, rt)) return 1;
+  return next_layer();
 }
 
 int w4a16_plan(llmq_ctx* c, int M, int N, int K, int group, int bits, char* out, int n) {
