@@ -77,7 +77,8 @@ struct llmq_ctx {
   // API 28: a routed gated pass given its down layer and that layer's
   // output runs down in the same launch (LLMQ_MOE_FUSED_DOWN=1; w4a16.cu,
   // MoEDown), else in a launch of its own after (0). Off until a decode
-  // A/B says.
+  // A/B says. On, the combine reads the routing after its gate (not
+  // early: the launch before it may be the one that routed).
   bool moe_fused_down = false;
   // API 19: a mixture's gated gate/up GEMV writes act(gate)·up itself
   // (LLMQ_MOE_FUSED_ACT=0: the sums, then moe_act), and the norm before

@@ -92,7 +92,8 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 // kernel starts only once that GEMV has passed its own gate, so every
 // kernel before it has finished (common.cuh): the ids are final, and only
 // y, which the GEMV is still writing, waits for the gate. One dependent
-// round trip fewer after the gate.
+// round trip fewer after the gate. Not with LLMQ_MOE_FUSED_DOWN=1, where
+// the launch just before may be the routed one that writes the ids.
 //
 // ROUTER (rmsnorm_router, a mixture's norm): x + delta is normed but not
 // written back (the next norm adds the same delta, still in its buffer),
@@ -1251,7 +1252,10 @@ int rmsnorm(llmq_ctx* c, float* x, const void* delta, float* sums, const float* 
     return 1;
   }
   const auto norm = sums ? launch_norm<false, true> : launch_norm<false, false>;  // (delta is null with sums)
-  const int early = y && !rows && c->combine_early;  // (the slots ordered before the gate: rmsnorm_kernel)
+  // (the slots ordered before the gate: rmsnorm_kernel; not where a fused
+  // down may have run just before, in the launch that routed: its ids are
+  // final only at the gate)
+  const int early = y && !rows && c->combine_early && !c->moe_fused_down;
   return norm(c, n, 0, x, (const half*)delta, delta_norm, y, ids, weights, k, rows, w, (half*)out, H, eps, nullptr, nullptr,
               0, sums, early);
 }
