@@ -955,6 +955,9 @@ func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weig
 		return fmt.Errorf("moe_gemv_routed: an output for the next layer needs gated experts and their next layer (gated: %v, next layer: %v)",
 			w.Gated != NotGated, next != nil)
 	}
+	if !nextOut.Nil() && nextOut.Bytes < T*k*next.N*4 {
+		return fmt.Errorf("moe_gemv_routed: the next layer's output holds %d bytes, want %d rows of %d fp32", nextOut.Bytes, T*k, next.N)
+	}
 	var nB, nS, nZ C.P
 	var nN, nK, nGroup int
 	if next != nil {

@@ -87,13 +87,15 @@ __global__ void embed_kernel(const int32_t* __restrict__ ids, const half* __rest
 //
 // early (a mixture's combine, under LLMQ_COMBINE_EARLY, on by default):
 // the row's slots are ordered — its ids and weights read — before
-// pdl_gate(). They were written by the routing, a launch before the
-// expert down GEMV that runs just before this kernel, and under PDL this
-// kernel starts only once that GEMV has passed its own gate, so every
-// kernel before it has finished (common.cuh): the ids are final, and only
-// y, which the GEMV is still writing, waits for the gate. One dependent
-// round trip fewer after the gate. Not with LLMQ_MOE_FUSED_DOWN=1, where
-// the launch just before may be the routed one that writes the ids.
+// pdl_gate(). The routing wrote them a launch before the one just before
+// this kernel (the expert down GEMV), and under PDL this kernel starts
+// only once that launch has passed its own gate, so every kernel before
+// it has finished (common.cuh): the ids are final, and only y, which the
+// down GEMV is still writing, waits for the gate. One dependent round
+// trip fewer after the gate. Not with LLMQ_MOE_FUSED_DOWN=1, where the
+// down may run inside the routing launch itself (then the ids are final
+// only at the gate): rmsnorm turns it off whenever the switch is set,
+// fused or not.
 //
 // ROUTER (rmsnorm_router, a mixture's norm): x + delta is normed but not
 // written back (the next norm adds the same delta, still in its buffer),

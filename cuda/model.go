@@ -1367,7 +1367,7 @@ const normRouterMaxRows = 64
 // interleaved (W4.Gated), else the gated activation follows; down. A
 // decode step's few rows of 4-bit experts route inside the gate/up GEMV
 // instead (MoEGemvRouted: one launch fewer), and that call runs down too
-// where the experts are gated (in its own launch with
+// where the experts are gated (inside the routed launch with
 // LLMQ_MOE_FUSED_DOWN=1: one launch fewer again). The weighted sum of each
 // row's k outputs, in ascending expert order, is the next norm's
 // (mlpOutput, RMSNormExperts).

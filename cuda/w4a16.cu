@@ -1814,9 +1814,12 @@ struct MoEPrefetch {
 // (every one of down's N columns) and adds the products into out row
 // slot, where the gate/up tiles of the slot meet (fp32 atomics, as the
 // split down GEMV's slices meet). The down launch, and the wait on the
-// gate/up launch before it, go; the sums are the down GEMV's but for the
-// order of the fp32 additions (its half2 products are formed over the
-// same pairs of steps).
+// gate/up launch before it, go. The products are summed in half2 over
+// each pair of steps, as the down GEMV's warps sum theirs when each takes
+// an even run of steps from an even one (qwen3-30b-a3b's down: 12 a warp);
+// then only the order of the fp32 additions differs. Where a warp takes
+// one step, or odd runs, the fp16 roundings differ too (about 3e-4 of
+// the sums' norm on random weights).
 struct MoEDown {
   const uint4* B;      // down's experts, expert after expert (UploadExperts); nullptr: not fused
   const uint4* S;
@@ -2962,7 +2965,11 @@ int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int 
       return 1;
     return next_layer();
   }
-  const bool fuse_down = nout && c->moe_fused_down && fuses_act(c, S, S, 1, N, K, act) && (ngroup >= 32 || ngroup == nK);
+  // Fused where this launch writes g itself (fuses_act: one K split), each
+  // CTA's pair of steps lies in one group of the next layer, and nout can
+  // take 16-byte reductions.
+  const bool fuse_down = nout && c->moe_fused_down && fuses_act(c, S, S, 1, N, K, act) &&
+                         (ngroup >= 32 || ngroup == nK) && ((uintptr_t)nout & 15) == 0;
   MoEPrefetch next{};  // c->moe_prefetch is 0–2: ctx_create refuses others
   if (nB && c->moe_prefetch && !fuse_down) {
     const uint32_t G = nK / ngroup;  // an expert's groups: G·N/64 tiles of 8 uint4 scales and 8 words of zeros
