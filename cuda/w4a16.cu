@@ -1818,8 +1818,9 @@ struct MoEPrefetch {
 // each pair of steps, as the down GEMV's warps sum theirs when each takes
 // an even run of steps from an even one (qwen3-30b-a3b's down: 12 a warp);
 // then only the order of the fp32 additions differs. Where a warp takes
-// one step, or odd runs, the fp16 roundings differ too (about 3e-4 of
-// the sums' norm on random weights).
+// one step, or odd runs, the fp16 roundings differ too (past what fp32
+// reordering moves: TestMoEGemvRoutedMatchesCPU checks those cases
+// against float64 only).
 struct MoEDown {
   const uint4* B;      // down's experts, expert after expert (UploadExperts); nullptr: not fused
   const uint4* S;
@@ -2889,19 +2890,19 @@ int check_gated(llmq_ctx* c, const char* fn, const void* g, int act) {
   return 0;
 }
 
-// grouped_launch runs w4a16_gemv_grouped<MT, U, ROUTED> over `chunks`
-// chunks: gated (act ≥ 0, unless LLMQ_MOE_FUSED_ACT=0) with one K split
-// where its tiles of chunks fill the SMs or one split is the plan anyway
-// — a second split's sums would have to meet in memory before the pairs,
-// and that tail cost more than the split gained at qwen3-30b-a3b's batch
-// 1, 192 tiles on 132 SMs (NOTES.md, "The fourteenth session") — else
-// moe_splits', the sums into out, and moe_act after when gated.
 // fuses_act: whether grouped_launch writes a gated pass's act(gate)·up
 // in the GEMV's own launch (one K split).
 static bool fuses_act(const llmq_ctx* c, int chunks, int slots, int mt, int N, int K, int act) {
   return act >= 0 && c->moe_fused_act && (moe_splits(c, slots, mt, N, K) == 1 || (N / 64) * chunks >= c->sms);
 }
 
+// grouped_launch runs w4a16_gemv_grouped<MT, U, ROUTED, DOWN> over
+// `chunks` chunks: gated (act ≥ 0, unless LLMQ_MOE_FUSED_ACT=0) with one K split
+// where its tiles of chunks fill the SMs or one split is the plan anyway
+// — a second split's sums would have to meet in memory before the pairs,
+// and that tail cost more than the split gained at qwen3-30b-a3b's batch
+// 1, 192 tiles on 132 SMs (NOTES.md, "The fourteenth session") — else
+// moe_splits', the sums into out, and moe_act after when gated.
 template <int MT, int U, bool ROUTED, bool DOWN = false>
 static int grouped_launch(llmq_ctx* c, int chunks, int slots, const void* A, int a_div, const int32_t* order,
                           const int32_t* chunk_list, const void* B, const void* scales, const void* zeros, float* out,
