@@ -425,7 +425,9 @@ func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 // qwen3-30b-a3b's widths), else in its own after: act(gate)·up and the
 // second GEMV's output checked against float64 again, and at
 // qwen3-30b-a3b's widths (whose down GEMV's warps pair steps as the fused
-// one does) against the separate second GEMV's to fp32 reordering, 1e-5. The
+// one does) against the separate second GEMV's to fp32 reordering, 1e-5,
+// bit for bit where the call must have launched that GEMV again, and not
+// bit for bit where it must have fused it (so a silent fallback fails). The
 // outputs start poisoned, so a routing or plan left unwritten fails.
 // Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32
 // slots), each also with gated experts (their act(gate)·up the second
@@ -438,6 +440,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 		"LLMQ_MOE_FUSED_DOWN=1", "LLMQ_MOE_FUSED_DOWN=1 LLMQ_MOE_FUSED_ACT=0"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		routed := setting != "LLMQ_MOE_ROUTED=0"
+		fusedDown := setting == "LLMQ_MOE_FUSED_DOWN=1" // (with LLMQ_MOE_FUSED_ACT=0 it cannot fuse)
 		r := rand.New(rand.NewPCG(13, 14))
 		for _, c := range []struct {
 			T, E, k, N, K, group int
@@ -556,6 +559,13 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 					t.Logf("%s: relative Frobenius difference %.2e from the separate second GEMV's", whole, rel)
 					if !(rel <= 1e-5) {
 						t.Errorf("%s: differs from the separate second GEMV's by %.3g (want ≤ 1e-5)", whole, rel)
+					}
+					// Which launch ran it: the separate GEMV (one K split here)
+					// adds each value once, so a call that launched it again
+					// repeats its bits; the fused one adds each value's 24 tiles
+					// in no fixed order, which never repeats them all.
+					if same := slices.Equal(got2, want2); same == fusedDown {
+						t.Errorf("%s: the output's bits repeat the separate GEMV's: %v, want %v (the down fused in the routed launch: %v)", whole, same, !fusedDown, fusedDown)
 					}
 				}
 			}
