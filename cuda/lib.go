@@ -961,11 +961,14 @@ func (x *Context) MoEGemvRouted(A, logits Buf, T, E, k int, norm bool, ids, weig
 	var nB, nS, nZ C.P
 	var nN, nK, nGroup int
 	if next != nil {
-		reads := N // the next layer reads out, or g where gated: half as wide
-		if w.Gated != NotGated {
-			reads = N / 2
+		// Run here (nextOut), the next layer reads g = act(gate)·up, half
+		// as wide as out; only asked of L2, it may be any E experts (the
+		// model's down reads g after MoEAct where the experts write out).
+		K2 := next.K
+		if !nextOut.Nil() {
+			K2 = N / 2
 		}
-		if err := checkRoutedExperts("next layer's ", next, E, next.N, reads); err != nil {
+		if err := checkRoutedExperts("next layer's ", next, E, next.N, K2); err != nil {
 			return err
 		}
 		nB, nS, nZ, nN, nK, nGroup = next.B.p, next.S.p, next.Z.p, next.N, next.K, next.Group

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -439,8 +440,10 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 	settings := []string{"LLMQ_MOE_ROUTED=1", "LLMQ_MOE_ROUTED=0", "LLMQ_MOE_FUSED_ACT=0", "LLMQ_MOE_PREFETCH=1", "LLMQ_MOE_PREFETCH=2",
 		"LLMQ_MOE_FUSED_DOWN=1", "LLMQ_MOE_FUSED_DOWN=1 LLMQ_MOE_FUSED_ACT=0"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
-		routed := setting != "LLMQ_MOE_ROUTED=0"
-		fusedDown := setting == "LLMQ_MOE_FUSED_DOWN=1" // (with LLMQ_MOE_FUSED_ACT=0 it cannot fuse)
+		// From the environment the setting leaves, which a run may have set
+		// beforehand too (cuda/device-model.sh zoo under LLMQ_MOE_FUSED_DOWN=1).
+		routed := os.Getenv("LLMQ_MOE_ROUTED") != "0"
+		fusedDown := routed && os.Getenv("LLMQ_MOE_FUSED_DOWN") == "1" && os.Getenv("LLMQ_MOE_FUSED_ACT") != "0"
 		r := rand.New(rand.NewPCG(13, 14))
 		for _, c := range []struct {
 			T, E, k, N, K, group int
@@ -579,7 +582,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 		// library's check: the codes' size passes Go's), and experts that
 		// are not E of UploadExperts' are refused before the library.
 		big := &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 128 * 64 * 128 / 2}}
-		y, err := x.Alloc(64) // an output for the next layer: never written, every call below fails first
+		y, err := x.Alloc(8 * 128 * 4) // an output for the next layer: never written, every call below fails first
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -594,7 +597,8 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, B: big.B}, nextOut: true, want: "needs gated experts"},
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, B: Buf{Bytes: 64 * 128 / 2}}, want: "next layer's codes hold fewer than 128"},
 			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 64, Group: 64, Bits: 8}, want: "next layer's experts must be"},
-			{T: 1, E: 128, k: 8, w: big, next: &W4{N: 128, K: 128, Group: 64}, want: "next layer's experts of 128×128 run as 128×64"},
+			{T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, B: big.B, Gated: GatedSiLU}, next: &W4{N: 128, K: 64, Group: 64}, nextOut: true,
+				want: "next layer's experts of 128×64 run as 128×32"}, // it reads g, 32 wide
 			{T: 5, E: 128, k: 8, w: big, want: "rows·top ≤ 32"}, {T: 1, E: 128, k: 0, w: big, want: "rows·top ≤ 32"},
 			{T: 1, E: 128, k: 8, want: "no experts"}, {T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, Bits: 8}, want: "4-bit"},
 			{T: 1, E: 128, k: 8, w: &W4{N: 64, K: 128, Group: 128, B: Buf{Bytes: 64 * 128 / 2}}, want: "fewer than 128 experts"},
