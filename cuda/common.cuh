@@ -80,6 +80,10 @@ struct llmq_ctx {
   // A/B says. On, the combine reads the routing after its gate (not
   // early: the launch before it may be the one that routed).
   bool moe_fused_down = false;
+  // A fused down's CTAs keep their gate/up's codes, scales and zeros in
+  // shared memory, asked for at once after routing (w4a16.cu, FusedStage;
+  // LLMQ_MOE_FUSED_STAGE=0: streamed as the unfused pass's, for A/Bs).
+  bool moe_fused_stage = true;
   // API 19: a mixture's gated gate/up GEMV writes act(gate)·up itself
   // (LLMQ_MOE_FUSED_ACT=0: the sums, then moe_act), and the norm before
   // the experts computes the router's logits (LLMQ_MOE_NORM_ROUTER=0: the

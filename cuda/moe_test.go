@@ -421,24 +421,29 @@ func checkZero(t *testing.T, name string, x *Context, ws Buf) {
 // loop (LLMQ_MOE_PREFETCH=1, 2: only a hint, so the same checks; 3, no
 // mode, is refused with the context). Gated experts then run the whole
 // mixture in one call (API 28: the second GEMV's output given), the
-// second GEMV in the routed launch where LLMQ_MOE_FUSED_DOWN=1 can (the
-// gated cases that write act(gate)·up in one K split: 4 rows, and
-// qwen3-30b-a3b's widths), else in its own after: act(gate)·up and the
-// second GEMV's output checked against float64 again, and at
-// qwen3-30b-a3b's widths (whose down GEMV's warps pair steps as the fused
-// one does) against the separate second GEMV's to fp32 reordering, 1e-5,
-// bit for bit where the call must have launched that GEMV again, and not
-// bit for bit where it must have fused it (so a silent fallback fails). The
-// outputs start poisoned, so a routing or plan left unwritten fails.
+// second GEMV in the routed launch where LLMQ_MOE_FUSED_DOWN=1 can (its
+// gate/up from shared memory, or streamed with LLMQ_MOE_FUSED_STAGE=0; the
+// gated cases that write act(gate)·up in one K split: 4 rows,
+// qwen3-30b-a3b's widths, and 2 rows whose second GEMV has 36 n-tiles,
+// past the 32 a fused CTA keeps in shared memory, and 4 rows whose
+// gate/up's K is past what it keeps there), else in its own after:
+// act(gate)·up and the second GEMV's output checked against float64
+// again; bit for bit the separate second GEMV's where the call must have
+// launched that GEMV again, and not where it must have fused it (so a
+// silent fallback fails); and at qwen3-30b-a3b's widths (whose down
+// GEMV's warps pair steps as the fused one does) within 1e-5 of it, fp32
+// reordering. The outputs start poisoned, so a routing or plan left
+// unwritten fails.
 // Cases: a qwen3-30b-a3b step (1 row of 128 experts, top 8), 4 rows (32
 // slots), each also with gated experts (their act(gate)·up the second
 // GEMV's input), qwen3-30b-a3b's widths gated (16 experts: its down of
-// 2048 columns the second GEMV), 256 experts top 16 over 2 rows without
-// renormalisation, a K split, a row of NaN logits (the lowest experts,
-// NaN weights, as on the CPU).
+// 2048 columns the second GEMV), 2 rows of 8 experts gated with a second
+// GEMV of 2304 columns, 4 rows of 16 experts gated with K 2304, 256
+// experts top 16 over 2 rows without renormalisation, a K split, a row of
+// NaN logits (the lowest experts, NaN weights, as on the CPU).
 func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 	settings := []string{"LLMQ_MOE_ROUTED=1", "LLMQ_MOE_ROUTED=0", "LLMQ_MOE_FUSED_ACT=0", "LLMQ_MOE_PREFETCH=1", "LLMQ_MOE_PREFETCH=2",
-		"LLMQ_MOE_FUSED_DOWN=1", "LLMQ_MOE_FUSED_DOWN=1 LLMQ_MOE_FUSED_ACT=0"}
+		"LLMQ_MOE_FUSED_DOWN=1", "LLMQ_MOE_FUSED_DOWN=1 LLMQ_MOE_FUSED_STAGE=0", "LLMQ_MOE_FUSED_DOWN=1 LLMQ_MOE_FUSED_ACT=0"}
 	inSettings(t, settings, func(t *testing.T, x *Context, setting string) {
 		// From the environment the setting leaves, which a run may have set
 		// beforehand too (cuda/device-model.sh zoo under LLMQ_MOE_FUSED_DOWN=1).
@@ -449,12 +454,19 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			T, E, k, N, K, group int
 			nan, raw, gated      bool // raw: the weights not renormalised
 			n2, g2               int  // the second GEMV's columns and group (0: 64, 64)
+			// fuses: gated in one K split, so LLMQ_MOE_FUSED_DOWN=1 runs the
+			// second GEMV in the routed launch; pairs: the separate second
+			// GEMV's warps pair its steps as the fused down does, so the two
+			// agree to fp32 order (MoEDown).
+			fuses, pairs bool
 		}{
 			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128},
 			{T: 1, E: 128, k: 8, N: 256, K: 2048, group: 128, gated: true}, // 32 tiles: K split, then MoEAct
 			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64},
-			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64, gated: true},                      // one split planned: fused
-			{T: 1, E: 16, k: 8, N: 1536, K: 2048, group: 128, gated: true, n2: 2048, g2: 128}, // 192 tiles: fused
+			{T: 4, E: 128, k: 8, N: 128, K: 512, group: 64, gated: true, fuses: true},                                   // one split planned
+			{T: 1, E: 16, k: 8, N: 1536, K: 2048, group: 128, gated: true, n2: 2048, g2: 128, fuses: true, pairs: true}, // 192 tiles
+			{T: 2, E: 8, k: 2, N: 128, K: 512, group: 64, gated: true, n2: 2304, g2: 64, fuses: true},                   // 36 n-tiles of down, 4 past kDownStaged
+			{T: 4, E: 16, k: 8, N: 384, K: 2304, group: 128, gated: true, n2: 128, g2: 64, fuses: true},                 // 192 tiles; gate/up's K past FusedStage
 			{T: 2, E: 256, k: 16, N: 64, K: 256, group: 256, raw: true},
 			{T: 3, E: 8, k: 2, N: 64, K: 2048, group: 128},
 			{T: 2, E: 8, k: 3, N: 64, K: 128, group: 32, nan: true},
@@ -541,7 +553,7 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 			if err := x.MoEGemv(A2, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, out2, Buf{}, N2, K2); err != nil {
 				t.Fatal(err)
 			}
-			want2 := checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
+			checkSlots(t, name+" then the plan's second GEMV", x, out2, a2vals, W2, ids, 1, N2, K2)
 			if c.gated { // the whole mixture in one call: the second GEMV's sums again
 				x.Memset(gated, 0xff, gated.Bytes)
 				x.Memset(out2, 0, out2.Bytes)
@@ -552,9 +564,23 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 				checkGatedSlots(t, whole, x, gated, avals, gate, up, ids, c.k, c.N/2, c.K)
 				got2 := checkSlots(t, whole, x, out2, a2vals, W2, ids, 1, N2, K2)
 				checkZero(t, whole, x, out)
-				if c.n2 > 0 {
+				// The separate second GEMV again, over this call's own
+				// act(gate)·up (a K-split gate/up's sums meet in no fixed
+				// order, so the first call's g may differ in its last bits).
+				sep, err := x.Alloc(S * N2 * 4)
+				if err != nil {
+					t.Fatal(err)
+				}
+				x.Memset(sep, 0, sep.Bytes)
+				sepv := make([]float32, S*N2)
+				if err := errors.Join(x.MoEGemv(gated, 1, ob, cb, MoEMaxChunks(S, c.E, 1), 1, S, w42, Buf{}, sep, Buf{}, N2, K2),
+					Download(x, sepv, sep)); err != nil {
+					t.Fatal(err)
+				}
+				x.Free(sep)
+				if c.pairs {
 					var num, den float64
-					for i, v := range want2 {
+					for i, v := range sepv {
 						d := float64(got2[i]) - float64(v)
 						num, den = num+d*d, den+float64(v)*float64(v)
 					}
@@ -563,13 +589,16 @@ func TestMoEGemvRoutedMatchesCPU(t *testing.T) {
 					if !(rel <= 1e-5) {
 						t.Errorf("%s: differs from the separate second GEMV's by %.3g (want ≤ 1e-5)", whole, rel)
 					}
-					// Which launch ran it: the separate GEMV (one K split here)
-					// adds each value once, so a call that launched it again
-					// repeats its bits; the fused one adds each value's 24 tiles
-					// in no fixed order, which never repeats them all.
-					if same := slices.Equal(got2, want2); same == fusedDown {
-						t.Errorf("%s: the output's bits repeat the separate GEMV's: %v, want %v (the down fused in the routed launch: %v)", whole, same, !fusedDown, fusedDown)
-					}
+				}
+				// Which launch ran it: the separate GEMV (one K split in
+				// every case here) adds each value once, so a call that
+				// launched it again repeats its bits; the fused one adds
+				// its gate/up tiles' products in no fixed order
+				// (qwen3-30b-a3b's 24), or pairs other steps in half2 than
+				// the separate one's warps do, which never repeats them all.
+				fused := fusedDown && c.fuses
+				if same := slices.Equal(got2, sepv); same == fused {
+					t.Errorf("%s: the output's bits repeat the separate GEMV's: %v, want %v (the down fused in the routed launch: %v)", whole, same, !fused, fused)
 				}
 			}
 			for _, b := range []Buf{A, lb, ib, wb, ob, cb, out, A2, out2} {

@@ -85,6 +85,7 @@ int ctx_create(int device, llmq_ctx** out) {
   if (const char* e = getenv("LLMQ_MOE_ROUTED")) c->moe_routed = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_PREFETCH")) c->moe_prefetch = atoi(e);
   if (const char* e = getenv("LLMQ_MOE_FUSED_DOWN")) c->moe_fused_down = atoi(e) != 0;
+  if (const char* e = getenv("LLMQ_MOE_FUSED_STAGE")) c->moe_fused_stage = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_FUSED_ACT")) c->moe_fused_act = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_NORM_ROUTER")) c->moe_norm_router = atoi(e) != 0;
   if (const char* e = getenv("LLMQ_MOE_SPLITS")) c->moe_splits = atoi(e);

@@ -265,8 +265,9 @@ __device__ __forceinline__ int step_group(int k, int gshift) { return gshift < 0
 // registers (GroupRegs) and the next group's raw values loaded ahead, as
 // the warp walks its K range in order. gshift: a group spans 2^gshift
 // 16-row steps (−1: a single group). BITS: the codes' width, 4 (a lane's
-// zeros in one word) or 8 (two).
-template <int BITS = 4>
+// zeros in one word) or 8 (two). SHARED: S and Z are copies in shared
+// memory (a fused down's gate/up, FusedStage), read without __ldg.
+template <int BITS = 4, bool SHARED = false>
 struct GroupStream {
   using ZV = ZerosOf<BITS>;
   const uint4* S;
@@ -281,16 +282,23 @@ struct GroupStream {
       : S(S_), Z(reinterpret_cast<const ZV*>(Z_)), off((size_t)nt * 8 + gid), stride((size_t)NT * 8), gshift(gshift_),
         G(gshift_ < 0 ? 1 : KT >> gshift_), cur(0), sv_next(), zv_next() {}
 
+  template <class T>
+  static __device__ __forceinline__ T ld(const T* p) {
+    if constexpr (SHARED)
+      return *p;
+    else
+      return __ldg(p);
+  }
   __device__ __forceinline__ void prefetch() {
     if (cur + 1 < G) {
-      sv_next = __ldg(S + (cur + 1) * stride + off);
-      zv_next = __ldg(Z + (cur + 1) * stride + off);
+      sv_next = ld(S + (cur + 1) * stride + off);
+      zv_next = ld(Z + (cur + 1) * stride + off);
     }
   }
   // start loads the group of step k0 into gr.
   __device__ __forceinline__ void start(GroupRegs& gr, int k0) {
     cur = step_group(k0, gshift);
-    convert_group(gr, __ldg(S + cur * stride + off), __ldg(Z + cur * stride + off));
+    convert_group(gr, ld(S + cur * stride + off), ld(Z + cur * stride + off));
     prefetch();
   }
   // crosses: whether step k lies past gr's group.
@@ -1307,16 +1315,28 @@ __device__ __forceinline__ void codes_batch(uint4 (&q)[U][CH], const uint4* bp, 
   }
 }
 
+// code_at is the lane's 16 bytes of codes at bp + i, streamed from
+// memory; or, from a StagedCodes, the copy of them in shared memory.
+__device__ __forceinline__ uint4 code_at(const uint4* bp, size_t i) { return ld_stream(bp + i); }
+// StagedCodes: a lane's codes of steps k0 … copied to shared memory
+// (FusedStage), what bp + i holds at p[i − off] (off = 32·k0).
+struct StagedCodes {
+  const uint4* p;
+  size_t off;
+};
+__device__ __forceinline__ uint4 code_at(const StagedCodes& s, size_t i) { return s.p[i - s.off]; }
+
 // gemv_steps is the GEMV kernels' main loop: one warp's steps [k0, k1)
 // of one n-tile for MT rows, lane's activations of row m at ap[m] (its
-// row's first word + tig), its chunks at bp (step k's at bp + 32k), U
-// steps a batch with the next batch's codes and activations loaded while
-// this one is multiplied. It sets acc to the lane's sums: 8 columns × MT rows.
-// GATE: the kernel left pdl_gate() to it, which it calls after asking for
-// the first batch's codes and before the activations (weights_then_gate).
-template <int MT, int U, int BITS = 4, bool GATE = false>
-__device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], const uint4* bp,
-                                           GroupStream<BITS>& groups, int k0, int k1) {
+// row's first word + tig), its chunks at bp (step k's at bp + 32k; or a
+// StagedCodes), U steps a batch with the next batch's codes and
+// activations loaded while this one is multiplied. It sets acc to the
+// lane's sums: 8 columns × MT rows. GATE: the kernel left pdl_gate() to
+// it, which it calls after asking for the first batch's codes and before
+// the activations (weights_then_gate; codes in memory only).
+template <int MT, int U, int BITS = 4, bool GATE = false, class Codes = const uint4*, bool SG = false>
+__device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* (&ap)[MT], Codes bp,
+                                           GroupStream<BITS, SG>& groups, int k0, int k1) {
   static_assert(U % 2 == 0, "steps are multiplied in pairs");
   constexpr int CH = BITS / 4;  // chunks a step: step k's are at bp + 32·(CH·k + c)
 #pragma unroll
@@ -1341,7 +1361,7 @@ __device__ __forceinline__ void gemv_steps(float (&acc)[MT][8], const uint32_t* 
       if (k < k1) {
 #pragma unroll
         for (int c = 0; c < CH; ++c)
-          if (codes) qn[u][c] = ld_stream(bp + ((size_t)k * CH + c) * 32);
+          if (codes) qn[u][c] = code_at(bp, ((size_t)k * CH + c) * 32);
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           xn[u][m][0] = __ldg(ap[m] + (size_t)k * 8);
@@ -1851,22 +1871,111 @@ __device__ __forceinline__ void red_add4(float* p, float4 v) {
 #endif
 }
 
+// A fused down's operands for its first kDownStaged n-tiles (down's N ≤
+// 2,048, qwen3-30b-a3b's: all of them) wait in shared memory, copied
+// there (stage_down, cp.async) once the CTA knows its expert, so that
+// they arrive while the gate/up's own loads do: down_slice then finds
+// them there instead of starting a round trip to memory of its own after
+// the gate/up's sums. N-tiles past kDownStaged it reads from memory.
+constexpr int kDownStaged = 32;
+struct DownStage {
+  uint4 q[kDownStaged][2][32];  // n-tile t's codes of the two steps, lane by lane (down_slice's q)
+  uint4 s[kDownStaged][8];      // n-tile t's group entry of the steps, gid by gid: scales (sv)
+  uint32_t z[kDownStaged][8];   // and zeros (zv)
+};
+// down_stage: the CTA's one DownStage, in the kernels that call it only
+// (a function's __shared__ variable is the block's, however often called).
+__device__ __forceinline__ DownStage& down_stage() {
+  __shared__ __align__(16) DownStage st;
+  return st;
+}
+
+// down_operands: where n-tile t of a fused down (MoEDown) of expert e
+// finds its codes (both steps: b + t·KT·32, 64 uint4s) and its group
+// entries (g + 8t, 8 of scales and of zeros) in down's arrays.
+struct DownOperands {
+  const uint4* b;
+  size_t g;
+  int KT;
+};
+__device__ __forceinline__ DownOperands down_operands(const MoEDown& d, int e, int nt) {
+  const int NT = d.N >> 6, KT = d.K >> 4, k = 2 * nt;
+  const size_t per_b = (size_t)NT * KT * 32, per_group = (size_t)(d.gshift < 0 ? 1 : KT >> d.gshift) * NT * 8;
+  return {d.B + e * per_b + (size_t)k * 32, e * per_group + (size_t)step_group(k, d.gshift) * NT * 8, KT};
+}
+
+// stage_down starts the copies of CTA (nt, ·)'s down operands for n-tiles
+// t < kDownStaged into st, the CTA's threads sharing them 16 bytes at a
+// time, as one cp.async group (cp_async_wait<0> before down_slice).
+__device__ __forceinline__ void stage_down(const MoEDown& d, int e, int nt, DownStage& st) {
+  const DownOperands o = down_operands(d, e, nt);
+  const int tiles = min(d.N >> 6, kDownStaged), n = blockDim.x;
+  for (int i = threadIdx.x; i < tiles * 64; i += n)
+    cp_async16(&st.q[i >> 6][(i >> 5) & 1][i & 31], o.b + (size_t)(i >> 6) * o.KT * 32 + (i & 63));
+  for (int i = threadIdx.x; i < tiles * 8; i += n) cp_async16(&st.s[i >> 3][i & 7], d.S + o.g + i);
+  for (int i = threadIdx.x; i < tiles * 2; i += n) cp_async16(&st.z[i >> 1][4 * (i & 1)], d.Z + o.g + 4 * i);
+  cp_async_commit();
+}
+
+// FusedStage: where a fused down's CTA keeps its own gate/up operands in
+// dynamic shared memory (uint4 offsets): warp w's codes of its steps
+// [k0, k1), lane by lane (step k's 32 uint4s at 32·(w·per_warp + k −
+// k0)); then the tile's scales, 8 a group; then its zeros, 8 words a
+// group. With stage_down's DownStage, the CTA's weights are asked for at
+// once as soon as the routing names its expert (its activations, and
+// down's n-tiles past kDownStaged, are read as before), where a CTA
+// streaming them keeps two batches of steps in flight a warp.
+struct FusedStage {
+  int per_warp, G;  // steps a warp (warp_range's, one split); the tile's groups
+  __host__ __device__ int scales_at() const { return kWarps * per_warp * 32; }
+  __host__ __device__ int zeros_at() const { return scales_at() + G * 8; }
+  __host__ __device__ size_t bytes() const { return (size_t)(zeros_at() + G * 2) * 16; }
+};
+__host__ __device__ inline FusedStage fused_stage(int K, int gshift) {
+  const int KT = K >> 4;
+  return {(KT + kWarps - 1) / kWarps, gshift < 0 ? 1 : KT >> gshift};
+}
+// fused_stage_bytes: the dynamic shared memory a fused down's launch
+// gives each CTA for its FusedStage (qwen3-30b-a3b's gate/up, K 2,048 in
+// groups of 128: 66.5 KB), 0 where that is past kFusedStageMax (K past
+// 2,176 in groups of 128, or groups under 64 rows at 2,048), where the
+// CTA streams its gate/up's codes as the unfused pass does. 72 KB beside
+// the 40 KB of static (DownStage) leaves two CTAs an SM of Hopper's 228 KB.
+constexpr size_t kFusedStageMax = 72 * 1024;
+__host__ __device__ inline size_t fused_stage_bytes(int K, int gshift) {
+  const size_t b = fused_stage(K, gshift).bytes();
+  return b <= kFusedStageMax ? b : 0;
+}
+// fused_smem: the kernel's dynamic shared memory (FusedStage), of
+// dynamic_smem_bytes() bytes, as the launch gave it.
+__device__ __forceinline__ uint4* fused_smem() {
+  extern __shared__ __align__(16) uint4 fused_dynamic[];
+  return fused_dynamic;
+}
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+  uint32_t b;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(b));
+  return b;
+}
+
 // down_slice is a fused down's share (MoEDown) of CTA (nt, ·) of expert
 // e: the 32 fp16 rows h (act(gate)·up, in shared memory) times down's
 // steps 2·nt and 2·nt + 1, every n-tile of down, added into out row
 // `slot`. Warp w takes n-tiles w, w + kWarps, …, kBatch of them at a
-// time, their codes and group entries asked for before any is
-// multiplied; per n-tile the arithmetic is gemv_steps' for one pair of
-// steps, then gemv_reduce's lane sums, staged in `stage` so that 16 lanes
-// add the tile's 64 columns four at a time.
+// time, their codes and group entries taken from st (stage_down) or,
+// past kDownStaged, asked of memory before any is multiplied; per n-tile
+// the arithmetic is gemv_steps' for one pair of steps, then gemv_reduce's
+// lane sums, staged in `stage` so that 16 lanes add the tile's 64 columns
+// four at a time.
 __device__ __forceinline__ void down_slice(const MoEDown& d, int e, int slot, int nt, const half* hs,
-                                           float (&stage)[kWarps][64], int warp, int lane) {
+                                           const DownStage& st, float (&stage)[kWarps][64], int warp, int lane) {
   constexpr int kBatch = 4;
   const int gid = lane >> 2, tig = lane & 3;
-  const int NT = d.N >> 6, KT = d.K >> 4, k = 2 * nt;
-  const size_t per_b = (size_t)NT * KT * 32, per_group = (size_t)(d.gshift < 0 ? 1 : KT >> d.gshift) * NT * 8;
-  const uint4* bp = d.B + e * per_b + (size_t)k * 32 + lane;  // n-tile t's two steps: bp + t·KT·32 (+ 32)
-  const size_t gi = e * per_group + (size_t)step_group(k, d.gshift) * NT * 8 + gid;  // n-tile t's entry: gi + 8t
+  const int NT = d.N >> 6;
+  const DownOperands o = down_operands(d, e, nt);
+  const int KT = o.KT;
+  const uint4* bp = o.b + lane;  // n-tile t's two steps: bp + t·KT·32 (+ 32)
+  const size_t gi = o.g + gid;   // n-tile t's entry: gi + 8t
   // The lane's activations of each step, as gemv_steps takes them: rows
   // 2·tig, 2·tig + 1 (word tig) and 2·tig + 8, 2·tig + 9 (word tig + 4).
   const uint32_t* hw = reinterpret_cast<const uint32_t*>(hs);
@@ -1878,7 +1987,10 @@ __device__ __forceinline__ void down_slice(const MoEDown& d, int e, int slot, in
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int t = t0 + kWarps * b;
-      if (t < NT) {
+      if (t < NT && t < kDownStaged) {  // (the same for the whole warp)
+        q[b][0] = st.q[t][0][lane], q[b][1] = st.q[t][1][lane];
+        sv[b] = st.s[t][gid], zv[b] = st.z[t][gid];
+      } else if (t < NT) {
         q[b][0] = ld_stream(bp + (size_t)t * KT * 32);
         q[b][1] = ld_stream(bp + (size_t)t * KT * 32 + 32);
         sv[b] = __ldg(d.S + gi + 8 * t);
@@ -2001,7 +2113,38 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
   for (int m = 0; m < MT; ++m) ap[m] = reinterpret_cast<const uint32_t*>(A + (size_t)(slot(min(m, n - 1)) / a_div) * K) + tig;
   GroupStream<4> groups(S + e * per_group, Z + e * per_group, nt, NT, gid, KT, gshift);
   float acc[MT][8];
-  gemv_steps<MT, U>(acc, ap, B + e * per_b + (size_t)nt * KT * 32 + lane, groups, k0, k1);
+  const uint4* bp = B + e * per_b + (size_t)nt * KT * 32 + lane;  // step k's codes: bp + 32k
+  if constexpr (DOWN) {
+    // A fused down's CTA asks for its weights at once (FusedStage, then
+    // DownStage: a cp.async group each), then runs the gate/up from shared
+    // memory once its group is in; where its gate/up does not fit, it
+    // streams those as below.
+    const FusedStage fs = fused_stage(K, gshift);
+    const size_t want = fused_stage_bytes(K, gshift);
+    const bool staged = gt.act >= 0 && want > 0 && dynamic_smem_bytes() >= want;  // (grouped_launch's choice)
+    uint4* st = fused_smem();
+    if (staged) {
+      for (int k = k0; k < k1; ++k) cp_async16(st + (size_t)(warp * fs.per_warp + k - k0) * 32 + lane, bp + (size_t)k * 32);
+      const size_t g0 = e * per_group + (size_t)nt * 8;  // the tile's entries of group g: g0 + g·NT·8 …
+      for (int i = threadIdx.x; i < fs.G * 8; i += kWarps * 32)
+        cp_async16(st + fs.scales_at() + i, S + g0 + (size_t)(i >> 3) * NT * 8 + (i & 7));
+      for (int i = threadIdx.x; i < fs.G * 2; i += kWarps * 32)
+        cp_async16(st + fs.zeros_at() + i, Z + g0 + (size_t)(i >> 1) * NT * 8 + 4 * (i & 1));
+      cp_async_commit();
+    }
+    if (gt.act >= 0) stage_down(rt.down, e, nt, down_stage());  // (a group of its own, after)
+    if (staged) {
+      cp_async_wait<1>();  // this thread's gate/up copies (the down's may still be on the way); the
+      __syncthreads();     // barrier, the scales and zeros the warps share
+      GroupStream<4, true> sg(st + fs.scales_at(), reinterpret_cast<const uint32_t*>(st + fs.zeros_at()), 0, 1, gid, KT,
+                              gshift);
+      gemv_steps<MT, U>(acc, ap, StagedCodes{st + (size_t)warp * fs.per_warp * 32 + lane, (size_t)k0 * 32}, sg, k0, k1);
+    } else {
+      gemv_steps<MT, U>(acc, ap, bp, groups, k0, k1);
+    }
+  } else {
+    gemv_steps<MT, U>(acc, ap, bp, groups, k0, k1);
+  }
   gemv_reduce<MT>(acc, red, warp, gid, tig);
   if constexpr (ROUTED)
     if (rt.next.mode == 2) prefetch_next(rt.next, e, first_rank);
@@ -2018,8 +2161,9 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
     if constexpr (DOWN) {  // MoEDown: this tile's rows of down, from its own act(gate)·up
       static_assert(ROUTED && MT == 1, "a fused down follows a routed pass");
       __shared__ __align__(16) float stage[kWarps][64];
+      cp_async_wait<0>();  // this thread's copies of the operands; the barrier, everyone's (and hs)
       __syncthreads();
-      down_slice(rt.down, e, routed_slot, nt, hs, stage, warp, lane);
+      down_slice(rt.down, e, routed_slot, nt, hs, down_stage(), stage, warp, lane);
     }
     return;
   }
@@ -2910,7 +3054,12 @@ static int grouped_launch(llmq_ctx* c, int chunks, int slots, const void* A, int
   const bool fused = fuses_act(c, chunks, slots, MT, N, K, act);
   const int splits = fused ? 1 : moe_splits(c, slots, MT, N, K);
   const MoEGated gt{(half*)g, fused ? act : -1};
-  CK(launch(c, (w4a16_gemv_grouped<MT, U, ROUTED, DOWN>), dim3(N / 64, chunks, splits), kWarps * 32, 0, (const half*)A,
+  // A fused down's CTAs keep their gate/up operands in shared memory where
+  // those fit (FusedStage; not with LLMQ_MOE_FUSED_STAGE=0: the kernel
+  // stages only into the dynamic shared memory the launch gives it).
+  const size_t smem = DOWN && fused && c->moe_fused_stage ? fused_stage_bytes(K, group_shift(group, K)) : 0;
+  if (allow_smem(c, w4a16_gemv_grouped<MT, U, ROUTED, DOWN>, smem)) return 1;
+  CK(launch(c, (w4a16_gemv_grouped<MT, U, ROUTED, DOWN>), dim3(N / 64, chunks, splits), kWarps * 32, smem, (const half*)A,
             a_div, order, chunk_list, (const uint4*)B, (const uint4*)scales, (const uint32_t*)zeros, out, N, K,
             group_shift(group, K), splits, rt, gt));
   CK_LAUNCH("w4a16_gemv_grouped");
@@ -2967,10 +3116,12 @@ int moe_gemv_routed(llmq_ctx* c, const void* A, const float* logits, int T, int 
     return next_layer();
   }
   // Fused where this launch writes g itself (fuses_act: one K split), each
-  // CTA's pair of steps lies in one group of the next layer, and nout can
-  // take 16-byte reductions.
+  // CTA's pair of steps lies in one group of the next layer, nout can take
+  // 16-byte reductions and both layers' zeros 16-byte copies (stage_down,
+  // FusedStage).
   const bool fuse_down = nout && c->moe_fused_down && fuses_act(c, S, S, 1, N, K, act) &&
-                         (ngroup >= 32 || ngroup == nK) && ((uintptr_t)nout & 15) == 0;
+                         (ngroup >= 32 || ngroup == nK) &&
+                         (((uintptr_t)nout | (uintptr_t)nZ | (uintptr_t)zeros) & 15) == 0;
   MoEPrefetch next{};  // c->moe_prefetch is 0–2: ctx_create refuses others
   if (nB && c->moe_prefetch && !fuse_down) {
     const uint32_t G = nK / ngroup;  // an expert's groups: G·N/64 tiles of 8 uint4 scales and 8 words of zeros

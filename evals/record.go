@@ -57,7 +57,7 @@ func GPUName(backend any) string {
 // change how it runs (runtime.cu's ctx_create; cuda.Model's
 // LLMQ_SPLIT_SUMS), and LLMQ_CUDA_LIB, which picks the library itself (an
 // A/B run's baseline): a result measured with one set must say so.
-var tuningEnv = []string{"LLMQ_ATTN_EARLY", "LLMQ_COMBINE_EARLY", "LLMQ_CUDA_LIB", "LLMQ_DECODE_WAVE", "LLMQ_MOE_FUSED_ACT", "LLMQ_MOE_FUSED_DOWN", "LLMQ_MOE_NORM_ROUTER", "LLMQ_MOE_PREFETCH", "LLMQ_MOE_ROUTED", "LLMQ_MOE_SPLITS", "LLMQ_PDL", "LLMQ_SPLIT_SUMS", "LLMQ_W4_FUSED_MAX_M", "LLMQ_W4_GEMV_MAX_M",
+var tuningEnv = []string{"LLMQ_ATTN_EARLY", "LLMQ_COMBINE_EARLY", "LLMQ_CUDA_LIB", "LLMQ_DECODE_WAVE", "LLMQ_MOE_FUSED_ACT", "LLMQ_MOE_FUSED_DOWN", "LLMQ_MOE_FUSED_STAGE", "LLMQ_MOE_NORM_ROUTER", "LLMQ_MOE_PREFETCH", "LLMQ_MOE_ROUTED", "LLMQ_MOE_SPLITS", "LLMQ_PDL", "LLMQ_SPLIT_SUMS", "LLMQ_W4_FUSED_MAX_M", "LLMQ_W4_GEMV_MAX_M",
 	"LLMQ_W4_MMA_MAX_M", "LLMQ_W4_SPLITS", "LLMQ_W4_SWAP_MAX_M", "LLMQ_W4_SWAP_VARIANT", "LLMQ_W4_MMA_VARIANT", "LLMQ_W4_FUSED_VARIANT", "LLMQ_W4_WGMMA_MAX_M"}
 
 // commandLine is the running command: the tuning variables that are set
