@@ -292,11 +292,9 @@ func (m *Model) load(ck *checkpoint.Checkpoint, q *pack.QuantConfig) error {
 				return err
 			}
 		}
-		h := make([]*hostLinear, len(dense))
-		for j := range dense {
-			if h[j], err = m.readLinear(ck, q, dense[j]); err != nil {
-				return err
-			}
+		var h []*hostLinear
+		if h, err = m.readLinears(ck, q, dense, nil); err != nil {
+			return err
 		}
 		type unit struct {
 			joined **gpuLinear
@@ -387,16 +385,28 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 	grouped := func(gw *pack.GPUWeights) bool {
 		return gw.Perm == nil && gw.Bits == 4 && (gw.Group >= gw.K || gw.Group&(gw.Group-1) == 0)
 	}
+	runs := func(hs []*hostLinear) bool { // one expert's gate, up and down
+		return hs[0].gw != nil && hs[1].gw != nil && hs[2].gw != nil && joinable(hs[:2])
+	}
+	// Expert 0 first: where the kernel cannot run it, the others are not
+	// read here (packed ones it cannot run would be dequantized, all at
+	// once), but one at a time by the fp16 path below.
+	all, err := m.readLinears(ck, q, specs[:3], grouped)
+	if err != nil {
+		return nil, err
+	}
+	if runs(all) {
+		rest, err := m.readLinears(ck, q, specs[3:], grouped)
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, rest...)
+	}
 	experts := make([][]*hostLinear, E) // gate, up, down of each expert
 	gated := m.join
 	for e := range experts {
-		hs := make([]*hostLinear, 3)
-		for j := range hs {
-			if hs[j], err = m.readLinearAs(ck, q, specs[3*e+j], grouped); err != nil {
-				return nil, err
-			}
-		}
-		if hs[0].gw == nil || hs[1].gw == nil || hs[2].gw == nil || !joinable(hs[:2]) {
+		hs := all[3*e : 3*e+3]
+		if !runs(hs) {
 			experts = nil
 			break
 		}
@@ -411,12 +421,18 @@ func (m *Model) loadMoE(ck *checkpoint.Checkpoint, q *pack.QuantConfig, layer in
 	if gated {
 		join = pack.InterleaveGPU
 	}
-	for e, hs := range experts {
-		gu, err := join(hs[0].gw, hs[1].gw)
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", specs[3*e].Name, err)
+	if experts != nil {
+		gateUp, down = make([]*pack.GPUWeights, E), make([]*pack.GPUWeights, E)
+		if err := forEach(E, func(e int) (err error) {
+			hs := experts[e]
+			if gateUp[e], err = join(hs[0].gw, hs[1].gw); err != nil {
+				return fmt.Errorf("%s: %w", specs[3*e].Name, err)
+			}
+			down[e] = hs[2].gw
+			return nil
+		}); err != nil {
+			return nil, err
 		}
-		gateUp, down = append(gateUp, gu), append(down, hs[2].gw)
 	}
 	if gateUp != nil {
 		if mo.gateUp, err = m.x.UploadExperts(gateUp); err != nil {
@@ -583,6 +599,40 @@ func (m *Model) markActInputs(g *gpuBlock) error {
 // (wider grids) or read as stored (unquantized layers).
 func (m *Model) readLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm.LinearSpec) (*hostLinear, error) {
 	return m.readLinearAs(ck, q, s, nil)
+}
+
+// readLinears is readLinearAs of each of specs, in order, run on the
+// host's cores at once: a mixture's layer is hundreds of packed linears,
+// and unpacking and repacking them (pack's Read and GPULayout) is most of
+// a load's time (one core took 4 s a layer of qwen3-30b-a3b's). The
+// error is the first spec's that failed.
+func (m *Model) readLinears(ck *checkpoint.Checkpoint, q *pack.QuantConfig, specs []llm.LinearSpec, packed func(*pack.GPUWeights) bool) ([]*hostLinear, error) {
+	hs := make([]*hostLinear, len(specs))
+	err := forEach(len(specs), func(i int) (err error) {
+		hs[i], err = m.readLinearAs(ck, q, specs[i], packed)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return hs, nil
+}
+
+// forEach calls f(i) for each i in [0, n) on the host's cores
+// (mat.ParallelFor) and returns the error of the lowest i that failed.
+func forEach(n int, f func(i int) error) error {
+	errs := make([]error, n)
+	mat.ParallelFor(n, 1, func(lo, hi int) {
+		for i := lo; i < hi; i++ {
+			errs[i] = f(i)
+		}
+	})
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // readLinearAs is readLinear where packed (a function of the repacked
