@@ -1,6 +1,9 @@
 package pack
 
-import "fmt"
+import (
+	"encoding/binary"
+	"fmt"
+)
 
 // PackBits packs values of b bits each into int32 words as a little-endian
 // bit stream (see the package comment). len(values)·b must be a multiple
@@ -32,6 +35,30 @@ func PackBits(values []uint8, b int) ([]int32, error) {
 func UnpackBits(words []int32, b, n int) []uint8 {
 	out := make([]uint8, n)
 	mask := uint32(1)<<b - 1
+	if b == 4 { // a word's eight nibbles spread to eight bytes at once (most layers)
+		for w := 0; (w+1)*8 <= n; w++ {
+			x := uint64(uint32(words[w]))
+			x = (x | x<<16) & 0x0000ffff0000ffff
+			x = (x | x<<8) & 0x00ff00ff00ff00ff
+			x = (x | x<<4) & 0x0f0f0f0f0f0f0f0f
+			binary.LittleEndian.PutUint64(out[8*w:], x)
+		}
+	}
+	if 32%b == 0 { // 2, 4 or 8 bits: whole values a word, word by word (for 4, the last word's part)
+		per := 32 / b
+		w0 := 0
+		if b == 4 {
+			w0 = n / 8
+		}
+		for w := w0; w*per < n; w++ {
+			v, vals := uint32(words[w]), out[w*per:min(n, (w+1)*per)]
+			for j := range vals {
+				vals[j] = uint8(v & mask)
+				v >>= b
+			}
+		}
+		return out
+	}
 	for j := range out {
 		pos := j * b
 		w, off := pos/32, pos%32

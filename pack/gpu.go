@@ -82,19 +82,26 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 	if err != nil {
 		return nil, err
 	}
-	src := func(k int) int { // original input channel of kernel row k
-		if perm == nil {
-			return k
-		}
-		return int(perm[k])
-	}
 	bits := 4
 	if l.Grid.Bits == 8 {
 		bits = 8
 	}
 	g := &GPUWeights{K: K, N: N, Group: group, Bits: bits, Perm: perm,
 		B: make([]uint32, K*N*bits/32), Scales: make([]uint16, G*N), Zeros: make([]uint32, G*N/8*bits/4)}
-	q := func(k, n int) uint32 { return uint32(l.Q[n*K+src(k)]) }
+	// Q's rows (one an output) in kernel row order: the layer's own, or
+	// with act order a copy with each row's channels permuted.
+	Q := l.Q
+	if perm != nil {
+		Q = make([]uint8, len(l.Q))
+		mat.ParallelFor(N, 16, func(lo, hi int) {
+			for n := lo; n < hi; n++ {
+				row, src := Q[n*K:(n+1)*K], l.Q[n*K:(n+1)*K]
+				for k, p := range perm {
+					row[k] = src[p]
+				}
+			}
+		})
+	}
 	KT, NT := K/16, N/64
 	// Tiles are independent: repack them in parallel (an 8B model has
 	// 30 million of them to place at load time).
@@ -104,21 +111,24 @@ func (l *Linear) GPULayout() (*GPUWeights, error) {
 				for lane := 0; lane < 32; lane++ {
 					gid, tig := lane/4, lane%4
 					k := kt*16 + 2*tig
+					// q(n): output n's codes of rows k, k+1, k+8, k+9.
+					q := func(n int) (k0, k1, k8, k9 uint32) {
+						r := Q[n*K+k : n*K+k+10]
+						return uint32(r[0]), uint32(r[1]), uint32(r[8]), uint32(r[9])
+					}
 					if bits == 8 {
 						for j := 0; j < 8; j++ {
-							n := nt*64 + j*8 + gid
+							a0, a1, a8, a9 := q(nt*64 + j*8 + gid)
 							h, i := j/4, j%4
-							g.B[(((nt*KT+kt)*2+h)*32+lane)*4+i] = q(k, n) | q(k+1, n)<<8 | q(k+8, n)<<16 | q(k+9, n)<<24
+							g.B[(((nt*KT+kt)*2+h)*32+lane)*4+i] = a0 | a1<<8 | a8<<16 | a9<<24
 						}
 						continue
 					}
 					base := ((nt*KT+kt)*32 + lane) * 4
 					for i := 0; i < 4; i++ {
-						na := nt*64 + (2*i)*8 + gid
-						nb := nt*64 + (2*i+1)*8 + gid
-						w := q(k, na) | q(k+8, na)<<4 | q(k, nb)<<8 | q(k+8, nb)<<12 |
-							q(k+1, na)<<16 | q(k+9, na)<<20 | q(k+1, nb)<<24 | q(k+9, nb)<<28
-						g.B[base+i] = w
+						a0, a1, a8, a9 := q(nt*64 + (2*i)*8 + gid)
+						b0, b1, b8, b9 := q(nt*64 + (2*i+1)*8 + gid)
+						g.B[base+i] = a0 | a8<<4 | b0<<8 | b8<<12 | a1<<16 | a9<<20 | b1<<24 | b9<<28
 					}
 				}
 			}

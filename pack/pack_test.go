@@ -166,6 +166,10 @@ func TestPackBitsRoundTrip(t *testing.T) {
 				t.Fatalf("%d bits: value %d: %d != %d", b, i, got[i], v[i])
 			}
 		}
+		// Fewer values than the words hold: a part of the last word.
+		if got := UnpackBits(words, b, len(v)-3); !slices.Equal(got, v[:len(v)-3]) {
+			t.Fatalf("%d bits, %d values: %v, want %v", b, len(v)-3, got, v[:len(v)-3])
+		}
 	}
 	// 4-bit layout by hand: values 1..8 → 0x87654321
 	w, _ := PackBits([]uint8{1, 2, 3, 4, 5, 6, 7, 8}, 4)
