@@ -603,9 +603,9 @@ func (m *Model) readLinear(ck *checkpoint.Checkpoint, q *pack.QuantConfig, s llm
 
 // readLinears is readLinearAs of each of specs, in order, run on the
 // host's cores at once: a mixture's layer is hundreds of packed linears,
-// and unpacking and repacking them (pack's Read and GPULayout) is most of
-// a load's time (one core took 4 s a layer of qwen3-30b-a3b's). The
-// error is the first spec's that failed.
+// and unpacking and repacking them (pack's Read and GPULayout, each
+// parallel within a linear too) is most of a load's time. The error is
+// the first spec's that failed.
 func (m *Model) readLinears(ck *checkpoint.Checkpoint, q *pack.QuantConfig, specs []llm.LinearSpec, packed func(*pack.GPUWeights) bool) ([]*hostLinear, error) {
 	hs := make([]*hostLinear, len(specs))
 	err := forEach(len(specs), func(i int) (err error) {
