@@ -340,10 +340,10 @@ typedef struct {
    * LLMQ_MOE_FUSED_DOWN=1 where this launch writes g itself (one K split:
    * LLMQ_MOE_FUSED_ACT on, and one split planned or this pass's tiles
    * filling the SMs), the next layer's groups are of 32 rows or more and
-   * nout, zeros and nZ are 16-byte aligned — each CTA multiplies its 32 values of
-   * g by their rows of the next layer and adds into nout, the same sums
-   * but for the order of the additions (w4a16.cu, MoEDown) —, else by
-   * moe_gemv's launch after this one. */
+   * nout, zeros and nZ are 16-byte aligned — each CTA multiplies its 32
+   * values of g by their rows of the next layer and adds into nout, the
+   * same sums but for the order of the additions (w4a16.cu, MoEDown) —,
+   * else by moe_gemv's launch after this one. */
   int (*moe_gemv_routed)(llmq_ctx* c, const void* A, const float* logits, int T, int E, int k, int norm, int32_t* ids,
                          float* weights, int32_t* order, int32_t* chunks, const void* B, const void* scales,
                          const void* zeros, float* out, int N, int K, int group, void* g, int act, const void* nB,

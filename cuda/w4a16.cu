@@ -1904,16 +1904,27 @@ __device__ __forceinline__ DownOperands down_operands(const MoEDown& d, int e, i
   return {d.B + e * per_b + (size_t)k * 32, e * per_group + (size_t)step_group(k, d.gshift) * NT * 8, KT};
 }
 
+// stage_entries starts the copies of `blocks` blocks of group entries —
+// block j the 8 scales (uint4s) and 8 zeros (words) at S + base + j·stride
+// and Z + base + j·stride — to s + 8j and z + 8j, the CTA's threads
+// sharing them 16 bytes at a time (cp.async; the zeros' base and stride
+// multiples of 4 words).
+__device__ __forceinline__ void stage_entries(uint4* s, uint32_t* z, const uint4* S, const uint32_t* Z, size_t base,
+                                              size_t stride, int blocks) {
+  for (int i = threadIdx.x; i < blocks * 8; i += blockDim.x) cp_async16(s + i, S + base + (i >> 3) * stride + (i & 7));
+  for (int i = threadIdx.x; i < blocks * 2; i += blockDim.x)
+    cp_async16(z + 4 * i, Z + base + (i >> 1) * stride + 4 * (i & 1));
+}
+
 // stage_down starts the copies of CTA (nt, ·)'s down operands for n-tiles
 // t < kDownStaged into st, the CTA's threads sharing them 16 bytes at a
 // time, as one cp.async group (cp_async_wait<0> before down_slice).
 __device__ __forceinline__ void stage_down(const MoEDown& d, int e, int nt, DownStage& st) {
   const DownOperands o = down_operands(d, e, nt);
-  const int tiles = min(d.N >> 6, kDownStaged), n = blockDim.x;
-  for (int i = threadIdx.x; i < tiles * 64; i += n)
+  const int tiles = min(d.N >> 6, kDownStaged);
+  for (int i = threadIdx.x; i < tiles * 64; i += blockDim.x)
     cp_async16(&st.q[i >> 6][(i >> 5) & 1][i & 31], o.b + (size_t)(i >> 6) * o.KT * 32 + (i & 63));
-  for (int i = threadIdx.x; i < tiles * 8; i += n) cp_async16(&st.s[i >> 3][i & 7], d.S + o.g + i);
-  for (int i = threadIdx.x; i < tiles * 2; i += n) cp_async16(&st.z[i >> 1][4 * (i & 1)], d.Z + o.g + 4 * i);
+  stage_entries(&st.s[0][0], &st.z[0][0], d.S, d.Z, o.g, 8, tiles);  // n-tile t's entries: o.g + 8t
   cp_async_commit();
 }
 
@@ -2125,11 +2136,9 @@ __global__ void __launch_bounds__(kWarps * 32) w4a16_gemv_grouped(const half* __
     uint4* st = fused_smem();
     if (staged) {
       for (int k = k0; k < k1; ++k) cp_async16(st + (size_t)(warp * fs.per_warp + k - k0) * 32 + lane, bp + (size_t)k * 32);
-      const size_t g0 = e * per_group + (size_t)nt * 8;  // the tile's entries of group g: g0 + g·NT·8 …
-      for (int i = threadIdx.x; i < fs.G * 8; i += kWarps * 32)
-        cp_async16(st + fs.scales_at() + i, S + g0 + (size_t)(i >> 3) * NT * 8 + (i & 7));
-      for (int i = threadIdx.x; i < fs.G * 2; i += kWarps * 32)
-        cp_async16(st + fs.zeros_at() + i, Z + g0 + (size_t)(i >> 1) * NT * 8 + 4 * (i & 1));
+      // The tile's entries of group g: e·per_group + nt·8 + g·NT·8 …
+      stage_entries(st + fs.scales_at(), reinterpret_cast<uint32_t*>(st + fs.zeros_at()), S, Z,
+                    e * per_group + (size_t)nt * 8, (size_t)NT * 8, fs.G);
       cp_async_commit();
     }
     if (gt.act >= 0) stage_down(rt.down, e, nt, down_stage());  // (a group of its own, after)
